@@ -1,0 +1,1 @@
+"""Local attention kernels and the exact merge of partial attention results."""

@@ -1,0 +1,1 @@
+"""Benchmarks (commands, not tests): each writes a table and optionally JSON."""

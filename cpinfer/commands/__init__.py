@@ -1,0 +1,1 @@
+"""One module per `cpinfer` subcommand; each exposes `register(subparsers)`."""

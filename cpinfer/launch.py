@@ -1,0 +1,198 @@
+"""Local process launcher: start N ranks once, then run many functions on all of them (SPMD).
+
+Used by tests, benchmarks and the local `LLM(...)` launcher. Each rank joins one gloo (CPU) or NCCL (GPU)
+world; a function sent with `run` is called as `fn(ctx, *args)` on every rank and its per-rank results come
+back in rank order. A rank that raises or dies fails the call on the driver instead of hanging it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue
+import signal
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclasses.dataclass
+class RankContext:
+    """What a function running on one rank gets: its rank, the world, and the groups to pass down explicitly."""
+
+    rank: int
+    world_size: int
+    group: Any  # the world process group (tensors)
+    cpu_group: Any  # a gloo group for control metadata (same as `group` on CPU)
+    device: torch.device
+    state: dict  # per-rank scratch space that persists across `run` calls (e.g. an engine worker)
+
+
+class RemoteError(RuntimeError):
+    """A function raised on one or more ranks; `errors` maps rank → (exception type name, message, traceback)."""
+
+    def __init__(self, errors: dict[int, tuple[str, str, str]]):
+        self.errors = errors
+        first = min(errors)
+        kind, msg, tb = errors[first]
+        super().__init__(f"rank {first} raised {kind}: {msg}\n--- traceback of rank {first} ---\n{tb}")
+
+    @property
+    def exception_type(self) -> str:
+        return self.errors[min(self.errors)][0]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to kill this rank if the driver dies, so no orphan ranks are left behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: rely on daemon processes
+        pass
+
+
+def _worker_main(rank, world_size, port, backend, threads, timeout_s, inbox, outbox):
+    _set_parent_death_signal()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and shuts us down
+    os.environ["RANK"] = str(rank)
+    if threads:
+        torch.set_num_threads(threads)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+        )
+        group = dist.group.WORLD
+        cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        ctx = RankContext(rank, world_size, group, cpu_group, device, {})
+        outbox.put((rank, "ready", None))
+    except Exception as exc:  # noqa: BLE001 - report start-up failure to the driver
+        outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        return
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            result = fn(ctx, *args, **kwargs)
+            outbox.put((rank, "ok", result))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
+            outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class WorkerPool:
+    """N local ranks started once. `run(fn, *args)` calls `fn(ctx, *args)` on every rank and returns the results.
+
+    `fn` must be importable by name (a module-level function). `timeout_s` bounds both the collectives inside
+    the ranks and how long the driver waits for a call, so a dead or stuck rank fails the call instead of
+    hanging forever.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo", threads_per_rank: int | None = 1,
+                 timeout_s: float = 300.0):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._procs = []
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, port, backend, threads_per_rank, timeout_s, self._inboxes[rank], self._outbox),
+                daemon=True,
+            )
+            p.start()
+            self._procs.append(p)
+        self._closed = False
+        self._collect(what="start-up")
+
+    def _collect(self, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str, str]] = {}
+        deadline = self.timeout_s + 30.0
+        waited = 0.0
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, status, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                if dead or waited > deadline:
+                    self.close(force=True)
+                    why = f"rank(s) {dead} died" if dead else f"no answer after {deadline:.0f}s"
+                    raise RuntimeError(f"worker pool failed during {what}: {why}; the pool was shut down")
+                continue
+            if status == "error":
+                errors[rank] = payload
+            else:
+                results[rank] = payload
+        if errors:
+            raise RemoteError(errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
+        """Call `fn(ctx, *args, **kwargs)` on every rank; results in rank order."""
+        return self.run_each(fn, [args] * self.world_size, kwargs)
+
+    def run_each(self, fn: Callable, args_per_rank: list[tuple], kwargs: dict | None = None) -> list[Any]:
+        """Like `run`, with a different argument tuple for each rank."""
+        if self._closed:
+            raise RuntimeError("worker pool is closed")
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"need {self.world_size} argument tuples, got {len(args_per_rank)}")
+        for inbox, args in zip(self._inboxes, args_per_rank):
+            inbox.put((fn, tuple(args), kwargs or {}))
+        return self._collect(what=getattr(fn, "__name__", "call"))
+
+    def close(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for inbox in self._inboxes:
+                inbox.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(force=exc[0] is not None)
+
+    def __del__(self):
+        try:
+            self.close(force=True)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,1 @@
+"""Llama-3 model family (no distributed code: attention is injected)."""
