@@ -1,0 +1,245 @@
+"""Local partial attention: `(out, lse)` of a query block against one key/value block (no communication).
+
+Visibility follows the `cp_attention` contract: query i sees key j iff `kv_seq[j] == q_seq[i] >= 0` and
+`kv_pos[j] <= q_pos[i]` (negative sequence ids are padding and match nothing). A *plan* (`build_items`) turns
+the metadata into a short list of kernel calls — fully visible blocks, top-left causal squares, and small
+masked tiles only where positions are irregular — so no dense mask over a long sequence is ever built and
+invisible blocks are skipped. `run_items` executes a plan on tensors; the kernel sits behind `AttentionBackend`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cpinfer.attention.merge import merge_into
+
+FULL, CAUSAL, MASK = 0, 1, 2
+_TILE_Q, _TILE_K = 64, 256  # tile sizes of the fragmented path
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnItem:
+    """One kernel call: queries [q0, q1) against keys [k0, k1); `mask` [q1-q0, k1-k0] bool only for MASK."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: int
+    mask: Tensor | None = None
+    first: bool = False  # no earlier item of this plan touched these query rows: store instead of merge
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None,
+                 scale: float) -> tuple[Tensor, Tensor]:
+        """q [Lq, H, D], k/v [Lk, Hkv, D] → out [Lq, H, D], lse [Lq, H] (natural log, fp32)."""
+
+
+def cpu_flash_backend(q, k, v, causal, mask, scale):
+    """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V."""
+    lq, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qb = q.view(lq, hkv, g, d).permute(2, 1, 0, 3)  # [G, Hkv, Lq, D], no copy
+    kb = k.permute(1, 0, 2).unsqueeze(0).expand(g, -1, -1, -1)  # [G, Hkv, Lk, D], stride 0 over G
+    vb = v.permute(1, 0, 2).unsqueeze(0).expand(g, -1, -1, -1)
+    attn_mask = None
+    if mask is not None:
+        attn_mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)[None, None]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb, kb, vb, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    out = out.permute(2, 1, 0, 3).reshape(lq, h, d)  # [Lq, H, D]
+    lse = lse.permute(2, 1, 0).reshape(lq, h)  # [Lq, H]
+    if mask is not None:  # the kernel returns lse 0 (not -inf) for a fully masked row
+        empty = ~mask.any(dim=1)
+        if bool(empty.any()):
+            lse = lse.masked_fill(empty[:, None], -torch.inf)
+            out = out.masked_fill(empty[:, None, None], 0.0)
+    return out, lse.float()
+
+
+def sdpa_math_backend(q, k, v, causal, mask, scale):
+    """Portable fallback on any device: explicit matmul/softmax in fp32 (small blocks only)."""
+    lq, h, d = q.shape
+    g = h // k.shape[1]
+    kk = k.float().repeat_interleave(g, dim=1)  # [Lk, H, D]
+    vv = v.float().repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale  # [H, Lq, Lk]
+    if causal:
+        mask = torch.ones(lq, k.shape[0], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask[None], -torch.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
+
+
+_BACKENDS = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}
+
+
+def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    if name is None:
+        name = "cpu-flash" if device.type == "cpu" else "math"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def register_backend(name: str, fn: AttentionBackend) -> None:
+    """Let a device-specific kernel (e.g. CUDA flash with LSE) slot in under a name."""
+    _BACKENDS[name] = fn
+
+
+# ---------------------------------------------------------------- planning (metadata only, numpy)
+
+def _segments(seq: np.ndarray, pos: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of one non-negative sequence id with strictly increasing positions."""
+    n = len(seq)
+    if n == 0:
+        return []
+    brk = np.nonzero((seq[1:] != seq[:-1]) | (pos[1:] <= pos[:-1]))[0] + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [n]))
+    return [(int(a), int(b)) for a, b in zip(starts, ends) if seq[a] >= 0]
+
+
+def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
+    """Items for one query segment against one key segment of the same sequence (both sorted by position)."""
+    kn = len(kpos)
+    c = np.searchsorted(kpos, qpos, side="right")  # visible keys per query row, nondecreasing
+    ra = int(np.searchsorted(c, 0, side="right"))  # rows before ra see nothing
+    if ra == len(qpos):
+        return []
+    b = int(c[ra])
+    items = []
+    if b == kn:  # c is nondecreasing: every row from ra on sees every key
+        return [AttnItem(q0 + ra, q0 + len(qpos), k0, k0 + kn, FULL)]
+    if b > 1:  # keys [0, b-1) are visible to every row from ra on
+        items.append(AttnItem(q0 + ra, q0 + len(qpos), k0, k0 + b - 1, FULL))
+    d = c[ra:] - (b - 1)  # ≥ 1
+    stair = d == np.arange(1, len(d) + 1)
+    rs = len(d) if stair.all() else int(np.argmin(stair))  # rows [ra, ra+rs) form a top-left causal square
+    if rs:  # always ≥ 1 since d[0] == 1
+        items.append(AttnItem(q0 + ra, q0 + ra + rs, k0 + b - 1, k0 + b - 1 + rs, CAUSAL))
+    rest = d[rs:]
+    if len(rest):
+        kc = k0 + b - 1
+        if (c[ra + rs:] == kn).all():
+            items.append(AttnItem(q0 + ra + rs, q0 + len(qpos), kc, k0 + kn, FULL))
+        else:
+            width = int(rest.max())
+            mask = torch.from_numpy(np.arange(width)[None, :] < rest[:, None])
+            items.append(AttnItem(q0 + ra + rs, q0 + len(qpos), kc, kc + width, MASK, mask))
+    return items
+
+
+def _segment_items(q_seq, q_pos, kv_seq, kv_pos, q_segs, kv_segs) -> list[AttnItem]:
+    by_seq: dict[int, list[tuple[int, int]]] = {}
+    for a, b in kv_segs:
+        by_seq.setdefault(int(kv_seq[a]), []).append((a, b))
+    items = []
+    for qa, qb in q_segs:
+        for ka, kb in by_seq.get(int(q_seq[qa]), ()):
+            if kv_pos[ka] > q_pos[qb - 1]:
+                continue  # every key is in the future of every query
+            items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka))
+    return items
+
+
+def _tile_items(q_seq, q_pos, kv_seq, kv_pos) -> list[AttnItem]:
+    """Fragmented metadata (e.g. random placement): fixed tiles, classified; masks exist only per tile."""
+    items = []
+    for qa in range(0, len(q_seq), _TILE_Q):
+        qs, qp = q_seq[qa:qa + _TILE_Q], q_pos[qa:qa + _TILE_Q]
+        for ka in range(0, len(kv_seq), _TILE_K):
+            ks, kp = kv_seq[ka:ka + _TILE_K], kv_pos[ka:ka + _TILE_K]
+            vis = (qs[:, None] == ks[None, :]) & (qs[:, None] >= 0) & (kp[None, :] <= qp[:, None])
+            if not vis.any():
+                continue
+            qb, kb = qa + len(qs), ka + len(ks)
+            if vis.all():
+                items.append(AttnItem(qa, qb, ka, kb, FULL))
+            else:
+                items.append(AttnItem(qa, qb, ka, kb, MASK, torch.from_numpy(vis)))
+    return items
+
+
+def build_items(q_seq, q_pos, kv_seq, kv_pos) -> list[AttnItem]:
+    """Plan the kernel calls for queries against keys (metadata as int64 numpy arrays or CPU tensors)."""
+    q_seq, q_pos, kv_seq, kv_pos = (np.asarray(x, dtype=np.int64) for x in (q_seq, q_pos, kv_seq, kv_pos))
+    q_segs, kv_segs = _segments(q_seq, q_pos), _segments(kv_seq, kv_pos)
+    kv_count: dict[int, int] = {}
+    for a, _ in kv_segs:
+        kv_count[int(kv_seq[a])] = kv_count.get(int(kv_seq[a]), 0) + 1
+    pairs = sum(kv_count.get(int(q_seq[a]), 0) for a, _ in q_segs)
+    tiles = -(-len(q_seq) // _TILE_Q) * -(-len(kv_seq) // _TILE_K)
+    if pairs > tiles + 64:  # fragmented metadata (e.g. random placement): fixed tiles are cheaper
+        items = _tile_items(q_seq, q_pos, kv_seq, kv_pos)
+    else:
+        items = _segment_items(q_seq, q_pos, kv_seq, kv_pos, q_segs, kv_segs)
+    return mark_first(items, len(q_seq))
+
+
+def mark_first(items: list[AttnItem], n_rows: int, covered: np.ndarray | None = None) -> list[AttnItem]:
+    """Flag items whose query rows no earlier item touched (`covered` carries coverage across plans)."""
+    covered = np.zeros(n_rows, dtype=bool) if covered is None else covered
+    out = []
+    for it in items:
+        first = not covered[it.q0:it.q1].any()
+        covered[it.q0:it.q1] = True
+        out.append(dataclasses.replace(it, first=first))
+    return out
+
+
+# ---------------------------------------------------------------- execution
+
+def run_items(items: list[AttnItem], q: Tensor, k: Tensor, v: Tensor, acc_out: Tensor, acc_lse: Tensor,
+              scale: float, backend: AttentionBackend) -> None:
+    """Accumulate the plan's partial attention into (acc_out [Lq, H, D] fp32, acc_lse [Lq, H] fp32) in place."""
+    for it in items:
+        out, lse = backend(q[it.q0:it.q1], k[it.k0:it.k1], v[it.k0:it.k1], it.kind == CAUSAL, it.mask, scale)
+        if it.first:
+            acc_out[it.q0:it.q1] = out
+            acc_lse[it.q0:it.q1] = lse
+        else:
+            merge_into(acc_out[it.q0:it.q1], acc_lse[it.q0:it.q1], out, lse)
+
+
+def new_accumulator(lq: int, h: int, d: int, device) -> tuple[Tensor, Tensor]:
+    """Empty partial: out zeros [Lq, H, D] fp32, lse -inf [Lq, H] fp32."""
+    return (torch.zeros(lq, h, d, dtype=torch.float32, device=device),
+            torch.full((lq, h), -torch.inf, dtype=torch.float32, device=device))
+
+
+def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None):
+    """(out [Lq, H, D] fp32, lse [Lq, H] fp32) of q against k/v under the visibility rule; empty rows → 0, -inf."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    items = build_items(_np(q_seq), _np(q_pos), _np(kv_seq), _np(kv_pos))
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    run_items(items, q, k, v, acc_out, acc_lse, scale, get_backend(backend, q.device))
+    return acc_out, acc_lse
+
+
+def _np(x) -> np.ndarray:
+    return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, Tensor) else np.asarray(x, dtype=np.int64)
+
+
+def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None):
+    """Dense float64 reference for tests (small inputs only): (out [Lq, H, D] f64, lse [Lq, H] f64)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(g, dim=1)
+    vv = v.double().repeat_interleave(g, dim=1)
+    vis = (q_seq[:, None] == kv_seq[None, :]) & (q_seq[:, None] >= 0) & (kv_pos[None, :] <= q_pos[:, None])
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    s = s.masked_fill(~vis[None], -torch.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    return out, lse.transpose(0, 1)

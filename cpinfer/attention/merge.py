@@ -1,0 +1,46 @@
+"""Exact merge of partial attention results (paper Appendix B).
+
+A partial is `(out, lse)` for the same queries over disjoint sets of keys. Merging is done in fp32 with the
+numerically stable sigmoid / log-sigmoid update; an empty partial (lse = -inf) contributes nothing, and rows
+that are empty in every partial come out as zeros with lse = -inf.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
+    """In-place: (acc_out, acc_lse) ← merge((acc_out, acc_lse), (out, lse)).
+
+    acc_out: [L, H, D] fp32, acc_lse: [L, H] fp32 (updated in place); out: [L, H, D] any float dtype, lse: [L, H].
+    """
+    lse = lse.float()
+    # weight of the new partial: sigmoid(lse - acc_lse) = exp(lse) / (exp(acc_lse) + exp(lse))
+    diff = lse - acc_lse
+    both_empty = torch.isneginf(lse) & torch.isneginf(acc_lse)
+    diff = torch.where(both_empty, torch.full_like(diff, -torch.inf), diff)  # nan (-inf - -inf) → weight 0
+    w = torch.sigmoid(diff)
+    acc_out.add_((out.float() - acc_out) * w.unsqueeze(-1))
+    # new lse = acc_lse - logsigmoid(acc_lse - lse) = logaddexp(acc_lse, lse), exact for ±inf too
+    torch.logaddexp(acc_lse, lse, out=acc_lse)
+
+
+def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Merge any number of partials. outs: each [L, H, D]; lses: each [L, H]. Returns fp32 (out, lse)."""
+    if len(outs) != len(lses) or not outs:
+        raise ValueError(f"need the same non-zero number of outputs and lses, got {len(outs)} and {len(lses)}")
+    lse = torch.stack([x.float() for x in lses])  # [S, L, H]
+    lse_max = lse.amax(dim=0)  # [L, H]
+    safe_max = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
+    weights = torch.exp(lse - safe_max)  # [S, L, H]; empty partials (and all-empty rows) weigh 0
+    denom = weights.sum(dim=0)  # [L, H]
+    out = torch.zeros_like(outs[0], dtype=torch.float32)
+    for o, w in zip(outs, weights):
+        out.add_(o.float() * w.unsqueeze(-1))
+    nonempty = denom > 0
+    out = torch.where(nonempty.unsqueeze(-1), out / torch.where(nonempty, denom, 1.0).unsqueeze(-1), 0.0)
+    merged_lse = torch.where(nonempty, safe_max + torch.log(torch.where(nonempty, denom, 1.0)), -torch.inf)
+    return out, merged_lse

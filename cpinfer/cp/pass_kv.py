@@ -1,0 +1,72 @@
+"""Ring pass-KV (paper §3.5.2, Alg. 2) and the Llama3-style all-gather K/V baseline.
+
+Each rank packs the K/V rows that matter to the batch into one message (padded to the longest rank's, the
+paper's max_i(P_i) + ceil(T/N) for partial prefill), then passes it around the ring N-1 times; the transfer of
+the next block overlaps the attention on the current one. Partials merge into one fp32 accumulator.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from cpinfer.attention.local import get_backend, new_accumulator, run_items
+from cpinfer.cp.ring import RingComm
+
+
+def _pack_kv(plan, k, v) -> torch.Tensor:
+    """This rank's relevant K/V as one message [2, max_send, Hkv, D] (rows past its own count are padding)."""
+    idx = torch.from_numpy(plan.me.send).to(k.device)
+    buf = k.new_zeros((2, plan.max_send) + tuple(k.shape[1:]))
+    buf[0, :len(idx)] = k.index_select(0, idx)
+    buf[1, :len(idx)] = v.index_select(0, idx)
+    return buf
+
+
+def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    backend = get_backend(None, q.device)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    n = plan.world
+    if n > 1:
+        cur = _pack_kv(plan, k, v)
+        nxt = torch.empty_like(cur)
+        ring = RingComm(plan.group)
+    for j in range(n):
+        t0 = time.perf_counter()
+        if j < n - 1:
+            ring.start(cur, nxt)  # send the block I hold, receive the previous rank's
+        if j == 0:
+            run_items(plan.steps[0], q, k, v, acc_out, acc_lse, scale, backend)
+        else:
+            run_items(plan.steps[j], q, cur[0], cur[1], acc_out, acc_lse, scale, backend)
+        t1 = time.perf_counter()
+        if j < n - 1:
+            ring.wait()
+            cur, nxt = nxt, cur
+        if timings is not None:
+            timings.append({"step": j, "compute_s": t1 - t0, "wait_s": time.perf_counter() - t1})
+    return acc_out.to(q.dtype)
+
+
+def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+    """Baseline: all-gather every rank's packed K/V first (not overlapped), then attend locally."""
+    backend = get_backend(None, q.device)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    t0 = time.perf_counter()
+    blocks = [k, v]
+    if plan.world > 1:
+        mine = _pack_kv(plan, k, v)
+        blocks = [torch.empty_like(mine) for _ in range(plan.world)]
+        dist.all_gather(blocks, mine, group=plan.group)
+    t1 = time.perf_counter()
+    for j in range(plan.world):
+        if j == 0:
+            run_items(plan.steps[0], q, k, v, acc_out, acc_lse, scale, backend)
+        else:
+            blk = blocks[plan.source(j)]
+            run_items(plan.steps[j], q, blk[0], blk[1], acc_out, acc_lse, scale, backend)
+    if timings is not None:
+        timings.append({"step": "all", "compute_s": time.perf_counter() - t1, "wait_s": t1 - t0})
+    return acc_out.to(q.dtype)

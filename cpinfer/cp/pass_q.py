@@ -1,0 +1,63 @@
+"""Ring pass-Q (paper §3.5.3, Alg. 3) and batched ring pass-Q decode (§3.6, Alg. 4).
+
+Queries travel the ring while K/V stay put; each rank keeps the partial (out, lse) it computed for every source
+rank's queries, one All2All returns the partials to their source, and the source merges them. Query messages
+are padded only to the longest rank's query count (decode places at most ceil(B/N) tokens on a rank).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from cpinfer.attention.local import get_backend, run_items
+from cpinfer.attention.merge import merge_partials
+from cpinfer.cp.ring import RingComm
+
+
+def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    backend = get_backend(None, q.device)
+    n, lq, h, d = plan.world, q.shape[0], q.shape[1], q.shape[2]
+    rows = plan.max_q if n > 1 else lq
+    # partials[s] = (out, lse) of source s's queries against my K/V, packed as [N, rows, H, D+1] for the All2All
+    partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)
+    partials[..., d] = -torch.inf
+    cur = q
+    if n > 1:
+        cur = q.new_zeros((rows, h, d))
+        cur[:lq] = q
+        nxt = torch.empty_like(cur)
+        ring = RingComm(plan.group)
+    for j in range(n):
+        t0 = time.perf_counter()
+        if j < n - 1:
+            ring.start(cur, nxt)
+        s = plan.source(j)
+        part = partials[s]
+        _run_into(plan.steps[j], cur, k, v, part, scale, backend)
+        t1 = time.perf_counter()
+        if j < n - 1:
+            ring.wait()
+            cur, nxt = nxt, cur
+        if timings is not None:
+            timings.append({"step": j, "compute_s": t1 - t0, "wait_s": time.perf_counter() - t1})
+    if n == 1:
+        return partials[0, :lq, :, :d].to(q.dtype)
+    t0 = time.perf_counter()
+    back = torch.empty_like(partials)
+    dist.all_to_all_single(back, partials, group=plan.group)  # back[s] = my queries' partial computed on rank s
+    out, _ = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
+    if timings is not None:
+        timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
+    return out.to(q.dtype)
+
+
+def _run_into(items, q, k, v, part, scale, backend) -> None:
+    """Accumulate items into a packed partial [rows, H, D+1] (out in [..., :D], lse in [..., D])."""
+    if not items:
+        return
+    d = part.shape[-1] - 1
+    acc_out, acc_lse = part[..., :d], part[..., d]
+    run_items(items, q, k, v, acc_out, acc_lse, scale, backend)

@@ -1,0 +1,165 @@
+"""The once-per-forward plan of `cp_attention`: validated metadata of every rank and the kernel calls per ring step.
+
+Building a plan costs one small exchange of shapes and metadata (or none, when the caller already knows every
+rank's metadata, as the engine does); running it per layer only moves and multiplies tensors. Bad input is
+detected on the rank that has it and reported as the same `ValueError` on every rank before any tensor moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cpinfer.attention.local import AttnItem, build_items, mark_first
+from cpinfer.cp.ring import group_rank_and_size
+
+STRATEGIES = ("pass-kv", "pass-q", "all-gather")
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMeta:
+    """One rank's metadata. q_*: its queries; kv_*: its whole local K/V; send: rows of K/V that travel."""
+
+    q_seq: np.ndarray
+    q_pos: np.ndarray
+    kv_seq: np.ndarray
+    kv_pos: np.ndarray
+    send: np.ndarray  # indices into the local K/V of rows that can matter to some query (packed for sending)
+
+
+@dataclasses.dataclass
+class CPAttentionPlan:
+    """Everything a rank needs to run one strategy; built once, reused by every layer of a forward."""
+
+    group: object
+    rank: int
+    world: int
+    strategy: str
+    scale: float | None
+    metas: list[RankMeta]
+    steps: list[list[AttnItem]]  # per ring step j (source (rank - j) mod N for pass-KV, (rank - j) for pass-Q)
+    max_q: int  # longest query block over ranks (pass-Q message rows)
+    max_send: int  # longest packed K/V over ranks (pass-KV / all-gather message rows)
+
+    @property
+    def me(self) -> RankMeta:
+        return self.metas[self.rank]
+
+    def source(self, step: int) -> int:
+        return (self.rank - step) % self.world
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None) -> torch.Tensor:
+        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype."""
+        from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
+
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        if self.strategy == "pass-q":
+            return pass_q.run(self, q, k, v, scale, timings)
+        if self.strategy == "all-gather":
+            return pass_kv.run_all_gather(self, q, k, v, scale, timings)
+        return pass_kv.run(self, q, k, v, scale, timings)
+
+
+def _relevant_rows(meta_q_seqs: np.ndarray, kv_seq: np.ndarray) -> np.ndarray:
+    return np.nonzero((kv_seq >= 0) & np.isin(kv_seq, meta_q_seqs))[0].astype(np.int64)
+
+
+def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strategy: str,
+                       scale: float | None = None) -> CPAttentionPlan:
+    """Build a plan from every rank's (seq, pos) metadata, known on all ranks: no communication.
+
+    q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) as int64 arrays, for r in range(world).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    q_meta = [(np.asarray(s, dtype=np.int64), np.asarray(p, dtype=np.int64)) for s, p in q_meta]
+    kv_meta = [(np.asarray(s, dtype=np.int64), np.asarray(p, dtype=np.int64)) for s, p in kv_meta]
+    all_q_seqs = np.unique(np.concatenate([s for s, _ in q_meta])) if q_meta else np.zeros(0, np.int64)
+    metas = [RankMeta(qs, qp, ks, kp, _relevant_rows(all_q_seqs, ks))
+             for (qs, qp), (ks, kp) in zip(q_meta, kv_meta)]
+    me = metas[rank]
+    steps: list[list[AttnItem]] = []
+    covered = np.zeros(len(me.q_seq), dtype=bool)
+    for j in range(world):
+        s = (rank - j) % world
+        src = metas[s]
+        if strategy == "pass-q":  # source's queries against my stationary K/V; one accumulator per source
+            steps.append(mark_first(build_items(src.q_seq, src.q_pos, me.kv_seq, me.kv_pos), len(src.q_seq)))
+        elif j == 0:  # my queries against my own K/V, read in place
+            steps.append(mark_first(build_items(me.q_seq, me.q_pos, me.kv_seq, me.kv_pos), len(covered), covered))
+        else:  # my queries against the source's packed K/V
+            items = build_items(me.q_seq, me.q_pos, src.kv_seq[src.send], src.kv_pos[src.send])
+            steps.append(mark_first(items, len(covered), covered))
+    return CPAttentionPlan(group, rank, world, strategy, scale, metas, steps,
+                           max(len(m.q_seq) for m in metas), max(len(m.send) for m in metas))
+
+
+# ---------------------------------------------------------------- validation and metadata exchange
+
+def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale) -> str:
+    """A description of what is wrong with this rank's inputs, or '' if nothing is."""
+    if strategy not in STRATEGIES:
+        return f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            return f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {getattr(t, 'shape', type(t))}"
+        if t.dtype not in _DTYPES:
+            return f"{name} must be a floating tensor ({', '.join(map(str, _DTYPES))}), got {t.dtype}"
+    if k.shape != v.shape:
+        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[2] != k.shape[2]:
+        return f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}"
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+    for name, t, n in (("q_seq", q_seq, q.shape[0]), ("q_pos", q_pos, q.shape[0]),
+                       ("kv_seq", kv_seq, k.shape[0]), ("kv_pos", kv_pos, k.shape[0])):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+            return f"{name} must be a 1-D int64 tensor, got {getattr(t, 'dtype', type(t))} {getattr(t, 'shape', '')}"
+        if t.shape[0] != n:
+            return f"{name} has {t.shape[0]} entries but the matching tensor has {n} tokens"
+    for name, pos, seq in (("q_pos", q_pos, q_seq), ("kv_pos", kv_pos, kv_seq)):
+        if bool(((pos < 0) & (seq >= 0)).any()):
+            return f"{name} has negative positions; positions must be >= 0"
+    if scale is not None and not scale > 0:
+        return f"scale must be positive, got {scale}"
+    return ""
+
+
+def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, values, group=group)
+    return out
+
+
+def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None) -> CPAttentionPlan:
+    """Validate on every rank, agree on errors, all-gather metadata, then build the plan."""
+    rank, world = group_rank_and_size(group)
+    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale)
+    ok = not problem
+    header = torch.tensor([0 if ok else 1,
+                           q.shape[0] if ok else 0, k.shape[0] if ok else 0,
+                           q.shape[1] if ok else 0, k.shape[1] if ok else 0, q.shape[2] if ok else 0,
+                           _DTYPES.index(q.dtype) if ok else -1, STRATEGIES.index(strategy) if ok else -1],
+                          dtype=torch.int64)
+    headers = torch.stack(_all_gather_ints(header, group))  # [world, 8]
+    if headers[:, 0].any():
+        problems = [None] * world
+        dist.all_gather_object(problems, problem, group=group)
+        bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+        raise ValueError(f"cp_attention: bad input on {bad}")
+    for col, what in ((3, "query heads"), (4, "key/value heads"), (5, "head_dim"), (6, "dtype"), (7, "strategy")):
+        if (headers[:, col] != headers[0, col]).any():
+            raise ValueError(f"cp_attention: ranks disagree on {what}: {headers[:, col].tolist()}")
+    max_q, max_kv = int(headers[:, 1].max()), int(headers[:, 2].max())
+    mine = torch.full((4, max(max_q, max_kv)), -1, dtype=torch.int64)
+    mine[0, :q.shape[0]], mine[1, :q.shape[0]] = q_seq.cpu(), q_pos.cpu()
+    mine[2, :k.shape[0]], mine[3, :k.shape[0]] = kv_seq.cpu(), kv_pos.cpu()
+    gathered = _all_gather_ints(mine, group)
+    q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
+    kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy()) for g, h in zip(gathered, headers)]
+    return plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy, scale=scale)
