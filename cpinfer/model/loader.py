@@ -1,0 +1,121 @@
+"""Load a Hugging Face Llama checkpoint (config.json + safetensors, single or sharded) into `LlamaForCausalLM`.
+
+The model is built on the meta device and each parameter is replaced by the loaded tensor. A `WeightSlicer`
+hook lets a tensor-parallel rank read only its slice of each tensor (after resizing the meta model itself).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class SafeSlice(Protocol):
+    """What safetensors' `get_slice(name)` returns: lazy, sliceable with `[...]`, shape via `get_shape()`."""
+
+    def get_shape(self) -> list[int]: ...
+    def __getitem__(self, index) -> Tensor: ...
+
+
+# (parameter name, lazy view of the full tensor in the file) -> the tensor this process keeps.
+WeightSlicer = Callable[[str, SafeSlice], Tensor]
+
+
+def full_tensor(name: str, sl: SafeSlice) -> Tensor:
+    """The default `WeightSlicer`: read the whole tensor."""
+    return sl[:]
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """An unloaded model on the meta device (no memory); resize its linears here before loading for TP."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(dtype)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               slicer: WeightSlicer = full_tensor) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """Read `path`'s config and weights; returns (config, model in eval mode on `device`)."""
+    path = _check_dir(path)
+    config = ModelConfig.from_pretrained(path)
+    model = build_model(config, dtype)
+    load_weights(model, path, dtype=dtype, device=device, slicer=slicer)
+    return config, model
+
+
+def load_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", slicer: WeightSlicer = full_tensor) -> None:
+    """Replace every parameter of `model` by its tensor from the safetensors files in `path`."""
+    path = _check_dir(path)
+    expected = dict(model.named_parameters())  # tied lm_head.weight is listed once, as embed_tokens.weight
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in expected:
+                    if not _ignorable(name, model):
+                        unexpected.append(name)
+                    continue
+                tensor = slicer(name, f.get_slice(name))
+                _check_shape(name, tensor, expected[name])
+                _assign(model, name, tensor.to(device=device, dtype=dtype))
+                loaded.add(name)
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor(s): {missing}")
+    if unexpected:
+        raise ValueError(f"checkpoint {path} has unexpected tensor(s): {sorted(unexpected)}")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those named by the shard index, else all `*.safetensors`."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise ValueError(f"{index} names shard {shard!r}, which does not exist in {path}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _check_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"model directory {path} does not exist (or is not a directory)")
+    return path
+
+
+def _ignorable(name: str, model: LlamaForCausalLM) -> bool:
+    """Non-parameters HF may store, and an lm_head a tied checkpoint may still carry."""
+    tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+    return tied_head or name.endswith(_IGNORED_SUFFIXES)
+
+
+def _check_shape(name: str, tensor: Tensor, param: nn.Parameter) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, "
+                         f"expected {tuple(param.shape)}")
+
+
+def _assign(model: nn.Module, name: str, tensor: Tensor) -> None:
+    """Replace parameter `name` (dotted path) by `tensor`, frozen for inference."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))

@@ -1,0 +1,176 @@
+"""Model layer: config parsing, RoPE, loader (incl. errors and shards), and exactness against HF transformers."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cpinfer.model import (
+    LlamaForCausalLM, ModelConfig, ReferenceAttention, build_model, load_model, load_weights, rope_inv_freq,
+    write_random_checkpoint,
+)
+from cpinfer.model.random_checkpoint import random_config_dict
+
+transformers = pytest.importorskip("transformers")
+from cpinfer.model.testing import load_hf_model  # noqa: E402
+
+VARIANTS = ["gqa", "mqa", "mha", "tied", "llama3"]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf(path):
+    return load_hf_model(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _ours(path):
+    return load_model(path)[1]
+
+
+@torch.no_grad()
+def hf_logprobs(path, ids, positions=None):
+    """[L, vocab] log-probs of HF on one sequence alone."""
+    pos = None if positions is None else positions[None]
+    return _hf(path)(ids[None], position_ids=pos).logits[0].float().log_softmax(-1)
+
+
+@torch.no_grad()
+def our_logprobs(model, ids, positions, seq_ids):
+    hidden = model(ids, positions, ReferenceAttention(seq_ids, positions))  # [L, hidden]
+    return model.compute_logits(hidden).log_softmax(-1)
+
+
+def pack(seqs, perm_seed=None):
+    """Concatenate sequences -> ids, positions, seq_ids [L]; optionally shuffle the token order."""
+    ids = torch.cat(seqs)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    sid = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
+    perm = torch.arange(len(ids))
+    if perm_seed is not None:
+        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(perm_seed))
+    return ids[perm], pos[perm], sid[perm]
+
+
+def rand_ids(n, vocab, seed):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- exactness vs transformers
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_single_sequence_matches_hf(llama_checkpoint, variant):
+    path = llama_checkpoint(variant)
+    model = _ours(path)
+    ids = rand_ids(96, model.config.vocab_size, 0)
+    pos = torch.arange(96)
+    got = our_logprobs(model, ids, pos, torch.zeros_like(pos))
+    torch.testing.assert_close(got, hf_logprobs(path, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_packed_shuffled_batch_matches_hf_per_sequence(llama_checkpoint, variant):
+    path = llama_checkpoint(variant)
+    model = _ours(path)
+    seqs = [rand_ids(n, model.config.vocab_size, n) for n in (7, 33, 18)]
+    ids, pos, sid = pack(seqs, perm_seed=1)
+    got = our_logprobs(model, ids, pos, sid)
+    for i, s in enumerate(seqs):
+        rows = got[sid == i][pos[sid == i].argsort()]  # back to sequence order
+        torch.testing.assert_close(rows, hf_logprobs(path, s), atol=1e-4, rtol=0)
+
+
+def test_far_positions_with_llama3_scaling_match_hf(llama_checkpoint):
+    path = llama_checkpoint("llama3")
+    model = _ours(path)
+    ids, pos = rand_ids(24, model.config.vocab_size, 5), torch.arange(400, 424)
+    got = our_logprobs(model, ids, pos, torch.zeros_like(pos))
+    torch.testing.assert_close(got, hf_logprobs(path, ids, pos), atol=1e-4, rtol=0)
+
+
+def test_inv_freq_matches_hf(llama_checkpoint):
+    path = llama_checkpoint("llama3")
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings == 64
+    ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    torch.testing.assert_close(ours, _hf(path).model.rotary_emb.inv_freq.float(), atol=0, rtol=1e-6)
+
+
+def test_bf16_load_runs_close_to_fp32(llama_checkpoint):
+    path = llama_checkpoint("gqa")
+    _, model = load_model(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ids, pos = rand_ids(16, model.config.vocab_size, 2), torch.arange(16)
+    got = our_logprobs(model, ids, pos, torch.zeros_like(pos))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, hf_logprobs(path, ids), atol=0.15, rtol=0)
+
+
+def test_heads_follow_weight_shapes_for_tp_slicing(llama_checkpoint):
+    """Two half-head 'TP ranks' (q/k/v rows, o columns sliced from outside) sum to the full attention block."""
+    model = _ours(llama_checkpoint("gqa"))
+    block, d = model.model.layers[0].self_attn, model.config.head_dim
+    x, pos = torch.randn(10, model.config.hidden_size), torch.arange(10)
+    cos, sin = model.rotary.cos_sin(pos)
+    attn = ReferenceAttention(torch.zeros_like(pos), pos)
+    full = block(x, cos, sin, attn)
+    hq, hkv = block.num_heads, block.num_kv_heads
+    parts = []
+    for r in range(2):
+        part = LlamaForCausalLM(model.config).model.layers[0].self_attn
+        qs, kvs = slice(r * hq // 2 * d, (r + 1) * hq // 2 * d), slice(r * hkv // 2 * d, (r + 1) * hkv // 2 * d)
+        for name, rows in (("q_proj", qs), ("k_proj", kvs), ("v_proj", kvs)):
+            w = getattr(block, name).weight[rows]
+            setattr(part, name, torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
+            getattr(part, name).weight.data.copy_(w)
+        w = block.o_proj.weight[:, qs]
+        part.o_proj = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        part.o_proj.weight.data.copy_(w)
+        assert (part.num_heads, part.num_kv_heads) == (hq // 2, hkv // 2)
+        with torch.no_grad():
+            parts.append(part(x, cos, sin, attn))
+    torch.testing.assert_close(parts[0] + parts[1], full.detach(), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- config
+
+def test_config_reads_hf5_layout(llama_checkpoint):
+    raw = json.loads((llama_checkpoint("llama3") / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    assert (cfg.num_queries_per_kv, cfg.head_dim, cfg.rope_scaling.factor) == (4, 16, 8.0)
+
+
+def test_config_reads_legacy_layout_and_eos_list():
+    d = random_config_dict(rope_theta=5e5, eos_token_id=[2, 7], rope_scaling={
+        "type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    del d["head_dim"]
+    cfg = ModelConfig.from_dict(d)
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling.factor == 32.0
+    assert cfg.eos_token_ids == (2, 7) and cfg.head_dim == d["hidden_size"] // d["num_attention_heads"]
+    assert ModelConfig.from_dict(random_config_dict(rope_scaling=None)).rope_scaling is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model_type": "mistral"}, "unsupported model_type 'mistral': cpinfer supports"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 3}, "num_attention_heads (8) must be divisible"),
+    ({"attention_bias": True}, "attention_bias / mlp_bias are not supported"),
+    ({"mlp_bias": True}, "attention_bias / mlp_bias are not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing key 'low_freq_factor'"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act"),
+])
+def test_config_rejects_unsupported(override, message):
+    d = {**random_config_dict(), **override}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ModelConfig.from_dict(d)
+
+
+def test_config_missing_key():
+    d = random_config_dict()
+    del d["vocab_size"]
+    with pytest.raises(ValueError, match="missing required key"):
+        ModelConfig.from_dict(d)
