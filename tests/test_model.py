@@ -174,3 +174,121 @@ def test_config_missing_key():
     del d["vocab_size"]
     with pytest.raises(ValueError, match="missing required key"):
         ModelConfig.from_dict(d)
+
+
+# ---------------------------------------------------------------- loader
+
+def test_sharded_checkpoint_loads_like_single(llama_checkpoint):
+    single, sharded = llama_checkpoint("gqa"), llama_checkpoint("gqa", max_shard_size="40KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a, b = _ours(single).state_dict(), _ours(sharded).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tied_embeddings_share_storage(llama_checkpoint):
+    model = _ours(llama_checkpoint("tied"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(path, edit):
+    """Rewrite path/model.safetensors with `edit(state_dict)` applied in place."""
+    sd = load_file(str(path / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(path / "model.safetensors"))
+
+
+def test_loader_missing_dir_config_and_files(tmp_path, random_checkpoint):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(tmp_path)
+    path = _copy(random_checkpoint(), tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"no \*\.safetensors files"):
+        load_model(path)
+
+
+def test_loader_index_names_missing_shard(tmp_path, llama_checkpoint):
+    path = _copy(llama_checkpoint("gqa", max_shard_size="40KB"), tmp_path)
+    shard = sorted(path.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"names shard '{shard.name}', which does not exist"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight"), r"missing tensor\(s\): \['model.layers.1.mlp.up_proj"),
+    (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(3)),
+     r"tensor 'model.norm.weight' has shape \(3,\) in the checkpoint, expected \(128,\)"),
+    (lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.ones(128)),
+     r"unexpected tensor\(s\): \['model.layers.0.self_attn.q_proj.bias'\]"),
+])
+def test_loader_tensor_errors(tmp_path, random_checkpoint, edit, message):
+    path = _copy(random_checkpoint(), tmp_path)
+    _edit_tensors(path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
+
+
+def test_loader_ignores_rotary_inv_freq_and_tied_lm_head(tmp_path, random_checkpoint):
+    path = _copy(random_checkpoint(tie_word_embeddings=True), tmp_path)
+
+    def add_extras(sd):
+        sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    _edit_tensors(path, add_extras)
+    _, model = load_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_loader_slicer_hook_loads_tp_slices(random_checkpoint):
+    """A TP-like rank: resize the meta linears, then load only the matching rows through the slicer."""
+    path = random_checkpoint()
+    full = load_file(str(path / "model.safetensors"))
+    model = build_model(ModelConfig.from_pretrained(path))
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            lin = getattr(layer.self_attn, name)
+            with torch.device("meta"):
+                setattr(layer.self_attn, name, torch.nn.Linear(lin.in_features, lin.out_features // 2, bias=False))
+    seen = []
+
+    def first_half_rows(name, sl):
+        seen.append(name)
+        rows = sl.get_shape()[0]
+        return sl[: rows // 2] if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) else sl[:]
+    load_weights(model, path, slicer=first_half_rows)
+    assert len(seen) == len(full)
+    q = model.model.layers[1].self_attn.q_proj.weight
+    torch.testing.assert_close(q, full["model.layers.1.self_attn.q_proj.weight"][:64], atol=0, rtol=0)
+    assert model.model.layers[1].self_attn.num_heads == 4
+
+
+# ---------------------------------------------------------------- torch-only random checkpoints
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "num_key_value_heads": 1, "rope_scaling": {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32}}])
+def test_random_checkpoint_matches_hf(random_checkpoint, overrides):
+    path = random_checkpoint(seed=1, **overrides)
+    model = _ours(path)
+    ids, pos = rand_ids(48, model.config.vocab_size, 4), torch.arange(48)
+    got = our_logprobs(model, ids, pos, torch.zeros_like(pos))
+    torch.testing.assert_close(got, hf_logprobs(path, ids), atol=1e-4, rtol=0)
+
+
+def test_random_checkpoint_is_deterministic(tmp_path):
+    a = load_file(str(write_random_checkpoint(tmp_path / "a", seed=3, hidden_size=32) / "model.safetensors"))
+    b = load_file(str(write_random_checkpoint(tmp_path / "b", seed=3, hidden_size=32) / "model.safetensors"))
+    c = load_file(str(write_random_checkpoint(tmp_path / "c", seed=4, hidden_size=32) / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert 0.015 < a["lm_head.weight"].std() < 0.025
