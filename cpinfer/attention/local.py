@@ -18,7 +18,8 @@ from torch import Tensor
 from cpinfer.attention.merge import merge_into
 
 FULL, CAUSAL, MASK = 0, 1, 2
-_TILE_Q, _TILE_K = 64, 256  # tile sizes of the fragmented path
+_TILE_Q, _TILE_K = 64, 256  # tile sizes for irregular metadata
+_MIN_STAIR = 16  # shorter causal runs are cheaper as one masked tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,32 +111,37 @@ def _segments(seq: np.ndarray, pos: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
-    """Items for one query segment against one key segment of the same sequence (both sorted by position)."""
-    kn = len(kpos)
-    c = np.searchsorted(kpos, qpos, side="right")  # visible keys per query row, nondecreasing
-    ra = int(np.searchsorted(c, 0, side="right"))  # rows before ra see nothing
-    if ra == len(qpos):
-        return []
-    b = int(c[ra])
+    """Items for one query segment against one key segment of the same sequence (both sorted by position).
+
+    Row r sees keys [0, c[r]) with c nondecreasing. Walking down the rows: keys every remaining row sees become
+    one FULL block; a run of rows whose extra keys grow by one per row is a top-left CAUSAL square; anything
+    irregular becomes a small MASK tile of at most _TILE_Q rows.
+    """
+    n, kn = len(qpos), len(kpos)
+    c = np.searchsorted(kpos, qpos, side="right")
+    r = int(np.searchsorted(c, 0, side="right"))  # rows before r see nothing
+    done = 0  # keys [0, done) already given to every row from r on
     items = []
-    if b == kn:  # c is nondecreasing: every row from ra on sees every key
-        return [AttnItem(q0 + ra, q0 + len(qpos), k0, k0 + kn, FULL)]
-    if b > 1:  # keys [0, b-1) are visible to every row from ra on
-        items.append(AttnItem(q0 + ra, q0 + len(qpos), k0, k0 + b - 1, FULL))
-    d = c[ra:] - (b - 1)  # ≥ 1
-    stair = d == np.arange(1, len(d) + 1)
-    rs = len(d) if stair.all() else int(np.argmin(stair))  # rows [ra, ra+rs) form a top-left causal square
-    if rs:  # always ≥ 1 since d[0] == 1
-        items.append(AttnItem(q0 + ra, q0 + ra + rs, k0 + b - 1, k0 + b - 1 + rs, CAUSAL))
-    rest = d[rs:]
-    if len(rest):
-        kc = k0 + b - 1
-        if (c[ra + rs:] == kn).all():
-            items.append(AttnItem(q0 + ra + rs, q0 + len(qpos), kc, k0 + kn, FULL))
+    while r < n:
+        b = int(c[r])
+        if b == kn:  # every row from r on sees every key
+            items.append(AttnItem(q0 + r, q0 + n, k0 + done, k0 + kn, FULL))
+            break
+        if b - 1 > done:
+            items.append(AttnItem(q0 + r, q0 + n, k0 + done, k0 + b - 1, FULL))
+            done = b - 1
+        d = c[r:] - done  # ≥ 1: row r sees exactly one key past `done`
+        stair = d == np.arange(1, len(d) + 1)
+        rs = len(d) if stair.all() else int(np.argmin(stair))
+        if rs >= _MIN_STAIR or rs == len(d):
+            items.append(AttnItem(q0 + r, q0 + r + rs, k0 + done, k0 + done + rs, CAUSAL))
+            r += rs
         else:
-            width = int(rest.max())
-            mask = torch.from_numpy(np.arange(width)[None, :] < rest[:, None])
-            items.append(AttnItem(q0 + ra + rs, q0 + len(qpos), kc, kc + width, MASK, mask))
+            r2 = min(n, r + _TILE_Q)
+            width = int(c[r2 - 1]) - done
+            mask = torch.from_numpy(np.arange(width)[None, :] < d[:r2 - r, None])
+            items.append(AttnItem(q0 + r, q0 + r2, k0 + done, k0 + done + width, MASK, mask))
+            r = r2
     return items
 
 

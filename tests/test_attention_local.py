@@ -1,0 +1,100 @@
+"""Merge and local partial attention against a float64 reference (no communication)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from cpinfer.attention.local import CAUSAL, FULL, build_items, local_attention, reference_attention
+from cpinfer.attention.merge import merge_into, merge_partials
+
+
+def _check_local(q_seq, q_pos, kv_seq, kv_pos, h=8, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q_seq, q_pos, kv_seq, kv_pos = (torch.as_tensor(np.asarray(x), dtype=torch.int64)
+                                    for x in (q_seq, q_pos, kv_seq, kv_pos))
+    q = torch.randn(len(q_seq), h, d, generator=g)
+    k = torch.randn(len(kv_seq), hkv, d, generator=g)
+    v = torch.randn(len(kv_seq), hkv, d, generator=g)
+    out, lse = local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos)
+    ref_out, ref_lse = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_two_halves_equals_whole():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(5, 4, 8, generator=g), torch.randn(12, 4, 8, generator=g), torch.randn(12, 4, 8, generator=g)
+    seq, kseq = torch.zeros(5, dtype=torch.long), torch.zeros(12, dtype=torch.long)
+    pos, kpos = torch.full((5,), 100), torch.arange(12)
+    whole = reference_attention(q, k, v, seq, pos, kseq, kpos)
+    a = reference_attention(q, k[:7], v[:7], seq, pos, kseq[:7], kpos[:7])
+    b = reference_attention(q, k[7:], v[7:], seq, pos, kseq[7:], kpos[7:])
+    out, lse = merge_partials([a[0], b[0]], [a[1], b[1]])
+    torch.testing.assert_close(out.double(), whole[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), whole[1], rtol=1e-6, atol=1e-6)
+    acc_out, acc_lse = a[0].float().clone(), a[1].float().clone()
+    merge_into(acc_out, acc_lse, b[0], b[1])
+    torch.testing.assert_close(acc_out.double(), whole[0], rtol=1e-5, atol=1e-5)
+
+
+def test_merge_empty_partials_contribute_nothing_and_all_empty_rows_are_zero():
+    out1, lse1 = torch.randn(3, 2, 4), torch.randn(3, 2)
+    empty_out, empty_lse = torch.full((3, 2, 4), 7.0), torch.full((3, 2), -torch.inf)
+    out, lse = merge_partials([empty_out, out1, empty_out], [empty_lse, lse1, empty_lse])
+    torch.testing.assert_close(out, out1)
+    torch.testing.assert_close(lse, lse1)
+    out, lse = merge_partials([torch.zeros(3, 2, 4)] * 2, [empty_lse] * 2)
+    assert torch.equal(out, torch.zeros(3, 2, 4)) and torch.isneginf(lse).all()
+    acc_out, acc_lse = torch.zeros(3, 2, 4), empty_lse.clone()
+    merge_into(acc_out, acc_lse, torch.zeros(3, 2, 4), empty_lse)
+    assert not torch.isnan(acc_out).any() and torch.isneginf(acc_lse).all()
+
+
+def test_merge_is_stable_for_large_lse():
+    out1, out2 = torch.ones(1, 1, 2), -torch.ones(1, 1, 2)
+    lse1, lse2 = torch.tensor([[1000.0]]), torch.tensor([[1000.0]])
+    out, lse = merge_partials([out1, out2], [lse1, lse2])
+    torch.testing.assert_close(out, torch.zeros(1, 1, 2))
+    torch.testing.assert_close(lse, torch.tensor([[1000.0 + float(np.log(2.0))]], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("h,hkv", [(8, 8), (8, 4), (8, 2), (8, 1), (16, 2)])
+def test_causal_single_sequence_is_one_causal_call(h, hkv):
+    n = 97
+    _check_local([0] * n, range(n), [0] * n, range(n), h=h, hkv=hkv)
+    items = build_items(np.zeros(n), np.arange(n), np.zeros(n), np.arange(n))
+    assert [(it.kind, it.q0, it.q1, it.k0, it.k1) for it in items] == [(CAUSAL, 0, n, 0, n)]
+
+
+def test_partial_prefill_splits_into_full_block_and_causal_square():
+    items = build_items(np.zeros(20), np.arange(80, 100), np.zeros(100), np.arange(100))
+    assert [(it.kind, it.q0, it.q1, it.k0, it.k1) for it in items] == [(FULL, 0, 20, 0, 80), (CAUSAL, 0, 20, 80, 100)]
+    _check_local([0] * 20, range(80, 100), [0] * 100, range(100))
+
+
+def test_no_visible_key_gives_zeros_not_nan():
+    _check_local([0, 1, 2, -1], [0, 5, 3, 0], [1, 1, 2], [6, 7, 4])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(0, 120), st.integers(0, 300), st.booleans())
+def test_random_metadata_matches_reference(seed, lq, lk, sorted_runs):
+    rng = np.random.default_rng(seed)
+    if sorted_runs:  # realistic: runs of one sequence with increasing positions
+        q_seq, kv_seq = np.sort(rng.integers(0, 3, lq)), np.sort(rng.integers(0, 3, lk))
+        q_pos, kv_pos = np.sort(rng.choice(500, lq, replace=False)), np.sort(rng.choice(500, lk, replace=False))
+    else:  # arbitrary order, padding ids included
+        q_seq, kv_seq = rng.integers(-1, 3, lq), rng.integers(-1, 3, lk)
+        q_pos, kv_pos = rng.integers(0, 60, lq), rng.integers(0, 60, lk)
+    _check_local(q_seq, q_pos, kv_seq, kv_pos, seed=seed % 1000)
+
+
+def test_long_sequence_uses_no_dense_mask():
+    n = 4096
+    pos = np.concatenate((np.arange(0, 512), np.arange(3584, 4096)))  # rank 0 of CP4: chunks 0 and 7
+    items = build_items(np.zeros(1024), pos, np.zeros(n), np.arange(n))
+    assert all(it.mask is None for it in items)
+    assert len(items) <= 3
