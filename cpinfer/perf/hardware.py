@@ -1,0 +1,160 @@
+"""Hardware profiles for the performance model: H100 GTT/GTI (paper §4.1, App. A), H200 (spec), CPU+gloo.
+
+A profile is per device (one GPU, or one CPU rank) plus the links between devices. Every number carries its
+source in `sources`; `kind` says whether the profile is measured, fitted, from a spec sheet, or a rough estimate.
+Profiles round-trip through JSON (`to_json` / `from_json`) so `cpinfer calibrate` can write measured ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpinfer.utils import check_positive
+
+KINDS = ("measured", "fitted", "spec", "estimate", "calibrated")
+
+# Numeric fields, each with its unit; every one must have an entry in `sources`.
+UNITS = {
+    "peak_tflops": "TF/s dense peak of the compute dtype per device (bf16 on GPU, fp32 on CPU)",
+    "peak_tflops_fp8": "TF/s dense FP8 peak per device (0: no FP8 GEMMs, FP8 weights run at peak_tflops)",
+    "attn_tflops": "TF/s achieved by the prefill attention kernel on long causal shapes",
+    "gemm_efficiency": "achieved / peak of large GEMMs (0-1]",
+    "mem_gb": "GB of device memory per device",
+    "mem_tbps": "TB/s device memory bandwidth (peak)",
+    "mem_efficiency": "achieved / peak memory bandwidth of streaming kernels (0-1]",
+    "devices_per_node": "devices sharing the fast intra-node link",
+    "intra_gbs": "GB/s achieved per-device bus bandwidth of intra-node collectives (all-reduce)",
+    "intra_latency_us": "us fixed cost of one intra-node collective",
+    "inter_gbs_peak": "GB/s peak per-device inter-node link (the BW of Alg. 1 / Alg. 5)",
+    "inter_gbs": "GB/s achieved per-rank SendRecv bandwidth across nodes",
+    "inter_latency_us": "us fixed cost of one inter-node SendRecv / All2All",
+    "ring_step_floor_us": "us host-side floor of one eager ring step (launches, merge bookkeeping)",
+    "kernel_overhead_us": "us per kernel under CUDA graphs (decode)",
+}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    kind: str
+    peak_tflops: float
+    peak_tflops_fp8: float
+    attn_tflops: float
+    gemm_efficiency: float
+    mem_gb: float
+    mem_tbps: float
+    mem_efficiency: float
+    devices_per_node: int
+    intra_gbs: float
+    intra_latency_us: float
+    inter_gbs_peak: float
+    inter_gbs: float
+    inter_latency_us: float
+    ring_step_floor_us: float
+    kernel_overhead_us: float
+    empirical: tuple[float, float, float] | None = None  # App. D (alpha, beta, gamma) fitted on this system
+    sources: dict = field(default_factory=dict, hash=False, compare=False)  # field name -> where it comes from
+
+    def __post_init__(self) -> None:
+        where = f"hardware profile {self.name!r}"
+        if not self.name:
+            raise ValueError("hardware profile: name must not be empty")
+        if self.kind not in KINDS:
+            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        check_positive(self.devices_per_node, f"{where}: devices_per_node")
+        for name in UNITS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}: {name} must be a number, got {value!r}")
+            zero_ok = name in ("peak_tflops_fp8", "intra_latency_us", "inter_latency_us",
+                               "ring_step_floor_us", "kernel_overhead_us")
+            if value < 0 or (value == 0 and not zero_ok):
+                raise ValueError(f"{where}: {name} ({UNITS[name]}) must be positive, got {value}")
+            if name not in self.sources:
+                raise ValueError(f"{where}: {name} has no source; say where the number comes from")
+        for name in ("gemm_efficiency", "mem_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{where}: {name} must be in (0, 1], got {getattr(self, name)}")
+        if self.attn_tflops > self.peak_tflops:
+            raise ValueError(f"{where}: attn_tflops ({self.attn_tflops}) exceeds peak_tflops ({self.peak_tflops})")
+        if self.inter_gbs > self.inter_gbs_peak:
+            raise ValueError(f"{where}: achieved inter_gbs ({self.inter_gbs}) exceeds inter_gbs_peak "
+                             f"({self.inter_gbs_peak})")
+        if self.empirical is not None:
+            object.__setattr__(self, "empirical", _coeffs(self.empirical, where))
+
+    # Derived rates in SI units.
+    def gemm_flops_per_s(self, fp8: bool) -> float:
+        peak = self.peak_tflops_fp8 if fp8 and self.peak_tflops_fp8 > 0 else self.peak_tflops
+        return peak * 1e12 * self.gemm_efficiency
+
+    @property
+    def mem_bytes_per_s(self) -> float:
+        return self.mem_tbps * 1e12 * self.mem_efficiency
+
+    def ring_link(self, cp: int, tp: int) -> tuple[float, float]:
+        """(bytes/s, latency s) of the slowest hop of a CP ring of cp ranks, each a TP group of tp devices."""
+        if cp * tp > self.devices_per_node:
+            return self.inter_gbs * 1e9, self.inter_latency_us * 1e-6
+        return self.intra_gbs * 1e9, self.intra_latency_us * 1e-6
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["empirical"] = list(self.empirical) if self.empirical else None
+        out["sources"] = dict(self.sources)
+        return out
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The profile as JSON text; also written to `path` when given."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "a dict") -> HardwareProfile:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"hardware profile from {origin}: unknown keys {unknown}; known: {sorted(names)}")
+        missing = sorted(n for n in names - set(data) if n not in ("empirical", "sources"))
+        if missing:
+            raise ValueError(f"hardware profile from {origin}: missing keys {missing}")
+        sources = {n: f"from {origin}" for n in UNITS} | dict(data.get("sources") or {})
+        return cls(**(dict(data) | {"sources": sources}))
+
+    @classmethod
+    def from_json(cls, text: str, origin: str = "JSON") -> HardwareProfile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"hardware profile from {origin}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"hardware profile from {origin}: expected a JSON object")
+        return cls.from_dict(data, origin)
+
+
+def _coeffs(value, where: str) -> tuple[float, float, float]:
+    try:
+        alpha, beta, gamma = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: empirical must be three numbers (alpha, beta, gamma), got {value!r}") from None
+    return alpha, beta, gamma
+
+
+def load_hardware_profile(name_or_path) -> HardwareProfile:
+    """A profile object, a catalog name (case-insensitive), or the path of a JSON profile."""
+    from cpinfer.perf.catalog import HARDWARE  # the catalog imports this module
+
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    key = str(name_or_path).strip().lower()
+    if key in HARDWARE:
+        return HARDWARE[key]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown hardware {name_or_path!r}: known profiles are {', '.join(sorted(HARDWARE))}, "
+                         f"or give the path of a JSON profile (as written by `cpinfer calibrate`)")
+    return HardwareProfile.from_json(path.read_text(), origin=str(path))
