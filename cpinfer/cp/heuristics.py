@@ -1,0 +1,179 @@
+"""Choose ring pass-KV or pass-Q for one batch (paper §3.4 Alg. 1, App. C Alg. 5, App. D empirical h(T, P)).
+
+T = new tokens in the batch, P = cached tokens, N = CP ranks. C and BW are the hardware profile's per-device
+peak compute and inter-node link bandwidth, as the paper's analysis uses them. Decisions are made in exact
+rational arithmetic, so a batch sitting exactly on a threshold always goes the same way (pass-KV on ties).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+from cpinfer.perf.catalog import PAPER_EMPIRICAL
+from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
+from cpinfer.utils import check_positive
+
+STRATEGIES = ("pass-kv", "pass-q")
+METHODS = ("alg1", "alg5", "empirical", "simulator", "decode", "pass-kv", "pass-q")  # accepted `method`
+CHOICE_METHODS = ("alg1", "alg5", "empirical", "simulator", "forced", "full-prefill", "decode")
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    strategy: str          # "pass-kv" | "pass-q"
+    method: str            # one of CHOICE_METHODS
+    inputs: dict           # T, P, N, thresholds... (JSON-serialisable, for metrics and the debug log)
+    reason: str            # one human sentence
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.method not in CHOICE_METHODS:
+            raise ValueError(f"method must be one of {CHOICE_METHODS}, got {self.method!r}")
+
+
+def kv_token_threshold(n: int, c: float, bw: float, n_heads: int, n_kv_heads: int, elem_bytes: int) -> Fraction:
+    """Eq. 2: pass-KV SendRecv hides under attention when T >= N*C*N_KV*e / (2*N_H*BW). C flop/s, BW bytes/s."""
+    return Fraction(n) * Fraction(c) * n_kv_heads * elem_bytes / (2 * n_heads * Fraction(bw))
+
+
+def miss_rate_threshold(n_heads: int, n_kv_heads: int) -> Fraction:
+    """Eq. 1: Q is smaller than K+V when T/(T+P) < 2*N_KV/N_H."""
+    return Fraction(2 * n_kv_heads, n_heads)
+
+
+def miss_rate_threshold_all2all(t: int, n: int, c: float, bw: float, n_heads: int, n_kv_heads: int,
+                                elem_bytes: int) -> Fraction:
+    """Eq. 5 (App. C): the pass-Q All2All lowers the threshold to 2*N_KV/N_H - 4*T*BW/(N*C*e)."""
+    return miss_rate_threshold(n_heads, n_kv_heads) - 4 * t * Fraction(bw) / (n * Fraction(c) * elem_bytes)
+
+
+def empirical_h(t: int, p: int, coeffs: tuple[float, float, float]) -> float:
+    """App. D: h = alpha*ln T + beta*ln(T/(T+P)) + gamma; pass-KV when h > 0."""
+    alpha, beta, gamma = coeffs
+    return alpha * math.log(t) + beta * math.log(t / (t + p)) + gamma
+
+
+def choose_strategy(T: int, P: int, N: int, *, n_heads: int, n_kv_heads: int, head_dim: int, elem_bytes: int,
+                    hardware="cpu-gloo", method: str = "alg5", empirical=None) -> StrategyChoice:
+    """Pick the ring variant for a batch of T new and P cached tokens on N CP ranks.
+
+    method: "alg1" | "alg5" | "empirical" | "simulator" (compare the cost model's per-layer attention time;
+    then n_heads / n_kv_heads are the heads one device holds) | "decode" (always pass-Q, §3.6) |
+    "pass-kv" / "pass-q" (forced). P == 0 is full prefill (pass-KV); N == 1 needs no communication.
+    empirical: (alpha, beta, gamma) for "empirical"; default the profile's fit, else the paper's.
+    """
+    _validate(T, P, N, n_heads, n_kv_heads, head_dim, elem_bytes, method)
+    hw = load_hardware_profile(hardware)
+    base = dict(T=T, P=P, N=N, miss_rate=T / (T + P), hardware=hw.name, requested=method)
+    if method in STRATEGIES:
+        return StrategyChoice(method, "forced", base, f"{method} was requested explicitly.")
+    if N == 1:
+        return StrategyChoice("pass-kv", "forced", base, "A single CP rank sends nothing; attention is local.")
+    if method == "decode":
+        return StrategyChoice("pass-q", "decode", base, "Decode batches use ring pass-Q: one query per sequence "
+                              "is far smaller than its cached K/V (paper §3.6).")
+    if P == 0:
+        return StrategyChoice("pass-kv", "full-prefill", base, "Full prefill (P=0) uses ring pass-KV (§3.4): "
+                              "it needs no All2All and its transfer hides under causal attention.")
+    if method == "empirical":
+        return _empirical(T, P, hw, empirical, base)
+    if method == "simulator":
+        return _simulated(T, P, N, hw, n_heads, n_kv_heads, head_dim, elem_bytes, base)
+    return _analytical(T, P, N, hw, n_heads, n_kv_heads, elem_bytes, method, base)
+
+
+def _validate(T, P, N, n_heads, n_kv_heads, head_dim, elem_bytes, method) -> None:
+    for value, what in ((T, "T (new tokens)"), (N, "N (CP ranks)"), (n_heads, "n_heads"),
+                        (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim"), (elem_bytes, "elem_bytes")):
+        check_positive(value, what)
+    if isinstance(P, bool) or not isinstance(P, int) or P < 0:
+        raise ValueError(f"P (cached tokens) must be a non-negative integer, got {P!r}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: known methods are {', '.join(METHODS)}")
+
+
+def _analytical(T, P, N, hw: HardwareProfile, n_heads, n_kv_heads, elem_bytes, method, base) -> StrategyChoice:
+    c, bw = hw.peak_tflops * 1e12, hw.inter_gbs_peak * 1e9
+    t_min = kv_token_threshold(N, c, bw, n_heads, n_kv_heads, elem_bytes)
+    if method == "alg1":
+        r_min = miss_rate_threshold(n_heads, n_kv_heads)
+    else:
+        r_min = miss_rate_threshold_all2all(T, N, c, bw, n_heads, n_kv_heads, elem_bytes)
+    miss = Fraction(T, T + P)
+    inputs = base | dict(C_flops=c, BW_bytes_per_s=bw, elem_bytes=elem_bytes, n_heads=n_heads,
+                         n_kv_heads=n_kv_heads, kv_token_threshold=float(t_min), miss_rate_threshold=float(r_min))
+    eq = "Eq. 1" if method == "alg1" else "Eq. 5"
+    if T >= t_min:
+        reason = f"T={T} >= {float(t_min):.0f} new tokens (Eq. 2): pass-KV SendRecv hides under attention."
+        return StrategyChoice("pass-kv", method, inputs, reason)
+    if miss >= r_min:
+        reason = (f"Miss rate T/(T+P)={float(miss):.2%} >= {float(r_min):.2%} ({eq}): "
+                  f"K/V traffic is not worse than pass-Q's.")
+        return StrategyChoice("pass-kv", method, inputs, reason)
+    reason = (f"T={T} < {float(t_min):.0f} (Eq. 2) and miss rate {float(miss):.2%} < {float(r_min):.2%} ({eq}): "
+              f"passing Q is cheaper.")
+    return StrategyChoice("pass-q", method, inputs, reason)
+
+
+def _empirical(T, P, hw: HardwareProfile, empirical, base) -> StrategyChoice:
+    if empirical is not None:
+        coeffs, source = _as_coeffs(empirical), "caller"
+    elif hw.empirical is not None:
+        coeffs, source = hw.empirical, f"profile {hw.name}"
+    else:
+        coeffs, source = PAPER_EMPIRICAL, "paper App. D"
+    h = empirical_h(T, P, coeffs)
+    inputs = base | dict(alpha=coeffs[0], beta=coeffs[1], gamma=coeffs[2], coeffs_from=source, h=h)
+    strategy = "pass-kv" if h > 0 else "pass-q"
+    return StrategyChoice(strategy, "empirical", inputs, f"h(T, P) = {h:.3f} (App. D, coefficients from "
+                          f"{source}) is {'positive' if h > 0 else 'not positive'}: {strategy}.")
+
+
+def _as_coeffs(value) -> tuple[float, float, float]:
+    if isinstance(value, dict):
+        value = (value["alpha"], value["beta"], value["gamma"])
+    alpha, beta, gamma = (float(v) for v in value)
+    return alpha, beta, gamma
+
+
+def _simulated(T, P, N, hw, n_heads, n_kv_heads, head_dim, elem_bytes, base) -> StrategyChoice:
+    from cpinfer.perf.costs import AttnShape
+    from cpinfer.perf.ring import RingShape
+    from cpinfer.perf.simulator import ring_attention_layer
+
+    shape, ring = AttnShape(n_heads, n_kv_heads, head_dim, elem_bytes), RingShape(N, T, P)
+    link = (hw.inter_gbs * 1e9, hw.inter_latency_us * 1e-6)
+    keys = ("attention", "merge", "sendrecv_exposed", "all2all", "overhead")
+    t = {s: sum(ring_attention_layer(hw, shape, ring, 1, s, link)[k] for k in keys) for s in STRATEGIES}
+    strategy = "pass-kv" if t["pass-kv"] <= t["pass-q"] else "pass-q"
+    inputs = base | dict(layer_us_pass_kv=t["pass-kv"] * 1e6, layer_us_pass_q=t["pass-q"] * 1e6)
+    return StrategyChoice(strategy, "simulator", inputs, f"Cost model: {t['pass-kv'] * 1e6:.0f} us (pass-KV) vs "
+                          f"{t['pass-q'] * 1e6:.0f} us (pass-Q) of attention per layer: {strategy}.")
+
+
+def fit_empirical(points) -> tuple[float, float, float]:
+    """Least-squares fit of h(T, P) to ln(t_passq / t_passkv) over measured (T, P, t_passkv, t_passq) points.
+
+    h > 0 exactly where pass-KV was faster, and |h| estimates the log of the speed ratio. Needs at least three
+    points that vary in both ln T and ln(T/(T+P)).
+    """
+    rows = [tuple(p) for p in points]
+    if len(rows) < 3:
+        raise ValueError(f"fit_empirical needs at least 3 points (T, P, t_passkv, t_passq), got {len(rows)}")
+    feats, target = [], []
+    for t, p, t_kv, t_q in rows:
+        if t < 1 or p < 0 or t_kv <= 0 or t_q <= 0:
+            raise ValueError(f"bad point {(t, p, t_kv, t_q)}: need T >= 1, P >= 0 and positive times")
+        feats.append((math.log(t), math.log(t / (t + p)), 1.0))
+        target.append(math.log(t_q / t_kv))
+    x, y = np.asarray(feats), np.asarray(target)
+    if np.linalg.matrix_rank(x) < 3:
+        raise ValueError("fit_empirical: the points must vary in both T and the miss rate T/(T+P)")
+    alpha, beta, gamma = np.linalg.lstsq(x, y, rcond=None)[0]
+    return float(alpha), float(beta), float(gamma)
