@@ -1,0 +1,88 @@
+"""`cpinfer plan`: predict TTFT (pass-KV and pass-Q), the heuristic's choice, TTIT and memory for a deployment."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from cpinfer.cp.heuristics import METHODS
+from cpinfer.perf.catalog import HARDWARE
+from cpinfer.perf.models import DTYPE_BYTES, MODELS, WEIGHT_FORMATS
+
+EPILOG = """examples:
+  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 16 --tp 8 --prompt-tokens 1000000
+  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --tp 8 --prompt-tokens 128000 \\
+               --sweep --ttft-target 10
+Numbers are predictions of the cost model in cpinfer/perf (see docs/planning.md for what is fitted)."""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="predict TTFT / TTIT / memory of a CP x TP deployment",
+        description="Predict one forward pass of context-parallel inference on CP x TP devices: TTFT for ring "
+                    "pass-KV and pass-Q with a breakdown, the pass-KV/pass-Q heuristic's choice, decode TTIT and "
+                    "memory per device. With --sweep, find the smallest CP size meeting --ttft-target.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help=f"catalog model ({', '.join(sorted(MODELS))}) or path to a Hugging Face config.json")
+    p.add_argument("--hardware", required=True,
+                   help=f"hardware profile ({', '.join(sorted(HARDWARE))}) or path to a JSON profile")
+    p.add_argument("--cp", type=int, help="CP size N: ranks of the ring, one TP group each (required without "
+                                          "--sweep)")
+    p.add_argument("--tp", type=int, default=1, help="TP size per CP rank, devices per TP group (default 1)")
+    p.add_argument("--prompt-tokens", type=int, required=True,
+                   help="T: new tokens per sequence to prefill (the prompt, or the new turn)")
+    p.add_argument("--cached-tokens", type=int, default=0,
+                   help="P: tokens per sequence already in the KV cache (partial prefill; default 0 = full prefill)")
+    p.add_argument("--batch", type=int, default=1, help="B: identical sequences in the batch (default 1)")
+    p.add_argument("--weights", default="bf16", help=f"weight format: {', '.join(WEIGHT_FORMATS)} (default bf16; "
+                                                     "fp8-ffn is the paper's row-wise FP8 FFN)")
+    p.add_argument("--act-dtype", default="bf16", help=f"activation and Q/K/V message dtype: "
+                                                       f"{', '.join(DTYPE_BYTES)} (default bf16)")
+    p.add_argument("--kv-dtype", default="bf16", help=f"KV cache dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    p.add_argument("--method", default="alg5", choices=METHODS,
+                   help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), "
+                        "empirical (App. D), simulator (cost model), decode, or force pass-kv / pass-q")
+    p.add_argument("--json", action="store_true", help="print one JSON object on one line instead of the table")
+    p.add_argument("--sweep", action="store_true", help="try CP = 1..--max-cp and report the smallest that fits "
+                                                        "in memory and meets --ttft-target")
+    p.add_argument("--ttft-target", type=float, help="TTFT target in seconds (required with --sweep)")
+    p.add_argument("--max-cp", type=int, default=64, help="largest CP size --sweep tries (default 64)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from cpinfer.perf import planner, report  # imported on use: keeps `cpinfer --help` fast
+
+    work = planner.Workload(args.prompt_tokens, args.cached_tokens, args.batch)
+    if args.sweep:
+        if args.ttft_target is None:
+            raise ValueError("--sweep needs --ttft-target SECONDS")
+        base = planner.build_deployment(args.model, args.hardware, 1, args.tp, args.weights, args.act_dtype,
+                                        args.kv_dtype)
+        rows, plan = planner.sweep_cp(base, work, args.ttft_target, args.max_cp, args.method)
+        if args.json:
+            out = plan.to_dict() if plan else {}
+            out.update(ttft_target_s=args.ttft_target, smallest_cp=plan.deployment.cp if plan else None,
+                       sweep=[vars(r) for r in rows])
+            print(json.dumps(out))
+        else:
+            print(report.format_sweep(rows, args.ttft_target, plan))
+            if plan:
+                print("\n" + report.format_plan(plan))
+        return 0 if plan else 1
+    if args.cp is None:
+        raise ValueError("--cp is required (or use --sweep with --ttft-target)")
+    dep = planner.build_deployment(args.model, args.hardware, args.cp, args.tp, args.weights, args.act_dtype,
+                                   args.kv_dtype)
+    plan = planner.make_plan(dep, work, args.method)
+    if args.json:
+        out = plan.to_dict()
+        if args.ttft_target is not None:
+            out["meets_ttft_target"] = plan.chosen_ttft_s <= args.ttft_target
+        print(json.dumps(out))
+    else:
+        print(report.format_plan(plan))
+        if args.ttft_target is not None:
+            met = plan.chosen_ttft_s <= args.ttft_target
+            print(f"target    TTFT <= {args.ttft_target:g} s: {'met' if met else 'NOT met'}")
+    return 0

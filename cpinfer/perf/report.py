@@ -1,0 +1,67 @@
+"""Plain-text rendering of a `Plan` and of a CP sweep, as `cpinfer plan` prints them."""
+from __future__ import annotations
+
+from cpinfer.perf.planner import Plan, SweepRow
+from cpinfer.perf.simulator import STRATEGIES
+
+ROWS = (  # breakdown key -> label
+    ("gemm", "GEMM (TP-sharded, + LM head)"),
+    ("attention", "attention kernels"),
+    ("merge", "merge partial outputs"),
+    ("sendrecv_exposed", "exposed SendRecv"),
+    ("all2all", "All2All (pass-Q)"),
+    ("allreduce", "TP all-reduce"),
+    ("elementwise", "norms/activations"),
+    ("overhead", "ring-step host floor"),
+)
+
+
+def format_plan(plan: Plan) -> str:
+    d, w = plan.deployment, plan.workload
+    m, hw = d.model, d.hardware
+    lines = [
+        f"model     {m.name}: {m.params / 1e9:.1f}B params, {m.n_layers} layers, {m.n_heads} heads / "
+        f"{m.n_kv_heads} KV heads; weights {d.weights.name}",
+        f"hardware  {hw.name} ({hw.kind}); CP{d.cp} x TP{d.tp} = {d.gpus} devices",
+        f"workload  batch {w.batch} x ({w.prompt_tokens} new + {w.cached_tokens} cached) tokens; "
+        f"miss rate {w.prompt_tokens / w.context_tokens:.2%}",
+        "",
+        f"{'TTFT breakdown (s)':32s}" + "".join(f"{s:>12s}" for s in STRATEGIES),
+    ]
+    for key, label in ROWS:
+        lines.append(f"  {label:30s}" + "".join(f"{plan.ttft[s].breakdown[key]:12.4f}" for s in STRATEGIES))
+    lines.append(f"  {'total TTFT':30s}" + "".join(f"{plan.ttft[s].seconds:12.4f}" for s in STRATEGIES))
+    lines.append(f"  {'TF/s per device (App. A count)':30s}" +
+                 "".join(f"{plan.ttft[s].detail['tflops_per_gpu']:12.1f}" for s in STRATEGIES))
+    kv = plan.ttft["pass-kv"].detail
+    lines += [
+        f"  per ring step: pass-KV message {kv['ring_message_mb']:.2f} MB, SendRecv {kv['step_sendrecv_us']:.0f} us, "
+        f"attention up to {kv['step_attention_max_us']:.0f} us; {kv['padding_tokens']} padding tokens",
+        "",
+        f"choice    {plan.choice.strategy} ({plan.choice.method}): {plan.choice.reason}",
+        f"simulated fastest: {plan.fastest}",
+        f"TTIT      {plan.ttit.seconds * 1e3:.2f} ms per decode step at {w.context_tokens} context, batch {w.batch} "
+        f"(padded to {plan.ttit.detail['padded_batch']}): " + _ttit_parts(plan),
+        f"memory    {plan.memory.weights_gb:.2f} GB weights + {plan.memory.kv_gb:.2f} GB KV = "
+        f"{plan.memory.total_gb:.2f} GB per device of {plan.memory.capacity_gb:.0f} GB -> "
+        f"{'fits' if plan.memory.fits else 'DOES NOT FIT'} (90% usable)",
+    ]
+    return "\n".join(lines)
+
+
+def _ttit_parts(plan: Plan) -> str:
+    parts = sorted(plan.ttit.breakdown.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v * 1e3:.1f}" for k, v in parts if v * 1e3 >= 0.05)
+
+
+def format_sweep(rows: list[SweepRow], target_s: float, plan: Plan | None) -> str:
+    lines = [f"{'CP':>4s} {'TTFT (s)':>10s} {'strategy':>9s} {'GB/device':>10s} {'fits':>5s}"]
+    for r in rows:
+        lines.append(f"{r.cp:4d} {r.ttft_s:10.3f} {r.strategy:>9s} {r.memory_gb_per_gpu:10.2f} "
+                     f"{'yes' if r.fits else 'no':>5s}")
+    if plan is None:
+        lines.append(f"no CP size up to {rows[-1].cp} meets TTFT <= {target_s:g} s")
+    else:
+        lines.append(f"smallest CP meeting TTFT <= {target_s:g} s: CP{plan.deployment.cp} "
+                     f"({plan.deployment.gpus} devices, TTFT {plan.chosen_ttft_s:.3f} s)")
+    return "\n".join(lines)
