@@ -126,11 +126,12 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
     breakdown = {k: v * dep.model.n_layers for k, v in per_layer.items()}
     breakdown["gemm"] += _lm_head(dep, batch)
     seconds = sum(breakdown.values())
+    flops = paper_flops(dep.model, prompt_tokens, cached_tokens, batch)
     detail = dict(chunk_tokens=ring.chunk, padding_tokens=batch * ring.padding,
                   tokens_per_rank=batch * ring.q_tokens, ring_message_mb=attn["message_bytes"] / 1e6,
                   step_sendrecv_us=attn["step_sendrecv"] * 1e6,
                   step_attention_max_us=attn["step_attention_max"] * 1e6,
-                  tflops_per_gpu=paper_flops(dep.model, prompt_tokens, cached_tokens, batch) / seconds / dep.gpus / 1e12)
+                  tflops_per_gpu=flops / seconds / dep.gpus / 1e12)
     return Estimate(strategy, seconds, breakdown, detail)
 
 
