@@ -153,6 +153,14 @@ def test_bad_input(t, p, n, kw, msg):
         choose(t, p, n, **kw)
 
 
+def test_numpy_integers_are_accepted_and_floats_rejected():
+    import numpy as np
+    c = choose(np.int64(3000), np.int64(90000), np.int32(4))
+    assert c.inputs["T"] == 3000 and type(c.inputs["T"]) is int
+    with pytest.raises(ValueError, match="integer"):
+        choose(3000.0, 90000)
+
+
 def test_signature_is_the_engine_contract():
     params = inspect.signature(choose_strategy).parameters
     assert list(params)[:3] == ["T", "P", "N"]

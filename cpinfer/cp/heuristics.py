@@ -7,6 +7,7 @@ rational arithmetic, so a batch sitting exactly on a threshold always goes the s
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -66,6 +67,7 @@ def choose_strategy(T: int, P: int, N: int, *, n_heads: int, n_kv_heads: int, he
     "pass-kv" / "pass-q" (forced). P == 0 is full prefill (pass-KV); N == 1 needs no communication.
     empirical: (alpha, beta, gamma) for "empirical"; default the profile's fit, else the paper's.
     """
+    T, P, N = (_as_int(v, what) for v, what in ((T, "T (new tokens)"), (P, "P (cached tokens)"), (N, "N (CP ranks)")))
     _validate(T, P, N, n_heads, n_kv_heads, head_dim, elem_bytes, method)
     hw = load_hardware_profile(hardware)
     base = dict(T=T, P=P, N=N, miss_rate=T / (T + P), hardware=hw.name, requested=method)
@@ -84,6 +86,16 @@ def choose_strategy(T: int, P: int, N: int, *, n_heads: int, n_kv_heads: int, he
     if method == "simulator":
         return _simulated(T, P, N, hw, n_heads, n_kv_heads, head_dim, elem_bytes, base)
     return _analytical(T, P, N, hw, n_heads, n_kv_heads, elem_bytes, method, base)
+
+
+def _as_int(value, what: str) -> int:
+    """Accept any integer type (numpy, torch scalars via __index__); reject floats and bools."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
 
 
 def _validate(T, P, N, n_heads, n_kv_heads, head_dim, elem_bytes, method) -> None:
