@@ -18,35 +18,40 @@ Numbers are predictions of the cost model in cpinfer/perf (see docs/planning.md 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="predict TTFT / TTIT / memory of a CP x TP deployment",
-        description="Predict one forward pass of context-parallel inference on CP x TP devices: TTFT for ring "
-                    "pass-KV and pass-Q with a breakdown, the pass-KV/pass-Q heuristic's choice, decode TTIT and "
+        description="Predict one forward pass of context-parallel inference on CP x TP devices: TTFT for ring\n"
+                    "pass-KV and pass-Q with a breakdown, the pass-KV/pass-Q heuristic's choice, decode TTIT and\n"
                     "memory per device. With --sweep, find the smallest CP size meeting --ttft-target.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", metavar="NAME_OR_PATH", required=True,
                    help=f"catalog model ({', '.join(sorted(MODELS))}) or path to a Hugging Face config.json")
-    p.add_argument("--hardware", required=True,
+    p.add_argument("--hardware", metavar="NAME_OR_PATH", required=True,
                    help=f"hardware profile ({', '.join(sorted(HARDWARE))}) or path to a JSON profile")
-    p.add_argument("--cp", type=int, help="CP size N: ranks of the ring, one TP group each (required without "
-                                          "--sweep)")
-    p.add_argument("--tp", type=int, default=1, help="TP size per CP rank, devices per TP group (default 1)")
-    p.add_argument("--prompt-tokens", type=int, required=True,
+    p.add_argument("--cp", type=int, metavar="N",
+                   help="CP size N: ranks of the ring, one TP group each (required without --sweep)")
+    p.add_argument("--tp", type=int, metavar="K", default=1,
+                   help="TP size per CP rank, devices per TP group (default 1)")
+    p.add_argument("--prompt-tokens", type=int, metavar="T", required=True,
                    help="T: new tokens per sequence to prefill (the prompt, or the new turn)")
-    p.add_argument("--cached-tokens", type=int, default=0,
+    p.add_argument("--cached-tokens", type=int, metavar="P", default=0,
                    help="P: tokens per sequence already in the KV cache (partial prefill; default 0 = full prefill)")
-    p.add_argument("--batch", type=int, default=1, help="B: identical sequences in the batch (default 1)")
-    p.add_argument("--weights", default="bf16", help=f"weight format: {', '.join(WEIGHT_FORMATS)} (default bf16; "
-                                                     "fp8-ffn is the paper's row-wise FP8 FFN)")
-    p.add_argument("--act-dtype", default="bf16", help=f"activation and Q/K/V message dtype: "
-                                                       f"{', '.join(DTYPE_BYTES)} (default bf16)")
-    p.add_argument("--kv-dtype", default="bf16", help=f"KV cache dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
-    p.add_argument("--method", default="alg5", choices=METHODS,
+    p.add_argument("--batch", type=int, metavar="B", default=1,
+                   help="B: identical sequences in the batch (default 1)")
+    p.add_argument("--weights", metavar="FORMAT", default="bf16",
+                   help=f"weight format: {', '.join(WEIGHT_FORMATS)} (default bf16; fp8-ffn is the paper's "
+                        "row-wise FP8 FFN)")
+    p.add_argument("--act-dtype", metavar="DTYPE", default="bf16",
+                   help=f"activation and Q/K/V message dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    p.add_argument("--kv-dtype", metavar="DTYPE", default="bf16",
+                   help=f"KV cache dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    p.add_argument("--method", metavar="METHOD", default="alg5", choices=METHODS,
                    help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), "
                         "empirical (App. D), simulator (cost model), decode, or force pass-kv / pass-q")
     p.add_argument("--json", action="store_true", help="print one JSON object on one line instead of the table")
-    p.add_argument("--sweep", action="store_true", help="try CP = 1..--max-cp and report the smallest that fits "
-                                                        "in memory and meets --ttft-target")
-    p.add_argument("--ttft-target", type=float, help="TTFT target in seconds (required with --sweep)")
-    p.add_argument("--max-cp", type=int, default=64, help="largest CP size --sweep tries (default 64)")
+    p.add_argument("--sweep", action="store_true",
+                   help="try CP = 1..--max-cp and report the smallest that fits in memory and meets --ttft-target")
+    p.add_argument("--ttft-target", type=float, metavar="SECONDS",
+                   help="TTFT target in seconds (required with --sweep)")
+    p.add_argument("--max-cp", type=int, metavar="N", default=64, help="largest CP size --sweep tries (default 64)")
     p.set_defaults(func=run)
 
 
