@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install cpinfer with its dev extras into it. Safe to run again: a finished
+# install is detected and skipped. CPINFER_SKIP_TORCH=1 keeps the torch already in the venv (e.g. a CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION="${CPINFER_TORCH_VERSION:-2.13.0}"
+PY="${PYTHON:-python3}"
+VENV=.venv
+STAMP="$VENV/.cpinfer-installed"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $($PY --version 2>&1)"
+  "$PY" -m venv "$VENV"
+fi
+# Reinstall when the packaging metadata changed since the last successful install.
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
+  exit 0
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+if [ "${CPINFER_SKIP_TORCH:-0}" != 1 ]; then
+  echo "setup: installing torch==$TORCH_VERSION (first, so the dependencies below keep it)"
+  pip install "torch==$TORCH_VERSION"
+fi
+echo "setup: installing cpinfer (editable) with dev extras"
+pip install -e ".[dev]"
+touch "$STAMP"
+echo "setup: done ($VENV)"
