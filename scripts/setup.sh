@@ -17,7 +17,11 @@ fi
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
   exit 0
 fi
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# pip -q still warns once per missing entry of an unused extra index some machines configure; drop only those lines.
+pip() {
+  "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 if [ "${CPINFER_SKIP_TORCH:-0}" != 1 ]; then
   echo "setup: installing torch==$TORCH_VERSION (first, so the dependencies below keep it)"
   pip install "torch==$TORCH_VERSION"
