@@ -146,7 +146,8 @@ class WorkerPool:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
                 if dead or waited > deadline:
                     self.close(force=True)
-                    why = f"rank(s) {dead} died" if dead else f"no answer after {deadline:.0f}s"
+                    why = (f"rank(s) {dead} died (see their output above; a script that starts ranks needs an "
+                           "`if __name__ == \"__main__\":` guard)") if dead else f"no answer after {deadline:.0f}s"
                     raise RuntimeError(f"worker pool failed during {what}: {why}; the pool was shut down")
                 continue
             if status == "error":

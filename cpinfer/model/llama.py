@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)   # [L, Hkv, D]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)   # [L, Hkv, D]
         out = attn(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [L, H, D]
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):

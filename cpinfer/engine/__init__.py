@@ -1,0 +1,1 @@
+"""The serving engine: scheduler and sampling on the driver, SPMD workers that own model replicas and KV shards."""
