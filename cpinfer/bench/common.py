@@ -1,0 +1,84 @@
+"""Helpers shared by the engine benchmarks (`prefill`, `decode`, `partial`): random Llama-3-shaped checkpoints in a
+cache folder, a quiet-machine wrapper around a measurement, and the report plumbing of `bench attention`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+from cpinfer.bench.attention import (DOC_PATH, ForeignCPU, _cp_sizes, _fmt_table, machine_info, machine_line,
+                                     positive_int, write_doc_section)
+
+__all__ = ["DOC_PATH", "ForeignCPU", "cp_sizes", "fmt_table", "machine_info", "machine_line", "positive_int",
+           "write_doc_section", "add_common_arguments", "cache_dir", "random_model", "random_prompt", "measured", "finish_report"]
+
+cp_sizes = _cp_sizes
+fmt_table = _fmt_table
+
+
+def cache_dir() -> Path:
+    """$CPINFER_CACHE, else ~/.cache/cpinfer (created on demand)."""
+    root = Path(os.environ.get("CPINFER_CACHE") or Path.home() / ".cache" / "cpinfer")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def random_model(name: str, seed: int = 0, **config) -> Path:
+    """A random Llama-3-shaped checkpoint in the cache, written once per (shape, seed) and reused afterwards."""
+    from cpinfer.model import write_random_checkpoint
+
+    key = hashlib.sha1(json.dumps([seed, sorted(config.items())]).encode()).hexdigest()[:10]
+    path = cache_dir() / f"{name}-{key}"
+    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        write_random_checkpoint(tmp, seed=seed, **config)
+        try:
+            os.rename(tmp, path)  # atomic; fails if a concurrent writer got there first
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids in [3, vocab): avoids the special ids 0-2 (bos/eos of the random checkpoints)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def measured(fn, *args):
+    """Run fn(*args) and return (result, machine dict with load and foreign CPU share during the run)."""
+    before = [round(x, 2) for x in os.getloadavg()]
+    with ForeignCPU() as foreign:
+        res = fn(*args)
+    machine = machine_info()
+    machine["load_avg_before"] = before
+    machine["foreign_cpu_share"] = foreign.share
+    return res, machine
+
+
+def finish_report(args, res: dict, report: str, doc_key: str, title: str) -> None:
+    """Print the report and machine line, warn when the machine was busy, write the doc section / JSON if asked."""
+    machine = res["machine"]
+    print(report)
+    print(f"\n{machine_line(machine)}")
+    share = machine.get("foreign_cpu_share")
+    if share is not None and share > 0.05:
+        print(f"warning: other processes used {100 * share:.0f}% of the machine during the run; "
+              "the timings are disturbed", file=sys.stderr)
+    if getattr(args, "write_doc", None):
+        body = "\n".join([f"### {title}", "", "```", res["command"], "```", "", machine_line(machine), "",
+                          report, ""])
+        write_doc_section(args.write_doc, doc_key, body)
+    if getattr(args, "json", False):
+        print(json.dumps(res))
+
+
+def add_common_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
+    parser.add_argument("--write-doc", nargs="?", const=DOC_PATH, type=Path, metavar="FILE",
+                        help=f"replace (or append) this run's section in FILE (default: {DOC_PATH})")
