@@ -1,0 +1,123 @@
+"""`cpinfer generate`: one prompt through a real checkpoint on N local context-parallel ranks (a thin layer over
+`LLM.generate`). Prints the completion (text when the model folder has a tokenizer, token ids otherwise), the
+time to first token, the time between tokens and the strategy chosen for each phase.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cpinfer.bench.attention import positive_int
+
+
+def _token_ids(text: str) -> list[int]:
+    """argparse type for --prompt-ids: comma-separated non-negative integers."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids (e.g. 1,2,3), got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative token ids, got {text!r}")
+    return ids
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise ValueError(f"--model {path}: no such directory")
+    if not (path / "config.json").exists():
+        raise ValueError(f"--model {path}: no config.json (expected a Hugging Face Llama checkpoint folder)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"--model {path}: no *.safetensors weights")
+
+
+def _summary(out, strategy_steps: list[dict]) -> dict:
+    m = out.metrics
+    by_phase: dict[str, list[str]] = {}
+    for s in strategy_steps:
+        name = f"{s['strategy']} ({s['method']})"
+        by_phase.setdefault(s["phase"], [])
+        if name not in by_phase[s["phase"]]:
+            by_phase[s["phase"]].append(name)
+    ttit = m["ttit_s"]
+    return {"prompt_tokens": len(out.prompt_token_ids), "token_ids": out.token_ids, "text": out.text,
+            "logprobs": out.logprobs, "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
+            "ttft_s": m["ttft_s"], "ttit_s": ttit, "ttit_mean_s": sum(ttit) / len(ttit) if ttit else None,
+            "strategy": {k: ", ".join(v) for k, v in by_phase.items()},
+            "new_tokens_per_rank": m.get("new_tokens_per_rank")}
+
+
+def run(args) -> int:
+    from cpinfer import LLM, SamplingParams
+
+    model = Path(args.model).expanduser()
+    _check_model_dir(model)
+    if args.hardware_profile is not None:
+        from cpinfer.perf.hardware import load_hardware_profile
+
+        load_hardware_profile(args.hardware_profile)  # a bad name fails here, before any rank starts
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k or 0, seed=args.seed, logprobs=True, ignore_eos=args.ignore_eos)
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    with LLM(str(model), context_parallel_size=args.cp, max_kv_tokens_per_rank=args.max_kv_tokens_per_rank,
+             strategy=args.strategy, hardware_profile=args.hardware_profile,
+             threads_per_rank=args.threads_per_rank) as llm:
+        out = llm.generate(prompt, params)[0]
+    res = _summary(out, out.metrics["steps"])
+    res["cp"] = args.cp
+    if res["text"] is not None:
+        print(res["text"])
+    else:
+        print("token ids:", " ".join(map(str, res["token_ids"])))
+    ttit = "n/a" if res["ttit_mean_s"] is None else f"{1000 * res['ttit_mean_s']:.1f} ms"
+    print(f"prompt {res['prompt_tokens']} tokens, {len(res['token_ids'])} generated ({res['finish_reason']}); "
+          f"CP={args.cp}; TTFT {res['ttft_s']:.3f} s; mean TTIT {ttit}")
+    print("strategy: " + "; ".join(f"{k} → {v}" for k, v in res["strategy"].items()))
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate from a checkpoint on N local CP ranks", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", required=True, metavar="PATH",
+                        help="Hugging Face Llama checkpoint folder: config.json + *.safetensors (+ tokenizer files "
+                             "to accept --prompt text)")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks (local CPU processes)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, metavar="1,2,3", help="prompt as comma-separated token ids")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=_non_negative, default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens "
+                        "(default: all)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
+                        help="ring variant: auto = pass-KV for full prefill, the paper's heuristic (Alg. 5) for "
+                             "partial prefill, pass-Q for decode; or force one for every phase")
+    parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
+                        help="KV-cache capacity of each rank in tokens (default: a share of RAM)")
+    parser.add_argument("--hardware-profile", default=None, metavar="NAME",
+                        help="hardware profile used by the strategy heuristic (default: cpu-gloo on CPU)")
+    parser.add_argument("--threads-per-rank", type=positive_int, default=None,
+                        help="torch threads per rank (default: cores / CP)")
+    parser.add_argument("--json", action="store_true", help="also print the result as one JSON object on the last line")
+    parser.set_defaults(func=run)
