@@ -19,8 +19,9 @@ from cpinfer.engine import worker as W
 from cpinfer.engine.sampling import SamplingParams, sample
 from cpinfer.engine.strategy import choose_for_batch
 from cpinfer.kvcache import BLOCK, ClusterLayout, KVStore
-from cpinfer.launch import WorkerPool
+from cpinfer.launch import RemoteError, WorkerPool
 from cpinfer.model.config import ModelConfig
+from cpinfer.model.loader import checkpoint_files
 from cpinfer.utils import ceil_div, get_logger
 
 log = get_logger()
@@ -67,6 +68,7 @@ class LLM:
                  kv_memory_fraction: float = 0.25, strategy: str = "auto", hardware_profile: str | None = None,
                  threads_per_rank: int | None = None, timeout_s: float = 600.0):
         self.config = ModelConfig.from_pretrained(model)  # validates the directory before starting ranks
+        checkpoint_files(Path(model))  # raises ValueError when no weights are there
         self._check_args(context_parallel_size, tensor_parallel_size, device, dtype, strategy)
         self.n = context_parallel_size
         self.strategy = strategy
@@ -81,6 +83,11 @@ class LLM:
                                 threads_per_rank=threads, timeout_s=timeout_s)
         try:
             self._pool.run(W.init_worker, model, dtype, capacity)
+        except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
+            self._pool.close(force=True)
+            if exc.exception_type == "ValueError":
+                raise ValueError(exc.errors[min(exc.errors)][1]) from None
+            raise
         except BaseException:
             self._pool.close(force=True)
             raise
@@ -176,8 +183,9 @@ class LLM:
         if bad:
             raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
         total = len(prompt) + params.max_tokens
-        if total > self.config.max_position_embeddings * 4:
-            raise ValueError(f"prompt + max_tokens = {total} exceeds 4x the model's max_position_embeddings")
+        if total > self.config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                             f"model's max_position_embeddings ({self.config.max_position_embeddings})")
         need = ceil_div(len(prompt), 2 * self.n) * 2 + ceil_div(params.max_tokens, self.n) + 1
         cap = self.layout.ranks[0].capacity
         if ceil_div(need, BLOCK) + 1 > self.layout.ranks[0].num_blocks:

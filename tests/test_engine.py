@@ -1,0 +1,188 @@
+"""The engine end to end against Hugging Face transformers on tiny random checkpoints (fp32, CPU, gloo)."""
+import numpy as np
+import pytest
+import torch
+
+from cpinfer import LLM, SamplingParams
+from cpinfer.model.testing import load_hf_model
+
+GREEDY = dict(temperature=0.0, logprobs=True)
+_LLMS = {}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """`engine(path, cp, **kw)`: one LLM per (checkpoint, CP, options) for the whole module."""
+    def get(path, cp, **kw):
+        key = (str(path), cp, tuple(sorted(kw.items())))
+        if key not in _LLMS:
+            _LLMS[key] = LLM(str(path), context_parallel_size=cp, threads_per_rank=1, timeout_s=120, **kw)
+        return _LLMS[key]
+    yield get
+    for llm in _LLMS.values():
+        llm.shutdown()
+    _LLMS.clear()
+
+
+def hf_reference(path, prompt, steps):
+    """(prompt logprobs [len-1], greedy continuation, its logprobs) from transformers, greedy without stopping."""
+    hf = load_hf_model(path)
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        prompt_lp = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
+        seq, tokens, out_lp = list(prompt), [], []
+        for _ in range(steps):
+            last = hf(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
+            t = int(last.argmax())
+            tokens.append(t)
+            out_lp.append(float(last[t]))
+            seq.append(t)
+    return prompt_lp, tokens, out_lp
+
+
+def prompts_for(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+def check_against_hf(path, outputs, prompts, steps, check_prompt_lp=True):
+    for o, p in zip(outputs, prompts):
+        ref_plp, ref_tokens, ref_lp = hf_reference(path, p, steps)
+        assert o.token_ids == ref_tokens
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref_lp), atol=1e-4, rtol=0)
+        if check_prompt_lp:
+            assert o.prompt_logprobs[0] is None
+            torch.testing.assert_close(torch.tensor(o.prompt_logprobs[1:]), ref_plp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mqa", "mha", "tied", "llama3"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_matches_hf_mixed_batch(llama_checkpoint, engine, variant, cp):
+    path = llama_checkpoint(variant, max_position_embeddings=2048)
+    llm = engine(path, cp, max_kv_tokens_per_rank=2048)
+    prompts = prompts_for(llm.config.vocab_size, [1, 37, 130], seed=cp)
+    params = SamplingParams(max_tokens=16, prompt_logprobs=True, ignore_eos=True, **GREEDY)
+    outs = llm.generate(prompts, params)
+    check_against_hf(path, outs, prompts, 16)
+    assert all(o.num_cached_tokens == 0 and o.finish_reason == "length" for o in outs)
+    assert outs[0].metrics["steps"][0]["strategy"] == "pass-kv"  # full prefill
+    if cp > 1:
+        assert outs[0].metrics["steps"][-1]["strategy"] == "pass-q"  # decode
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("strategy", ["auto", "pass-kv", "pass-q"])
+def test_three_turn_conversation_reuses_prefix(llama_checkpoint, engine, cp, strategy):
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    llm = engine(path, cp, max_kv_tokens_per_rank=2048, strategy=strategy)
+    rng = np.random.default_rng(cp)
+    prompt = rng.integers(3, 256, 150).tolist()
+    params = SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY)
+    for turn in range(3):
+        out = llm.generate([prompt], params)[0]
+        check_against_hf(path, [out], [prompt], 8, check_prompt_lp=False)
+        if turn:
+            assert out.num_cached_tokens == len(prev_prompt) + len(prev_out) - 1
+            used = out.metrics["steps"][0]["strategy"]
+            assert used == strategy or strategy == "auto"
+        prev_prompt, prev_out = prompt, out.token_ids
+        prompt = prompt + out.token_ids + rng.integers(3, 256, 1 + 20 * turn).tolist()
+
+
+def test_kv_stays_balanced_over_a_long_conversation(llama_checkpoint, engine):
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=4096)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 256, 1001).tolist()
+    for turn in range(3):
+        out = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True, temperature=1.0, seed=turn))[0]
+        prompt = prompt + out.token_ids + rng.integers(3, 256, 7).tolist()
+    seq_id = max(llm._cached)  # the conversation's sequence
+    counts = np.asarray(llm.layout.tokens_per_rank(seq_id))
+    assert counts.sum() == len(prompt) - 7 - 1
+    assert counts.max() / counts.mean() <= 1.01, counts
+
+
+def test_capacity_rejection_leaves_engine_serving(llama_checkpoint, engine):
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=512)
+    prompt = prompts_for(256, [100])[0]
+    first = llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
+    with pytest.raises(ValueError, match="KV tokens per rank"):
+        llm.generate([prompts_for(256, [1500])[0]], SamplingParams(max_tokens=4))
+    again = llm.generate([prompt + first.token_ids + [7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert again.num_cached_tokens == len(prompt) + len(first.token_ids) - 1  # the cache survived
+    check_against_hf(path, [again], [prompt + first.token_ids + [7, 8]], 4, check_prompt_lp=False)
+
+
+def test_lru_eviction_under_pressure(llama_checkpoint, engine):
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=640)
+    prompts = prompts_for(256, [400, 400, 400], seed=9)
+    for p in prompts:  # each fits alone; together they do not, so older ones are evicted
+        out = llm.generate([p], SamplingParams(max_tokens=2, **GREEDY))[0]
+        check_against_hf(path, [out], [p], 2, check_prompt_lp=False)
+    assert len(llm._cached) < 3
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompts=[[]]), "prompt is empty"),
+    (dict(prompts=[[1, 2, 10_000]]), "outside"),
+    (dict(prompts=["hello"]), "no tokenizer"),
+    (dict(prompts=[list(range(3, 200))] * 1, max_tokens=5000), "max_position_embeddings"),
+])
+def test_bad_requests_raise_and_engine_keeps_serving(llama_checkpoint, engine, bad, match):
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    llm = engine(path, 2, max_kv_tokens_per_rank=2048)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(bad["prompts"], SamplingParams(max_tokens=bad.get("max_tokens", 4)))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert len(out.token_ids) == 2
+
+
+def test_stop_tokens_and_sampling_params(llama_checkpoint, engine):
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    llm = engine(path, 2, max_kv_tokens_per_rank=2048)
+    prompt = prompts_for(256, [40], seed=3)[0]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))[0].token_ids
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=[greedy[2]], ignore_eos=True,
+                                                    **GREEDY))[0]
+    assert stopped.token_ids == greedy[:greedy.index(greedy[2]) + 1] and stopped.finish_reason == "stop"
+    a = llm.generate([prompt], SamplingParams(max_tokens=6, seed=11, top_k=20, top_p=0.9))[0].token_ids
+    b = llm.generate([prompt], SamplingParams(max_tokens=6, seed=11, top_k=20, top_p=0.9))[0].token_ids
+    assert a == b  # seeded sampling is reproducible
+    for kw in (dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+
+
+def test_bad_engine_arguments(llama_checkpoint, tmp_path):
+    path = llama_checkpoint("gqa")
+    for kw, match in ((dict(context_parallel_size=0), "context_parallel_size"),
+                      (dict(context_parallel_size="2"), "context_parallel_size"),
+                      (dict(strategy="ring"), "strategy"), (dict(dtype="int8"), "dtype"),
+                      (dict(max_kv_tokens_per_rank=10), "max_kv_tokens_per_rank")):
+        with pytest.raises(ValueError, match=match):
+            LLM(str(path), **kw)
+    with pytest.raises(ValueError):
+        LLM(str(tmp_path / "missing"))
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(broken))
+
+
+def test_mismatched_checkpoint_is_a_clear_error(llama_checkpoint, tmp_path):
+    import json
+    import shutil
+    path = llama_checkpoint("gqa")
+    bad = tmp_path / "mismatch"
+    shutil.copytree(path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] += 8  # weights no longer match the config
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape"):
+        LLM(str(bad), context_parallel_size=2, threads_per_rank=1, timeout_s=60)
