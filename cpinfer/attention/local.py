@@ -127,6 +127,11 @@ def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[At
         if b == kn:  # every row from r on sees every key
             items.append(AttnItem(q0 + r, q0 + n, k0 + done, k0 + kn, FULL))
             break
+        r_same = int(np.searchsorted(c, b, side="right"))  # rows [r, r_same) see exactly keys [0, b)
+        if r_same - r > 1:  # no stair starts here: keys [done, b) are visible to every row from r on
+            items.append(AttnItem(q0 + r, q0 + n, k0 + done, k0 + b, FULL))
+            done, r = b, r_same
+            continue
         if b - 1 > done:
             items.append(AttnItem(q0 + r, q0 + n, k0 + done, k0 + b - 1, FULL))
             done = b - 1

@@ -22,8 +22,8 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> No
     diff = lse - acc_lse
     both_empty = torch.isneginf(lse) & torch.isneginf(acc_lse)
     diff = torch.where(both_empty, torch.full_like(diff, -torch.inf), diff)  # nan (-inf - -inf) → weight 0
-    w = torch.sigmoid(diff)
-    acc_out.add_((out.float() - acc_out) * w.unsqueeze(-1))
+    w = torch.sigmoid_(diff).unsqueeze(-1)
+    acc_out.lerp_(out.float(), w)
     # new lse = acc_lse - logsigmoid(acc_lse - lse) = logaddexp(acc_lse, lse), exact for ±inf too
     torch.logaddexp(acc_lse, lse, out=acc_lse)
 
