@@ -82,3 +82,37 @@ def add_common_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
     parser.add_argument("--write-doc", nargs="?", const=DOC_PATH, type=Path, metavar="FILE",
                         help=f"replace (or append) this run's section in FILE (default: {DOC_PATH})")
+
+
+def add_model_arguments(parser, *, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
+    """Shape of the random Llama-3-shaped model a benchmark builds (head_dim = hidden / heads)."""
+    parser.add_argument("--hidden", type=positive_int, default=hidden, help=f"hidden size (default: {hidden})")
+    parser.add_argument("--layers", type=positive_int, default=layers, help=f"decoder layers (default: {layers})")
+    parser.add_argument("--heads", type=positive_int, default=heads, help=f"query heads (default: {heads})")
+    parser.add_argument("--kv-heads", type=positive_int, default=kv_heads, help=f"KV heads (default: {kv_heads})")
+    parser.add_argument("--ffn", type=positive_int, default=ffn, help=f"MLP intermediate size (default: {ffn})")
+    parser.add_argument("--vocab", type=positive_int, default=vocab, help=f"vocabulary size (default: {vocab})")
+
+
+def model_config(args, max_positions: int) -> dict:
+    """config.json overrides for `random_model` from `add_model_arguments`' options; checks the head shape."""
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        raise ValueError(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads}), and --heads of "
+                         f"--kv-heads ({args.kv_heads})")
+    positions = 1 << max(12, (max_positions - 1).bit_length())
+    return dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=args.vocab,
+                max_position_embeddings=positions, rope_theta=500000.0)
+
+
+def shape_text(cfg: dict) -> str:
+    return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads x "
+            f"{cfg['hidden_size'] // cfg['num_attention_heads']}, {cfg['num_key_value_heads']} KV heads, "
+            f"ffn {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, fp32")
+
+
+def kv_capacity(tokens: int) -> int:
+    """A per-rank KV capacity (a multiple of the cache block) with room for `tokens` plus a small margin."""
+    from cpinfer.kvcache import BLOCK
+
+    return -(-(tokens + 4 * BLOCK) // BLOCK) * BLOCK

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ["attention", "prefill", "decode", "partial", "cp-vs-tp"]
+BENCHES = ["attention", "prefill", "decode", "partial", "heuristic-quality", "cp-vs-tp"]
 
 
 def _load(name: str):
