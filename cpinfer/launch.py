@@ -197,3 +197,77 @@ class WorkerPool:
             self.close(force=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+def joined_world_requested() -> bool:
+    """True when this process was started by torchrun (or any launcher that sets the env:// variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _call(fn, ctx, args, kwargs):
+    try:
+        return ("ok", fn(ctx, *args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to rank 0
+        return ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+class JoinedWorld:
+    """The same `run` interface as `WorkerPool`, over an existing torchrun world: rank 0 drives, the others serve.
+
+    Rank 0 broadcasts each call over a gloo control group, runs it itself, and gathers every rank's result.
+    The control group waits without a deadline-driven failure for idle periods (up to `idle_timeout_s`); the
+    data groups keep `timeout_s`, and torchrun tears the job down if any rank dies.
+    """
+
+    def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
+                 idle_timeout_s: float = 7 * 24 * 3600.0):
+        if threads_per_rank:
+            torch.set_num_threads(threads_per_rank)
+        device = torch.device("cpu")
+        if backend == "nccl":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout_s = timeout_s
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
+        cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        self.ctx = RankContext(self.rank, self.world_size, dist.group.WORLD, cpu_group, device, {})
+        self._closed = False
+
+    def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 drives a joined world")
+        msg = [(fn, args, kwargs)]
+        dist.broadcast_object_list(msg, src=0, group=self._control)
+        return self._finish(_call(fn, self.ctx, args, kwargs))
+
+    def _finish(self, mine) -> list[Any]:
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self._control)
+        if self.rank != 0:
+            return []
+        errors = {r: payload for r, (status, payload) in enumerate(gathered) if status == "error"}
+        if errors:
+            raise RemoteError(errors)
+        return [payload for _, payload in gathered]
+
+    def serve_forever(self) -> None:
+        """Ranks other than 0: run calls from rank 0 until it shuts down, then exit the process."""
+        while True:
+            msg = [None]
+            dist.broadcast_object_list(msg, src=0, group=self._control)
+            if msg[0] is None:
+                break
+            fn, args, kwargs = msg[0]
+            self._finish(_call(fn, self.ctx, args, kwargs))
+        dist.destroy_process_group()
+        raise SystemExit(0)
+
+    def close(self, force: bool = False) -> None:
+        if self._closed or self.rank != 0:
+            return
+        self._closed = True
+        dist.broadcast_object_list([None], src=0, group=self._control)
+        dist.destroy_process_group()

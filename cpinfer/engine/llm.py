@@ -19,7 +19,8 @@ from cpinfer.engine import worker as W
 from cpinfer.engine.sampling import SamplingParams, sample
 from cpinfer.engine.strategy import choose_for_batch
 from cpinfer.kvcache import BLOCK, ClusterLayout, KVStore
-from cpinfer.launch import RemoteError, WorkerPool
+from cpinfer.distributed import ParallelConfig
+from cpinfer.launch import JoinedWorld, RemoteError, WorkerPool, joined_world_requested
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
 from cpinfer.utils import ceil_div, get_logger
@@ -71,6 +72,11 @@ class LLM:
         checkpoint_files(Path(model))  # raises ValueError when no weights are there
         self._check_args(context_parallel_size, tensor_parallel_size, device, dtype, strategy)
         self.n = context_parallel_size
+        self.parallel = ParallelConfig(context_parallel_size, tensor_parallel_size)
+        self.parallel.check_model(self.config.num_attention_heads, self.config.num_key_value_heads)
+        if self.config.intermediate_size % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must divide intermediate_size "
+                             f"({self.config.intermediate_size})")
         self.strategy = strategy
         self.hardware = hardware_profile or ("cpu-gloo" if device == "cpu" else "h100-gtt")
         self.elem_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
@@ -78,11 +84,18 @@ class LLM:
         if capacity < BLOCK:
             raise ValueError(f"max_kv_tokens_per_rank must be >= {BLOCK}, got {capacity}")
         self.tokenizer = _load_tokenizer(model)
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // self.n)
-        self._pool = WorkerPool(self.n, backend="gloo" if device == "cpu" else "nccl",
-                                threads_per_rank=threads, timeout_s=timeout_s)
+        world = self.parallel.world_size
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+        backend = "gloo" if device == "cpu" else "nccl"
+        if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
+            self._pool = JoinedWorld(backend, threads_per_rank, timeout_s)
+            self.parallel.check_world(self._pool.world_size)
+        else:
+            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=timeout_s)
         try:
-            self._pool.run(W.init_worker, model, dtype, capacity)
+            if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
+                self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
+            self._pool.run(W.init_worker, model, dtype, capacity, self.n, tensor_parallel_size)
         except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
             self._pool.close(force=True)
             if exc.exception_type == "ValueError":
@@ -103,8 +116,8 @@ class LLM:
     def _check_args(cp, tp, device, dtype, strategy):
         if not isinstance(cp, int) or cp < 1:
             raise ValueError(f"context_parallel_size must be a positive integer, got {cp!r}")
-        if tp != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet; use context_parallel_size")
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if dtype not in ("float32", "bfloat16", "float16"):

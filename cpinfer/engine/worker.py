@@ -16,7 +16,9 @@ import torch
 from cpinfer.cp import plan_from_metadata
 from cpinfer.cp.sharding import ShardPlan, shard_decode, shard_prefill
 from cpinfer.kvcache import ClusterLayout, KVStore
-from cpinfer.model import load_model
+from cpinfer.distributed import ParallelConfig, build_groups
+from cpinfer.model import ModelConfig, load_model
+from cpinfer.tensor_parallel import load_tp_model
 
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
@@ -74,17 +76,23 @@ def place_batch(layout: ClusterLayout, batch: ForwardBatch) -> Placement:
 class Worker:
     """One rank's model replica, KV shard and view of every rank's cache layout."""
 
-    def __init__(self, ctx, model_path: str, dtype: torch.dtype, capacity: int):
+    def __init__(self, ctx, model_path: str, dtype: torch.dtype, capacity: int, parallel: ParallelConfig):
         self.ctx = ctx
-        self.config, self.model = load_model(model_path, dtype=dtype, device=ctx.device)
+        self.groups = build_groups(parallel, ctx.rank, ctx.group)
+        if parallel.tp == 1:
+            self.config, self.model = load_model(model_path, dtype=dtype, device=ctx.device)
+        else:
+            self.config = ModelConfig.from_pretrained(model_path)
+            self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
+                                       self.groups.tp_group, dtype=dtype, device=ctx.device)
         c = self.config
-        self.layout = ClusterLayout(ctx.world_size, capacity)
-        self.store = KVStore(c.num_hidden_layers, self.layout.ranks[0].capacity, c.num_key_value_heads,
-                             c.head_dim, dtype, ctx.device)
+        n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
+        self.layout = ClusterLayout(parallel.cp, capacity)
+        self.store = KVStore(c.num_hidden_layers, self.layout.ranks[0].capacity, n_kv, c.head_dim, dtype, ctx.device)
 
     def execute(self, batch: ForwardBatch) -> dict:
         t0 = time.perf_counter()
-        rank, n = self.ctx.rank, self.ctx.world_size
+        rank, n = self.groups.cp_rank, self.groups.config.cp
         place = place_batch(self.layout, batch)
         shards = place.shard.shards
         me = shards[rank]
@@ -92,7 +100,7 @@ class Worker:
         for lay in self.layout.ranks:
             hw = lay.high_water()
             kv_meta.append((lay.seq[:hw], lay.pos[:hw]))
-        plan = plan_from_metadata([(sh.seq, sh.pos) for sh in shards], kv_meta, group=self.ctx.group,
+        plan = plan_from_metadata([(sh.seq, sh.pos) for sh in shards], kv_meta, group=self.groups.cp_group,
                                   rank=rank, world=n, strategy=batch.strategy)
         hw = len(kv_meta[rank][0])
         dev = self.ctx.device
@@ -109,13 +117,14 @@ class Worker:
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]
-            result = self._outputs(batch, place, hidden)
+            # every TP rank of a node holds the same hidden states: one of them reports
+            result = self._outputs(batch, place, hidden) if self.groups.tp_rank == 0 else {"last": {}, "prompt_lp": {}}
         result["forward_s"] = time.perf_counter() - t0
         return result
 
     def _outputs(self, batch: ForwardBatch, place: Placement, hidden: torch.Tensor) -> dict:
         """Logits of each sequence's last new token held here; prompt log-probs of rows held here."""
-        me = place.shard.shards[self.ctx.rank]
+        me = place.shard.shards[self.groups.cp_rank]
         starts = np.cumsum([0] + [len(w.token_ids) for w in batch.seqs])
         last_flat = {int(starts[i + 1] - 1): w.seq_id for i, w in enumerate(batch.seqs)}
         rows = [r for r, idx in enumerate(me.index) if idx in last_flat]
@@ -139,8 +148,8 @@ class Worker:
 
 # ---------------------------------------------------------------- functions the driver runs on every rank
 
-def init_worker(ctx, model_path: str, dtype: str, capacity: int) -> dict:
-    w = Worker(ctx, model_path, getattr(torch, dtype), capacity)
+def init_worker(ctx, model_path: str, dtype: str, capacity: int, cp: int = 1, tp: int = 1) -> dict:
+    w = Worker(ctx, model_path, getattr(torch, dtype), capacity, ParallelConfig(cp, tp))
     ctx.state["worker"] = w
     return {"capacity": w.layout.ranks[0].capacity}
 

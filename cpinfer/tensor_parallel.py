@@ -1,0 +1,103 @@
+"""Tensor parallelism applied to a Llama model from outside it (paper §4.1: TP inside a node).
+
+Column-parallel q/k/v, gate and up projections keep this rank's output rows; row-parallel o and down projections
+keep its input columns and all-reduce their output over the TP group. Query heads are split evenly; KV heads are
+split when tp divides them and replicated when tp is a multiple of them (as the paper does for TP16 on 8 KV heads).
+Each rank reads only its slices from the safetensors files.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpinfer.model import ModelConfig, build_model, load_weights
+
+
+class RowParallelLinear(nn.Module):
+    """A linear holding this rank's input columns; the output is summed over the TP group."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.linear, self.group = linear, group
+        self.comm_s = 0.0  # time spent in all-reduce (for benchmarks)
+
+    @property
+    def weight(self):
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [L, in/tp] → [L, out]
+        y = self.linear(x)
+        t0 = time.perf_counter()
+        dist.all_reduce(y, group=self.group)
+        self.comm_s += time.perf_counter() - t0
+        return y
+
+
+def head_ranges(config: ModelConfig, tp: int, tp_rank: int) -> tuple[range, range]:
+    """(query heads, KV heads) this TP rank holds."""
+    hq = config.num_attention_heads // tp
+    q = range(tp_rank * hq, (tp_rank + 1) * hq)
+    nkv = config.num_key_value_heads
+    if nkv % tp == 0:
+        hkv = nkv // tp
+        return q, range(tp_rank * hkv, (tp_rank + 1) * hkv)
+    kv = tp_rank * nkv // tp  # replicated: consecutive TP ranks share one KV head
+    return q, range(kv, kv + 1)
+
+
+def _row_slices(config: ModelConfig, tp: int, tp_rank: int) -> dict[str, slice]:
+    d = config.head_dim
+    q, kv = head_ranges(config, tp, tp_rank)
+    f = config.intermediate_size // tp
+    return {"q_proj": slice(q.start * d, q.stop * d), "k_proj": slice(kv.start * d, kv.stop * d),
+            "v_proj": slice(kv.start * d, kv.stop * d), "gate_proj": slice(tp_rank * f, (tp_rank + 1) * f),
+            "up_proj": slice(tp_rank * f, (tp_rank + 1) * f)}
+
+
+def _col_slices(config: ModelConfig, tp: int, tp_rank: int) -> dict[str, slice]:
+    d = config.head_dim
+    q, _ = head_ranges(config, tp, tp_rank)
+    f = config.intermediate_size // tp
+    return {"o_proj": slice(q.start * d, q.stop * d), "down_proj": slice(tp_rank * f, (tp_rank + 1) * f)}
+
+
+def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dtype=torch.float32, device="cpu"):
+    """Build on meta, shrink the sharded linears, load only this rank's slices, wrap the row-parallel ones."""
+    if config.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size ({config.intermediate_size})")
+    rows, cols = _row_slices(config, tp, tp_rank), _col_slices(config, tp, tp_rank)
+    model = build_model(config, dtype)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if not isinstance(lin, nn.Linear):
+                    continue
+                out_f, in_f = lin.out_features, lin.in_features
+                if name in rows:
+                    out_f = rows[name].stop - rows[name].start
+                if name in cols:
+                    in_f = cols[name].stop - cols[name].start
+                with torch.device("meta"):
+                    setattr(parent, name, nn.Linear(in_f, out_f, bias=False, dtype=dtype))
+
+    def slicer(name: str, sl):
+        key = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if ".layers." in name and key in rows:
+            return sl[rows[key]]
+        if ".layers." in name and key in cols:
+            return sl[:, cols[key]]
+        return sl[:]
+
+    load_weights(model, path, dtype=dtype, device=device, slicer=slicer)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, tp_group)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, tp_group)
+    return model
+
+
+def allreduce_seconds(model) -> float:
+    """Total time the model's row-parallel layers spent in all-reduce so far."""
+    return sum(m.comm_s for m in model.modules() if isinstance(m, RowParallelLinear))
