@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cpinfer import LLM, SamplingParams
-from cpinfer.model.testing import load_hf_model
+from hf_oracle import check_against_hf, prompts_for
 
 GREEDY = dict(temperature=0.0, logprobs=True)
 _LLMS = {}
@@ -22,37 +22,6 @@ def engine():
     for llm in _LLMS.values():
         llm.shutdown()
     _LLMS.clear()
-
-
-def hf_reference(path, prompt, steps):
-    """(prompt logprobs [len-1], greedy continuation, its logprobs) from transformers, greedy without stopping."""
-    hf = load_hf_model(path)
-    with torch.no_grad():
-        lp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-        prompt_lp = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
-        seq, tokens, out_lp = list(prompt), [], []
-        for _ in range(steps):
-            last = hf(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
-            t = int(last.argmax())
-            tokens.append(t)
-            out_lp.append(float(last[t]))
-            seq.append(t)
-    return prompt_lp, tokens, out_lp
-
-
-def prompts_for(vocab, lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, n).tolist() for n in lengths]
-
-
-def check_against_hf(path, outputs, prompts, steps, check_prompt_lp=True):
-    for o, p in zip(outputs, prompts):
-        ref_plp, ref_tokens, ref_lp = hf_reference(path, p, steps)
-        assert o.token_ids == ref_tokens
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref_lp), atol=1e-4, rtol=0)
-        if check_prompt_lp:
-            assert o.prompt_logprobs[0] is None
-            torch.testing.assert_close(torch.tensor(o.prompt_logprobs[1:]), ref_plp, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "mqa", "mha", "tied", "llama3"])
