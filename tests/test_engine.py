@@ -155,3 +155,14 @@ def test_mismatched_checkpoint_is_a_clear_error(llama_checkpoint, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="shape"):
         LLM(str(bad), context_parallel_size=2, threads_per_rank=1, timeout_s=60)
+
+
+def test_request_finishing_in_prefill_releases_its_cache(llama_checkpoint, engine):
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=512)
+    for seed in range(6):  # without release, these would exhaust the 512-token ranks
+        prompt = prompts_for(256, [300], seed=seed)[0]
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY))[0]
+        assert out.finish_reason == "length" and len(out.token_ids) == 1
+    again = llm.generate([prompt + out.token_ids + [3]], SamplingParams(max_tokens=1, **GREEDY))[0]
+    assert again.num_cached_tokens == len(prompt)

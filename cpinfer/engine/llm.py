@@ -172,7 +172,7 @@ class LLM:
             admitted = self._admit(waiting, running)
             if admitted:
                 self._prefill(admitted, t_start, use_tqdm)
-                running += [r for r in admitted if r.finish is None]
+                running += admitted  # those already finished (max_tokens=1, EOS) are released below
             elif running:
                 self._decode(running)
             else:
