@@ -27,7 +27,7 @@ def register(subparsers) -> None:
         module = _load(name)
         if module is None:
             continue
-        summary = (module.__doc__ or name).strip().splitlines()[0]
+        summary = (module.__doc__ or name).strip().splitlines()[0].replace("%", "%%")  # argparse %-formats help
         bench_parser = sub.add_parser(name, help=summary, description=module.__doc__)
         module.add_arguments(bench_parser)
         bench_parser.set_defaults(func=module.run)

@@ -135,8 +135,10 @@ def run_engine_demo(cp: int = 2, prompt_tokens: int = 4000, max_tokens: int = 16
     from cpinfer import LLM
     from cpinfer.kvcache import BLOCK
 
+    from cpinfer.model.config import ModelConfig
+
     model_dir = model_dir or random_model("demo-model", seed=seed, **DEMO_MODEL)
-    vocab = DEMO_MODEL["vocab_size"]
+    vocab = ModelConfig.from_pretrained(str(model_dir)).vocab_size
     first = random_prompt(prompt_tokens, vocab, seed)
     capacity = -(-(prompt_tokens + extra_tokens + 2 * max_tokens + 4 * BLOCK) // BLOCK) * BLOCK
     results = []

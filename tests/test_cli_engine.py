@@ -1,0 +1,94 @@
+"""The engine-facing commands: `cpinfer demo` (engine stage), `cpinfer generate`, `cpinfer bench prefill`.
+
+Each runs in-process through `cpinfer.cli.main` (ranks are spawned by the engine); sizes are tiny to stay fast.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cpinfer.cli import main
+from cpinfer.commands import demo
+from cpinfer.model import write_random_checkpoint
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=0, **TINY)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CPINFER_CACHE", str(tmp_path / "cache"))
+
+
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_demo_engine_stage_passes(capsys):
+    rc = main(["demo", "--prompt-tokens", "300", "--max-tokens", "4", "--skip-attention"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS: turn 1" in out and "PASS: turn 2" in out and "demo: PASS" in out
+    assert "prefilling 300 tokens" in out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit()]  # CP, turn, prompt, cached, ...
+    assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
+    assert all(r[3] == str(300 + 4 - 1) for r in rows if r[1] == "2")  # turn 2 reuses turn 1's prompt + output
+
+
+def test_compare_turns_flags_a_mismatch():
+    def turn(cp, tokens, lps):
+        return demo.TurnResult(cp, 1, 10, 0, tokens, lps, 0.1, [], "pass-kv", "pass-q", [10], [10])
+
+    ok, lines = demo.compare_turns([turn(1, [1, 2], [-1.0, -2.0]), turn(2, [1, 2], [-1.0, -2.01])])
+    assert not ok and lines[0].startswith("FAIL")
+    ok, _ = demo.compare_turns([turn(1, [1, 2], [-1.0, -2.0]), turn(2, [1, 3], [-1.0, -2.0])])
+    assert not ok
+
+
+def test_generate_cp2_json(ckpt, capsys):
+    rc = main(["generate", "--model", str(ckpt), "--cp", "2", "--prompt-ids", "1,2,3", "--max-tokens", "3",
+               "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = _last_json(out)
+    assert len(res["token_ids"]) == 3 and res["prompt_tokens"] == 3 and res["cp"] == 2
+    assert res["strategy"]["prefill"].startswith("pass-kv") and res["strategy"]["decode"].startswith("pass-q")
+    assert res["ttft_s"] > 0 and len(res["ttit_s"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-ids", "1,x"], "comma-separated token ids"),
+    (["--prompt-ids", "1,2", "--cp", "0"], "positive integer"),
+    (["--prompt", "hello"], "no tokenizer"),
+    (["--prompt-ids", "1,99999"], "outside"),
+    (["--prompt-ids", "1", "--hardware-profile", "no-such"], "unknown hardware"),
+    (["--prompt-ids", "1", "--top-p", "1.5"], "must be in (0, 1]"),
+])
+def test_generate_bad_input_exits_2(ckpt, capsys, argv, message):
+    try:
+        rc = main(["generate", "--model", str(ckpt), *argv])
+    except SystemExit as exc:  # argparse errors
+        rc = exc.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_missing_model_exits_2(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_bench_prefill_small_json(capsys):
+    rc = main(["bench", "prefill", "--cp", "1,2", "--tokens", "256", "--json", "--hidden", "64", "--heads", "4",
+               "--kv-heads", "2", "--ffn", "128", "--vocab", "256"])
+    res = _last_json(capsys.readouterr().out)
+    assert rc == 0
+    assert set(res["efficiency"]) == {"1", "2"} and res["efficiency"]["1"] == pytest.approx(1.0)
+    assert res["efficiency"]["2"] > 0 and res["hf"]["ttft_s"] > 0
+    assert res["engine"]["2"]["strategy"] == "pass-kv"
