@@ -88,3 +88,13 @@ def test_torchrun_mismatched_launch_fails_fast_on_every_rank(llama_checkpoint, t
     assert runs[0].returncode != 0
     assert runs[0].stdout.count("launched world has 2 processes") >= 2  # both ranks say why
     assert not (tmp_path / "never.json").exists()
+
+
+def test_cp_vs_tp_bench_runs_small():
+    res = subprocess.run([sys.executable, "-m", "cpinfer", "bench", "cp-vs-tp", "--tokens", "128", "--hidden", "64",
+                          "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "256", "--repeat", "1",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["layout"] for r in rows] == ["CP1", "CP2", "TP2"]
+    assert all(r["ttft_s"] > 0 and 0 <= r["comm_share"] <= 1 for r in rows)

@@ -88,6 +88,7 @@ class Worker:
         c = self.config
         n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
         self.layout = ClusterLayout(parallel.cp, capacity)
+        self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
         self.store = KVStore(c.num_hidden_layers, self.layout.ranks[0].capacity, n_kv, c.head_dim, dtype, ctx.device)
 
     def execute(self, batch: ForwardBatch) -> dict:
@@ -113,7 +114,10 @@ class Worker:
         def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
             store.k[layer].index_copy_(0, slots, k[valid])
             store.v[layer].index_copy_(0, slots, v[valid])
-            return plan.run(q, store.k[layer, :hw], store.v[layer, :hw])
+            steps: list[dict] = []
+            out = plan.run(q, store.k[layer, :hw], store.v[layer, :hw], timings=steps)
+            self.ring_wait_s += sum(st["wait_s"] for st in steps)  # exposed CP communication
+            return out
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]
