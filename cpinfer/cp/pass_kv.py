@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.local import get_backend, new_accumulator, run_items
-from cpinfer.cp.ring import RingComm
+from cpinfer.cp.ring import ring_steps
 
 
 def _pack_kv(plan, k, v) -> torch.Tensor:
@@ -28,25 +28,12 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
     backend = get_backend(None, q.device)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-    n = plan.world
-    if n > 1:
-        cur = _pack_kv(plan, k, v)
-        nxt = torch.empty_like(cur)
-        ring = RingComm(plan.group)
-    for j in range(n):
-        t0 = time.perf_counter()
-        if j < n - 1:
-            ring.start(cur, nxt)  # send the block I hold, receive the previous rank's
-        if j == 0:
-            run_items(plan.steps[0], q, k, v, acc_out, acc_lse, scale, backend)
-        else:
-            run_items(plan.steps[j], q, cur[0], cur[1], acc_out, acc_lse, scale, backend)
-        t1 = time.perf_counter()
-        if j < n - 1:
-            ring.wait()
-            cur, nxt = nxt, cur
-        if timings is not None:
-            timings.append({"step": j, "compute_s": t1 - t0, "wait_s": time.perf_counter() - t1})
+
+    def compute(j, block):  # step 0 reads my K/V in place; later steps the block received from rank - j
+        kj, vj = (k, v) if j == 0 else (block[0], block[1])
+        run_items(plan.steps[j], q, kj, vj, acc_out, acc_lse, scale, backend)
+
+    ring_steps(plan.group, _pack_kv(plan, k, v) if plan.world > 1 else None, plan.world, compute, timings)
     return acc_out.to(q.dtype)
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from cpinfer.attention.local import get_backend, run_items
 from cpinfer.attention.merge import merge_partials
-from cpinfer.cp.ring import RingComm
+from cpinfer.cp.ring import ring_steps
 
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
@@ -25,24 +25,14 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)
     partials[..., d] = -torch.inf
     cur = q
-    if n > 1:
+    if n > 1:  # queries travel padded to the longest rank's count
         cur = q.new_zeros((rows, h, d))
         cur[:lq] = q
-        nxt = torch.empty_like(cur)
-        ring = RingComm(plan.group)
-    for j in range(n):
-        t0 = time.perf_counter()
-        if j < n - 1:
-            ring.start(cur, nxt)
-        s = plan.source(j)
-        part = partials[s]
-        _run_into(plan.steps[j], cur, k, v, part, scale, backend)
-        t1 = time.perf_counter()
-        if j < n - 1:
-            ring.wait()
-            cur, nxt = nxt, cur
-        if timings is not None:
-            timings.append({"step": j, "compute_s": t1 - t0, "wait_s": time.perf_counter() - t1})
+
+    def compute(j, block):  # block holds the queries that started on rank (rank - j)
+        _run_into(plan.steps[j], block, k, v, partials[plan.source(j)], scale, backend)
+
+    ring_steps(plan.group, cur, n, compute, timings)
     if n == 1:
         return partials[0, :lq, :, :d].to(q.dtype)
     t0 = time.perf_counter()

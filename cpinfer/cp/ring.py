@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -36,3 +38,24 @@ class RingComm:
         for req in self._reqs:
             req.wait()
         self._reqs = []
+
+
+def ring_steps(group, block: torch.Tensor | None, n: int, compute, timings: list | None = None) -> None:
+    """Run N ring steps: at step j, `compute(j, block_j)` runs while block_j travels on to the next rank.
+
+    block_0 is this rank's own block; block_j is the one that started on rank (rank - j) mod N. With N == 1 there
+    is no communication (block may be None). Appends {"step", "compute_s", "wait_s"} per step to `timings`.
+    """
+    ring = RingComm(group) if n > 1 else None
+    spare = torch.empty_like(block) if n > 1 else None
+    for j in range(n):
+        t0 = time.perf_counter()
+        if j < n - 1:
+            ring.start(block, spare)  # send what I hold, receive the previous rank's
+        compute(j, block)
+        t1 = time.perf_counter()
+        if j < n - 1:
+            ring.wait()
+            block, spare = spare, block
+        if timings is not None:
+            timings.append({"step": j, "compute_s": t1 - t0, "wait_s": time.perf_counter() - t1})
