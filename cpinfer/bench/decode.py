@@ -48,7 +48,7 @@ def format_report(res: dict) -> str:
 
 def command_line(args) -> str:
     cmd = f"cpinfer bench decode --cp {','.join(map(str, args.cp))} --context {args.context} --steps {args.steps}"
-    shape = (("hidden", 256), ("layers", 2), ("heads", 4), ("kv_heads", 1), ("ffn", 768), ("vocab", 1024))
+    shape = (("hidden", 256), ("layers", 2), ("heads", 4), ("kv_heads", 2), ("ffn", 768), ("vocab", 1024))
     for name, default in shape:
         if getattr(args, name) != default:
             cmd += f" --{name.replace('_', '-')} {getattr(args, name)}"
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=C.positive_int, default=65536,
                         help="cached tokens before decoding (default: 65536)")
     parser.add_argument("--steps", type=C.positive_int, default=16, help="decode steps timed (default: 16)")
-    C.add_model_arguments(parser, hidden=256, layers=2, heads=4, kv_heads=1, ffn=768, vocab=1024)
+    C.add_model_arguments(parser, hidden=256, layers=2, heads=4, kv_heads=2, ffn=768, vocab=1024)
     C.add_common_arguments(parser)
 
 
