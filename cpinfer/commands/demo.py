@@ -144,9 +144,11 @@ def run_engine_demo(cp: int = 2, prompt_tokens: int = 4000, max_tokens: int = 16
     results = []
     for n in sorted({1, cp}):
         t0 = time.perf_counter()
+        threads = max(1, _cores() // n)  # the same cores for every CP size
         with LLM(str(model_dir), context_parallel_size=n, max_kv_tokens_per_rank=capacity,
-                 threads_per_rank=max(1, _cores() // n)) as llm:
-            print(f"[CP={n}] {n} rank(s) started in {time.perf_counter() - t0:.1f} s", flush=True)
+                 threads_per_rank=threads) as llm:
+            print(f"[CP={n}] {n} rank(s) x {threads} thread(s) started in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
             one = _turn(llm, n, 1, first, max_tokens, 0)
             second = first + one.token_ids + random_prompt(extra_tokens, vocab, seed + 1)
             # the last output token was never fed through the model, so its K/V is not cached
