@@ -38,8 +38,8 @@ def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]]
     """{(T, P): median turn-2 TTFT} for one forced strategy, all on one LLM instance."""
     from cpinfer import LLM, SamplingParams
 
-    # max_tokens=2: a request that finishes inside its prefill is not kept in the engine's prefix cache (engine
-    # behaviour at the time of writing), and TTFT is measured at the end of the prefill either way.
+    # max_tokens=2: TTFT is taken at the end of the prefill either way, and a request that has decoded once is
+    # released to the prefix cache on every engine version (ones ending inside their prefill were not, before 336da01).
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     ps = sorted({p for _, p in grid})
     need = sum(p + 1 + max(t for t, q in grid if q == p) for p in ps)

@@ -19,8 +19,8 @@ def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int) -> dic
     """Median TTFT of `repeat` full prefills (each a new prompt, so no prefix is reused) after a short warm-up."""
     from cpinfer import LLM, SamplingParams
 
-    # max_tokens=2 rather than 1: a request that ends inside its prefill is never released to the engine's cache
-    # (so its KV blocks would stay taken); TTFT is measured at the end of the prefill either way.
+    # max_tokens=2: TTFT is taken at the end of the prefill either way, and a request that has decoded once is
+    # released to the prefix cache on every engine version (ones ending inside their prefill were not, before 336da01).
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1,
              max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024)) as llm:
