@@ -66,8 +66,7 @@ def test_kv_stays_balanced_over_a_long_conversation(llama_checkpoint, engine):
     for turn in range(3):
         out = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True, temperature=1.0, seed=turn))[0]
         prompt = prompt + out.token_ids + rng.integers(3, 256, 7).tolist()
-    seq_id = max(llm._cached)  # the conversation's sequence
-    counts = np.asarray(llm.layout.tokens_per_rank(seq_id))
+    counts = np.asarray(llm.kv_tokens_per_rank(out.seq_id))
     assert counts.sum() == len(prompt) - 7 - 1
     assert counts.max() / counts.mean() <= 1.01, counts
 

@@ -64,7 +64,7 @@ def test_full_prefill_and_single_rank_and_forced():
     c = choose(10, 0, n=8, method="alg1")
     assert (c.strategy, c.method) == ("pass-kv", "full-prefill")
     c = choose(1, 10**6, n=1)
-    assert (c.strategy, c.method) == ("pass-kv", "forced")
+    assert (c.strategy, c.method) == ("pass-kv", "single-rank")
     c = choose(10**5, 0, method="pass-q")
     assert (c.strategy, c.method) == ("pass-q", "forced")
 

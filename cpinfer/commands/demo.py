@@ -122,7 +122,7 @@ def _turn(llm, cp: int, turn: int, prompt: list[int], max_tokens: int, expect_ca
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
     out = llm.generate(prompt, params)[0]
     m = out.metrics
-    seq = max(llm._cached)  # the sequence this turn just finished (the engine's ids grow; turn 2 extends turn 1's)
+    seq = out.seq_id  # the cached sequence this turn extended
     return TurnResult(cp, turn, len(prompt), out.num_cached_tokens, out.token_ids, out.logprobs, m["ttft_s"],
                       m["ttit_s"], _strategy(m, "prefill"), _strategy(m, "decode"), m["new_tokens_per_rank"],
                       llm.layout.tokens_per_rank(seq))

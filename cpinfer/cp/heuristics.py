@@ -19,7 +19,7 @@ from cpinfer.utils import check_positive
 
 STRATEGIES = ("pass-kv", "pass-q")
 METHODS = ("alg1", "alg5", "empirical", "simulator", "decode", "pass-kv", "pass-q")  # accepted `method`
-CHOICE_METHODS = ("alg1", "alg5", "empirical", "simulator", "forced", "full-prefill", "decode")
+CHOICE_METHODS = ("alg1", "alg5", "empirical", "simulator", "forced", "full-prefill", "decode", "single-rank")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def choose_strategy(T: int, P: int, N: int, *, n_heads: int, n_kv_heads: int, he
     if method in STRATEGIES:
         return StrategyChoice(method, "forced", base, f"{method} was requested explicitly.")
     if N == 1:
-        return StrategyChoice("pass-kv", "forced", base, "A single CP rank sends nothing; attention is local.")
+        return StrategyChoice("pass-kv", "single-rank", base, "A single CP rank sends nothing; attention is local.")
     if method == "decode":
         return StrategyChoice("pass-q", "decode", base, "Decode batches use ring pass-Q: one query per sequence "
                               "is far smaller than its cached K/V (paper §3.6).")

@@ -38,6 +38,7 @@ class RequestOutput:
     num_cached_tokens: int
     finish_reason: str
     metrics: dict
+    seq_id: int = -1  # the KV-cache sequence that holds this conversation (see LLM.kv_tokens_per_rank)
 
 
 @dataclasses.dataclass
@@ -154,6 +155,10 @@ class LLM:
             pass
 
     # ------------------------------------------------------------------ public API
+    def kv_tokens_per_rank(self, seq_id: int) -> list[int]:
+        """How many of a cached sequence's K/V tokens each CP rank stores (RequestOutput.seq_id)."""
+        return self.layout.tokens_per_rank(seq_id)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
@@ -347,7 +352,7 @@ class LLM:
     def _output(self, r: _Request) -> RequestOutput:
         text = self.tokenizer.decode(r.out) if self.tokenizer is not None else None
         return RequestOutput(r.prompt, list(r.out), text, list(r.logprobs) if r.params.logprobs else None,
-                             r.prompt_lp, r.num_cached, r.finish or "length", r.metrics)
+                             r.prompt_lp, r.num_cached, r.finish or "length", r.metrics, r.seq_id)
 
 
 def _pick(results: list[dict], key: str, seq_id: int):
