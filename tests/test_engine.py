@@ -165,3 +165,23 @@ def test_request_finishing_in_prefill_releases_its_cache(llama_checkpoint, engin
         assert out.finish_reason == "length" and len(out.token_ids) == 1
     again = llm.generate([prompt + out.token_ids + [3]], SamplingParams(max_tokens=1, **GREEDY))[0]
     assert again.num_cached_tokens == len(prompt)
+
+
+def test_calibrated_profile_drives_the_partial_prefill_choice(llama_checkpoint, tmp_path):
+    import dataclasses
+
+    from cpinfer.perf.hardware import load_hardware_profile
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    prof = dataclasses.replace(load_hardware_profile("cpu-gloo"), name="my-cluster", empirical=(0.0, 0.0, -1.0))
+    prof_path = tmp_path / "profile.json"
+    prof.to_json(prof_path)  # h = -1 everywhere: always pass-Q for partial prefill
+    with pytest.raises(ValueError):
+        LLM(str(path), hardware_profile=str(tmp_path / "nope.json"))
+    with LLM(str(path), context_parallel_size=2, hardware_profile=str(prof_path), threads_per_rank=1) as llm:
+        prompt = prompts_for(256, [300], seed=4)[0]
+        first = llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))[0]
+        turn2 = prompt + first.token_ids + [9] * 200  # T large enough that Alg. 5 would pick pass-KV
+        out = llm.generate([turn2], SamplingParams(max_tokens=2, **GREEDY))[0]
+    step = out.metrics["steps"][0]
+    assert (step["strategy"], step["method"]) == ("pass-q", "empirical")
+    assert step["inputs"]["coeffs_from"] == "profile my-cluster"

@@ -23,6 +23,7 @@ from cpinfer.distributed import ParallelConfig
 from cpinfer.launch import JoinedWorld, RemoteError, WorkerPool, joined_world_requested
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
+from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.utils import ceil_div, get_logger
 
 log = get_logger()
@@ -79,7 +80,8 @@ class LLM:
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must divide intermediate_size "
                              f"({self.config.intermediate_size})")
         self.strategy = strategy
-        self.hardware = hardware_profile or ("cpu-gloo" if device == "cpu" else "h100-gtt")
+        # a catalog name or a `cpinfer calibrate` JSON; loaded now so a bad path fails before any rank starts
+        self.hardware = load_hardware_profile(hardware_profile or ("cpu-gloo" if device == "cpu" else "h100-gtt"))
         self.elem_bytes = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         capacity = max_kv_tokens_per_rank or self._default_capacity(kv_memory_fraction)
         if capacity < BLOCK:
