@@ -15,7 +15,7 @@ from cpinfer.bench.attention import (DOC_PATH, ForeignCPU, _cp_sizes, _fmt_table
                                      positive_int, write_doc_section)
 
 __all__ = ["DOC_PATH", "ForeignCPU", "cp_sizes", "fmt_table", "machine_info", "machine_line", "positive_int",
-           "write_doc_section", "add_common_arguments", "cache_dir", "random_model", "random_prompt", "measured", "finish_report"]
+           "write_doc_section", "add_common_arguments", "run_measured", "cache_dir", "random_model", "random_prompt", "measured", "finish_report"]
 
 cp_sizes = _cp_sizes
 fmt_table = _fmt_table
@@ -76,6 +76,17 @@ def finish_report(args, res: dict, report: str, doc_key: str, title: str) -> Non
         write_doc_section(args.write_doc, doc_key, body)
     if getattr(args, "json", False):
         print(json.dumps(res))
+
+
+def run_measured(args, measure, format_report, doc_key: str, title) -> int:
+    """The tail of every engine benchmark: measure while watching the machine, then print / write / JSON the report.
+
+    `title` is the doc section's heading, or a function of the result that returns it.
+    """
+    res, machine = measured(measure, args)
+    res["machine"] = machine
+    finish_report(args, res, format_report(res), doc_key, title(res) if callable(title) else title)
+    return 0
 
 
 def add_common_arguments(parser) -> None:

@@ -56,7 +56,8 @@ def measure(args) -> dict:
             base = base or r["ttft_s"]
             rows.append({"tokens": t, "layout": name, "ttft_s": r["ttft_s"], "scaling": base / r["ttft_s"],
                          "comm_share": r["comm_s"] / r["ttft_s"]})
-    return {"rows": rows, "shape": C.shape_text(cfg)}
+    command = "cpinfer bench cp-vs-tp --tokens " + ",".join(map(str, args.tokens))
+    return {"rows": rows, "shape": C.shape_text(cfg), "command": command}
 
 
 def format_report(res: dict) -> str:
@@ -75,8 +76,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    res, machine = C.measured(measure, args)
-    res["machine"] = machine
-    res["command"] = "cpinfer bench cp-vs-tp --tokens " + ",".join(map(str, args.tokens))
-    C.finish_report(args, res, format_report(res), "cp-vs-tp", "CP2 vs TP2 prefill (`bench cp-vs-tp`)")
-    return 0
+    return C.run_measured(args, measure, format_report, "cp-vs-tp", "CP2 vs TP2 prefill (`bench cp-vs-tp`)")

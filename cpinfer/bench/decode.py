@@ -65,8 +65,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    res, machine = C.measured(measure, args)
-    res["machine"] = machine
-    C.finish_report(args, res, format_report(res), f"decode-{args.context}",
-                    f"Engine decode, {args.context} cached tokens, CP {', '.join(res['cp'])}")
-    return 0
+    return C.run_measured(args, measure, format_report, f"decode-{args.context}",
+                          lambda res: f"Engine decode, {args.context} cached tokens, CP {', '.join(res['cp'])}")

@@ -134,8 +134,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.cp < 2:
         raise ValueError("--cp must be at least 2: with one rank there is nothing to pass")
-    res, machine = C.measured(measure, args)
-    res["machine"] = machine
-    C.finish_report(args, res, format_report(res), f"partial-cp{args.cp}",
-                    f"Engine partial prefill, pass-KV vs pass-Q, CP{args.cp}")
-    return 0
+    return C.run_measured(args, measure, format_report, f"partial-cp{args.cp}",
+                          f"Engine partial prefill, pass-KV vs pass-Q, CP{args.cp}")

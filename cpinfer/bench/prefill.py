@@ -107,8 +107,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    res, res_machine = C.measured(measure, args)
-    res["machine"] = res_machine
-    C.finish_report(args, res, format_report(res), f"prefill-{args.tokens}",
-                    f"Engine prefill, {args.tokens} tokens, CP {', '.join(res['engine'])}")
-    return 0
+    return C.run_measured(args, measure, format_report, f"prefill-{args.tokens}",
+                          lambda res: f"Engine prefill, {args.tokens} tokens, CP {', '.join(res['engine'])}")
