@@ -289,8 +289,9 @@ class LLM:
         batch = W.ForwardBatch(kind, tuple(works), strategy_choice.strategy, tuple(self._pending_free),
                                tuple(self._truncations))
         self._pending_free, self._truncations = [], []
-        placement = W.place_batch(self.layout, dataclasses.replace(batch, free=(), truncate=()))
-        del placement  # the driver's mirror is now in step with the ranks
+        # the driver's mirror applied the evictions and truncations when it admitted the requests; it replays only
+        # the slot allocation, so it stays in step with the ranks
+        W.place_batch(self.layout, dataclasses.replace(batch, free=(), truncate=()))
         return self._pool.run(W.execute_batch, batch)
 
     def _prefill(self, reqs: list[_Request], t_start: float, use_tqdm: bool) -> None:

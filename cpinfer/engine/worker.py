@@ -131,9 +131,9 @@ class Worker:
         me = place.shard.shards[self.groups.cp_rank]
         starts = np.cumsum([0] + [len(w.token_ids) for w in batch.seqs])
         last_flat = {int(starts[i + 1] - 1): w.seq_id for i, w in enumerate(batch.seqs)}
-        rows = [r for r, idx in enumerate(me.index) if idx in last_flat]
+        rows = np.nonzero(np.isin(me.index, list(last_flat)))[0]
         last = {}
-        if rows:
+        if len(rows):
             logits = self.model.compute_logits(hidden[rows])  # [len(rows), vocab] fp32
             last = {last_flat[int(me.index[r])]: logits[i].cpu() for i, r in enumerate(rows)}
         prompt_lp = {}
