@@ -4,19 +4,19 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cpinfer.attention.local import CAUSAL, FULL, build_items, local_attention, reference_attention
+from cpinfer.attention.local import CAUSAL, FULL, build_items, local_attention, reference_attention, visible
 from cpinfer.attention.merge import merge_into, merge_partials
 
 
-def _check_local(q_seq, q_pos, kv_seq, kv_pos, h=8, hkv=2, d=16, seed=0):
+def _check_local(q_seq, q_pos, kv_seq, kv_pos, h=8, hkv=2, d=16, seed=0, kv_seq_end=None):
     g = torch.Generator().manual_seed(seed)
     q_seq, q_pos, kv_seq, kv_pos = (torch.as_tensor(np.asarray(x), dtype=torch.int64)
                                     for x in (q_seq, q_pos, kv_seq, kv_pos))
     q = torch.randn(len(q_seq), h, d, generator=g)
     k = torch.randn(len(kv_seq), hkv, d, generator=g)
     v = torch.randn(len(kv_seq), hkv, d, generator=g)
-    out, lse = local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos)
-    ref_out, ref_lse = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos)
+    out, lse = local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end)
+    ref_out, ref_lse = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(ref_lse)
@@ -98,3 +98,60 @@ def test_long_sequence_uses_no_dense_mask():
     items = build_items(np.zeros(1024), pos, np.zeros(n), np.arange(n))
     assert all(it.mask is None for it in items)
     assert len(items) <= 3
+
+
+def _random_tree(rng, n_segs):
+    """Parents of a random prefix tree in DFS preorder, each segment's first position and subtree end."""
+    parent, start, lens = [-1], [0], rng.integers(1, 40, n_segs)
+    for s in range(1, n_segs):
+        # in preorder the parent of s is on the path from the root to s - 1
+        path, a = [], s - 1
+        while a >= 0:
+            path.append(a)
+            a = parent[a]
+        parent.append(int(rng.choice(path)))
+        start.append(start[parent[s]] + int(lens[parent[s]]))
+    end = list(range(1, n_segs + 1))
+    for s in reversed(range(1, n_segs)):
+        end[parent[s]] = max(end[parent[s]], end[s])
+    return parent, np.array(start), lens, np.array(end)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(0, 100), st.sampled_from(["sorted", "shuffled"]))
+def test_prefix_tree_intervals_match_reference(seed, n_segs, lq, order):
+    """Keys of a random prefix tree with [segment, subtree end) labels; queries in random segments."""
+    rng = np.random.default_rng(seed)
+    parent, start, lens, end = _random_tree(rng, n_segs)
+    kv_seq = np.repeat(np.arange(n_segs), lens)
+    kv_pos = np.concatenate([np.arange(a, a + n) for a, n in zip(start, lens)])
+    kv_end = end[kv_seq]
+    q_seq = rng.integers(0, n_segs, lq)
+    q_pos = start[q_seq] + rng.integers(0, lens[q_seq] + 3)  # may run past the segment's cached tokens
+    if order == "sorted":  # runs per segment with increasing positions: the segment-pair planner
+        o = np.lexsort((q_pos, q_seq))
+        q_seq, q_pos = q_seq[o], q_pos[o]
+    else:  # keys shuffled: the tile planner
+        o = rng.permutation(len(kv_seq))
+        kv_seq, kv_pos, kv_end = kv_seq[o], kv_pos[o], kv_end[o]
+    on_path = np.zeros((lq, len(kv_seq)), dtype=bool)
+    for i, (s, p) in enumerate(zip(q_seq, q_pos)):
+        path = set()
+        while s >= 0:
+            path.add(int(s))
+            s = parent[s]
+        on_path[i] = np.isin(kv_seq, list(path)) & (kv_pos <= p)
+    assert np.array_equal(visible(q_seq, q_pos, kv_seq, kv_pos, kv_end), on_path)
+    _check_local(q_seq, q_pos, kv_seq, kv_pos, seed=seed % 1000, kv_seq_end=kv_end)
+
+
+def test_query_pairs_with_every_ancestor_segment():
+    """A leaf's queries against root, middle and own segments: one item list spanning all three, no masks."""
+    kv_seq, kv_end = np.repeat([0, 1, 2, 3], 10), np.repeat([4, 3, 3, 4], 10)  # 0 ⊃ 1 ⊃ 2, 0 ⊃ 3
+    kv_pos = np.concatenate([np.arange(10), np.arange(10, 20), np.arange(20, 30), np.arange(10, 20)])
+    items = build_items(np.full(5, 2), np.arange(25, 30), kv_seq, kv_pos, kv_end)
+    assert [(it.kind, it.k0, it.k1) for it in items] == [(FULL, 0, 10), (FULL, 10, 20), (FULL, 20, 25),
+                                                        (CAUSAL, 25, 30)]
+    assert all(it.mask is None for it in items)
+    own = build_items(np.full(5, 2), np.arange(25, 30), kv_seq, kv_pos)  # default: the same segment id only
+    assert [(it.kind, it.k0, it.k1) for it in own] == [(FULL, 20, 25), (CAUSAL, 25, 30)]

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from cpinfer.attention.local import reference_attention
-from cpinfer.cp import STRATEGIES, cp_attention
+from cpinfer.attention.local import reference_attention, visible
+from cpinfer.cp import STRATEGIES, cp_attention, plan_from_metadata
 from cpinfer.cp.sharding import decode_ranks, shard_decode, shard_prefill
 from cpinfer.launch import RemoteError, WorkerPool
 
@@ -25,8 +25,9 @@ def pools():
         pool.close()
 
 
-def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None):
-    return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale)
+def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None):
+    return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale,
+                        kv_seq_end=kv_seq_end)
 
 
 def rank_attention_catching(ctx, *args, **kwargs):
@@ -49,6 +50,7 @@ class Problem:
         self.q_pos = torch.zeros(n_q, dtype=torch.long)
         self.kv_seq = torch.zeros(n_kv, dtype=torch.long)
         self.kv_pos = torch.zeros(n_kv, dtype=torch.long)
+        self.kv_end = None  # [n_kv] prefix-tree interval ends, or None for "same sequence id"
 
     def solve(self, pool, q_idx, kv_idx, strategy):
         """q_idx[r], kv_idx[r]: index arrays of rank r's queries / keys (-1 = padding). Returns out [n_q, H, D]."""
@@ -59,7 +61,8 @@ class Problem:
             qc, kc = qi.clamp(min=0), ki.clamp(min=0)
             args.append((self.q[qc], self.k[kc], self.v[kc],
                          self.q_seq[qc].masked_fill(qp, -1), self.q_pos[qc].masked_fill(qp, 0),
-                         self.kv_seq[kc].masked_fill(kp, -1), self.kv_pos[kc].masked_fill(kp, 0), strategy))
+                         self.kv_seq[kc].masked_fill(kp, -1), self.kv_pos[kc].masked_fill(kp, 0), strategy, None,
+                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0)))
         outs = pool.run_each(rank_attention, args)
         full = torch.full_like(self.q, float("nan"))
         for qi, out in zip(q_idx, outs):
@@ -70,7 +73,8 @@ class Problem:
         return full
 
     def check(self, out):
-        ref, _ = reference_attention(self.q, self.k, self.v, self.q_seq, self.q_pos, self.kv_seq, self.kv_pos)
+        ref, _ = reference_attention(self.q, self.k, self.v, self.q_seq, self.q_pos, self.kv_seq, self.kv_pos,
+                                     kv_seq_end=self.kv_end)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -192,6 +196,78 @@ def test_queries_without_visible_keys_get_zeros(pools, n):
         p.check(out)
 
 
+# A prefix tree, segments numbered in DFS preorder: root 0 shared by branches 1, 2 and 5; branch 2 split into 3, 4.
+TREE_PARENT = [-1, 0, 0, 2, 2, 0]
+TREE_LENS = [21, 9, 6, 13, 1, 30]  # tokens per segment
+LEAVES = [1, 3, 4, 5]
+
+
+def tree_problem(seed, n, new_lens, placement):
+    """Keys: every segment's tokens; queries: the last new_lens[i] tokens of leaf LEAVES[i] (partial prefill).
+
+    placement "sharded": keys of each segment 2N-sharded as their own prefill, queries 2N-sharded;
+    "random": every token on a random rank, in random order. Returns (problem, q_idx, kv_idx).
+    """
+    depth_start = [0] * len(TREE_PARENT)  # position of each segment's first token
+    for s, par in enumerate(TREE_PARENT):
+        if par >= 0:
+            depth_start[s] = depth_start[par] + TREE_LENS[par]
+    end = list(range(1, len(TREE_PARENT) + 1))  # end of each segment's subtree (preorder: descendants follow)
+    for s in reversed(range(len(TREE_PARENT))):
+        if TREE_PARENT[s] >= 0:
+            end[TREE_PARENT[s]] = max(end[TREE_PARENT[s]], end[s])
+    kv_off = np.cumsum([0] + TREE_LENS)
+    p = Problem(seed, sum(new_lens), int(kv_off[-1]))
+    p.kv_end = torch.zeros(int(kv_off[-1]), dtype=torch.long)
+    for s, ln in enumerate(TREE_LENS):
+        p.kv_seq[kv_off[s]:kv_off[s + 1]] = s
+        p.kv_end[kv_off[s]:kv_off[s + 1]] = end[s]
+        p.kv_pos[kv_off[s]:kv_off[s + 1]] = torch.arange(depth_start[s], depth_start[s] + ln)
+    q_off = np.cumsum([0] + list(new_lens))
+    for i, (leaf, t) in enumerate(zip(LEAVES, new_lens)):
+        last = depth_start[leaf] + TREE_LENS[leaf]
+        p.q_seq[q_off[i]:q_off[i + 1]] = leaf
+        p.q_pos[q_off[i]:q_off[i + 1]] = torch.arange(last - t, last)
+    # the interval encoding is exactly "key's segment is on the query's root path"
+    on_path = np.zeros((len(p.q_seq), len(p.kv_seq)), dtype=bool)
+    for qi, (leaf, pos) in enumerate(zip(p.q_seq.tolist(), p.q_pos.tolist())):
+        path, s = set(), leaf
+        while s >= 0:
+            path.add(s)
+            s = TREE_PARENT[s]
+        on_path[qi] = [seg in path and kp <= pos for seg, kp in zip(p.kv_seq.tolist(), p.kv_pos.tolist())]
+    assert np.array_equal(visible(p.q_seq.numpy(), p.q_pos.numpy(), p.kv_seq.numpy(), p.kv_pos.numpy(),
+                                  p.kv_end.numpy()), on_path)
+    rng = np.random.default_rng(seed)
+    if placement == "random":
+        q_owner, kv_owner = rng.integers(0, n, len(p.q_seq)), rng.integers(0, n, len(p.kv_seq))
+        q_idx = [rng.permutation(np.nonzero(q_owner == r)[0]) for r in range(n)]
+        kv_idx = [rng.permutation(np.nonzero(kv_owner == r)[0]) for r in range(n)]
+        return p, q_idx, kv_idx
+    kv_plan = shard_prefill(TREE_LENS, n)
+    kv_idx = [kv_off[sh.seq[sh.valid]] + sh.pos[sh.valid] for sh in kv_plan.shards]
+    q_idx = [sh.index for sh in shard_prefill(new_lens, n).shards]
+    return p, q_idx, kv_idx
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_shared_prefix_tree(pools, n, strategy):
+    """Branches see the shared root (and branch 2's split sees branch 2) but never a sibling."""
+    for placement, new_lens in (("sharded", [5, 13, 1, 30]), ("sharded", [1, 1, 1, 1]), ("random", [9, 4, 1, 17])):
+        p, q_idx, kv_idx = tree_problem(n, n, new_lens, placement)
+        p.check(p.solve(pools(n), q_idx, kv_idx, strategy))
+
+
+def test_shared_prefix_sends_only_keys_on_some_query_path():
+    """pass-KV packs only keys whose interval holds some query's label: a leaf nobody queries stays home."""
+    q_meta = [(np.array([3, 3]), np.array([40, 41])), (np.array([3]), np.array([42]))]
+    kv_meta = [(np.array([0, 1, 2, 3]), np.array([0, 21, 21, 27]), np.array([6, 2, 5, 4])),
+               (np.array([5, 0, 4]), np.array([21, 1, 27]), np.array([6, 6, 5]))]
+    plan = plan_from_metadata(q_meta, kv_meta, group=None, rank=0, world=2, strategy="pass-kv")
+    assert plan.metas[0].send.tolist() == [0, 2, 3] and plan.metas[1].send.tolist() == [1]
+
+
 def _bad_inputs(n):
     """(description, per-rank argument tuples, expected message fragment) — only the last rank is wrong."""
     good = lambda: [torch.randn(4, 8, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16),
@@ -213,6 +289,9 @@ def _bad_inputs(n):
         cases.append((what, args, frag))
     args = [tuple(good()) + ("ring-magic",) for _ in range(n)]
     cases.append(("unknown strategy", args, "unknown strategy"))
+    args = [tuple(good()) + ("pass-q", None, torch.ones(4, dtype=torch.long)) for _ in range(n)]
+    args[-1] = args[-1][:-1] + (torch.zeros(4, dtype=torch.long),)  # an empty interval [0, 0)
+    cases.append(("empty kv interval", args, "kv_seq_end must be > kv_seq"))
     return cases
 
 

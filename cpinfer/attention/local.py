@@ -1,10 +1,13 @@
 """Local partial attention: `(out, lse)` of a query block against one key/value block (no communication).
 
-Visibility follows the `cp_attention` contract: query i sees key j iff `kv_seq[j] == q_seq[i] >= 0` and
-`kv_pos[j] <= q_pos[i]` (negative sequence ids are padding and match nothing). A *plan* (`build_items`) turns
-the metadata into a short list of kernel calls — fully visible blocks, top-left causal squares, and small
-masked tiles only where positions are irregular — so no dense mask over a long sequence is ever built and
-invisible blocks are skipped. `run_items` executes a plan on tensors; the kernel sits behind `AttentionBackend`.
+Visibility follows the `cp_attention` contract: query i sees key j iff `q_seq[i] >= 0`,
+`kv_seq[j] <= q_seq[i] < kv_seq_end[j]` and `kv_pos[j] <= q_pos[i]`. `kv_seq_end` defaults to `kv_seq + 1`
+("same sequence id"); with prefix-tree segments numbered in DFS preorder a key carries its segment's interval
+[number, end of its subtree) and a query its own leaf segment's number, so a shared prefix is visible to every
+branch below it. Negative key ids are padding and match nothing. A *plan* (`build_items`) turns the metadata into
+a short list of kernel calls — fully visible blocks, top-left causal squares, and small masked tiles only where
+positions are irregular — so no dense mask over a long sequence is ever built and invisible blocks are skipped.
+`run_items` executes a plan on tensors; the kernel sits behind `AttentionBackend`.
 """
 from __future__ import annotations
 
@@ -99,19 +102,38 @@ def register_backend(name: str, fn: AttentionBackend) -> None:
 
 # ---------------------------------------------------------------- planning (metadata only, numpy)
 
-def _segments(seq: np.ndarray, pos: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs [a, b) of one non-negative sequence id with strictly increasing positions."""
-    n = len(seq)
+def seq_end_or_default(kv_seq: np.ndarray, kv_seq_end) -> np.ndarray:
+    """kv_seq_end as int64 (default kv_seq + 1); padding keys (kv_seq < 0) get an empty interval."""
+    if kv_seq_end is None:
+        return kv_seq + 1
+    end = np.asarray(_np(kv_seq_end), dtype=np.int64)
+    if end.shape != kv_seq.shape:
+        raise ValueError(f"kv_seq_end has shape {end.shape} but kv_seq has {kv_seq.shape}; they must match")
+    return np.where(kv_seq < 0, kv_seq + 1, end)
+
+
+def visible(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end) -> np.ndarray:
+    """Dense visibility [Lq, Lkv] bool of the rule (small blocks and tests only)."""
+    qs, qp = q_seq[:, None], q_pos[:, None]
+    return (qs >= 0) & (kv_seq[None, :] <= qs) & (qs < kv_seq_end[None, :]) & (kv_pos[None, :] <= qp)
+
+
+def _segments(pos: np.ndarray, *labels: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of constant labels (first label non-negative) with strictly increasing positions."""
+    n = len(pos)
     if n == 0:
         return []
-    brk = np.nonzero((seq[1:] != seq[:-1]) | (pos[1:] <= pos[:-1]))[0] + 1
+    change = pos[1:] <= pos[:-1]
+    for lab in labels:
+        change = change | (lab[1:] != lab[:-1])
+    brk = np.nonzero(change)[0] + 1
     starts = np.concatenate(([0], brk))
     ends = np.concatenate((brk, [n]))
-    return [(int(a), int(b)) for a, b in zip(starts, ends) if seq[a] >= 0]
+    return [(int(a), int(b)) for a, b in zip(starts, ends) if labels[0][a] >= 0]
 
 
 def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
-    """Items for one query segment against one key segment of the same sequence (both sorted by position).
+    """Items for one query segment against one key segment it can see (both sorted by position).
 
     Row r sees keys [0, c[r]) with c nondecreasing. Walking down the rows: keys every remaining row sees become
     one FULL block; a run of rows whose extra keys grow by one per row is a top-left CAUSAL square; anything
@@ -150,30 +172,41 @@ def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[At
     return items
 
 
-def _segment_items(q_seq, q_pos, kv_seq, kv_pos, q_segs, kv_segs) -> list[AttnItem]:
-    by_seq: dict[int, list[tuple[int, int]]] = {}
+def _intervals(kv_seq, kv_end, kv_segs):
+    """Distinct key intervals: (lo [U], hi [U]) and, per interval, its key segments in order."""
+    by_iv: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for a, b in kv_segs:
-        by_seq.setdefault(int(kv_seq[a]), []).append((a, b))
+        by_iv.setdefault((int(kv_seq[a]), int(kv_end[a])), []).append((a, b))
+    lo = np.fromiter((iv[0] for iv in by_iv), dtype=np.int64, count=len(by_iv))
+    hi = np.fromiter((iv[1] for iv in by_iv), dtype=np.int64, count=len(by_iv))
+    return lo, hi, list(by_iv.values())
+
+
+def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals) -> list[AttnItem]:
+    """Each query segment against every key segment whose interval holds the query's label."""
+    lo, hi, segs = intervals
     items = []
     for qa, qb in q_segs:
-        for ka, kb in by_seq.get(int(q_seq[qa]), ()):
-            if kv_pos[ka] > q_pos[qb - 1]:
-                continue  # every key is in the future of every query
-            items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka))
+        s = q_seq[qa]
+        for u in np.nonzero((lo <= s) & (s < hi))[0]:
+            for ka, kb in segs[u]:
+                if kv_pos[ka] > q_pos[qb - 1]:
+                    continue  # every key is in the future of every query
+                items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka))
     return items
 
 
-def _tile_items(q_seq, q_pos, kv_seq, kv_pos) -> list[AttnItem]:
+def _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end) -> list[AttnItem]:
     """Fragmented metadata (e.g. random placement): fixed tiles, classified; masks exist only per tile."""
     items = []
     for qa in range(0, len(q_seq), _TILE_Q):
         qs, qp = q_seq[qa:qa + _TILE_Q], q_pos[qa:qa + _TILE_Q]
         for ka in range(0, len(kv_seq), _TILE_K):
-            ks, kp = kv_seq[ka:ka + _TILE_K], kv_pos[ka:ka + _TILE_K]
-            vis = (qs[:, None] == ks[None, :]) & (qs[:, None] >= 0) & (kp[None, :] <= qp[:, None])
+            sl = slice(ka, ka + _TILE_K)
+            vis = visible(qs, qp, kv_seq[sl], kv_pos[sl], kv_end[sl])
             if not vis.any():
                 continue
-            qb, kb = qa + len(qs), ka + len(ks)
+            qb, kb = qa + len(qs), ka + vis.shape[1]
             if vis.all():
                 items.append(AttnItem(qa, qb, ka, kb, FULL))
             else:
@@ -181,19 +214,24 @@ def _tile_items(q_seq, q_pos, kv_seq, kv_pos) -> list[AttnItem]:
     return items
 
 
-def build_items(q_seq, q_pos, kv_seq, kv_pos) -> list[AttnItem]:
-    """Plan the kernel calls for queries against keys (metadata as int64 numpy arrays or CPU tensors)."""
-    q_seq, q_pos, kv_seq, kv_pos = (np.asarray(x, dtype=np.int64) for x in (q_seq, q_pos, kv_seq, kv_pos))
-    q_segs, kv_segs = _segments(q_seq, q_pos), _segments(kv_seq, kv_pos)
-    kv_count: dict[int, int] = {}
-    for a, _ in kv_segs:
-        kv_count[int(kv_seq[a])] = kv_count.get(int(kv_seq[a]), 0) + 1
-    pairs = sum(kv_count.get(int(q_seq[a]), 0) for a, _ in q_segs)
+def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None) -> list[AttnItem]:
+    """Plan the kernel calls for queries against keys (metadata as int64 numpy arrays or CPU tensors).
+
+    A query segment may pair with several key segments: every one whose [kv_seq, kv_seq_end) holds its label.
+    """
+    q_seq, q_pos, kv_seq, kv_pos = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
+    kv_end = seq_end_or_default(kv_seq, kv_seq_end)
+    q_segs, kv_segs = _segments(q_pos, q_seq), _segments(kv_pos, kv_seq, kv_end)
+    intervals = _intervals(kv_seq, kv_end, kv_segs)
+    lo, hi, segs = intervals
+    labels = np.fromiter((q_seq[a] for a, _ in q_segs), dtype=np.int64, count=len(q_segs))
+    per_iv = np.fromiter((len(x) for x in segs), dtype=np.int64, count=len(segs))
+    pairs = int((((lo[None, :] <= labels[:, None]) & (labels[:, None] < hi[None, :])) * per_iv).sum())
     tiles = -(-len(q_seq) // _TILE_Q) * -(-len(kv_seq) // _TILE_K)
     if pairs > tiles + 64:  # fragmented metadata (e.g. random placement): fixed tiles are cheaper
-        items = _tile_items(q_seq, q_pos, kv_seq, kv_pos)
+        items = _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end)
     else:
-        items = _segment_items(q_seq, q_pos, kv_seq, kv_pos, q_segs, kv_segs)
+        items = _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals)
     return mark_first(items, len(q_seq))
 
 
@@ -228,10 +266,10 @@ def new_accumulator(lq: int, h: int, d: int, device) -> tuple[Tensor, Tensor]:
             torch.full((lq, h), -torch.inf, dtype=torch.float32, device=device))
 
 
-def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None):
+def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None, kv_seq_end=None):
     """(out [Lq, H, D] fp32, lse [Lq, H] fp32) of q against k/v under the visibility rule; empty rows → 0, -inf."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    items = build_items(_np(q_seq), _np(q_pos), _np(kv_seq), _np(kv_pos))
+    items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     run_items(items, q, k, v, acc_out, acc_lse, scale, get_backend(backend, q.device))
     return acc_out, acc_lse
@@ -241,13 +279,15 @@ def _np(x) -> np.ndarray:
     return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, Tensor) else np.asarray(x, dtype=np.int64)
 
 
-def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None):
+def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_seq_end=None):
     """Dense float64 reference for tests (small inputs only): (out [Lq, H, D] f64, lse [Lq, H] f64)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(g, dim=1)
     vv = v.double().repeat_interleave(g, dim=1)
-    vis = (q_seq[:, None] == kv_seq[None, :]) & (q_seq[:, None] >= 0) & (kv_pos[None, :] <= q_pos[:, None])
+    kv_seq_np = _np(kv_seq)
+    vis = torch.from_numpy(visible(_np(q_seq), _np(q_pos), kv_seq_np, _np(kv_pos),
+                                   seq_end_or_default(kv_seq_np, kv_seq_end))).to(q.device)
     s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
     s = s.masked_fill(~vis[None], -torch.inf)
     lse = torch.logsumexp(s, dim=-1)  # [H, Lq]

@@ -1,8 +1,9 @@
 """Context-parallel attention: sharding plans, ring pass-KV / pass-Q, and the `cp_attention` entry point.
 
 `cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy)` is the rank-local contract of
-DESIGN.md: every rank calls it with its own tokens; query i sees every key j on any rank of `group` with the same
-sequence id and kv_pos[j] <= q_pos[i]. The engine uses the plan/run form (`plan_from_metadata(...).run`).
+DESIGN.md: every rank calls it with its own tokens; query i sees every key j on any rank of `group` with
+`kv_seq[j] <= q_seq[i] < kv_seq_end[j]` (default kv_seq + 1: the same sequence id; prefix-tree intervals for
+shared prefixes) and kv_pos[j] <= q_pos[i]. The engine uses the plan/run form (`plan_from_metadata(...).run`).
 """
 from __future__ import annotations
 
@@ -14,18 +15,21 @@ __all__ = ["cp_attention", "plan_cp_attention", "plan_from_metadata", "CPAttenti
 
 
 def plan_cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy="pass-kv",
-                      scale=None) -> CPAttentionPlan:
+                      scale=None, kv_seq_end=None) -> CPAttentionPlan:
     """Validate inputs on all ranks, exchange metadata once, and return the reusable plan."""
-    return exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=group, strategy=strategy, scale=scale)
+    return exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=group, strategy=strategy, scale=scale,
+                             kv_seq_end=kv_seq_end)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
                  kv_seq: torch.Tensor, kv_pos: torch.Tensor, *, group, strategy: str = "pass-kv",
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, kv_seq_end: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the whole CP group. q [Lq, H, D], k/v [Lkv, Hkv, D], metadata int64 → out [Lq, H, D].
 
     strategy: "pass-kv" (ring K/V, Alg. 2), "pass-q" (ring Q + All2All, Alg. 3/4) or "all-gather" (baseline).
+    kv_seq_end [Lkv] (default kv_seq + 1): key j is visible to labels in [kv_seq[j], kv_seq_end[j]).
     Queries with no visible key get zeros. Raises ValueError on every rank if any rank's input is bad.
     """
-    plan = plan_cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=group, strategy=strategy, scale=scale)
+    plan = plan_cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=group, strategy=strategy, scale=scale,
+                             kv_seq_end=kv_seq_end)
     return plan.run(q, k, v)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.local import AttnItem, build_items, mark_first
+from cpinfer.attention.local import AttnItem, build_items, mark_first, seq_end_or_default
 from cpinfer.cp.ring import group_rank_and_size
 
 STRATEGIES = ("pass-kv", "pass-q", "all-gather")
@@ -28,6 +28,11 @@ class RankMeta:
     kv_seq: np.ndarray
     kv_pos: np.ndarray
     send: np.ndarray  # indices into the local K/V of rows that can matter to some query (packed for sending)
+    kv_end: np.ndarray | None = None  # end of each key's interval [kv_seq, kv_end); None → kv_seq + 1
+
+    def __post_init__(self):
+        if self.kv_end is None:
+            object.__setattr__(self, "kv_end", self.kv_seq + 1)
 
 
 @dataclasses.dataclass
@@ -63,23 +68,29 @@ class CPAttentionPlan:
         return pass_kv.run(self, q, k, v, scale, timings)
 
 
-def _relevant_rows(meta_q_seqs: np.ndarray, kv_seq: np.ndarray) -> np.ndarray:
-    return np.nonzero((kv_seq >= 0) & np.isin(kv_seq, meta_q_seqs))[0].astype(np.int64)
+def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray) -> np.ndarray:
+    """Rows of K/V whose interval [kv_seq, kv_end) holds some query's label (q_labels sorted, unique, >= 0)."""
+    at = np.searchsorted(q_labels, kv_seq, side="left")  # first label >= kv_seq
+    hit = at < len(q_labels)
+    hit[hit] = q_labels[at[hit]] < kv_end[hit]
+    return np.nonzero(hit & (kv_seq >= 0))[0].astype(np.int64)
 
 
 def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strategy: str,
                        scale: float | None = None) -> CPAttentionPlan:
-    """Build a plan from every rank's (seq, pos) metadata, known on all ranks: no communication.
+    """Build a plan from every rank's metadata, known on all ranks: no communication.
 
-    q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) as int64 arrays, for r in range(world).
+    q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) or (kv_seq, kv_pos, kv_seq_end) as int64 arrays,
+    for r in range(world); a missing kv_seq_end means kv_seq + 1 (same sequence id).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
     q_meta = [(np.asarray(s, dtype=np.int64), np.asarray(p, dtype=np.int64)) for s, p in q_meta]
-    kv_meta = [(np.asarray(s, dtype=np.int64), np.asarray(p, dtype=np.int64)) for s, p in kv_meta]
-    all_q_seqs = np.unique(np.concatenate([s for s, _ in q_meta])) if q_meta else np.zeros(0, np.int64)
-    metas = [RankMeta(qs, qp, ks, kp, _relevant_rows(all_q_seqs, ks))
-             for (qs, qp), (ks, kp) in zip(q_meta, kv_meta)]
+    kv_meta = [_kv_triple(m) for m in kv_meta]
+    labels = np.unique(np.concatenate([s for s, _ in q_meta])) if q_meta else np.zeros(0, np.int64)
+    labels = labels[labels >= 0]
+    metas = [RankMeta(qs, qp, ks, kp, _relevant_rows(labels, ks, ke), ke)
+             for (qs, qp), (ks, kp, ke) in zip(q_meta, kv_meta)]
     me = metas[rank]
     steps: list[list[AttnItem]] = []
     covered = np.zeros(len(me.q_seq), dtype=bool)
@@ -87,19 +98,29 @@ def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strateg
         s = (rank - j) % world
         src = metas[s]
         if strategy == "pass-q":  # source's queries against my stationary K/V; one accumulator per source
-            steps.append(mark_first(build_items(src.q_seq, src.q_pos, me.kv_seq, me.kv_pos), len(src.q_seq)))
+            items = build_items(src.q_seq, src.q_pos, me.kv_seq, me.kv_pos, me.kv_end)
+            steps.append(mark_first(items, len(src.q_seq)))
         elif j == 0:  # my queries against my own K/V, read in place
-            steps.append(mark_first(build_items(me.q_seq, me.q_pos, me.kv_seq, me.kv_pos), len(covered), covered))
+            items = build_items(me.q_seq, me.q_pos, me.kv_seq, me.kv_pos, me.kv_end)
+            steps.append(mark_first(items, len(covered), covered))
         else:  # my queries against the source's packed K/V
-            items = build_items(me.q_seq, me.q_pos, src.kv_seq[src.send], src.kv_pos[src.send])
+            sl = src.send
+            items = build_items(me.q_seq, me.q_pos, src.kv_seq[sl], src.kv_pos[sl], src.kv_end[sl])
             steps.append(mark_first(items, len(covered), covered))
     return CPAttentionPlan(group, rank, world, strategy, scale, metas, steps,
                            max(len(m.q_seq) for m in metas), max(len(m.send) for m in metas))
 
 
+def _kv_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if len(m) not in (2, 3):
+        raise ValueError(f"kv_meta entries must be (kv_seq, kv_pos) or (kv_seq, kv_pos, kv_seq_end), got {len(m)}")
+    ks, kp = np.asarray(m[0], dtype=np.int64), np.asarray(m[1], dtype=np.int64)
+    return ks, kp, seq_end_or_default(ks, m[2] if len(m) == 3 else None)
+
+
 # ---------------------------------------------------------------- validation and metadata exchange
 
-def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale) -> str:
+def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end=None) -> str:
     """A description of what is wrong with this rank's inputs, or '' if nothing is."""
     if strategy not in STRATEGIES:
         return f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
@@ -116,8 +137,11 @@ def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale) -> st
         return f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}"
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-    for name, t, n in (("q_seq", q_seq, q.shape[0]), ("q_pos", q_pos, q.shape[0]),
-                       ("kv_seq", kv_seq, k.shape[0]), ("kv_pos", kv_pos, k.shape[0])):
+    metadata = [("q_seq", q_seq, q.shape[0]), ("q_pos", q_pos, q.shape[0]),
+                ("kv_seq", kv_seq, k.shape[0]), ("kv_pos", kv_pos, k.shape[0])]
+    if kv_seq_end is not None:
+        metadata.append(("kv_seq_end", kv_seq_end, k.shape[0]))
+    for name, t, n in metadata:
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
             return f"{name} must be a 1-D int64 tensor, got {getattr(t, 'dtype', type(t))} {getattr(t, 'shape', '')}"
         if t.shape[0] != n:
@@ -125,6 +149,8 @@ def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale) -> st
     for name, pos, seq in (("q_pos", q_pos, q_seq), ("kv_pos", kv_pos, kv_seq)):
         if bool(((pos < 0) & (seq >= 0)).any()):
             return f"{name} has negative positions; positions must be >= 0"
+    if kv_seq_end is not None and bool(((kv_seq_end <= kv_seq) & (kv_seq >= 0)).any()):
+        return "kv_seq_end must be > kv_seq for every key with kv_seq >= 0 (an interval [kv_seq, kv_seq_end))"
     if scale is not None and not scale > 0:
         return f"scale must be positive, got {scale}"
     return ""
@@ -136,10 +162,11 @@ def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None) -> CPAttentionPlan:
+def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None,
+                      kv_seq_end=None) -> CPAttentionPlan:
     """Validate on every rank, agree on errors, all-gather metadata, then build the plan."""
     rank, world = group_rank_and_size(group)
-    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale)
+    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end)
     ok = not problem
     header = torch.tensor([0 if ok else 1,
                            q.shape[0] if ok else 0, k.shape[0] if ok else 0,
@@ -156,10 +183,11 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
         if (headers[:, col] != headers[0, col]).any():
             raise ValueError(f"cp_attention: ranks disagree on {what}: {headers[:, col].tolist()}")
     max_q, max_kv = int(headers[:, 1].max()), int(headers[:, 2].max())
-    mine = torch.full((4, max(max_q, max_kv)), -1, dtype=torch.int64)
+    mine = torch.full((5, max(max_q, max_kv)), -1, dtype=torch.int64)
     mine[0, :q.shape[0]], mine[1, :q.shape[0]] = q_seq.cpu(), q_pos.cpu()
     mine[2, :k.shape[0]], mine[3, :k.shape[0]] = kv_seq.cpu(), kv_pos.cpu()
+    mine[4, :k.shape[0]] = kv_seq.cpu() + 1 if kv_seq_end is None else kv_seq_end.cpu()
     gathered = _all_gather_ints(mine, group)
     q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
-    kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy()) for g, h in zip(gathered, headers)]
+    kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy(), g[4, :h[2]].numpy()) for g, h in zip(gathered, headers)]
     return plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy, scale=scale)
