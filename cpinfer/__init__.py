@@ -3,14 +3,11 @@ Million-Token Inference"): ring pass-KV and pass-Q prefill, pass-Q decode, a sha
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput"]
 
 
 def __getattr__(name):  # keep `import cpinfer` light: torch-heavy modules load on first use
-    if name in ("LLM", "RequestOutput"):
-        from cpinfer.engine import llm
-        return getattr(llm, name)
-    if name == "SamplingParams":
-        from cpinfer.engine.sampling import SamplingParams
-        return SamplingParams
+    if name in ("LLM", "AsyncLLM", "RequestOutput", "SamplingParams"):
+        import cpinfer.engine as engine
+        return getattr(engine, name)
     raise AttributeError(f"module 'cpinfer' has no attribute {name!r}")

@@ -66,7 +66,7 @@ def test_kv_stays_balanced_over_a_long_conversation(llama_checkpoint, engine):
     for turn in range(3):
         out = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True, temperature=1.0, seed=turn))[0]
         prompt = prompt + out.token_ids + rng.integers(3, 256, 7).tolist()
-    counts = np.asarray(llm.kv_tokens_per_rank(out.seq_id))
+    counts = np.asarray(llm.cache_stats()["kv_tokens_per_rank"])
     assert counts.sum() == len(prompt) - 7 - 1
     assert counts.max() / counts.mean() <= 1.01, counts
 
@@ -90,7 +90,9 @@ def test_lru_eviction_under_pressure(llama_checkpoint, engine):
     for p in prompts:  # each fits alone; together they do not, so older ones are evicted
         out = llm.generate([p], SamplingParams(max_tokens=2, **GREEDY))[0]
         check_against_hf(path, [out], [p], 2, check_prompt_lp=False)
-    assert len(llm._cached) < 3
+    assert sum(llm.cache_stats()["kv_tokens_per_rank"]) <= 2 * 640
+    again = llm.generate([prompts[0]], SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert again.num_cached_tokens == 0  # the oldest conversation was evicted first
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -124,6 +124,6 @@ def shape_text(cfg: dict) -> str:
 
 def kv_capacity(tokens: int) -> int:
     """A per-rank KV capacity (a multiple of the cache block) with room for `tokens` plus a small margin."""
-    from cpinfer.kvcache import BLOCK
+    from cpinfer.engine.kv_manager import BLOCK
 
     return -(-(tokens + 4 * BLOCK) // BLOCK) * BLOCK

@@ -1,1 +1,14 @@
-"""The serving engine: scheduler and sampling on the driver, SPMD workers that own model replicas and KV shards."""
+"""The online engine (paper §3.3 persistent KV served step by step).
+
+request (state) → scheduler (queues, token budget, preemption) → kv_manager (radix tree over the sharded cache,
+the one owner of every rank's blocks) → batch (typed driver↔rank messages) → model_runner + attention (SPMD ranks)
+→ llm_engine (step loop) → llm (offline `LLM`) / async_llm (`AsyncLLM` for the server).
+"""
+from cpinfer.engine.async_llm import AsyncLLM, RequestStream
+from cpinfer.engine.llm import LLM
+from cpinfer.engine.llm_engine import EngineConfig, EngineDeadError, LLMEngine
+from cpinfer.engine.request import EngineStats, RequestOutput
+from cpinfer.engine.sampling import SamplingParams
+
+__all__ = ["AsyncLLM", "RequestStream", "LLM", "LLMEngine", "EngineConfig", "EngineDeadError", "EngineStats",
+           "RequestOutput", "SamplingParams"]
