@@ -133,7 +133,7 @@ def run_engine_demo(cp: int = 2, prompt_tokens: int = 4000, max_tokens: int = 16
     """Two greedy turns (turn 2 = turn 1's prompt + output + `extra_tokens` new ones) at CP=1 and, if cp > 1, at
     CP=cp, each on a fresh `LLM`. Returns the turns of CP=1 followed by those of CP=cp."""
     from cpinfer import LLM
-    from cpinfer.kvcache import BLOCK
+    from cpinfer.engine.kv_manager import BLOCK
 
     from cpinfer.model.config import ModelConfig
 
