@@ -1,0 +1,193 @@
+"""`AsyncLLM`: the engine for asyncio callers (the server). The step loop runs in one background thread; each
+request is a stream of cumulative `RequestOutput`s delivered to the event loop as tokens are sampled.
+
+Validation happens in the caller (`add_request` raises ValueError before anything is queued); aborting a stream
+(`aclose()`, cancellation, a disconnected client) frees the request's blocks at the engine's next step. If a rank
+dies, every open stream raises `EngineDeadError` and `errored` turns True.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from typing import AsyncIterator
+
+from cpinfer.engine.llm import encode_chat
+from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
+from cpinfer.engine.request import RequestOutput
+from cpinfer.engine.sampling import SamplingParams
+from cpinfer.utils import get_logger
+
+log = get_logger()
+_IDLE_WAIT_S = 0.05
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; the last has `finished=True`."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str):
+        self.owner, self.request_id = owner, request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def _put(self, item) -> None:  # called on the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            self.owner._forget(self.request_id)
+            raise item
+        if item.finished:
+            self._done = True
+            self.owner._forget(self.request_id)
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running (idempotent)."""
+        if not self._done:
+            self._done = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """`LLMEngine` driven by a background thread; `add_request` / `generate` / `abort` from the event loop."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self.dead_error: str | None = None
+        self._snapshot = (self.engine.cache_stats(), self.engine.stats())  # refreshed by the engine thread
+        self._thread = threading.Thread(target=self._run, name="cpinfer-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return list(self.engine.rank_pids)
+
+    def encode_chat(self, messages) -> list[int]:
+        return encode_chat(self.engine.tokenizer, messages)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> RequestStream:
+        """Validate now (ValueError with the numbers), queue, and return the request's stream."""
+        if self.errored:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        tokens = self.engine.validate(prompt, params)
+        self._loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, tokens, params))
+        return stream
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a queued or running request (no-op for unknown or finished ones)."""
+        self._inbox.put(("abort", request_id, None, None))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def cache_stats(self) -> dict:
+        """As of the last engine step (never waits for a running forward)."""
+        return dict(self._snapshot[0])
+
+    def stats(self):
+        """`EngineStats` as of the last engine step."""
+        return self._snapshot[1]
+
+    # ------------------------------------------------------------------ the engine thread
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(stream._put, item)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            op, rid, tokens, params = item
+            if op == "add":
+                try:
+                    self.engine.add_request(rid, tokens, params)
+                except ValueError as exc:
+                    self._deliver(rid, exc)
+            elif op == "abort" and rid in self.engine.requests:
+                self.engine.abort(rid)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                    continue
+                outputs = self.engine.step()
+                self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+            except Exception as exc:  # noqa: BLE001 - a dead rank or a bug: fail every request, stay inspectable
+                self.dead_error = f"{type(exc).__name__}: {exc}"
+                log.error("engine loop stopped: %s", self.dead_error)
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDeadError(f"the engine failed: {self.dead_error}"))
+                return
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and the ranks (in-flight requests end with an error)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError("the engine was shut down"))
+        self.engine.shutdown()

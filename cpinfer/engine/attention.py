@@ -1,0 +1,179 @@
+"""CP attention for the engine's batches: the `cp_attention` visibility rule on the prefix tree, planned per forward.
+
+A query of sequence b sees (1) every key of b's prefix-tree path before this forward's new tokens — slot runs the
+KV manager gives per rank, all visible since their positions are smaller — and (2) b's new keys with
+kv_pos <= q_pos, which are 2N-sharded over the ranks (causal tiles from `build_items`). The plan is built once per
+forward from the batch alone (no communication); per layer only tensors move: pass-KV packs each rank's visible
+store rows and new rows into one ring message (paper Alg. 2), pass-Q rotates queries and reads the store in place,
+then returns partial outputs with one All2All (Alg. 3, 4).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cpinfer.attention.local import FULL, AttnItem, build_items, get_backend, mark_first, new_accumulator, run_items
+from cpinfer.attention.merge import merge_partials
+from cpinfer.cp.ring import ring_steps
+from cpinfer.engine.batch import ForwardBatch
+
+
+def _merge_runs(runs: np.ndarray) -> np.ndarray:
+    """[R, 2] slot runs → the same keys with touching runs joined."""
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    if len(runs) < 2:
+        return runs
+    opens = np.ones(len(runs), dtype=bool)
+    opens[1:] = runs[1:, 0] != runs[:-1, 1]
+    first = np.nonzero(opens)[0]
+    last = np.append(first[1:] - 1, len(runs) - 1)
+    return np.stack((runs[first, 0], runs[last, 1]), axis=1)
+
+
+def _shift(items: list[AttnItem], dq: int, dk: int) -> list[AttnItem]:
+    return [dataclasses.replace(it, q0=it.q0 + dq, q1=it.q1 + dq, k0=it.k0 + dk, k1=it.k1 + dk) for it in items]
+
+
+def _causal_items(q_pos: np.ndarray, k_pos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
+    """Queries of one sequence against new keys of the same sequence (kv_pos <= q_pos), offsets applied."""
+    zq, zk = np.zeros(len(q_pos), dtype=np.int64), np.zeros(len(k_pos), dtype=np.int64)
+    return _shift(build_items(zq, q_pos, zk, k_pos), q0, k0)
+
+
+class BatchAttention:
+    """One rank's attention plan for a forward; `run` is called once per layer."""
+
+    def __init__(self, batch: ForwardBatch, rank: int, world: int, group, backend: str | None = None,
+                 device=torch.device("cpu")):
+        self.rank, self.world, self.group = rank, world, group
+        self.strategy = batch.strategy
+        self.backend = get_backend(backend, device)
+        seqs = batch.seqs
+        self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
+        counts = np.asarray([[len(x) for x in row] for row in self.idx], dtype=np.int64).reshape(world, len(seqs))
+        self.counts = counts
+        self.qoff = np.zeros((world, len(seqs) + 1), dtype=np.int64)
+        self.qoff[:, 1:] = np.cumsum(counts, axis=1)
+        self.nq = self.qoff[:, -1]
+        self.max_q = int(self.nq.max()) if len(seqs) else 0
+        mine = self.idx[rank]
+        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+        self.input_ids = cat([s.token_ids[i] for s, i in zip(seqs, mine)])  # [Lq] this rank's new tokens
+        self.positions = cat([s.start + i for s, i in zip(seqs, mine)])
+        self.slots = cat([s.slots[i] for s, i in zip(seqs, mine)])
+        # keys every query of b sees in full on rank r: the cached runs, plus b's single new token (decode)
+        self.full_runs = [[self._visible_runs(s, r) for s in seqs] for r in range(world)]
+        self.pos = [[s.start + i for s, i in zip(seqs, row)] for row in self.idx]
+        if self.strategy == "pass-kv" and world > 1:
+            self._plan_pass_kv(seqs)
+        else:
+            self._plan_pass_q(seqs)
+
+    @staticmethod
+    def _visible_runs(s, r: int) -> np.ndarray:
+        runs = s.ctx_runs[r]
+        if len(s.token_ids) == 1 and s.ranks[0] == r:
+            runs = np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]])).astype(np.int64)
+        return _merge_runs(runs)
+
+    # ------------------------------------------------------------------ planning
+    def _plan_pass_kv(self, seqs) -> None:
+        """steps[j]: my queries against the packed message of source (rank - j): [store rows U_s ; new rows of s]."""
+        me, n = self.rank, self.world
+        self.send_slots = []
+        for s in range(n):
+            parts = [np.arange(a, e, dtype=np.int64) for b in range(len(seqs)) for a, e in self.full_runs[s][b]]
+            self.send_slots.append(np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64))
+        self.max_send = max(len(u) + int(c) for u, c in zip(self.send_slots, self.nq))
+        self.steps = []
+        covered = np.zeros(int(self.nq[me]), dtype=bool)
+        for j in range(n):
+            src = (me - j) % n
+            items: list[AttnItem] = []
+            u = self.send_slots[src]
+            for b, s in enumerate(seqs):
+                nqb = int(self.counts[me, b])
+                if nqb == 0:
+                    continue
+                q0 = int(self.qoff[me, b])
+                runs = self.full_runs[src][b]
+                if len(runs):
+                    starts = np.searchsorted(u, runs[:, 0])
+                    packed = _merge_runs(np.stack((starts, starts + runs[:, 1] - runs[:, 0]), axis=1))
+                    items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in packed]
+                if len(s.token_ids) > 1 and self.counts[src, b]:
+                    items += _causal_items(self.pos[me][b], self.pos[src][b], q0, len(u) + int(self.qoff[src, b]))
+            self.steps.append(mark_first(items, len(covered), covered))
+
+    def _plan_pass_q(self, seqs) -> None:
+        """steps[j] = (items against my store, items against my new K/V) for the queries of source (rank - j)."""
+        me, n = self.rank, self.world
+        self.steps = []
+        for j in range(n):
+            src = (me - j) % n
+            store_items: list[AttnItem] = []
+            new_items: list[AttnItem] = []
+            for b, s in enumerate(seqs):
+                nqb = int(self.counts[src, b])
+                if nqb == 0:
+                    continue
+                q0 = int(self.qoff[src, b])
+                store_items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in self.full_runs[me][b]]
+                if len(s.token_ids) > 1 and self.counts[me, b]:
+                    new_items += _causal_items(self.pos[src][b], self.pos[me][b], q0, int(self.qoff[me, b]))
+            covered = np.zeros(int(self.nq[src]), dtype=bool)
+            self.steps.append((mark_first(store_items, len(covered), covered),
+                               mark_first(new_items, len(covered), covered)))
+
+    # ------------------------------------------------------------------ per layer
+    def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None) -> torch.Tensor:
+        """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D]."""
+        if self.strategy == "pass-kv" and self.world > 1:
+            return self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings)
+        return self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
+
+    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings):
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        u = torch.from_numpy(self.send_slots[self.rank]).to(q.device)
+        packed = k_new.new_zeros((2, self.max_send) + tuple(k_new.shape[1:]))  # [2, max_send, Hkv, D]
+        packed[0, :len(u)] = store_k.index_select(0, u)
+        packed[1, :len(u)] = store_v.index_select(0, u)
+        packed[0, len(u):len(u) + len(k_new)] = k_new
+        packed[1, len(u):len(u) + len(k_new)] = v_new
+
+        def compute(j, block):
+            run_items(self.steps[j], q, block[0], block[1], acc_out, acc_lse, scale, self.backend)
+
+        ring_steps(self.group, packed, self.world, compute, timings)
+        return acc_out.to(q.dtype)
+
+    def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
+        n, lq, h, d = self.world, q.shape[0], q.shape[1], q.shape[2]
+        rows = self.max_q if n > 1 else lq
+        partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
+        partials[..., d] = -torch.inf
+        cur = q
+        if n > 1 and lq < rows:
+            cur = q.new_zeros((rows, h, d))
+            cur[:lq] = q
+
+        def compute(j, block):
+            part = partials[(self.rank - j) % n]
+            store_items, new_items = self.steps[j]
+            run_items(store_items, block, store_k, store_v, part[..., :d], part[..., d], scale, self.backend)
+            run_items(new_items, block, k_new, v_new, part[..., :d], part[..., d], scale, self.backend)
+
+        ring_steps(self.group, cur, n, compute, timings)
+        if n == 1:
+            return partials[0, :lq, :, :d].to(q.dtype)
+        t0 = time.perf_counter()
+        back = torch.empty_like(partials)
+        dist.all_to_all_single(back, partials, group=self.group)  # back[s] = my queries' partial from rank s
+        out, _ = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
+        if timings is not None:
+            timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
+        return out.to(q.dtype)

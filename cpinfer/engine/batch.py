@@ -1,0 +1,50 @@
+"""Typed messages between the driver and the ranks: one `ForwardBatch` per step, one `RankResult` back per rank.
+
+The batch carries every decision (which rank and slot each new token takes, which cached slot runs each sequence
+sees); ranks apply it and never re-decide. Its size grows with the new tokens and the number of slot runs, not with
+the cached context, so a decode step ships a few hundred bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cpinfer.engine.sampling import SampleSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqInput:
+    """One sequence's part of a forward: T new tokens at positions start ... start+T-1."""
+
+    token_ids: np.ndarray  # [T] int64
+    start: int
+    ranks: np.ndarray  # [T] CP rank that computes and stores each new token
+    slots: np.ndarray  # [T] its KV slot on that rank (the cache operation the rank applies)
+    ctx_runs: tuple[np.ndarray, ...]  # per CP rank: [R, 2] slot runs of every key before `start` on its path
+    sample: SampleSpec | None  # sample the next token from the last new token's logits
+    next_token: int = -1  # the token after the last new one, when known (prompt log-probabilities of a chunk)
+    prompt_logprobs: bool = False  # return log p(next token) for each new token held on a rank
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    seqs: tuple[SeqInput, ...]
+    strategy: str  # "pass-kv" | "pass-q"
+    phase: str  # "prefill" | "decode" | "mixed"
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    seq: int  # index into ForwardBatch.seqs
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    samples: tuple[SampleResult, ...]
+    prompt_lp: dict[int, tuple[np.ndarray, np.ndarray]]  # seq → (offsets within its new tokens, log p(next))
+    forward_s: float
+    ring_wait_s: float

@@ -1,0 +1,374 @@
+"""The driver's KV manager: the one owner of every CP rank's cache blocks (paper §3.3, persistent KV).
+
+Cached tokens form a radix tree of token segments shared by every request that extends them; each token of a
+segment lives on one CP rank, in a slot of a block of that rank. The manager decides the slot of every new token —
+prefill chunks 2N-sharded (§3.5.1), decode tokens round-robin (§3.6) — and the ranks only write where told.
+Splitting a segment relabels metadata here; K/V never move. Unreferenced leaves are evicted least recently used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from cpinfer.utils import ceil_div
+
+BLOCK = 64  # slots per allocation block
+
+
+class GrowArray:
+    """An int64 array with amortised O(1) appends (decode appends one token at a time to long segments)."""
+
+    def __init__(self, values=()):
+        values = np.asarray(values, dtype=np.int64)
+        self._buf = np.empty(max(16, 2 * len(values)), dtype=np.int64)
+        self._buf[:len(values)] = values
+        self.n = len(values)
+
+    def extend(self, values) -> None:
+        values = np.asarray(values, dtype=np.int64).reshape(-1)
+        if self.n + len(values) > len(self._buf):
+            buf = np.empty(2 * (self.n + len(values)), dtype=np.int64)
+            buf[:self.n] = self._buf[:self.n]
+            self._buf = buf
+        self._buf[self.n:self.n + len(values)] = values
+        self.n += len(values)
+
+    @property
+    def view(self) -> np.ndarray:
+        return self._buf[:self.n]
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class RankBlocks:
+    """Blocks of one rank: reference counted (after a split, a block can hold tokens of two segments)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref = np.zeros(num_blocks, dtype=np.int32)
+        self.num_free = num_blocks
+
+    def alloc(self, prefer: int = -1) -> int:
+        """A free block, `prefer` when it is free (keeps a segment's slots contiguous), else the lowest."""
+        if self.num_free == 0:
+            raise RuntimeError("no free block (the caller must check blocks_needed first; this is a bug)")
+        b = prefer if 0 <= prefer < self.num_blocks and self.ref[prefer] == 0 else int(np.argmin(self.ref))
+        self.ref[b] = 1
+        self.num_free -= 1
+        return b
+
+    def incref(self, blocks: np.ndarray) -> None:
+        self.ref[blocks] += 1
+
+    def decref(self, blocks: np.ndarray) -> None:
+        self.ref[blocks] -= 1
+        freed = int(np.count_nonzero(self.ref[blocks] == 0))
+        self.num_free += freed
+
+
+class Node:
+    """A segment of the prefix tree: tokens at positions pos0 ..., each stored on rank[i] in slot[i]."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, parent: "Node | None", pos0: int, num_ranks: int, owner: str | None = None,
+                 tokens=(), rank=(), slot=()):
+        self.id = next(Node._ids)
+        self.parent = parent
+        self.children: list[Node] = []
+        self.pos0 = pos0
+        self.tokens, self.rank, self.slot = GrowArray(tokens), GrowArray(rank), GrowArray(slot)
+        self.count = np.bincount(np.asarray(rank, dtype=np.int64), minlength=num_ranks)  # tokens per rank
+        self.ref = 0  # requests whose path contains this node
+        self.owner = owner  # the running request that appends to this (leaf) node
+        self.last_access = time.monotonic()
+        self.tail = [(-1, BLOCK)] * num_ranks  # per rank: (last block, slots used in it) for appending
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def blocks(self, num_blocks: int) -> np.ndarray:
+        """Distinct (rank * num_blocks + block) keys of the blocks holding this node's tokens."""
+        return np.unique(self.rank.view * num_blocks + self.slot.view // BLOCK)
+
+
+@dataclasses.dataclass
+class SeqKV:
+    """A running request's view of the cache: its private leaf and the slot runs of everything it can see."""
+
+    request_id: str
+    leaf: Node
+    num_stored: int  # tokens of the path (positions 0 .. num_stored-1) whose K/V are stored or being written
+    runs: list[list[list[int]]]  # per rank: [start, end) slot runs of those tokens
+    next_rank: int = 0  # decode round-robin
+
+    def runs_array(self, rank: int) -> np.ndarray:
+        """[R, 2] int64 snapshot of the runs on one rank."""
+        return np.asarray(self.runs[rank], dtype=np.int64).reshape(-1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    ranks: np.ndarray  # [T] rank of each new token
+    slots: np.ndarray  # [T] its slot on that rank
+
+
+def _add_runs(runs: list[list[int]], slots: np.ndarray) -> None:
+    """Append slots (in order) to a run list, extending the last run when contiguous."""
+    if len(slots) == 0:
+        return
+    brk = np.nonzero(np.diff(slots) != 1)[0] + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [len(slots)]))
+    for a, e in zip(starts.tolist(), ends.tolist()):
+        s0, s1 = int(slots[a]), int(slots[e - 1]) + 1
+        if runs and runs[-1][1] == s0:
+            runs[-1][1] = s1
+        else:
+            runs.append([s0, s1])
+
+
+def chunk_ranks(num_tokens: int, num_ranks: int, order: list[int]) -> np.ndarray:
+    """2N-chunk load balancing (§3.5.1) of a run of new tokens: chunk k of 2N goes to pair min(k, 2N-1-k);
+    pair i is placed on rank order[i] (the caller lists the least loaded ranks first for the larger pairs)."""
+    n2 = 2 * num_ranks
+    size = ceil_div(num_tokens, n2)
+    k = np.arange(num_tokens, dtype=np.int64) // size
+    pair = np.minimum(k, n2 - 1 - k)
+    counts = np.bincount(pair, minlength=num_ranks)
+    by_size = np.argsort(-counts, kind="stable")  # largest pair first
+    rank_of_pair = np.empty(num_ranks, dtype=np.int64)
+    rank_of_pair[by_size] = np.asarray(order, dtype=np.int64)
+    return rank_of_pair[pair]
+
+
+class KVManager:
+    """Owner of every rank's blocks and of the prefix tree. Pure bookkeeping: no tensors, no processes."""
+
+    def __init__(self, num_ranks: int, capacity_tokens_per_rank: int, enable_prefix_caching: bool = True):
+        self.n = num_ranks
+        self.num_blocks = capacity_tokens_per_rank // BLOCK
+        if self.num_blocks < 1:
+            raise ValueError(f"KV capacity per rank must be at least {BLOCK} tokens, got {capacity_tokens_per_rank}")
+        self.ranks = [RankBlocks(self.num_blocks) for _ in range(num_ranks)]
+        self.root = Node(None, 0, num_ranks)
+        self.root.ref = 1  # never evicted
+        self.enable_prefix_caching = enable_prefix_caching
+        self.used = np.zeros(num_ranks, dtype=np.int64)  # tokens stored per rank
+        self.nodes: dict[int, Node] = {}
+        self.prefix_queries = 0  # prompt tokens looked up / found in the cache (the scheduler counts them)
+        self.prefix_hits = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity_per_rank(self) -> int:
+        return self.num_blocks * BLOCK
+
+    def free_blocks(self) -> np.ndarray:
+        return np.asarray([r.num_free for r in self.ranks], dtype=np.int64)
+
+    def blocks_for_request(self, num_tokens: int) -> int:
+        """Blocks per rank a request of num_tokens (prompt + output) needs at most on an empty cache."""
+        return ceil_div(ceil_div(num_tokens, self.n) + 2 * self.n, BLOCK) + 1
+
+    # ------------------------------------------------------------------ prefix matching
+    def match(self, tokens: np.ndarray, limit: int) -> tuple[Node, int, int]:
+        """Longest cached prefix of tokens[:limit]: (node, tokens matched inside it, total matched)."""
+        node, done = self.root, 0
+        while done < limit:
+            best, best_len = None, 0
+            for child in node.children:
+                if len(child) == 0:
+                    continue
+                m = min(len(child), limit - done)
+                neq = np.nonzero(child.tokens.view[:m] != tokens[done:done + m])[0]
+                common = int(neq[0]) if len(neq) else m
+                if common > best_len:
+                    best, best_len = child, common
+            if best is None:
+                break
+            done += best_len
+            if best_len < len(best):
+                return best, best_len, done
+            node = best
+        return node, len(node), done
+
+    def attach(self, request_id: str, tokens: np.ndarray, use_cache: bool = True) -> SeqKV:
+        """Start a request: reuse the longest cached prefix of tokens[:-1], lock its path, open a private leaf."""
+        limit = len(tokens) - 1 if (use_cache and self.enable_prefix_caching) else 0
+        node, inside, matched = self.match(tokens, limit)
+        if node is not self.root and (inside < len(node) or node.owner is not None):
+            node = self._split(node, inside)  # the matched part becomes its own segment
+        leaf = Node(node, matched, self.n, owner=request_id)
+        node.children.append(leaf)
+        self.nodes[leaf.id] = leaf
+        runs: list[list[list[int]]] = [[] for _ in range(self.n)]
+        path = []
+        p = node
+        while p is not self.root:
+            path.append(p)
+            p = p.parent
+        now = time.monotonic()
+        for p in reversed(path):
+            p.ref += 1
+            p.last_access = now
+            for r in range(self.n):
+                _add_runs(runs[r], p.slot.view[p.rank.view == r])
+        leaf.ref = 1
+        return SeqKV(request_id, leaf, matched, runs, next_rank=int(np.argmin(self.used)))
+
+    def _split(self, node: Node, m: int) -> Node:
+        """Cut node after its first m tokens; the new parent segment P holds them (K/V stay where they are)."""
+        pv = node.parent
+        p = Node(pv, node.pos0, self.n, tokens=node.tokens.view[:m], rank=node.rank.view[:m],
+                 slot=node.slot.view[:m])
+        p.ref, p.last_access = node.ref, node.last_access
+        rest = [a.view[m:].copy() for a in (node.tokens, node.rank, node.slot)]
+        node.tokens, node.rank, node.slot = (GrowArray(a) for a in rest)
+        node.count = node.count - p.count
+        node.pos0 += m
+        pv.children[pv.children.index(node)] = p
+        p.children.append(node)
+        node.parent = p
+        self.nodes[p.id] = p
+        shared = np.intersect1d(p.blocks(self.num_blocks), node.blocks(self.num_blocks))
+        for key in shared.tolist():  # a block now holds tokens of both segments
+            self.ranks[key // self.num_blocks].incref(np.asarray([key % self.num_blocks]))
+        return p
+
+    # ------------------------------------------------------------------ placing new tokens
+    def _rank_order(self, leaf: Node) -> list[int]:
+        return sorted(range(self.n), key=lambda r: (leaf.count[r], self.used[r], r))
+
+    def _blocks_needed(self, leaf: Node, per_rank: np.ndarray) -> np.ndarray:
+        need = np.zeros(self.n, dtype=np.int64)
+        for r in range(self.n):
+            room = BLOCK - leaf.tail[r][1]
+            need[r] = ceil_div(max(0, int(per_rank[r]) - room), BLOCK)
+        return need
+
+    def plan_ranks(self, seq: SeqKV, num_tokens: int, decode: bool) -> np.ndarray:
+        """The rank of each of the next num_tokens tokens of seq (2N-sharded, or round-robin for one decode)."""
+        if decode and num_tokens == 1:
+            order = sorted(range(self.n), key=lambda r: (seq.leaf.count[r], (r - seq.next_rank) % self.n))
+            return np.asarray([order[0]], dtype=np.int64)
+        return chunk_ranks(num_tokens, self.n, self._rank_order(seq.leaf))
+
+    def reserve(self, seq: SeqKV, tokens: np.ndarray, decode: bool = False) -> Placement | None:
+        """Place tokens (appended to seq's leaf at positions num_stored ...), evicting LRU cached segments if needed.
+        Returns None when even after eviction the blocks are not there (the scheduler then preempts)."""
+        ranks = self.plan_ranks(seq, len(tokens), decode)
+        need = self._blocks_needed(seq.leaf, np.bincount(ranks, minlength=self.n))
+        if not self.make_room(need):
+            return None
+        leaf = seq.leaf
+        slots = np.empty(len(tokens), dtype=np.int64)
+        for r in range(self.n):
+            idx = np.nonzero(ranks == r)[0]
+            if len(idx):
+                slots[idx] = self._alloc_slots(leaf, r, len(idx))
+                _add_runs(seq.runs[r], slots[idx])
+        leaf.tokens.extend(tokens)
+        leaf.rank.extend(ranks)
+        leaf.slot.extend(slots)
+        counts = np.bincount(ranks, minlength=self.n)
+        leaf.count += counts
+        self.used += counts
+        seq.num_stored += len(tokens)
+        if decode:
+            seq.next_rank = (int(ranks[-1]) + 1) % self.n
+        leaf.last_access = time.monotonic()
+        return Placement(ranks, slots)
+
+    def _alloc_slots(self, leaf: Node, r: int, k: int) -> np.ndarray:
+        out = []
+        block, used = leaf.tail[r]
+        while k > 0:
+            if used == BLOCK:
+                block, used = self.ranks[r].alloc(prefer=block + 1 if block >= 0 else -1), 0
+            take = min(k, BLOCK - used)
+            out.append(np.arange(block * BLOCK + used, block * BLOCK + used + take, dtype=np.int64))
+            used += take
+            k -= take
+        leaf.tail[r] = (block, used)
+        return np.concatenate(out)
+
+    # ------------------------------------------------------------------ freeing
+    def make_room(self, need: np.ndarray) -> bool:
+        """Evict least recently used unreferenced leaves until every rank has `need` free blocks."""
+        while np.any(self.free_blocks() < need):
+            victims = [nd for nd in self.nodes.values() if not nd.children and nd.ref == 0 and nd.owner is None]
+            if not victims:
+                return False
+            self._free_node(min(victims, key=lambda nd: nd.last_access))
+        return True
+
+    def _free_node(self, node: Node) -> None:
+        for key in node.blocks(self.num_blocks).tolist():
+            self.ranks[key // self.num_blocks].decref(np.asarray([key % self.num_blocks]))
+        self.used -= node.count
+        node.parent.children.remove(node)
+        del self.nodes[node.id]
+
+    def release(self, seq: SeqKV, keep: bool) -> None:
+        """A request leaves: unlock its path; keep its tokens cached (finished) or free its private leaf
+        (aborted / preempted)."""
+        leaf = seq.leaf
+        leaf.owner = None
+        p = leaf
+        now = time.monotonic()
+        while p is not self.root:
+            p.ref -= 1
+            p.last_access = now
+            p = p.parent
+        if not keep or len(leaf) == 0:
+            if not leaf.children:
+                self._free_node(leaf)
+            elif len(leaf) == 0:  # an empty segment left over by a split: fold it away
+                self._free_node_keep_children(leaf)
+
+    def _free_node_keep_children(self, node: Node) -> None:
+        parent = node.parent
+        parent.children.remove(node)
+        for c in node.children:
+            c.parent = parent
+            parent.children.append(c)
+        del self.nodes[node.id]
+
+    # ------------------------------------------------------------------ introspection
+    def tokens_per_rank(self) -> list[int]:
+        return self.used.tolist()
+
+    def check_invariants(self) -> None:
+        """Recount everything from the tree (tests): block refs, free counts, usage, ref counts >= 0."""
+        refs = np.zeros((self.n, self.num_blocks), dtype=np.int64)
+        used = np.zeros(self.n, dtype=np.int64)
+        seen = set()
+        all_slots = []
+        stack = [self.root]
+        while stack:
+            nd = stack.pop()
+            for c in nd.children:
+                assert c.parent is nd, "broken parent link"
+                assert c.pos0 == nd.pos0 + len(nd) or nd is self.root and c.pos0 == 0, "positions not contiguous"
+                stack.append(c)
+            if nd is self.root:
+                continue
+            seen.add(nd.id)
+            assert nd.ref >= 0, f"negative ref count on node {nd.id}"
+            for key in nd.blocks(self.num_blocks).tolist():
+                refs[key // self.num_blocks, key % self.num_blocks] += 1
+            np.testing.assert_array_equal(nd.count, np.bincount(nd.rank.view, minlength=self.n))
+            used += nd.count
+            all_slots.append(nd.rank.view * self.num_blocks * BLOCK + nd.slot.view)
+        assert seen == set(self.nodes), "node registry out of step with the tree"
+        flat = np.concatenate(all_slots) if all_slots else np.zeros(0, dtype=np.int64)
+        assert len(np.unique(flat)) == len(flat), "a slot holds two tokens"
+        for r in range(self.n):
+            np.testing.assert_array_equal(self.ranks[r].ref, refs[r], err_msg=f"block refs of rank {r}")
+            assert self.ranks[r].num_free == int(np.count_nonzero(refs[r] == 0)), "free count"
+        np.testing.assert_array_equal(self.used, used)

@@ -1,0 +1,393 @@
+"""`LLMEngine`: the step-wise engine the offline `LLM`, the asyncio `AsyncLLM` and the server are thin layers over.
+
+`step()` is three parts: the scheduler picks this forward's work (and the KV manager the slot of every new token),
+the ranks run it (`model_runner.execute_batch`, SPMD), and the driver turns sampled tokens into outputs, stopping
+and releasing requests. Requests come and go between steps (`add_request`, `abort`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpinfer.cp.heuristics import StrategyChoice
+from cpinfer.distributed import ParallelConfig
+from cpinfer.engine import model_runner as MR
+from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
+from cpinfer.engine.kv_manager import BLOCK, KVManager
+from cpinfer.engine.request import EngineStats, Request, RequestOutput, RequestStatus
+from cpinfer.engine.sampling import SampleSpec, SamplingParams
+from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from cpinfer.engine.strategy import choose_for_batch
+from cpinfer.launch import JoinedWorld, RemoteError, WorkerPool, joined_world_requested
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.loader import checkpoint_files
+from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.utils import get_logger
+
+log = get_logger()
+ATTENTION_BACKENDS = ("auto", "cpu-flash", "triton", "flash-attn", "math")
+
+
+class EngineDeadError(RuntimeError):
+    """A rank died or the engine failed: no request can be served any more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Validated engine arguments (everything is checked before a rank starts)."""
+
+    context_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    max_kv_tokens_per_rank: int | None = None
+    kv_memory_fraction: float = 0.25
+    strategy: str = "auto"
+    hardware_profile: str | None = None
+    attention_backend: str = "auto"
+    threads_per_rank: int | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        for name in ("context_parallel_size", "tensor_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.strategy not in ("auto", "pass-kv", "pass-q"):
+            raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.max_kv_tokens_per_rank is not None and self.max_kv_tokens_per_rank < BLOCK:
+            raise ValueError(f"max_kv_tokens_per_rank must be >= {BLOCK}, got {self.max_kv_tokens_per_rank}")
+        if not 0 < self.kv_memory_fraction <= 0.9:
+            raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
+        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)  # validates both
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.context_parallel_size, self.tensor_parallel_size)
+
+
+def _resolve_model(model) -> str:
+    try:
+        from cpinfer.model.resolve import resolve_model
+    except ModuleNotFoundError as exc:
+        if exc.name != "cpinfer.model.resolve" or model is None:
+            raise
+        return str(model)
+    return str(resolve_model(model))
+
+
+class LLMEngine:
+    """Driver of N×M ranks: `add_request`, `abort`, `step() -> list[RequestOutput]`, `has_unfinished_requests()`."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.args = EngineConfig(**kwargs)
+        a = self.args
+        self.model_path = _resolve_model(model)
+        self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
+        checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
+        self.n = a.context_parallel_size
+        self.parallel = a.parallel
+        self.parallel.check_model(self.config.num_attention_heads, self.config.num_key_value_heads)
+        if self.config.intermediate_size % a.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {a.tensor_parallel_size} must divide intermediate_size "
+                             f"({self.config.intermediate_size})")
+        trained = self.config.max_position_embeddings
+        self.max_model_len = a.max_model_len or trained
+        if self.max_model_len > trained:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: quality beyond the "
+                        "trained context is not guaranteed", self.max_model_len, trained)
+        self.strategy = a.strategy
+        # a catalog name or a `cpinfer calibrate` JSON; loaded now so a bad path fails before any rank starts
+        self.hardware = load_hardware_profile(a.hardware_profile or ("cpu-gloo" if a.device == "cpu" else "h100-gtt"))
+        self.elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
+        capacity = (a.max_kv_tokens_per_rank or self._default_capacity(a.kv_memory_fraction)) // BLOCK * BLOCK
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self._start_ranks(capacity)
+        self.kv = KVManager(self.n, capacity, a.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
+        self.requests: dict[str, Request] = {}
+        self._aborts: list[str] = []
+        self._rng = random.Random(0)
+        self.dead_error: str | None = None
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "forwards": {}, "finished": {}}
+
+    # ------------------------------------------------------------------ set-up
+    def _default_capacity(self, fraction: float) -> int:
+        c = self.config
+        per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                               self.elem_bytes)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        tokens = int(total * fraction / self.n / per_token)
+        return max(BLOCK, min(tokens, 4 * self.max_model_len))
+
+    def _start_ranks(self, capacity: int) -> None:
+        a = self.args
+        world = self.parallel.world_size
+        threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+        backend = "gloo" if a.device == "cpu" else "nccl"
+        if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
+            self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s)
+            self.parallel.check_world(self._pool.world_size)
+        else:
+            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s)
+        backend_name = None if a.attention_backend == "auto" else a.attention_backend
+        try:
+            if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
+                self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
+            infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
+                                   a.tensor_parallel_size, backend_name)
+            self.rank_pids = [i["pid"] for i in infos]
+        except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
+            self._pool.close(force=True)
+            if exc.exception_type == "ValueError":
+                raise ValueError(exc.errors[min(exc.errors)][1]) from None
+            raise
+        except BaseException:
+            self._pool.close(force=True)
+            raise
+
+    def shutdown(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.close(force=self.dead_error is not None)
+            self._pool = None
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, prompt, params: SamplingParams) -> list[int]:
+        """Token ids of a prompt, or ValueError saying what is wrong (no engine state is read or changed)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the model directory has no tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        try:
+            prompt = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("prompt must be a string or a list of token ids") from None
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; the model directory has none (use stop_token_ids)")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                             f"the maximum model length {self.max_model_len} (the model's max_position_embeddings "
+                             f"is {self.config.max_position_embeddings}); shorten the prompt or lower max_tokens")
+        need = self.kv.blocks_for_request(total)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request needs about {need * BLOCK} KV tokens per rank (prompt {len(prompt)}, "
+                             f"max_tokens {params.max_tokens}, CP={self.n}) but each rank holds "
+                             f"{self.kv.capacity_per_rank}; raise max_kv_tokens_per_rank or context_parallel_size, "
+                             "or shorten the request")
+        return prompt
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
+        """Queue a request (validated now: ValueError before any compute; nothing else is disturbed)."""
+        self._check_alive()
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        tokens = self.validate(prompt, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(request_id, tokens, params, seed)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; what it held is freed at the next step. Unknown ids are a ValueError."""
+        if request_id not in self.requests:
+            raise ValueError(f"unknown request id {request_id!r} (finished requests cannot be aborted)")
+        self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        self._check_alive()
+        outputs = self._apply_aborts()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.scheduler.has_work() and not outputs:
+                raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
+            return outputs
+        choice, phase = self._choose(scheduled)
+        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase)
+        try:
+            results: list[RankResult] = self._pool.run(MR.execute_batch, batch)
+        except Exception as exc:
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
+        key = f"{phase}/{choice.strategy}"
+        self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
+        return outputs + self._process(scheduled, results, choice, phase)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        if self._pool is None:
+            raise RuntimeError("the engine has been shut down")
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in self._aborts:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish(req, keep_cache=False)
+            req.finish_reason = "abort"
+            self._count_finish(req)
+            outputs.append(self._output(req))
+        self._aborts = []
+        return outputs
+
+    def _choose(self, scheduled: list[ScheduledSeq]) -> tuple[StrategyChoice, str]:
+        decodes = sum(s.is_decode for s in scheduled)
+        phase = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
+        t = sum(len(s.tokens) for s in scheduled)
+        p = sum(s.start for s in scheduled)
+        return choose_for_batch(self, t, p, phase), phase
+
+    def _seq_input(self, s: ScheduledSeq) -> SeqInput:
+        req = s.request
+        spec = SampleSpec.of(req.params, req.seed, len(req.out)) if s.sample else None
+        end = s.start + len(s.tokens)
+        known = len(req.prompt) + len(req.out)
+        next_token = req.known[end] if end < known else -1
+        want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
+        return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
+                        want_lp)
+
+    def _process(self, scheduled, results: list[RankResult], choice, phase) -> list[RequestOutput]:
+        now = time.perf_counter()
+        step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs}
+        samples = {r.seq: r for res in results for r in res.samples}
+        outputs = []
+        for b, s in enumerate(scheduled):
+            req = s.request
+            req.metrics["steps"].append(dict(step_info, new_tokens_per_rank=np.bincount(
+                s.placement.ranks, minlength=self.n).tolist()))
+            if req.params.prompt_logprobs:
+                self._collect_prompt_lp(req, s, b, results)
+            if not s.is_decode:
+                self._counters["prompt_tokens"] += len(s.tokens)
+            if not s.sample:
+                continue
+            if b not in samples:
+                raise RuntimeError(f"no rank returned a sample for request {req.request_id} (this is a bug)")
+            self._take_token(req, samples[b], now)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _collect_prompt_lp(self, req: Request, s: ScheduledSeq, b: int, results) -> None:
+        if req.prompt_lp is None:
+            req.prompt_lp = [None] * len(req.prompt)
+        for res in results:
+            if b in res.prompt_lp:
+                offsets, values = res.prompt_lp[b]
+                for o, v in zip(offsets.tolist(), values.tolist()):
+                    target = s.start + o + 1
+                    if target < len(req.prompt):
+                        req.prompt_lp[target] = v
+
+    def _take_token(self, req: Request, res, now: float) -> None:
+        token = res.token
+        if req.out:
+            req.metrics["ttit_s"].append(now - req.t_last)
+        else:
+            req.metrics["ttft_s"] = now - req.arrival
+            req.metrics["first_token_time"] = now
+        req.t_last = now
+        req.out.append(token)
+        req.logprobs.append(res.logprob)
+        if req.params.top_logprobs:
+            req.top_logprobs.append(dict(res.top))
+        self._counters["generation_tokens"] += 1
+        p = req.params
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.out, skip_special_tokens=True)
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            req.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        elif p.stop and self._hit_stop_string(req):
+            req.finish_reason = "stop"
+        elif len(req.out) >= p.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            self.scheduler.finish(req, keep_cache=True)
+            self.requests.pop(req.request_id, None)
+            self._count_finish(req)
+
+    @staticmethod
+    def _hit_stop_string(req: Request) -> bool:
+        hits = [(req.text.find(s), s) for s in req.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        req.text, req.stop_reason = req.text[:i], s
+        return True
+
+    def _count_finish(self, req: Request) -> None:
+        f = self._counters["finished"]
+        f[req.finish_reason] = f.get(req.finish_reason, 0) + 1
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.finish_reason is not None
+        req.metrics["arrival_time"] = req.arrival
+        return RequestOutput(
+            req.request_id, req.prompt, list(req.out), req.text if self.tokenizer is not None else None,
+            list(req.logprobs) if req.params.logprobs else None, req.prompt_lp, max(req.num_cached, 0),
+            req.finish_reason, req.metrics, list(req.top_logprobs) if req.params.top_logprobs else None,
+            finished, req.stop_reason)
+
+    # ------------------------------------------------------------------ introspection
+    def cache_stats(self) -> dict:
+        return {"kv_tokens_per_rank": self.kv.tokens_per_rank(), "kv_capacity_per_rank": self.kv.capacity_per_rank,
+                "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits}
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.tokens_per_rank(),
+                           self.kv.capacity_per_rank, self.kv.prefix_queries, self.kv.prefix_hits,
+                           c["prompt_tokens"], c["generation_tokens"], dict(c["forwards"]),
+                           self.scheduler.num_preemptions, dict(c["finished"]))
+
+    def ring_wait_s(self) -> list[float]:
+        return self._pool.run(MR.ring_wait)
+
+
+def _load_tokenizer(path: str):
+    p = Path(path)
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p))

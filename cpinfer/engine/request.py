@@ -1,0 +1,95 @@
+"""A request's state on the driver (status, tokens, cache handle, metrics) and what the engine returns for it."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import numpy as np
+
+from cpinfer.engine.kv_manager import SeqKV
+from cpinfer.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet (or preempted: its blocks were freed, it is recomputed when readmitted)
+    RUNNING = "running"  # holds a cache path; prefilling in chunks, then decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_lp: list[float | None] | None = None
+    kv: SeqKV | None = None
+    num_cached: int = -1  # prompt tokens reused from the prefix cache at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    metrics: dict = dataclasses.field(default_factory=lambda: {"steps": [], "ttit_s": []})
+    t_last: float = 0.0
+
+    @property
+    def known(self) -> list[int]:
+        """Every token whose K/V the request needs: prompt and output (the last output token is fed next)."""
+        return self.prompt + self.out
+
+    @property
+    def num_stored(self) -> int:
+        return self.kv.num_stored if self.kv is not None else 0
+
+    @property
+    def num_to_compute(self) -> int:
+        return len(self.prompt) + len(self.out) - self.num_stored
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing prompt (or, after preemption, earlier output) tokens beyond the next decode token."""
+        return self.num_to_compute > 1 or not self.out
+
+    def known_array(self) -> np.ndarray:
+        return np.asarray(self.known, dtype=np.int64)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's output so far (cumulative). `finished` is True on the last one."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None
+    prompt_logprobs: list[float | None] | None
+    num_cached_tokens: int
+    finish_reason: str | None
+    metrics: dict
+    top_logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """A snapshot of the engine for monitoring (the server's /metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_tokens_per_rank: list[int]
+    kv_capacity_per_rank: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    forwards: dict[str, int]  # "phase/strategy" → count
+    preemptions: int
+    requests_finished: dict[str, int]  # finish reason → count
