@@ -25,9 +25,10 @@ def pools():
         pool.close()
 
 
-def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None):
+def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None,
+                   backend="auto"):
     return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale,
-                        kv_seq_end=kv_seq_end)
+                        kv_seq_end=kv_seq_end, backend=backend)
 
 
 def rank_attention_catching(ctx, *args, **kwargs):
@@ -292,6 +293,9 @@ def _bad_inputs(n):
     args = [tuple(good()) + ("pass-q", None, torch.ones(4, dtype=torch.long)) for _ in range(n)]
     args[-1] = args[-1][:-1] + (torch.zeros(4, dtype=torch.long),)  # an empty interval [0, 0)
     cases.append(("empty kv interval", args, "kv_seq_end must be > kv_seq"))
+    args = [tuple(good()) + ("pass-kv", None, None, "cpu-flash") for _ in range(n)]
+    args[-1] = args[-1][:-1] + ("flash-attn",)  # not usable on a CPU rank
+    cases.append(("backend unusable here", args, "cannot run on cpu"))
     return cases
 
 

@@ -88,11 +88,15 @@ _BACKENDS = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}
 
 
 def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """The per-item kernel for a name: None → cpu-flash on CPU, math elsewhere; "auto" and the names of
+    `cpinfer.attention.backends` resolve there (a whole-step backend such as triton is not a per-item kernel)."""
     if name is None:
-        name = "cpu-flash" if device.type == "cpu" else "math"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
+        name = "cpu-flash" if torch.device(device).type == "cpu" else "math"
+    if name in _BACKENDS:
+        return _BACKENDS[name]
+    from cpinfer.attention.backends import item_kernel  # late: backends builds on this module
+
+    return item_kernel(name, device)
 
 
 def register_backend(name: str, fn: AttentionBackend) -> None:
@@ -113,9 +117,9 @@ def seq_end_or_default(kv_seq: np.ndarray, kv_seq_end) -> np.ndarray:
 
 
 def visible(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end) -> np.ndarray:
-    """Dense visibility [Lq, Lkv] bool of the rule (small blocks and tests only)."""
-    qs, qp = q_seq[:, None], q_pos[:, None]
-    return (qs >= 0) & (kv_seq[None, :] <= qs) & (qs < kv_seq_end[None, :]) & (kv_pos[None, :] <= qp)
+    """Dense visibility [Lq, Lkv] bool of the rule (small blocks and tests only); padding keys match nothing."""
+    qs, qp, ks = q_seq[:, None], q_pos[:, None], kv_seq[None, :]
+    return (qs >= 0) & (ks >= 0) & (ks <= qs) & (qs < kv_seq_end[None, :]) & (kv_pos[None, :] <= qp)
 
 
 def _segments(pos: np.ndarray, *labels: np.ndarray) -> list[tuple[int, int]]:

@@ -11,13 +11,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.local import get_backend, new_accumulator, run_items
+from cpinfer.attention.backends import backend_for, device_send_index
+from cpinfer.attention.local import new_accumulator
 from cpinfer.cp.ring import ring_steps
 
 
 def _pack_kv(plan, k, v) -> torch.Tensor:
     """This rank's relevant K/V as one message [2, max_send, Hkv, D] (rows past its own count are padding)."""
-    idx = torch.from_numpy(plan.me.send).to(k.device)
+    idx = device_send_index(plan, k.device)
     buf = k.new_zeros((2, plan.max_send) + tuple(k.shape[1:]))
     buf[0, :len(idx)] = k.index_select(0, idx)
     buf[1, :len(idx)] = v.index_select(0, idx)
@@ -26,12 +27,13 @@ def _pack_kv(plan, k, v) -> torch.Tensor:
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
-    backend = get_backend(None, q.device)
+    backend = backend_for(plan, q.device)
+    backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
 
     def compute(j, block):  # step 0 reads my K/V in place; later steps the block received from rank - j
         kj, vj = (k, v) if j == 0 else (block[0], block[1])
-        run_items(plan.steps[j], q, kj, vj, acc_out, acc_lse, scale, backend)
+        backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
 
     ring_steps(plan.group, _pack_kv(plan, k, v) if plan.world > 1 else None, plan.world, compute, timings)
     return acc_out.to(q.dtype)
@@ -39,7 +41,8 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
 
 def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """Baseline: all-gather every rank's packed K/V first (not overlapped), then attend locally."""
-    backend = get_backend(None, q.device)
+    backend = backend_for(plan, q.device)
+    backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     t0 = time.perf_counter()
     blocks = [k, v]
@@ -50,10 +53,10 @@ def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     t1 = time.perf_counter()
     for j in range(plan.world):
         if j == 0:
-            run_items(plan.steps[0], q, k, v, acc_out, acc_lse, scale, backend)
+            backend.attend(plan, 0, q, k, v, acc_out, acc_lse, scale)
         else:
             blk = blocks[plan.source(j)]
-            run_items(plan.steps[j], q, blk[0], blk[1], acc_out, acc_lse, scale, backend)
+            backend.attend(plan, j, q, blk[0], blk[1], acc_out, acc_lse, scale)
     if timings is not None:
         timings.append({"step": "all", "compute_s": time.perf_counter() - t1, "wait_s": t1 - t0})
     return acc_out.to(q.dtype)

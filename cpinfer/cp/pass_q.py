@@ -11,14 +11,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.local import get_backend, run_items
-from cpinfer.attention.merge import merge_partials
+from cpinfer.attention.backends import backend_for
 from cpinfer.cp.ring import ring_steps
 
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
-    backend = get_backend(None, q.device)
+    backend = backend_for(plan, q.device)
+    backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     n, lq, h, d = plan.world, q.shape[0], q.shape[1], q.shape[2]
     rows = plan.max_q if n > 1 else lq
     # partials[s] = (out, lse) of source s's queries against my K/V, packed as [N, rows, H, D+1] for the All2All
@@ -30,7 +30,9 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         cur[:lq] = q
 
     def compute(j, block):  # block holds the queries that started on rank (rank - j)
-        _run_into(plan.steps[j], block, k, v, partials[plan.source(j)], scale, backend)
+        if plan.steps[j]:
+            part = partials[plan.source(j)]
+            backend.attend(plan, j, block, k, v, part[..., :d], part[..., d], scale)
 
     ring_steps(plan.group, cur, n, compute, timings)
     if n == 1:
@@ -38,16 +40,7 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     t0 = time.perf_counter()
     back = torch.empty_like(partials)
     dist.all_to_all_single(back, partials, group=plan.group)  # back[s] = my queries' partial computed on rank s
-    out, _ = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
+    out, _ = backend.merge(back[:, :lq, :, :d], back[:, :lq, :, d], q.dtype)  # [Lq, H, D]
     if timings is not None:
         timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
-    return out.to(q.dtype)
-
-
-def _run_into(items, q, k, v, part, scale, backend) -> None:
-    """Accumulate items into a packed partial [rows, H, D+1] (out in [..., :D], lse in [..., D])."""
-    if not items:
-        return
-    d = part.shape[-1] - 1
-    acc_out, acc_lse = part[..., :d], part[..., d]
-    run_items(items, q, k, v, acc_out, acc_lse, scale, backend)
+    return out

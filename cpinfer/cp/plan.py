@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.local import AttnItem, build_items, mark_first, seq_end_or_default
 from cpinfer.cp.ring import group_rank_and_size
 
@@ -48,6 +49,7 @@ class CPAttentionPlan:
     steps: list[list[AttnItem]]  # per ring step j (source (rank - j) mod N for pass-KV, (rank - j) for pass-Q)
     max_q: int  # longest query block over ranks (pass-Q message rows)
     max_send: int  # longest packed K/V over ranks (pass-KV / all-gather message rows)
+    backend: str = "auto"  # attention backend name (cpinfer.attention.backends), resolved on the tensors' device
 
     @property
     def me(self) -> RankMeta:
@@ -55,6 +57,20 @@ class CPAttentionPlan:
 
     def source(self, step: int) -> int:
         return (self.rank - step) % self.world
+
+    def step_vectors(self, j: int) -> tuple[np.ndarray, ...]:
+        """Metadata of ring step j as int64 arrays (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos), in the row order of
+        the step's `AttnItem`s: pass-KV / all-gather — my queries against my own K/V (j = 0) or source j's packed
+        K/V; pass-Q — source j's queries against my K/V. In-kernel backends (Triton) read these."""
+        src = self.metas[self.source(j)]
+        if self.strategy == "pass-q":
+            me = self.me
+            return src.q_seq, src.q_pos, me.kv_seq, me.kv_end, me.kv_pos
+        me = self.me
+        if j == 0:
+            return me.q_seq, me.q_pos, me.kv_seq, me.kv_end, me.kv_pos
+        sl = src.send
+        return me.q_seq, me.q_pos, src.kv_seq[sl], src.kv_end[sl], src.kv_pos[sl]
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None) -> torch.Tensor:
         """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype."""
@@ -77,7 +93,7 @@ def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray)
 
 
 def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strategy: str,
-                       scale: float | None = None) -> CPAttentionPlan:
+                       scale: float | None = None, backend: str = "auto") -> CPAttentionPlan:
     """Build a plan from every rank's metadata, known on all ranks: no communication.
 
     q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) or (kv_seq, kv_pos, kv_seq_end) as int64 arrays,
@@ -108,7 +124,7 @@ def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strateg
             items = build_items(me.q_seq, me.q_pos, src.kv_seq[sl], src.kv_pos[sl], src.kv_end[sl])
             steps.append(mark_first(items, len(covered), covered))
     return CPAttentionPlan(group, rank, world, strategy, scale, metas, steps,
-                           max(len(m.q_seq) for m in metas), max(len(m.send) for m in metas))
+                           max(len(m.q_seq) for m in metas), max(len(m.send) for m in metas), backend)
 
 
 def _kv_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,10 +136,16 @@ def _kv_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- validation and metadata exchange
 
-def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end=None) -> str:
+def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end=None,
+                   backend="auto") -> str:
     """A description of what is wrong with this rank's inputs, or '' if nothing is."""
     if strategy not in STRATEGIES:
         return f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
+    if isinstance(q, torch.Tensor):
+        try:
+            resolve_name(backend, q.device)
+        except ValueError as exc:
+            return str(exc)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             return f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {getattr(t, 'shape', type(t))}"
@@ -163,10 +185,10 @@ def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None,
-                      kv_seq_end=None) -> CPAttentionPlan:
+                      kv_seq_end=None, backend="auto") -> CPAttentionPlan:
     """Validate on every rank, agree on errors, all-gather metadata, then build the plan."""
     rank, world = group_rank_and_size(group)
-    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end)
+    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend)
     ok = not problem
     header = torch.tensor([0 if ok else 1,
                            q.shape[0] if ok else 0, k.shape[0] if ok else 0,
@@ -190,4 +212,5 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     gathered = _all_gather_ints(mine, group)
     q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
     kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy(), g[4, :h[2]].numpy()) for g, h in zip(gathered, headers)]
-    return plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy, scale=scale)
+    return plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy, scale=scale,
+                              backend=backend)

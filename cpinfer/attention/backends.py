@@ -1,0 +1,274 @@
+"""Attention backends by name: the kernel that computes one ring step of a `cp_attention` plan and the merge.
+
+`"auto"` (default; the env var CPINFER_ATTENTION_BACKEND overrides it) picks `cpu-flash` on CPU, `flash-attn` on
+CUDA when that package is installed, else `triton`. `cpu-flash` and `math` (portable fp32 matmuls) and the thin
+`flash-attn` wrapper run the plan's `AttnItem`s one call each and merge in fp32; `triton` runs a whole step in one
+launch from the plan's tile table and metadata vectors (`triton_attention.py`). Device tables are built lazily,
+once per plan and device, from the plan's `steps` and `step_vectors(j)`, so a plan built elsewhere runs too.
+"""
+from __future__ import annotations
+
+import abc
+import importlib.util
+import os
+
+import numpy as np
+import torch
+
+from cpinfer.attention.local import AttnItem, cpu_flash_backend, mark_first, run_items, sdpa_math_backend
+from cpinfer.attention.merge import merge_partials
+
+ENV_VAR = "CPINFER_ATTENTION_BACKEND"
+NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "math")
+
+
+class StepBackend(abc.ABC):
+    """Computes one ring step (a list of `AttnItem`s) into a running fp32 partial, and merges partials."""
+
+    name: str
+
+    @abc.abstractmethod
+    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale: float, cache: dict | None = None,
+                     key=None) -> None:
+        """Merge q [Lq, H, D] against k/v [Lk, Hkv, D] under `items` into acc_out [Lq, H, D] fp32 and acc_lse
+        [Lq, H] fp32 in place (rows no item touches stay as they are).
+
+        vectors: a callable returning the step's metadata (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) as int64
+        arrays in the items' row order, read only by in-kernel backends; cache: a dict that lives as long as the
+        items (one forward) where device tables are kept under `key`, so they are built once, not per layer.
+        """
+
+    def prepare(self, steps, vectors, device, g: int, cache: dict) -> None:
+        """Build every step's device tables before the ring starts (no host work inside ring steps)."""
+
+    def attend(self, plan, j: int, q, k, v, acc_out, acc_lse, scale: float) -> None:
+        """Step j of a plan (`plan.steps[j]`, `plan.step_vectors(j)`); tables cached on the plan object."""
+        self.attend_items(plan.steps[j], lambda: plan.step_vectors(j), q, k, v, acc_out, acc_lse, scale,
+                          device_cache(plan), j)
+
+    def prepare_plan(self, plan, q, k) -> None:
+        self.prepare(plan.steps, plan.step_vectors, q.device, q.shape[1] // k.shape[1], device_cache(plan))
+
+    def merge(self, outs, lses, out_dtype):
+        """outs [S, L, H, D], lses [S, L, H] → (out [L, H, D] in out_dtype, lse [L, H] fp32)."""
+        out, lse = merge_partials(list(outs), list(lses))
+        return out.to(out_dtype), lse
+
+
+class ItemBackend(StepBackend):
+    """One kernel call per `AttnItem` (FULL / CAUSAL / MASK), merged into the accumulator in fp32."""
+
+    def __init__(self, name: str, kernel):
+        self.name, self.kernel = name, kernel
+
+    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
+        if q.device.type != "cpu" and any(it.mask is not None for it in items):
+            items = _cached(cache, ("items", key, str(q.device)), lambda: _items_on(items, q.device))
+        run_items(items, q, k, v, acc_out, acc_lse, scale, self.kernel)
+
+    def prepare(self, steps, vectors, device, g, cache):
+        if torch.device(device).type != "cpu":
+            for j, items in enumerate(steps):
+                _cached(cache, ("items", j, str(device)), lambda items=items: _items_on(items, device))
+
+
+class TritonBackend(StepBackend):
+    """One Triton launch per ring step (tile table + in-kernel visibility) and a Triton merge for pass-Q."""
+
+    name = "triton"
+
+    def __init__(self, block_m: int | None = None, block_n: int | None = None):
+        from cpinfer.attention import triton_attention
+
+        self._kernels = triton_attention
+        small = triton_attention.interpreting()  # the interpreter is fastest on small blocks
+        self.block_m = block_m or (16 if small else 64)
+        self.block_n = block_n or (16 if small else 64)
+
+    def _tables(self, items, vectors, device, g, cache, key):
+        block_m = self._kernels.block_m_for(g, self.block_m)
+        tables = _cached(cache, ("triton", key, str(device), block_m // g),
+                         lambda: step_tables(items, vectors(), device, block_m // g))
+        return block_m, tables
+
+    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
+        block_m, (vec, table) = self._tables(items, vectors, q.device, q.shape[1] // k.shape[1], cache, key)
+        self._kernels.launch_step(q, k, v, acc_out, acc_lse, vec, table, scale, block_m, self.block_n)
+
+    def prepare(self, steps, vectors, device, g, cache):
+        for j, items in enumerate(steps):
+            self._tables(items, lambda j=j: vectors(j), device, g, cache, j)
+
+    def merge(self, outs, lses, out_dtype):
+        from cpinfer.attention.triton_merge import triton_merge
+
+        return triton_merge(outs, lses, out_dtype)
+
+
+def flash_attn_kernel(q, k, v, causal, mask, scale):
+    """Thin flash-attn (CUDA, fp16/bf16) wrapper with LSE; masked tiles and fp32 fall back to `math`.
+
+    Written against flash-attn 2's `flash_attn_func(..., return_attn_probs=True)` → (out, lse [B, H, Lq], _);
+    CAUSAL items are square, so its bottom-right causal alignment equals our top-left one. Not yet run here.
+    """
+    if mask is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return sdpa_math_backend(q, k, v, causal, mask, scale)
+    from flash_attn import flash_attn_func
+
+    out, lse, _ = flash_attn_func(q[None], k[None], v[None], softmax_scale=scale, causal=causal,
+                                  return_attn_probs=True)
+    return out[0], lse[0].transpose(0, 1).float()  # [Lq, H, D], [Lq, H]
+
+
+def resolve_name(name: str | None, device: torch.device) -> str:
+    """The concrete backend for `name` on `device` ("auto" and the env var resolved); ValueError if unusable."""
+    device = torch.device(device)
+    name = name or "auto"
+    if name == "auto":
+        name = os.environ.get(ENV_VAR) or "auto"
+        where = f" (from ${ENV_VAR})" if name != "auto" else ""
+    else:
+        where = ""
+    if name not in NAMES:
+        raise ValueError(f"unknown attention backend {name!r}{where}; allowed: {', '.join(NAMES)}")
+    if name == "auto":
+        if device.type == "cpu":
+            return "cpu-flash"
+        return "flash-attn" if device.type == "cuda" and _has("flash_attn") else "triton"
+    problem = _unusable(name, device)
+    if problem:
+        raise ValueError(f"attention backend {name!r}{where} cannot run on {device}: {problem}")
+    return name
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _unusable(name: str, device: torch.device) -> str:
+    if name == "cpu-flash" and device.type != "cpu":
+        return "cpu-flash is the CPU kernel; use 'auto', 'triton', 'flash-attn' or 'math' on accelerators"
+    if name == "flash-attn" and not (device.type == "cuda" and _has("flash_attn")):
+        return "needs a CUDA device and the flash-attn package"
+    if name == "triton":
+        if not _has("triton"):
+            return "the triton package is not installed"
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "Triton kernels need a GPU, or TRITON_INTERPRET=1 to run in Triton's CPU interpreter"
+    return ""
+
+
+_BACKENDS: dict[str, StepBackend] = {}
+
+
+def get_step_backend(name: str | None, device) -> StepBackend:
+    """The backend object for a name (instances are shared; they hold no per-plan state)."""
+    concrete = resolve_name(name, device)
+    if concrete not in _BACKENDS:
+        if concrete == "triton":
+            _BACKENDS[concrete] = TritonBackend()
+        else:
+            kernel = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend,
+                      "flash-attn": flash_attn_kernel}[concrete]
+            _BACKENDS[concrete] = ItemBackend(concrete, kernel)
+    return _BACKENDS[concrete]
+
+
+def item_kernel(name: str | None, device):
+    """The per-item kernel (q, k, v, causal, mask, scale) → (out, lse) of an item backend, by name."""
+    backend = get_step_backend(name, device)
+    if not isinstance(backend, ItemBackend):
+        raise ValueError(f"attention backend {backend.name!r} runs whole ring steps, not single items: call "
+                         "get_step_backend(...).attend_items(items, vectors, ...) with the step's metadata vectors")
+    return backend.kernel
+
+
+def backend_for(plan, device) -> StepBackend:
+    """The backend a plan asks for (`plan.backend`, default "auto") on the device of its tensors."""
+    return get_step_backend(getattr(plan, "backend", "auto"), device)
+
+
+# ---------------------------------------------------------------- per-forward device tables
+
+def device_cache(plan) -> dict:
+    """A dict stored on the plan object (works for frozen dataclasses and plain objects alike)."""
+    return plan.__dict__.setdefault("_device_cache", {})
+
+
+def _cached(cache: dict | None, key, build):
+    if cache is None:
+        return build()
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _items_on(items, device) -> list[AttnItem]:
+    """Items with their MASK tiles copied to `device`."""
+    return [it if it.mask is None else AttnItem(it.q0, it.q1, it.k0, it.k1, it.kind, it.mask.to(device), it.first)
+            for it in items]
+
+
+def device_send_index(plan, device) -> torch.Tensor:
+    """The plan's packed-K/V row indices (me.send) as a device tensor, copied once."""
+    return _cached(device_cache(plan), ("send", str(torch.device(device))),
+                   lambda: torch.from_numpy(np.asarray(plan.me.send, dtype=np.int64)).to(device))
+
+
+def step_tables(items, vectors, device, rows_per_prog: int):
+    """(vectors, table) as int64 device tensors for the Triton kernel: vectors = (q_seq, q_pos, kv_seq,
+    kv_seq_end, kv_pos); table = (row0, row1, off, k_lo, k_hi) of `tiles.tile_table(items, Lq, rows_per_prog)`."""
+    from cpinfer.attention.tiles import tile_table
+
+    tab = tile_table(items, len(vectors[0]), rows_per_prog)
+    host = [np.asarray(x, dtype=np.int64) for x in vectors] + [tab.row0, tab.row1, tab.off, tab.k0, tab.k1]
+    dev = [torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in host]
+    return tuple(dev[:5]), tuple(dev[5:])
+
+
+class _OneStep:
+    """A one-step plan (local attention): the items and vectors a backend reads."""
+
+    def __init__(self, items, vectors):
+        self.steps = [items]
+        self._vectors = vectors
+
+    def step_vectors(self, j: int):
+        return self._vectors
+
+
+class LocalAttention:
+    """Local (no communication) attention through a named backend, planned once and callable many times.
+
+    Metadata [Lq] / [Lk] int64 (numpy or tensors); `__call__(q [Lq, H, D], k/v [Lk, Hkv, D], acc=None)` →
+    (out [Lq, H, D] fp32, lse [Lq, H] fp32), merged into `acc` = (out, lse) when given (a later ring step).
+    """
+
+    def __init__(self, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, backend="auto", device="cpu",
+                 scale=None):
+        from cpinfer.attention.local import _np, build_items, seq_end_or_default
+
+        qs, qp, ks, kp = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
+        ke = seq_end_or_default(ks, kv_seq_end)
+        items = build_items(qs, qp, ks, kp, ke)
+        self._fresh = _OneStep(items, (qs, qp, ks, ke, kp))  # rows without a partial yet may be overwritten
+        self._merge = _OneStep(mark_first(items, len(qs), np.ones(len(qs), dtype=bool)), (qs, qp, ks, ke, kp))
+        self.backend = get_step_backend(backend, device)
+        self.scale = scale
+
+    def __call__(self, q, k, v, acc=None):
+        from cpinfer.attention.local import new_accumulator
+
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        plan = self._fresh if acc is None else self._merge  # with acc every row holds a partial: merge only
+        acc_out, acc_lse = acc if acc is not None else new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        self.backend.attend(plan, 0, q, k, v, acc_out, acc_lse, scale)
+        return acc_out, acc_lse
+
+
+def attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, scale=None, backend="auto",
+                 acc=None):
+    """One-shot `LocalAttention`: q [Lq, H, D] against k/v [Lk, Hkv, D] → (out fp32, lse fp32), merged into acc."""
+    step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end, backend=backend, device=q.device,
+                          scale=scale)
+    return step(q, k, v, acc)

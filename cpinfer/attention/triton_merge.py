@@ -1,0 +1,65 @@
+"""Triton merge of S partial attention results (paper App. B) — pass-Q's partials after the All2All (§3.5.3).
+
+Program b merges a block of (query row, head) pairs over the S partials with an online log-sum-exp in fp32:
+out = Σ_s exp(lse_s - lse) out_s, lse = log Σ_s exp(lse_s); empty partials (lse = -inf) weigh nothing and rows
+empty in every partial give zeros and -inf. The output is written once, in the activation dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_kernel(P_OUT, P_LSE, OUT, LSE, n_src, n_pairs, heads,
+                  po0, po1, po2, pl0, pl1, pl2, oo0, oo1, ol0, ol1,
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    e = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (row, head) pair index
+    e_ok = e < n_pairs
+    row = e // heads
+    head = e % heads
+    d = tl.arange(0, BLOCK_D)
+    ok2 = e_ok[:, None] & (d < D)[None, :]
+    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s in range(0, n_src):
+        lse_s = tl.load(P_LSE + s * pl0 + row * pl1 + head * pl2, mask=e_ok, other=float("-inf")).to(tl.float32)
+        out_s = tl.load(P_OUT + s * po0 + row[:, None] * po1 + head[:, None] * po2 + d[None, :], mask=ok2,
+                        other=0.0).to(tl.float32)
+        new_mx = tl.maximum(mx, lse_s)
+        safe = tl.where(new_mx == float("-inf"), 0.0, new_mx)
+        a = tl.exp(mx - safe)
+        w = tl.exp(lse_s - safe)
+        den = den * a + w
+        acc = acc * a[:, None] + out_s * w[:, None]
+        mx = new_mx
+    has = den > 0
+    den_safe = tl.where(has, den, 1.0)
+    out = acc / den_safe[:, None]
+    lse = tl.where(has, tl.where(mx == float("-inf"), 0.0, mx) + tl.log(den_safe), float("-inf"))
+    tl.store(OUT + row[:, None] * oo0 + head[:, None] * oo1 + d[None, :], out.to(OUT.dtype.element_ty), mask=ok2)
+    tl.store(LSE + row * ol0 + head * ol1, lse, mask=e_ok)
+
+
+def triton_merge(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 block_r: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """outs [S, L, H, D] and lses [S, L, H] (any strides with a contiguous last dim of outs) →
+    (out [L, H, D] in out_dtype (default outs' dtype), lse [L, H] fp32)."""
+    if outs.dim() != 4 or lses.shape != outs.shape[:3]:
+        raise ValueError(f"need outs [S, L, H, D] and lses [S, L, H], got {tuple(outs.shape)} and {tuple(lses.shape)}")
+    if outs.stride(-1) != 1:
+        raise ValueError(f"outs must have a contiguous last dimension, got strides {outs.stride()}")
+    n_src, rows, heads, d = outs.shape
+    out = torch.empty(rows, heads, d, dtype=out_dtype or outs.dtype, device=outs.device)
+    lse = torch.empty(rows, heads, dtype=torch.float32, device=outs.device)
+    n_pairs = rows * heads
+    if n_pairs == 0:
+        return out, lse
+    _merge_kernel[(triton.cdiv(n_pairs, block_r),)](
+        outs, lses, out, lse, n_src, n_pairs, heads,
+        outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1), lses.stride(2),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
+    return out, lse

@@ -1,0 +1,122 @@
+"""Attention kernel TFLOP/s on one GPU vs the matmul rate of the same run (`cpinfer bench gpu`; needs CUDA).
+
+Causal full prefill of one sequence (the paper's 8K-128K range, Llama-3-8B heads by default) through each
+backend's one-step kernel (`triton`, `flash-attn` when installed) and PyTorch's SDPA for comparison; every rate
+is also given as a fraction of a bf16 GEMM measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D).
+Nothing here has run on a GPU yet: the first GPU run of scripts/gpu_check.sh records it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from cpinfer.bench.attention import _fmt_table, positive_int
+
+
+def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
+    """FLOPs of exact causal attention over one sequence: QK^T and PV over the L(L+1)/2 visible pairs."""
+    return 4.0 * heads * head_dim * tokens * (tokens + 1) / 2
+
+
+def _time_cuda(fn, repeat: int) -> float:
+    """Median seconds of fn() over `repeat` runs, after one warm-up, with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 8192, repeat: int = 5) -> float:
+    """TFLOP/s of an n x n x n GEMM in `dtype` on the current GPU."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    return 2.0 * n ** 3 / _time_cuda(lambda: a @ b, repeat) / 1e12
+
+
+def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
+    """name → zero-argument callable computing causal attention over one sequence of `tokens`."""
+    from cpinfer.attention.backends import LocalAttention
+
+    q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=dtype)
+    seq = torch.zeros(tokens, dtype=torch.long)
+    pos = torch.arange(tokens)
+    fns = {}
+    for name in backends:  # planned once; the device tables are built in the untimed warm-up call
+        step = LocalAttention(seq, pos, seq, pos, backend=name, device=q.device)
+        fns[name] = lambda step=step: step(q, k, v)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+    fns["torch-sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                                                 enable_gqa=True)
+    return fns
+
+
+def measure(args) -> dict:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    gemm = matmul_rate(dtype)
+    rows = []
+    for tokens in args.tokens:
+        flops = causal_flops(tokens, args.heads, args.head_dim)
+        for name, fn in _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype,
+                                       args.backends).items():
+            sec = _time_cuda(fn, args.repeat)
+            rows.append({"tokens": tokens, "kernel": name, "seconds": sec, "tflops": flops / sec / 1e12,
+                         "of_matmul": flops / sec / 1e12 / gemm})
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows,
+            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+
+
+def format_report(res: dict) -> str:
+    table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul"],
+                       [[r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
+                         f"{r['of_matmul']:.2f}"] for r in res["rows"]])
+    return (f"{res['device']}, {res['dtype']}, H={res['heads']} Hkv={res['kv_heads']} D={res['head_dim']}, "
+            f"causal prefill of one sequence; {res['dtype']} GEMM 8192^3: {res['matmul_tflops']:.1f} TFLOP/s\n{table}")
+
+
+def _tokens(text: str) -> list[int]:
+    vals = [positive_int(x) for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError("need at least one length, e.g. 8192,16384")
+    return vals
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=_tokens, default=[8192, 16384, 32768, 65536, 131072],
+                        help="sequence lengths, comma-separated (default 8K-128K)")
+    parser.add_argument("--heads", type=positive_int, default=32)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--backends", type=lambda s: [x for x in s.split(",") if x], default=None,
+                        help="attention backends to time (default: triton, plus flash-attn when installed)")
+    parser.add_argument("--repeat", type=positive_int, default=5)
+    parser.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+
+
+def run(args) -> int:
+    if not torch.cuda.is_available():
+        print("cpinfer bench gpu needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured")
+        return 2
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.backends is None:
+        from cpinfer.attention.backends import _has
+
+        args.backends = ["triton"] + (["flash-attn"] if _has("flash_attn") else [])
+    res = measure(args)
+    print(format_report(res))
+    if args.json:
+        print(json.dumps(res))
+    return 0

@@ -1,0 +1,160 @@
+"""Triton step kernel and merge kernel against the float64 reference, in Triton's CPU interpreter.
+
+TRITON_INTERPRET=1 is set here before triton is imported, so a plain `pytest` run covers the kernels on CPU.
+With CPINFER_TRITON_ON_GPU=1 and a CUDA device (scripts/gpu_check.sh) the same tests run the compiled kernels.
+Shapes are small: the interpreter executes every program in numpy.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+ON_GPU = os.environ.get("CPINFER_TRITON_ON_GPU") == "1" and torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
+
+from cpinfer.attention.backends import attend_local  # noqa: E402  (after TRITON_INTERPRET is set)
+from cpinfer.attention.local import reference_attention  # noqa: E402
+from cpinfer.attention.merge import merge_partials  # noqa: E402
+from cpinfer.attention.triton_merge import triton_merge  # noqa: E402
+from cpinfer.cp import STRATEGIES, cp_attention  # noqa: E402
+from cpinfer.cp.sharding import shard_prefill  # noqa: E402
+from cpinfer.launch import WorkerPool  # noqa: E402
+
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # vs the f64 reference of the same inputs
+
+
+def _tensors(lq, lk, h, hkv, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    return mk(lq, h, d), mk(lk, hkv, d), mk(lk, hkv, d)
+
+
+def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=torch.float32, seed=0, split=None):
+    """Triton (optionally as two launches over a split of the keys, merged in-kernel) vs the f64 reference."""
+    q_seq, q_pos, kv_seq, kv_pos = (torch.as_tensor(np.asarray(x), dtype=torch.int64)
+                                    for x in (q_seq, q_pos, kv_seq, kv_pos))
+    kv_end = None if kv_end is None else torch.as_tensor(np.asarray(kv_end), dtype=torch.int64)
+    q, k, v = _tensors(len(q_seq), len(kv_seq), h, hkv, d, dtype, seed)
+    if split is None:
+        out, lse = attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, backend="triton")
+    else:  # a ring step after another: the second launch merges into the first's running (out, lse)
+        end = lambda sl: None if kv_end is None else kv_end[sl]  # noqa: E731
+        a, b = slice(0, split), slice(split, None)
+        acc = attend_local(q, k[a], v[a], q_seq, q_pos, kv_seq[a], kv_pos[a], kv_seq_end=end(a), backend="triton")
+        out, lse = attend_local(q, k[b], v[b], q_seq, q_pos, kv_seq[b], kv_pos[b], kv_seq_end=end(b),
+                                backend="triton", acc=acc)
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end)
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert not torch.isnan(out).any()
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), ~finite)  # empty rows: lse -inf and out 0
+    assert torch.equal(out[~finite], torch.zeros_like(out[~finite]))
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_full_causal(dtype):
+    n = 45
+    _check([0] * n, range(n), [0] * n, range(n), dtype=dtype)
+
+
+def test_varlen_batch_and_partial_prefill():
+    """Three sequences, one with 20 cached tokens (partial prefill), keys split over two launches."""
+    lens, cached = [7, 19, 5], [0, 20, 3]
+    q_seq = np.repeat(np.arange(3), lens)
+    q_pos = np.concatenate([np.arange(c, c + t) for c, t in zip(cached, lens)])
+    kv_seq = np.repeat(np.arange(3), np.add(lens, cached))
+    kv_pos = np.concatenate([np.arange(c + t) for c, t in zip(cached, lens)])
+    _check(q_seq, q_pos, kv_seq, kv_pos, split=30)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 3), (6, 2), (8, 2), (9, 3), (8, 1)])  # G = 1, 2, 3, 4, 8
+def test_gqa_ratios_decode(h, hkv):
+    """Decode: one query per sequence at its last position, against cached keys of every sequence."""
+    lens = [3, 40, 17]
+    kv_seq = np.repeat(np.arange(3), lens)
+    kv_pos = np.concatenate([np.arange(n) for n in lens])
+    _check(np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_placement_with_padding_and_empty_rows(dtype):
+    """Shuffled metadata (the tile planner), padding ids, queries that see nothing; D not a power of two."""
+    rng = np.random.default_rng(5)
+    q_seq, q_pos = rng.integers(-1, 3, 37), rng.integers(0, 30, 37)
+    kv_seq, kv_pos = rng.integers(-1, 3, 90), rng.integers(5, 30, 90)
+    q_seq[:3], q_pos[3:6] = 7, 0  # no key of sequence 7; positions before every key
+    _check(q_seq, q_pos, kv_seq, kv_pos, d=20, dtype=dtype, split=41)
+
+
+def test_shared_prefix_intervals():
+    """Root 0 shared by leaves 1 and 2 (DFS intervals [0, 3), [1, 2), [2, 3)); queries of both leaves."""
+    kv_seq = np.repeat([0, 1, 2], [12, 9, 6])
+    kv_end = np.repeat([3, 2, 3], [12, 9, 6])
+    kv_pos = np.concatenate([np.arange(12), np.arange(12, 21), np.arange(12, 18)])
+    q_seq, q_pos = np.repeat([1, 2], [4, 3]), np.concatenate([np.arange(17, 21), np.arange(15, 18)])
+    _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, dtype=torch.bfloat16)
+
+
+def test_merge_kernel_matches_merge_partials():
+    g = torch.Generator().manual_seed(3)
+    outs = torch.randn(3, 10, 4, 17, generator=g)
+    lses = torch.randn(3, 10, 4, generator=g) * 5
+    lses[1, :4] = -torch.inf  # an empty partial
+    lses[:, 7] = -torch.inf  # rows empty in every partial
+    packed = torch.cat([outs, lses[..., None]], dim=-1).to(DEV)  # pass-Q's [S, rows, H, D+1] layout
+    out, lse = triton_merge(packed[..., :17], packed[..., 17], torch.bfloat16)
+    ref_out, ref_lse = merge_partials(list(outs), list(lses))
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float().cpu(), ref_out.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[7].float().cpu(), torch.zeros(4, 17)) and torch.isneginf(lse[7]).all()
+
+
+def _rank_cp(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, backend):
+    dev = torch.device("cuda", ctx.rank) if ON_GPU else torch.device("cpu")
+    args = [x.to(dev) for x in (q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end)]
+    out = cp_attention(*args[:7], group=ctx.group, strategy=strategy, kv_seq_end=args[7], backend=backend)
+    return out.cpu()
+
+
+@pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cp_attention_cp2_triton_equals_cpu_backend():
+    """cp_attention at CP2, every strategy: the Triton backend equals the CPU backend (a prefix tree, bf16)."""
+    kv_lens, kv_end = [24, 11, 9], [3, 2, 3]  # root 0 shared by leaves 1 and 2
+    starts = [0, 24, 24]
+    new = [5, 4]  # new tokens of leaves 1 and 2 (their last tokens)
+    g = torch.Generator().manual_seed(0)
+    nq, nk = sum(new), sum(kv_lens)
+    q = torch.randn(nq, 6, 16, generator=g).bfloat16()
+    k, v = torch.randn(nk, 2, 16, generator=g).bfloat16(), torch.randn(nk, 2, 16, generator=g).bfloat16()
+    kv_seq = torch.repeat_interleave(torch.arange(3), torch.tensor(kv_lens))
+    kv_e = torch.repeat_interleave(torch.tensor(kv_end), torch.tensor(kv_lens))
+    kv_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, kv_lens)])
+    q_seq = torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor(new))
+    q_pos = torch.cat([torch.arange(s + n - t, s + n) for s, n, t in zip(starts[1:], kv_lens[1:], new)])
+    q_shards = shard_prefill(new, 2).shards
+    kv_shards = shard_prefill(kv_lens, 2).shards
+    kv_off = np.cumsum([0] + kv_lens)
+    q_idx = [torch.from_numpy(sh.index[sh.valid]) for sh in q_shards]
+    kv_idx = [torch.from_numpy(kv_off[sh.seq[sh.valid]] + sh.pos[sh.valid]) for sh in kv_shards]
+    with WorkerPool(2, timeout_s=300) as pool:
+        for strategy in STRATEGIES:
+            outs = {}
+            for backend in ("triton", "math" if ON_GPU else "cpu-flash"):
+                args = [(q[qi], k[ki], v[ki], q_seq[qi], q_pos[qi], kv_seq[ki], kv_pos[ki], kv_e[ki], strategy, backend)
+                        for qi, ki in zip(q_idx, kv_idx)]
+                outs[backend] = torch.cat(pool.run_each(_rank_cp, args))
+            a, b = outs.values()
+            assert a.dtype == torch.bfloat16
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+            ref, _ = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_e)
+            order = torch.cat(q_idx)
+            torch.testing.assert_close(a.double(), ref[order], rtol=2e-2, atol=2e-2)
