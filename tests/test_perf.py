@@ -1,4 +1,5 @@
-"""Performance model: the paper's public headline numbers, the fit, catalogs, ring shapes and `cpinfer plan`."""
+"""Performance model components (GEMM, attention curve, collectives, ring shapes, decode, memory), catalogs,
+profile migration and `cpinfer plan`; the paper's statements are in tests/test_paper_statements.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpinfer.cli import main as cli_main
+from cpinfer.perf import costs
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.fit import ANCHORS, K128, M1, anchor_predictions, fit_h100_gtt
+from cpinfer.perf.costs import AttnShape
 from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
 from cpinfer.perf.models import MODELS, WEIGHT_FORMATS, load_model_spec
 from cpinfer.perf.ring import RingShape
-from cpinfer.perf.simulator import Deployment, memory_per_gpu, paper_flops, simulate_decode, simulate_prefill
+from cpinfer.perf.simulator import Deployment, memory_per_gpu, simulate_decode, simulate_prefill
+from cpinfer.perf.statements import K128, M1
 
 GTT = HARDWARE["h100-gtt"]
 L405 = MODELS["llama3-405b"]
@@ -25,60 +28,61 @@ def dep405(cp: int, hw: HardwareProfile = GTT, tp: int = 8) -> Deployment:
     return Deployment(L405, hw, cp, tp, FP8_FFN)
 
 
-# --- the paper's headline numbers (Llama3-405B, FP8 FFN, TP8 per node, GTT, full prefill) -------------------
-@pytest.mark.parametrize("cp,tokens,paper_s", [(8, K128, 5.85), (16, K128, 3.8), (16, M1, 77.0)])
-def test_headline_ttft_within_10_percent(cp, tokens, paper_s):
-    predicted = simulate_prefill(dep405(cp), tokens).seconds
-    assert predicted == pytest.approx(paper_s, rel=0.10)
+# --- components from their physics ---------------------------------------------------------------------------
+def test_attention_rate_curve_hits_the_paper_reference_and_slows_on_short_blocks():
+    shape = AttnShape(128, 8, 128, 2)
+
+    def rate(n: int) -> float:  # TF/s of a causal n x n square on one H100
+        return 4 * n * n / 2 * 128 * 128 / costs.attention_time(GTT, shape, n * (n + 1) / 2, n, n) / 1e12
+    assert rate(8192) == pytest.approx(540, rel=0.01)               # App. A: FA3 causal 8K, 540 TF/s
+    assert rate(1024) < rate(4096) < rate(8192) < rate(65536)       # shorter blocks run slower
+    assert rate(1 << 20) == pytest.approx(GTT.attn_flops_per_s() / 1e12, rel=0.01)
 
 
-def test_1m_flops_per_gpu_and_parallel_efficiency():
-    est = simulate_prefill(dep405(16), M1)
-    tflops = est.detail["tflops_per_gpu"]
-    assert tflops == pytest.approx(502, rel=0.10)                    # App. A: 502 TF/s per H100
-    assert tflops / GTT.attn_tflops == pytest.approx(0.93, rel=0.10)  # vs FA3's 540 TF/s: 93%
-    assert est.breakdown["sendrecv_exposed"] == 0.0                   # pass-KV fully overlapped
+def test_gemm_pays_whole_tiles_runs_fp8_faster_and_reads_weights_in_decode():
+    fp8 = costs.gemm_time(GTT, 4096, 8192, 8192, 8192 * 8192, True)
+    bf16 = costs.gemm_time(GTT, 4096, 8192, 8192, 2 * 8192 * 8192, False)
+    assert bf16 / fp8 == pytest.approx(GTT.peak_tflops_fp8 / GTT.peak_tflops, rel=1e-9)
+    assert costs.gemm_time(GTT, 129, 8192, 8192, 0, False) == pytest.approx(
+        costs.gemm_time(GTT, 256, 8192, 8192, 0, False), rel=1e-12)  # a partial 128-row tile costs a full one
+    weights = 2 * 8192 * 8192
+    assert costs.gemm_time(GTT, 1, 8192, 8192, weights, False) == pytest.approx(weights / GTT.mem_bytes_per_s)
 
 
-def test_paper_flop_count_matches_appendix_a():
-    gemm = paper_flops(L405, M1) - 4.0 * M1 * (M1 / 2) * 16384 * 126
-    assert gemm == pytest.approx(8.1e17, rel=0.01)
-    assert paper_flops(L405, M1) == pytest.approx(4.9e18, rel=0.02)
+def test_collectives_follow_latency_plus_bytes_over_bandwidth():
+    link = (10e9, 20e-6)
+    assert costs.p2p_time(1e6, link) == pytest.approx(20e-6 + 1e-4)
+    assert costs.all2all_time(1e6, 4, link) == pytest.approx(3 * (20e-6 + 1e-4))
+    one_node = costs.allreduce_time(GTT, 1e9, 8)
+    assert one_node == pytest.approx(GTT.intra_latency_us * 1e-6 + 1.75e9 / (GTT.intra_gbs * 1e9))
+    assert costs.allreduce_time(GTT, 1e9, 16) > one_node                    # the slice crosses the network
+    assert costs.allreduce_time(GTT, 1e9, 1) == 0.0
 
 
-def test_latency_halves_with_doubled_cp_at_long_context():
-    t8, t16 = (simulate_prefill(dep405(cp), M1).seconds for cp in (8, 16))
-    assert t8 / t16 == pytest.approx(2.0, rel=0.05)
+def test_prefill_breakdown_sums_and_full_prefill_hides_sendrecv_at_128k_cp8():
+    est = simulate_prefill(dep405(8), K128)
+    assert sum(est.breakdown.values()) == pytest.approx(est.seconds, rel=1e-12)
+    assert est.breakdown["sendrecv_exposed"] == 0.0 and est.breakdown["all2all"] == 0.0
+    assert est.detail["step_sendrecv_us"] < est.detail["step_attention_max_us"]
 
 
-def test_fitted_constants_are_reproduced_by_the_fit():
-    fitted = fit_h100_gtt(rounds=4)
-    for name, value in fitted.items():
-        assert getattr(GTT, name) == pytest.approx(value, rel=0.03), name
-    preds = anchor_predictions(GTT)
-    for quantity, target in ANCHORS.values():
-        if target:
-            assert preds[quantity] == pytest.approx(target, rel=0.03), quantity
+def test_legacy_profile_json_migrates(tmp_path):
+    """A profile written before ring_step_us / the attention curve existed still loads, and says so."""
+    old = GTT.to_dict()
+    for name in ("attn_ref_tokens", "attn_overhead_tokens", "inter_coll_gbs"):
+        del old[name]
+        del old["sources"][name]
+    old["ring_step_floor_us"] = old.pop("ring_step_us")
+    old["sources"]["ring_step_floor_us"] = old["sources"].pop("ring_step_us")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    hw = load_hardware_profile(str(path))
+    assert hw.ring_step_us == GTT.ring_step_us and "migrated from ring_step_floor_us" in hw.sources["ring_step_us"]
+    assert hw.attn_overhead_tokens == 0.0 and "predates" in hw.sources["attn_overhead_tokens"]
+    assert hw.inter_coll_gbs == hw.inter_gbs
 
 
-# --- pass-KV vs pass-Q (paper §4.2.4, CP4, T+P = 128000) ---------------------------------------------------
-def _gap(t: int) -> float:
-    d = dep405(4)
-    return simulate_prefill(d, t, K128 - t, strategy="pass-kv").seconds - \
-        simulate_prefill(d, t, K128 - t, strategy="pass-q").seconds
-
-
-def test_pass_q_wins_at_low_miss_rate_and_pass_kv_above():
-    assert _gap(3200) > 0           # 2.5% miss: pass-KV's SendRecv is exposed, pass-Q faster
-    for t in (12800, 16000, 32000, 64000, K128):  # >= 10% miss: pass-KV
-        assert _gap(t) < 0, t
-    d = dep405(4)
-    kv10 = simulate_prefill(d, 12800, K128 - 12800, strategy="pass-kv")
-    assert kv10.breakdown["sendrecv_exposed"] < 0.02 * kv10.seconds  # 10%: SendRecv (almost) hidden
-    kv2 = simulate_prefill(d, 3200, K128 - 3200, strategy="pass-kv")
-    assert kv2.breakdown["sendrecv_exposed"] > 0.2 * kv2.seconds      # 2.5%: exposed
-
-
+# --- pass-KV vs pass-Q (paper §4.2.4, CP4, T+P = 128000); the full list is tests/test_paper_statements.py ------
 def test_pass_q_pays_all2all_only():
     d = dep405(4)
     kv, q = (simulate_prefill(d, 64000, 64000, strategy=s) for s in ("pass-kv", "pass-q"))
@@ -92,8 +96,10 @@ def test_decode_ttit_grows_with_cp_because_of_padding_and_ring_latency():
     ttit = [simulate_decode(dep405(cp), K128).seconds for cp in (1, 2, 4)]
     assert ttit[0] < ttit[1] < ttit[2]
     est = simulate_decode(dep405(4), K128, batch=1)
-    assert est.detail == dict(queries_per_rank=1, padded_batch=4, padding_queries=3)
-    assert est.seconds == pytest.approx(0.071, rel=0.05)  # anchor of the latency fit (§4.3)
+    assert {k: est.detail[k] for k in ("queries_per_rank", "padded_batch", "padding_queries")} == \
+        dict(queries_per_rank=1, padded_batch=4, padding_queries=3)
+    assert est.breakdown["all2all"] > 0 and est.breakdown["kernels"] > simulate_decode(dep405(1), K128).breakdown[
+        "kernels"]
 
 
 def test_decode_is_weight_read_bound_at_batch_1():
@@ -218,6 +224,18 @@ def test_cli_plan_text(capsys):
     text = capsys.readouterr().out
     for label in ("exposed SendRecv", "All2All", "TP all-reduce", "choice", "TTIT", "memory"):
         assert label in text
+    assert "explain" not in text
+
+
+def test_cli_plan_explain_lists_components_with_parameters(capsys):
+    assert cli_main(BASE + ["--cp", "4", "--prompt-tokens", "6400", "--cached-tokens", "121600", "--explain"]) == 0
+    text = capsys.readouterr().out
+    for label in ("GEMM", "attention kernels", "exposed SendRecv", "All2All", "TP all-reduce", "per-step ring"):
+        assert f"  {label}" in text
+    assert f"gemm_efficiency = {GTT.gemm_efficiency:g}  [fitted" in text
+    assert f"attn_tflops = 540  [paper" in text
+    rc, out = _json(capsys, BASE + ["--cp", "4", "--prompt-tokens", "6400", "--explain"])
+    assert out["parameters"]["inter_gbs"]["value"] == GTT.inter_gbs
 
 
 def test_cli_sweep_finds_the_smallest_cp(capsys):
@@ -234,7 +252,8 @@ def test_cli_help_explains_every_option(capsys):
         cli_main(["plan", "--help"])
     text = capsys.readouterr().out
     for opt in ("--model", "--hardware", "--cp", "--tp", "--prompt-tokens", "--cached-tokens", "--batch",
-                "--weights", "--kv-dtype", "--method", "--json", "--sweep", "--ttft-target", "--max-cp"):
+                "--weights", "--kv-dtype", "--method", "--json", "--sweep", "--ttft-target", "--max-cp", "--explain",
+                "calibrate", "docs/planning.md"):
         assert opt in text
 
 

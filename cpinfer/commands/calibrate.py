@@ -186,10 +186,14 @@ def _links(record: dict) -> str:
         "median time per message:",
         table(["bytes", "SendRecv us", "GB/s", "All2All us", "GB/s"], rows),
         f"fit t = latency + bytes/BW: SendRecv {sr['latency_us']:.0f} us + {sr['gbs']:.2f} GB/s; All2All "
-        f"{a2a['latency_us']:.0f} us + {a2a['gbs']:.2f} GB/s; ring step floor {record['ring_step_floor_us']:.0f} us",
+        f"{a2a['latency_us']:.0f} us + {a2a['gbs']:.2f} GB/s; ring step {_ring_step_us(record):.0f} us",
         f"overlap: a {_size(o['bytes'])} SendRecv ({o['sendrecv_s'] * 1e3:.1f} ms) posted before attention of "
         f"{o['length']} tokens ({o['attention_s'] * 1e3:.1f} ms) finished with it in {o['both_s'] * 1e3:.1f} ms: "
         f"{o['hidden']:.0%} of the transfer hidden"])
+
+
+def _ring_step_us(record: dict) -> float:
+    return record.get("ring_step_us", record.get("ring_step_floor_us", 0.0))  # older records: the old name
 
 
 def _grid(record: dict) -> str:
@@ -216,7 +220,8 @@ def _profile(record: dict, hw) -> str:
     c, bw, e = hw.peak_tflops * 1e12, hw.inter_gbs_peak * 1e9, DTYPES[cfg["dtype"]].itemsize
     t_min = float(kv_token_threshold(cfg["cp"], c, bw, cfg["heads"], cfg["kv_heads"], e))
     slope = cfg["cp"] * c * e / (4 * bw)  # Eq. 5: threshold = 2 N_KV / N_H - T / slope
-    return (f"Profile {hw.name!r}: C = peak_tflops {hw.peak_tflops:.4f} TF/s, attn_tflops {hw.attn_tflops:.4f}, "
+    return (f"Profile {hw.name!r}: C = peak_tflops {hw.peak_tflops:.4f} TF/s, attn_tflops {hw.attn_tflops:.4f} "
+            f"at {hw.attn_ref_tokens:.0f} tokens (L0 {hw.attn_overhead_tokens:.0f}), "
             f"BW = inter_gbs_peak {hw.inter_gbs_peak:.2f} GB/s, inter_gbs {hw.inter_gbs:.2f}, latency "
             f"{hw.inter_latency_us:.0f} us, memory {hw.mem_tbps * 1e3:.1f} GB/s\n"
             f"Alg. 5 on it, CP{cfg['cp']}, {cfg['heads']}/{cfg['kv_heads']} heads, {e}-byte elements: pass-KV when "

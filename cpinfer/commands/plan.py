@@ -9,10 +9,20 @@ from cpinfer.perf.catalog import HARDWARE
 from cpinfer.perf.models import DTYPE_BYTES, MODELS, WEIGHT_FORMATS
 
 EPILOG = """examples:
-  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 16 --tp 8 --prompt-tokens 1000000
+  # the paper's 1M prefill (77 s on CP16 x TP8 GTT), with the per-component breakdown and its parameters
+  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 16 --tp 8 \\
+               --prompt-tokens 1000000 --explain
+  # a persistent-KV turn: 6400 new tokens on 121600 cached, CP4 (pass-KV vs pass-Q tipping point, §4.2.4)
+  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 4 --tp 8 \\
+               --prompt-tokens 6400 --cached-tokens 121600
+  # smallest CP meeting a 10 s TTFT at 128K
   cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --tp 8 --prompt-tokens 128000 \\
                --sweep --ttft-target 10
-Numbers are predictions of the cost model in cpinfer/perf (see docs/planning.md for what is fitted)."""
+  # your cluster: a profile measured by `cpinfer calibrate --out my.json`
+  cpinfer plan --model path/to/config.json --hardware my.json --cp 2 --prompt-tokens 16384
+
+Numbers are predictions of the cost model in cpinfer/perf. Seven h100-gtt parameters are fitted to the paper's
+public statements; docs/planning.md lists them, the statements, and leave-one-out errors."""
 
 
 def register(subparsers) -> None:
@@ -47,6 +57,9 @@ def register(subparsers) -> None:
                    help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), "
                         "empirical (App. D), simulator (cost model), decode, or force pass-kv / pass-q")
     p.add_argument("--json", action="store_true", help="print one JSON object on one line instead of the table")
+    p.add_argument("--explain", action="store_true",
+                   help="also print, per component (GEMM, attention, SendRecv, All2All, all-reduce, ...), how it is "
+                        "computed and every hardware parameter it used, with its value and source")
     p.add_argument("--sweep", action="store_true",
                    help="try CP = 1..--max-cp and report the smallest that fits in memory and meets --ttft-target")
     p.add_argument("--ttft-target", type=float, metavar="SECONDS",
@@ -74,6 +87,8 @@ def run(args) -> int:
             print(report.format_sweep(rows, args.ttft_target, plan))
             if plan:
                 print("\n" + report.format_plan(plan))
+                if args.explain:
+                    print("\n" + report.format_explain(plan))
         return 0 if plan else 1
     if args.cp is None:
         raise ValueError("--cp is required (or use --sweep with --ttft-target)")
@@ -82,11 +97,17 @@ def run(args) -> int:
     plan = planner.make_plan(dep, work, args.method)
     if args.json:
         out = plan.to_dict()
+        if args.explain:
+            hw = dep.hardware
+            out["parameters"] = {k: dict(value=getattr(hw, k), source=hw.sources.get(k, "")) for k in hw.sources
+                                 if k != "empirical"}
         if args.ttft_target is not None:
             out["meets_ttft_target"] = plan.chosen_ttft_s <= args.ttft_target
         print(json.dumps(out))
     else:
         print(report.format_plan(plan))
+        if args.explain:
+            print("\n" + report.format_explain(plan))
         if args.ttft_target is not None:
             met = plan.chosen_ttft_s <= args.ttft_target
             print(f"target    TTFT <= {args.ttft_target:g} s: {'met' if met else 'NOT met'}")

@@ -161,7 +161,7 @@ def _simulated(T, P, N, hw, n_heads, n_kv_heads, head_dim, elem_bytes, base) -> 
 
     shape, ring = AttnShape(n_heads, n_kv_heads, head_dim, elem_bytes), RingShape(N, T, P)
     link = (hw.inter_gbs * 1e9, hw.inter_latency_us * 1e-6)
-    keys = ("attention", "merge", "sendrecv_exposed", "all2all", "overhead")
+    keys = ("attention", "merge", "sendrecv_exposed", "all2all", "ring_steps")
     t = {s: sum(ring_attention_layer(hw, shape, ring, 1, s, link)[k] for k in keys) for s in STRATEGIES}
     strategy = "pass-kv" if t["pass-kv"] <= t["pass-q"] else "pass-q"
     inputs = base | dict(layer_us_pass_kv=t["pass-kv"] * 1e6, layer_us_pass_q=t["pass-q"] * 1e6)

@@ -314,7 +314,7 @@ def run_calibration(pool, cfg: CalibrationConfig, log=None) -> dict:
         "sendrecv": _link_summary(sendrecv, 1),
         "all2all": _link_summary(all2all, cfg.cp - 1),
         "overlap": _overlap_summary(overlap),
-        "ring_step_floor_us": slowest([r["pass-kv"] for r in floor]) / cfg.cp * 1e6,
+        "ring_step_us": slowest([r["pass-kv"] for r in floor]) / cfg.cp * 1e6,
         "grid": grid,
     }
     record["empirical"] = fit_grid(grid)
@@ -391,6 +391,8 @@ def build_profile(record: dict, base="cpu-gloo", name: str | None = None, peak_t
     cfg, comp, link = record["config"], record["compute"], record["sendrecv"]
     causal = [a for a in comp["attention"] if a["causal"]]
     attn = max(causal, key=lambda a: a["length"])["tflops"]
+    ref_len = max(a["length"] for a in causal)
+    l0 = attention_overhead_tokens([(a["length"], a["tflops"]) for a in causal])
     best = max([comp["gemm_tflops"]] + [a["tflops"] for a in comp["attention"]])
     peak = max(peak_tflops or best, attn, comp["gemm_tflops"])
     bw_peak = max(peak_gbs or link["best_gbs"], link["gbs"])
@@ -408,10 +410,15 @@ def build_profile(record: dict, base="cpu-gloo", name: str | None = None, peak_t
                         if peak_gbs is None else "given with --peak-gbs"),
         inter_gbs=(link["gbs"], f"{where}: ring SendRecv, fit of latency + bytes / BW"),
         inter_latency_us=(link["latency_us"], f"{where}: ring SendRecv, fit of latency + bytes / BW"),
-        ring_step_floor_us=(record["ring_step_floor_us"], f"{where}: pass-KV of {8 * cfg['cp']} tokens / CP steps"),
+        attn_ref_tokens=(float(ref_len), f"{where}: the causal block attn_tflops was measured on"),
+        attn_overhead_tokens=(l0, f"{where}: fit of the causal attention rate vs block length (cost model "
+                              "A_inf * (L/2) / (L/2 + L0), cpinfer.perf.costs)"),
+        ring_step_us=(record.get("ring_step_us", record.get("ring_step_floor_us")),
+                      f"{where}: pass-KV of {8 * cfg['cp']} tokens / CP steps"),
     )
     if len(hosts) == 1:  # one node: the ring's link is the intra-node link, and the only one there is to measure
         measured |= dict(intra_gbs=(link["gbs"], measured["inter_gbs"][1]),
+                         inter_coll_gbs=(link["gbs"], measured["inter_gbs"][1]),
                          intra_latency_us=(link["latency_us"], measured["inter_latency_us"][1]),
                          devices_per_node=(cfg["cp"], f"{where}: ranks on this host (one node)"))
     if cfg["device"] == "cpu":
@@ -429,6 +436,19 @@ def build_profile(record: dict, base="cpu-gloo", name: str | None = None, peak_t
                                 f"sign agrees on {emp['in_sample_agreement']:.0%}")
     default = f"calibrated-{cfg['device']}-{'nccl' if cfg['device'] == 'cuda' else 'gloo'}-cp{cfg['cp']}"
     return HardwareProfile(name=name or default, kind="calibrated", empirical=empirical, sources=sources, **values)
+
+
+def attention_overhead_tokens(points: list[tuple[int, float]]) -> float:
+    """L0 of the attention cost model from (causal block length L, TF/s) points: 1/rate = (1 + L0 / (L/2)) / A_inf
+    is linear in 2/L; least squares, clamped at 0 (no short-block slowdown seen)."""
+    if len(points) < 2:
+        return 0.0
+    x = np.asarray([2.0 / length for length, _ in points])
+    y = np.asarray([1.0 / rate for _, rate in points])
+    slope, intercept = np.polyfit(x, y, 1)
+    if intercept <= 0 or slope <= 0:
+        return 0.0
+    return float(slope / intercept)
 
 
 def sidecar_path(profile_path: str | Path) -> Path:

@@ -1,7 +1,7 @@
 """The built-in hardware profiles, each number with its source (paper §4.1, §4.2, App. A, D; spec sheets).
 
-Four numbers of `h100-gtt` are fitted (kind "fitted"): see `cpinfer.perf.fit` for the procedure that
-reproduces them from the paper's public numbers, and docs/planning.md for the discussion.
+Seven numbers of `h100-gtt` are fitted (kind "fitted") to the paper's public statements: `cpinfer.perf.fit`
+reproduces them, `cpinfer.perf.statements` lists the statements, docs/planning.md reports leave-one-out errors.
 """
 from __future__ import annotations
 
@@ -10,44 +10,70 @@ from cpinfer.perf.hardware import HardwareProfile
 PAPER = "paper"
 ASSUMED = "assumption"
 
-# Fitted on h100-gtt by cpinfer.perf.fit.fit_h100_gtt() (rounded); reused where the same GPUs and software run.
-FIT_GEMM_EFFICIENCY = 0.436
-FIT_RING_STEP_FLOOR_US = 902.0
-FIT_INTER_GBS = 11.3
-FIT_INTER_LATENCY_US = 61.0
+# Fitted on h100-gtt by cpinfer.perf.fit.fit_h100_gtt() to public statements of the paper (rounded); each
+# source names the statement(s) that determine it. Reused where the same GPUs and software run.
+FIT = dict(gemm_efficiency=0.384, attn_overhead_tokens=37.0, inter_gbs=12.9, inter_latency_us=30.0,
+           ring_step_us=383.0, inter_coll_gbs=50.0, intra_gbs=480.0)
+
+# The attention curve's prior: FA3's published causal forward benchmark (head dim 128, BF16, H100) roughly halves
+# from 8K to 1K tokens and gains ~5% from 8K to 16K; L0 = 560 keys per query row-tile reproduces that shape. The
+# fit starts there (cpinfer.perf.fit.FITTED) and the paper's attention-dominated TTFTs move it.
+FA3_L0 = 560.0
+
+FIT_SOURCES = dict(
+    attn_overhead_tokens="fitted (cpinfer.perf.fit) from the prior 560 (FA3's published causal curve): the 1M "
+                         "TTFTs (77 s CP16 §4.2.3, 1200 s one host §1) pull it to ~37, i.e. the sustained 500 W "
+                         "ring runs long blocks no faster than the 8K benchmark's 540 TF/s",
+    gemm_efficiency="fitted (cpinfer.perf.fit) on the nominal 800 / 1600 TF/s peaks: 128K prefills, GEMM-dominated "
+                    "(CP8 5.85 s §4.2.1, one host 1M 1200 s §1, halving §4.2.1); the 500 W cap binds GEMMs",
+    inter_gbs="fitted (cpinfer.perf.fit): pass-KV = pass-Q within 1% at T=6400, P+T=128000, CP4 (§4.2.4)",
+    inter_latency_us="fitted (cpinfer.perf.fit): CP4 decode TTIT 71 ms at 128K (§4.3)",
+    inter_coll_gbs="fitted (cpinfer.perf.fit): multi-node TP vs CP prefill at 128K, TP16 ~15% slower than CP2 and "
+                   "TP64 ~100% slower than CP8 (§4.2.2); sits at its bound, the NIC's 50 GB/s",
+    intra_gbs="fitted (cpinfer.perf.fit): with inter_coll_gbs, TP16 vs CP2 (§4.2.2) and the CP halving; at its bound "
+              "480 GB/s (NCCL NVLS all-reduce bus bandwidth on 8 NVLink4 H100)",
+    ring_step_us="fitted (cpinfer.perf.fit): CP16 128K = 3.8 s (§4.2.3) against CP8 5.85 s and the halving (§4.2.1); "
+                 "only that CP8 -> CP16 gap determines it",
+)
 
 _H100_GPU = dict(
     peak_tflops=(800.0, f"{PAPER} App. A: BF16 peak of the 500 W power-limited H100 of GTT/GTI"),
     peak_tflops_fp8=(1600.0, f"{ASSUMED}: 2x the BF16 peak, the H100 spec-sheet FP8/BF16 ratio (1979/989)"),
     attn_tflops=(540.0, f"{PAPER} App. A, §4.2.3: Flash Attention 3 causal, 8K tokens, one H100"),
-    gemm_efficiency=(FIT_GEMM_EFFICIENCY, "fitted: CP8 128K full prefill TTFT = 5.85 s (paper §4.2.1)"),
+    attn_ref_tokens=(8192.0, f"{PAPER} App. A: the 540 TF/s FA3 benchmark is a causal 8K square"),
+    attn_overhead_tokens=(FIT["attn_overhead_tokens"], FIT_SOURCES["attn_overhead_tokens"]),
+    gemm_efficiency=(FIT["gemm_efficiency"], FIT_SOURCES["gemm_efficiency"]),
     mem_gb=(96.0, f"{PAPER} §4.1: 96 GB HBM2e per H100"),
     mem_tbps=(2.4, f"{PAPER} §4.1: 2.4 TB/s HBM2e"),
     mem_efficiency=(0.8, f"{ASSUMED}: streaming kernels reach ~80% of HBM peak"),
     devices_per_node=(8, f"{PAPER} §4.1: 8 H100 per Grand Teton host, NVLink all-to-all"),
-    intra_gbs=(360.0, f"{ASSUMED}: ~80% of NVLink4 450 GB/s per direction (spec 900 GB/s bidirectional)"),
+    intra_gbs=(FIT["intra_gbs"], FIT_SOURCES["intra_gbs"]),
     intra_latency_us=(10.0, f"{ASSUMED}: NCCL small-message all-reduce inside one NVLink node"),
-    ring_step_floor_us=(FIT_RING_STEP_FLOOR_US, "fitted: CP16 128K full prefill TTFT = 3.8 s (paper §4.2.3)"),
-    kernel_overhead_us=(3.0, f"{ASSUMED}: per-kernel gap under CUDA graphs (paper §4.3 decodes with graphs)"),
+    ring_step_us=(FIT["ring_step_us"], FIT_SOURCES["ring_step_us"]),
+    kernel_overhead_us=(3.0, f"{ASSUMED}: per-kernel slot under CUDA graphs (paper §4.3 decodes with graphs)"),
 )
 
 _GTT_NET = dict(
     inter_gbs_peak=(50.0, f"{PAPER} §4.1: GTT backend RDMA, 400 Gb/s per GPU"),
-    inter_gbs=(FIT_INTER_GBS, "fitted: pass-KV/pass-Q tipping point at T=6400, T+P=128000, CP4 (paper §4.2.4)"),
-    inter_latency_us=(FIT_INTER_LATENCY_US, "fitted: CP4 decode TTIT at 128K, batch 1 = 71 ms (paper §4.3)"),
+    inter_gbs=(FIT["inter_gbs"], FIT_SOURCES["inter_gbs"]),
+    inter_latency_us=(FIT["inter_latency_us"], FIT_SOURCES["inter_latency_us"]),
+    inter_coll_gbs=(FIT["inter_coll_gbs"], FIT_SOURCES["inter_coll_gbs"]),
 )
 
 _GTI_NET = dict(
     inter_gbs_peak=(12.5, f"{PAPER} §4.1: GTI frontend TCP/IP, 100 Gb/s per GPU"),
     inter_gbs=(3.0, f"{PAPER} §4.2.1: ~3 GB/s per rank achieved in the GTI traces"),
-    inter_latency_us=(100.0, f"{ASSUMED}: one TCP SendRecv between hosts (RDMA on GTT fitted to 61 us)"),
+    inter_latency_us=(FIT["inter_latency_us"] * 2, f"{ASSUMED}: TCP twice the RDMA latency fitted on GTT"),
+    inter_coll_gbs=(12.5, f"{ASSUMED}: the NIC's 12.5 GB/s, as the fit puts GTT's at its NIC's 50 GB/s"),
 )
 
 _H200 = dict(
     peak_tflops=(989.0, "NVIDIA H200 SXM spec: 989 TF/s dense BF16"),
     peak_tflops_fp8=(1979.0, "NVIDIA H200 SXM spec: 1979 TF/s dense FP8"),
     attn_tflops=(668.0, f"{ASSUMED}: FA3 at the GTT H100's 540/800 of peak, scaled to 989"),
-    gemm_efficiency=(FIT_GEMM_EFFICIENCY, f"{ASSUMED}: the GEMM efficiency fitted on h100-gtt"),
+    attn_ref_tokens=(8192.0, f"{ASSUMED}: as the GTT H100's reference"),
+    attn_overhead_tokens=(FIT["attn_overhead_tokens"], f"{ASSUMED}: the attention curve fitted on h100-gtt"),
+    gemm_efficiency=(FIT["gemm_efficiency"], f"{ASSUMED}: the GEMM efficiency fitted on h100-gtt"),
     mem_gb=(141.0, "NVIDIA H200 SXM spec: 141 GB HBM3e"),
     mem_tbps=(4.8, "NVIDIA H200 SXM spec: 4.8 TB/s"),
     mem_efficiency=(0.8, f"{ASSUMED}: streaming kernels reach ~80% of HBM peak"),
@@ -55,10 +81,11 @@ _H200 = dict(
     intra_gbs=(360.0, f"{ASSUMED}: ~80% of NVLink4 450 GB/s per direction (spec 900 GB/s bidirectional)"),
     intra_latency_us=(10.0, f"{ASSUMED}: NCCL small-message all-reduce inside one NVLink node"),
     inter_gbs_peak=(50.0, f"{ASSUMED}: one 400 Gb/s NIC per GPU, the usual HGX H200 build"),
-    inter_gbs=(FIT_INTER_GBS, f"{ASSUMED}: the SendRecv bandwidth fitted on h100-gtt"),
-    inter_latency_us=(FIT_INTER_LATENCY_US, f"{ASSUMED}: the inter-node latency fitted on h100-gtt"),
-    ring_step_floor_us=(FIT_RING_STEP_FLOOR_US, f"{ASSUMED}: the ring-step floor fitted on h100-gtt"),
-    kernel_overhead_us=(3.0, f"{ASSUMED}: per-kernel gap under CUDA graphs"),
+    inter_gbs=(FIT["inter_gbs"], f"{ASSUMED}: the SendRecv bandwidth fitted on h100-gtt"),
+    inter_latency_us=(FIT["inter_latency_us"], f"{ASSUMED}: the inter-node latency fitted on h100-gtt"),
+    inter_coll_gbs=(FIT["inter_coll_gbs"], f"{ASSUMED}: the all-reduce bandwidth fitted on h100-gtt"),
+    ring_step_us=(FIT["ring_step_us"], f"{ASSUMED}: the per-step ring cost fitted on h100-gtt"),
+    kernel_overhead_us=(3.0, f"{ASSUMED}: per-kernel slot under CUDA graphs"),
 )
 
 _CPU = "estimate for a 2-core AMD EPYC (Zen 5) VM, torch fp32, gloo over loopback; replace with `cpinfer calibrate`"
@@ -76,7 +103,10 @@ _CPU_GLOO = dict(
     inter_gbs_peak=(2.0, f"{_CPU}: gloo over loopback TCP (no second node)"),
     inter_gbs=(2.0, f"{_CPU}: gloo over loopback TCP (no second node)"),
     inter_latency_us=(100.0, f"{_CPU}: gloo send/recv round trip on loopback"),
-    ring_step_floor_us=(200.0, f"{_CPU}: Python and dispatch per ring step"),
+    ring_step_us=(200.0, f"{_CPU}: Python and dispatch per ring step"),
+    attn_ref_tokens=(4096.0, f"{_CPU}: block length of the SDPA estimate"),
+    attn_overhead_tokens=(0.0, f"{_CPU}: no short-block slowdown assumed"),
+    inter_coll_gbs=(2.0, f"{_CPU}: gloo over loopback TCP"),
     kernel_overhead_us=(20.0, f"{_CPU}: eager op dispatch"),
 )
 

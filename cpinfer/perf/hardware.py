@@ -2,7 +2,8 @@
 
 A profile is per device (one GPU, or one CPU rank) plus the links between devices. Every number carries its
 source in `sources`; `kind` says whether the profile is measured, fitted, from a spec sheet, or a rough estimate.
-Profiles round-trip through JSON (`to_json` / `from_json`) so `cpinfer calibrate` can write measured ones.
+Profiles round-trip through JSON (`to_json` / `from_json`) so `cpinfer calibrate` can write measured ones; JSON
+written before a field existed still loads (the field takes its documented default, `LEGACY` renames old keys).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ KINDS = ("measured", "fitted", "spec", "estimate", "calibrated")
 UNITS = {
     "peak_tflops": "TF/s dense peak of the compute dtype per device (bf16 on GPU, fp32 on CPU)",
     "peak_tflops_fp8": "TF/s dense FP8 peak per device (0: no FP8 GEMMs, FP8 weights run at peak_tflops)",
-    "attn_tflops": "TF/s achieved by the prefill attention kernel on long causal shapes",
+    "attn_tflops": "TF/s achieved by the prefill attention kernel on a causal square of attn_ref_tokens",
+    "attn_ref_tokens": "tokens of the causal square attn_tflops was measured on (paper: 8K)",
+    "attn_overhead_tokens": "L0: fixed cost of one query row-tile, in keys' worth of work (short blocks run slower)",
     "gemm_efficiency": "achieved / peak of large GEMMs (0-1]",
     "mem_gb": "GB of device memory per device",
     "mem_tbps": "TB/s device memory bandwidth (peak)",
@@ -30,9 +33,18 @@ UNITS = {
     "inter_gbs_peak": "GB/s peak per-device inter-node link (the BW of Alg. 1 / Alg. 5)",
     "inter_gbs": "GB/s achieved per-rank SendRecv bandwidth across nodes",
     "inter_latency_us": "us fixed cost of one inter-node SendRecv / All2All",
-    "ring_step_floor_us": "us host-side floor of one eager ring step (launches, merge bookkeeping)",
+    "inter_coll_gbs": "GB/s achieved per-device bus bandwidth of inter-node all-reduce (TP across nodes)",
+    "ring_step_us": "us exposed per ring step (stream sync on the received block, per-step launches, merge)",
     "kernel_overhead_us": "us per kernel under CUDA graphs (decode)",
 }
+
+# Fields added after profiles were first written: value when a JSON profile lacks them (its source says so).
+DEFAULTS = {"attn_ref_tokens": 8192.0, "attn_overhead_tokens": 0.0, "inter_coll_gbs": None, "ring_step_us": 0.0}
+# Renamed keys: old name -> new name. `ring_step_floor_us` was measured as the time of a near-empty ring step,
+# which is what `ring_step_us` adds to every step.
+LEGACY = {"ring_step_floor_us": "ring_step_us"}
+ZERO_OK = ("peak_tflops_fp8", "intra_latency_us", "inter_latency_us", "ring_step_us", "kernel_overhead_us",
+           "attn_overhead_tokens")
 
 
 @dataclass(frozen=True)
@@ -52,8 +64,11 @@ class HardwareProfile:
     inter_gbs_peak: float
     inter_gbs: float
     inter_latency_us: float
-    ring_step_floor_us: float
     kernel_overhead_us: float
+    attn_ref_tokens: float = 8192.0
+    attn_overhead_tokens: float = 0.0
+    inter_coll_gbs: float | None = None   # None: the SendRecv rate inter_gbs
+    ring_step_us: float = 0.0
     empirical: tuple[float, float, float] | None = None  # App. D (alpha, beta, gamma) fitted on this system
     sources: dict = field(default_factory=dict, hash=False, compare=False)  # field name -> where it comes from
 
@@ -64,13 +79,14 @@ class HardwareProfile:
         if self.kind not in KINDS:
             raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         check_positive(self.devices_per_node, f"{where}: devices_per_node")
+        if self.inter_coll_gbs is None:
+            object.__setattr__(self, "inter_coll_gbs", self.inter_gbs)
+            self.sources.setdefault("inter_coll_gbs", "default: the SendRecv rate inter_gbs")
         for name in UNITS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{where}: {name} must be a number, got {value!r}")
-            zero_ok = name in ("peak_tflops_fp8", "intra_latency_us", "inter_latency_us",
-                               "ring_step_floor_us", "kernel_overhead_us")
-            if value < 0 or (value == 0 and not zero_ok):
+            if value < 0 or (value == 0 and name not in ZERO_OK):
                 raise ValueError(f"{where}: {name} ({UNITS[name]}) must be positive, got {value}")
             if name not in self.sources:
                 raise ValueError(f"{where}: {name} has no source; say where the number comes from")
@@ -89,6 +105,12 @@ class HardwareProfile:
     def gemm_flops_per_s(self, fp8: bool) -> float:
         peak = self.peak_tflops_fp8 if fp8 and self.peak_tflops_fp8 > 0 else self.peak_tflops
         return peak * 1e12 * self.gemm_efficiency
+
+    def attn_flops_per_s(self) -> float:
+        """A_inf: the long-block attention rate. With a fixed cost of L0 keys per query row, a causal square of
+        L tokens runs at A_inf * (L/2) / (L/2 + L0); A_inf is chosen so that L = attn_ref_tokens gives attn_tflops."""
+        half = self.attn_ref_tokens / 2
+        return self.attn_tflops * 1e12 * (half + self.attn_overhead_tokens) / half
 
     @property
     def mem_bytes_per_s(self) -> float:
@@ -115,15 +137,24 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: dict, origin: str = "a dict") -> HardwareProfile:
+        data, sources = dict(data), dict(data.get("sources") or {})
+        for old, new in LEGACY.items():  # migrate renamed keys of older profiles
+            if old in data and new not in data:
+                data[new] = data.pop(old)
+                sources[new] = f"{sources.pop(old, 'from ' + origin)} (migrated from {old})"
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"hardware profile from {origin}: unknown keys {unknown}; known: {sorted(names)}")
-        missing = sorted(n for n in names - set(data) if n not in ("empirical", "sources"))
+        missing = sorted(n for n in names - set(data) if n not in ("empirical", "sources") and n not in DEFAULTS)
         if missing:
             raise ValueError(f"hardware profile from {origin}: missing keys {missing}")
-        sources = {n: f"from {origin}" for n in UNITS} | dict(data.get("sources") or {})
-        return cls(**(dict(data) | {"sources": sources}))
+        for name, default in DEFAULTS.items():
+            if name not in data and default is not None:
+                data[name] = default
+                sources[name] = f"default {default}: {origin} predates this field"
+        sources = {n: f"from {origin}" for n in UNITS} | sources
+        return cls(**(data | {"sources": sources}))
 
     @classmethod
     def from_json(cls, text: str, origin: str = "JSON") -> HardwareProfile:

@@ -1,4 +1,5 @@
-"""Plain-text rendering of a `Plan` and of a CP sweep, as `cpinfer plan` prints them."""
+"""Plain-text rendering of a `Plan` and of a CP sweep, as `cpinfer plan` prints them; `--explain` adds, per
+component, the formula and every profile parameter it used with its value and source."""
 from __future__ import annotations
 
 from cpinfer.perf.planner import Plan, SweepRow
@@ -9,11 +10,35 @@ ROWS = (  # breakdown key -> label
     ("attention", "attention kernels"),
     ("merge", "merge partial outputs"),
     ("sendrecv_exposed", "exposed SendRecv"),
+    ("ring_steps", "per-step ring cost"),
     ("all2all", "All2All (pass-Q)"),
     ("allreduce", "TP all-reduce"),
     ("elementwise", "norms/activations"),
-    ("overhead", "ring-step host floor"),
+    ("kernels", "kernel slots (CUDA graphs)"),
 )
+
+# component -> (how it is computed, the profile parameters it reads)
+EXPLAIN = {
+    "gemm": ("2*m*n*k FLOPs per GEMM on whole 128-row tiles at peak * gemm_efficiency (FP8 peak for FP8 "
+             "weights), or the weight read at mem_tbps * mem_efficiency, whichever is longer",
+             ("peak_tflops", "peak_tflops_fp8", "gemm_efficiency", "mem_tbps", "mem_efficiency")),
+    "attention": ("per ring step, the slowest rank's block: 4 * (pairs + L0 * queries) * head_dim * heads / A_inf, "
+                  "A_inf = attn_tflops * (ref/2 + L0) / (ref/2); decode: flash-decoding reads K/V once",
+                  ("attn_tflops", "attn_ref_tokens", "attn_overhead_tokens", "mem_tbps", "kernel_overhead_us")),
+    "merge": ("N partial outputs + LSE read in fp32, output written once (App. B)", ("mem_tbps", "mem_efficiency")),
+    "sendrecv_exposed": ("per step max(0, latency + message / BW - attention): the ring overlaps the transfer",
+                         ("inter_gbs", "inter_latency_us", "intra_gbs", "intra_latency_us", "devices_per_node")),
+    "ring_steps": ("N * ring_step_us per layer (eager prefill ring: stream sync and launches per step)",
+                   ("ring_step_us",)),
+    "all2all": ("pass-Q: (N-1) * (latency + partial output bytes / BW), fully exposed (App. C)",
+                ("inter_gbs", "inter_latency_us")),
+    "allreduce": ("2 per layer; NVLink ring in the node, over nodes 2*log2(nodes) latencies + the 1/8 slice at "
+                  "the collective bandwidth", ("intra_gbs", "intra_latency_us", "inter_coll_gbs",
+                                               "inter_latency_us")),
+    "elementwise": ("norms, residuals, SwiGLU, FP8 quantization: bytes / (mem_tbps * mem_efficiency)",
+                    ("mem_tbps", "mem_efficiency")),
+    "kernels": ("decode under CUDA graphs: kernels per layer * kernel_overhead_us", ("kernel_overhead_us",)),
+}
 
 
 def format_plan(plan: Plan) -> str:
@@ -29,7 +54,8 @@ def format_plan(plan: Plan) -> str:
         f"{'TTFT breakdown (s)':32s}" + "".join(f"{s:>12s}" for s in STRATEGIES),
     ]
     for key, label in ROWS:
-        lines.append(f"  {label:30s}" + "".join(f"{plan.ttft[s].breakdown[key]:12.4f}" for s in STRATEGIES))
+        if key != "kernels":
+            lines.append(f"  {label:30s}" + "".join(f"{plan.ttft[s].breakdown[key]:12.4f}" for s in STRATEGIES))
     lines.append(f"  {'total TTFT':30s}" + "".join(f"{plan.ttft[s].seconds:12.4f}" for s in STRATEGIES))
     lines.append(f"  {'TF/s per device (App. A count)':30s}" +
                  "".join(f"{plan.ttft[s].detail['tflops_per_gpu']:12.1f}" for s in STRATEGIES))
@@ -46,6 +72,22 @@ def format_plan(plan: Plan) -> str:
         f"{plan.memory.total_gb:.2f} GB per device of {plan.memory.capacity_gb:.0f} GB -> "
         f"{'fits' if plan.memory.fits else 'DOES NOT FIT'} (90% usable)",
     ]
+    return "\n".join(lines)
+
+
+def format_explain(plan: Plan) -> str:
+    """Each component: its share of TTFT (chosen strategy) and TTIT, how it is computed, the parameters used."""
+    hw = plan.deployment.hardware
+    ttft, ttit = plan.ttft[plan.choice.strategy], plan.ttit
+    lines = [f"explain   per component, TTFT of {plan.choice.strategy} and TTIT; parameters of profile "
+             f"{hw.name!r} ({hw.kind})"]
+    for key, label in ROWS:
+        how, params = EXPLAIN[key]
+        lines.append(f"  {label}: TTFT {ttft.breakdown[key]:.4f} s ({ttft.breakdown[key] / ttft.seconds:.1%}), "
+                     f"TTIT {ttit.breakdown[key] * 1e3:.3f} ms")
+        lines.append(f"      how: {how}")
+        for name in params:
+            lines.append(f"      {name} = {getattr(hw, name):g}  [{hw.sources.get(name, 'no source')}]")
     return "\n".join(lines)
 
 

@@ -1,12 +1,10 @@
 """Simulated forward pass on CP x TP: TTFT (full / partial prefill, pass-KV or pass-Q), TTIT, memory per GPU.
 
-Per layer: TP-sharded GEMMs, memory-bound elementwise ops, two TP all-reduces, and ring attention whose
-N steps each take max(attention, SendRecv, host floor) -- the ring overlaps the transfer with the step's
-attention (paper §3.4, §3.5), so exposed SendRecv = max(0, comm - compute) per step. Pass-Q adds its All2All
-(App. C), fully exposed. Decode uses batched ring pass-Q with the batch padded to a multiple of N (§3.6, §4.3).
-Fitted parameters live in the hardware profile; on h100-gtt four are fitted to public numbers of the paper
-(cpinfer/perf/fit.py): gemm_efficiency 0.436 (CP8 128K TTFT 5.85 s), ring_step_floor_us 902 (CP16 128K 3.8 s),
-inter_gbs 11.3 (pass-KV = pass-Q at T=6400 on CP4), inter_latency_us 61 (CP4 TTIT 71 ms). See docs/planning.md.
+Per layer on one GPU (paper §3.4, §3.5, §4.1, §4.3): the TP-sharded GEMMs (FP8 FFN, bf16 projections), memory-bound
+elementwise ops, two TP all-reduces, and ring attention: N steps, each taking the slowest rank's attention block
+or the SendRecv it overlaps, whichever is longer, plus the per-step cost of an eager ring; pass-Q adds its All2All
+(App. C). Decode is batched ring pass-Q under CUDA graphs with the batch padded to a multiple of N (§3.6, §4.3).
+Every hardware number comes from the profile; `cpinfer/perf/fit.py` says which are fitted and to what.
 """
 from __future__ import annotations
 
@@ -20,9 +18,15 @@ from cpinfer.perf.ring import RingShape
 from cpinfer.utils import ceil_div, check_positive
 
 STRATEGIES = ("pass-kv", "pass-q")
-ELEMENTWISE_HIDDEN_PASSES = 10   # 2 RMSNorms (read+write) + 2 residual adds (2 reads + write), per token
-ELEMENTWISE_FFN_PASSES = 3       # SwiGLU: read gate and up, write the product
-DECODE_KERNELS_PER_LAYER = 13    # norms, RoPE, KV append, residuals, activation, 4 GEMMs, 2 all-reduces
+# Memory passes over one token's hidden vector per layer: two fused residual-add + RMSNorm kernels (read x and
+# residual, write both and the normed x: 5 each), on the 1/TP token slice each rank norms (sequence-parallel TP).
+ELEMENTWISE_HIDDEN_PASSES = 10
+ELEMENTWISE_FFN_PASSES = 3       # SwiGLU on the TP shard of the FFN: read gate and up, write the product
+DECODE_KERNELS_PER_LAYER = 9     # 2 norms, RoPE, KV append, 2 residuals, SwiGLU, 2 FP8 quantizations
+DECODE_KERNELS_PER_RING_STEP = 2  # besides flash-decoding's two: the grouped NCCL send/recv, the Q-buffer swap
+DECODE_KERNELS_AFTER_RING = 3     # permute, All2All, merge (Alg. 4)
+COMPONENTS = ("gemm", "attention", "merge", "sendrecv_exposed", "ring_steps", "all2all", "allreduce",
+              "elementwise", "kernels")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Deployment:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A predicted latency; `breakdown` sums to `seconds` (all in seconds, whole forward pass)."""
+    """A predicted latency; `breakdown` (seconds per COMPONENTS key, whole forward pass) sums to `seconds`."""
     strategy: str
     seconds: float
     breakdown: dict
@@ -65,27 +69,26 @@ class Estimate:
 
 def ring_attention_layer(hw: HardwareProfile, shape: AttnShape, ring: RingShape, batch: int, strategy: str,
                          link: tuple[float, float]) -> dict:
-    """One layer of ring attention on one rank, seconds by component (eager prefill)."""
+    """One layer of ring attention on one rank (eager prefill), seconds by component.
+
+    Step j: every rank computes its block while the next block travels; the step ends when the slowest rank's
+    block and the transfer are both done, plus ring_step_us. Exposed SendRecv = max(0, comm - compute) per step.
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     n, lq = ring.n, batch * ring.q_tokens
-    if strategy == "pass-kv":
-        msg = shape.kv_bytes(batch * ring.max_kv_tokens)
-    else:
-        msg = shape.q_bytes(lq)
+    msg = shape.kv_bytes(batch * ring.max_kv_tokens) if strategy == "pass-kv" else shape.q_bytes(lq)
     comm = costs.p2p_time(msg, link) if n > 1 else 0.0
-    floor = hw.ring_step_floor_us * 1e-6
-    out = dict(attention=0.0, sendrecv_exposed=0.0, overhead=0.0, step_attention_max=0.0)
+    out = dict(attention=0.0, sendrecv_exposed=0.0, step_attention_max=0.0)
     for j in range(n):
         compute = max(_step_compute(hw, shape, ring, batch, strategy, k, (k - j) % n) for k in range(n))
-        c = comm if j < n - 1 else 0.0
         out["attention"] += compute
-        out["sendrecv_exposed"] += max(0.0, c - compute)
-        out["overhead"] += max(0.0, floor - max(compute, c))
+        out["sendrecv_exposed"] += max(0.0, (comm if j < n - 1 else 0.0) - compute)
         out["step_attention_max"] = max(out["step_attention_max"], compute)
+    out["ring_steps"] = n * hw.ring_step_us * 1e-6 if n > 1 else 0.0
     out["merge"] = costs.merge_time(hw, shape, lq, n)
     out["all2all"] = costs.all2all_time(shape.partial_out_bytes(lq), n, link) if strategy == "pass-q" else 0.0
-    out["step_sendrecv"], out["message_bytes"] = comm, msg if n > 1 else 0
+    out["step_sendrecv"], out["message_bytes"] = comm, (msg if n > 1 else 0)
     return out
 
 
@@ -96,24 +99,34 @@ def _step_compute(hw, shape, ring, batch, strategy, rank, other) -> float:
     return costs.attention_time(hw, shape, pairs, batch * ring.q_tokens, batch * ring.kv_tokens(kv_rank))
 
 
+def gemm_layer(dep: Deployment, tokens: int) -> float:
+    """The four GEMM groups of one layer on one TP rank for `tokens` rows (Megatron column/row sharding)."""
+    m, w, hw, tp = dep.model, dep.weights, dep.hardware, dep.tp
+    shape = dep.attn_shape
+    qkv_n = (shape.heads + 2 * shape.kv_heads) * m.head_dim      # KV heads replicated when tp > N_KV
+    o_k, ffn = shape.heads * m.head_dim, m.ffn_dim // tp
+    t = costs.gemm_time(hw, tokens, qkv_n, m.hidden, qkv_n * m.hidden * w.attn_bytes, w.attn_fp8)
+    t += costs.gemm_time(hw, tokens, m.hidden, o_k, o_k * m.hidden * w.attn_bytes, w.attn_fp8)
+    t += costs.gemm_time(hw, tokens, 2 * ffn, m.hidden, 2 * ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
+    t += costs.gemm_time(hw, tokens, m.hidden, ffn, ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
+    return t
+
+
 def _dense_layer(dep: Deployment, tokens: int) -> dict:
     """GEMMs, elementwise ops and the two TP all-reduces of one layer on one GPU for `tokens` tokens."""
     m, w, hw, tp = dep.model, dep.weights, dep.hardware, dep.tp
-    attn_w = m.attn_params * w.attn_bytes / tp
-    gemm = costs.gemm_time(hw, 2 * tokens * m.attn_params / tp, attn_w, w.attn_fp8) + \
-        costs.gemm_time(hw, 2 * tokens * m.ffn_params / tp, m.ffn_params * w.ffn_bytes / tp, w.ffn_fp8)
-    passes = ELEMENTWISE_HIDDEN_PASSES * m.hidden + ELEMENTWISE_FFN_PASSES * m.ffn_dim / tp
+    passes = (ELEMENTWISE_HIDDEN_PASSES * m.hidden + ELEMENTWISE_FFN_PASSES * m.ffn_dim) / tp
     if w.ffn_fp8:  # dynamic row-wise quantization of the two FFN GEMM inputs: read + 1-byte write
         passes += 1.5 * (m.hidden + m.ffn_dim / tp)
     elementwise = tokens * passes * dep.act_bytes / hw.mem_bytes_per_s
-    allreduce = 2 * costs.allreduce_time(hw, tokens * m.hidden * dep.act_bytes, tp)
-    return dict(gemm=gemm, elementwise=elementwise, allreduce=allreduce)
+    allreduce = 2 * costs.allreduce_time(hw, tokens * m.hidden * dep.act_bytes, tp)  # = RS + AG, same bytes
+    return dict(gemm=gemm_layer(dep, tokens), elementwise=elementwise, allreduce=allreduce)
 
 
 def _lm_head(dep: Deployment, tokens: int) -> float:
     m = dep.model
-    return costs.gemm_time(dep.hardware, 2 * tokens * m.vocab * m.hidden / dep.tp,
-                           m.vocab * m.hidden * dep.weights.embed_bytes / dep.tp, False)
+    n = ceil_div(m.vocab, dep.tp)
+    return costs.gemm_time(dep.hardware, tokens, n, m.hidden, n * m.hidden * dep.weights.embed_bytes, False)
 
 
 def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0, batch: int = 1,
@@ -122,10 +135,10 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
     check_positive(batch, "batch")
     ring = RingShape(dep.cp, prompt_tokens, cached_tokens)
     attn = ring_attention_layer(dep.hardware, dep.attn_shape, ring, batch, strategy, dep.link)
-    dense = _dense_layer(dep, batch * ring.q_tokens)
-    keys = ("gemm", "attention", "merge", "sendrecv_exposed", "all2all", "allreduce", "elementwise", "overhead")
-    per_layer = {k: dense.get(k, attn.get(k, 0.0)) for k in keys}
-    breakdown = {k: v * dep.model.n_layers for k, v in per_layer.items()}
+    per_layer = _dense_layer(dep, batch * ring.q_tokens) | {k: attn[k] for k in
+                                                             ("attention", "merge", "sendrecv_exposed",
+                                                              "ring_steps", "all2all")}
+    breakdown = {k: per_layer.get(k, 0.0) * dep.model.n_layers for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, batch)
     seconds = sum(breakdown.values())
     flops = paper_flops(dep.model, prompt_tokens, cached_tokens, batch)
@@ -137,29 +150,35 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
     return Estimate(strategy, seconds, breakdown, detail)
 
 
-def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1) -> Estimate:
-    """TTIT: one decode step of `batch` sequences with `context_tokens` cached each (ring pass-Q decode).
+def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int) -> dict:
+    """Batched ring pass-Q decode attention of one layer (Alg. 4), seconds by component, under CUDA graphs.
 
-    The batch is padded to a multiple of N (one query per rank at batch 1); CUDA graphs, so no host floor.
+    The batch is padded to a multiple of N (§4.3), so each rank holds q = ceil(B/N) queries; every step runs
+    flash-decoding of q queries over this rank's ~context/N keys while the next Q block travels.
     """
+    hw, shape, n = dep.hardware, dep.attn_shape, dep.cp
+    q = ceil_div(batch, n)
+    op = costs.decode_attention_time(hw, shape, q, ceil_div(context_tokens, n))
+    comm = costs.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
+    exposed = (n - 1) * max(0.0, comm - op)
+    return dict(attention=n * op, sendrecv_exposed=exposed, merge=costs.merge_time(hw, shape, q, n),
+                all2all=costs.all2all_time(shape.partial_out_bytes(q), n, dep.link), op=op, queries=q)
+
+
+def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1) -> Estimate:
+    """TTIT: one decode step of `batch` sequences with `context_tokens` cached each (ring pass-Q decode)."""
     check_positive(context_tokens, "context tokens")
     check_positive(batch, "batch")
-    hw, shape, n = dep.hardware, dep.attn_shape, dep.cp
-    q = ceil_div(batch, n)                     # queries per rank after padding
-    kv = q * ceil_div(context_tokens, n)       # keys read per step: each query's local shard
-    compute = costs.attention_time(hw, shape, kv, q, kv) + hw.kernel_overhead_us * 1e-6
-    comm = costs.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
-    steps = [max(compute, comm if j < n - 1 else 0.0) for j in range(n)]
-    per_layer = _dense_layer(dep, q)
-    per_layer["attention"] = n * compute
-    per_layer["sendrecv_exposed"] = sum(steps) - n * compute
-    per_layer["merge"] = costs.merge_time(hw, shape, q, n)
-    per_layer["all2all"] = costs.all2all_time(shape.partial_out_bytes(q), n, dep.link)
-    per_layer["overhead"] = DECODE_KERNELS_PER_LAYER * hw.kernel_overhead_us * 1e-6
-    breakdown = {k: v * dep.model.n_layers for k, v in per_layer.items()}
+    att = decode_attention_layer(dep, context_tokens, batch)
+    q = att["queries"]
+    per_layer = _dense_layer(dep, q) | {k: att[k] for k in ("attention", "sendrecv_exposed", "merge", "all2all")}
+    ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
+    per_layer["kernels"] = (DECODE_KERNELS_PER_LAYER + ring_kernels) * dep.hardware.kernel_overhead_us * 1e-6
+    breakdown = {k: per_layer.get(k, 0.0) * dep.model.n_layers for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, q)
-    detail = dict(queries_per_rank=q, padded_batch=q * n, padding_queries=q * n - batch)
-    return Estimate("pass-q" if n > 1 else "local", sum(breakdown.values()), breakdown, detail)
+    detail = dict(queries_per_rank=q, padded_batch=q * dep.cp, padding_queries=q * dep.cp - batch,
+                  attention_op_us=att["op"] * 1e6)
+    return Estimate("pass-q" if dep.cp > 1 else "local", sum(breakdown.values()), breakdown, detail)
 
 
 @dataclass(frozen=True)
