@@ -1,0 +1,146 @@
+"""`cpinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLM` on N context-parallel
+(× M tensor-parallel) ranks. Multi-turn chats keep their KV cache sharded across turns (paper §3.3).
+
+Locally the ranks are child processes of the server; under torchrun rank 0 serves HTTP and the other ranks serve
+the engine (they never return from `AsyncLLM(...)`). SIGINT / SIGTERM end in-flight requests, stop every rank and
+release the port.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+from cpinfer.bench.attention import positive_int
+from cpinfer.utils import get_logger
+
+log = get_logger()
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
+def _rank_pids() -> list[int]:
+    """PIDs of this process's direct children (the local ranks), read from /proc; [] where /proc is absent."""
+    me, pids = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _run_until_signal(server) -> str:
+    """Run uvicorn until SIGINT / SIGTERM; in-flight requests end first. uvicorn re-raises the signal it caught
+    once it has stopped, to the handler that was installed before it: ours records it, so the process goes on to
+    shut the ranks down and exit 0 instead of dying of the signal."""
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _frame: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return signal.Signals(caught[0]).name if caught else "server exit"
+
+
+def engine_kwargs(args) -> dict:
+    """`AsyncLLM` keyword arguments from the parsed command line."""
+    kwargs = {"context_parallel_size": args.cp, "tensor_parallel_size": args.tp,
+              "enable_prefix_caching": not args.no_prefix_caching, "strategy": args.strategy,
+              "hardware_profile": args.hardware_profile}
+    optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
+                "threads_per_rank": args.threads_per_rank}
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    return kwargs
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from cpinfer.engine import AsyncLLM
+    from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
+    from cpinfer.server.app import ServerConfig, build_app
+
+    api_key = args.api_key or os.environ.get("CPINFER_API_KEY") or None
+    model_dir = resolve_model(args.model)  # ValueError naming the problem, before any rank starts
+    name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
+    config = ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key)
+    if args.hardware_profile is not None:
+        from cpinfer.perf.hardware import load_hardware_profile
+
+        load_hardware_profile(args.hardware_profile)  # a bad name fails here
+    engine = AsyncLLM(str(model_dir), **engine_kwargs(args))  # under torchrun only rank 0 returns
+    try:
+        app = build_app(engine, config)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
+            timeout_graceful_shutdown=args.graceful_timeout, lifespan="off"))
+        log.info("serving %s (%s) at http://%s:%d/v1 — CP=%d TP=%d, max_model_len %d, prefix caching %s, "
+                 "API key %s; rank pids %s", name, model_dir, args.host, args.port, args.cp, args.tp,
+                 engine.max_model_len, "off" if args.no_prefix_caching else "on",
+                 "required" if api_key else "off",
+                 getattr(engine, "rank_pids", None) or _rank_pids())
+        stopped_by = _run_until_signal(server)
+        log.info("stopping on %s: shutting the engine down", stopped_by)
+    finally:
+        engine.shutdown()
+        log.info("server stopped; every rank exited")
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server over N context-parallel ranks", description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="Hugging Face Llama checkpoint folder or .gguf file (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per CP rank")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="model name clients send and see in /v1/models (default: --model as given, or "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None, metavar="L",
+                        help="longest prompt + completion in tokens (default: the model's context length)")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="B",
+                        help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests at most")
+    parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
+                        help="KV-cache capacity of each rank in tokens (default: a share of memory)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse K/V across requests (every turn re-prefills its whole history)")
+    parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
+                        help="ring variant: auto = the paper's heuristic per forward, or force one")
+    parser.add_argument("--hardware-profile", default=None, metavar="P",
+                        help="hardware profile for the strategy heuristic (catalog name or calibrate JSON)")
+    parser.add_argument("--threads-per-rank", type=positive_int, default=None,
+                        help="torch threads per rank (default: cores / ranks)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 and /tokenize routes (or set "
+                             "CPINFER_API_KEY)")
+    parser.add_argument("--graceful-timeout", type=positive_int, default=30, metavar="S",
+                        help="on SIGINT / SIGTERM, seconds in-flight requests get to finish before they are "
+                             "aborted")
+    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                        help="uvicorn log level")
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.set_defaults(func=run)

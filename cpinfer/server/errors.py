@@ -1,0 +1,76 @@
+"""One error shape for every failure, as the OpenAI API returns it: `{"error": {message, type, param, code}}`.
+
+400 bad parameters / prompts, 401 missing or wrong API key, 404 unknown routes, 500 engine failures (a dead rank).
+"""
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cpinfer.server.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error to send back as it is: HTTP status, message, the offending parameter, a short code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (loc[0] if loc else None)
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request body", param
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
+    """Every error becomes the OpenAI shape; `on_error(request, status)` is told about each (for metrics)."""
+
+    def seen(request: Request, status: int) -> None:
+        if on_error is not None:
+            on_error(request, status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        seen(request, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        seen(request, 400)
+        message, param = _validation_message(exc)
+        return error_response(400, message, param, "invalid_parameter")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        seen(request, exc.status_code)
+        message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        if exc.status_code == 404:
+            message = f"{message}: no such route"
+        return error_response(exc.status_code, message, code=HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"))

@@ -1,0 +1,115 @@
+"""Prometheus metrics of the server (`GET /metrics`, via prometheus_client, one registry per app).
+
+Latency histograms and request outcomes are recorded by the routes; everything the engine counts (tokens, the
+prefix-cache hits that persistent KV gives, §3.3, KV tokens per CP rank, forwards by phase and pass-KV / pass-Q
+strategy, preemptions, queue sizes) is read from `AsyncLLM.stats()` at scrape time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
+OUTCOMES = ("stop", "length", "abort", "rejected", "error")
+
+
+def _as_dict(stats: Any) -> dict:
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return dict(stats)
+
+
+class EngineCollector:
+    """Reads the engine's counters when Prometheus scrapes; an engine that cannot answer only sets `engine_dead`."""
+
+    def __init__(self, stats: Callable[[], Any], is_dead: Callable[[], bool], model_name: str):
+        self._stats, self._is_dead, self._model = stats, is_dead, model_name
+
+    def collect(self):
+        label = {"model_name": self._model}
+        dead = GaugeMetricFamily("cpinfer_engine_dead", "1 once a rank died and the engine stopped", labels=["model_name"])
+        is_dead = bool(self._is_dead())
+        dead.add_metric([self._model], 1.0 if is_dead else 0.0)
+        yield dead
+        try:
+            s = _as_dict(self._stats())
+        except Exception:  # noqa: BLE001 - a dead engine must not break the scrape
+            return
+
+        def counter(name, doc, value):
+            fam = CounterMetricFamily(name, doc, labels=list(label))
+            fam.add_metric(list(label.values()), float(value))
+            return fam
+
+        def gauge(name, doc, value):
+            fam = GaugeMetricFamily(name, doc, labels=list(label))
+            fam.add_metric(list(label.values()), float(value))
+            return fam
+
+        yield counter("cpinfer_prompt_tokens", "prompt tokens of admitted requests", s.get("prompt_tokens", 0))
+        yield counter("cpinfer_generation_tokens", "generated tokens", s.get("generation_tokens", 0))
+        yield counter("cpinfer_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                      s.get("prefix_cache_queries", 0))
+        yield counter("cpinfer_prefix_cache_hits", "prompt tokens whose K/V came from the prefix cache",
+                      s.get("prefix_cache_hits", 0))
+        yield counter("cpinfer_preemptions", "requests preempted to free KV blocks", s.get("preemptions", 0))
+        yield gauge("cpinfer_num_requests_running", "requests running in the engine", s.get("num_running", 0))
+        yield gauge("cpinfer_num_requests_waiting", "requests waiting to be scheduled", s.get("num_waiting", 0))
+        kv = GaugeMetricFamily("cpinfer_kv_tokens_used", "KV-cache tokens stored on each CP rank",
+                               labels=["model_name", "cp_rank"])
+        for rank, used in enumerate(s.get("kv_tokens_per_rank", [])):
+            kv.add_metric([self._model, str(rank)], float(used))
+        yield kv
+        yield gauge("cpinfer_kv_capacity_tokens", "KV-cache capacity of each CP rank in tokens",
+                    s.get("kv_capacity_per_rank", 0))
+        fwd = CounterMetricFamily("cpinfer_forwards", "forward passes by phase and ring strategy",
+                                  labels=["model_name", "phase", "strategy"])
+        for key, count in sorted(s.get("forwards", {}).items()):
+            phase, _, strategy = str(key).partition("/")
+            fwd.add_metric([self._model, phase, strategy or "none"], float(count))
+        yield fwd
+        fin = CounterMetricFamily("cpinfer_engine_requests_finished", "requests the engine finished, by reason",
+                                  labels=["model_name", "reason"])
+        for reason, count in sorted(s.get("requests_finished", {}).items()):
+            fin.add_metric([self._model, str(reason)], float(count))
+        yield fin
+
+
+class ServerMetrics:
+    """The collectors of one app: request outcomes and latency histograms, plus the engine's counters."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Any], is_dead: Callable[[], bool]):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.requests = Counter("cpinfer_requests", "HTTP generation requests by outcome (finish reason, "
+                                "rejected = 4xx, error = 5xx)", ["model_name", "endpoint", "outcome"],
+                                registry=self.registry)
+        self.ttft = Histogram("cpinfer_time_to_first_token_seconds", "time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("cpinfer_inter_token_latency_seconds", "time between two output tokens", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("cpinfer_e2e_request_latency_seconds", "request arrival to last token", labels,
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        for endpoint in ("completions", "chat"):
+            for outcome in OUTCOMES:
+                self.requests.labels(model_name, endpoint, outcome)  # export zeros from the start
+        self.registry.register(EngineCollector(stats, is_dead, model_name))
+
+    def outcome(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(self.model_name, endpoint, outcome).inc()
+
+    def latencies(self, ttft_s: float | None, itl_s: list[float], e2e_s: float) -> None:
+        if ttft_s is not None:
+            self.ttft.labels(self.model_name).observe(ttft_s)
+        itl = self.itl.labels(self.model_name)
+        for dt in itl_s:
+            itl.observe(dt)
+        self.e2e.labels(self.model_name).observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,181 @@
+"""Helpers for the server tests: a tiny byte-level tokenizer with a chat template (nothing can be downloaded), a
+`cpinfer serve` subprocess on a free loopback port, and /proc scans for the processes it started.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+SPECIALS = ["<pad>", "<s>", "</s>"]                      # ids 0, 1, 2 = pad / bos / eos of the tiny configs
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+TINY_VOCAB = len(SPECIALS) + 256 + len(CHAT_TOKENS)      # 261: every id decodes to something
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_tokenizer(directory: Path) -> Path:
+    """Save a byte-level BPE without merges (ids 3..258 = the 256 bytes) plus ChatML markers into `directory`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + byte_chars + CHAT_TOKENS)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIALS + CHAT_TOKENS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  chat_template=CHAT_TEMPLATE)
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """True when a new server could listen on the port (as servers do, with SO_REUSEADDR, so the TIME_WAIT
+    entries of closed connections do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return sorted(found)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    """The rank processes of a local server: its children started by multiprocessing's spawn."""
+    ranks = []
+    for pid in descendants(server_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            ranks.append(pid)
+    return ranks
+
+
+class ServerProcess:
+    """`python -m cpinfer serve ...` on 127.0.0.1:<free port>; its output is kept in a temporary file."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None,
+                 start_timeout: float = 180.0):
+        self.port = free_port()
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="cpinfer-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "cpinfer", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_ready(start_timeout)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.kill()
+        raise RuntimeError(f"server not ready after {timeout:.0f}s:\n{self.output()[-4000:]}")
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Send `sig`, wait for the exit; returns the exit code (kills everything left after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """Last resort: SIGKILL the server and every process under it."""
+        for pid in [*descendants(self.proc.pid), self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.stop()
+            except subprocess.TimeoutExpired:
+                pass
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    """Run fn(*args) in a daemon thread; the result (or the exception) lands in the returned list."""
+    box: list = []
+
+    def target():
+        try:
+            box.append(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test to assert on
+            box.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box

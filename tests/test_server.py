@@ -1,0 +1,483 @@
+"""`cpinfer serve` end to end: the real server process on a free 127.0.0.1 port (CP2 on a tiny random Llama with a
+tiny byte-level tokenizer), called with the real `openai` client and with `httpx`; outputs checked against `LLM`
+offline. One server serves most tests; shutdown, a killed rank and torchrun get their own.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from server_utils import (TINY_VOCAB, ServerProcess, descendants, free_port, in_thread, is_alive, port_is_free,
+                          rank_pids, write_tiny_tokenizer)
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(300)
+
+API_KEY = "test-key-123"
+MAX_LEN = 256
+NAME = "tiny"
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# KV room for every test of the module, so nothing is evicted and KV usage read from /metrics is exact
+SERVE_ARGS = ["--cp", "2", "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--threads-per-rank", "1",
+              "--max-kv-tokens-per-rank", "16384", "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(llama_checkpoint, tmp_path_factory):
+    """The tiny GQA checkpoint (vocabulary = the tiny tokenizer's 261 ids) with tokenizer files beside it."""
+    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
+    dst = tmp_path_factory.mktemp("served_model")
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    return write_tiny_tokenizer(dst)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(["--model", str(model_dir), *SERVE_ARGS], api_key=API_KEY)
+    yield srv
+    srv.close()  # normally stopped already by the last test (SIGTERM mid-stream)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """The reference: the same checkpoint through `LLM` offline on one rank."""
+    from cpinfer import LLM
+
+    llm = LLM(str(model_dir), context_parallel_size=1, max_model_len=MAX_LEN, threads_per_rank=1)
+    yield llm
+    llm.shutdown()
+
+
+def _params(**kw):
+    from cpinfer import SamplingParams
+
+    return SamplingParams(**kw)
+
+
+def _one(outputs):
+    """`LLM.chat` of one conversation: its output (a list of one in the code, one output in docs/engine.md)."""
+    return outputs[0] if isinstance(outputs, list) else outputs
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def _metric(values: dict[str, float], prefix: str) -> float:
+    """Sum of every sample whose name-with-labels starts with prefix."""
+    return sum(v for k, v in values.items() if k.startswith(prefix))
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    """POST with stream=true; the decoded `data:` events, checking the stream ends with [DONE]."""
+    events = []
+    with httpx.stream("POST", server.url + path, json=body, headers=server.headers(), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---------------------------------------------------------------------------------------------- basics
+def test_models_health_tokenize_detokenize(server, client, model_dir):
+    from transformers import AutoTokenizer
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert models.data[0].model_extra["max_model_len"] == MAX_LEN
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "context parallel ✓"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text}, headers=server.headers(), timeout=30).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=server.headers(), timeout=30)
+    assert back.json()["prompt"] == text
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}, headers=server.headers(), timeout=30).json()
+    assert r["tokens"] == list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_completion_matches_offline_streaming_and_not(server, client, offline):
+    prompt = "The ring passes keys and values"
+    ref = offline.generate([prompt], _params(max_tokens=8, logprobs=True, **GREEDY))[0]
+    got = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True})
+    choice = got.choices[0]
+    assert choice.text == ref.text and choice.finish_reason == "length"
+    torch.testing.assert_close(torch.tensor(choice.logprobs.token_logprobs), torch.tensor(ref.logprobs),
+                               atol=1e-4, rtol=0)
+    assert got.usage.prompt_tokens == len(ref.prompt_token_ids) and got.usage.completion_tokens == 8
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 8
+    assert got.usage.prompt_tokens_details.cached_tokens >= 0
+    # the same as a stream: deltas concatenate to the same text; usage comes last with include_usage
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # token-id prompts work as well, and the second identical prompt is served from the prefix cache
+    ids = list(ref.prompt_token_ids)
+    again = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == ref.text
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(ids) - 1
+
+
+def test_three_turn_chat_reuses_kv_and_matches_offline(server, client, offline):
+    """Turn k+1 resends turn k's history: its cached_tokens cover that history, and grow turn by turn."""
+    history = [{"role": "system", "content": "You are the three-turn test."}]
+    ref_history = list(history)
+    usages = []
+    for turn, question in enumerate(["Where is the KV cache?", "On every rank?", "And after the turn?"]):
+        history.append({"role": "user", "content": question})
+        ref_history.append({"role": "user", "content": question})
+        ref = _one(offline.chat(ref_history, _params(max_tokens=6, logprobs=True, **GREEDY)))
+        if turn == 1:  # one turn streams, through the openai client
+            chunks = list(client.chat.completions.create(
+                model=NAME, messages=history, max_tokens=6, temperature=0, logprobs=True, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            logprobs = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                        for t in c.choices[0].logprobs.content]
+            usage = chunks[-1].usage
+        else:
+            r = client.chat.completions.create(model=NAME, messages=history, max_completion_tokens=6, temperature=0,
+                                               logprobs=True, extra_body={"ignore_eos": True})
+            text, usage = r.choices[0].message.content, r.usage
+            logprobs = [t.logprob for t in r.choices[0].logprobs.content]
+            assert r.choices[0].message.role == "assistant"
+        assert text == ref.text
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+        assert usage.completion_tokens == 6 and usage.prompt_tokens == len(ref.prompt_token_ids)
+        if turn:  # the previous turn's prompt is reused; offline's engine reuses exactly as much
+            assert usages[-1].prompt_tokens <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+            assert usage.prompt_tokens_details.cached_tokens == ref.num_cached_tokens
+        usages.append(usage)
+        history.append({"role": "assistant", "content": text})
+        ref_history.append({"role": "assistant", "content": ref.text})
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert cached[0] < cached[1] < cached[2], cached
+
+
+def test_sixteen_concurrent_streaming_chats(server, offline):
+    n, max_tokens = 16, 8
+    convs = [[{"role": "user", "content": f"Concurrent chat number {i}: tell me about rank {i % 2}."}]
+             for i in range(n)]
+    refs = offline.chat(convs, _params(max_tokens=max_tokens, **GREEDY))
+
+    async def one(aclient, conv):
+        stream = await aclient.chat.completions.create(model=NAME, messages=conv, max_tokens=max_tokens,
+                                                       temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                       stream_options={"include_usage": True})
+        text, finish, usage = "", None, None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+            usage = c.usage or usage
+        return text, finish, usage
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(aclient, c) for c in convs)), timeout=240)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    for (text, finish, usage), ref in zip(results, refs):
+        assert text == ref.text and finish == "length"
+        assert usage.completion_tokens == max_tokens and usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_sampling_seed_stop_and_top_logprobs(server, client, offline):
+    prompt = "Sampling parameters travel with the request"
+    seeded = [client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, seed=7,
+                                        top_p=0.9, extra_body={"ignore_eos": True, "top_k": 50}).choices[0].text
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    ref = offline.generate([prompt], _params(max_tokens=6, temperature=1.0, seed=7, top_p=0.9, top_k=50,
+                                             ignore_eos=True))[0]
+    assert seeded[0] == ref.text  # seeded sampling is reproducible whatever the CP size
+    # stop token id: the greedy output ends at the first occurrence of its 4th token
+    greedy = offline.generate([prompt], _params(max_tokens=12, **GREEDY))[0]
+    stop_id = greedy.token_ids[3]
+    cut = greedy.token_ids.index(stop_id)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop_id
+    assert r.usage.completion_tokens == cut + 1
+    # stop string: a piece of the greedy text; the output is what comes before it
+    text = greedy.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    assert r.choices[0].text == text[:text.index(stop)]
+    # top_logprobs: k entries per token, the greedy choice is the most likely one
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    for item in r.choices[0].logprobs.content:
+        assert len(item.top_logprobs) == 3
+        torch.testing.assert_close(item.logprob, max(t.logprob for t in item.top_logprobs), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+LONG = "x" * (MAX_LEN + 10)  # one token per byte with the tiny tokenizer
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, TINY_VOCAB + 5]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("/v1/completions", {"prompt": LONG}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "stream": True}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model"),
+]
+
+
+def test_bad_requests_are_400_in_openai_shape_and_do_not_disturb_others(server):
+    before = _metrics(server)
+    # a long stream runs while the bad requests come in; it must finish untouched
+    body = {"model": NAME, "prompt": "a request that must not be disturbed", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    thread, box = in_thread(_sse, server, "/v1/completions", body)
+    for path, bad, param in BAD_REQUESTS:
+        r = httpx.post(server.url + path, json=bad, headers=server.headers(), timeout=30)
+        assert r.status_code == 400, (bad, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+        assert param in (err["param"] or "") and err["message"], (bad, err)
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={**server.headers(), "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": LONG}, headers=server.headers(), timeout=30)
+    msg = r.json()["error"]["message"]
+    assert str(MAX_LEN) in msg and str(len(LONG)) in msg, msg  # over-long prompts name both numbers
+    r = httpx.get(server.url + "/v1/nowhere", headers=server.headers(), timeout=30)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    thread.join(timeout=120)
+    events = box[0]
+    assert not isinstance(events, BaseException), events
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "length"
+    assert sum(1 for e in events for _ in e["choices"][0]["text"] or "x") > 0
+    after = _metrics(server)
+    rejected = 'cpinfer_requests_total{endpoint="completions",model_name="tiny",outcome="rejected"}'
+    assert after[rejected] - before[rejected] >= 12
+
+
+def test_api_key_is_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.get(server.url + "/v1/models", headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers=headers, timeout=30)
+        assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/v1/models", headers=server.headers(), timeout=30).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200  # health and metrics stay open
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+
+
+def test_metrics_report_tokens_kv_forwards_and_latency(server, client):
+    before = _metrics(server)
+    client.completions.create(model=NAME, prompt="metrics please", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    assert _metric(after, "cpinfer_generation_tokens_total") - _metric(before, "cpinfer_generation_tokens_total") >= 5
+    assert _metric(after, "cpinfer_prompt_tokens_total") > _metric(before, "cpinfer_prompt_tokens_total")
+    assert _metric(after, "cpinfer_prefix_cache_hits_total") > 0  # earlier tests re-sent their histories
+    kv = {k: v for k, v in after.items() if k.startswith("cpinfer_kv_tokens_used{")}
+    assert sorted('cp_rank="0"' in k or 'cp_rank="1"' in k for k in kv) == [True, True]
+    assert all(v > 0 for v in kv.values())
+    assert _metric(after, "cpinfer_kv_capacity_tokens") > 0
+    forwards = {k: v for k, v in after.items() if k.startswith("cpinfer_forwards_total{")}
+    assert any('phase="decode"' in k for k in forwards) and any("prefill" in k for k in forwards)
+    assert all('strategy="pass-kv"' in k or 'strategy="pass-q"' in k or 'strategy="single-rank"' in k
+               for k in forwards), forwards
+    for name in ("cpinfer_time_to_first_token_seconds_count", "cpinfer_e2e_request_latency_seconds_count",
+                 "cpinfer_inter_token_latency_seconds_count"):
+        assert _metric(after, name) > _metric(before, name), name
+    for name in ("cpinfer_num_requests_running", "cpinfer_num_requests_waiting", "cpinfer_preemptions_total"):
+        assert _metric(after, name) >= 0 and any(k.startswith(name) for k in after), name
+    assert _metric(after, "cpinfer_engine_dead") == 0
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv(server):
+    def kv_used() -> float:
+        return _metric(_metrics(server), "cpinfer_kv_tokens_used")
+
+    before = kv_used()
+    aborts0 = _metric(_metrics(server), 'cpinfer_requests_total{endpoint="completions",model_name="tiny",outcome="abort"')
+    body = {"model": NAME, "prompt": "a client that leaves early " * 3, "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers(), timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 4:
+                during = kv_used()  # read while still connected: leaving the loop closes the connection
+                break
+    assert during > before  # the request's prompt and first tokens are stored
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if _metric(m, "cpinfer_num_requests_running") == 0 and _metric(m, "cpinfer_kv_tokens_used") == before:
+            break
+        time.sleep(0.2)
+    m = _metrics(server)
+    assert _metric(m, "cpinfer_num_requests_running") == 0
+    assert _metric(m, "cpinfer_kv_tokens_used") == before  # an aborted request's private blocks are freed
+    assert _metric(m, 'cpinfer_requests_total{endpoint="completions",model_name="tiny",outcome="abort"') == aborts0 + 1
+    assert _metric(m, "cpinfer_generation_tokens_total") > 0
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+def test_killed_rank_turns_health_503_and_requests_500(model_dir):
+    srv = ServerProcess(["--model", str(model_dir), *SERVE_ARGS])
+    try:
+        ranks = rank_pids(srv.proc.pid)
+        assert len(ranks) == 2, srv.output()
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "alive", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "after the crash", "max_tokens": 4}, timeout=120)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["message"] and time.monotonic() - t0 < 60
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.url + "/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and "dead" in health.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                 "stream": True}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+        assert _metric(_metrics(srv), "cpinfer_engine_dead") == 1
+        assert srv.stop(signal.SIGINT) in (0, 1)
+        deadline = time.monotonic() + 10
+        while any(is_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(is_alive(p) for p in ranks)
+        assert port_is_free(srv.port)
+    finally:
+        srv.close()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def test_torchrun_two_nodes_serve_cp2(model_dir, offline):
+    """Two torchrun "nodes" of one process each: rank 0 serves HTTP, rank 1 serves the engine (docs/multinode.md)."""
+    http_port, rdzv = free_port(), free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rdzv}", "--rdzv-id", f"serve{rdzv}",
+           "-m", "cpinfer", "serve", "--model", str(model_dir), "--port", str(http_port), *SERVE_ARGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+              for _ in range(2)]
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and all(a.poll() is None for a in agents):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        msgs = [{"role": "user", "content": "Two nodes, one conversation."}]
+        want = _one(offline.chat(msgs, _params(max_tokens=6, logprobs=True, **GREEDY)))
+        got = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120).chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+        assert got.choices[0].message.content == want.text
+        torch.testing.assert_close(torch.tensor([t.logprob for t in got.choices[0].logprobs.content]),
+                                   torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+        workers = [p for a in agents for p in descendants(a.pid) if _environ(p).get("RANK") in ("0", "1")
+                   and "cpinfer" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
+        rank0 = [p for p in workers if _environ(p).get("RANK") == "0"]
+        assert len(rank0) == 1, workers
+        os.kill(rank0[0], signal.SIGTERM)  # stop the server: rank 0 shuts the engine down, rank 1 follows
+        outs = [a.communicate(timeout=90)[0] for a in agents]
+        assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outs)
+        assert not any(is_alive(p) for p in workers) and port_is_free(http_port)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                for p in [*descendants(a.pid), a.pid]:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
+                a.wait(timeout=30)
+
+
+def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
+    """Last test of the module: it stops the module's server (SIGTERM in the middle of a stream)."""
+    ranks = rank_pids(server.proc.pid)
+    assert len(ranks) == 2, server.output()
+    body = {"model": NAME, "prompt": "finish me before you go", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events: list[dict] = []
+
+    def consume():
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers(),
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 2:
+                        server.proc.send_signal(signal.SIGTERM)  # mid-stream
+        return True
+
+    thread, box = in_thread(consume)
+    thread.join(timeout=120)
+    assert box == [True], box
+    assert server.proc.wait(timeout=60) == 0, server.output()[-3000:]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request ran to its end
+    assert sum(len(e["choices"][0]["text"]) for e in events) > 0
+    deadline = time.monotonic() + 10
+    while any(is_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(p) for p in ranks) and descendants(server.proc.pid) == []
+    assert port_is_free(server.port)
+    assert "every rank exited" in server.output()
