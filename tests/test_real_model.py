@@ -87,7 +87,8 @@ def ref():
 def _chat(llm, tok_ids, messages, params):
     """LLM.chat where the engine has it; otherwise the HF tokenizer's template + LLM.generate."""
     if hasattr(llm, "chat"):
-        return llm.chat(messages, params)
+        out = llm.chat(messages, params)
+        return out[0] if isinstance(out, list) else out
     return llm.generate([tok_ids(messages)], params)[0]
 
 
