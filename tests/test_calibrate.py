@@ -81,6 +81,11 @@ def test_heuristic_quality_scores_the_grid(calibrated, tmp_path, capsys):
     assert rules["always pass-KV"]["correct"] + rules["always pass-Q"]["correct"] >= cells  # one is the faster
     bound, alg5 = rules["Alg. 5, best C/BW (in-sample bound)"], rules["Alg. 5 (Eq. 5) [engine default]"]
     assert bound["correct"] >= alg5["correct"]
+    sim = result["simulated"]  # the planner's cost model on the calibrated profile, one prediction per cell
+    assert len(sim) == cells and all(c["pass-kv_s"] > 0 and c["pass-q_s"] > 0 for c in sim)
+    picks = ["pass-kv" if c["pass-kv_s"] <= c["pass-q_s"] else "pass-q" for c in sim]
+    full = [i for i, c in enumerate(result["grid"]) if c["P"] == 0]
+    assert all(picks[i] == "pass-kv" for i in full)  # pass-Q's All2All makes it slower on full prefill
     assert hq.main(args) == 0  # rewriting replaces the section between the markers, nothing else
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nsomeone else's section\n")
@@ -94,6 +99,21 @@ def test_leave_one_out_never_sees_the_scored_cell():
     for i, coeffs in enumerate(loo):
         rest = [(c["T"], c["P"], c["pass-kv_s"], c["pass-q_s"]) for j, c in enumerate(grid) if j != i]
         assert coeffs == pytest.approx(fit_empirical(rest))
+
+
+def test_attention_curve_fit_recovers_l0():
+    rates = [(n, 2.0 * (n / 2) / (n / 2 + 300)) for n in (256, 1024, 4096)]  # A_inf = 2, L0 = 300
+    assert cal.attention_overhead_tokens(rates) == pytest.approx(300, rel=1e-6)
+    assert cal.attention_overhead_tokens([(1024, 1.0), (4096, 0.9)]) == 0.0  # faster on short blocks: no curve
+
+
+def test_profile_uses_the_measured_attention_curve(calibrated):
+    hw = load_hardware_profile(str(calibrated))
+    record, _ = cal.load_calibration(calibrated)
+    causal = [a for a in record["compute"]["attention"] if a["causal"]]
+    assert hw.attn_ref_tokens == max(a["length"] for a in causal) and hw.attn_overhead_tokens >= 0
+    assert "cpinfer calibrate" in hw.sources["attn_overhead_tokens"]
+    assert hw.ring_step_us == pytest.approx(record["ring_step_us"])
 
 
 def test_fit_link_recovers_latency_and_bandwidth():

@@ -7,9 +7,12 @@ from cpinfer.perf.catalog import FIT, HARDWARE
 from cpinfer.perf.statements import BY_KEY, STATEMENTS, evaluate, profile_for
 
 GTT = HARDWARE["h100-gtt"]
-# The model misses these by more than 10%; docs/planning.md says why. They are checked at the error shown there,
-# so a change that makes them worse fails.
-KNOWN_MISSES = {"tp64_vs_cp8": 0.20}
+# The model misses these by more than 10%; docs/planning.md says why ("What the model misses"). They are checked
+# at a bound just above today's error, so a change that makes them worse fails.
+KNOWN_MISSES = {
+    "tp64_vs_cp8": 0.20,       # +18%: would need an inter-node all-reduce faster than the 50 GB/s NIC
+    "single_host_128k": 0.27,  # -25%: §1's "60 s" contradicts §4.2.1's 5.85 s on CP8 with halving per doubling
+}
 
 
 @pytest.mark.parametrize("statement", STATEMENTS, ids=lambda s: s.key)

@@ -3,6 +3,7 @@
 The grid is the (T, P) cells of a `cpinfer calibrate` run (`--profile FILE` with its measurements next to it), or
 measured here. Rules: Alg. 1 and Alg. 5 (paper §3.4, App. C) on the calibrated profile, App. D's h(T, P) fitted
 leave-one-out (never scored on its own cell), and the cost-model simulator; baselines always pass-KV / pass-Q.
+Beside the measured times it prints the simulator's predicted times of each cell on the same calibrated profile.
 """
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ def with_ratio(profile, rho: float):
 
 
 def best_alg5(record: dict, profile, tolerance: float) -> tuple[float, list[str]]:
-    """The C / BW ratio (the profile's, or 1e1 ... 1e7 flop/byte on a log grid) that makes Alg. 5 best on this very grid: an in-sample
-    upper bound on what any calibration of C and BW (the paper's "fine-tune the thresholds") can give Alg. 5."""
+    """The C / BW ratio (the profile's, or 1e1 ... 1e7 flop/byte on a log grid) that makes Alg. 5 best on this
+    very grid: an in-sample upper bound on what any calibration of C and BW (the paper's "fine-tune the
+    thresholds") can give Alg. 5."""
     grid, cfg = record["grid"], record["config"]
     best = (-1, 0.0, [])
     measured = profile.peak_tflops * 1e3 / profile.inter_gbs_peak  # flop/byte of the profile itself
@@ -91,6 +93,26 @@ def rule_picks(record: dict, profile, compare: dict, tolerance: float = 0.02) ->
     return picks
 
 
+def simulated_times(record: dict, profile) -> list[dict]:
+    """Per grid cell, the cost model's time of one ring-attention call for pass-KV and pass-Q on `profile` (the
+    same `ring_attention_layer` that `cpinfer plan` and the "simulator" rule use), beside the measured times."""
+    from cpinfer.perf.costs import AttnShape
+    from cpinfer.perf.ring import RingShape
+    from cpinfer.perf.simulator import STRATEGIES, ring_attention_layer
+
+    cfg = record["config"]
+    shape = AttnShape(cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cal.DTYPES[cfg["dtype"]].itemsize)
+    link = profile.ring_link(cfg["cp"], 1)
+    keys = ("attention", "merge", "sendrecv_exposed", "all2all", "ring_steps")
+    out = []
+    for c in record["grid"]:
+        ring = RingShape(cfg["cp"], c["T"], c["P"])
+        t = {s: sum(ring_attention_layer(profile, shape, ring, 1, s, link)[k] for k in keys) for s in STRATEGIES}
+        out.append({"pass-kv_s": t["pass-kv"], "pass-q_s": t["pass-q"],
+                    "error_kv": t["pass-kv"] / c["pass-kv_s"] - 1, "error_q": t["pass-q"] / c["pass-q_s"] - 1})
+    return out
+
+
 def is_good(cell: dict, strategy: str, tolerance: float) -> bool:
     """The picked strategy's time is within `tolerance` of the faster one's."""
     best = min(cell["pass-kv_s"], cell["pass-q_s"])
@@ -107,7 +129,10 @@ def score(record: dict, profile, tolerance: float = 0.02, compare: dict | None =
                            fraction=sum(good) / len(grid),
                            fraction_partial=sum(good[i] for i in partial) / len(partial) if partial else None,
                            missed=[(grid[i]["T"], grid[i]["P"]) for i, g in enumerate(good) if not g])
-    return dict(tolerance=tolerance, cells=len(grid), partial_cells=len(partial), profile=profile.name, rules=rules)
+    sim = simulated_times(record, profile)
+    errors = sorted(abs(e) for c in sim for e in (c["error_kv"], c["error_q"]))
+    return dict(tolerance=tolerance, cells=len(grid), partial_cells=len(partial), profile=profile.name, rules=rules,
+                simulated=sim, simulated_median_abs_error=errors[len(errors) // 2])
 
 
 # ---------------------------------------------------------------- report
@@ -116,12 +141,14 @@ def format_report(record: dict, result: dict) -> str:
     grid, tol = record["grid"], result["tolerance"]
     rules = result["rules"]
     names = list(rules)
-    head = ["T", "P", "T/(T+P)", "pass-KV s", "pass-Q s", "KV/Q"] + [f"r{i + 1}" for i in range(len(names))]
+    head = ["T", "P", "T/(T+P)", "pass-KV s", "pass-Q s", "KV/Q", "sim KV s", "sim Q s", "sim KV/Q"] + \
+        [f"r{i + 1}" for i in range(len(names))]
     rows = []
-    for i, c in enumerate(grid):
+    for i, (c, m) in enumerate(zip(grid, result["simulated"])):
         marks = [SHORT[r["picks"][i]] + ("" if r["good"][i] else "*") for r in rules.values()]
         rows.append([c["T"], c["P"], f"{c['miss_rate']:.3f}", f"{c['pass-kv_s']:.4f}", f"{c['pass-q_s']:.4f}",
-                     f"{c['pass-kv_s'] / c['pass-q_s']:.3f}"] + marks)
+                     f"{c['pass-kv_s'] / c['pass-q_s']:.3f}", f"{m['pass-kv_s']:.4f}", f"{m['pass-q_s']:.4f}",
+                     f"{m['pass-kv_s'] / m['pass-q_s']:.3f}"] + marks)
     summary = [[f"r{i + 1} {n}", f"{r['correct']}/{r['total']}", f"{r['fraction']:.0%}",
                 "-" if r["fraction_partial"] is None else f"{r['fraction_partial']:.0%}",
                 " ".join(f"({t},{p})" for t, p in r["missed"]) or "-"] for i, (n, r) in enumerate(rules.items())]
@@ -131,7 +158,9 @@ def format_report(record: dict, result: dict) -> str:
         "",
         cal.table(head, rows),
         "(KV / Q: the rule's pick; * = more than "
-        f"{tol:.0%} slower than the faster strategy. Full prefill, P = 0, is pass-KV for every rule.)",
+        f"{tol:.0%} slower than the faster strategy. Full prefill, P = 0, is pass-KV for every rule. sim: the cost "
+        f"model of `cpinfer plan` on this profile, one ring-attention call; median |error| "
+        f"{result['simulated_median_abs_error']:.0%} over all cells and both strategies.)",
         "",
         cal.table(["rule", "good", "all cells", "P > 0", "misclassified (T, P)"], summary, left=(0, 4)),
     ])
@@ -142,7 +171,8 @@ def json_result(record: dict, result: dict) -> dict:
              for n, r in result["rules"].items()}
     grid = [{k: c[k] for k in ("T", "P", "miss_rate", "pass-kv_s", "pass-q_s")} for c in record["grid"]]
     return dict(bench="heuristic", tolerance=result["tolerance"], profile=result["profile"], cp=record["config"]["cp"],
-                created=record["created"], load_average=record.get("load_average"), rules=rules, grid=grid)
+                created=record["created"], load_average=record.get("load_average"), rules=rules, grid=grid,
+                simulated=result["simulated"], simulated_median_abs_error=result["simulated_median_abs_error"])
 
 
 def write_doc_section(path: Path, body: str) -> None:

@@ -124,11 +124,48 @@ def leave_one_out(start: HardwareProfile | None = None) -> list[dict]:
 
 
 def determined_by() -> dict:
-    """For each fitted parameter, the fitted statements whose model value moves by > 1% when it is halved."""
+    """For each fitted parameter, the fitted statements whose model value moves by > 1% when the parameter is
+    halved or set to its prior (whichever moves them more)."""
     every, hw = fitted_statements(), HARDWARE["h100-gtt"]
+    base = {s.key: s.model(profile_for(s, hw)) for s in every}
     out = {}
-    for name in FITTED:
-        doubled = dataclasses.replace(hw, **{name: getattr(hw, name) / 2})
-        out[name] = [s.key for s in every
-                     if abs(s.model(profile_for(s, doubled)) / s.model(profile_for(s, hw)) - 1) > 0.01]
+    for name, (lo, _, prior, _) in FITTED.items():
+        moved = set()
+        for value in (max(lo, getattr(hw, name) / 2), prior):
+            other = dataclasses.replace(hw, **{name: value})
+            moved |= {s.key for s in every if abs(s.model(profile_for(s, other)) / base[s.key] - 1) > 0.01}
+        out[name] = [s.key for s in every if s.key in moved]
     return out
+
+
+def report(loo: bool = True) -> str:
+    """Markdown: the fitted parameters, every statement with model vs paper, and (optionally) leave-one-out."""
+    from cpinfer.perf.statements import evaluate
+
+    hw = HARDWARE["h100-gtt"]
+    values = fit()
+    lines = ["| parameter | catalog | refit now | prior | bounds | moves (fitted statements) |",
+             "|---|---|---|---|---|---|"]
+    moves = determined_by()
+    for name, (lo, hi, prior, why) in FITTED.items():
+        lines.append(f"| `{name}` | {getattr(hw, name):g} | {values[name]:.4g} | {prior:g} ({why}) | {lo:g}-{hi:g} | "
+                     f"{', '.join(moves[name]) or 'none by > 1%'} |")
+    lines += ["", "| statement | source | model | paper | error | fitted | ok |", "|---|---|---|---|---|---|---|"]
+    for r in evaluate(hw):
+        paper = f"{r['paper']:.4g}" if r["kind"] == "value" else "holds"
+        err = f"{100 * r['error']:+.1f}%" if r["error"] is not None else f"margin {r['model']:.3g}"
+        model = f"{r['model']:.4g}" if r["kind"] == "value" else "-"
+        lines.append(f"| `{r['key']}`: {r['quote']} | {r['source']} | {model} | {paper} | {err} | "
+                     f"{'fit' if r['fit'] else ''} | {'yes' if r['passes'] else 'NO'} |")
+    if loo:
+        lines += ["", "| held-out statement | paper | in-sample error | held-out error |", "|---|---|---|---|"]
+        for r in leave_one_out():
+            lines.append(f"| `{r['key']}` | {r['paper']:g} | {100 * r['in_sample']:+.1f}% | "
+                         f"{100 * r['held_out']:+.1f}% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(report(loo="--no-loo" not in sys.argv))

@@ -138,7 +138,7 @@ def _all():
           "1M prefill on one TP8 host: 1200 s", "value", tt(1, M1), 1200.0, fit=True),
         S("single_host_128k", "§1 'it can take 60 seconds to serve 128K context length' (one host)",
           "128K prefill on one TP8 host: ~60 s (conflicts with 5.85 s x 8 halving, see docs/planning.md)",
-          "value", tt(1, K128), 60.0, tol=0.25),
+          "value", tt(1, K128), 60.0),
         S("tp16_vs_cp2", "§4.2.2 'the latency is different by roughly 15% between CP2 and TP16 on 2 nodes'",
           "TTFT(TP16) / TTFT(CP2) = 1.15 at 128K", "value", ratio(tt(1, K128, 16), tt(2, K128)), 1.15, fit=True),
         S("tp64_vs_cp8", "§4.2.2 'the difference drastically increases to 100% when scaled to 8 nodes'",
