@@ -160,3 +160,28 @@ def test_per_item_kernel_lookup_by_name(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="runs whole ring steps"):
         get_backend("triton", CPU)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 120), st.integers(1, 200), st.integers(1, 40))
+def test_item_table_is_exactly_the_full_and_causal_items(seed, lq, lk, rows):
+    """Item mode: each (row, key) pair of a FULL / CAUSAL item is visited once, nothing else is."""
+    from cpinfer.attention.local import CAUSAL, MASK
+    from cpinfer.attention.tiles import item_table
+
+    rng = np.random.default_rng(seed)
+    q_seq, kv_seq = np.sort(rng.integers(0, 3, lq)), np.sort(rng.integers(0, 3, lk))
+    q_pos, kv_pos = np.sort(rng.choice(300, lq, replace=False)), np.sort(rng.choice(300, lk, replace=False))
+    items = [it for it in build_items(q_seq, q_pos, kv_seq, kv_pos) if it.kind != MASK]
+    want = np.zeros((lq, lk), dtype=int)
+    for it in items:
+        block = np.ones((it.q1 - it.q0, it.k1 - it.k0), dtype=bool)
+        want[it.q0:it.q1, it.k0:it.k1] += np.tril(block) if it.kind == CAUSAL else block
+    tab = item_table(items, lq, rows)
+    got = np.zeros((lq, lk), dtype=int)
+    for t in range(tab.num_programs):
+        for r in range(tab.off[t], tab.off[t + 1]):
+            assert tab.row0[t] <= tab.r0[r] < tab.r1[r] <= tab.row1[t]
+            i, j = np.arange(tab.r0[r], tab.r1[r])[:, None], np.arange(tab.k0[r], tab.k1[r])[None, :]
+            got[tab.r0[r]:tab.r1[r], tab.k0[r]:tab.k1[r]] += (j - i) <= tab.diag[r]
+    assert np.array_equal(got, want) and want.max(initial=0) <= 1

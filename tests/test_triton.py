@@ -33,20 +33,23 @@ def _tensors(lq, lk, h, hkv, d, dtype, seed):
     return mk(lq, h, d), mk(lk, hkv, d), mk(lk, hkv, d)
 
 
-def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=torch.float32, seed=0, split=None):
-    """Triton (optionally as two launches over a split of the keys, merged in-kernel) vs the f64 reference."""
+def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=torch.float32, seed=0, split=None,
+           mode="vectors"):
+    """Triton (optionally as two launches over a split of the keys, merged in-kernel) vs the f64 reference.
+
+    mode "vectors": visibility from the metadata vectors in the kernel; "items": from the plan's items alone."""
     q_seq, q_pos, kv_seq, kv_pos = (torch.as_tensor(np.asarray(x), dtype=torch.int64)
                                     for x in (q_seq, q_pos, kv_seq, kv_pos))
     kv_end = None if kv_end is None else torch.as_tensor(np.asarray(kv_end), dtype=torch.int64)
     q, k, v = _tensors(len(q_seq), len(kv_seq), h, hkv, d, dtype, seed)
+    kw = dict(backend="triton", use_vectors=mode == "vectors")
     if split is None:
-        out, lse = attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, backend="triton")
+        out, lse = attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, **kw)
     else:  # a ring step after another: the second launch merges into the first's running (out, lse)
         end = lambda sl: None if kv_end is None else kv_end[sl]  # noqa: E731
         a, b = slice(0, split), slice(split, None)
-        acc = attend_local(q, k[a], v[a], q_seq, q_pos, kv_seq[a], kv_pos[a], kv_seq_end=end(a), backend="triton")
-        out, lse = attend_local(q, k[b], v[b], q_seq, q_pos, kv_seq[b], kv_pos[b], kv_seq_end=end(b),
-                                backend="triton", acc=acc)
+        acc = attend_local(q, k[a], v[a], q_seq, q_pos, kv_seq[a], kv_pos[a], kv_seq_end=end(a), **kw)
+        out, lse = attend_local(q, k[b], v[b], q_seq, q_pos, kv_seq[b], kv_pos[b], kv_seq_end=end(b), acc=acc, **kw)
     ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end)
     out, lse = out.cpu(), lse.cpu()
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
@@ -59,48 +62,53 @@ def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=to
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_full_causal(dtype):
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "vectors"), (torch.bfloat16, "vectors"),
+                                        (torch.float16, "vectors"), (torch.float32, "items")])
+def test_full_causal(dtype, mode):
     n = 45
-    _check([0] * n, range(n), [0] * n, range(n), dtype=dtype)
+    _check([0] * n, range(n), [0] * n, range(n), dtype=dtype, mode=mode)
 
 
-def test_varlen_batch_and_partial_prefill():
+@pytest.mark.parametrize("mode", ["vectors", "items"])
+def test_varlen_batch_and_partial_prefill(mode):
     """Three sequences, one with 20 cached tokens (partial prefill), keys split over two launches."""
     lens, cached = [7, 19, 5], [0, 20, 3]
     q_seq = np.repeat(np.arange(3), lens)
     q_pos = np.concatenate([np.arange(c, c + t) for c, t in zip(cached, lens)])
     kv_seq = np.repeat(np.arange(3), np.add(lens, cached))
     kv_pos = np.concatenate([np.arange(c + t) for c, t in zip(cached, lens)])
-    _check(q_seq, q_pos, kv_seq, kv_pos, split=30)
+    _check(q_seq, q_pos, kv_seq, kv_pos, split=30, mode=mode)
 
 
-@pytest.mark.parametrize("h,hkv", [(4, 4), (6, 3), (6, 2), (8, 2), (9, 3), (8, 1)])  # G = 1, 2, 3, 4, 8
-def test_gqa_ratios_decode(h, hkv):
+@pytest.mark.parametrize("h,hkv,mode", [(4, 4, "vectors"), (6, 3, "vectors"), (6, 2, "vectors"), (8, 2, "vectors"),
+                                         (9, 3, "vectors"), (8, 1, "vectors"), (9, 3, "items")])  # G = 1, 2, 3, 4, 8
+def test_gqa_ratios_decode(h, hkv, mode):
     """Decode: one query per sequence at its last position, against cached keys of every sequence."""
     lens = [3, 40, 17]
     kv_seq = np.repeat(np.arange(3), lens)
     kv_pos = np.concatenate([np.arange(n) for n in lens])
-    _check(np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=24)
+    _check(np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=24, mode=mode)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_random_placement_with_padding_and_empty_rows(dtype):
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "vectors"), (torch.bfloat16, "vectors"),
+                                        (torch.bfloat16, "items")])
+def test_random_placement_with_padding_and_empty_rows(dtype, mode):
     """Shuffled metadata (the tile planner), padding ids, queries that see nothing; D not a power of two."""
     rng = np.random.default_rng(5)
     q_seq, q_pos = rng.integers(-1, 3, 37), rng.integers(0, 30, 37)
     kv_seq, kv_pos = rng.integers(-1, 3, 90), rng.integers(5, 30, 90)
     q_seq[:3], q_pos[3:6] = 7, 0  # no key of sequence 7; positions before every key
-    _check(q_seq, q_pos, kv_seq, kv_pos, d=20, dtype=dtype, split=41)
+    _check(q_seq, q_pos, kv_seq, kv_pos, d=20, dtype=dtype, split=41, mode=mode)
 
 
-def test_shared_prefix_intervals():
+@pytest.mark.parametrize("mode", ["vectors", "items"])
+def test_shared_prefix_intervals(mode):
     """Root 0 shared by leaves 1 and 2 (DFS intervals [0, 3), [1, 2), [2, 3)); queries of both leaves."""
     kv_seq = np.repeat([0, 1, 2], [12, 9, 6])
     kv_end = np.repeat([3, 2, 3], [12, 9, 6])
     kv_pos = np.concatenate([np.arange(12), np.arange(12, 21), np.arange(12, 18)])
     q_seq, q_pos = np.repeat([1, 2], [4, 3]), np.concatenate([np.arange(17, 21), np.arange(15, 18)])
-    _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, dtype=torch.bfloat16)
+    _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, dtype=torch.bfloat16, mode=mode)
 
 
 def test_merge_kernel_matches_merge_partials():

@@ -34,20 +34,23 @@ class StepBackend(abc.ABC):
         [Lq, H] fp32 in place (rows no item touches stay as they are).
 
         vectors: a callable returning the step's metadata (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) as int64
-        arrays in the items' row order, read only by in-kernel backends; cache: a dict that lives as long as the
-        items (one forward) where device tables are kept under `key`, so they are built once, not per layer.
+        arrays in the items' row order, or None; read only by in-kernel backends (Triton without vectors runs in
+        item mode: each FULL / CAUSAL item's rectangle is exact, MASK tiles go through `math`). cache: a dict that
+        lives as long as the items (one forward) where device tables are kept under `key`, built once, not per layer.
         """
 
     def prepare(self, steps, vectors, device, g: int, cache: dict) -> None:
         """Build every step's device tables before the ring starts (no host work inside ring steps)."""
 
     def attend(self, plan, j: int, q, k, v, acc_out, acc_lse, scale: float) -> None:
-        """Step j of a plan (`plan.steps[j]`, `plan.step_vectors(j)`); tables cached on the plan object."""
-        self.attend_items(plan.steps[j], lambda: plan.step_vectors(j), q, k, v, acc_out, acc_lse, scale,
-                          device_cache(plan), j)
+        """Step j of a plan (`plan.steps[j]`, `plan.step_vectors(j)` if it has one); tables cached on the plan."""
+        sv = getattr(plan, "step_vectors", None)
+        vectors = None if sv is None else (lambda: sv(j))
+        self.attend_items(plan.steps[j], vectors, q, k, v, acc_out, acc_lse, scale, device_cache(plan), j)
 
     def prepare_plan(self, plan, q, k) -> None:
-        self.prepare(plan.steps, plan.step_vectors, q.device, q.shape[1] // k.shape[1], device_cache(plan))
+        vectors = getattr(plan, "step_vectors", None)
+        self.prepare(plan.steps, vectors, q.device, q.shape[1] // k.shape[1], device_cache(plan))
 
     def merge(self, outs, lses, out_dtype):
         """outs [S, L, H, D], lses [S, L, H] → (out [L, H, D] in out_dtype, lse [L, H] fp32)."""
@@ -87,17 +90,20 @@ class TritonBackend(StepBackend):
 
     def _tables(self, items, vectors, device, g, cache, key):
         block_m = self._kernels.block_m_for(g, self.block_m)
-        tables = _cached(cache, ("triton", key, str(device), block_m // g),
-                         lambda: step_tables(items, vectors(), device, block_m // g))
+        tables = _cached(cache, ("triton", key, str(device), block_m // g, vectors is None),
+                         lambda: step_tables(items, None if vectors is None else vectors(), device, block_m // g))
         return block_m, tables
 
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
-        block_m, (vec, table) = self._tables(items, vectors, q.device, q.shape[1] // k.shape[1], cache, key)
+        block_m, (vec, table, masked) = self._tables(items, vectors, q.device, q.shape[1] // k.shape[1], cache,
+                                                     key)
         self._kernels.launch_step(q, k, v, acc_out, acc_lse, vec, table, scale, block_m, self.block_n)
+        if masked:  # item mode: irregular MASK tiles through the portable kernel, merged (never stored)
+            run_items(masked, q, k, v, acc_out, acc_lse, scale, sdpa_math_backend)
 
     def prepare(self, steps, vectors, device, g, cache):
         for j, items in enumerate(steps):
-            self._tables(items, lambda j=j: vectors(j), device, g, cache, j)
+            self._tables(items, None if vectors is None else (lambda j=j: vectors(j)), device, g, cache, j)
 
     def merge(self, outs, lses, out_dtype):
         from cpinfer.attention.triton_merge import triton_merge
@@ -216,25 +222,36 @@ def device_send_index(plan, device) -> torch.Tensor:
 
 
 def step_tables(items, vectors, device, rows_per_prog: int):
-    """(vectors, table) as int64 device tensors for the Triton kernel: vectors = (q_seq, q_pos, kv_seq,
-    kv_seq_end, kv_pos); table = (row0, row1, off, k_lo, k_hi) of `tiles.tile_table(items, Lq, rows_per_prog)`."""
-    from cpinfer.attention.tiles import tile_table
+    """Device inputs of the Triton kernel for one step: (vectors, table, masked).
 
-    tab = tile_table(items, len(vectors[0]), rows_per_prog)
-    host = [np.asarray(x, dtype=np.int64) for x in vectors] + [tab.row0, tab.row1, tab.off, tab.k0, tab.k1]
-    dev = [torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in host]
-    return tuple(dev[:5]), tuple(dev[5:])
+    With vectors (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos): the union `tile_table`, every item in-kernel.
+    Without (item mode): `item_table` of the FULL / CAUSAL items, and the MASK items (masks on the device,
+    `first` cleared so they merge) returned as `masked` for the portable kernel.
+    """
+    from cpinfer.attention.local import MASK
+    from cpinfer.attention.tiles import item_table, tile_table
+
+    masked = []
+    if vectors is not None:
+        tab = tile_table(items, len(vectors[0]), rows_per_prog)
+        vec = tuple(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device) for x in vectors)
+    else:
+        n_rows = max((it.q1 for it in items), default=0)
+        tab = item_table([it for it in items if it.kind != MASK], n_rows, rows_per_prog)
+        masked = _items_on([AttnItem(it.q0, it.q1, it.k0, it.k1, it.kind, it.mask)
+                            for it in items if it.kind == MASK], device)
+        vec = None
+    host = [tab.row0, tab.row1, tab.off, tab.k0, tab.k1, tab.r0, tab.r1, tab.diag]
+    table = tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in host)
+    return vec, table, masked
 
 
 class _OneStep:
-    """A one-step plan (local attention): the items and vectors a backend reads."""
+    """A one-step plan (local attention): the items and, unless None, the vectors a backend reads."""
 
     def __init__(self, items, vectors):
         self.steps = [items]
-        self._vectors = vectors
-
-    def step_vectors(self, j: int):
-        return self._vectors
+        self.step_vectors = None if vectors is None else (lambda j: vectors)
 
 
 class LocalAttention:
@@ -245,14 +262,15 @@ class LocalAttention:
     """
 
     def __init__(self, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, backend="auto", device="cpu",
-                 scale=None):
+                 scale=None, use_vectors: bool = True):
         from cpinfer.attention.local import _np, build_items, seq_end_or_default
 
         qs, qp, ks, kp = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
         ke = seq_end_or_default(ks, kv_seq_end)
         items = build_items(qs, qp, ks, kp, ke)
-        self._fresh = _OneStep(items, (qs, qp, ks, ke, kp))  # rows without a partial yet may be overwritten
-        self._merge = _OneStep(mark_first(items, len(qs), np.ones(len(qs), dtype=bool)), (qs, qp, ks, ke, kp))
+        vectors = (qs, qp, ks, ke, kp) if use_vectors else None  # without: in-kernel backends use item mode
+        self._fresh = _OneStep(items, vectors)  # rows without a partial yet may be overwritten
+        self._merge = _OneStep(mark_first(items, len(qs), np.ones(len(qs), dtype=bool)), vectors)
         self.backend = get_step_backend(backend, device)
         self.scale = scale
 
@@ -267,8 +285,8 @@ class LocalAttention:
 
 
 def attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, scale=None, backend="auto",
-                 acc=None):
+                 acc=None, use_vectors=True):
     """One-shot `LocalAttention`: q [Lq, H, D] against k/v [Lk, Hkv, D] → (out fp32, lse fp32), merged into acc."""
     step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end, backend=backend, device=q.device,
-                          scale=scale)
+                          scale=scale, use_vectors=use_vectors)
     return step(q, k, v, acc)

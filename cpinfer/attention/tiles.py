@@ -1,10 +1,12 @@
 """Tile tables: a ring step's kernel calls (`AttnItem`s) regrouped for a kernel that owns its query rows.
 
-A one-launch kernel (Triton) gives program t the query rows [row0[t], row1[t]) and the union of the key ranges
-that any item of the step pairs with those rows, as disjoint ranges k0/k1[off[t]:off[t+1]]. Visibility is then
-decided inside the kernel from the metadata vectors, so a key range may hold invisible keys but never misses a
-visible one, and blocks no item touches (invisible tiles) are never visited. Pure numpy: built on the host once
-per forward (per step and query-row blocking), copied to the device once.
+A one-launch kernel (Triton) gives program t the query rows [row0[t], row1[t]) and key ranges
+k0/k1[off[t]:off[t+1]], each for rows [r0, r1) and keys with key - row <= diag. `tile_table` (vector mode) gives
+the disjoint union of the key ranges any item pairs with the block's rows: visibility is then decided inside the
+kernel from the metadata vectors, so a range may hold invisible keys but never misses a visible one.
+`item_table` (item mode, no vectors) keeps each FULL / CAUSAL item's own rectangle and diagonal, which is exact
+by itself. Either way blocks no item touches (invisible tiles) are never visited. Pure numpy: built on the host
+once per forward (per step and query-row blocking), copied to the device once.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from cpinfer.attention.local import CAUSAL, FULL
+from cpinfer.attention.local import CAUSAL, FULL, MASK
+
+NO_DIAG = 2 ** 62  # diag of a range without a causal edge: every key - row is below it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,9 @@ class TileTable:
     off: np.ndarray  # [T + 1] int64: program t visits key ranges off[t] .. off[t+1]-1
     k0: np.ndarray  # [R] int64 key range starts
     k1: np.ndarray  # [R] int64 key range ends (exclusive)
+    r0: np.ndarray  # [R] int64 the range applies to rows [r0, r1) of its program
+    r1: np.ndarray
+    diag: np.ndarray  # [R] int64 key j is in the range for row i only if j - i <= diag (causal squares)
 
     @property
     def num_programs(self) -> int:
@@ -73,5 +80,35 @@ def tile_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
     off = np.append(first_piece, len(piece_blk)).astype(np.int64)
     row0 = blocks * rows_per_prog
     row1 = np.minimum(row0 + rows_per_prog, n_rows)
-    return TileTable(rows_per_prog, row0.astype(np.int64), row1.astype(np.int64), off,
-                     piece_lo.astype(np.int64), piece_hi.astype(np.int64))
+    row0, row1 = row0.astype(np.int64), row1.astype(np.int64)
+    per_prog = np.diff(off)
+    return TileTable(rows_per_prog, row0, row1, off, piece_lo.astype(np.int64), piece_hi.astype(np.int64),
+                     np.repeat(row0, per_prog), np.repeat(row1, per_prog), np.full(len(piece_lo), NO_DIAG, np.int64))
+
+
+def item_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
+    """Item mode: every FULL / CAUSAL item cut into row blocks, keeping its rows and causal diagonal (exact
+    without metadata vectors). Items are disjoint rectangles, so no (row, key) pair is visited twice."""
+    if any(getattr(it, "kind", FULL) == MASK for it in items):
+        raise ValueError("item_table takes FULL and CAUSAL items only; run MASK tiles another way")
+    q0, q1, k0, k1 = (np.fromiter((getattr(it, f) for it in items), dtype=np.int64, count=len(items))
+                      for f in ("q0", "q1", "k0", "k1"))
+    causal = np.fromiter((getattr(it, "kind", FULL) == CAUSAL for it in items), dtype=bool, count=len(items))
+    keep = (q1 > q0) & (k1 > k0)
+    q0, q1, k0, k1, causal = q0[keep], q1[keep], k0[keep], k1[keep], causal[keep]
+    b_first, b_last = q0 // rows_per_prog, (q1 - 1) // rows_per_prog
+    count = b_last - b_first + 1
+    which = np.repeat(np.arange(len(q0)), count)
+    blk = np.repeat(b_first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+    r0 = np.maximum(q0[which], blk * rows_per_prog)
+    r1 = np.minimum(q1[which], (blk + 1) * rows_per_prog)
+    lo, hi = k0[which], k1[which]
+    hi = np.where(causal[which], np.minimum(hi, lo + r1 - q0[which]), hi)  # cut at the block's last row
+    diag = np.where(causal[which], k0[which] - q0[which], NO_DIAG)  # top-left: key - k0 <= row - q0
+    order = np.argsort(blk, kind="stable")
+    blk, r0, r1, lo, hi, diag = blk[order], r0[order], r1[order], lo[order], hi[order], diag[order]
+    blocks, first = np.unique(blk, return_index=True)
+    off = np.append(first, len(blk)).astype(np.int64)
+    row0 = (blocks * rows_per_prog).astype(np.int64)
+    row1 = np.minimum(row0 + rows_per_prog, n_rows).astype(np.int64)
+    return TileTable(rows_per_prog, row0, row1, off, lo, hi, r0, r1, diag.astype(np.int64))

@@ -18,10 +18,10 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OFF, KLO, KHI,
+def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OFF, KLO, KHI, RLO, RHI, DIAG,
                  sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sl0, sl1, qk_scale,
                  D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_VECTORS: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     row0 = tl.load(ROW0 + t)
@@ -36,27 +36,32 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:  # the interpreter's dot reads bf16 as raw integers; bf16 products are exact in fp32 anyway
         q = q.to(tl.float32)
-    qs = tl.load(QSEQ + row, mask=m_ok, other=-1)
-    qp = tl.load(QPOS + row, mask=m_ok, other=-1)
+    if USE_VECTORS:
+        qs = tl.load(QSEQ + row, mask=m_ok, other=-1)
+        qp = tl.load(QPOS + row, mask=m_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of log2-scaled scores
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for r in range(tl.load(OFF + t), tl.load(OFF + t + 1)):
         k_lo = tl.load(KLO + r)
         k_hi = tl.load(KHI + r)
+        r_ok = m_ok & (row >= tl.load(RLO + r)) & (row < tl.load(RHI + r))  # rows this range is for
+        diag = tl.load(DIAG + r)
         for kb in range(k_lo, k_hi, BLOCK_N):
             n = kb + tl.arange(0, BLOCK_N)
             n_ok = n < k_hi
-            ks = tl.load(KSEQ + n, mask=n_ok, other=0)
-            ke = tl.load(KEND + n, mask=n_ok, other=0)
-            kp = tl.load(KPOS + n, mask=n_ok, other=0)
             kt = tl.load(K + n[None, :] * sk0 + kvh * sk1 + d[:, None],
                          mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
             if UPCAST:
                 kt = kt.to(tl.float32)
             s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-            vis = (n_ok[None, :] & (qs[:, None] >= 0) & (ks[None, :] >= 0) & (ks[None, :] <= qs[:, None])
-                   & (qs[:, None] < ke[None, :]) & (kp[None, :] <= qp[:, None]))
+            vis = n_ok[None, :] & r_ok[:, None] & ((n[None, :] - row[:, None]) <= diag)
+            if USE_VECTORS:
+                ks = tl.load(KSEQ + n, mask=n_ok, other=0)
+                ke = tl.load(KEND + n, mask=n_ok, other=0)
+                kp = tl.load(KPOS + n, mask=n_ok, other=0)
+                vis = (vis & (qs[:, None] >= 0) & (ks[None, :] >= 0) & (ks[None, :] <= qs[:, None])
+                       & (qs[:, None] < ke[None, :]) & (kp[None, :] <= qp[:, None]))
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays empty
@@ -96,26 +101,30 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
                 num_warps: int = 4) -> None:
     """Accumulate q [Lq, H, D] against k/v [Lk, Hkv, D] into acc_out [Lq, H, D] fp32 / acc_lse [Lq, H] fp32.
 
-    vectors: (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) int64 device tensors; table: the step's device tile table
-    (row0, row1, off, k_lo, k_hi) built for rows_per_prog = block_m // G. Strided acc views are fine (last dim 1).
+    vectors: (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) int64 device tensors, or None in item mode (the table
+    alone is exact); table: the step's device tile table (row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag) built for
+    rows_per_prog = block_m // G. Strided acc views are fine (last dim contiguous). Always merges: acc must hold a
+    valid partial (zeros / -inf where empty).
     """
     rows, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    row0, row1, off, k_lo, k_hi = table
+    row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag = table
     if row0.numel() == 0 or rows == 0:
         return
     for name, x in (("q", q), ("k", k), ("v", v), ("acc_out", acc_out)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
-    q_seq, q_pos, kv_seq, kv_end, kv_pos = vectors
+    use_vectors = vectors is not None
+    q_seq, q_pos, kv_seq, kv_end, kv_pos = vectors if use_vectors else (row0,) * 5  # unread in item mode
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 only; 16-bit dots are exact
     _step_kernel[(row0.numel(), hkv)](
-        q, k, v, acc_out, acc_lse, q_seq, q_pos, kv_seq, kv_end, kv_pos, row0, row1, off, k_lo, k_hi,
+        q, k, v, acc_out, acc_lse, q_seq, q_pos, kv_seq, kv_end, kv_pos, row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         acc_out.stride(0), acc_out.stride(1), acc_lse.stride(0), acc_lse.stride(1), scale * _LOG2E,
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        PRECISION=precision, UPCAST=interpreting() and q.dtype == torch.bfloat16, num_warps=num_warps)
+        PRECISION=precision, UPCAST=interpreting() and q.dtype == torch.bfloat16, USE_VECTORS=use_vectors,
+        num_warps=num_warps)
 
 
 def interpreting() -> bool:
