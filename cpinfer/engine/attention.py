@@ -21,6 +21,9 @@ from cpinfer.attention.merge import merge_partials
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
 
+_FEW_Q_MAX_ROWS = 64  # query rows x heads per KV head at most, for the decode path
+_FEW_Q_MIN_KEYS = 1024  # below this the flash kernel is as fast
+
 
 def _merge_runs(runs: np.ndarray) -> np.ndarray:
     """[R, 2] slot runs → the same keys with touching runs joined."""
@@ -32,6 +35,31 @@ def _merge_runs(runs: np.ndarray) -> np.ndarray:
     first = np.nonzero(opens)[0]
     last = np.append(first[1:] - 1, len(runs) - 1)
     return np.stack((runs[first, 0], runs[last, 1]), axis=1)
+
+
+def _few_queries_full(q, k, v, scale: float):
+    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
+    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
+    lq, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
+    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
+    p = torch.exp_(s.sub_(lse[..., None]))
+    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, D]
+    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, h, d).to(q.dtype)
+    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
+
+
+def _decode_aware(backend):
+    """The CPU backend, with FULL blocks of few queries and many keys (decode) sent to `_few_queries_full`."""
+    def run(q, k, v, causal, mask, scale):
+        if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
+                and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
+            return _few_queries_full(q, k, v, scale)
+        return backend(q, k, v, causal, mask, scale)
+    return run
 
 
 def _shift(items: list[AttnItem], dq: int, dk: int) -> list[AttnItem]:
@@ -52,6 +80,8 @@ class BatchAttention:
         self.rank, self.world, self.group = rank, world, group
         self.strategy = batch.strategy
         self.backend = get_backend(backend, device)
+        if backend is None and device.type == "cpu":
+            self.backend = _decode_aware(self.backend)
         seqs = batch.seqs
         self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
         counts = np.asarray([[len(x) for x in row] for row in self.idx], dtype=np.int64).reshape(world, len(seqs))

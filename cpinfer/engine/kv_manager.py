@@ -87,6 +87,7 @@ class Node:
         self.owner = owner  # the running request that appends to this (leaf) node
         self.last_access = time.monotonic()
         self.tail = [(-1, BLOCK)] * num_ranks  # per rank: (last block, slots used in it) for appending
+        self.tail_held = [False] * num_ranks  # per rank: this node holds tokens in its tail block (counted in ref)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -231,6 +232,9 @@ class KVManager:
         node.tokens, node.rank, node.slot = (GrowArray(a) for a in rest)
         node.count = node.count - p.count
         node.pos0 += m
+        for r in range(self.n):  # the tail block may now hold only P's tokens: the next append must count it
+            block = node.tail[r][0]
+            node.tail_held[r] = bool(np.any(node.slot.view[node.rank.view == r] // BLOCK == block))
         pv.children[pv.children.index(node)] = p
         p.children.append(node)
         node.parent = p
@@ -287,9 +291,13 @@ class KVManager:
     def _alloc_slots(self, leaf: Node, r: int, k: int) -> np.ndarray:
         out = []
         block, used = leaf.tail[r]
+        if used < BLOCK and not leaf.tail_held[r]:  # appending into a block another segment holds tokens in
+            self.ranks[r].incref(np.asarray([block]))
+            leaf.tail_held[r] = True
         while k > 0:
             if used == BLOCK:
                 block, used = self.ranks[r].alloc(prefer=block + 1 if block >= 0 else -1), 0
+                leaf.tail_held[r] = True
             take = min(k, BLOCK - used)
             out.append(np.arange(block * BLOCK + used, block * BLOCK + used + take, dtype=np.int64))
             used += take

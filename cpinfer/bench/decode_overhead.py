@@ -1,0 +1,92 @@
+"""Per-token decode time at short and medium contexts: cpinfer CP1 and CP-N vs Hugging Face `generate` on the same
+cores in the same run (`cpinfer bench decode-overhead`).
+
+At these contexts attention is cheap, so the step time is the engine's host overhead: scheduling, the driver ↔ rank
+messages, per-layer planning and the ring collectives. Batch 1, greedy; CP1 and HF use all cores, CP-N one N-th each.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from cpinfer.bench import common as C
+
+
+def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, threads: int) -> float:
+    from cpinfer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=threads,
+             max_kv_tokens_per_rank=C.kv_capacity(context + steps + 64)) as llm:
+        llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
+    return statistics.median(out.metrics["ttit_s"][1:])  # the first step after the prefill is a warm-up
+
+
+def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int, repeat: int = 3) -> float:
+    """(time of generate(1 + steps new tokens) - time of generate(1 new token)) / steps, median of `repeat`."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([C.random_prompt(context, vocab, seed=0)])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        return time.perf_counter() - t0
+
+    timed(4)  # warm-up
+    return statistics.median((timed(steps + 1) - timed(1)) / steps for _ in range(repeat))
+
+
+def measure(args) -> dict:
+    cfg = C.model_config(args, max(args.context) + args.steps + 1024)
+    model_dir = C.random_model("bench-decode-model", **cfg)
+    cores = os.cpu_count() or 1
+    rows = {}
+    for ctx in args.context:
+        hf = hf_ttit(model_dir, ctx, args.steps, args.vocab, cores)
+        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, max(1, cores // n))
+                  for n in args.cp}
+        rows[str(ctx)] = {"hf_s": hf, "cp_s": per_cp}
+    return {"bench": "decode-overhead", "command": command_line(args), "model": C.shape_text(cfg),
+            "steps": args.steps, "cores": cores, "rows": rows}
+
+
+def format_report(res: dict) -> str:
+    cps = list(next(iter(res["rows"].values()))["cp_s"])
+    head = ["context", "HF generate (ms)"] + [f"CP{n} (ms)" for n in cps] + [f"CP{n} / HF" for n in cps[:1]]
+    head += [f"CP{n} / CP{cps[0]}" for n in cps[1:]]
+    rows = []
+    for ctx, r in res["rows"].items():
+        base = r["cp_s"][cps[0]]
+        rows.append([ctx, f"{1000 * r['hf_s']:.2f}"] + [f"{1000 * r['cp_s'][n]:.2f}" for n in cps]
+                    + [f"{base / r['hf_s']:.2f}"] + [f"{r['cp_s'][n] / base:.2f}" for n in cps[1:]])
+    return "\n".join([f"Per-token decode time, batch 1, greedy, {res['model']}; median over {res['steps']} steps; "
+                      f"HF and CP1 on {res['cores']} threads, CP-N on {res['cores']}/N threads per rank:", "",
+                      C.fmt_table(head, rows)])
+
+
+def command_line(args) -> str:
+    return (f"cpinfer bench decode-overhead --cp {','.join(map(str, args.cp))} "
+            f"--context {','.join(map(str, args.context))} --steps {args.steps}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cp", type=C.cp_sizes, default=[1, 2], metavar="N,N", help="CP sizes (default: 1,2)")
+    parser.add_argument("--context", type=C.cp_sizes, default=[200, 4000], metavar="T,T",
+                        help="cached tokens before decoding (default: 200,4000)")
+    parser.add_argument("--steps", type=C.positive_int, default=32, help="decode steps timed (default: 32)")
+    C.add_model_arguments(parser, hidden=256, layers=4, heads=8, kv_heads=2, ffn=768, vocab=1024)
+    C.add_common_arguments(parser)
+
+
+def run(args) -> int:
+    return C.run_measured(args, measure, format_report, "decode-overhead",
+                          "Engine decode overhead vs Hugging Face generate")

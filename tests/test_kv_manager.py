@@ -1,0 +1,158 @@
+"""The scheduler and the KV manager without ranks: a fake forward (sampled tokens are random) drives random
+add / step / finish / abort / evict / preempt sequences; after every step the cache is recounted from the tree."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpinfer.engine.kv_manager import BLOCK, KVManager, chunk_ranks
+from cpinfer.engine.request import Request, RequestStatus
+from cpinfer.engine.sampling import SamplingParams
+from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
+
+
+class FakeEngine:
+    """The driver's bookkeeping of LLMEngine.step with the forward replaced by random tokens."""
+
+    def __init__(self, n, capacity, budget, seed, max_num_seqs=8):
+        self.kv = KVManager(n, capacity)
+        self.sched = Scheduler(self.kv, SchedulerConfig(budget, max_num_seqs))
+        self.rng = np.random.default_rng(seed)
+        self.live: dict[str, Request] = {}
+        self.ids = 0
+
+    def add(self, prompt, max_tokens):
+        rid = f"r{self.ids}"
+        self.ids += 1
+        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), seed=0)
+        self.live[rid] = req
+        self.sched.add(req)
+        return req
+
+    def step(self):
+        scheduled = self.sched.schedule()
+        for s in scheduled:  # what the ranks are told: every slot distinct, on the right rank, runs cover the path
+            assert len(np.unique(s.placement.ranks * 10**9 + s.placement.slots)) == len(s.tokens)
+            assert s.start + len(s.tokens) == s.request.num_stored
+            assert sum(int(np.sum(r[:, 1] - r[:, 0])) for r in s.ctx_runs) == s.start
+        for s in scheduled:
+            req = s.request
+            if s.sample:
+                req.out.append(int(self.rng.integers(3, 50)))
+                if len(req.out) >= req.params.max_tokens:
+                    self.sched.finish(req, keep_cache=True)
+                    del self.live[req.request_id]
+        return scheduled
+
+    def abort(self, req):
+        self.sched.finish(req, keep_cache=False)
+        del self.live[req.request_id]
+
+    def check(self):
+        self.kv.check_invariants()
+        running = [r for r in self.live.values() if r.status is RequestStatus.RUNNING]
+        refs = {}
+        for r in running:  # ref counts = running requests whose path holds the node; their keys are all still there
+            node, path_slots = r.kv.leaf, []
+            while node is not self.kv.root:
+                refs[node.id] = refs.get(node.id, 0) + 1
+                path_slots.append(node.rank.view * 10**9 + node.slot.view)
+                node = node.parent
+            flat = np.sort(np.concatenate(path_slots)) if path_slots else np.zeros(0, dtype=np.int64)
+            runs = np.sort(np.concatenate([rank * 10**9 + np.concatenate([np.arange(a, e) for a, e in rr] or [[]])
+                                           for rank, rr in enumerate(r.kv.runs)]).astype(np.int64))
+            np.testing.assert_array_equal(flat, runs)
+            assert len(flat) == r.num_stored
+        for nid, node in self.kv.nodes.items():
+            assert node.ref == refs.get(nid, 0), (nid, node.ref, refs.get(nid, 0))
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "add_shared", "step", "step", "step", "abort"]),
+                         st.integers(0, 10**6)), min_size=5, max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, n=st.integers(1, 4), budget=st.sampled_from([None, 7, 40]), seed=st.integers(0, 1000))
+def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed):
+    eng = FakeEngine(n, capacity=6 * BLOCK, budget=budget, seed=seed)
+    doc = list(range(3, 3 + 150))
+    for op, x in ops:
+        if op == "add":
+            eng.add(np.random.default_rng(x).integers(3, 60, 1 + x % 120).tolist(), 1 + x % 30)
+        elif op == "add_shared":  # a question on the shared document, or a branch off its middle
+            cut = len(doc) if x % 2 else x % len(doc) + 1
+            eng.add(doc[:cut] + [60 + x % 7] * (1 + x % 5), 1 + x % 20)
+        elif op == "abort" and eng.live:
+            eng.abort(list(eng.live.values())[x % len(eng.live)])
+        else:
+            eng.step()
+        eng.check()
+    for _ in range(2000):  # everything left finishes: nothing stalls, and then no block is referenced
+        if not eng.live:
+            break
+        assert eng.step(), "scheduler stalled with work left"
+        eng.check()
+    assert not eng.live
+    assert all(node.ref == 0 for node in eng.kv.nodes.values())
+    used = np.asarray(eng.kv.tokens_per_rank())
+    assert used.max() - used.min() <= BLOCK, used  # balanced over the ranks within one block
+
+
+def test_shared_prefix_stored_once_and_split_relabels_only():
+    kv = KVManager(2, 16 * BLOCK)
+    eng = FakeEngine(2, 16 * BLOCK, None, 0)
+    eng.kv = kv
+    eng.sched.kv = kv
+    doc = list(range(3, 203))
+    a = eng.add(doc + [1, 2], 3)
+    b = eng.add(doc + [9, 9, 9], 3)  # arrives with a: matches a's tokens placed in the same step
+    first = eng.step()
+    assert [len(s.tokens) for s in first] == [202, 3] and b.num_cached == 200
+    slots_of_doc = sorted(zip(a.kv.leaf.parent.rank.view.tolist(), a.kv.leaf.parent.slot.view.tolist()))
+    c = eng.add(doc[:100] + [7], 2)  # splits the shared segment at 100: no slot changes
+    eng.step()
+    parent = a.kv.leaf.parent
+    after = sorted(zip(parent.parent.rank.view.tolist() + parent.rank.view.tolist(),
+                       parent.parent.slot.view.tolist() + parent.slot.view.tolist()))
+    assert after == slots_of_doc and c.num_cached == 100
+    assert sum(kv.tokens_per_rank()) == 202 + 3 + 1 + 2 * 1  # doc once, three suffixes, fed decode tokens
+    eng.check()
+
+
+def test_preemption_frees_the_newest_and_it_resumes():
+    eng = FakeEngine(2, 4 * BLOCK, None, 1)  # 256 slots per rank
+    old = eng.add(list(range(3, 203)), 100)
+    new = eng.add(list(range(5, 205)), 100)
+    for _ in range(400):
+        if not eng.live:
+            break
+        eng.step()
+        eng.check()
+    assert eng.sched.num_preemptions >= 1 and new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert len(old.out) == 100 and len(new.out) == 100
+
+
+def test_a_request_that_can_never_fit_is_reported():
+    kv = KVManager(2, 4 * BLOCK)
+    assert kv.blocks_for_request(4 * BLOCK * 2) > kv.num_blocks  # 512 tokens over 2 ranks of 256 slots
+
+
+@pytest.mark.parametrize("t, n", [(1, 1), (7, 2), (64, 2), (1000, 3), (5, 4)])
+def test_chunk_ranks_is_2n_balanced(t, n):
+    ranks = chunk_ranks(t, n, list(range(n)))
+    counts = np.bincount(ranks, minlength=n)
+    assert counts.sum() == t and counts.max() - counts.min() <= max(1, 2 * n)
+    size = -(-t // (2 * n))  # chunk k and 2N-1-k share a rank
+    for k in range(2 * n):
+        part = ranks[k * size:(k + 1) * size]
+        assert len(set(part.tolist())) <= 1
+        mirror = ranks[(2 * n - 1 - k) * size:(2 * n - k) * size]
+        if len(part) and len(mirror):
+            assert part[0] == mirror[0]
+
+
+def test_bad_manager_arguments():
+    with pytest.raises(ValueError, match="at least 64"):
+        KVManager(2, 10)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(0)
