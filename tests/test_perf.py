@@ -16,7 +16,8 @@ from cpinfer.perf.costs import AttnShape
 from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
 from cpinfer.perf.models import MODELS, WEIGHT_FORMATS, load_model_spec
 from cpinfer.perf.ring import RingShape
-from cpinfer.perf.simulator import Deployment, memory_per_gpu, simulate_decode, simulate_prefill
+from cpinfer.perf.simulator import (Deployment, memory_per_gpu, ring_attention_layer, simulate_decode,
+                                    simulate_prefill)
 from cpinfer.perf.statements import K128, M1
 
 GTT = HARDWARE["h100-gtt"]
@@ -66,10 +67,20 @@ def test_prefill_breakdown_sums_and_full_prefill_hides_sendrecv_at_128k_cp8():
     assert est.detail["step_sendrecv_us"] < est.detail["step_attention_max_us"]
 
 
+def test_transfers_hide_only_where_they_overlap_compute():
+    """comm_overlap 1 (GPU: NIC DMA beside the SMs) hides a SendRecv under attention; 0 (gloo on CPU) serialises."""
+    ring, shape = RingShape(4, 128_000, 0), dep405(4).attn_shape
+    hidden = ring_attention_layer(GTT, shape, ring, 1, "pass-kv", dep405(4).link)
+    serial = ring_attention_layer(dataclasses.replace(GTT, comm_overlap=0.0), shape, ring, 1, "pass-kv",
+                                  dep405(4).link)
+    assert hidden["sendrecv_exposed"] == 0.0
+    assert serial["sendrecv_exposed"] == pytest.approx(3 * hidden["step_sendrecv"], rel=1e-12)
+
+
 def test_legacy_profile_json_migrates(tmp_path):
     """A profile written before ring_step_us / the attention curve existed still loads, and says so."""
     old = GTT.to_dict()
-    for name in ("attn_ref_tokens", "attn_overhead_tokens", "inter_coll_gbs"):
+    for name in ("attn_ref_tokens", "attn_overhead_tokens", "inter_coll_gbs", "comm_overlap"):
         del old[name]
         del old["sources"][name]
     old["ring_step_floor_us"] = old.pop("ring_step_us")
@@ -79,7 +90,7 @@ def test_legacy_profile_json_migrates(tmp_path):
     hw = load_hardware_profile(str(path))
     assert hw.ring_step_us == GTT.ring_step_us and "migrated from ring_step_floor_us" in hw.sources["ring_step_us"]
     assert hw.attn_overhead_tokens == 0.0 and "predates" in hw.sources["attn_overhead_tokens"]
-    assert hw.inter_coll_gbs == hw.inter_gbs
+    assert hw.inter_coll_gbs == hw.inter_gbs and hw.comm_overlap == 1.0
 
 
 # --- pass-KV vs pass-Q (paper §4.2.4, CP4, T+P = 128000); the full list is tests/test_paper_statements.py ------

@@ -415,6 +415,8 @@ def build_profile(record: dict, base="cpu-gloo", name: str | None = None, peak_t
                               "A_inf * (L/2) / (L/2 + L0), cpinfer.perf.costs)"),
         ring_step_us=(record.get("ring_step_us", record.get("ring_step_floor_us")),
                       f"{where}: pass-KV of {8 * cfg['cp']} tokens / CP steps"),
+        comm_overlap=(record["overlap"]["hidden"], f"{where}: share of a {record['overlap']['bytes'] >> 20} MiB "
+                      f"SendRecv hidden under {record['overlap']['length']}-token attention"),
     )
     if len(hosts) == 1:  # one node: the ring's link is the intra-node link, and the only one there is to measure
         measured |= dict(intra_gbs=(link["gbs"], measured["inter_gbs"][1]),

@@ -35,16 +35,19 @@ UNITS = {
     "inter_latency_us": "us fixed cost of one inter-node SendRecv / All2All",
     "inter_coll_gbs": "GB/s achieved per-device bus bandwidth of inter-node all-reduce (TP across nodes)",
     "ring_step_us": "us exposed per ring step (stream sync on the received block, per-step launches, merge)",
+    "comm_overlap": "fraction of a step's compute time during which a ring transfer progresses (1: NIC DMA beside "
+                    "the SMs; 0: the cores that compute also move the bytes, as gloo on CPU)",
     "kernel_overhead_us": "us per kernel under CUDA graphs (decode)",
 }
 
 # Fields added after profiles were first written: value when a JSON profile lacks them (its source says so).
-DEFAULTS = {"attn_ref_tokens": 8192.0, "attn_overhead_tokens": 0.0, "inter_coll_gbs": None, "ring_step_us": 0.0}
+DEFAULTS = {"attn_ref_tokens": 8192.0, "attn_overhead_tokens": 0.0, "inter_coll_gbs": None, "ring_step_us": 0.0,
+            "comm_overlap": 1.0}
 # Renamed keys: old name -> new name. `ring_step_floor_us` was measured as the time of a near-empty ring step,
 # which is what `ring_step_us` adds to every step.
 LEGACY = {"ring_step_floor_us": "ring_step_us"}
 ZERO_OK = ("peak_tflops_fp8", "intra_latency_us", "inter_latency_us", "ring_step_us", "kernel_overhead_us",
-           "attn_overhead_tokens")
+           "attn_overhead_tokens", "comm_overlap")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class HardwareProfile:
     attn_overhead_tokens: float = 0.0
     inter_coll_gbs: float | None = None   # None: the SendRecv rate inter_gbs
     ring_step_us: float = 0.0
+    comm_overlap: float = 1.0
     empirical: tuple[float, float, float] | None = None  # App. D (alpha, beta, gamma) fitted on this system
     sources: dict = field(default_factory=dict, hash=False, compare=False)  # field name -> where it comes from
 
@@ -90,9 +94,9 @@ class HardwareProfile:
                 raise ValueError(f"{where}: {name} ({UNITS[name]}) must be positive, got {value}")
             if name not in self.sources:
                 raise ValueError(f"{where}: {name} has no source; say where the number comes from")
-        for name in ("gemm_efficiency", "mem_efficiency"):
+        for name in ("gemm_efficiency", "mem_efficiency", "comm_overlap"):
             if getattr(self, name) > 1:
-                raise ValueError(f"{where}: {name} must be in (0, 1], got {getattr(self, name)}")
+                raise ValueError(f"{where}: {name} must be at most 1, got {getattr(self, name)}")
         if self.attn_tflops > self.peak_tflops:
             raise ValueError(f"{where}: attn_tflops ({self.attn_tflops}) exceeds peak_tflops ({self.peak_tflops})")
         if self.inter_gbs > self.inter_gbs_peak:

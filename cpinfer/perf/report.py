@@ -26,8 +26,9 @@ EXPLAIN = {
                   "A_inf = attn_tflops * (ref/2 + L0) / (ref/2); decode: flash-decoding reads K/V once",
                   ("attn_tflops", "attn_ref_tokens", "attn_overhead_tokens", "mem_tbps", "kernel_overhead_us")),
     "merge": ("N partial outputs + LSE read in fp32, output written once (App. B)", ("mem_tbps", "mem_efficiency")),
-    "sendrecv_exposed": ("per step max(0, latency + message / BW - attention): the ring overlaps the transfer",
-                         ("inter_gbs", "inter_latency_us", "intra_gbs", "intra_latency_us", "devices_per_node")),
+    "sendrecv_exposed": ("per step max(0, latency + message / BW - comm_overlap * attention): the ring overlaps "
+                         "the transfer", ("inter_gbs", "inter_latency_us", "intra_gbs", "intra_latency_us",
+                                          "devices_per_node", "comm_overlap")),
     "ring_steps": ("N * ring_step_us per layer (eager prefill ring: stream sync and launches per step)",
                    ("ring_step_us",)),
     "all2all": ("pass-Q: (N-1) * (latency + partial output bytes / BW), fully exposed (App. C)",

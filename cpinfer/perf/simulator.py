@@ -72,7 +72,8 @@ def ring_attention_layer(hw: HardwareProfile, shape: AttnShape, ring: RingShape,
     """One layer of ring attention on one rank (eager prefill), seconds by component.
 
     Step j: every rank computes its block while the next block travels; the step ends when the slowest rank's
-    block and the transfer are both done, plus ring_step_us. Exposed SendRecv = max(0, comm - compute) per step.
+    block and the transfer are both done, plus ring_step_us. The transfer progresses during comm_overlap of the
+    compute time, so exposed SendRecv = max(0, comm - comm_overlap * compute) per step (comm - compute on a GPU).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -83,7 +84,7 @@ def ring_attention_layer(hw: HardwareProfile, shape: AttnShape, ring: RingShape,
     for j in range(n):
         compute = max(_step_compute(hw, shape, ring, batch, strategy, k, (k - j) % n) for k in range(n))
         out["attention"] += compute
-        out["sendrecv_exposed"] += max(0.0, (comm if j < n - 1 else 0.0) - compute)
+        out["sendrecv_exposed"] += max(0.0, (comm if j < n - 1 else 0.0) - hw.comm_overlap * compute)
         out["step_attention_max"] = max(out["step_attention_max"], compute)
     out["ring_steps"] = n * hw.ring_step_us * 1e-6 if n > 1 else 0.0
     out["merge"] = costs.merge_time(hw, shape, lq, n)
@@ -160,7 +161,7 @@ def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int) -> 
     q = ceil_div(batch, n)
     op = costs.decode_attention_time(hw, shape, q, ceil_div(context_tokens, n))
     comm = costs.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
-    exposed = (n - 1) * max(0.0, comm - op)
+    exposed = (n - 1) * max(0.0, comm - hw.comm_overlap * op)
     return dict(attention=n * op, sendrecv_exposed=exposed, merge=costs.merge_time(hw, shape, q, n),
                 all2all=costs.all2all_time(shape.partial_out_bytes(q), n, dep.link), op=op, queries=q)
 
