@@ -128,6 +128,9 @@ def _all():
           lambda hw: ttft(hw, 16, M1).detail["tflops_per_gpu"] / hw.peak_tflops, 0.63),
         S("fa3_8k", "App. A 'standalone Flash Attention v3 causal attention benchmark using 8K ... 540 TF/sec'",
           "FA3 causal 8K on one H100: 540 TF/s", "value", _fa3_8k, 540.0),
+        S("near_linear_1m_cp8_cp16", "Abstract 'near-linear scaling for long-context prefill latency with up to 128 "
+          "H100 GPUs across 16 nodes'", "TTFT(CP8) / TTFT(CP16) = 2 at 1M", "value",
+          ratio(tt(8, M1), tt(16, M1)), 2.0),
         S("superlinear_512k_1m_cp16", "§4.2.3 'more than 2x increase in TTFT with a 2x increase in context "
           "length for >= 512K'", "TTFT(1M) / TTFT(512K) > 2 on CP16", "holds",
           lambda hw: ttft(hw, 16, M1).seconds / ttft(hw, 16, 512_000).seconds - 2),
@@ -150,6 +153,9 @@ def _all():
           "GTI: TTFT(CP1) / TTFT(CP2) = 2 at 128K", "value", ratio(tt(1, K128), tt(2, K128)), 2.0, gti=True),
         S("gti_cp2_cp4", "§4.2.1, same sentence", "GTI: TTFT(CP2) / TTFT(CP4) = 2 at 128K", "value",
           ratio(tt(2, K128), tt(4, K128)), 2.0, gti=True),
+        S("gti_like_gtt_cp4", "Abstract 'Benchmarks on H100 GPU hosts inter-connected with RDMA and TCP both show "
+          "similar scalability'; §4.2.1", "TTFT on GTI = TTFT on GTT at CP4, 128K", "value",
+          lambda hw: ttft(with_network(hw, "h100-gti"), 4, K128).seconds / ttft(hw, 4, K128).seconds, 1.0),
         S("gti_hidden_cp4", "§4.2.1 'roughly 3GB/s per rank, which is still enough to overlap the pass-KV "
           "communication with attention compute'", "GTI CP4 128K: pass-KV SendRecv hidden (exposed < 1%)",
           "holds", lambda hw: 0.01 - ttft(hw, 4, K128).breakdown["sendrecv_exposed"] / ttft(hw, 4, K128).seconds,
