@@ -1,4 +1,5 @@
-"""The `cpinfer` command line: help, `bench attention --json`, the attention demo, and clear errors on bad input."""
+"""The `cpinfer` command line: help, `bench attention --json`, the real-model demo (short), the attention demo,
+`generate` on the default model and on a .gguf file, and clear errors on bad input."""
 import json
 import subprocess
 import sys
@@ -7,7 +8,9 @@ import pytest
 
 from cpinfer.bench.attention import write_doc_section
 from cpinfer.cli import main
+from cpinfer.commands import demo
 from cpinfer.commands.demo import run_attention_demo
+from cpinfer.model.testing import write_tiny_gguf
 
 
 def _cpinfer(*argv, timeout=300):
@@ -58,6 +61,9 @@ def test_attention_demo_matches_single_device():
     (["bench", "attention", "--heads", "6", "--kv-heads", "4"], "multiple of --kv-heads"),
     (["bench", "no-such-bench"], "invalid choice"),
     (["demo", "--cp", "0"], "--cp"),
+    (["demo", "--document", "/no/such/file.md"], "no such file"),
+    (["generate", "--model", "/no/such/model.gguf", "--prompt", "x"], "no such GGUF file"),
+    (["generate", "--chat", "--prompt-ids", "1,2"], "--chat needs --prompt"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(capsys, argv, fragment):
     assert _exit_code(argv) == 2
@@ -81,3 +87,74 @@ def test_write_doc_replaces_only_its_own_section(tmp_path):
     assert "second" in text and "first" not in text and "other" in text
     assert text.count("<!-- bench:attention-256 begin -->") == 1
     assert text.index("second") < text.index("other")  # replaced in place, not moved to the end
+
+
+def _table(out: str) -> list[list[str]]:
+    """Rows of the demo's turn table: CP, turn, prompt, cached, prefill strategy, ..."""
+    return [line.split("  ") for line in out.splitlines() if line[:1].isdigit() and "[" in line]
+
+
+def test_demo_short_real_conversation_passes(capsys):
+    rc = main(["demo", "--doc-tokens", "300", "--max-tokens", "6", "--skip-attention"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS: turn 1" in out and "PASS: turn 2" in out and out.rstrip().endswith("demo: PASS")
+    assert out.count("answer 1:") == 2 and out.count("answer 2:") == 2
+    rows = [[c.strip() for c in r if c.strip()] for r in _table(out)]
+    assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
+    for cp, turn, prompt, cached, prefill, decode, *_, kv in rows:
+        if turn == "1":
+            first_prompt = int(prompt)
+            assert cached == "0" and prefill.startswith("pass-kv")
+        else:
+            assert int(cached) >= first_prompt  # the document's K/V from turn 1 is reused
+        assert len(json.loads(kv)) == int(cp) and decode.startswith("pass-q")
+
+
+def test_demo_document_keeps_whole_paragraphs(tmp_path):
+    from transformers import AutoTokenizer
+
+    from cpinfer.model.resolve import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    doc = tmp_path / "d.md"
+    doc.write_text("alpha beta gamma\n\ndelta epsilon\n\n" + "zeta " * 500)
+    text, n = demo.build_document(tok, 20, [doc])
+    assert text == "alpha beta gamma\n\ndelta epsilon" and n == len(tok(text)["input_ids"])
+
+
+def test_compare_turns_flags_a_mismatch():
+    def turn(cp, tokens, lps):
+        return demo.TurnResult(cp, 1, 10, 0, tokens, lps, "", 0.1, [], "pass-kv", "pass-q", [10])
+
+    ok, lines = demo.compare_turns([turn(1, [1, 2], [-1.0, -2.0]), turn(2, [1, 2], [-1.0, -2.00005])])
+    assert ok and lines[0].startswith("PASS")
+    ok, lines = demo.compare_turns([turn(1, [1, 2], [-1.0, -2.0]), turn(2, [1, 2], [-1.0, -2.01])])
+    assert not ok and lines[0].startswith("FAIL")
+    ok, _ = demo.compare_turns([turn(1, [1, 2], [-1.0, -2.0]), turn(2, [1, 3], [-1.0, -2.0])])
+    assert not ok
+
+
+def test_generate_default_model_chat(capsys):
+    rc = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "Paris" in res["text"] and res["cp"] == 1
+
+
+def test_generate_gguf_file_and_max_model_len(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CPINFER_CACHE", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")          # context length 256
+    rc = main(["generate", "--model", str(gguf), "--prompt", "the theme", "--max-tokens", "3", "--ignore-eos",
+               "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) == 3
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 1   # converted once, into the cache
+    long = ["--prompt-ids", ",".join(["5"] * 250), "--max-tokens", "10", "--ignore-eos"]
+    assert main(["generate", "--model", str(gguf), *long]) == 2
+    err = capsys.readouterr().err
+    assert "260" in err and "256" in err                     # refused with the numbers
+    assert main(["generate", "--model", str(gguf), "--max-model-len", "300", *long, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]) == 10

@@ -1,7 +1,7 @@
-"""`cpinfer demo`: a two-turn long-context conversation on a random Llama-3-shaped model, served at CP=1 and at
-CP=N on local CPU ranks (full prefill with ring pass-KV, partial prefill on the persistent KV shards, pass-Q decode);
-CP=N must produce CP=1's tokens and log-probabilities. A second stage checks CP attention itself: a multi-turn batch
-of three sequences with ring pass-KV, ring pass-Q and all-gather against one device's attention.
+"""`cpinfer demo`: a real conversation about a long real document — the project's own README and docs — with the
+embedded SmolLM2-135M-Instruct, served at CP=1 and at CP=N on local CPU ranks (full prefill by ring pass-KV, the
+second turn a partial prefill on the persistent KV shards, decode by pass-Q; paper §3.3-3.6). PASS only when CP=N
+produces CP=1's tokens and log-probabilities. A second stage checks CP attention itself against one device.
 """
 from __future__ import annotations
 
@@ -9,15 +9,158 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from cpinfer.attention.local import local_attention
 from cpinfer.bench.attention import positive_int, prefill_layout, rank_attention_output
-from cpinfer.bench.common import random_model, random_prompt
 from cpinfer.cp import STRATEGIES
 from cpinfer.launch import WorkerPool
+
+REPO = Path(__file__).resolve().parents[2]
+QUESTIONS = ("In two sentences: what is cpinfer, and what problem does it solve?",
+             "Which two ring attention variants does it choose between, and when is each one better?")
+LOGPROB_TOL = 1e-4
+
+
+# ---------------------------------------------------------------- stage 1: a real conversation, CP=1 vs CP=N
+
+def document_files() -> list[Path]:
+    """The project's own README and docs, in reading order."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def build_document(tokenizer, max_tokens: int, files: list[Path] | None = None) -> tuple[str, int]:
+    """(text, tokens): whole paragraphs of `files` in order while they fit in `max_tokens` tokens."""
+    files = [f for f in (files or document_files()) if f.is_file()]
+    if not files:
+        raise ValueError(f"no document found (looked for README.md and docs/*.md under {REPO}); pass --document")
+    paragraphs = [p for f in files for p in f.read_text().split("\n\n") if p.strip()]
+    lengths = [len(tokenizer(p + "\n\n", add_special_tokens=False)["input_ids"]) for p in paragraphs]
+    keep = np.cumsum(lengths) <= max_tokens
+    text = "\n\n".join(p for p, k in zip(paragraphs, keep) if k)
+    return text, len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclasses.dataclass
+class TurnResult:
+    cp: int
+    turn: int
+    prompt_tokens: int
+    num_cached_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    ttft_s: float
+    ttit_s: list[float]
+    prefill: str            # the strategies of this turn's prefill steps, e.g. "pass-kv (full-prefill)"
+    decode: str
+    kv_tokens_per_rank: list[int]   # every cached token on each rank after this turn (all sequences)
+
+
+def _strategy(steps: list[dict], phase: str) -> str:
+    names = sorted({f"{s['strategy']} ({s['method']})" for s in steps if s["phase"] == phase})
+    return ", ".join(names) or "-"
+
+
+def _answer_text(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+
+
+def run_conversation(llm, cp: int, document: str, questions=QUESTIONS, max_tokens: int = 48) -> list[TurnResult]:
+    """One chat turn per question on `llm` (greedy); turn k+1's prompt extends turn k's, so its KV is reused."""
+    from cpinfer import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
+    messages: list[dict] = []
+    results = []
+    for turn, question in enumerate(questions, 1):
+        content = f"Read this document.\n\n{document}\n\nQuestion: {question}" if turn == 1 else question
+        messages.append({"role": "user", "content": content})
+        print(f"[CP={cp}] turn {turn}: {question}", flush=True)
+        out = llm.chat(messages, params)[0]
+        m = out.metrics
+        text = _answer_text(llm.tokenizer, out.token_ids)
+        messages.append({"role": "assistant", "content": text})
+        results.append(TurnResult(cp, turn, len(out.prompt_token_ids), out.num_cached_tokens, list(out.token_ids),
+                                  list(out.logprobs), text, m["ttft_s"], list(m["ttit_s"]),
+                                  _strategy(m["steps"], "prefill"), _strategy(m["steps"], "decode"),
+                                  list(llm.cache_stats()["kv_tokens_per_rank"])))
+    return results
+
+
+def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens: int = 48,
+                    document_paths: list[Path] | None = None) -> tuple[list[TurnResult], int]:
+    """The conversation at CP=1 and, if cp > 1, at CP=cp, each on a fresh `LLM` with the same cores.
+    Returns (turns of CP=1 then of CP=cp, document tokens)."""
+    from transformers import AutoTokenizer
+
+    from cpinfer import LLM
+    from cpinfer.model.resolve import resolve_model
+
+    model_dir = resolve_model(model)
+    document, n_doc = build_document(AutoTokenizer.from_pretrained(str(model_dir)), doc_tokens, document_paths)
+    print(f"document: {n_doc} tokens of the project's README and docs", flush=True)
+    results = []
+    for n in sorted({1, cp}):
+        t0 = time.perf_counter()
+        threads = max(1, _cores() // n)
+        with LLM(str(model_dir), context_parallel_size=n, threads_per_rank=threads,
+                 max_kv_tokens_per_rank=_capacity(n_doc, max_tokens)) as llm:
+            print(f"[CP={n}] {n} rank(s) x {threads} thread(s) started in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+            results += run_conversation(llm, n, document, max_tokens=max_tokens)
+    return results, n_doc
+
+
+def _capacity(doc_tokens: int, max_tokens: int) -> int:
+    """KV tokens per rank: the whole conversation fits on one rank, with room for the template and questions."""
+    return (doc_tokens + 2 * max_tokens + 512 + 255) // 256 * 256
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def compare_turns(results: list[TurnResult], tol: float = LOGPROB_TOL) -> tuple[bool, list[str]]:
+    """CP=N turns against the CP=1 turns: identical tokens and log-probabilities within `tol`."""
+    base = {r.turn: r for r in results if r.cp == 1}
+    lines, ok = [], True
+    for r in results:
+        if r.cp == 1:
+            continue
+        ref = base[r.turn]
+        same = r.token_ids == ref.token_ids
+        n = min(len(r.logprobs), len(ref.logprobs))
+        err = max((abs(a - b) for a, b in zip(r.logprobs[:n], ref.logprobs[:n])), default=0.0)
+        good = same and err <= tol
+        ok &= good
+        what = "tokens identical" if same else f"tokens DIFFER (CP=1 {ref.token_ids} vs CP={r.cp} {r.token_ids})"
+        lines.append(f"{'PASS' if good else 'FAIL'}: turn {r.turn}, CP={r.cp} vs CP=1: {what}, "
+                     f"max |logprob diff| = {err:.1e} (tolerance {tol:.0e})")
+    return ok, lines
+
+
+def format_turns(results: list[TurnResult]) -> str:
+    header = ["CP", "turn", "prompt", "cached", "prefill strategy", "decode strategy", "TTFT (s)",
+              "TTIT mean (ms)", "output", "KV tokens / rank"]
+    rows = []
+    for r in results:
+        ttit = 1000 * sum(r.ttit_s) / len(r.ttit_s) if r.ttit_s else float("nan")
+        rows.append([r.cp, r.turn, r.prompt_tokens, r.num_cached_tokens, r.prefill, r.decode, f"{r.ttft_s:.3f}",
+                     f"{ttit:.1f}", len(r.token_ids), r.kv_tokens_per_rank])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*map(str, row)) for row in [header, *rows])
+
+
+def format_answers(results: list[TurnResult]) -> str:
+    return "\n".join(f"[CP={r.cp}] answer {r.turn}: {r.text}" for r in results)
+
+
+# ---------------------------------------------------------------- stage 2: CP attention vs one device
 
 # Two turns of a 3-sequence conversation batch: (new tokens, cached tokens) per sequence.
 DEFAULT_TURNS = (("full prefill", (1800, 1000, 300), (0, 0, 0)),
@@ -82,130 +225,26 @@ def format_rows(rows: list[DemoRow], num_ranks: int) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- stage 1: the engine, CP=1 vs CP=N
-
-# The demo model: Llama-3-shaped (GQA 4:1, SwiGLU, RoPE theta 500000), small enough for a few thousand tokens on 2 cores.
-DEMO_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                  intermediate_size=768, vocab_size=1024, max_position_embeddings=16384, rope_theta=500000.0)
-EXTRA_TOKENS = 200  # new user tokens of turn 2
-
-
-@dataclasses.dataclass
-class TurnResult:
-    cp: int
-    turn: int
-    prompt_tokens: int
-    num_cached_tokens: int
-    token_ids: list[int]
-    logprobs: list[float]
-    ttft_s: float
-    ttit_s: list[float]
-    prefill: str  # "pass-kv (full-prefill)"
-    decode: str
-    new_tokens_per_rank: list[int]
-    kv_tokens_per_rank: list[int]
-
-
-def _strategy(metrics: dict, phase: str) -> str:
-    steps = [s for s in metrics["steps"] if s["phase"] == phase]
-    if not steps:
-        return "-"
-    names = sorted({f"{s['strategy']} ({s['method']})" for s in steps})
-    return ", ".join(names)
-
-
-def _turn(llm, cp: int, turn: int, prompt: list[int], max_tokens: int, expect_cached: int) -> TurnResult:
-    from cpinfer import SamplingParams
-
-    print(f"[CP={cp}] turn {turn}: prefilling {len(prompt) - expect_cached} tokens "
-          f"({expect_cached} expected from the cache) ...", flush=True)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
-    out = llm.generate(prompt, params)[0]
-    m = out.metrics
-    seq = out.seq_id  # the cached sequence this turn extended
-    return TurnResult(cp, turn, len(prompt), out.num_cached_tokens, out.token_ids, out.logprobs, m["ttft_s"],
-                      m["ttit_s"], _strategy(m, "prefill"), _strategy(m, "decode"), m["new_tokens_per_rank"],
-                      llm.layout.tokens_per_rank(seq))
-
-
-def run_engine_demo(cp: int = 2, prompt_tokens: int = 4000, max_tokens: int = 16, extra_tokens: int = EXTRA_TOKENS,
-                    seed: int = 0, model_dir=None) -> list[TurnResult]:
-    """Two greedy turns (turn 2 = turn 1's prompt + output + `extra_tokens` new ones) at CP=1 and, if cp > 1, at
-    CP=cp, each on a fresh `LLM`. Returns the turns of CP=1 followed by those of CP=cp."""
-    from cpinfer import LLM
-    from cpinfer.engine.kv_manager import BLOCK
-
-    from cpinfer.model.config import ModelConfig
-
-    model_dir = model_dir or random_model("demo-model", seed=seed, **DEMO_MODEL)
-    vocab = ModelConfig.from_pretrained(str(model_dir)).vocab_size
-    first = random_prompt(prompt_tokens, vocab, seed)
-    capacity = -(-(prompt_tokens + extra_tokens + 2 * max_tokens + 4 * BLOCK) // BLOCK) * BLOCK
-    results = []
-    for n in sorted({1, cp}):
-        t0 = time.perf_counter()
-        threads = max(1, _cores() // n)  # the same cores for every CP size
-        with LLM(str(model_dir), context_parallel_size=n, max_kv_tokens_per_rank=capacity,
-                 threads_per_rank=threads) as llm:
-            print(f"[CP={n}] {n} rank(s) x {threads} thread(s) started in {time.perf_counter() - t0:.1f} s",
-                  flush=True)
-            one = _turn(llm, n, 1, first, max_tokens, 0)
-            second = first + one.token_ids + random_prompt(extra_tokens, vocab, seed + 1)
-            # the last output token was never fed through the model, so its K/V is not cached
-            results += [one, _turn(llm, n, 2, second, max_tokens, len(first) + len(one.token_ids) - 1)]
-    return results
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def compare_turns(results: list[TurnResult], tol: float = 1e-4) -> tuple[bool, list[str]]:
-    """CP=N turns against the CP=1 turns: identical tokens and log-probabilities within `tol`."""
-    base = {r.turn: r for r in results if r.cp == 1}
-    lines, ok = [], True
-    for r in results:
-        if r.cp == 1:
-            continue
-        ref = base[r.turn]
-        same = r.token_ids == ref.token_ids
-        n = min(len(r.logprobs), len(ref.logprobs))
-        err = max((abs(a - b) for a, b in zip(r.logprobs[:n], ref.logprobs[:n])), default=0.0)
-        good = same and err <= tol
-        ok &= good
-        what = "tokens identical" if same else f"tokens DIFFER (CP=1 {ref.token_ids} vs CP={r.cp} {r.token_ids})"
-        lines.append(f"{'PASS' if good else 'FAIL'}: turn {r.turn}, CP={r.cp} vs CP=1: {what}, "
-                     f"max |logprob diff| = {err:.1e} (tolerance {tol:.0e})")
-    return ok, lines
-
-
-def format_turns(results: list[TurnResult]) -> str:
-    header = ["CP", "turn", "prompt", "cached", "prefill strategy", "decode strategy", "TTFT (s)",
-              "TTIT mean (ms)", "new tokens / rank", "KV tokens / rank"]
-    rows = []
-    for r in results:
-        ttit = 1000 * sum(r.ttit_s) / len(r.ttit_s) if r.ttit_s else float("nan")
-        rows.append([r.cp, r.turn, r.prompt_tokens, r.num_cached_tokens, r.prefill, r.decode, f"{r.ttft_s:.3f}",
-                     f"{ttit:.1f}", r.new_tokens_per_rank, r.kv_tokens_per_rank])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(fmt.format(*map(str, row)) for row in [header, *rows])
-
+# ---------------------------------------------------------------- the command
 
 def run(args) -> int:
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    if args.prompt_tokens + EXTRA_TOKENS + 2 * args.max_tokens > DEMO_MODEL["max_position_embeddings"]:
-        raise ValueError(f"--prompt-tokens + {EXTRA_TOKENS} + 2 * --max-tokens must be at most "
-                         f"{DEMO_MODEL['max_position_embeddings']} (the demo model's context)")
-    shape = ", ".join(f"{k}={v}" for k, v in DEMO_MODEL.items())
-    print(f"Stage 1: two-turn conversation, CP=1 vs CP={args.cp}, random Llama-3-shaped model ({shape}), fp32, "
-          f"greedy; turn 1 = {args.prompt_tokens} prompt tokens, turn 2 = turn 1 + its output + {EXTRA_TOKENS} "
-          f"new tokens; {args.max_tokens} output tokens each", flush=True)
-    results = run_engine_demo(args.cp, args.prompt_tokens, args.max_tokens)
+    for path in args.document or ():
+        if not path.is_file():
+            raise ValueError(f"--document {path}: no such file")
+    from cpinfer.model.resolve import DEFAULT_MODEL_NAME
+
+    name = args.model or f"{DEFAULT_MODEL_NAME} (embedded default)"
+    print(f"Stage 1: a two-turn chat about a long document with {name}, CP=1 vs CP={args.cp}, fp32, greedy, "
+          f"up to {args.max_tokens} tokens per answer", flush=True)
+    t0 = time.perf_counter()
+    results, _ = run_engine_demo(args.cp, args.model, args.doc_tokens, args.max_tokens, args.document)
+    print(format_answers(results))
     print(format_turns(results))
     ok, lines = compare_turns(results)
     print("\n".join(lines) if lines else "(CP=1 only: nothing to compare)")
+    print(f"stage 1: {time.perf_counter() - t0:.1f} s", flush=True)
     if not args.skip_attention:
         print(f"\nStage 2: context-parallel attention, CP{args.cp} vs one device: 3 sequences, H={args.heads}, "
               f"Hkv={args.kv_heads}, D={args.head_dim}, fp32", flush=True)
@@ -218,13 +257,18 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="two-turn long-context conversation at CP=1 vs CP=N, then CP "
-                                   "attention vs one device (PASS/FAIL)", description=__doc__)
+    parser = subparsers.add_parser("demo", help="a real two-turn chat about the project's docs at CP=1 vs CP=N, "
+                                   "then CP attention vs one device (PASS/FAIL)", description=__doc__)
     parser.add_argument("--cp", type=positive_int, default=2, help="number of CP ranks (default: 2)")
-    parser.add_argument("--prompt-tokens", type=positive_int, default=4000,
-                        help="turn-1 prompt length in tokens (default: 4000)")
-    parser.add_argument("--max-tokens", type=positive_int, default=16,
-                        help="greedy output tokens per turn (default: 16)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="Hugging Face folder or .gguf file of a Llama-family chat model "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--doc-tokens", type=positive_int, default=3000,
+                        help="document length in tokens at most (whole paragraphs; default: 3000)")
+    parser.add_argument("--document", type=Path, action="append", metavar="FILE",
+                        help="text file(s) to read instead of the project's README and docs (repeatable)")
+    parser.add_argument("--max-tokens", type=positive_int, default=48,
+                        help="greedy output tokens per answer at most (default: 48)")
     parser.add_argument("--skip-attention", action="store_true", help="skip stage 2 (CP attention vs one device)")
     parser.add_argument("--heads", type=positive_int, default=8, help="stage 2: query heads (default: 8)")
     parser.add_argument("--kv-heads", type=positive_int, default=2, help="stage 2: key/value heads (default: 2)")

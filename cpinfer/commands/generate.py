@@ -1,12 +1,12 @@
-"""`cpinfer generate`: one prompt through a real checkpoint on N local context-parallel ranks (a thin layer over
-`LLM.generate`). Prints the completion (text when the model folder has a tokenizer, token ids otherwise), the
-time to first token, the time between tokens and the strategy chosen for each phase.
+"""`cpinfer generate`: one prompt through a model on N local context-parallel ranks (a thin layer over
+`LLM.generate` / `LLM.chat`). The model is a Hugging Face folder, a .gguf file (converted once) or, by default, the
+embedded SmolLM2-135M-Instruct. Prints the completion (text when the model has a tokenizer, token ids otherwise),
+the time to first token, the time between tokens and the strategy chosen for each phase.
 """
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from cpinfer.bench.attention import positive_int
 
@@ -36,15 +36,6 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _check_model_dir(path: Path) -> None:
-    if not path.is_dir():
-        raise ValueError(f"--model {path}: no such directory")
-    if not (path / "config.json").exists():
-        raise ValueError(f"--model {path}: no config.json (expected a Hugging Face Llama checkpoint folder)")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"--model {path}: no *.safetensors weights")
-
-
 def _summary(out, strategy_steps: list[dict]) -> dict:
     m = out.metrics
     by_phase: dict[str, list[str]] = {}
@@ -63,9 +54,14 @@ def _summary(out, strategy_steps: list[dict]) -> dict:
 
 def run(args) -> int:
     from cpinfer import LLM, SamplingParams
+    from cpinfer.model.resolve import resolve_model
 
-    model = Path(args.model).expanduser()
-    _check_model_dir(model)
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs --prompt TEXT (the user message), not --prompt-ids")
+    try:
+        model = resolve_model(args.model)  # a bad path or an unsupported GGUF fails here, before any rank starts
+    except ValueError as e:
+        raise ValueError(f"--model: {e}") from None
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
@@ -74,9 +70,12 @@ def run(args) -> int:
                             top_k=args.top_k or 0, seed=args.seed, logprobs=True, ignore_eos=args.ignore_eos)
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     with LLM(str(model), context_parallel_size=args.cp, max_kv_tokens_per_rank=args.max_kv_tokens_per_rank,
-             strategy=args.strategy, hardware_profile=args.hardware_profile,
+             max_model_len=args.max_model_len, strategy=args.strategy, hardware_profile=args.hardware_profile,
              threads_per_rank=args.threads_per_rank) as llm:
-        out = llm.generate(prompt, params)[0]
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            out = llm.generate(prompt, params)[0]
     res = _summary(out, out.metrics["steps"])
     res["cp"] = args.cp
     if res["text"] is not None:
@@ -96,14 +95,20 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate from a checkpoint on N local CP ranks", description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, metavar="PATH",
-                        help="Hugging Face Llama checkpoint folder: config.json + *.safetensors (+ tokenizer files "
-                             "to accept --prompt text)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="Hugging Face Llama checkpoint folder (config.json + *.safetensors, + tokenizer files "
+                             "to accept --prompt text) or a .gguf file of a Llama-family model (converted once into "
+                             "$CPINFER_CACHE); default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks (local CPU processes)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="1,2,3", help="prompt as comma-separated token ids")
+    parser.add_argument("--chat", action="store_true",
+                        help="send --prompt as a user message through the model's chat template")
     parser.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate at most")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest prompt + output in tokens (default: the model's max_position_embeddings; "
+                             "a larger value is allowed, with a warning that quality is not guaranteed there)")
     parser.add_argument("--temperature", type=_non_negative, default=0.0, help="sampling temperature; 0 = greedy")
     parser.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens "
