@@ -79,11 +79,12 @@ def merge_time(hw: HardwareProfile, shape: AttnShape, lq: float, parts: int) -> 
 
 
 def gemm_time(hw: HardwareProfile, m: int, n: int, k: int, weight_bytes: float, fp8: bool) -> float:
-    """One [m, k] x [k, n] GEMM: 2mnk FLOPs on whole 128-row tiles at the dtype's achieved rate, or the weight
-    read when m is small (decode)."""
+    """One [m, k] x [k, n] GEMM: 2mnk FLOPs at the dtype's achieved rate, rows rounded up to whole 128-row tiles
+    (below one tile, decode's GEMV-like kernels size their tiles to m), or the weight read, whichever is longer."""
     if m <= 0:
         return 0.0
-    flops = 2.0 * ceil_div(m, GEMM_TILE_M) * GEMM_TILE_M * n * k
+    rows = ceil_div(m, GEMM_TILE_M) * GEMM_TILE_M if m > GEMM_TILE_M else m
+    flops = 2.0 * rows * n * k
     return max(flops / hw.gemm_flops_per_s(fp8), weight_bytes / hw.mem_bytes_per_s)
 
 
