@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.local import FULL, AttnItem, build_items, get_backend, mark_first, new_accumulator, run_items
+from cpinfer.attention.backends import ItemBackend, get_step_backend, resolve_name
+from cpinfer.attention.local import FULL, AttnItem, build_items, cpu_flash_backend, mark_first, new_accumulator
 from cpinfer.attention.merge import merge_partials
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
@@ -79,9 +80,10 @@ class BatchAttention:
                  device=torch.device("cpu")):
         self.rank, self.world, self.group = rank, world, group
         self.strategy = batch.strategy
-        self.backend = get_backend(backend, device)
-        if backend is None and device.type == "cpu":
-            self.backend = _decode_aware(self.backend)
+        name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
+        self.backend = (ItemBackend(name, _decode_aware(cpu_flash_backend)) if name == "cpu-flash"
+                        else get_step_backend(name, device))
+        self._tables: dict = {}  # device tables of the steps, built on first use and reused by every layer
         seqs = batch.seqs
         self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
         counts = np.asarray([[len(x) for x in row] for row in self.idx], dtype=np.int64).reshape(world, len(seqs))
@@ -176,7 +178,8 @@ class BatchAttention:
         packed[1, len(u):len(u) + len(k_new)] = v_new
 
         def compute(j, block):
-            run_items(self.steps[j], q, block[0], block[1], acc_out, acc_lse, scale, self.backend)
+            self.backend.attend_items(self.steps[j], None, q, block[0], block[1], acc_out, acc_lse, scale,
+                                      self._tables, ("kv", j))
 
         ring_steps(self.group, packed, self.world, compute, timings)
         return acc_out.to(q.dtype)
@@ -194,8 +197,10 @@ class BatchAttention:
         def compute(j, block):
             part = partials[(self.rank - j) % n]
             store_items, new_items = self.steps[j]
-            run_items(store_items, block, store_k, store_v, part[..., :d], part[..., d], scale, self.backend)
-            run_items(new_items, block, k_new, v_new, part[..., :d], part[..., d], scale, self.backend)
+            self.backend.attend_items(store_items, None, block, store_k, store_v, part[..., :d], part[..., d],
+                                      scale, self._tables, ("store", j))
+            self.backend.attend_items(new_items, None, block, k_new, v_new, part[..., :d], part[..., d], scale,
+                                      self._tables, ("new", j))
 
         ring_steps(self.group, cur, n, compute, timings)
         if n == 1:

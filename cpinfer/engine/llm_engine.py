@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpinfer.cp.heuristics import StrategyChoice
+from cpinfer.attention.backends import NAMES as ATTENTION_BACKENDS
+from cpinfer.attention.backends import resolve_name
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.kv_manager import BLOCK, KVManager
-from cpinfer.engine.request import EngineStats, Request, RequestOutput, RequestStatus
+from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.strategy import choose_for_batch
@@ -31,7 +32,6 @@ from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.utils import get_logger
 
 log = get_logger()
-ATTENTION_BACKENDS = ("auto", "cpu-flash", "triton", "flash-attn", "math")
 
 
 class EngineDeadError(RuntimeError):
@@ -120,6 +120,8 @@ class LLMEngine:
         self.hardware = load_hardware_profile(a.hardware_profile or ("cpu-gloo" if a.device == "cpu" else "h100-gtt"))
         self.elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
         capacity = (a.max_kv_tokens_per_rank or self._default_capacity(a.kv_memory_fraction)) // BLOCK * BLOCK
+        # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
+        self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
         self.tokenizer = _load_tokenizer(self.model_path)
         self._start_ranks(capacity)
         self.kv = KVManager(self.n, capacity, a.enable_prefix_caching)
@@ -149,7 +151,7 @@ class LLMEngine:
             self.parallel.check_world(self._pool.world_size)
         else:
             self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s)
-        backend_name = None if a.attention_backend == "auto" else a.attention_backend
+        backend_name = self.attention_backend
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
@@ -267,7 +269,7 @@ class LLMEngine:
         self._aborts = []
         return outputs
 
-    def _choose(self, scheduled: list[ScheduledSeq]) -> tuple[StrategyChoice, str]:
+    def _choose(self, scheduled: list[ScheduledSeq]):
         decodes = sum(s.is_decode for s in scheduled)
         phase = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
         t = sum(len(s.tokens) for s in scheduled)
