@@ -28,8 +28,8 @@ FIT_SOURCES = dict(
                     "(CP8 5.85 s §4.2.1, one host 1M 1200 s §1, halving §4.2.1); the 500 W cap binds GEMMs",
     inter_gbs="fitted (cpinfer.perf.fit): pass-KV = pass-Q within 1% at T=6400, P+T=128000, CP4 (§4.2.4)",
     inter_latency_us="fitted (cpinfer.perf.fit): CP4 decode TTIT 71 ms at 128K (§4.3)",
-    inter_coll_gbs="fitted (cpinfer.perf.fit): multi-node TP vs CP prefill at 128K, TP16 ~15% slower than CP2 and "
-                   "TP64 ~100% slower than CP8 (§4.2.2); sits at its bound, the NIC's 50 GB/s",
+    inter_coll_gbs="fitted (cpinfer.perf.fit), determined by one statement only: TTFT(TP16) ~15% above CP2 at "
+                   "128K (§4.2.2); sits at its bound, the NIC's 50 GB/s (TP64 vs CP8 is predicted, +18%)",
     intra_gbs="fitted (cpinfer.perf.fit): with inter_coll_gbs, TP16 vs CP2 (§4.2.2) and the CP halving; at its bound "
               "480 GB/s (NCCL NVLS all-reduce bus bandwidth on 8 NVLink4 H100)",
     ring_step_us="fitted (cpinfer.perf.fit): CP16 128K = 3.8 s (§4.2.3) against CP8 5.85 s and the halving (§4.2.1); "
