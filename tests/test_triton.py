@@ -111,6 +111,20 @@ def test_shared_prefix_intervals(mode):
     _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, dtype=torch.bfloat16, mode=mode)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_per_item_adapter_for_item_loops(causal):
+    """local.get_backend("triton"): one item per launch, for code that loops over items (run_items)."""
+    from cpinfer.attention.local import get_backend
+
+    q, k, v = _tensors(20, 20, 6, 2, 16, torch.float32, 4)
+    out, lse = get_backend("triton", DEV)(q, k, v, causal, None, 0.3)
+    pos = torch.arange(20) if causal else torch.full((20,), 99)
+    zeros = torch.zeros(20, dtype=torch.long)
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), zeros, pos, zeros, torch.arange(20), scale=0.3)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_kernel_matches_merge_partials():
     g = torch.Generator().manual_seed(3)
     outs = torch.randn(3, 10, 4, 17, generator=g)

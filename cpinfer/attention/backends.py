@@ -181,12 +181,26 @@ def get_step_backend(name: str | None, device) -> StepBackend:
 
 
 def item_kernel(name: str | None, device):
-    """The per-item kernel (q, k, v, causal, mask, scale) → (out, lse) of an item backend, by name."""
+    """The per-item kernel (q, k, v, causal, mask, scale) → (out, lse) of a backend, by name.
+
+    For `triton` this is an adapter that launches the step kernel for one item (tables built per call): correct,
+    but one launch per item and host work per call; `attend_items` runs a whole step in one launch instead.
+    """
     backend = get_step_backend(name, device)
-    if not isinstance(backend, ItemBackend):
-        raise ValueError(f"attention backend {backend.name!r} runs whole ring steps, not single items: call "
-                         "get_step_backend(...).attend_items(items, vectors, ...) with the step's metadata vectors")
-    return backend.kernel
+    if isinstance(backend, ItemBackend):
+        return backend.kernel
+
+    def one_item(q, k, v, causal, mask, scale):
+        if mask is not None:  # an irregular tile: the portable kernel
+            return sdpa_math_backend(q, k, v, causal, mask, scale)
+        from cpinfer.attention.local import CAUSAL, FULL, new_accumulator
+
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        item = AttnItem(0, q.shape[0], 0, k.shape[0], CAUSAL if causal else FULL)
+        backend.attend_items([item], None, q, k, v, acc_out, acc_lse, scale)
+        return acc_out, acc_lse
+
+    return one_item
 
 
 def backend_for(plan, device) -> StepBackend:
