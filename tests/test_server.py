@@ -389,7 +389,7 @@ def test_killed_rank_turns_health_503_and_requests_500(model_dir):
                                                                  "stream": True}, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
         assert _metric(_metrics(srv), "cpinfer_engine_dead") == 1
-        assert srv.stop(signal.SIGINT) in (0, 1)
+        assert srv.stop(signal.SIGINT) == 0, srv.output()[-3000:]
         deadline = time.monotonic() + 10
         while any(is_alive(p) for p in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -449,6 +449,28 @@ def test_torchrun_two_nodes_serve_cp2(model_dir, offline):
                     except OSError:
                         pass
                 a.wait(timeout=30)
+
+
+def test_bench_serve_against_the_running_server(server, tmp_path):
+    """`cpinfer bench serve --url`: the multi-turn workload, its summary and the plot, on the module's server."""
+    png = tmp_path / "ttft.png"
+    res = subprocess.run([sys.executable, "-m", "cpinfer", "bench", "serve", "--url", server.url, "--api-key",
+                          API_KEY, "--label", "CP2", "--sessions", "3", "--turns", "2", "--doc-tokens", "32",
+                          "--max-tokens", "4", "--rate", "20", "--plot", str(png), "--json"],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    summary, raw = out["configs"]["CP2"], out["raw"]["CP2"]
+    assert out["model"] == NAME and summary["requests"] == len(raw) == 6
+    assert all(r["completion_tokens"] == 4 for r in raw) and summary["output_tok_per_s"] > 0
+    for r in raw:  # every later turn reuses at least the document and the earlier turns
+        if r["turn"] > 1:
+            prev = next(p for p in raw if p["session"] == r["session"] and p["turn"] == r["turn"] - 1)
+            assert prev["prompt_tokens"] <= r["cached_tokens"] < r["prompt_tokens"]
+    hits = sum(r["cached_tokens"] for r in raw) / sum(r["prompt_tokens"] for r in raw)
+    assert summary["prefix_hit_rate"] == pytest.approx(hits) and hits > 0.3
+    assert len(summary["ttft_by_turn_p50_s"]) == 2 and 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"]
+    assert png.stat().st_size > 1000
 
 
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
