@@ -21,7 +21,7 @@ EPILOG = """examples:
   # your cluster: a profile measured by `cpinfer calibrate --out my.json`
   cpinfer plan --model path/to/config.json --hardware my.json --cp 2 --prompt-tokens 16384
 
-Numbers are predictions of the cost model in cpinfer/perf. Seven h100-gtt parameters are fitted to the paper's
+Numbers are predictions of the cost model in cpinfer/perf. Five h100-gtt parameters are fitted to the paper's
 public statements; docs/planning.md lists them, the statements, and leave-one-out errors."""
 
 

@@ -1,7 +1,8 @@
 """Fit the h100-gtt parameters that no spec sheet gives to the paper's public statements, and cross-validate them.
 
 Fitted (each in `FITTED` with its bounds and the prior it is pulled towards, weakly, when no statement pins it):
-gemm_efficiency, attn_overhead_tokens, inter_gbs, inter_latency_us, ring_step_us, inter_coll_gbs, intra_gbs.
+gemm_efficiency, attn_overhead_tokens, inter_gbs, inter_latency_us, ring_step_us. (The all-reduce bandwidths were
+fitted once too; both went to their physical bounds, so the catalog states those bounds as assumptions instead.)
 The residual of a statement is ln(model / paper); the fit is Levenberg-Marquardt in ln(parameter) with box
 bounds. Leave-one-out refits without each fitted statement and predicts it: the error a user should expect on
 numbers the model was not fitted to (docs/planning.md).
@@ -24,8 +25,6 @@ FITTED = {
     "inter_gbs": (1.0, 50.0, 25.0, "half the 50 GB/s NIC for NCCL SendRecv"),
     "inter_latency_us": (2.0, 200.0, 20.0, "RDMA SendRecv through NCCL's proxy"),
     "ring_step_us": (1.0, 2000.0, 30.0, "a few kernel launches and one cross-stream sync per ring step"),
-    "inter_coll_gbs": (5.0, 50.0, 40.0, "80% of the 50 GB/s NIC for large all-reduces"),
-    "intra_gbs": (300.0, 480.0, 450.0, "NCCL NVLS all-reduce bus bandwidth on 8 NVLink4 H100"),
 }
 PRIOR_WEIGHT = 0.01   # residual weight of ln(param / prior): a tie-breaker where no statement pins a parameter
 TIPPING_WEIGHT = 5.0  # the tipping point is a 1% statement; weigh it like the others' 10%
