@@ -244,7 +244,7 @@ def test_cli_plan_explain_lists_components_with_parameters(capsys):
     for label in ("GEMM", "attention kernels", "exposed SendRecv", "All2All", "TP all-reduce", "per-step ring"):
         assert f"  {label}" in text
     assert f"gemm_efficiency = {GTT.gemm_efficiency:g}  [fitted" in text
-    assert f"attn_tflops = 540  [paper" in text
+    assert "attn_tflops = 540  [paper" in text
     rc, out = _json(capsys, BASE + ["--cp", "4", "--prompt-tokens", "6400", "--explain"])
     assert out["parameters"]["inter_gbs"]["value"] == GTT.inter_gbs
 

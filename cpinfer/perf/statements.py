@@ -38,6 +38,14 @@ class Statement:
     fit: bool = False
     gti: bool = False                         # evaluated on the GTI profile (same GPUs, TCP network)
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("value", "holds"):
+            raise ValueError(f"statement {self.key}: kind must be 'value' or 'holds', got {self.kind!r}")
+        if self.kind == "value" and (self.paper == 0 or not self.tol > 0):
+            raise ValueError(f"statement {self.key}: a value needs the paper's number and a positive tolerance")
+        if self.fit and self.kind != "value":
+            raise ValueError(f"statement {self.key}: only values can be fitted")
+
     def error(self, hw: HardwareProfile) -> float:
         """Relative error of a value statement."""
         return self.model(hw) / self.paper - 1.0
