@@ -117,7 +117,7 @@ def _random_tree(rng, n_segs):
     return parent, np.array(start), lens, np.array(end)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 8), st.integers(0, 100), st.sampled_from(["sorted", "shuffled"]))
 def test_prefix_tree_intervals_match_reference(seed, n_segs, lq, order):
     """Keys of a random prefix tree with [segment, subtree end) labels; queries in random segments."""

@@ -92,14 +92,18 @@ def test_tile_table_covers_every_visible_pair_and_nothing_outside_items(seed, lq
     assert not (seen & ~allowed).any()
 
 
-def test_tile_table_merges_overlapping_ranges_of_a_block():
+def test_tile_table_merges_ranges_and_cuts_programs_at_item_edges():
     class It:  # duck-typed items: rows [q0, q1) with keys [k0, k1)
         def __init__(self, q0, q1, k0, k1):
             self.q0, self.q1, self.k0, self.k1 = q0, q1, k0, k1
 
-    tab = tile_table([It(0, 10, 0, 50), It(10, 20, 30, 80), It(0, 20, 90, 95), It(40, 41, 5, 6)], 41, 32)
-    assert tab.row0.tolist() == [0, 32] and tab.row1.tolist() == [32, 41]
+    tab = tile_table([It(0, 20, 0, 50), It(0, 20, 40, 80), It(0, 20, 90, 95), It(40, 41, 5, 6)], 41, 32)
+    assert tab.row0.tolist() == [0, 40] and tab.row1.tolist() == [20, 41]  # rows no item covers: no program
     assert tab.key_ranges(0) == [(0, 80), (90, 95)] and tab.key_ranges(1) == [(5, 6)]
+    decode = [It(b, b + 1, 100 * b, 100 * b + 50) for b in range(5)]  # one query row per sequence
+    tab = tile_table(decode, 5, 16)  # programs are cut at item edges: each sequence visits only its context
+    assert tab.row0.tolist() == list(range(5)) and [tab.key_ranges(t) for t in range(5)] == [
+        [(100 * b, 100 * b + 50)] for b in range(5)]
 
 
 def _world_meta(world, seed):
@@ -184,3 +188,20 @@ def test_item_table_is_exactly_the_full_and_causal_items(seed, lq, lk, rows):
             i, j = np.arange(tab.r0[r], tab.r1[r])[:, None], np.arange(tab.k0[r], tab.k1[r])[None, :]
             got[tab.r0[r]:tab.r1[r], tab.k0[r]:tab.k1[r]] += (j - i) <= tab.diag[r]
     assert np.array_equal(got, want) and want.max(initial=0) <= 1
+
+
+def test_bench_gpu_plan_only_runs_on_cpu_and_refuses_kernels_without_cuda(capsys):
+    import argparse
+
+    from cpinfer.bench import gpu
+
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    assert gpu.run(parser.parse_args(["--plan-only", "--tokens", "512", "--json"])) == 0
+    out = capsys.readouterr().out
+    rows = __import__("json").loads(out.strip().splitlines()[-1])["rows"]
+    assert [(r["tokens"], r["cp"]) for r in rows] == [(512, 1), (512, 8)] and all(r["programs"] > 0 for r in rows)
+    if not torch.cuda.is_available():
+        assert gpu.run(parser.parse_args(["--tokens", "512"])) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert gpu.causal_flops(4, 2, 8) == 4 * 2 * 8 * 10  # 10 visible (query, key) pairs in a 4-token causal square

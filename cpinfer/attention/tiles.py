@@ -21,7 +21,7 @@ NO_DIAG = 2 ** 62  # diag of a range without a causal edge: every key - row is b
 
 @dataclasses.dataclass(frozen=True)
 class TileTable:
-    """Programs of one launch: query-row blocks and, per block, its disjoint key ranges (CSR)."""
+    """Programs of one launch: query-row blocks and, per block, its key ranges (CSR)."""
 
     rows_per_prog: int
     row0: np.ndarray  # [T] int64 first query row of program t
@@ -41,74 +41,84 @@ class TileTable:
         return list(zip(self.k0[self.off[t]:self.off[t + 1]].tolist(), self.k1[self.off[t]:self.off[t + 1]].tolist()))
 
 
-def tile_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
-    """Regroup a step's items (objects with q0, q1, k0, k1, kind) into blocks of `rows_per_prog` query rows.
-
-    A CAUSAL item's key range is cut per block at the block's last row, so a long causal square costs half a square.
-    """
-    if rows_per_prog < 1:
-        raise ValueError(f"rows_per_prog must be >= 1, got {rows_per_prog}")
-    causal = np.fromiter((getattr(it, "kind", FULL) == CAUSAL for it in items), dtype=bool, count=len(items))
-    q0 = np.fromiter((it.q0 for it in items), dtype=np.int64, count=len(items))
-    q1 = np.fromiter((it.q1 for it in items), dtype=np.int64, count=len(items))
-    k0 = np.fromiter((it.k0 for it in items), dtype=np.int64, count=len(items))
-    k1 = np.fromiter((it.k1 for it in items), dtype=np.int64, count=len(items))
-    keep = (q1 > q0) & (k1 > k0)
-    q0, q1, k0, k1, causal = q0[keep], q1[keep], k0[keep], k1[keep], causal[keep]
-    b_first, b_last = q0 // rows_per_prog, (q1 - 1) // rows_per_prog
-    count = b_last - b_first + 1  # row blocks each item touches
-    which = np.repeat(np.arange(len(q0)), count)
-    blk = np.repeat(b_first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
-    lo, hi = k0[which], k1[which]
-    # a top-left causal square: the block's last row r sees keys up to k0 + (r - q0), not the whole square
-    last = np.minimum(q1[which], (blk + 1) * rows_per_prog)
-    hi = np.where(causal[which], np.minimum(hi, lo + last - q0[which]), hi)
-    # union of the key ranges per block: sort by (block, start); a range starts a new piece when it begins past
-    # the running end of the block's earlier ranges (offsetting by block keeps one running maximum valid)
-    big = int(k1.max(initial=0)) + 1
-    lo_g, hi_g = blk * big + lo, blk * big + hi
-    order = np.lexsort((lo_g, blk))
-    blk, lo_g, hi_g = blk[order], lo_g[order], hi_g[order]
-    run_end = np.maximum.accumulate(hi_g) if len(hi_g) else hi_g
-    new = np.ones(len(lo_g), dtype=bool)
-    new[1:] = lo_g[1:] > run_end[:-1]
-    starts = np.nonzero(new)[0]
-    piece_blk = blk[starts]
-    piece_lo = lo_g[starts] - piece_blk * big
-    piece_hi = (np.maximum.reduceat(hi_g, starts) if len(starts) else hi_g[:0]) - piece_blk * big
-    blocks, first_piece = np.unique(piece_blk, return_index=True)
-    off = np.append(first_piece, len(piece_blk)).astype(np.int64)
-    row0 = blocks * rows_per_prog
-    row1 = np.minimum(row0 + rows_per_prog, n_rows)
-    row0, row1 = row0.astype(np.int64), row1.astype(np.int64)
-    per_prog = np.diff(off)
-    return TileTable(rows_per_prog, row0, row1, off, piece_lo.astype(np.int64), piece_hi.astype(np.int64),
-                     np.repeat(row0, per_prog), np.repeat(row1, per_prog), np.full(len(piece_lo), NO_DIAG, np.int64))
-
-
-def item_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
-    """Item mode: every FULL / CAUSAL item cut into row blocks, keeping its rows and causal diagonal (exact
-    without metadata vectors). Items are disjoint rectangles, so no (row, key) pair is visited twice."""
-    if any(getattr(it, "kind", FULL) == MASK for it in items):
+def _item_arrays(items, allow_mask: bool = True):
+    """(q0, q1, k0, k1, causal) int64 / bool arrays of the non-empty items."""
+    if not allow_mask and any(getattr(it, "kind", FULL) == MASK for it in items):
         raise ValueError("item_table takes FULL and CAUSAL items only; run MASK tiles another way")
     q0, q1, k0, k1 = (np.fromiter((getattr(it, f) for it in items), dtype=np.int64, count=len(items))
                       for f in ("q0", "q1", "k0", "k1"))
     causal = np.fromiter((getattr(it, "kind", FULL) == CAUSAL for it in items), dtype=bool, count=len(items))
     keep = (q1 > q0) & (k1 > k0)
-    q0, q1, k0, k1, causal = q0[keep], q1[keep], k0[keep], k1[keep], causal[keep]
-    b_first, b_last = q0 // rows_per_prog, (q1 - 1) // rows_per_prog
-    count = b_last - b_first + 1
+    return q0[keep], q1[keep], k0[keep], k1[keep], causal[keep]
+
+
+def _programs(q0, q1, rows_per_prog: int):
+    """Row blocks of at most rows_per_prog rows, cut at every item boundary, over rows some item covers.
+
+    Every program's rows then share one set of items: a decode batch gets one program per sequence (each visits
+    only its own context), a long prefill gets full blocks. Returns (row0 [T], row1 [T]).
+    """
+    if rows_per_prog < 1:
+        raise ValueError(f"rows_per_prog must be >= 1, got {rows_per_prog}")
+    cuts = np.unique(np.concatenate((q0, q1)))
+    depth = np.zeros(len(cuts) + 1, dtype=np.int64)
+    np.add.at(depth, np.searchsorted(cuts, q0), 1)
+    np.add.at(depth, np.searchsorted(cuts, q1), -1)
+    covered = np.cumsum(depth)[:max(len(cuts) - 1, 0)] > 0  # segment [cuts[i], cuts[i+1]) lies inside some item
+    a, b = cuts[:-1][covered], cuts[1:][covered]
+    n = -(-(b - a) // rows_per_prog)
+    row0 = np.repeat(a, n) + rows_per_prog * (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    return row0.astype(np.int64), np.minimum(row0 + rows_per_prog, np.repeat(b, n)).astype(np.int64)
+
+
+def _entries(q0, q1, k0, k1, causal, row0, row1):
+    """One entry per (item, program inside it): (program, key lo, key hi, diag); causal ranges are cut at the
+    program's last row (a long causal square costs half a square), diag = k0 - q0 for top-left squares."""
+    first, last = np.searchsorted(row0, q0), np.searchsorted(row0, q1)  # programs with q0 <= row0 < q1
+    count = last - first
     which = np.repeat(np.arange(len(q0)), count)
-    blk = np.repeat(b_first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
-    r0 = np.maximum(q0[which], blk * rows_per_prog)
-    r1 = np.minimum(q1[which], (blk + 1) * rows_per_prog)
+    prog = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
     lo, hi = k0[which], k1[which]
-    hi = np.where(causal[which], np.minimum(hi, lo + r1 - q0[which]), hi)  # cut at the block's last row
+    hi = np.where(causal[which], np.minimum(hi, lo + row1[prog] - q0[which]), hi)
     diag = np.where(causal[which], k0[which] - q0[which], NO_DIAG)  # top-left: key - k0 <= row - q0
-    order = np.argsort(blk, kind="stable")
-    blk, r0, r1, lo, hi, diag = blk[order], r0[order], r1[order], lo[order], hi[order], diag[order]
-    blocks, first = np.unique(blk, return_index=True)
-    off = np.append(first, len(blk)).astype(np.int64)
-    row0 = (blocks * rows_per_prog).astype(np.int64)
-    row1 = np.minimum(row0 + rows_per_prog, n_rows).astype(np.int64)
-    return TileTable(rows_per_prog, row0, row1, off, lo, hi, r0, r1, diag.astype(np.int64))
+    return prog, lo, hi, diag
+
+
+def _csr(prog, n_programs):
+    return np.concatenate(([0], np.cumsum(np.bincount(prog, minlength=n_programs)))).astype(np.int64)
+
+
+def tile_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
+    """Vector mode: per program, the disjoint union of the key ranges any item (objects with q0, q1, k0, k1,
+    kind) gives its rows; visibility inside a range is left to the kernel's metadata vectors."""
+    q0, q1, k0, k1, causal = _item_arrays(items)
+    row0, row1 = _programs(q0, q1, rows_per_prog)
+    prog, lo, hi, _ = _entries(q0, q1, k0, k1, causal, row0, row1)
+    # union per program: sort by (program, start); a range opens a new piece when it starts past the running end
+    # of the program's earlier ranges (offsetting by program keeps one running maximum valid)
+    big = int(k1.max(initial=0)) + 1
+    lo_g, hi_g = prog * big + lo, prog * big + hi
+    order = np.lexsort((lo_g, prog))
+    prog, lo_g, hi_g = prog[order], lo_g[order], hi_g[order]
+    run_end = np.maximum.accumulate(hi_g) if len(hi_g) else hi_g
+    new = np.ones(len(lo_g), dtype=bool)
+    new[1:] = lo_g[1:] > run_end[:-1]
+    starts = np.nonzero(new)[0]
+    piece_prog = prog[starts]
+    piece_lo = lo_g[starts] - piece_prog * big
+    piece_hi = (np.maximum.reduceat(hi_g, starts) if len(starts) else hi_g[:0]) - piece_prog * big
+    return TileTable(rows_per_prog, row0, row1, _csr(piece_prog, len(row0)), piece_lo.astype(np.int64),
+                     piece_hi.astype(np.int64), row0[piece_prog], row1[piece_prog],
+                     np.full(len(piece_lo), NO_DIAG, np.int64))
+
+
+def item_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
+    """Item mode: every FULL / CAUSAL item's rectangle per program, with its causal diagonal (exact without
+    metadata vectors). Items are disjoint rectangles, so no (row, key) pair is visited twice."""
+    q0, q1, k0, k1, causal = _item_arrays(items, allow_mask=False)
+    row0, row1 = _programs(q0, q1, rows_per_prog)
+    prog, lo, hi, diag = _entries(q0, q1, k0, k1, causal, row0, row1)
+    order = np.argsort(prog, kind="stable")
+    prog, lo, hi, diag = prog[order], lo[order], hi[order], diag[order]
+    return TileTable(rows_per_prog, row0, row1, _csr(prog, len(row0)), lo.astype(np.int64), hi.astype(np.int64),
+                     row0[prog], row1[prog], diag.astype(np.int64))

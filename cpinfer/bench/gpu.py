@@ -3,6 +3,8 @@
 Causal full prefill of one sequence (the paper's 8K-128K range, Llama-3-8B heads by default) through each
 backend's one-step kernel (`triton`, `flash-attn` when installed) and PyTorch's SDPA for comparison; every rate
 is also given as a fraction of a bf16 GEMM measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D).
+`--plan-only` (no GPU needed) times the host side of one forward instead: the plan and the Triton tile tables of
+every ring step at CP1 and CP8, which are built once per forward and reused by every layer.
 Nothing here has run on a GPU yet: the first GPU run of scripts/gpu_check.sh records it.
 """
 from __future__ import annotations
@@ -77,6 +79,41 @@ def measure(args) -> dict:
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
 
 
+def measure_plan(args) -> dict:
+    """Host milliseconds to plan one forward (rank 0, pass-KV) and build its tile tables (vector and item mode)."""
+    import time
+
+    from cpinfer.attention.local import MASK
+    from cpinfer.attention.tiles import item_table, tile_table
+    from cpinfer.cp import plan_from_metadata
+    from cpinfer.cp.sharding import shard_prefill
+
+    rows = []
+    rows_per_prog = 64 // (args.heads // args.kv_heads) or 1
+    for tokens in args.tokens:
+        for n in (1, 8):
+            meta = [(sh.seq, sh.pos) for sh in shard_prefill([tokens], n).shards]
+            t0 = time.perf_counter()
+            plan = plan_from_metadata(meta, meta, group=None, rank=0, world=n, strategy="pass-kv")
+            t1 = time.perf_counter()
+            tables = [tile_table(plan.steps[j], len(plan.me.q_seq), rows_per_prog) for j in range(n)]
+            t2 = time.perf_counter()
+            for j in range(n):
+                item_table([it for it in plan.steps[j] if it.kind != MASK], len(plan.me.q_seq), rows_per_prog)
+            t3 = time.perf_counter()
+            rows.append({"tokens": tokens, "cp": n, "plan_ms": 1e3 * (t1 - t0), "tables_ms": 1e3 * (t2 - t1),
+                         "item_tables_ms": 1e3 * (t3 - t2), "programs": sum(t.num_programs for t in tables)})
+    return {"rows": rows, "rows_per_prog": rows_per_prog}
+
+
+def format_plan_report(res: dict) -> str:
+    table = _fmt_table(["tokens", "CP", "plan ms", "tile tables ms", "item tables ms", "programs (all steps)"],
+                       [[r["tokens"], r["cp"], f"{r['plan_ms']:.1f}", f"{r['tables_ms']:.1f}",
+                         f"{r['item_tables_ms']:.1f}", r["programs"]] for r in res["rows"]])
+    return (f"host work per forward, rank 0 of a pass-KV full prefill of one sequence "
+            f"({res['rows_per_prog']} query rows per program)\n{table}")
+
+
 def format_report(res: dict) -> str:
     table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul"],
                        [[r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
@@ -102,15 +139,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", type=lambda s: [x for x in s.split(",") if x], default=None,
                         help="attention backends to time (default: triton, plus flash-attn when installed)")
     parser.add_argument("--repeat", type=positive_int, default=5)
+    parser.add_argument("--plan-only", action="store_true",
+                        help="no GPU: time the host-side plan and tile tables of one forward instead")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON line")
 
 
 def run(args) -> int:
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.plan_only:
+        res = measure_plan(args)
+        print(format_plan_report(res))
+        if args.json:
+            print(json.dumps(res))
+        return 0
     if not torch.cuda.is_available():
         print("cpinfer bench gpu needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured")
         return 2
-    if args.heads % args.kv_heads:
-        raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if args.backends is None:
         from cpinfer.attention.backends import _has
 
