@@ -141,9 +141,9 @@ def test_merge_kernel_matches_merge_partials():
 
 
 def _rank_cp(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, backend):
-    dev = torch.device("cuda", ctx.rank) if ON_GPU else torch.device("cpu")
-    args = [x.to(dev) for x in (q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end)]
-    out = cp_attention(*args[:7], group=ctx.group, strategy=strategy, kv_seq_end=args[7], backend=backend)
+    args = [x.to(ctx.device) for x in (q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end)]  # cuda:rank under NCCL
+    out = cp_attention(*args[:7], group=ctx.group, strategy=strategy, kv_seq_end=args[7], backend=backend,
+                       control_group=ctx.cpu_group)
     return out.cpu()
 
 
@@ -167,7 +167,7 @@ def test_cp_attention_cp2_triton_equals_cpu_backend():
     kv_off = np.cumsum([0] + kv_lens)
     q_idx = [torch.from_numpy(sh.index[sh.valid]) for sh in q_shards]
     kv_idx = [torch.from_numpy(kv_off[sh.seq[sh.valid]] + sh.pos[sh.valid]) for sh in kv_shards]
-    with WorkerPool(2, timeout_s=300) as pool:
+    with WorkerPool(2, backend="nccl" if ON_GPU else "gloo", timeout_s=300) as pool:
         for strategy in STRATEGIES:
             outs = {}
             for backend in ("triton", "math" if ON_GPU else "cpu-flash"):

@@ -15,23 +15,25 @@ __all__ = ["cp_attention", "plan_cp_attention", "plan_from_metadata", "CPAttenti
 
 
 def plan_cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy="pass-kv",
-                      scale=None, kv_seq_end=None, backend="auto") -> CPAttentionPlan:
-    """Validate inputs on all ranks, exchange metadata once, and return the reusable plan."""
+                      scale=None, kv_seq_end=None, backend="auto", control_group=None) -> CPAttentionPlan:
+    """Validate inputs on all ranks, exchange metadata once (over `control_group`, a gloo group, if given), and
+    return the reusable plan."""
     return exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=group, strategy=strategy, scale=scale,
-                             kv_seq_end=kv_seq_end, backend=backend)
+                             kv_seq_end=kv_seq_end, backend=backend, control_group=control_group)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor,
                  kv_seq: torch.Tensor, kv_pos: torch.Tensor, *, group, strategy: str = "pass-kv",
                  scale: float | None = None, kv_seq_end: torch.Tensor | None = None,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str = "auto", control_group=None) -> torch.Tensor:
     """Exact attention over the whole CP group. q [Lq, H, D], k/v [Lkv, Hkv, D], metadata int64 → out [Lq, H, D].
 
     strategy: "pass-kv" (ring K/V, Alg. 2), "pass-q" (ring Q + All2All, Alg. 3/4) or "all-gather" (baseline).
     kv_seq_end [Lkv] (default kv_seq + 1): key j is visible to labels in [kv_seq[j], kv_seq_end[j]).
     backend: "auto" (or $CPINFER_ATTENTION_BACKEND), "cpu-flash", "triton", "flash-attn" or "math".
+    control_group: a gloo group over the same ranks for the metadata exchange (GPUs: NCCL `group` for tensors).
     Queries with no visible key get zeros. Raises ValueError on every rank if any rank's input is bad.
     """
     plan = plan_cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=group, strategy=strategy, scale=scale,
-                             kv_seq_end=kv_seq_end, backend=backend)
+                             kv_seq_end=kv_seq_end, backend=backend, control_group=control_group)
     return plan.run(q, k, v)

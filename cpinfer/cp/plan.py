@@ -179,15 +179,27 @@ def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_se
 
 
 def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
+    """All-gather a small CPU int tensor; over an NCCL group it travels through this rank's CUDA device."""
+    if dist.get_backend(group) == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        out = [torch.empty_like(values, device=dev) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, values.to(dev), group=group)
+        return [x.cpu() for x in out]
     out = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, values, group=group)
     return out
 
 
 def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None,
-                      kv_seq_end=None, backend="auto") -> CPAttentionPlan:
-    """Validate on every rank, agree on errors, all-gather metadata, then build the plan."""
-    rank, world = group_rank_and_size(group)
+                      kv_seq_end=None, backend="auto", control_group=None) -> CPAttentionPlan:
+    """Validate on every rank, agree on errors, all-gather metadata, then build the plan.
+
+    control_group: a gloo group over the same ranks for the metadata (default: `group` itself)."""
+    tensors_group, group = group, control_group if control_group is not None else group
+    rank, world = group_rank_and_size(tensors_group)
+    if group_rank_and_size(group) != (rank, world):
+        raise ValueError(f"control_group must hold the same ranks in the same order as group: this rank is "
+                         f"{group_rank_and_size(group)} there and {(rank, world)} in group")
     problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend)
     ok = not problem
     header = torch.tensor([0 if ok else 1,
@@ -212,5 +224,5 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     gathered = _all_gather_ints(mine, group)
     q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
     kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy(), g[4, :h[2]].numpy()) for g, h in zip(gathered, headers)]
-    return plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy, scale=scale,
-                              backend=backend)
+    return plan_from_metadata(q_meta, kv_meta, group=tensors_group, rank=rank, world=world, strategy=strategy,
+                              scale=scale, backend=backend)
