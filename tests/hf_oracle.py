@@ -1,23 +1,32 @@
 """Hugging Face transformers as the exactness oracle for engine outputs (greedy, no early stop)."""
+import functools
+
 import numpy as np
 import torch
 
 from cpinfer.model.testing import load_hf_model
 
 
+@functools.lru_cache(maxsize=8)
+def _model(path: str):
+    return load_hf_model(path)
+
+
 def hf_reference(path, prompt, steps):
-    """(prompt logprobs [len-1], greedy continuation, its logprobs) from transformers, greedy without stopping."""
-    hf = load_hf_model(path)
+    """(prompt logprobs [len-1], greedy continuation, its logprobs) from transformers, greedy without stopping.
+    One forward over the prompt, then one token at a time on transformers' own KV cache."""
+    hf = _model(str(path))
     with torch.no_grad():
-        lp = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        res = hf(torch.tensor([prompt]), use_cache=True)
+        lp = res.logits[0].float().log_softmax(-1)
         prompt_lp = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
-        seq, tokens, out_lp = list(prompt), [], []
+        last, past, tokens, out_lp = lp[-1], res.past_key_values, [], []
         for _ in range(steps):
-            last = hf(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
             t = int(last.argmax())
             tokens.append(t)
             out_lp.append(float(last[t]))
-            seq.append(t)
+            res = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            last, past = res.logits[0, -1].float().log_softmax(-1), res.past_key_values
     return prompt_lp, tokens, out_lp
 
 

@@ -18,7 +18,7 @@ def comm_probe(ctx) -> dict:
     """On a rank: seconds spent in ring waits and TP all-reduce since the last probe (then reset)."""
     from cpinfer.tensor_parallel import RowParallelLinear
 
-    worker = ctx.state["worker"]
+    worker = ctx.state["runner"]
     allreduce = 0.0
     for m in worker.model.modules():
         if isinstance(m, RowParallelLinear):
@@ -35,12 +35,12 @@ def time_layout(model_dir, cp: int, tp: int, tokens: int, vocab: int, repeat: in
     with LLM(str(model_dir), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1,
              max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024)) as llm:
         llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
-        llm._pool.run(comm_probe)
+        llm.engine._pool.run(comm_probe)
         ttft, comm = [], []
         for i in range(repeat):
             out = llm.generate(C.random_prompt(tokens, vocab, seed=i), params)[0]
             ttft.append(out.metrics["ttft_s"])
-            probes = llm._pool.run(comm_probe)
+            probes = llm.engine._pool.run(comm_probe)
             comm.append(max(p["allreduce_s"] + p["ring_wait_s"] for p in probes))
     return {"ttft_s": statistics.median(ttft), "comm_s": statistics.median(comm)}
 

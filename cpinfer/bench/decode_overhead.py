@@ -2,12 +2,12 @@
 cores in the same run (`cpinfer bench decode-overhead`).
 
 At these contexts attention is cheap, so the step time is the engine's host overhead: scheduling, the driver ↔ rank
-messages, per-layer planning and the ring collectives. Batch 1, greedy; CP1 and HF use all cores, CP-N one N-th each.
+messages, per-layer planning and the ring collectives. Batch 1, greedy; every process (HF, each rank) runs
+`--threads` threads (default 1: a decode step is too small for intra-op threads to pay off on a shared machine).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -48,15 +48,13 @@ def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int, repea
 def measure(args) -> dict:
     cfg = C.model_config(args, max(args.context) + args.steps + 1024)
     model_dir = C.random_model("bench-decode-model", **cfg)
-    cores = os.cpu_count() or 1
     rows = {}
     for ctx in args.context:
-        hf = hf_ttit(model_dir, ctx, args.steps, args.vocab, cores)
-        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, max(1, cores // n))
-                  for n in args.cp}
+        hf = hf_ttit(model_dir, ctx, args.steps, args.vocab, args.threads)
+        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, args.threads) for n in args.cp}
         rows[str(ctx)] = {"hf_s": hf, "cp_s": per_cp}
     return {"bench": "decode-overhead", "command": command_line(args), "model": C.shape_text(cfg),
-            "steps": args.steps, "cores": cores, "rows": rows}
+            "steps": args.steps, "threads": args.threads, "rows": rows}
 
 
 def format_report(res: dict) -> str:
@@ -69,7 +67,7 @@ def format_report(res: dict) -> str:
         rows.append([ctx, f"{1000 * r['hf_s']:.2f}"] + [f"{1000 * r['cp_s'][n]:.2f}" for n in cps]
                     + [f"{base / r['hf_s']:.2f}"] + [f"{r['cp_s'][n] / base:.2f}" for n in cps[1:]])
     return "\n".join([f"Per-token decode time, batch 1, greedy, {res['model']}; median over {res['steps']} steps; "
-                      f"HF and CP1 on {res['cores']} threads, CP-N on {res['cores']}/N threads per rank:", "",
+                      f"{res['threads']} thread(s) per process (HF, each rank):", "",
                       C.fmt_table(head, rows)])
 
 
@@ -83,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=C.cp_sizes, default=[200, 4000], metavar="T,T",
                         help="cached tokens before decoding (default: 200,4000)")
     parser.add_argument("--steps", type=C.positive_int, default=32, help="decode steps timed (default: 32)")
+    parser.add_argument("--threads", type=C.positive_int, default=1,
+                        help="threads of HF and of each rank (default: 1)")
     C.add_model_arguments(parser, hidden=256, layers=4, heads=8, kv_heads=2, ffn=768, vocab=1024)
     C.add_common_arguments(parser)
 
