@@ -236,7 +236,7 @@ def device_send_index(plan, device) -> torch.Tensor:
 
 
 def step_tables(items, vectors, device, rows_per_prog: int):
-    """Device inputs of the Triton kernel for one step: (vectors, table, masked).
+    """Device inputs of the Triton kernel for one step (int32): (vectors, table, masked).
 
     With vectors (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos): the union `tile_table`, every item in-kernel.
     Without (item mode): `item_table` of the FULL / CAUSAL items, and the MASK items (masks on the device,
@@ -248,7 +248,7 @@ def step_tables(items, vectors, device, rows_per_prog: int):
     masked = []
     if vectors is not None:
         tab = tile_table(items, len(vectors[0]), rows_per_prog)
-        vec = tuple(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device) for x in vectors)
+        vec = tuple(_int32_on(x, device, "metadata") for x in vectors)
     else:
         n_rows = max((it.q1 for it in items), default=0)
         tab = item_table([it for it in items if it.kind != MASK], n_rows, rows_per_prog)
@@ -256,8 +256,19 @@ def step_tables(items, vectors, device, rows_per_prog: int):
                             for it in items if it.kind == MASK], device)
         vec = None
     host = [tab.row0, tab.row1, tab.off, tab.k0, tab.k1, tab.r0, tab.r1, tab.diag]
-    table = tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) for x in host)
+    table = tuple(_int32_on(x, device, "tile table") for x in host)
     return vec, table, masked
+
+
+_INT32_LIMIT = 2 ** 30  # labels, positions, rows and keys below this; NO_DIAG sits at it
+
+
+def _int32_on(x, device, what: str) -> torch.Tensor:
+    """int32 device copy (the kernel's registers hold int32 metadata); values must stay within +-2^30."""
+    a = np.asarray(x, dtype=np.int64)
+    if a.size and (a.max() > _INT32_LIMIT or a.min() < -_INT32_LIMIT):
+        raise ValueError(f"{what} values must lie within +-2^30 for the Triton kernel, got [{a.min()}, {a.max()}]")
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
 
 
 class _OneStep:

@@ -16,7 +16,7 @@ import numpy as np
 
 from cpinfer.attention.local import CAUSAL, FULL, MASK
 
-NO_DIAG = 2 ** 62  # diag of a range without a causal edge: every key - row is below it
+NO_DIAG = 2 ** 30  # diag of a range without a causal edge: every key - row is below it (kernels use int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
     m_ok = row < row1
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(Q + row[:, None] * sq0 + head[:, None] * sq1 + d[None, :],
+    row_a = row.to(tl.int64)  # metadata is int32; addresses are int64 (1M rows x H x D overflows int32)
+    q = tl.load(Q + row_a[:, None] * sq0 + head[:, None] * sq1 + d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     if UPCAST:  # the interpreter's dot reads bf16 as raw integers; bf16 products are exact in fp32 anyway
         q = q.to(tl.float32)
@@ -50,7 +51,8 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
         for kb in range(k_lo, k_hi, BLOCK_N):
             n = kb + tl.arange(0, BLOCK_N)
             n_ok = n < k_hi
-            kt = tl.load(K + n[None, :] * sk0 + kvh * sk1 + d[:, None],
+            n_a = n.to(tl.int64)
+            kt = tl.load(K + n_a[None, :] * sk0 + kvh * sk1 + d[:, None],
                          mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
             if UPCAST:
                 kt = kt.to(tl.float32)
@@ -68,7 +70,7 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(V + n[:, None] * sv0 + kvh * sv1 + d[None, :],
+            vb = tl.load(V + n_a[:, None] * sv0 + kvh * sv1 + d[None, :],
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             pv = p.to(vb.dtype)  # P rounded to the activation dtype for the second matmul, as flash kernels do
             if UPCAST:
@@ -79,8 +81,8 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
     # merge this step's partial into the running (out, lse) owned by this program (natural-log lse)
     nonempty = l_i > 0
     lse_new = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptr = OUT + row[:, None] * so0 + head[:, None] * so1 + d[None, :]
-    l_ptr = LSE + row * sl0 + head * sl1
+    o_ptr = OUT + row_a[:, None] * so0 + head[:, None] * so1 + d[None, :]
+    l_ptr = LSE + row_a * sl0 + head * sl1
     lse_old = tl.load(l_ptr, mask=m_ok, other=float("-inf"))
     out_old = tl.load(o_ptr, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     mx = tl.maximum(lse_old, lse_new)
@@ -98,11 +100,11 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
 
 
 def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m: int, block_n: int,
-                num_warps: int = 4) -> None:
+                num_warps: int = 8) -> None:
     """Accumulate q [Lq, H, D] against k/v [Lk, Hkv, D] into acc_out [Lq, H, D] fp32 / acc_lse [Lq, H] fp32.
 
-    vectors: (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) int64 device tensors, or None in item mode (the table
-    alone is exact); table: the step's device tile table (row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag) built for
+    vectors: (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) int32 device tensors, or None in item mode (the table
+    alone is exact); table: the step's int32 device tile table (row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag) for
     rows_per_prog = block_m // G. Strided acc views are fine (last dim contiguous). Always merges: acc must hold a
     valid partial (zeros / -inf where empty).
     """
