@@ -19,7 +19,7 @@ BF16_TOL = 0.08  # logprob; HF bf16 itself differs from HF fp32 by ~0.03 on thes
 
 def _shared_prefix_prompts(vocab):
     """Two prompts extending one prefix (a branch in the radix tree) and an unrelated one."""
-    base, a, b, c = prompts_for(vocab, [40, 9, 14, 23], seed=3)
+    base, a, b, c = prompts_for(vocab, [24, 5, 9, 13], seed=3)
     return [base + a, base + b, c]
 
 
