@@ -17,10 +17,12 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from cpinfer.bench.common import add_common_arguments, finish_report, fmt_table, measured, positive_int
+from cpinfer.bench.common import (ForeignCPU, add_common_arguments, finish_report, fmt_table, measured,
+                                  positive_int)
 
 WORDS = ("ring attention shards keys values across ranks while queries rotate the cache persists between turns "
          "so the second question reuses every token of the document instead of computing it again long context "
@@ -175,7 +177,8 @@ class _Server:
             cmd += ["--max-model-len", str(args.max_model_len)]
         if args.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         import httpx
@@ -183,7 +186,8 @@ class _Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"cpinfer serve exited ({self.proc.returncode}): {self.proc.stderr.read()[-3000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"cpinfer serve exited ({self.proc.returncode}): {self.log.read()[-3000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -297,13 +301,17 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{1000 * x:.0f}"
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
 def format_report(res: dict) -> str:
     rows = [["config", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "turn>=2 TTFT p50 ms", "ITL p50 ms",
-             "ITL p99 ms", "prefix hit"]]
+             "ITL p99 ms", "prefix hit", "others' CPU"]]
     for label, s in res["configs"].items():
         rows.append([label, f"{s['req_per_s']:.3f}", f"{s['output_tok_per_s']:.1f}", _ms(s["ttft_p50_s"]),
                      _ms(s["ttft_p99_s"]), _ms(s["ttft_turn2plus_p50_s"]), _ms(s["itl_p50_s"]), _ms(s["itl_p99_s"]),
-                     f"{100 * s['prefix_hit_rate']:.1f}%"])
+                     f"{100 * s['prefix_hit_rate']:.1f}%", _pct(s.get("foreign_cpu_share"))])
     lines = [fmt_table(rows[0], rows[1:]), "", "TTFT p50 by turn (ms):"]
     for label, s in res["configs"].items():
         lines.append(f"  {label}: " + ", ".join(_ms(x) for x in s["ttft_by_turn_p50_s"])
@@ -370,14 +378,23 @@ def measure(args) -> dict:
         try:
             server.wait_ready()
             print(f"[{config.label}] {args.sessions} sessions x {args.turns} turns ...", file=sys.stderr, flush=True)
-            run = asyncio.run(run_workload(server.url, name, docs, args.turns, args.max_tokens, args.rate, args.seed))
+            with ForeignCPU() as foreign:  # the server is a child of this process: only others' CPU counts
+                run = asyncio.run(run_workload(server.url, name, docs, args.turns, args.max_tokens, args.rate,
+                                               args.seed))
+                server.stop()
             res["configs"][config.label] = summarise(run, args.turns)
+            res["configs"][config.label]["foreign_cpu_share"] = foreign.share
             res["raw"][config.label] = [{k: v for k, v in r.items() if k != "itl_s"} for r in run["requests"]]
-            if args.overhead_repeat and config.prefix_caching:
-                print(f"[{config.label}] server overhead ...", file=sys.stderr, flush=True)
-                res["overhead"][config.label] = overhead(server.url, name, model_dir, config, args, prompt)
         finally:
             server.stop()
+        if args.overhead_repeat and config.prefix_caching:  # on a fresh server, beside LLM offline
+            print(f"[{config.label}] server overhead ...", file=sys.stderr, flush=True)
+            server = _Server(model_dir, name, config, args)
+            try:
+                server.wait_ready()
+                res["overhead"][config.label] = overhead(server.url, name, model_dir, config, args, prompt)
+            finally:
+                server.stop()
     labels = {(c.cp, c.prefix_caching): c.label for c in configs}
     res["speedups"] = []
     for (cp, cached), label in labels.items():

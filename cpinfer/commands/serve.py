@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-from pathlib import Path
 
 from cpinfer.bench.attention import positive_int
 from cpinfer.utils import get_logger

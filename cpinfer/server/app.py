@@ -16,11 +16,12 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from cpinfer.server import protocol as P
 from cpinfer.server.errors import APIError, error_body, error_response, install_error_handlers
 from cpinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from cpinfer.server.outputs import Progress, chat_logprobs, completion_logprobs, usage
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -41,36 +42,6 @@ class ServerConfig:
             raise ValueError("served_model_name must be a non-empty string")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty when given (leave it out to disable authentication)")
-
-
-def _token_str(tokenizer, token_id: int) -> str:
-    if tokenizer is None:
-        return str(token_id)
-    return tokenizer.decode([token_id])
-
-
-class _Progress:
-    """What a stream has sent so far of a cumulative `RequestOutput`: tokens, characters, and the last output."""
-
-    def __init__(self):
-        self.tokens = 0
-        self.chars = 0
-        self.last = None
-
-    def advance(self, out) -> tuple[str, range]:
-        """The text delta and the new token indices since the previous call; holds back a trailing partial
-        UTF-8 character (decoded as U+FFFD) until the next token completes it."""
-        text = out.text or ""
-        end = len(text)
-        if not out.finished:
-            while end > self.chars and text[end - 1] == "\ufffd":
-                end -= 1
-        delta = text[self.chars:end] if end > self.chars else ""
-        new = range(self.tokens, len(out.token_ids))
-        self.chars = max(self.chars, end)
-        self.tokens = len(out.token_ids)
-        self.last = out
-        return delta, new
 
 
 class OpenAIServer:
@@ -185,10 +156,10 @@ class OpenAIServer:
         m = out.metrics or {}
         self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), time.monotonic() - t0)
 
-    async def sse(self, request_id: str, stream, chunks: Callable[[Any, _Progress], list[dict]],
+    async def sse(self, request_id: str, stream, chunks: Callable[[Any, Progress], list[dict]],
                   usage_chunk: Callable[[Any], dict] | None, endpoint: str, t0: float) -> AsyncIterator[str]:
         """Server-sent events: one `data:` line per chunk, an error event if the engine fails, then [DONE]."""
-        progress = _Progress()
+        progress = Progress()
         complete = False
         try:
             for first in chunks(None, progress):
@@ -215,42 +186,8 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-# ---------------------------------------------------------------------------------------------- converters
-def _usage(out) -> P.Usage:
-    return P.Usage.of(len(out.prompt_token_ids), len(out.token_ids), int(out.num_cached_tokens or 0))
-
-
-def _completion_logprobs(tokenizer, out, idx: range, start_offset: int) -> P.CompletionLogprobs:
-    tokens, lps, tops, offsets = [], [], [], []
-    offset = start_offset
-    for i in idx:
-        tok = _token_str(tokenizer, out.token_ids[i])
-        tokens.append(tok)
-        offsets.append(offset)
-        offset += len(tok)
-        lps.append(out.logprobs[i] if out.logprobs else None)
-        if out.top_logprobs:
-            tops.append({_token_str(tokenizer, t): lp for t, lp in out.top_logprobs[i].items()})
-    return P.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops if out.top_logprobs else None,
-                                text_offset=offsets)
-
-
-def _chat_logprobs(tokenizer, out, idx: range) -> P.ChatLogprobs:
-    content = []
-    for i in idx:
-        tok = _token_str(tokenizer, out.token_ids[i])
-        tops = []
-        if out.top_logprobs:
-            for t, lp in out.top_logprobs[i].items():
-                s = _token_str(tokenizer, t)
-                tops.append(P.TopLogprob(token=s, logprob=lp, bytes=list(s.encode())))
-        content.append(P.ChatTokenLogprob(token=tok, logprob=out.logprobs[i] if out.logprobs else 0.0,
-                                          bytes=list(tok.encode()), top_logprobs=tops))
-    return P.ChatLogprobs(content=content)
-
-
-def _dump(model) -> dict:
-    return model.model_dump(exclude_none=False)
+def dump(model) -> dict:
+    return model.model_dump()
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -283,7 +220,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", dependencies=auth)
     async def models():
         card = P.ModelCard(id=name, root=config.model_path or name, max_model_len=server.max_model_len)
-        return _dump(P.ModelList(data=[card]))
+        return dump(P.ModelList(data=[card]))
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(req: P.TokenizeRequest):
@@ -295,7 +232,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                    if req.messages is not None else tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages" if req.messages else "prompt") from None
-        return _dump(P.TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids))
+        return dump(P.TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids))
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(req: P.DetokenizeRequest):
@@ -306,7 +243,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:8]}", param="tokens")
-        return _dump(P.DetokenizeResponse(prompt=tok.decode(req.tokens)))
+        return dump(P.DetokenizeResponse(prompt=tok.decode(req.tokens)))
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(req: P.CompletionRequest, http_request: Request):
@@ -324,29 +261,29 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             out = await server.collect(rid, stream, http_request, "completions", t0)
             if out is None:
                 return Response(status_code=499)
-            lp = _completion_logprobs(tok, out, range(len(out.token_ids)), 0) if req.logprobs is not None else None
+            lp = completion_logprobs(tok, out, range(len(out.token_ids)), 0) if req.logprobs is not None else None
             choice = P.CompletionChoice(text=out.text or "", logprobs=lp, finish_reason=out.finish_reason,
                                         stop_reason=out.stop_reason if hasattr(out, "stop_reason") else None)
-            return _dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice], usage=_usage(out)))
+            return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice], usage=usage(out)))
 
-        def chunks(out, progress: _Progress) -> list[dict]:
+        def chunks(out, progress: Progress) -> list[dict]:
             if out is None:
                 return []
             start = progress.chars
             delta, new = progress.advance(out)
             if not delta and not len(new) and not out.finished:
                 return []
-            lp = _completion_logprobs(tok, out, new, start) if req.logprobs is not None else None
+            lp = completion_logprobs(tok, out, new, start) if req.logprobs is not None else None
             choice = P.CompletionChoice(text=delta, logprobs=lp, finish_reason=out.finish_reason if out.finished
                                         else None, stop_reason=getattr(out, "stop_reason", None) if out.finished
                                         else None)
-            body = _dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice]))
+            body = dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice]))
             if not req.include_usage:
                 body.pop("usage")
             return [body]
 
         def usage_chunk(out) -> dict:
-            return _dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[], usage=_usage(out)))
+            return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[], usage=usage(out)))
 
         return StreamingResponse(server.sse(rid, stream, chunks, usage_chunk if req.include_usage else None,
                                             "completions", t0), media_type="text/event-stream")
@@ -371,34 +308,34 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             out = await server.collect(rid, stream, http_request, "chat", t0)
             if out is None:
                 return Response(status_code=499)
-            lp = _chat_logprobs(tok, out, range(len(out.token_ids))) if req.logprobs else None
+            lp = chat_logprobs(tok, out, range(len(out.token_ids))) if req.logprobs else None
             choice = P.ChatChoice(message=P.AssistantMessage(content=out.text or ""), logprobs=lp,
                                   finish_reason=out.finish_reason, stop_reason=getattr(out, "stop_reason", None))
-            return _dump(P.ChatCompletionResponse(id=rid, created=created, model=name, choices=[choice],
-                                                  usage=_usage(out)))
+            return dump(P.ChatCompletionResponse(id=rid, created=created, model=name, choices=[choice],
+                                                  usage=usage(out)))
 
         def chunk(choice: P.ChatChunkChoice) -> dict:
-            body = _dump(P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[choice]))
+            body = dump(P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[choice]))
             delta = body["choices"][0]["delta"]
             body["choices"][0]["delta"] = {k: v for k, v in delta.items() if v is not None}  # as OpenAI sends it
             if not req.include_usage:
                 body.pop("usage")
             return body
 
-        def chunks(out, progress: _Progress) -> list[dict]:
+        def chunks(out, progress: Progress) -> list[dict]:
             if out is None:  # the opening chunk carries the role
                 return [chunk(P.ChatChunkChoice(delta=P.DeltaMessage(role="assistant", content="")))]
             delta, new = progress.advance(out)
             if not delta and not len(new) and not out.finished:
                 return []
-            lp = _chat_logprobs(tok, out, new) if req.logprobs else None
+            lp = chat_logprobs(tok, out, new) if req.logprobs else None
             done = out.finished
             return [chunk(P.ChatChunkChoice(delta=P.DeltaMessage(content=delta), logprobs=lp,
                                             finish_reason=out.finish_reason if done else None,
                                             stop_reason=getattr(out, "stop_reason", None) if done else None))]
 
         def usage_chunk(out) -> dict:
-            return _dump(P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=_usage(out)))
+            return dump(P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=usage(out)))
 
         return StreamingResponse(server.sse(rid, stream, chunks, usage_chunk if req.include_usage else None,
                                             "chat", t0), media_type="text/event-stream")
