@@ -205,3 +205,34 @@ def test_bench_gpu_plan_only_runs_on_cpu_and_refuses_kernels_without_cuda(capsys
         assert gpu.run(parser.parse_args(["--tokens", "512"])) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().out
     assert gpu.causal_flops(4, 2, 8) == 4 * 2 * 8 * 10  # 10 visible (query, key) pairs in a 4-token causal square
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 60), st.integers(1, 200), st.integers(1, 50))
+def test_split_table_keeps_every_pair_once_in_small_pieces(seed, lq, lk, split_keys):
+    from cpinfer.attention.local import MASK
+    from cpinfer.attention.tiles import item_table, split_table
+
+    rng = np.random.default_rng(seed)
+    q_seq, kv_seq = np.sort(rng.integers(0, 3, lq)), np.sort(rng.integers(0, 3, lk))
+    q_pos, kv_pos = np.sort(rng.choice(300, lq, replace=False)), np.sort(rng.choice(300, lk, replace=False))
+    items = [it for it in build_items(q_seq, q_pos, kv_seq, kv_pos) if it.kind != MASK]
+    tab = item_table(items, lq, 8)
+
+    def dense(t):
+        got = np.zeros((lq, lk), dtype=int)
+        for r in range(len(t.k0)):
+            i, j = np.arange(t.r0[r], t.r1[r])[:, None], np.arange(t.k0[r], t.k1[r])[None, :]
+            got[t.r0[r]:t.r1[r], t.k0[r]:t.k1[r]] += (j - i) <= t.diag[r]
+        return got
+
+    new, slot, n_slots = split_table(tab, split_keys)
+    assert np.array_equal(dense(new), dense(tab))
+    sizes = [int((new.k1[new.off[t]:new.off[t + 1]] - new.k0[new.off[t]:new.off[t + 1]]).sum())
+             for t in range(new.num_programs)]
+    assert max(sizes, default=0) <= split_keys
+    for r0 in np.unique(new.row0):  # pieces of one row block: slots 0..c-1, or -1 when it was not cut
+        s = slot[new.row0 == r0]
+        assert s.tolist() == [-1] or s.tolist() == list(range(len(s)))
+    assert n_slots == max((len(slot[new.row0 == r]) for r in np.unique(new.row0) if (slot[new.row0 == r] >= 0).any()),
+                          default=0)

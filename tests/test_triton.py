@@ -125,6 +125,36 @@ def test_per_item_adapter_for_item_loops(causal):
     torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["vectors", "items"])
+def test_split_kv_decode_and_prefill(mode):
+    """Split-KV forced (every program over more than 16 keys is cut): decode rows over long contexts and a
+    partial prefill, merged into a running partial of an earlier step, equal the reference."""
+    from cpinfer.attention.backends import TritonBackend, _OneStep
+    from cpinfer.attention.local import build_items, mark_first, new_accumulator
+
+    backend = TritonBackend(block_m=16, block_n=16, min_programs=10 ** 6, split_keys=16)
+    lens = [3, 70, 41]
+    kv_seq = np.repeat(np.arange(3), lens)
+    kv_pos = np.concatenate([np.arange(n) for n in lens])
+    q_seq = np.concatenate([np.arange(3), np.full(6, 1)])  # 3 decode rows, then 6 prefill rows of sequence 1
+    q_pos = np.concatenate([np.array(lens) - 1, np.arange(64, 70)])
+    kv_end = kv_seq + 1
+    q, k, v = _tensors(len(q_seq), len(kv_seq), 8, 2, 16, torch.bfloat16, 6)
+    acc_out, acc_lse = new_accumulator(len(q_seq), 8, 16, DEV)
+    for keys in (slice(0, 50), slice(50, None)):  # two ring steps into one accumulator
+        items = build_items(q_seq, q_pos, kv_seq[keys], kv_pos[keys], kv_end[keys])
+        items = mark_first(items, len(q_seq), np.ones(len(q_seq), dtype=bool))
+        vectors = (q_seq, q_pos, kv_seq[keys], kv_end[keys], kv_pos[keys]) if mode == "vectors" else None
+        plan = _OneStep(items, vectors)
+        backend.attend(plan, 0, q, k[keys], v[keys], acc_out, acc_lse, 0.25)
+        _, (_, _, n_slots), _ = next(iter(plan.__dict__["_device_cache"].values()))
+        assert n_slots > 1  # the split really happened
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(q_seq), torch.from_numpy(q_pos),
+                                           torch.from_numpy(kv_seq), torch.from_numpy(kv_pos), scale=0.25)
+    torch.testing.assert_close(acc_out.cpu().double(), ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(acc_lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_kernel_matches_merge_partials():
     g = torch.Generator().manual_seed(3)
     outs = torch.randn(3, 10, 4, 17, generator=g)

@@ -22,6 +22,6 @@ def test_kernels_compile_to_gpu_binaries(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     lines = {tuple(line.split()[:2]): line.split() for line in res.stdout.splitlines()}
     for target, binary in (("sm_90", "cubin"), ("gfx942", "hsaco")):
-        for kernel in ("step-vectors", "step-items", "merge"):
+        for kernel in ("step-vectors", "step-items", "step-vectors-split", "merge", "merge-into"):
             words = lines[(target, kernel)]
             assert words[2] == "ok" and binary in words[3].split(","), words

@@ -80,30 +80,55 @@ class TritonBackend(StepBackend):
 
     name = "triton"
 
-    def __init__(self, block_m: int | None = None, block_n: int | None = None):
+    def __init__(self, block_m: int | None = None, block_n: int | None = None, min_programs: int | None = None,
+                 split_keys: int | None = None):
+        """min_programs: split-KV when a launch has fewer programs than this (default: 2 per GPU multiprocessor;
+        never in the interpreter); split_keys: keys per split program (default: sized to reach min_programs)."""
         from cpinfer.attention import triton_attention
 
         self._kernels = triton_attention
         small = triton_attention.interpreting()  # the interpreter is fastest on small blocks
         self.block_m = block_m or (16 if small else 64)
         self.block_n = block_n or (16 if small else 64)
+        self.min_programs, self.split_keys = min_programs, split_keys
 
-    def _tables(self, items, vectors, device, g, cache, key):
+    def _split_keys(self, table, hkv: int, device) -> int:
+        """0 (no split) unless the launch is too small to fill the device; else keys per split program."""
+        target = self.min_programs
+        if target is None:
+            target = 0 if device.type != "cuda" else 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        if table.num_programs * hkv >= target:
+            return 0
+        if self.split_keys:
+            return self.split_keys
+        work = int((table.k1 - table.k0).sum()) * hkv
+        per = max(4 * self.block_n, -(-work // target))
+        return -(-per // self.block_n) * self.block_n
+
+    def _tables(self, items, vectors, device, g, hkv, cache, key):
         block_m = self._kernels.block_m_for(g, self.block_m)
-        tables = _cached(cache, ("triton", key, str(device), block_m // g, vectors is None),
-                         lambda: step_tables(items, None if vectors is None else vectors(), device, block_m // g))
-        return block_m, tables
+
+        def build():
+            vec, table, masked = step_tables(items, None if vectors is None else vectors(), device, block_m // g,
+                                             lambda tab: self._split_keys(tab, hkv, torch.device(device)))
+            return vec, table, masked
+
+        return block_m, _cached(cache, ("triton", key, str(device), block_m // g, hkv, vectors is None), build)
 
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
-        block_m, (vec, table, masked) = self._tables(items, vectors, q.device, q.shape[1] // k.shape[1], cache,
-                                                     key)
-        self._kernels.launch_step(q, k, v, acc_out, acc_lse, vec, table, scale, block_m, self.block_n)
+        block_m, (vec, (table, slots, n_slots), masked) = self._tables(
+            items, vectors, q.device, q.shape[1] // k.shape[1], k.shape[1], cache, key)
+        self._kernels.launch_step(q, k, v, acc_out, acc_lse, vec, table, scale, block_m, self.block_n,
+                                  slots=slots, n_slots=n_slots)
         if masked:  # item mode: irregular MASK tiles through the portable kernel, merged (never stored)
             run_items(masked, q, k, v, acc_out, acc_lse, scale, sdpa_math_backend)
 
-    def prepare(self, steps, vectors, device, g, cache):
-        for j, items in enumerate(steps):
-            self._tables(items, None if vectors is None else (lambda j=j: vectors(j)), device, g, cache, j)
+    def prepare_plan(self, plan, q, k) -> None:
+        vectors = getattr(plan, "step_vectors", None)
+        cache, g = device_cache(plan), q.shape[1] // k.shape[1]
+        for j, items in enumerate(plan.steps):
+            self._tables(items, None if vectors is None else (lambda j=j: vectors(j)), q.device, g, k.shape[1],
+                         cache, j)
 
     def merge(self, outs, lses, out_dtype):
         from cpinfer.attention.triton_merge import triton_merge
@@ -235,15 +260,15 @@ def device_send_index(plan, device) -> torch.Tensor:
                    lambda: torch.from_numpy(np.asarray(plan.me.send, dtype=np.int64)).to(device))
 
 
-def step_tables(items, vectors, device, rows_per_prog: int):
-    """Device inputs of the Triton kernel for one step (int32): (vectors, table, masked).
+def step_tables(items, vectors, device, rows_per_prog: int, split=None):
+    """Device inputs of the Triton kernel for one step (int32): (vectors, (table, slots, n_slots), masked).
 
     With vectors (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos): the union `tile_table`, every item in-kernel.
     Without (item mode): `item_table` of the FULL / CAUSAL items, and the MASK items (masks on the device,
     `first` cleared so they merge) returned as `masked` for the portable kernel.
     """
     from cpinfer.attention.local import MASK
-    from cpinfer.attention.tiles import item_table, tile_table
+    from cpinfer.attention.tiles import item_table, split_table, tile_table
 
     masked = []
     if vectors is not None:
@@ -255,9 +280,14 @@ def step_tables(items, vectors, device, rows_per_prog: int):
         masked = _items_on([AttnItem(it.q0, it.q1, it.k0, it.k1, it.kind, it.mask)
                             for it in items if it.kind == MASK], device)
         vec = None
+    split_keys = split(tab) if split is not None else 0
+    slots, n_slots = None, 0
+    if split_keys:  # split-KV for launches too small to fill the device (decode)
+        tab, slot, n_slots = split_table(tab, split_keys)
+        slots = _int32_on(slot, device, "split slots") if n_slots else None
     host = [tab.row0, tab.row1, tab.off, tab.k0, tab.k1, tab.r0, tab.r1, tab.diag]
     table = tuple(_int32_on(x, device, "tile table") for x in host)
-    return vec, table, masked
+    return vec, (table, slots, n_slots), masked
 
 
 _INT32_LIMIT = 2 ** 30  # labels, positions, rows and keys below this; NO_DIAG sits at it

@@ -122,3 +122,41 @@ def item_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
     prog, lo, hi, diag = prog[order], lo[order], hi[order], diag[order]
     return TileTable(rows_per_prog, row0, row1, _csr(prog, len(row0)), lo.astype(np.int64), hi.astype(np.int64),
                      row0[prog], row1[prog], diag.astype(np.int64))
+
+
+def split_table(table: TileTable, split_keys: int) -> tuple[TileTable, np.ndarray, int]:
+    """Split-KV: cut every program whose ranges hold more than `split_keys` keys into programs of at most that
+    many (same rows, ranges cut where needed). Returns (table, slot [T'] int64, slots): a cut program's pieces get
+    slots 0, 1, ... (their partials go to scratch and are merged afterwards); an uncut program gets -1."""
+    if split_keys < 1:
+        raise ValueError(f"split_keys must be >= 1, got {split_keys}")
+    cols = ("k0", "k1", "r0", "r1", "diag")
+    row0, row1, off, slot = [], [], [0], []
+    out = {c: [] for c in cols}
+    n_slots = 0
+    for t in range(table.num_programs):
+        a, b = int(table.off[t]), int(table.off[t + 1])
+        ranges = [tuple(int(getattr(table, c)[r]) for c in cols) for r in range(a, b)]
+        pieces, cur, used = [], [], 0  # pieces of at most split_keys keys, in range order
+        for k0, k1, r0, r1, diag in ranges:
+            while k0 < k1:
+                take = min(k1 - k0, split_keys - used)
+                cur.append((k0, k0 + take, r0, r1, diag))
+                k0, used = k0 + take, used + take
+                if used == split_keys:
+                    pieces.append(cur)
+                    cur, used = [], 0
+        if cur:
+            pieces.append(cur)
+        for i, piece in enumerate(pieces):
+            row0.append(int(table.row0[t]))
+            row1.append(int(table.row1[t]))
+            slot.append(i if len(pieces) > 1 else -1)
+            for entry in piece:
+                for c, val in zip(cols, entry):
+                    out[c].append(val)
+            off.append(off[-1] + len(piece))
+        n_slots = max(n_slots, len(pieces) if len(pieces) > 1 else 0)
+    arr = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    new = TileTable(table.rows_per_prog, arr(row0), arr(row1), arr(off), *(arr(out[c]) for c in cols))
+    return new, arr(slot), n_slots

@@ -12,7 +12,7 @@ import sys
 TARGETS = {"sm_80": ("cuda", 80, 32), "sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64)}
 _STEP_ARGS = ["Q", "K", "V", "OUT", "LSE", "QSEQ", "QPOS", "KSEQ", "KEND", "KPOS", "ROW0", "ROW1", "OFF", "KLO",
               "KHI", "RLO", "RHI", "DIAG"]
-_STRIDES = ["sq0", "sq1", "sk0", "sk1", "sv0", "sv1", "so0", "so1", "sl0", "sl1"]
+_STRIDES = ["sq0", "sq1", "sk0", "sk1", "sv0", "sv1", "so0", "so1", "sl0", "sl1", "ss0", "ss1", "ss2"]
 
 
 def _target(name: str):
@@ -24,7 +24,7 @@ def _target(name: str):
 
 
 def compile_step(target: str, dtype: str = "bf16", use_vectors: bool = True, head_dim: int = 64, group: int = 4,
-                 block_m: int = 64, block_n: int = 64, num_warps: int = 8):
+                 block_m: int = 64, block_n: int = 64, num_warps: int = 8, split: bool = False):
     """Compile the step kernel for `target` as `launch_step` would launch it; returns Triton's compiled kernel."""
     import triton
     from triton.compiler import ASTSource
@@ -33,18 +33,20 @@ def compile_step(target: str, dtype: str = "bf16", use_vectors: bool = True, hea
 
     _refuse_interpreter()
     sig = dict(zip(_STEP_ARGS, [f"*{dtype}"] * 3 + ["*fp32"] * 2 + ["*i32"] * 13))
+    sig.update({"SLOT": "*i32", "SCR": "*fp32"})
     sig.update({name: "i64" for name in _STRIDES})
     sig["qk_scale"] = "fp32"
     consts = dict(D=head_dim, G=group, BLOCK_M=block_m, BLOCK_N=block_n,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if dtype == "fp32" else "tf32",
-                  UPCAST=False, USE_VECTORS=use_vectors)
+                  UPCAST=False, USE_VECTORS=use_vectors, SPLIT=split)
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(ASTSource(fn=_step_kernel, signature=sig, constexprs=consts), target=_target(target),
                           options={"num_warps": num_warps})
 
 
-def compile_merge(target: str, out_dtype: str = "bf16", head_dim: int = 64, block_r: int = 64):
-    """Compile the merge kernel for `target`."""
+def compile_merge(target: str, out_dtype: str = "bf16", head_dim: int = 64, block_r: int = 64,
+                  accumulate: bool = False):
+    """Compile the merge kernel for `target` (accumulate: the split-KV merge into an fp32 running result)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -54,7 +56,9 @@ def compile_merge(target: str, out_dtype: str = "bf16", head_dim: int = 64, bloc
     sig = {"P_OUT": "*fp32", "P_LSE": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32", "n_src": "i32",
            "n_pairs": "i32", "heads": "i32"}
     sig.update({name: "i64" for name in ["po0", "po1", "po2", "pl0", "pl1", "pl2", "oo0", "oo1", "ol0", "ol1"]})
-    consts = dict(D=head_dim, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim))
+    consts = dict(D=head_dim, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(head_dim), ACCUMULATE=accumulate)
+    if accumulate:
+        sig["OUT"] = "*fp32"
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(ASTSource(fn=_merge_kernel, signature=sig, constexprs=consts), target=_target(target))
 
@@ -68,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     """Compile every kernel variant for each target; print one line per binary (format: target kernel ok kinds)."""
     targets = (argv if argv is not None else sys.argv[1:]) or list(TARGETS)
     for target in targets:
-        for vectors in (True, False):
-            kernel = compile_step(target, use_vectors=vectors)
-            print(target, "step-" + ("vectors" if vectors else "items"), "ok", ",".join(kernel.asm))
+        for vectors, split in ((True, False), (False, False), (True, True)):
+            kernel = compile_step(target, use_vectors=vectors, split=split)
+            name = "step-" + ("vectors" if vectors else "items") + ("-split" if split else "")
+            print(target, name, "ok", ",".join(kernel.asm))
         print(target, "merge", "ok", ",".join(compile_merge(target).asm))
+        print(target, "merge-into", "ok", ",".join(compile_merge(target, accumulate=True).asm))
     return 0
 
 

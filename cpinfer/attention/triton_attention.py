@@ -19,9 +19,10 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OFF, KLO, KHI, RLO, RHI, DIAG,
-                 sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sl0, sl1, qk_scale,
+                 SLOT, SCR, sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sl0, sl1, ss0, ss1, ss2, qk_scale,
                  D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_VECTORS: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_VECTORS: tl.constexpr,
+                 SPLIT: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     row0 = tl.load(ROW0 + t)
@@ -78,9 +79,23 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
                 vb = vb.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(pv, vb, input_precision=PRECISION)
             m_i = m_new
-    # merge this step's partial into the running (out, lse) owned by this program (natural-log lse)
     nonempty = l_i > 0
     lse_new = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_new = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    slot = -1
+    if SPLIT:  # split-KV: one of several programs over these rows; its partial goes to scratch slot `slot`
+        slot = tl.load(SLOT + t)
+    if slot >= 0:
+        s_ptr = SCR + slot * ss0 + row_a * ss1 + head * ss2
+        tl.store(s_ptr[:, None] + d[None, :], o_new, mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(s_ptr + D, lse_new, mask=m_ok)
+    else:
+        _merge_into_running(OUT, LSE, row_a, head, d, m_ok, d_ok, so0, so1, sl0, sl1, o_new, lse_new)
+
+
+@triton.jit
+def _merge_into_running(OUT, LSE, row_a, head, d, m_ok, d_ok, so0, so1, sl0, sl1, o_new, lse_new):
+    """Merge a partial (o_new normalised, lse_new) into the running (out, lse) this program owns (App. B)."""
     o_ptr = OUT + row_a[:, None] * so0 + head[:, None] * so1 + d[None, :]
     l_ptr = LSE + row_a * sl0 + head * sl1
     lse_old = tl.load(l_ptr, mask=m_ok, other=float("-inf"))
@@ -92,7 +107,6 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
     den = w_old + w_new
     has = den > 0
     den_safe = tl.where(has, den, 1.0)
-    o_new = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     out = (out_old * w_old[:, None] + o_new * w_new[:, None]) / den_safe[:, None]
     lse = tl.where(has, mx_safe + tl.log(den_safe), float("-inf"))
     tl.store(o_ptr, out, mask=m_ok[:, None] & d_ok[None, :])
@@ -100,13 +114,14 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
 
 
 def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m: int, block_n: int,
-                num_warps: int = 8) -> None:
+                num_warps: int = 8, slots=None, n_slots: int = 0) -> None:
     """Accumulate q [Lq, H, D] against k/v [Lk, Hkv, D] into acc_out [Lq, H, D] fp32 / acc_lse [Lq, H] fp32.
 
     vectors: (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) int32 device tensors, or None in item mode (the table
     alone is exact); table: the step's int32 device tile table (row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag) for
     rows_per_prog = block_m // G. Strided acc views are fine (last dim contiguous). Always merges: acc must hold a
-    valid partial (zeros / -inf where empty).
+    valid partial (zeros / -inf where empty). slots [T] int32 (split-KV): programs with slot s >= 0 write their
+    partial to scratch slot s instead, and one merge launch folds the n_slots scratch partials into acc.
     """
     rows, h, d = q.shape
     hkv = k.shape[1]
@@ -120,13 +135,25 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
     use_vectors = vectors is not None
     q_seq, q_pos, kv_seq, kv_end, kv_pos = vectors if use_vectors else (row0,) * 5  # unread in item mode
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 only; 16-bit dots are exact
+    split = slots is not None and n_slots > 0
+    scratch = None
+    if split:  # [S, Lq, H, D+1]: out | lse per split slot; slots a row block does not use stay empty
+        scratch = torch.zeros(n_slots, rows, h, d + 1, dtype=torch.float32, device=q.device)
+        scratch[..., d] = -torch.inf
+    scr = scratch if split else acc_out
     _step_kernel[(row0.numel(), hkv)](
         q, k, v, acc_out, acc_lse, q_seq, q_pos, kv_seq, kv_end, kv_pos, row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag,
+        slots if split else row0, scr,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        acc_out.stride(0), acc_out.stride(1), acc_lse.stride(0), acc_lse.stride(1), scale * _LOG2E,
+        acc_out.stride(0), acc_out.stride(1), acc_lse.stride(0), acc_lse.stride(1),
+        scr.stride(0), scr.stride(1), scr.stride(2), scale * _LOG2E,
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION=precision, UPCAST=interpreting() and q.dtype == torch.bfloat16, USE_VECTORS=use_vectors,
-        num_warps=num_warps)
+        SPLIT=split, num_warps=num_warps)
+    if split:
+        from cpinfer.attention.triton_merge import triton_merge_into
+
+        triton_merge_into(acc_out, acc_lse, scratch[..., :d], scratch[..., d])
 
 
 def interpreting() -> bool:

@@ -14,7 +14,7 @@ import triton.language as tl
 @triton.jit
 def _merge_kernel(P_OUT, P_LSE, OUT, LSE, n_src, n_pairs, heads,
                   po0, po1, po2, pl0, pl1, pl2, oo0, oo1, ol0, ol1,
-                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACCUMULATE: tl.constexpr):
     e = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (row, head) pair index
     e_ok = e < n_pairs
     row = e // heads
@@ -24,6 +24,10 @@ def _merge_kernel(P_OUT, P_LSE, OUT, LSE, n_src, n_pairs, heads,
     mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    if ACCUMULATE:  # the fp32 running (out, lse) in OUT / LSE is one more partial (split-KV)
+        mx = tl.load(LSE + row * ol0 + head * ol1, mask=e_ok, other=float("-inf"))
+        den = tl.where(mx == float("-inf"), 0.0, 1.0)
+        acc = tl.load(OUT + row[:, None] * oo0 + head[:, None] * oo1 + d[None, :], mask=ok2, other=0.0)
     for s in range(0, n_src):
         lse_s = tl.load(P_LSE + s * pl0 + row * pl1 + head * pl2, mask=e_ok, other=float("-inf")).to(tl.float32)
         out_s = tl.load(P_OUT + s * po0 + row[:, None] * po1 + head[:, None] * po2 + d[None, :], mask=ok2,
@@ -61,5 +65,23 @@ def triton_merge(outs: torch.Tensor, lses: torch.Tensor, out_dtype: torch.dtype 
         outs, lses, out, lse, n_src, n_pairs, heads,
         outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1), lses.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d))
+        D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), ACCUMULATE=False)
     return out, lse
+
+
+def triton_merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, outs: torch.Tensor, lses: torch.Tensor,
+                      block_r: int = 64) -> None:
+    """In place: (acc_out [L, H, D] fp32, acc_lse [L, H] fp32) ← merge of themselves with outs [S, L, H, D] /
+    lses [S, L, H] (split-KV partials of one ring step)."""
+    if outs.dim() != 4 or lses.shape != outs.shape[:3] or acc_out.shape != outs.shape[1:]:
+        raise ValueError(f"need acc [L, H, D], outs [S, L, H, D], lses [S, L, H]; got {tuple(acc_out.shape)}, "
+                         f"{tuple(outs.shape)}, {tuple(lses.shape)}")
+    n_src, rows, heads, d = outs.shape
+    n_pairs = rows * heads
+    if n_pairs == 0:
+        return
+    _merge_kernel[(triton.cdiv(n_pairs, block_r),)](
+        outs, lses, acc_out, acc_lse, n_src, n_pairs, heads,
+        outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1), lses.stride(2),
+        acc_out.stride(0), acc_out.stride(1), acc_lse.stride(0), acc_lse.stride(1),
+        D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), ACCUMULATE=True)
