@@ -68,16 +68,23 @@ def _refuse_interpreter() -> None:
         raise RuntimeError("ahead-of-time compilation needs a process without TRITON_INTERPRET=1")
 
 
+VARIANTS = {"step-vectors": lambda t: compile_step(t), "step-items": lambda t: compile_step(t, use_vectors=False),
+            "step-vectors-split": lambda t: compile_step(t, split=True), "merge": lambda t: compile_merge(t),
+            "merge-into": lambda t: compile_merge(t, accumulate=True)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Compile every kernel variant for each target; print one line per binary (format: target kernel ok kinds)."""
-    targets = (argv if argv is not None else sys.argv[1:]) or list(TARGETS)
-    for target in targets:
-        for vectors, split in ((True, False), (False, False), (True, True)):
-            kernel = compile_step(target, use_vectors=vectors, split=split)
-            name = "step-" + ("vectors" if vectors else "items") + ("-split" if split else "")
-            print(target, name, "ok", ",".join(kernel.asm))
-        print(target, "merge", "ok", ",".join(compile_merge(target).asm))
-        print(target, "merge-into", "ok", ",".join(compile_merge(target, accumulate=True).asm))
+    """Compile kernel variants for targets: arguments TARGET or TARGET:VARIANT[,VARIANT] (default: every
+    variant for every target); prints one line per binary (target variant ok kinds)."""
+    specs = (argv if argv is not None else sys.argv[1:]) or list(TARGETS)
+    for spec in specs:
+        target, _, only = spec.partition(":")
+        names = only.split(",") if only else list(VARIANTS)
+        bad = [n for n in names if n not in VARIANTS]
+        if bad:
+            raise ValueError(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+        for name in names:
+            print(target, name, "ok", ",".join(VARIANTS[name](target).asm))
     return 0
 
 
