@@ -71,7 +71,12 @@ def measure(args) -> dict:
         flops = causal_flops(tokens, args.heads, args.head_dim)
         for name, fn in _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype,
                                        args.backends).items():
-            sec = _time_cuda(fn, args.repeat)
+            try:
+                sec = _time_cuda(fn, args.repeat)
+            except torch.cuda.OutOfMemoryError:  # e.g. an SDPA fallback that materialises L x L scores
+                rows.append({"tokens": tokens, "kernel": name, "seconds": None, "tflops": None, "of_matmul": None})
+                torch.cuda.empty_cache()
+                continue
             rows.append({"tokens": tokens, "kernel": name, "seconds": sec, "tflops": flops / sec / 1e12,
                          "of_matmul": flops / sec / 1e12 / gemm})
         torch.cuda.empty_cache()
@@ -116,7 +121,8 @@ def format_plan_report(res: dict) -> str:
 
 def format_report(res: dict) -> str:
     table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul"],
-                       [[r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
+                       [[r["tokens"], r["kernel"], "out of memory", "-", "-"] if r["seconds"] is None else
+                        [r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
                          f"{r['of_matmul']:.2f}"] for r in res["rows"]])
     return (f"{res['device']}, {res['dtype']}, H={res['heads']} Hkv={res['kv_heads']} D={res['head_dim']}, "
             f"causal prefill of one sequence; {res['dtype']} GEMM 8192^3: {res['matmul_tflops']:.1f} TFLOP/s\n{table}")
