@@ -96,7 +96,7 @@ def _table(out: str) -> list[list[str]]:
 
 
 def test_demo_short_real_conversation_passes(capsys):
-    rc = main(["demo", "--doc-tokens", "300", "--max-tokens", "6", "--skip-attention"])
+    rc = main(["demo", "--doc-tokens", "300", "--max-tokens", "6", "--skip-attention", "--threads-per-rank", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS: turn 1" in out and "PASS: turn 2" in out and out.rstrip().endswith("demo: PASS")
@@ -137,7 +137,8 @@ def test_compare_turns_flags_a_mismatch():
 
 
 def test_generate_default_model_chat(capsys):
-    rc = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json"])
+    rc = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json",
+               "--threads-per-rank", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
     res = json.loads(out.strip().splitlines()[-1])

@@ -12,7 +12,8 @@ from cpinfer import LLM, SamplingParams
 from cpinfer.model.resolve import default_model_file, resolve_model
 
 DOC_TOKENS = 1100          # the document's length; the chat prompt adds the template and the question
-STEPS = 32
+STEPS = 32                 # greedy tokens of the long request
+TURN_STEPS = 16            # tokens per chat answer at most (decode steps are what CP3 on 2 cores pays most for)
 ATOL = 1e-4
 Q1 = "In one sentence: what does cpinfer do?"
 Q2 = "Which two ring variants does it choose between?"
@@ -69,38 +70,43 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def ref():
-    """Everything the engine is compared with, computed once by transformers."""
+    """Everything the engine is compared with, computed once by transformers (one thread: on a busy 2-core
+    machine more threads than free cores slow torch down several times)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference() -> dict:
     hf = HFOracle(default_model_file())
     doc = _document(hf.tok)
     turn1 = [{"role": "user", "content": f"{doc}\n\n{Q1}"}]
     p1 = hf.chat_ids(turn1)
     prompt_lp, tokens, lps = hf.greedy(p1, STEPS, stop_at_eos=False)
-    answer = tokens[:tokens.index(hf.eos) + 1] if hf.eos in tokens else tokens
+    answer = tokens[:TURN_STEPS]
+    answer = answer[:answer.index(hf.eos) + 1] if hf.eos in answer else answer
     turn2 = turn1 + [{"role": "assistant", "content": hf.tok.decode(answer, skip_special_tokens=True)},
                      {"role": "user", "content": Q2}]
     p2 = hf.chat_ids(turn2)
-    _, tokens2, lps2 = hf.greedy(p2, STEPS, stop_at_eos=True)
+    _, tokens2, lps2 = hf.greedy(p2, TURN_STEPS, stop_at_eos=True)
     return dict(hf=hf, turn1=turn1, turn2=turn2, p1=p1, p2=p2, prompt_lp=prompt_lp, tokens=tokens, lps=lps,
                 answer=answer, tokens2=tokens2, lps2=lps2)
-
-
-def _chat(llm, tok_ids, messages, params):
-    """LLM.chat where the engine has it; otherwise the HF tokenizer's template + LLM.generate."""
-    if hasattr(llm, "chat"):
-        out = llm.chat(messages, params)
-        return out[0] if isinstance(out, list) else out
-    return llm.generate([tok_ids(messages)], params)[0]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"cp{n}")
 def runs(request, model_dir, ref):
     """One LLM per CP size; every request of the module runs in it once."""
     cp = request.param
-    greedy = dict(temperature=0.0, logprobs=True, max_tokens=STEPS)
-    with LLM(str(model_dir), context_parallel_size=cp, max_kv_tokens_per_rank=4096, timeout_s=300) as llm:
-        long = llm.generate([ref["p1"]], SamplingParams(prompt_logprobs=True, ignore_eos=True, **greedy))[0]
-        t1 = _chat(llm, ref["hf"].chat_ids, ref["turn1"], SamplingParams(**greedy))
-        t2 = _chat(llm, ref["hf"].chat_ids, ref["turn2"], SamplingParams(**greedy))
+    greedy = dict(temperature=0.0, logprobs=True)
+    with LLM(str(model_dir), context_parallel_size=cp, max_kv_tokens_per_rank=4096, threads_per_rank=1,
+             timeout_s=300) as llm:
+        long = llm.generate([ref["p1"]], SamplingParams(max_tokens=STEPS, prompt_logprobs=True,
+                                                          ignore_eos=True, **greedy))[0]
+        t1 = llm.chat(ref["turn1"], SamplingParams(max_tokens=TURN_STEPS, **greedy))[0]
+        t2 = llm.chat(ref["turn2"], SamplingParams(max_tokens=TURN_STEPS, **greedy))[0]
         with pytest.raises(ValueError, match=r"8192"):
             llm.generate([[1] * 8000], SamplingParams(max_tokens=200))
     return dict(cp=cp, long=long, t1=t1, t2=t2)

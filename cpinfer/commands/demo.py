@@ -92,9 +92,10 @@ def run_conversation(llm, cp: int, document: str, questions=QUESTIONS, max_token
 
 
 def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens: int = 48,
-                    document_paths: list[Path] | None = None) -> tuple[list[TurnResult], int]:
-    """The conversation at CP=1 and, if cp > 1, at CP=cp, each on a fresh `LLM` with the same cores.
-    Returns (turns of CP=1 then of CP=cp, document tokens)."""
+                    document_paths: list[Path] | None = None,
+                    threads_per_rank: int | None = None) -> tuple[list[TurnResult], int]:
+    """The conversation at CP=1 and, if cp > 1, at CP=cp, each on a fresh `LLM` (by default with the same cores:
+    cores / N threads per rank). Returns (turns of CP=1 then of CP=cp, document tokens)."""
     from transformers import AutoTokenizer
 
     from cpinfer import LLM
@@ -106,7 +107,7 @@ def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens:
     results = []
     for n in sorted({1, cp}):
         t0 = time.perf_counter()
-        threads = max(1, _cores() // n)
+        threads = threads_per_rank or max(1, _cores() // n)
         with LLM(str(model_dir), context_parallel_size=n, threads_per_rank=threads,
                  max_kv_tokens_per_rank=_capacity(n_doc, max_tokens)) as llm:
             print(f"[CP={n}] {n} rank(s) x {threads} thread(s) started in {time.perf_counter() - t0:.1f} s",
@@ -239,7 +240,8 @@ def run(args) -> int:
     print(f"Stage 1: a two-turn chat about a long document with {name}, CP=1 vs CP={args.cp}, fp32, greedy, "
           f"up to {args.max_tokens} tokens per answer", flush=True)
     t0 = time.perf_counter()
-    results, _ = run_engine_demo(args.cp, args.model, args.doc_tokens, args.max_tokens, args.document)
+    results, _ = run_engine_demo(args.cp, args.model, args.doc_tokens, args.max_tokens, args.document,
+                                 args.threads_per_rank)
     print(format_answers(results))
     print(format_turns(results))
     ok, lines = compare_turns(results)
@@ -269,6 +271,8 @@ def register(subparsers) -> None:
                         help="text file(s) to read instead of the project's README and docs (repeatable)")
     parser.add_argument("--max-tokens", type=positive_int, default=48,
                         help="greedy output tokens per answer at most (default: 48)")
+    parser.add_argument("--threads-per-rank", type=positive_int, default=None,
+                        help="torch threads per rank (default: cores / N, the same cores for every CP size)")
     parser.add_argument("--skip-attention", action="store_true", help="skip stage 2 (CP attention vs one device)")
     parser.add_argument("--heads", type=positive_int, default=8, help="stage 2: query heads (default: 8)")
     parser.add_argument("--kv-heads", type=positive_int, default=2, help="stage 2: key/value heads (default: 2)")
