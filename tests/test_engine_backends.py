@@ -2,6 +2,7 @@
 
 TRITON_INTERPRET=1 is set before anything imports triton; the engine's spawned ranks inherit it.
 """
+import dataclasses
 import os
 
 import pytest
@@ -25,16 +26,20 @@ def _shared_prefix_prompts(vocab):
 
 def test_engine_cp2_triton_matches_hf(llama_checkpoint):
     """CP2 with the Triton backend (interpreter), fp32: the tokens and log-probs HF gives (the CPU backend is held
-    to the same oracle in test_engine.py): a batch with a shared prefix, then a second turn of the first prompt."""
+    to the same oracle in test_engine.py): a conversation's second turn, a branch off its shared prefix and an
+    unrelated prompt in one batch, all on the cached, sharded KV."""
     path = llama_checkpoint("gqa", max_position_embeddings=1024)
     prompts = _shared_prefix_prompts(256)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     with LLM(str(path), context_parallel_size=2, attention_backend="triton", threads_per_rank=1, timeout_s=300,
              max_kv_tokens_per_rank=1024) as llm:
-        first = llm.generate(prompts, params)
-        prompts.append(prompts[0] + first[0].token_ids + [7, 8, 9])  # a second turn
-        second = llm.generate(prompts[3:], params)
-    check_against_hf(path, first + second, prompts, 4)
+        first = llm.generate(prompts[:1], params)  # prompt log-probs too (they bypass the prefix cache)
+        turn2 = [prompts[0] + first[0].token_ids + [7, 8, 9]] + prompts[1:]  # a second turn, a branch, another
+        second = llm.generate(turn2, dataclasses.replace(params, prompt_logprobs=False))
+    check_against_hf(path, first, prompts[:1], 4)
+    check_against_hf(path, second, turn2, 4, check_prompt_lp=False)
+    assert second[0].num_cached_tokens >= len(turn2[0]) - 4  # partial prefill on the sharded KV
+    assert second[1].num_cached_tokens >= 24  # the branch read the shared prefix from the cache
 
 
 def test_engine_bf16_matches_hf_bf16(llama_checkpoint):
