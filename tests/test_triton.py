@@ -155,6 +155,26 @@ def test_split_kv_decode_and_prefill(mode):
     torch.testing.assert_close(acc_lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_prepare_items_builds_the_tables_attend_items_uses():
+    """Tables built before the ring (prepare_items) are the ones the launch reads: nothing is rebuilt later."""
+    from cpinfer.attention.backends import get_step_backend
+    from cpinfer.attention.local import build_items, new_accumulator
+
+    backend = get_step_backend("triton", DEV)
+    q, k, v = _tensors(12, 12, 4, 2, 16, torch.float32, 8)
+    zeros, pos = np.zeros(12, dtype=np.int64), np.arange(12)
+    items, cache = build_items(zeros, pos, zeros, pos), {}
+    backend.prepare_items(items, None, q, k, cache, "step0")
+    built = dict(cache)
+    assert len(built) == 1
+    acc = new_accumulator(12, 4, 16, DEV)
+    backend.attend_items(items, None, q, k, v, *acc, 0.25, cache, "step0")
+    assert cache.keys() == built.keys() and all(cache[x] is built[x] for x in built)
+    ref, _ = reference_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(zeros), torch.from_numpy(pos),
+                                 torch.from_numpy(zeros), torch.from_numpy(pos), scale=0.25)
+    torch.testing.assert_close(acc[0].cpu().double(), ref, rtol=2e-5, atol=2e-5)
+
+
 def test_merge_kernel_matches_merge_partials():
     g = torch.Generator().manual_seed(3)
     outs = torch.randn(3, 10, 4, 17, generator=g)

@@ -42,6 +42,10 @@ class StepBackend(abc.ABC):
     def prepare(self, steps, vectors, device, g: int, cache: dict) -> None:
         """Build every step's device tables before the ring starts (no host work inside ring steps)."""
 
+    def prepare_items(self, items, vectors, q, k, cache: dict, key) -> None:
+        """Build the device tables `attend_items(items, vectors, q, k, ..., cache, key)` will use, now (call before
+        the ring so that no host work or host-to-device copy happens inside a ring step)."""
+
     def attend(self, plan, j: int, q, k, v, acc_out, acc_lse, scale: float) -> None:
         """Step j of a plan (`plan.steps[j]`, `plan.step_vectors(j)` if it has one); tables cached on the plan."""
         sv = getattr(plan, "step_vectors", None)
@@ -70,9 +74,12 @@ class ItemBackend(StepBackend):
         run_items(items, q, k, v, acc_out, acc_lse, scale, self.kernel)
 
     def prepare(self, steps, vectors, device, g, cache):
-        if torch.device(device).type != "cpu":
-            for j, items in enumerate(steps):
-                _cached(cache, ("items", j, str(device)), lambda items=items: _items_on(items, device))
+        for j, items in enumerate(steps):
+            self.prepare_items(items, None, torch.empty(0, device=device), None, cache, j)
+
+    def prepare_items(self, items, vectors, q, k, cache, key) -> None:
+        if q.device.type != "cpu" and any(it.mask is not None for it in items):
+            _cached(cache, ("items", key, str(q.device)), lambda: _items_on(items, q.device))
 
 
 class TritonBackend(StepBackend):
@@ -114,6 +121,9 @@ class TritonBackend(StepBackend):
             return vec, table, masked
 
         return block_m, _cached(cache, ("triton", key, str(device), block_m // g, hkv, vectors is None), build)
+
+    def prepare_items(self, items, vectors, q, k, cache, key) -> None:
+        self._tables(items, vectors, q.device, q.shape[1] // k.shape[1], k.shape[1], cache, key)
 
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
         block_m, (vec, (table, slots, n_slots), masked) = self._tables(
