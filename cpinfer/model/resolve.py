@@ -86,20 +86,19 @@ def check_checkpoint_dir(path: Path) -> Path:
 
 def convert_cached(gguf_path: Path) -> Path:
     """The cache folder holding `gguf_path` converted; converts it on first use (temp folder + rename)."""
-    from cpinfer.model.gguf import check_supported, convert_gguf, read_gguf_info
+    from cpinfer.model.gguf import convert_gguf
 
     digest = file_sha256(gguf_path)
     target = cache_dir() / "models" / digest[:_HASH_PREFIX]
     if _is_converted(target, digest):
         return target
-    check_supported(read_gguf_info(gguf_path)[0], gguf_path)  # a clear error before heavy work
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s (%.0f MB) to %s — once; later runs reuse it", gguf_path,
-             gguf_path.stat().st_size / 1e6, target)
+    log.info("converting %s (%.0f MiB) to %s — once; later runs reuse it", gguf_path,
+             gguf_path.stat().st_size / 2**20, target)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp)  # reads the header first: an unsupported file fails before heavy work
         marker = {"source": str(gguf_path), "sha256": digest, "format": CONVERSION_FORMAT,
                   "seconds": round(time.perf_counter() - t0, 2)}
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2))
