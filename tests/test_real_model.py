@@ -98,10 +98,12 @@ def _reference() -> dict:
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"cp{n}")
 def runs(request, model_dir, ref):
-    """One LLM per CP size; every request of the module runs in it once."""
+    """One LLM per CP size; every request of the module runs in it once. The model is named the three ways
+    `LLM` accepts it: nothing (the embedded default), the GGUF file, the converted folder."""
     cp = request.param
+    model = {1: None, 2: str(default_model_file()), 3: str(model_dir)}[cp]
     greedy = dict(temperature=0.0, logprobs=True)
-    with LLM(str(model_dir), context_parallel_size=cp, max_kv_tokens_per_rank=4096, threads_per_rank=1,
+    with LLM(model, context_parallel_size=cp, max_kv_tokens_per_rank=4096, threads_per_rank=1,
              timeout_s=300) as llm:
         long = llm.generate([ref["p1"]], SamplingParams(max_tokens=STEPS, prompt_logprobs=True,
                                                           ignore_eos=True, **greedy))[0]
