@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -471,6 +472,18 @@ def test_bench_serve_against_the_running_server(server, tmp_path):
     assert summary["prefix_hit_rate"] == pytest.approx(hits) and hits > 0.3
     assert len(summary["ttft_by_turn_p50_s"]) == 2 and 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"]
     assert png.stat().st_size > 1000
+
+
+def test_port_in_use_fails_before_the_engine_starts(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "cpinfer", "serve", "--model", str(model_dir), "--port",
+                              str(port)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr[-2000:]
+    assert "rank pids" not in res.stderr and time.monotonic() - t0 < 60
 
 
 def test_default_model_smoke():

@@ -58,6 +58,19 @@ def _run_until_signal(server) -> str:
     return signal.Signals(caught[0]).name if caught else "server exit"
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the (slow) engine start when another process already listens on host:port."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror} (choose another --port)") from None
+
+
 def engine_kwargs(args) -> dict:
     """`AsyncLLM` keyword arguments from the parsed command line."""
     kwargs = {"context_parallel_size": args.cp, "tensor_parallel_size": args.tp,
@@ -85,6 +98,8 @@ def run(args) -> int:
         from cpinfer.perf.hardware import load_hardware_profile
 
         load_hardware_profile(args.hardware_profile)  # a bad name fails here
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 listens
+        _check_port_free(args.host, args.port)
     engine = AsyncLLM(str(model_dir), **engine_kwargs(args))  # under torchrun only rank 0 returns
     try:
         app = build_app(engine, config)
