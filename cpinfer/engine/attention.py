@@ -164,9 +164,20 @@ class BatchAttention:
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None) -> torch.Tensor:
         """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D]."""
+        if not self._tables:  # device tables of every step, once per forward and before the ring (no host work inside)
+            self._prepare(q, k_new)
         if self.strategy == "pass-kv" and self.world > 1:
             return self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings)
         return self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
+
+    def _prepare(self, q, k) -> None:
+        self._tables["prepared"] = True
+        for j, step in enumerate(self.steps):
+            if isinstance(step, tuple):
+                self.backend.prepare_items(step[0], None, q, k, self._tables, ("store", j))
+                self.backend.prepare_items(step[1], None, q, k, self._tables, ("new", j))
+            else:
+                self.backend.prepare_items(step, None, q, k, self._tables, ("kv", j))
 
     def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings):
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
