@@ -185,6 +185,9 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for q in [*self._inboxes, self._outbox]:  # release the queues now (never wait on a dead rank's pipe)
+            q.cancel_join_thread()
+            q.close()
 
     def __enter__(self) -> "WorkerPool":
         return self
