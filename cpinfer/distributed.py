@@ -58,7 +58,7 @@ class ParallelGroups:
 
 def build_groups(config: ParallelConfig, rank: int, world_group, timeout_s: float = 300.0) -> ParallelGroups:
     """Create all CP and TP groups (collective over the world: every rank calls this in the same order)."""
-    config.check_world(dist.get_world_size(world_group))
+    config.check_world(dist.get_world_size(world_group) if world_group is not None else 1)  # None: one process
     cp_rank, tp_rank = config.coords(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     cp_group = tp_group = None

@@ -25,8 +25,21 @@ def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, thread
     return statistics.median(out.metrics["ttit_s"][1:])  # the first step after the prefill is a warm-up
 
 
-def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int, repeat: int = 3) -> float:
-    """(time of generate(1 + steps new tokens) - time of generate(1 new token)) / steps, median of `repeat`."""
+class _TokenClock:
+    """A `generate` streamer that only timestamps each token as transformers emits it."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int) -> float:
+    """Median gap between consecutive tokens of transformers' `generate` (greedy, KV cache), after a warm-up."""
     import torch
     import transformers
 
@@ -34,15 +47,12 @@ def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int, repea
     model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.tensor([C.random_prompt(context, vocab, seed=0)])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-
-    def timed(n: int) -> float:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        return time.perf_counter() - t0
-
-    timed(4)  # warm-up
-    return statistics.median((timed(steps + 1) - timed(1)) / steps for _ in range(repeat))
+    with torch.inference_mode():
+        model.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        clock = _TokenClock()
+        model.generate(ids, max_new_tokens=steps + 2, min_new_tokens=steps + 2, streamer=clock, **kw)
+    gaps = [b - a for a, b in zip(clock.times[2:], clock.times[3:])]  # [0] is the prompt, [1] the first token
+    return statistics.median(gaps)
 
 
 def measure(args) -> dict:

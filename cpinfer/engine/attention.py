@@ -195,8 +195,19 @@ class BatchAttention:
         ring_steps(self.group, packed, self.world, compute, timings)
         return acc_out.to(q.dtype)
 
+    def _run_local(self, q, k_new, v_new, store_k, store_v, scale):
+        """One rank: my queries against my store and my new K/V, straight into one accumulator."""
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        store_items, new_items = self.steps[0]
+        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self._tables,
+                                  ("store", 0))
+        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self._tables, ("new", 0))
+        return acc_out.to(q.dtype)
+
     def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
         n, lq, h, d = self.world, q.shape[0], q.shape[1], q.shape[2]
+        if n == 1:
+            return self._run_local(q, k_new, v_new, store_k, store_v, scale)
         rows = self.max_q if n > 1 else lq
         partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
         partials[..., d] = -torch.inf

@@ -25,7 +25,7 @@ from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.strategy import choose_for_batch
-from cpinfer.launch import JoinedWorld, RemoteError, WorkerPool, joined_world_requested
+from cpinfer.launch import InProcessWorld, JoinedWorld, RemoteError, WorkerPool, joined_world_requested
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
 from cpinfer.perf.hardware import load_hardware_profile
@@ -57,6 +57,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     threads_per_rank: int | None = None
     timeout_s: float = 600.0
+    in_process: bool = True  # CP1 x TP1 runs its one rank inside the driver process
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -149,6 +150,8 @@ class LLMEngine:
         if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
             self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s)
             self.parallel.check_world(self._pool.world_size)
+        elif world == 1 and a.in_process:  # one rank: run it in this process, no IPC per step
+            self._pool = InProcessWorld(a.device, threads, a.timeout_s)
         else:
             self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s)
         backend_name = self.attention_backend
@@ -281,7 +284,7 @@ class LLMEngine:
         spec = SampleSpec.of(req.params, req.seed, len(req.out)) if s.sample else None
         end = s.start + len(s.tokens)
         known = len(req.prompt) + len(req.out)
-        next_token = req.known[end] if end < known else -1
+        next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp)

@@ -56,6 +56,13 @@ class Request:
         """Still computing prompt (or, after preemption, earlier output) tokens beyond the next decode token."""
         return self.num_to_compute > 1 or not self.out
 
+    def token_slice(self, start: int, n: int) -> np.ndarray:
+        """known[start:start+n] without building the whole list (a decode step reads one output token)."""
+        p = len(self.prompt)
+        if start >= p:
+            return np.asarray(self.out[start - p:start - p + n], dtype=np.int64)
+        return np.asarray((self.prompt[start:start + n] + self.out[:max(0, start + n - p)]), dtype=np.int64)
+
     def known_array(self) -> np.ndarray:
         return np.asarray(self.known, dtype=np.int64)
 

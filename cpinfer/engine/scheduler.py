@@ -104,7 +104,7 @@ class Scheduler:
         start = req.num_stored
         n = min(req.num_to_compute, budget)
         is_decode = not req.is_prefill
-        tokens = req.known_array()[start:start + n]
+        tokens = req.token_slice(start, n)
         ctx = tuple(req.kv.runs_array(r) for r in range(self.kv.n))  # before the new tokens are appended
         placement = self.kv.reserve(req.kv, tokens, decode=is_decode)
         if placement is None:

@@ -63,11 +63,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
         """x [L, hidden], cos/sin [L, D/2] -> [L, hidden] (a partial sum when o_proj is TP-sliced)."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)      # [L, H, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)   # [L, Hkv, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)   # [L, Hkv, D]
+        d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
+        h, hkv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
+        q = self.q_proj(x).view(n, h, d)  # [L, H, D]
+        k = self.k_proj(x).view(n, hkv, d)  # [L, Hkv, D]
+        v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
         out = attn(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [L, H, D]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(n, h * d))
 
 
 class LlamaDecoderLayer(nn.Module):
