@@ -155,3 +155,17 @@ def test_query_pairs_with_every_ancestor_segment():
     assert all(it.mask is None for it in items)
     own = build_items(np.full(5, 2), np.arange(25, 30), kv_seq, kv_pos)  # default: the same segment id only
     assert [(it.kind, it.k0, it.k1) for it in own] == [(FULL, 20, 25), (CAUSAL, 25, 30)]
+
+
+@pytest.mark.parametrize("lq, h, hkv, lk", [(1, 8, 2, 1500), (3, 4, 4, 2048), (2, 8, 1, 1024)])
+def test_cpu_kernel_few_queries_over_many_keys_matches_reference(lq, h, hkv, lk):
+    """The decode path of the CPU kernel (a fully visible block of a few queries, many keys) vs float64."""
+    from cpinfer.attention.local import cpu_flash_backend
+
+    g = torch.Generator().manual_seed(lq * 7 + lk)
+    q, k, v = (torch.randn(n, hh, 16, generator=g) for n, hh in ((lq, h), (lk, hkv), (lk, hkv)))
+    out, lse = cpu_flash_backend(q, k, v, False, None, 0.25)
+    seq = torch.zeros(lk, dtype=torch.int64)
+    ref_out, ref_lse = reference_attention(q, k, v, seq[:lq], torch.full((lq,), lk), seq, torch.arange(lk), 0.25)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpinfer.engine.kv_manager import BLOCK, KVManager, chunk_ranks
+from cpinfer.cp.sharding import chunk_ranks
+from cpinfer.engine.kv_manager import BLOCK, KVManager
 from cpinfer.engine.request import Request, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig

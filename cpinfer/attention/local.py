@@ -23,6 +23,8 @@ from cpinfer.attention.merge import merge_into
 FULL, CAUSAL, MASK = 0, 1, 2
 _TILE_Q, _TILE_K = 64, 256  # tile sizes for irregular metadata
 _MIN_STAIR = 16  # shorter causal runs are cheaper as one masked tile
+_FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
+_FEW_Q_MIN_KEYS = 1024  # below this many keys the flash kernel is as fast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +46,27 @@ class AttentionBackend(Protocol):
         """q [Lq, H, D], k/v [Lk, Hkv, D] → out [Lq, H, D], lse [Lq, H] (natural log, fp32)."""
 
 
+def _few_queries_full(q, k, v, scale: float):
+    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
+    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
+    lq, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
+    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
+    p = torch.exp_(s.sub_(lse[..., None]))
+    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, D]
+    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, h, d).to(q.dtype)
+    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
+
+
 def cpu_flash_backend(q, k, v, causal, mask, scale):
-    """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V."""
+    """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
+    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead."""
+    if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
+            and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
+        return _few_queries_full(q, k, v, scale)
     lq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv

@@ -16,14 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import ItemBackend, get_step_backend, resolve_name
-from cpinfer.attention.local import FULL, AttnItem, build_items, cpu_flash_backend, mark_first, new_accumulator
+from cpinfer.attention.backends import get_step_backend, resolve_name
+from cpinfer.attention.local import FULL, AttnItem, build_items, mark_first, new_accumulator
 from cpinfer.attention.merge import merge_partials
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
-
-_FEW_Q_MAX_ROWS = 64  # query rows x heads per KV head at most, for the decode path
-_FEW_Q_MIN_KEYS = 1024  # below this the flash kernel is as fast
 
 
 def _merge_runs(runs: np.ndarray) -> np.ndarray:
@@ -36,31 +33,6 @@ def _merge_runs(runs: np.ndarray) -> np.ndarray:
     first = np.nonzero(opens)[0]
     last = np.append(first[1:] - 1, len(runs) - 1)
     return np.stack((runs[first, 0], runs[last, 1]), axis=1)
-
-
-def _few_queries_full(q, k, v, scale: float):
-    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
-    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
-    lq, h, d = q.shape
-    hkv = k.shape[1]
-    g = h // hkv
-    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
-    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
-    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
-    p = torch.exp_(s.sub_(lse[..., None]))
-    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, D]
-    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, h, d).to(q.dtype)
-    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
-
-
-def _decode_aware(backend):
-    """The CPU backend, with FULL blocks of few queries and many keys (decode) sent to `_few_queries_full`."""
-    def run(q, k, v, causal, mask, scale):
-        if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
-                and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
-            return _few_queries_full(q, k, v, scale)
-        return backend(q, k, v, causal, mask, scale)
-    return run
 
 
 def _shift(items: list[AttnItem], dq: int, dk: int) -> list[AttnItem]:
@@ -81,8 +53,7 @@ class BatchAttention:
         self.rank, self.world, self.group = rank, world, group
         self.strategy = batch.strategy
         name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
-        self.backend = (ItemBackend(name, _decode_aware(cpu_flash_backend)) if name == "cpu-flash"
-                        else get_step_backend(name, device))
+        self.backend = get_step_backend(name, device)
         self._tables: dict = {}  # device tables of the steps, built on first use and reused by every layer
         seqs = batch.seqs
         self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r

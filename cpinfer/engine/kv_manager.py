@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from cpinfer.cp.sharding import chunk_ranks
 from cpinfer.utils import ceil_div
 
 BLOCK = 64  # slots per allocation block
@@ -131,20 +132,6 @@ def _add_runs(runs: list[list[int]], slots: np.ndarray) -> None:
             runs[-1][1] = s1
         else:
             runs.append([s0, s1])
-
-
-def chunk_ranks(num_tokens: int, num_ranks: int, order: list[int]) -> np.ndarray:
-    """2N-chunk load balancing (§3.5.1) of a run of new tokens: chunk k of 2N goes to pair min(k, 2N-1-k);
-    pair i is placed on rank order[i] (the caller lists the least loaded ranks first for the larger pairs)."""
-    n2 = 2 * num_ranks
-    size = ceil_div(num_tokens, n2)
-    k = np.arange(num_tokens, dtype=np.int64) // size
-    pair = np.minimum(k, n2 - 1 - k)
-    counts = np.bincount(pair, minlength=num_ranks)
-    by_size = np.argsort(-counts, kind="stable")  # largest pair first
-    rank_of_pair = np.empty(num_ranks, dtype=np.int64)
-    rank_of_pair[by_size] = np.asarray(order, dtype=np.int64)
-    return rank_of_pair[pair]
 
 
 class KVManager:
