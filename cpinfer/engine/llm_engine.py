@@ -28,6 +28,7 @@ from cpinfer.engine.strategy import choose_for_batch
 from cpinfer.launch import InProcessWorld, JoinedWorld, RemoteError, WorkerPool, joined_world_requested
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
+from cpinfer.model.resolve import resolve_model
 from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.utils import get_logger
 
@@ -86,23 +87,13 @@ class EngineConfig:
         return ParallelConfig(self.context_parallel_size, self.tensor_parallel_size)
 
 
-def _resolve_model(model) -> str:
-    try:
-        from cpinfer.model.resolve import resolve_model
-    except ModuleNotFoundError as exc:
-        if exc.name != "cpinfer.model.resolve" or model is None:
-            raise
-        return str(model)
-    return str(resolve_model(model))
-
-
 class LLMEngine:
     """Driver of N×M ranks: `add_request`, `abort`, `step() -> list[RequestOutput]`, `has_unfinished_requests()`."""
 
     def __init__(self, model: str | None = None, **kwargs):
         self.args = EngineConfig(**kwargs)
         a = self.args
-        self.model_path = _resolve_model(model)
+        self.model_path = str(resolve_model(model))  # None → the embedded default; .gguf → converted once
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
         checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
         self.n = a.context_parallel_size
