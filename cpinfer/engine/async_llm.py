@@ -200,8 +200,8 @@ class AsyncLLM:
                     raise EngineDeadError(dead)
                 if not self.engine.has_unfinished_requests():
                     self._snapshot = (self.engine.cache_stats(), self.engine.stats())
-                    if time.monotonic() - last_busy > _HEARTBEAT_S and hasattr(self.engine._pool, "heartbeat"):
-                        self.engine._pool.heartbeat()
+                    if time.monotonic() - last_busy > _HEARTBEAT_S:
+                        self.engine.heartbeat()
                         last_busy = time.monotonic()
                     continue
                 outputs = self.engine.step()

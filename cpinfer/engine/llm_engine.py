@@ -235,6 +235,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def heartbeat(self) -> None:
+        """Idle liveness check of ranks without a process sentinel (a torchrun world): raises if one is gone."""
+        beat = getattr(self._pool, "heartbeat", None)
+        if beat is not None:
+            beat()
+
     def check_ranks(self) -> str | None:
         """Why the engine is dead (a rank process exited, found without a forward), or None while it is alive."""
         if self.dead_error is None and self._pool is not None:

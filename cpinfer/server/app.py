@@ -322,8 +322,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         req = await server.parse(request, P.TokenizeRequest)
         server.check_model(req.model)
         if req.messages is not None:
-            chat = P.ChatCompletionRequest(messages=req.messages)
-            ids = await server.encode(prompts.encode_chat, chat.template_messages(),
+            ids = await server.encode(prompts.encode_chat, [m.for_template() for m in req.messages],
                                       req.add_generation_prompt is not False, param="messages")
         else:
             add = req.add_special_tokens is not False
@@ -340,7 +339,6 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:8]}", param="tokens")
-        server.prompts.check_chars(len(req.tokens), "tokens")
         text = await prompts.run(tok.decode, req.tokens)
         return dump(P.DetokenizeResponse(prompt=text))
 

@@ -503,7 +503,7 @@ class ErrorResponse(BaseModel):
 class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: Optional[bool] = None  # prompt only (default true)
     add_generation_prompt: Optional[bool] = None  # messages only (default true)
 
