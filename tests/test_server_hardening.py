@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import threading
 import time
 
@@ -295,9 +296,11 @@ def test_a_10_mb_message_does_not_delay_other_streams(server, http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
     assert "characters" in r.json()["error"]["message"]  # rejected by its length before any tokenizing
     start, end = window
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end]
     assert arrivals[-1] > end, "the stream ended before the big request was answered: nothing was measured"
-    assert gaps and max(gaps) < 1.0, (max(gaps), end - start)
+    pairs = list(zip(arrivals, arrivals[1:]))
+    during = [b - a for a, b in pairs if b > start and a < end]
+    usual = statistics.median(b - a for a, b in pairs if not (b > start and a < end))  # this machine's pace
+    assert during and max(during) - usual < 1.0, (max(during), usual, end - start)
 
 
 # ---------------------------------------------------------------------------------------------- faults
