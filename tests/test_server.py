@@ -1,6 +1,7 @@
 """`cpinfer serve` end to end: the real server process on a free 127.0.0.1 port (CP2 on a tiny random Llama with a
 tiny byte-level tokenizer), called with the real `openai` client and with `httpx`; outputs checked against `LLM`
-offline. One server serves most tests; shutdown, a killed rank and torchrun get their own.
+offline. One server serves most tests; torchrun and the default model get their own (killed ranks, fuzzing and
+limits: test_server_hardening.py).
 """
 from __future__ import annotations
 
