@@ -24,6 +24,7 @@ from cpinfer.engine.kv_manager import BLOCK, KVManager
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.strategy import choose_for_batch
 from cpinfer.launch import InProcessWorld, JoinedWorld, RemoteError, WorkerPool, joined_world_requested
 from cpinfer.model.config import ModelConfig
@@ -119,6 +120,9 @@ class LLMEngine:
         self.kv = KVManager(self.n, capacity, a.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
+        self._matchers: dict[str, Matcher] = {}  # request id → its grammar state (constrained requests only)
+        self._failed: dict[str, str] = {}  # request id → why it fails at the end of this step (its own fault)
         self._aborts: list[str] = []
         self._rng = random.Random(0)
         self.dead_error: str | None = None
@@ -187,6 +191,11 @@ class LLMEngine:
             raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model directory has none (use stop_token_ids)")
+        bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias / stop_token_ids name token ids outside [0, {vocab}): {bad[:5]}")
+        if params.grammar is not None:
+            self.grammars.validate(params.grammar)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
@@ -211,6 +220,8 @@ class LLMEngine:
         tokens = self.validate(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, tokens, params, seed)
+        if params.grammar is not None:
+            self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -223,6 +234,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def heartbeat(self) -> None:
+        """Idle liveness check of ranks without a process sentinel (a torchrun world): raises if one is gone."""
+        beat = getattr(self._pool, "heartbeat", None)
+        if beat is not None:
+            beat()
+
+    def check_ranks(self) -> str | None:
+        """Why the engine is dead (a rank process exited, found without a forward), or None while it is alive."""
+        if self.dead_error is None and self._pool is not None:
+            reason = getattr(self._pool, "dead_reason", None)
+            if reason is not None:
+                self.dead_error = reason
+        return self.dead_error
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -257,6 +282,7 @@ class LLMEngine:
             if req is None:
                 continue
             self.scheduler.finish(req, keep_cache=False)
+            self._matchers.pop(rid, None)
             req.finish_reason = "abort"
             self._count_finish(req)
             outputs.append(self._output(req))
@@ -272,13 +298,37 @@ class LLMEngine:
 
     def _seq_input(self, s: ScheduledSeq) -> SeqInput:
         req = s.request
-        spec = SampleSpec.of(req.params, req.seed, len(req.out)) if s.sample else None
+        spec = SampleSpec.of(req.params, req.seed, len(req.out), self._allowed(req)) if s.sample else None
         end = s.start + len(s.tokens)
         known = len(req.prompt) + len(req.out)
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp)
+
+    def _allowed(self, req: Request):
+        """The grammar's bitmask of allowed next tokens (None: unconstrained, or its grammar failed: it ends)."""
+        matcher = self._matchers.get(req.request_id)
+        if matcher is None:
+            return None
+        try:
+            return matcher.bitmask()
+        except Exception as exc:  # noqa: BLE001 - the request's own grammar: it fails after this forward
+            self._failed[req.request_id] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End one request whose own work failed (sampling, grammar, output): free its private blocks."""
+        log.warning("request %s failed: %s", req.request_id, why)
+        self.scheduler.finish(req, keep_cache=False)
+        self.requests.pop(req.request_id, None)
+        self._matchers.pop(req.request_id, None)
+        self._failed.pop(req.request_id, None)
+        req.finish_reason = "error"
+        self._count_finish(req)
+        out = self._output(req)
+        out.error = why
+        return out
 
     def _process(self, scheduled, results: list[RankResult], choice, phase) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -297,8 +347,15 @@ class LLMEngine:
                 continue
             if b not in samples:
                 raise RuntimeError(f"no rank returned a sample for request {req.request_id} (this is a bug)")
-            self._take_token(req, samples[b], now)
-            outputs.append(self._output(req))
+            why = self._failed.get(req.request_id) or samples[b].error
+            if why is None:
+                try:
+                    self._take_token(req, samples[b], now)
+                except Exception as exc:  # noqa: BLE001 - decoding / grammar of this request only
+                    why = f"{type(exc).__name__}: {exc}"
+            outputs.append(self._fail(req, why) if why is not None else self._output(req))
+        for rid in [r for r in self._failed if r not in self.requests]:
+            del self._failed[rid]
         return outputs
 
     def _collect_prompt_lp(self, req: Request, s: ScheduledSeq, b: int, results) -> None:
@@ -321,6 +378,9 @@ class LLMEngine:
             req.metrics["first_token_time"] = now
         req.t_last = now
         req.out.append(token)
+        matcher = self._matchers.get(req.request_id)
+        if matcher is not None:
+            matcher.consume(token)
         req.logprobs.append(res.logprob)
         if req.params.top_logprobs:
             req.top_logprobs.append(dict(res.top))
@@ -334,11 +394,14 @@ class LLMEngine:
             req.finish_reason, req.stop_reason = "stop", token
         elif p.stop and self._hit_stop_string(req):
             req.finish_reason = "stop"
+        elif matcher is not None and matcher.done:
+            req.finish_reason = "stop"
         elif len(req.out) >= p.max_tokens:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             self.scheduler.finish(req, keep_cache=True)
             self.requests.pop(req.request_id, None)
+            self._matchers.pop(req.request_id, None)
             self._count_finish(req)
 
     @staticmethod

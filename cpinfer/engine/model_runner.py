@@ -93,7 +93,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=hidden.device)]).cpu()
         out = []
         for b, row_logits in zip(which, logits):
-            token, lp, top = sample(row_logits, batch.seqs[b].sample)
+            try:
+                token, lp, top = sample(row_logits, batch.seqs[b].sample)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's, not the forward's
+                out.append(SampleResult(b, -1, 0.0, (), f"{type(exc).__name__}: {exc}"))
+                continue
             out.append(SampleResult(b, token, lp, top))
         return tuple(out)
 
