@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cpinfer.device import check_gpus, gpu_of_rank
+
 
 @dataclasses.dataclass
 class RankContext:
@@ -63,7 +65,7 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker_main(rank, world_size, port, backend, threads, timeout_s, inbox, outbox):
+def _worker_main(rank, world_size, port, backend, threads, timeout_s, inbox, outbox, device_type="cpu"):
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and shuts us down
     os.environ["RANK"] = str(rank)
@@ -71,8 +73,8 @@ def _worker_main(rank, world_size, port, backend, threads, timeout_s, inbox, out
         torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device_type == "cuda":  # one GPU per rank (the pool checked there are enough), or shared over gloo
+        device = gpu_of_rank(rank)
         torch.cuda.set_device(device)
     try:
         dist.init_process_group(
@@ -110,11 +112,18 @@ class WorkerPool:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", threads_per_rank: int | None = 1,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, device: str | None = None):
+        """device: "cpu" or "cuda" (default: cuda for nccl, cpu for gloo); gloo with "cuda" puts several ranks on
+        one GPU (their CUDA tensors go through host memory)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        device = device or ("cuda" if backend == "nccl" else "cpu")
+        if device not in ("cpu", "cuda") or (backend == "nccl" and device != "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (nccl needs 'cuda'), got {device!r} with {backend}")
+        if device == "cuda":  # before any process starts: enough GPUs for one per rank unless gloo shares them
+            check_gpus(world_size, share_gpus=backend == "gloo")
         self.world_size = world_size
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")
@@ -125,7 +134,8 @@ class WorkerPool:
         for rank in range(world_size):
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, port, backend, threads_per_rank, timeout_s, self._inboxes[rank], self._outbox),
+                args=(rank, world_size, port, backend, threads_per_rank, timeout_s, self._inboxes[rank], self._outbox,
+                  device),
                 daemon=True,
             )
             p.start()
@@ -262,12 +272,14 @@ class JoinedWorld:
     """
 
     def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
-                 idle_timeout_s: float = 7 * 24 * 3600.0):
+                 idle_timeout_s: float = 7 * 24 * 3600.0, device: str | None = None):
         if threads_per_rank:
             torch.set_num_threads(threads_per_rank)
+        on_gpu = (device or ("cuda" if backend == "nccl" else "cpu")) == "cuda"
         device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if on_gpu:  # LOCAL_RANK's GPU, after checking this node has one per rank (unless gloo shares them)
+            check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), share_gpus=backend == "gloo")
+            device = gpu_of_rank(int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
