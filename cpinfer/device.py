@@ -98,20 +98,22 @@ def gpu_memory_utilization(text: str) -> float:
     return value
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto", dtype_help: str = "") -> None:
-    """--device, --dtype, --attention-backend, --gpu-memory-utilization and --share-gpus."""
+def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto", dtype_help: str = "",
+                  memory: bool = True) -> None:
+    """--device, --dtype, --attention-backend, --share-gpus and (with `memory`) --gpu-memory-utilization."""
     g = parser.add_argument_group("hardware")
     g.add_argument("--device", choices=DEVICES, default="auto",
-                   help="where the ranks run: auto = CUDA when a GPU is visible, else CPU (default: auto)")
+                   help="where the ranks run: auto = CUDA when a GPU is visible, else CPU (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default=dtype_default,
                    help=dtype_help or "weights, activations and KV cache: auto = bfloat16 on CUDA, float32 on CPU "
-                   f"(default: {dtype_default})")
+                   "(default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto = cpu-flash on CPU; flash-attn on CUDA when installed, else triton; "
-                        "or $CPINFER_ATTENTION_BACKEND (default: auto)")
-    g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9, metavar="F",
-                   help="CUDA: share of each GPU's memory the weights, activations and KV cache may use; the KV "
-                        "cache gets what the weights and a profiling forward leave (default: 0.9)")
+                        "or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
+    if memory:
+        g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9, metavar="F",
+                       help="CUDA: share of each GPU's memory the weights, activations and KV cache may use; the "
+                            "KV cache gets what the weights and a profiling forward leave (default: %(default)s)")
     g.add_argument("--share-gpus", action="store_true",
                    help="CUDA: allow more ranks than GPUs on a node (tensors then go over gloo through host "
                         "memory; for checks on one GPU, not for speed)")
@@ -125,5 +127,8 @@ def check_arguments(args) -> None:
 
 def engine_kwargs(args) -> dict:
     """`LLM` / `AsyncLLM` keyword arguments of `add_arguments`' options."""
-    return {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "share_gpus": args.share_gpus}
+    kwargs = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
+              "share_gpus": args.share_gpus}
+    if hasattr(args, "gpu_memory_utilization"):
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return kwargs
