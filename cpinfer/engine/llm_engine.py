@@ -164,7 +164,7 @@ class LLMEngine:
         sizing = None if capacity is not None else {
             "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
             "utilization": a.gpu_memory_utilization, "block": BLOCK,
-            "ranks_per_device": -(-ranks_here // torch.cuda.device_count())}
+            "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count()))}
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
