@@ -33,7 +33,7 @@ def random_model(name: str, seed: int = 0, **config) -> Path:
     """A random Llama-3-shaped checkpoint in the cache, written once per (shape, seed) and reused afterwards."""
     from cpinfer.model import write_random_checkpoint
 
-    key = hashlib.sha1(json.dumps([seed, sorted(config.items())]).encode()).hexdigest()[:10]
+    key = hashlib.sha1(json.dumps([seed, sorted(config.items())], default=str).encode()).hexdigest()[:10]
     path = cache_dir() / f"{name}-{key}"
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
