@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cpinfer.device import check_gpus, gpu_of_rank
+
 
 @dataclasses.dataclass
 class RankContext:
@@ -100,7 +102,7 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox):
+def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox, device_type="cpu"):
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and shuts us down
     os.environ["RANK"] = str(rank)
@@ -109,8 +111,8 @@ def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbo
         torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device_type == "cuda":  # one GPU per rank (the pool checked there are enough), or shared over gloo
+        device = gpu_of_rank(rank)
         torch.cuda.set_device(device)
     try:
         store = dist.FileStore(store_path, world_size)  # a file, not a TCP store listening on every interface
@@ -148,11 +150,18 @@ class WorkerPool:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", threads_per_rank: int | None = 1,
-                 timeout_s: float = 300.0, fail_grace_s: float = 2.0):
+                 timeout_s: float = 300.0, fail_grace_s: float = 2.0, device: str | None = None):
+        """device: "cpu" or "cuda" (default: cuda for nccl, cpu for gloo); gloo with "cuda" puts several ranks on
+        one GPU (their CUDA tensors go through host memory)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        device = device or ("cuda" if backend == "nccl" else "cpu")
+        if device not in ("cpu", "cuda") or (backend == "nccl" and device != "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (nccl needs 'cuda'), got {device!r} with {backend}")
+        if device == "cuda":  # before any process starts: enough GPUs for one per rank unless gloo shares them
+            check_gpus(world_size, share_gpus=backend == "gloo")
         self.world_size = world_size
         self.timeout_s, self.fail_grace_s = timeout_s, fail_grace_s
         self.dead_reason: str | None = None  # set by the watcher when a rank exits unasked
@@ -167,7 +176,7 @@ class WorkerPool:
             p = ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, store_path, backend, threads_per_rank, timeout_s, self._inboxes[rank],
-                      self._outbox),
+                      self._outbox, device),
                 daemon=True,
             )
             p.start()
@@ -335,12 +344,14 @@ class JoinedWorld:
     """
 
     def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
-                 idle_timeout_s: float = 7 * 24 * 3600.0):
+                 idle_timeout_s: float = 7 * 24 * 3600.0, device: str | None = None):
         if threads_per_rank:
             torch.set_num_threads(threads_per_rank)
+        on_gpu = (device or ("cuda" if backend == "nccl" else "cpu")) == "cuda"
         device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if on_gpu:  # LOCAL_RANK's GPU, after checking this node has one per rank (unless gloo shares them)
+            check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), share_gpus=backend == "gloo")
+            device = gpu_of_rank(int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

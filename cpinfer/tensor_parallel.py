@@ -7,13 +7,12 @@ Each rank reads only its slices from the safetensors files.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from cpinfer.model import ModelConfig, build_model, load_weights
+from cpinfer.timing import Stopwatch
 
 
 class RowParallelLinear(nn.Module):
@@ -22,17 +21,32 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group):
         super().__init__()
         self.linear, self.group = linear, group
-        self.comm_s = 0.0  # time spent in all-reduce (for benchmarks)
+        self._comm: list = []  # all-reduce spans (seconds on CPU, CUDA-event spans on CUDA), read by `comm_s`
+        self._comm_s = 0.0
 
     @property
     def weight(self):
         return self.linear.weight
 
+    @property
+    def comm_s(self) -> float:
+        """Seconds spent in the all-reduce so far (for benchmarks; on CUDA, the stream's time in it)."""
+        self._comm_s += sum(float(x) for x in self._comm)
+        self._comm = []
+        return self._comm_s
+
+    @comm_s.setter
+    def comm_s(self, value: float) -> None:
+        self._comm, self._comm_s = [], value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [L, in/tp] → [L, out]
         y = self.linear(x)
-        t0 = time.perf_counter()
+        clock = Stopwatch(y.device)
+        t0 = clock.mark()
         dist.all_reduce(y, group=self.group)
-        self.comm_s += time.perf_counter() - t0
+        self._comm.append(clock.span(t0, clock.mark()))
+        if len(self._comm) > 4096:  # nobody reads them (a server): keep the record bounded
+            _ = self.comm_s
         return y
 
 

@@ -10,6 +10,8 @@ Triton's interpreter (TRITON_INTERPRET=1), which is how the tests verify it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -86,7 +88,7 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
     if SPLIT:  # split-KV: one of several programs over these rows; its partial goes to scratch slot `slot`
         slot = tl.load(SLOT + t)
     if slot >= 0:
-        s_ptr = SCR + slot * ss0 + row_a * ss1 + head * ss2
+        s_ptr = SCR + slot.to(tl.int64) * ss0 + row_a * ss1 + head * ss2  # slot x [Lq, H, D+1] passes 2^31
         tl.store(s_ptr[:, None] + d[None, :], o_new, mask=m_ok[:, None] & d_ok[None, :])
         tl.store(s_ptr + D, lse_new, mask=m_ok)
     else:
@@ -136,10 +138,7 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
     q_seq, q_pos, kv_seq, kv_end, kv_pos = vectors if use_vectors else (row0,) * 5  # unread in item mode
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 only; 16-bit dots are exact
     split = slots is not None and n_slots > 0
-    scratch = None
-    if split:  # [S, Lq, H, D+1]: out | lse per split slot; slots a row block does not use stay empty
-        scratch = torch.zeros(n_slots, rows, h, d + 1, dtype=torch.float32, device=q.device)
-        scratch[..., d] = -torch.inf
+    scratch = split_scratch(n_slots, rows, h, d, q.device) if split else None
     scr = scratch if split else acc_out
     _step_kernel[(row0.numel(), hkv)](
         q, k, v, acc_out, acc_lse, q_seq, q_pos, kv_seq, kv_end, kv_pos, row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag,
@@ -156,9 +155,19 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
         triton_merge_into(acc_out, acc_lse, scratch[..., :d], scratch[..., d])
 
 
+def split_scratch(n_slots: int, rows: int, h: int, d: int, device) -> torch.Tensor:
+    """[S, Lq, H, D+1] fp32: out | lse per split-KV slot; slots a row block does not use stay empty (0, -inf)."""
+    scratch = torch.zeros(n_slots, rows, h, d + 1, dtype=torch.float32, device=device)
+    scratch[..., d] = -torch.inf
+    return scratch
+
+
 def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1) instead of being compiled."""
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; before, `triton.jit` read the variable itself
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def block_m_for(g: int, block_m: int) -> int:

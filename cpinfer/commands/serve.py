@@ -14,6 +14,9 @@ import signal
 import threading
 
 from cpinfer.bench.attention import positive_int
+from cpinfer.device import add_arguments as add_device_arguments
+from cpinfer.device import check_arguments as check_device_arguments
+from cpinfer.device import engine_kwargs as device_kwargs
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -95,6 +98,7 @@ def engine_kwargs(args) -> dict:
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank}
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    kwargs.update(device_kwargs(args))  # --device, --dtype, --attention-backend, --gpu-memory-utilization, ...
     return kwargs
 
 
@@ -105,6 +109,7 @@ def run(args) -> int:
     from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
     from cpinfer.server.app import ServerConfig, build_app
 
+    check_device_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
     api_key = args.api_key or os.environ.get("CPINFER_API_KEY") or None
     model_dir = resolve_model(args.model)  # ValueError naming the problem, before any rank starts
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
@@ -165,7 +170,9 @@ def register(subparsers) -> None:
                         help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests at most")
     parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
-                        help="KV-cache capacity of each rank in tokens (default: a share of memory)")
+                        help="KV-cache capacity of each rank in tokens (default: CUDA: what "
+                             "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "
+                             "share of RAM)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse K/V across requests (every turn re-prefills its whole history)")
     parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
@@ -194,4 +201,5 @@ def register(subparsers) -> None:
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                         help="uvicorn log level")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_device_arguments(parser)
     parser.set_defaults(func=run)

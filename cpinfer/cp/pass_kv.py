@@ -6,14 +6,13 @@ the next block overlaps the attention on the current one. Partials merge into on
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for, device_send_index
 from cpinfer.attention.local import new_accumulator
 from cpinfer.cp.ring import ring_steps
+from cpinfer.timing import Stopwatch
 
 
 def _pack_kv(plan, k, v) -> torch.Tensor:
@@ -44,13 +43,14 @@ def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     backend = backend_for(plan, q.device)
     backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-    t0 = time.perf_counter()
+    clock = Stopwatch(q.device)
+    t0 = clock.mark()
     blocks = [k, v]
     if plan.world > 1:
         mine = _pack_kv(plan, k, v)
         blocks = [torch.empty_like(mine) for _ in range(plan.world)]
         dist.all_gather(blocks, mine, group=plan.group)
-    t1 = time.perf_counter()
+    t1 = clock.mark()
     for j in range(plan.world):
         if j == 0:
             backend.attend(plan, 0, q, k, v, acc_out, acc_lse, scale)
@@ -58,5 +58,5 @@ def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
             blk = blocks[plan.source(j)]
             backend.attend(plan, j, q, blk[0], blk[1], acc_out, acc_lse, scale)
     if timings is not None:
-        timings.append({"step": "all", "compute_s": time.perf_counter() - t1, "wait_s": t1 - t0})
+        timings.append({"step": "all", "compute_s": clock.span(t1, clock.mark()), "wait_s": clock.span(t0, t1)})
     return acc_out.to(q.dtype)

@@ -6,13 +6,12 @@ are padded only to the longest rank's query count (decode places at most ceil(B/
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for
 from cpinfer.cp.ring import ring_steps
+from cpinfer.timing import Stopwatch
 
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
@@ -37,10 +36,11 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     ring_steps(plan.group, cur, n, compute, timings)
     if n == 1:
         return partials[0, :lq, :, :d].to(q.dtype)
-    t0 = time.perf_counter()
+    clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL
+    t0 = clock.mark()
     back = torch.empty_like(partials)
     dist.all_to_all_single(back, partials, group=plan.group)  # back[s] = my queries' partial computed on rank s
     out, _ = backend.merge(back[:, :lq, :, :d], back[:, :lq, :, d], q.dtype)  # [Lq, H, D]
     if timings is not None:
-        timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
+        timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
     return out

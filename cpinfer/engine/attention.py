@@ -10,7 +10,6 @@ then returns partial outputs with one All2All (Alg. 3, 4).
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from cpinfer.attention.local import FULL, AttnItem, build_items, mark_first, new
 from cpinfer.attention.merge import merge_partials
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
+from cpinfer.timing import Stopwatch
 
 
 def _merge_runs(runs: np.ndarray) -> np.ndarray:
@@ -198,10 +198,11 @@ class BatchAttention:
         ring_steps(self.group, cur, n, compute, timings)
         if n == 1:
             return partials[0, :lq, :, :d].to(q.dtype)
-        t0 = time.perf_counter()
+        clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL
+        t0 = clock.mark()
         back = torch.empty_like(partials)
         dist.all_to_all_single(back, partials, group=self.group)  # back[s] = my queries' partial from rank s
         out, _ = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
         if timings is not None:
-            timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
+            timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
         return out.to(q.dtype)

@@ -17,9 +17,11 @@ import torch
 
 from cpinfer.attention.backends import NAMES as ATTENTION_BACKENDS
 from cpinfer.attention.backends import resolve_name
+from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
+from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv_manager import BLOCK, KVManager
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
@@ -46,14 +48,16 @@ class EngineConfig:
 
     context_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda"; resolved here
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     max_kv_tokens_per_rank: int | None = None
-    kv_memory_fraction: float = 0.25
+    kv_memory_fraction: float = 0.25  # CPU: share of host RAM for the KV cache of all ranks
+    gpu_memory_utilization: float = 0.9  # CUDA: share of each GPU for weights, activations and the KV cache
+    share_gpus: bool = False  # CUDA: allow more ranks than GPUs on a node (gloo through host memory; slow)
     strategy: str = "auto"
     hardware_profile: str | None = None
     attention_backend: str = "auto"
@@ -66,10 +70,13 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        device = resolve_device(self.device)  # ValueError naming CUDA when it was asked for and is missing
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if device == "cuda":  # more ranks than GPUs on this node fails now, naming both numbers
+            check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -111,12 +118,15 @@ class LLMEngine:
         self.strategy = a.strategy
         # a catalog name or a `cpinfer calibrate` JSON; loaded now so a bad path fails before any rank starts
         self.hardware = load_hardware_profile(a.hardware_profile or ("cpu-gloo" if a.device == "cpu" else "h100-gtt"))
-        self.elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
-        capacity = (a.max_kv_tokens_per_rank or self._default_capacity(a.kv_memory_fraction)) // BLOCK * BLOCK
+        self.elem_bytes = getattr(torch, a.dtype).itemsize
+        capacity = a.max_kv_tokens_per_rank
+        if capacity is None and a.device == "cpu":
+            capacity = self._default_capacity(a.kv_memory_fraction)
+        capacity = None if capacity is None else capacity // BLOCK * BLOCK  # None: measured on the GPUs
         # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
         self.tokenizer = _load_tokenizer(self.model_path)
-        self._start_ranks(capacity)
+        capacity = self._start_ranks(capacity)
         self.kv = KVManager(self.n, capacity, a.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
@@ -133,29 +143,42 @@ class LLMEngine:
         c = self.config
         per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                                self.elem_bytes)
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        tokens = int(total * fraction / self.n / per_token)
-        return max(BLOCK, min(tokens, 4 * self.max_model_len))
+        return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
-    def _start_ranks(self, capacity: int) -> None:
+    def _start_ranks(self, capacity: int | None) -> int:
+        """Start the ranks and load the model; with capacity None (CUDA), size the KV cache from each GPU's memory.
+        Returns the KV capacity per rank."""
         a = self.args
         world = self.parallel.world_size
         threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-        backend = "gloo" if a.device == "cpu" else "nccl"
+        ranks_here = ranks_on_this_node(world)
+        backend = comm_backend(a.device, ranks_here, a.share_gpus)
+        if a.device == "cuda" and backend == "gloo":
+            log.warning("%d ranks share %d GPU(s): tensors go over gloo through host memory (slow; for checks)",
+                        ranks_here, torch.cuda.device_count())
         if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
-            self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s)
+            self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s, device=a.device)
             self.parallel.check_world(self._pool.world_size)
         elif world == 1 and a.in_process:  # one rank: run it in this process, no IPC per step
             self._pool = InProcessWorld(a.device, threads, a.timeout_s)
         else:
-            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s)
+            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
+                                    device=a.device)
         backend_name = self.attention_backend
+        sizing = None if capacity is not None else {
+            "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
+            "utilization": a.gpu_memory_utilization, "block": BLOCK,
+            "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count()))}
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
-                                   a.tensor_parallel_size, backend_name)
+                                   a.tensor_parallel_size, backend_name, sizing)
             self.rank_pids = [i["pid"] for i in infos]
+            if capacity is None:
+                capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
+                self._pool.run(MR.allocate_kv, capacity)
+                _log_gpu_capacity(capacity, infos, sizing)
         except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
             self._pool.close(force=True)
             if exc.exception_type == "ValueError":
@@ -164,6 +187,7 @@ class LLMEngine:
         except BaseException:
             self._pool.close(force=True)
             raise
+        return capacity
 
     def shutdown(self) -> None:
         if getattr(self, "_pool", None) is not None:
@@ -441,6 +465,17 @@ class LLMEngine:
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
+
+
+def _log_gpu_capacity(capacity: int, infos: list[dict], sizing: dict) -> None:
+    m = infos[0]["memory"]
+    gib = float(1 << 30)
+    log.info("KV cache: %d tokens per rank (%.2f GiB each), from gpu_memory_utilization %.2f of %.1f GiB per GPU "
+             "(%d rank(s) per GPU) after the weights and a profiling forward of %d tokens per rank peaked at "
+             "%.2f GiB (rank 0; %.2f GiB were in use before loading); per-rank limits %s",
+             capacity, capacity * infos[0]["kv_bytes_per_token"] / gib, sizing["utilization"], m["total"] / gib,
+             sizing["ranks_per_device"], sizing["tokens"], m["peak"] / gib, (m["total"] - m["free_at_start"]) / gib,
+             [i["kv_capacity"] for i in infos])
 
 
 def _load_tokenizer(path: str):
