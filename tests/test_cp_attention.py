@@ -26,9 +26,9 @@ def pools():
 
 
 def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None,
-                   backend="auto"):
+                   backend="auto", window=None):
     return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale,
-                        kv_seq_end=kv_seq_end, backend=backend)
+                        kv_seq_end=kv_seq_end, backend=backend, window=window)
 
 
 def rank_attention_catching(ctx, *args, **kwargs):
@@ -52,6 +52,7 @@ class Problem:
         self.kv_seq = torch.zeros(n_kv, dtype=torch.long)
         self.kv_pos = torch.zeros(n_kv, dtype=torch.long)
         self.kv_end = None  # [n_kv] prefix-tree interval ends, or None for "same sequence id"
+        self.window = None  # sliding window, or None
 
     def solve(self, pool, q_idx, kv_idx, strategy):
         """q_idx[r], kv_idx[r]: index arrays of rank r's queries / keys (-1 = padding). Returns out [n_q, H, D]."""
@@ -63,7 +64,7 @@ class Problem:
             args.append((self.q[qc], self.k[kc], self.v[kc],
                          self.q_seq[qc].masked_fill(qp, -1), self.q_pos[qc].masked_fill(qp, 0),
                          self.kv_seq[kc].masked_fill(kp, -1), self.kv_pos[kc].masked_fill(kp, 0), strategy, None,
-                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0)))
+                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0), "auto", self.window))
         outs = pool.run_each(rank_attention, args)
         full = torch.full_like(self.q, float("nan"))
         for qi, out in zip(q_idx, outs):
@@ -75,7 +76,7 @@ class Problem:
 
     def check(self, out):
         ref, _ = reference_attention(self.q, self.k, self.v, self.q_seq, self.q_pos, self.kv_seq, self.kv_pos,
-                                     kv_seq_end=self.kv_end)
+                                     kv_seq_end=self.kv_end, window=self.window)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 

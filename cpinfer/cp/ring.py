@@ -2,6 +2,8 @@
 
 `start(send, recv)` posts one send to the next rank and one receive from the previous rank with
 `batch_isend_irecv`; `wait()` completes them, so the caller computes the current block in between.
+`direct_steps` is the windowed variant: step j goes straight from rank r - j to rank r, and a pair with nothing
+to move posts nothing (a step that is empty for every rank moves no message at all).
 """
 from __future__ import annotations
 
@@ -59,3 +61,35 @@ def ring_steps(group, block: torch.Tensor | None, n: int, compute, timings: list
             block, spare = spare, block
         if timings is not None:
             timings.append({"step": j, "compute_s": t1 - t0, "wait_s": time.perf_counter() - t1})
+
+
+def direct_steps(group, n: int, outgoing, incoming, compute, timings: list | None = None) -> None:
+    """N steps of a direct exchange: at step j (1 <= j < N) this rank sends `outgoing(j)` to rank (rank + j) and
+    receives into `incoming(j)` from rank (rank - j); either may be None (nothing to move, no message posted —
+    both sides decide from the same plan). `compute(j, block)` runs on step j's received block (None at j = 0 or
+    when nothing came) while step j+1's transfers are in flight. Same timings as `ring_steps`.
+    """
+    rank = dist.get_rank(group) if n > 1 else 0
+
+    def post(j: int):
+        send, recv = outgoing(j), incoming(j)
+        ops = []
+        if send is not None:
+            ops.append(dist.P2POp(dist.isend, send, global_rank(group, (rank + j) % n), group))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, global_rank(group, (rank - j) % n), group))
+        return (dist.batch_isend_irecv(ops) if ops else []), send, recv  # send kept alive until waited
+
+    pending = post(1) if n > 1 else None
+    for j in range(n):
+        t0 = time.perf_counter()
+        block = None
+        if j > 0:
+            reqs, _, block = pending
+            for req in reqs:
+                req.wait()
+            pending = post(j + 1) if j + 1 < n else None
+        t1 = time.perf_counter()
+        compute(j, block)
+        if timings is not None:
+            timings.append({"step": j, "compute_s": time.perf_counter() - t1, "wait_s": t1 - t0})

@@ -1,10 +1,12 @@
-"""Tiny Llama checkpoints for tests: named config variants, a `transformers`-based writer (the oracle) and a
-tiny GGUF writer (the converter's input, laid out as llama.cpp writes it).
+"""Tiny checkpoints of every supported family for tests: named config variants, a `transformers`-based writer
+(the oracle; both config.json layouts), and tiny GGUF writers (the converter's input, laid out as llama.cpp
+writes it: from scratch for Llama, or from a Hugging Face folder of any family).
 
 `transformers` is imported lazily, so importing this module does not need it.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch
 
 # Shared base: 2 layers, fp32-friendly sizes; each variant overrides a few keys.
 TINY_BASE: dict[str, Any] = {
+    "model_type": "llama",
     "vocab_size": 256,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -27,6 +30,10 @@ TINY_BASE: dict[str, Any] = {
     "initializer_range": 0.1,  # larger than HF's 0.02 so attention is far from uniform: RoPE bugs show
 }
 
+_LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 64,  # 8 factors for head_dim 16
+             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+             "long_factor": [1.0, 1.4, 2.0, 3.0, 4.5, 6.0, 8.0, 10.0]}
+
 TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "gqa": {},                                                   # 8 query heads : 2 KV heads (4:1)
     "mqa": {"num_attention_heads": 4, "num_key_value_heads": 1},
@@ -37,40 +44,97 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     },
+    # RoPE scalings on Llama (head_dim 16, a short original context so that test positions lie past it)
+    "linear": {"hidden_size": 128, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "dynamic": {"hidden_size": 128, "max_position_embeddings": 64,
+                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    "yarn": {"hidden_size": 128, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 64}},
+    "yarn_mscale": {"hidden_size": 128, "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16,
+                                                         "mscale": 0.8, "mscale_all_dim": 0.5,
+                                                         "original_max_position_embeddings": 64}},
+    "longrope": {"hidden_size": 128, "max_position_embeddings": 256, "rope_scaling": _LONGROPE},
+    "llama_bias": {"attention_bias": True, "mlp_bias": True},
+    # the other families
+    "mistral": {"model_type": "mistral", "sliding_window": 24, "head_dim": 16},
+    "qwen2": {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1},
+    "qwen2_full": {"model_type": "qwen2", "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16, "attention_bias": True,
+              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    "qwen3_swa": {"model_type": "qwen3", "head_dim": 16, "use_sliding_window": True, "sliding_window": 16,
+                  "max_window_layers": 0},
+    "gemma3": {"model_type": "gemma3_text", "head_dim": 16, "num_hidden_layers": 3, "query_pre_attn_scalar": 24,
+               "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0,
+               "tie_word_embeddings": True, "rope_theta": None,
+               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
 }
 
 
 def tiny_config(variant: str = "gqa", **overrides: Any) -> dict[str, Any]:
-    """Keyword arguments for `transformers.LlamaConfig` (also valid `config.json` content)."""
+    """Keyword arguments for the family's `transformers` config class (also valid `config.json` content)."""
     if variant not in TINY_VARIANTS:
         raise ValueError(f"unknown tiny variant {variant!r}; choose from {sorted(TINY_VARIANTS)}")
-    return {**TINY_BASE, **TINY_VARIANTS[variant], **overrides}
+    d = {**TINY_BASE, **TINY_VARIANTS[variant], **overrides}
+    return {k: v for k, v in d.items() if v is not None}
 
 
 def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: int = 0,
-                        max_shard_size: str | int | None = None, **overrides: Any) -> Path:
-    """Save a random `transformers.LlamaForCausalLM` (fp32) with `save_pretrained`; returns the directory.
+                        max_shard_size: str | int | None = None, layout: str = "hf5", **overrides: Any) -> Path:
+    """Save a random `transformers` causal LM of the variant's family (fp32) with `save_pretrained`.
 
-    Norm weights get small noise on top of HF's ones-init so that a mis-mapped norm is caught.
+    Norm weights and biases get noise on top of HF's init (ones / zeros) so that a mis-mapped or ignored norm or
+    bias is caught. layout "hf4" rewrites config.json in the transformers 4.x layout (rope_theta + rope_scaling,
+    Gemma's rope_local_base_freq and sliding_window_pattern), which transformers 5 also reads.
     """
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_config(variant, **overrides)))
+    kwargs = tiny_config(variant, **overrides)
+    model_type = kwargs.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(str(directory), **kwargs)
+    save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(str(directory), **save)
+    if layout == "hf4":
+        file = Path(directory) / "config.json"
+        file.write_text(json.dumps(legacy_layout(json.loads(file.read_text())), indent=2))
+    elif layout != "hf5":
+        raise ValueError(f"layout must be 'hf5' or 'hf4', got {layout!r}")
     return Path(directory)
 
 
+def legacy_layout(d: dict[str, Any]) -> dict[str, Any]:
+    """A 5.x config dict in the 4.x layout: `rope_parameters` → `rope_theta` + `rope_scaling` (Gemma 3:
+    the global RoPE there, the local theta as `rope_local_base_freq`, and `layer_types` as a window pattern)."""
+    d = dict(d)
+    params = d.pop("rope_parameters", None) or {}
+    if d.get("model_type") == "gemma3_text":
+        types = d.pop("layer_types")
+        pattern = types.index("full_attention") + 1
+        if types != ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(len(types))]:
+            raise ValueError("this Gemma 3 layer_types has no 4.x sliding_window_pattern equivalent")
+        d["sliding_window_pattern"] = pattern
+        d["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        params = params["full_attention"]
+    params = dict(params)
+    d["rope_theta"] = params.pop("rope_theta", 10000.0)
+    type_key = "rope_type" if d.get("model_type") == "gemma3_text" else "type"  # the older alias, where it worked
+    d["rope_scaling"] = None if params.get("rope_type", "default") == "default" else {
+        (type_key if k == "rope_type" else k): v for k, v in params.items()}
+    return d
+
+
 def load_hf_model(directory: str | Path):
-    """The oracle: `transformers.LlamaForCausalLM` from `directory`, fp32, eager attention, eval mode."""
+    """The oracle: the family's `transformers` causal LM from `directory`, fp32, eager attention, eval mode."""
     import transformers
 
-    return transformers.LlamaForCausalLM.from_pretrained(
+    return transformers.AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=torch.float32, attn_implementation="eager").eval()
 
 
