@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from cpinfer.distributed import ParallelConfig, build_groups
-from cpinfer.engine.attention import BatchAttention
+from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
 from cpinfer.engine.sampling import sample
 from cpinfer.model import ModelConfig, load_model
@@ -49,14 +49,19 @@ class ModelRunner:
         c = self.config
         n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
         self.backend = attention_backend
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
+        self.windows = c.windows  # per layer: its sliding window or None
+        # positions of every rank's slots, mirrored from the batches, when some layer has a window
+        self.slot_positions = SlotPositions(parallel.cp, capacity) if any(self.windows) else None
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
         self.store = KVStore(c.num_hidden_layers, capacity, n_kv, c.head_dim, dtype, ctx.device)
 
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
-        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device)
+        if self.slot_positions is not None:
+            self.slot_positions.record(batch)
+        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         dev = self.ctx.device
         ids = torch.from_numpy(plan.input_ids).to(dev)
         pos = torch.from_numpy(plan.positions).to(dev)
@@ -67,7 +72,7 @@ class ModelRunner:
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             store.v[layer].index_copy_(0, slots, v)
             steps: list[dict] = []
-            out = plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps)
+            out = plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer])
             wait[0] += sum(st["wait_s"] for st in steps)
             return out
 
