@@ -10,10 +10,12 @@ import transformers
 
 from cpinfer.model import gguf as G
 from cpinfer.model import resolve as R
+from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import load_model
 from cpinfer.model.reference import ReferenceAttention
 from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
-from cpinfer.model.testing import write_tiny_gguf, write_hf_checkpoint
+from cpinfer.model.testing import (GGUF_TEST_VOCAB, load_hf_model, write_gguf_from_hf, write_hf_checkpoint,
+                                   write_tiny_gguf)
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -96,15 +98,16 @@ def test_half_written_or_stale_cache_is_redone(cache, tiny):
 
 
 def test_unsupported_architecture_is_named(cache, tmp_path):
-    src = write_tiny_gguf(tmp_path / "q.gguf", arch="qwen2")
-    with pytest.raises(ValueError, match=r"architecture 'qwen2' is not supported.*'llama'"):
+    src = write_tiny_gguf(tmp_path / "q.gguf", arch="phi3")
+    with pytest.raises(ValueError, match=r"architecture 'phi3' is not supported.*'llama', 'qwen2', 'qwen3', 'gemma3'"):
         resolve_model(src)
     assert not (cache / "models").exists() or not any((cache / "models").iterdir())
 
 
 @pytest.mark.parametrize("meta,fragment", [
     ({"llama.expert_count": 8}, "mixture-of-experts"),
-    ({"llama.rope.scaling.type": "linear"}, "RoPE scaling"),
+    ({"llama.rope.scaling.type": "longrope"}, "RoPE scaling in a GGUF file \\('longrope'"),
+    ({"llama.attention.sliding_window": 4096}, "sliding window in a 'llama' GGUF file"),
 ])
 def test_unsupported_llama_variants(cache, tmp_path, meta, fragment):
     src = write_tiny_gguf(tmp_path / "v.gguf", metadata=meta)
@@ -117,8 +120,8 @@ def test_folder_is_validated_and_returned(tmp_path, llama_checkpoint):
     assert resolve_model(path) == path
     bad = write_hf_checkpoint(tmp_path / "bad", "gqa")
     cfg = json.loads((bad / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
-    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'falcon'"):
         resolve_model(bad)
 
 
@@ -150,3 +153,61 @@ def test_hub_id_only_with_allow_download(cache, llama_checkpoint, monkeypatch):
         resolve_model("org/some-llama")
     assert calls == []
     assert resolve_model("org/some-llama", allow_download=True) == path and calls == ["org/some-llama"]
+
+
+# family -> (tiny variant, overrides): llama.cpp's converter keeps no sliding window for Mistral / Qwen2 (their
+# GGUF architectures have none), so those two round-trip without one; Gemma 3 keeps its windows.
+ROUND_TRIP = {
+    "llama": ("llama_bias", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2": ("qwen2", {"use_sliding_window": False}),
+    "qwen3": ("qwen3", {}),
+    "gemma3": ("gemma3", {}),
+}
+
+
+@pytest.mark.parametrize("family", list(ROUND_TRIP))
+def test_round_trip_hf_to_gguf_to_cpinfer(cache, tmp_path, family):
+    """A random HF checkpoint written as GGUF (F32, llama.cpp's layout: names, Q/K permutation for Llama-style
+    models, Gemma's 1 + w norms, YaRN / linear RoPE keys, Gemma's window pattern), loaded by cpinfer: logits equal
+    transformers' on the original folder; tokenizer and chat template equal transformers' GGUF reader's."""
+    variant, overrides = ROUND_TRIP[family]
+    spm = family == "gemma3"
+    hf_dir = write_hf_checkpoint(tmp_path / "hf", variant, vocab_size=GGUF_TEST_VOCAB["spm" if spm else "bpe"],
+                                 **overrides)
+    src = write_gguf_from_hf(hf_dir, tmp_path / f"{family}.gguf")
+    out = resolve_model(src)
+    cfg, model = load_model(out)
+    assert cfg.model_type == {"mistral": "llama", "gemma3": "gemma3_text"}.get(family, family)
+    hf = load_hf_model(hf_dir)
+    windows = ModelConfig.from_pretrained(hf_dir).windows if spm else (None,) * cfg.num_hidden_layers
+    assert cfg.windows == windows  # (Mistral's default 4096 is longer than the 70 tokens here)
+    ids = torch.arange(5, 5 + 70) % cfg.vocab_size   # [L], longer than Gemma's window of 16
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, pos, ReferenceAttention(torch.zeros_like(ids), pos, config=cfg)))
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=src.name)
+    msgs = [{"role": "user", "content": "the theme"}]
+    ids_ours = tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+    assert ids_ours == ref.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+    assert tok.decode(ids_ours).endswith("model\n" if spm else "assistant\n")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # (transformers' GGUF reader ignores Qwen3's head_dim)
+def test_quantized_gguf_weights_equal_transformers_gguf_reader(tmp_path, family):
+    """Q8_0 linears: every converted tensor equals what transformers' own GGUF loader makes of the same file."""
+    variant, overrides = ROUND_TRIP[family]
+    hf_dir = write_hf_checkpoint(tmp_path / "hf", variant,
+                                 vocab_size=GGUF_TEST_VOCAB["spm" if family == "gemma3" else "bpe"], **overrides)
+    src = write_gguf_from_hf(hf_dir, tmp_path / "q.gguf", quantize=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    G.convert_gguf(src, out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q.gguf",
+                                                               dtype=torch.float32).state_dict()
+    _, model = load_model(out)
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-6, msg=name)

@@ -243,3 +243,132 @@ def _gguf_value_type(value: Any):
     if isinstance(value, int):
         return GGUFValueType.UINT32
     return GGUFValueType.FLOAT32
+
+
+# A SentencePiece ("llama"-type) vocabulary in Gemma's style: specials, the 256 byte-fallback tokens, a few pieces.
+TINY_SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+TINY_SPM_PIECES = ("\u2581", "t", "h", "e", "\u2581t", "he", "\u2581the")
+TINY_GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + "
+                            "m['content'] + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                            "{{ '<start_of_turn>model\\n' }}{% endif %}")
+GGUF_TEST_VOCAB = {"bpe": len(TINY_GGUF_SPECIALS) + 256 + 3, "spm": len(TINY_SPM_SPECIALS) + 256 + len(TINY_SPM_PIECES)}
+
+
+def write_gguf_from_hf(hf_dir: str | Path, path: str | Path, *, quantize: bool = False) -> Path:
+    """Write the Hugging Face checkpoint in `hf_dir` (llama, mistral, qwen2, qwen3, gemma3_text) as a GGUF file laid
+    out the way llama.cpp's converter writes it: its architecture and metadata keys, Q/K rows permuted for
+    Llama-style models, Gemma's norms stored as 1 + w, linears in Q8_0 when `quantize` (else F32), and a tokenizer
+    with a chat template — byte-level BPE (ChatML) for Llama / Qwen, SentencePiece for Gemma — whose vocabulary
+    size must equal the checkpoint's (`GGUF_TEST_VOCAB`). Gemma's query scale is written as `attention.scale`
+    only when it is not llama.cpp's default (1/sqrt(head_dim))."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+    from safetensors.numpy import load_file
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_type = cfg["model_type"]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}[
+        model_type]
+    from cpinfer.model.config import ModelConfig
+
+    c = ModelConfig.from_dict(cfg)
+    sd = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        sd.update(load_file(str(file)))
+    w = GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    full = c.rope["full_attention"]
+    w.add_rope_freq_base(full.theta)
+    if full.rope_type in ("linear", "yarn"):
+        w.add_rope_scaling_type(RopeScalingType(full.rope_type))
+        w.add_rope_scaling_factor(full.factor)
+        if full.rope_type == "yarn":
+            w.add_rope_scaling_orig_ctx_len(full.original_max_position_embeddings)
+    elif full.rope_type != "default":
+        raise ValueError(f"llama.cpp's converter writes {full.rope_type} RoPE as a rope_freqs tensor; not here")
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        w.add_rope_freq_base_swa(c.rope["sliding_attention"].theta)
+        if c.query_pre_attn_scalar != c.head_dim:
+            w.add_attention_scale(c.query_pre_attn_scalar ** -0.5)
+        if c.final_logit_softcapping is not None:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+    spm = arch == "gemma3"
+    if spm:
+        specials = list(TINY_SPM_SPECIALS)
+        tokens = [*specials, *(f"<0x{b:02X}>" for b in range(256)), *TINY_SPM_PIECES]
+        types = [3] * len(specials) + [6] * 256 + [1] * len(TINY_SPM_PIECES)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * (len(specials) + 256) + [-float(i) for i in range(len(TINY_SPM_PIECES))])
+        w.add_token_types(types)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_chat_template(TINY_GEMMA_CHAT_TEMPLATE)
+    else:
+        tokens = [*TINY_GGUF_SPECIALS, *_byte_level_alphabet(), "Ġt", "he", "Ġthe"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+        w.add_token_list(tokens)
+        w.add_token_types([3] * len(TINY_GGUF_SPECIALS) + [1] * (len(tokens) - len(TINY_GGUF_SPECIALS)))
+        w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_pad_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(TINY_GGUF_CHAT_TEMPLATE)
+    if len(tokens) != c.vocab_size:
+        raise ValueError(f"the test tokenizer has {len(tokens)} tokens but the checkpoint's vocab_size is "
+                         f"{c.vocab_size}; write the checkpoint with vocab_size={len(tokens)}")
+    w.add_vocab_size(len(tokens))
+
+    def permute(x: np.ndarray, n: int) -> np.ndarray:  # HF rotate-half rows -> llama.cpp's interleaved rows
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "post_attention_layernorm": "post_attention_norm" if spm else "ffn_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, x in sd.items():
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if name in top:
+            if name == "lm_head.weight" and c.tie_word_embeddings:
+                continue
+            out = top[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{names[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                x = permute(x, c.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                x = permute(x, c.num_key_value_heads)
+        if spm and name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        if quantize and x.ndim == 2 and "norm" not in name:
+            w.add_tensor(out, quants.quantize(x, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(out, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
