@@ -4,8 +4,8 @@ One launch per ring step (paper §3.5.2 / §3.5.3 inner loop). Program (t, kv he
 [row0[t], row1[t]) of a tile table (`tiles.py`) for all G query heads sharing that KV head (GQA/MQA packed into
 the M dimension), visits only the key ranges the plan found visible, decides visibility per (query, key) inside the
 kernel from the metadata vectors — `q_seq >= 0, 0 <= kv_seq <= q_seq < kv_seq_end, kv_pos <= q_pos` and
-`q_pos - kv_pos < window` (a sliding window; 2^30 without one), no dense mask — runs an fp32 online softmax, and merges its partial into the running fp32 (out, lse) it owns (App. B), so
-no separate merge pass is needed. The same source compiles for NVIDIA and AMD GPUs; on CPU it runs only in
+`q_pos - kv_pos < window` (a sliding window; 2^30 without one), no dense mask — runs an fp32 online softmax, and
+merges its partial into the running fp32 (out, lse) it owns (App. B), so no separate merge pass is needed. The same source compiles for NVIDIA and AMD GPUs; on CPU it runs only in
 Triton's interpreter (TRITON_INTERPRET=1), which is how the tests verify it.
 """
 from __future__ import annotations

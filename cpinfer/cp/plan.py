@@ -72,7 +72,7 @@ class CPAttentionPlan:
     def step_vectors(self, j: int) -> tuple[np.ndarray, ...]:
         """Metadata of ring step j as int64 arrays (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos), in the row order of
         the step's `AttnItem`s: pass-KV / all-gather — my queries against my own K/V (j = 0) or source j's packed
-        K/V; pass-Q — source j's queries (those that travel) against my K/V. In-kernel backends (Triton) read these."""
+        K/V; pass-Q — source j's queries (those that travel) against my K/V. In-kernel backends read these."""
         src, me = self.metas[self.source(j)], self.me
         if self.strategy == "pass-q":
             qs = slice(None) if j == 0 or not self.direct else self.routes.rows[self.source(j)][self.rank]
@@ -84,7 +84,7 @@ class CPAttentionPlan:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None,
             scale: float | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides the plan's."""
+        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides."""
         from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
 
         scale = scale if scale is not None else q.shape[-1] ** -0.5 if self.scale is None else self.scale

@@ -1,4 +1,5 @@
-"""Decoder families (Llama, Mistral, Qwen2/3, Gemma 3) over shared blocks; no distributed code (attention is injected)."""
+"""Model families (Llama, Mistral, Qwen2/3, Gemma 3) as one decoder with options; no distributed code (attention
+is injected)."""
 from cpinfer.model.config import ModelConfig, RopeConfig
 from cpinfer.model.decoder import (
     MLP,
