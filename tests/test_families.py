@@ -91,3 +91,21 @@ def test_family_tp2_matches_hf(llama_checkpoint, engines, family):
         prompts = prompts_for(llm.config.vocab_size, [23, 70], seed=5)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, prompt_logprobs=True, **GREEDY))
         check_against_hf(path, outs, prompts, 8)
+
+
+def test_slot_positions_find_the_window_tail_of_slot_runs():
+    """The engine's mirror of slot positions: the cached slots a sliding layer still needs, found by binary
+    search over a sequence's runs (positions increase within and across its runs)."""
+    from cpinfer.engine.attention import SlotPositions
+    from cpinfer.engine.batch import ForwardBatch, SeqInput
+
+    sp = SlotPositions(world=2, capacity=256)
+    ranks = np.array([0] * 40 + [1] * 30 + [0] * 20)
+    slots = np.concatenate([np.arange(100, 140), np.arange(0, 30), np.arange(10, 30)])  # rank 0: two runs
+    sp.record(ForwardBatch((SeqInput(np.zeros(90, np.int64), 5, ranks, slots, (), None),), "pass-kv", "prefill"))
+    runs0 = np.array([[100, 140], [10, 30]])  # positions 5..44, then 75..94
+    assert sp.recent(0, runs0, 0).tolist() == list(range(100, 140)) + list(range(10, 30))
+    assert sp.recent(0, runs0, 40).tolist() == list(range(135, 140)) + list(range(10, 30))
+    assert sp.recent(0, runs0, 80).tolist() == list(range(15, 30))
+    assert sp.recent(0, runs0, 95).tolist() == []
+    assert sp.recent(1, np.array([[0, 30]]), 60).tolist() == list(range(15, 30))  # positions 45..74

@@ -31,6 +31,7 @@ from cpinfer.cp.sharding import shard_prefill
 from cpinfer.launch import WorkerPool
 
 DOC_PATH = Path("docs/benchmarks.md")
+_WINDOW_TIMEOUT_S = 3 * 3600  # a rank may spend minutes in one full-causal run of a long sequence on a busy CPU
 # Partial-prefill points as (new, cached) fractions of --tokens: 1024+15360, 4096+12288, 16384+0, 64+16320 at 16K.
 PARTIAL_FRACTIONS = ((1 / 16, 15 / 16), (1 / 4, 3 / 4), (1.0, 0.0), (1 / 256, 255 / 256))
 
@@ -185,7 +186,7 @@ def measure_window(args) -> dict:
     rows = []
     for n in args.cp:
         layouts = prefill_layout([args.tokens], [0], n)
-        with WorkerPool(n, threads_per_rank=1) as pool:
+        with WorkerPool(n, threads_per_rank=1, timeout_s=_WINDOW_TIMEOUT_S) as pool:  # full causal at 32K+ is slow
             full = summarize([r[args.strategy] for r in
                               pool.run(rank_time_attention, layouts, *shape, [args.strategy], args.repeat)])
             win = summarize([r[args.strategy] for r in

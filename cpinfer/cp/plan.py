@@ -199,8 +199,28 @@ def _key_groups(kv_seq: np.ndarray, kv_end: np.ndarray):
     return [(int(lo), int(hi), valid[order[bounds[u]:bounds[u + 1]]]) for u, (lo, hi) in enumerate(uniq)]
 
 
+def _same_sequence(kv_seq: np.ndarray, kv_end: np.ndarray) -> bool:
+    """Every real key's interval is its own label (no prefix tree): (label, position) pairs can be sorted."""
+    real = kv_seq >= 0
+    return bool(np.array_equal(kv_end[real], kv_seq[real] + 1))
+
+
+def _keyed(seq: np.ndarray, pos: np.ndarray, span: int) -> np.ndarray:
+    """(label, position) as one sortable int64 (labels >= 0, positions in [0, span))."""
+    return seq * span + pos
+
+
 def _keys_seen(q_seq, q_pos, kv_seq, kv_end, kv_pos, window) -> np.ndarray:
     """[Lk] bool: key j is visible to some query (label in its interval, kv_pos <= q_pos < kv_pos + window)."""
+    if _same_sequence(kv_seq, kv_end):  # one sort instead of a loop over intervals (the engine's case)
+        span = int(max(q_pos.max(initial=0), kv_pos.max(initial=0))) + 1
+        real_q = q_seq >= 0
+        qk = np.sort(_keyed(q_seq[real_q], q_pos[real_q], span))
+        kk = _keyed(np.maximum(kv_seq, 0), kv_pos, span)
+        at = np.searchsorted(qk, kk, side="left")  # the first query of the key's label at or after it
+        ok = (at < len(qk)) & (kv_seq >= 0)
+        nxt = qk[np.minimum(at, len(qk) - 1)] if len(qk) else kk
+        return ok & (nxt // span == kv_seq) & (nxt - kk < window)
     hit = np.zeros(len(kv_seq), dtype=bool)
     for lo, hi, keys in _key_groups(kv_seq, kv_end):
         p = np.sort(q_pos[(q_seq >= lo) & (q_seq < hi)])
@@ -216,6 +236,15 @@ def _keys_seen(q_seq, q_pos, kv_seq, kv_end, kv_pos, window) -> np.ndarray:
 
 def _queries_seeing(q_seq, q_pos, kv_seq, kv_end, kv_pos, window) -> np.ndarray:
     """[Lq] bool: query i sees some key (its label in the key's interval, q_pos - window < kv_pos <= q_pos)."""
+    if _same_sequence(kv_seq, kv_end):
+        span = int(max(q_pos.max(initial=0), kv_pos.max(initial=0))) + 1
+        real_k = kv_seq >= 0
+        kk = np.sort(_keyed(kv_seq[real_k], kv_pos[real_k], span))
+        qk = _keyed(np.maximum(q_seq, 0), q_pos, span)
+        at = np.searchsorted(kk, qk, side="right") - 1  # the newest key of the query's label at or before it
+        ok = (at >= 0) & (q_seq >= 0)
+        prev = kk[np.maximum(at, 0)] if len(kk) else qk
+        return ok & (prev // span == q_seq) & (qk - prev < window)
     hit = np.zeros(len(q_seq), dtype=bool)
     for lo, hi, keys in _key_groups(kv_seq, kv_end):
         qs = np.nonzero((q_seq >= lo) & (q_seq < hi))[0]
