@@ -159,6 +159,7 @@ def test_hub_id_only_with_allow_download(cache, llama_checkpoint, monkeypatch):
 # GGUF architectures have none), so those two round-trip without one; Gemma 3 keeps its windows.
 ROUND_TRIP = {
     "llama": ("llama_bias", {}),
+    "llama3.1": ("llama3", {}),  # Llama 3.1's RoPE scaling as llama.cpp stores it: a rope_freqs tensor
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2": ("qwen2", {"use_sliding_window": False}),
     "qwen3": ("qwen3", {}),
@@ -178,7 +179,7 @@ def test_round_trip_hf_to_gguf_to_cpinfer(cache, tmp_path, family):
     src = write_gguf_from_hf(hf_dir, tmp_path / f"{family}.gguf")
     out = resolve_model(src)
     cfg, model = load_model(out)
-    assert cfg.model_type == {"mistral": "llama", "gemma3": "gemma3_text"}.get(family, family)
+    assert cfg.model_type == {"mistral": "llama", "llama3.1": "llama", "gemma3": "gemma3_text"}.get(family, family)
     hf = load_hf_model(hf_dir)
     windows = ModelConfig.from_pretrained(hf_dir).windows if spm else (None,) * cfg.num_hidden_layers
     assert cfg.windows == windows  # (Mistral's default 4096 is longer than the 70 tokens here)
@@ -211,3 +212,23 @@ def test_quantized_gguf_weights_equal_transformers_gguf_reader(tmp_path, family)
     _, model = load_model(out)
     for name, p in model.state_dict().items():
         torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_llama31_rope_freqs_give_back_its_parameters():
+    """Llama-3.1-8B's RoPE (theta 5e5, head_dim 128, factor 8, low / high 1 / 4 over 8192): llama.cpp's rope_freqs
+    divisors give back exactly those parameters; a tensor of another shape is refused."""
+    import math
+
+    import numpy as np
+
+    inv = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
+    factors = []
+    for freq in inv:
+        wavelen = 2 * math.pi / freq
+        smooth = (8192 / wavelen - 1) / 3
+        factors.append(1.0 if wavelen < 2048 else 8.0 if wavelen > 8192 else 1 / ((1 - smooth) / 8 + smooth))
+    d = G.llama3_scaling_from_rope_freqs(np.float32(factors), 500000.0, 128)
+    assert d["rope_type"] == "llama3" and d["original_max_position_embeddings"] == 8192
+    np.testing.assert_allclose([d["factor"], d["low_freq_factor"], d["high_freq_factor"]], [8, 1, 4], rtol=1e-4)
+    with pytest.raises(ValueError, match="does not have Llama 3.1's shape"):
+        G.llama3_scaling_from_rope_freqs(np.array([1.0] * 32 + [8.0] * 32), 500000.0, 128)

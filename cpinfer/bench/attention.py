@@ -400,7 +400,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (default: 2)")
     parser.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (default: 128)")
     parser.add_argument("--repeat", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="pass-kv", help="strategy of the scaling table")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="pass-kv", help="strategy of the scaling table and of --window")
     parser.add_argument("--partial-cp", type=positive_int, default=2,
                         help="CP size of the pass-KV / pass-Q / all-gather partial-prefill table (default: 2)")
     parser.add_argument("--no-partial", action="store_true", help="skip the partial-prefill table")

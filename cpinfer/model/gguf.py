@@ -115,11 +115,11 @@ def check_supported(info: GGUFInfo, path: str | Path) -> None:
         raise ValueError(f"{path}: a mixture-of-experts {a!r} model ({m[f'{a}.expert_count']} experts) is not "
                          "supported; cpinfer runs dense models")
     scaling = m.get(f"{a}.rope.scaling.type", "none")
-    if scaling not in _ROPE_SCALINGS or "rope_freqs.weight" in info.tensor_names:
-        raise ValueError(f"{path}: RoPE scaling in a GGUF file ({scaling!r}"
-                         f"{', rope_freqs tensor' if 'rope_freqs.weight' in info.tensor_names else ''}) is not "
-                         f"supported (GGUF scalings read: {_ROPE_SCALINGS}); convert from the Hugging Face folder "
-                         "instead (its config.json carries it)")
+    freqs = "rope_freqs.weight" in info.tensor_names
+    if scaling not in _ROPE_SCALINGS or (freqs and (a != "llama" or scaling != "none")):
+        raise ValueError(f"{path}: RoPE scaling in a GGUF file ({scaling!r}{', rope_freqs tensor' if freqs else ''}) "
+                         f"is not supported (GGUF scalings read: {_ROPE_SCALINGS}, and a Llama 3.1 rope_freqs "
+                         "tensor); convert from the Hugging Face folder instead (its config.json carries it)")
     if m.get(f"{a}.attention.sliding_window") and a not in ("gemma3",):
         raise ValueError(f"{path}: a sliding window in a {a!r} GGUF file is not supported; use the Hugging Face "
                          "folder (its config.json says which layers slide)")
@@ -141,6 +141,39 @@ def _rope_scaling(a: str, m: dict[str, Any]) -> dict[str, Any] | None:
     return d
 
 
+def llama3_scaling_from_rope_freqs(freqs, theta: float, head_dim: int,
+                                   original: int | None = None) -> dict[str, Any]:
+    """The `llama3` rope_scaling dict behind llama.cpp's `rope_freqs` tensor (each frequency divided by its entry).
+
+    Llama 3.1's factor is 1 for short wavelengths, `factor` for long ones and 1 / ((1 - s) / factor + s) in between,
+    with s linear in 1 / wavelength: the two coefficients give low / high_freq_factor for an original context
+    (the file's `rope.scaling.original_context_length`, else Llama 3's 8192 — the frequencies depend only on the
+    ratios, so any choice reproduces them). The recovered parameters must reproduce the tensor, else ValueError.
+    """
+    from cpinfer.model.config import RopeConfig
+    from cpinfer.model.rope import rope_inv_freq
+
+    f = np.asarray(freqs, dtype=np.float64).reshape(-1)
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if len(f) != len(inv):
+        raise ValueError(f"GGUF rope_freqs has {len(f)} entries, expected head_dim / 2 = {len(inv)}")
+    factor = float(f.max())
+    medium = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if factor <= 1 or medium.sum() < 2:
+        raise ValueError("GGUF rope_freqs does not have Llama 3.1's shape (two or more interpolated dimensions); "
+                         "convert from the Hugging Face folder instead")
+    smooth = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)
+    slope, offset = np.polyfit(inv[medium] / (2 * np.pi), smooth, 1)  # smooth = slope / wavelength + offset
+    old = int(original or 8192)
+    width = old / slope  # high_freq_factor - low_freq_factor
+    d = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(-offset * width),
+         "high_freq_factor": float((1 - offset) * width), "original_max_position_embeddings": old}
+    got, _ = rope_inv_freq(head_dim, RopeConfig(theta=theta, **d))
+    if not np.allclose(got.double().numpy(), inv / f, rtol=1e-4, atol=0):
+        raise ValueError("GGUF rope_freqs is not a Llama 3.1 scaling; convert from the Hugging Face folder instead")
+    return d
+
+
 def _gemma3_layer_types(a: str, m: dict[str, Any], n_layers: int) -> list[str]:
     """Per layer: `sliding_window_pattern` as a bool array (true: sliding) or a period; llama.cpp's default 6."""
     pattern = m.get(f"{a}.attention.sliding_window_pattern", 6)
@@ -152,8 +185,9 @@ def _gemma3_layer_types(a: str, m: dict[str, Any], n_layers: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
 
 
-def hf_config(info: GGUFInfo) -> dict[str, Any]:
-    """The Hugging Face `config.json` of a GGUF of a supported family, validated by `ModelConfig`."""
+def hf_config(info: GGUFInfo, rope_freqs=None) -> dict[str, Any]:
+    """The Hugging Face `config.json` of a GGUF of a supported family, validated by `ModelConfig`; `rope_freqs`:
+    the values of the file's `rope_freqs` tensor (Llama 3.1's RoPE scaling), if it has one."""
     a, m = info.architecture, info.metadata
     family = GGUF_FAMILIES[a]
 
@@ -185,7 +219,9 @@ def hf_config(info: GGUFInfo) -> dict[str, Any]:
         "max_position_embeddings": int(need("context_length")),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(m.get(f"{a}.rope.freq_base", 1e6 if a == "gemma3" else 10000.0)),
-        "rope_scaling": _rope_scaling(a, m),
+        "rope_scaling": _rope_scaling(a, m) if rope_freqs is None else llama3_scaling_from_rope_freqs(
+            rope_freqs, float(m.get(f"{a}.rope.freq_base", 10000.0)), head_dim,
+            m.get(f"{a}.rope.scaling.original_context_length")),
         "tie_word_embeddings": "output.weight" not in info.tensor_names,
         "torch_dtype": "float32",
     }
@@ -226,6 +262,8 @@ def hf_state_dict(reader, config: dict[str, Any], architecture: str = "llama") -
     family = GGUF_FAMILIES[architecture]
     sd: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # RoPE scaling, in config.json
+            continue
         name = _hf_name(t.name, architecture)
         try:
             w = quants.dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's: [out, in]
@@ -267,7 +305,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     info, reader = read_gguf_info(gguf_path)
     check_supported(info, gguf_path)
-    config = hf_config(info)
+    freqs = next((np.array(t.data, dtype=np.float32) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    config = hf_config(info, freqs)
     sd = hf_state_dict(reader, config, info.architecture)
     log.info("GGUF %s: %d tensors dequantized in %.1f s", gguf_path.name, len(sd), time.perf_counter() - t0)
     save_file(sd, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})

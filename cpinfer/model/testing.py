@@ -294,8 +294,8 @@ def write_gguf_from_hf(hf_dir: str | Path, path: str | Path, *, quantize: bool =
         w.add_rope_scaling_factor(full.factor)
         if full.rope_type == "yarn":
             w.add_rope_scaling_orig_ctx_len(full.original_max_position_embeddings)
-    elif full.rope_type != "default":
-        raise ValueError(f"llama.cpp's converter writes {full.rope_type} RoPE as a rope_freqs tensor; not here")
+    elif full.rope_type not in ("default", "llama3"):
+        raise ValueError(f"no GGUF layout for {full.rope_type} RoPE here")
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
@@ -347,6 +347,19 @@ def write_gguf_from_hf(hf_dir: str | Path, path: str | Path, *, quantize: bool =
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
+    if full.rope_type == "llama3":  # as llama.cpp's converter: each frequency's divisor in a rope_freqs tensor
+        import math
+
+        inv = 1.0 / full.theta ** (np.arange(0, c.head_dim, 2, dtype=np.float32) / c.head_dim)
+        old = full.original_max_position_embeddings
+        lo, hi = old / full.low_freq_factor, old / full.high_freq_factor
+        factors = []
+        for freq in inv:
+            wavelen = 2 * math.pi / freq
+            smooth = (old / wavelen - full.low_freq_factor) / (full.high_freq_factor - full.low_freq_factor)
+            factors.append(1.0 if wavelen < hi else full.factor if wavelen > lo
+                           else 1 / ((1 - smooth) / full.factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
     for name, x in sd.items():
         x = np.ascontiguousarray(x, dtype=np.float32)
         if name in top:
