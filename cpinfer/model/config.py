@@ -156,6 +156,11 @@ class ModelConfig:
     def layer_rope(self, layer: int) -> RopeConfig:
         return self.rope[self.layer_types[layer]]
 
+    @property
+    def rope_theta(self) -> float:
+        """The RoPE base of the global (full-attention) layers, or of the sliding ones when every layer slides."""
+        return self.rope.get("full_attention", next(iter(self.rope.values()))).theta
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         """Read `<path>/config.json` (or `path` itself when it is a JSON file)."""
