@@ -290,7 +290,7 @@ def register(subparsers) -> None:
                                    "then CP attention vs one device (PASS/FAIL)", description=__doc__)
     parser.add_argument("--cp", type=positive_int, default=2, help="number of CP ranks (default: 2)")
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="Hugging Face folder or .gguf file of a Llama-family chat model "
+                        help="Hugging Face folder or .gguf file of a chat model of a supported family "
                              "(default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--doc-tokens", type=positive_int, default=3000,
                         help="document length in tokens at most (whole paragraphs; default: 3000)")

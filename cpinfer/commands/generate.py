@@ -103,9 +103,10 @@ def register(subparsers) -> None:
         "generate", help="generate from a checkpoint on N local CP ranks", description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="Hugging Face Llama checkpoint folder (config.json + *.safetensors, + tokenizer files "
-                             "to accept --prompt text) or a .gguf file of a Llama-family model (converted once into "
-                             "$CPINFER_CACHE); default: the embedded SmolLM2-135M-Instruct")
+                        help="Hugging Face checkpoint folder of a supported family — llama, mistral, qwen2, qwen3, "
+                             "gemma3_text — (config.json + *.safetensors, + tokenizer files to accept --prompt text) "
+                             "or a .gguf file (llama, qwen2, qwen3, gemma3; converted once into $CPINFER_CACHE); "
+                             "default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--cp", type=positive_int, default=1,
                         help="context-parallel ranks (local processes, one GPU each on CUDA)")
     prompt = parser.add_mutually_exclusive_group(required=True)

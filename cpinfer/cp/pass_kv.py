@@ -2,16 +2,17 @@
 
 Each rank packs the K/V rows that matter to the batch into one message (padded to the longest rank's, the
 paper's max_i(P_i) + ceil(T/N) for partial prefill), then passes it around the ring N-1 times; the transfer of
-the next block overlaps the attention on the current one. Partials merge into one fp32 accumulator.
+the next block overlaps the attention on the current one. Partials merge into one fp32 accumulator. With a
+sliding window (`run_direct`) each source sends each rank only the rows its queries can see, straight to it.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import backend_for, device_send_index
+from cpinfer.attention.backends import _cached, backend_for, device_cache, device_send_index
 from cpinfer.attention.local import new_accumulator
-from cpinfer.cp.ring import ring_steps
+from cpinfer.cp.ring import direct_steps, ring_steps
 from cpinfer.timing import Stopwatch
 
 
@@ -35,6 +36,35 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
 
     ring_steps(plan.group, _pack_kv(plan, k, v) if plan.world > 1 else None, plan.world, compute, timings)
+    return acc_out.to(q.dtype)
+
+
+def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+    """Windowed pass-KV: at step j rank r receives from rank r - j the K/V rows its queries see (`plan.routes`);
+    pairs with no such rows exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    backend = backend_for(plan, q.device)
+    backend.prepare_plan(plan, q, k)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    n, me, rows = plan.world, plan.rank, plan.routes.rows
+    cache = device_cache(plan)
+
+    def outgoing(j):  # my rows the rank j ahead of me needs, packed [2, rows, Hkv, D]
+        sel = rows[me][(me + j) % n]
+        if not len(sel):
+            return None
+        idx = _cached(cache, ("direct-send", j, str(k.device)), lambda: torch.from_numpy(sel).to(k.device))
+        return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+
+    def incoming(j):
+        count = len(rows[(me - j) % n][me])
+        return k.new_empty((2, count) + tuple(k.shape[1:])) if count else None
+
+    def compute(j, block):
+        if plan.steps[j]:
+            kj, vj = (k, v) if j == 0 else (block[0], block[1])
+            backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
+
+    direct_steps(plan.group, n, outgoing, incoming, compute, timings, q.device)
     return acc_out.to(q.dtype)
 
 

@@ -6,6 +6,11 @@ kv_pos <= q_pos, which are 2N-sharded over the ranks (causal tiles from `build_i
 forward from the batch alone (no communication); per layer only tensors move: pass-KV packs each rank's visible
 store rows and new rows into one ring message (paper Alg. 2), pass-Q rotates queries and reads the store in place,
 then returns partial outputs with one All2All (Alg. 3, 4).
+
+Sliding-window layers get their own plan, once per forward per distinct window: each rank gathers, per sequence,
+only the cached keys that can still be in some query's window (positions > start - window; `SlotPositions`
+mirrors every rank's slot positions from the batches) plus the new ones, and runs windowed `cp_attention` on
+them — tiles, ring steps and messages no query can see are skipped.
 """
 from __future__ import annotations
 
@@ -18,9 +23,40 @@ import torch.distributed as dist
 from cpinfer.attention.backends import get_step_backend, resolve_name
 from cpinfer.attention.local import FULL, AttnItem, build_items, mark_first, new_accumulator
 from cpinfer.attention.merge import merge_partials
+from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.timing import Stopwatch
+
+
+class SlotPositions:
+    """The position of the token in every slot of every CP rank, [world, capacity] int64 (-1: never written).
+
+    Every rank sees every `ForwardBatch`, so every rank keeps the same mirror (`record`), and windowed plans know
+    the positions of cached keys on all ranks without communication. Within one of a sequence's slot runs the
+    positions increase (the KV manager appends a segment's tokens in position order into consecutive slots), and
+    runs are listed in position order, so the keys still inside a window are found by binary search.
+    """
+
+    def __init__(self, world: int, capacity: int):
+        self.pos = np.full((world, capacity), -1, dtype=np.int64)
+
+    def record(self, batch: ForwardBatch) -> None:
+        for s in batch.seqs:
+            self.pos[s.ranks, s.slots] = s.start + np.arange(len(s.slots), dtype=np.int64)
+
+    def recent(self, rank: int, runs: np.ndarray, first_pos: int) -> np.ndarray:
+        """Slots of `runs` ([R, 2], position order) on `rank` holding positions >= first_pos, in order."""
+        if not len(runs):
+            return np.zeros(0, dtype=np.int64)
+        last = self.pos[rank, runs[:, 1] - 1]  # the newest position of each run
+        runs = runs[np.searchsorted(last, first_pos, side="left"):]
+        if not len(runs):
+            return np.zeros(0, dtype=np.int64)
+        a0 = int(runs[0, 0])
+        a0 += int(np.searchsorted(self.pos[rank, a0:runs[0, 1]], first_pos, side="left"))
+        parts = [np.arange(a0, runs[0, 1], dtype=np.int64)] + [np.arange(a, e, dtype=np.int64) for a, e in runs[1:]]
+        return np.concatenate(parts)
 
 
 def _merge_runs(runs: np.ndarray) -> np.ndarray:
@@ -49,11 +85,14 @@ class BatchAttention:
     """One rank's attention plan for a forward; `run` is called once per layer."""
 
     def __init__(self, batch: ForwardBatch, rank: int, world: int, group, backend: str | None = None,
-                 device=torch.device("cpu")):
+                 device=torch.device("cpu"), slot_positions: SlotPositions | None = None):
         self.rank, self.world, self.group = rank, world, group
         self.strategy = batch.strategy
         name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
+        self.backend_name, self.device = name, device
         self.backend = get_step_backend(name, device)
+        self.batch, self.slot_positions = batch, slot_positions
+        self._windowed: dict[int, tuple[CPAttentionPlan, torch.Tensor]] = {}  # window -> (plan, my gathered slots)
         self._tables: dict = {}  # device tables of the steps, built on first use and reused by every layer
         seqs = batch.seqs
         self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
@@ -68,10 +107,14 @@ class BatchAttention:
         self.input_ids = cat([s.token_ids[i] for s, i in zip(seqs, mine)])  # [Lq] this rank's new tokens
         self.positions = cat([s.start + i for s, i in zip(seqs, mine)])
         self.slots = cat([s.slots[i] for s, i in zip(seqs, mine)])
-        # keys every query of b sees in full on rank r: the cached runs, plus b's single new token (decode)
-        self.full_runs = [[self._visible_runs(s, r) for s in seqs] for r in range(world)]
         self.pos = [[s.start + i for s, i in zip(seqs, row)] for row in self.idx]
-        if self.strategy == "pass-kv" and world > 1:
+        self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
+
+    def _plan_full(self) -> None:
+        seqs = self.batch.seqs
+        # keys every query of b sees in full on rank r: the cached runs, plus b's single new token (decode)
+        self.full_runs = [[self._visible_runs(s, r) for s in seqs] for r in range(self.world)]
+        if self.strategy == "pass-kv" and self.world > 1:
             self._plan_pass_kv(seqs)
         else:
             self._plan_pass_q(seqs)
@@ -132,9 +175,43 @@ class BatchAttention:
             self.steps.append((mark_first(store_items, len(covered), covered),
                                mark_first(new_items, len(covered), covered)))
 
+    def _window_plan(self, window: int) -> tuple[CPAttentionPlan, torch.Tensor]:
+        """The windowed plan (once per forward and window): per rank, each sequence's keys that can be in some
+        query's window — cached slots with positions >= start - window + 1, then the new tokens' slots."""
+        if window in self._windowed:
+            return self._windowed[window]
+        if self.slot_positions is None:
+            raise RuntimeError("a sliding-window layer needs the runner's SlotPositions (a bug: none was passed)")
+        seqs, cat = self.batch.seqs, (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+        q_meta, kv_meta, mine = [], [], None
+        for r in range(self.world):
+            q_meta.append((cat([np.full(len(i), b, dtype=np.int64) for b, i in enumerate(self.idx[r])]),
+                           cat(self.pos[r])))
+            slots, seq_ids, pos = [], [], []
+            for b, s in enumerate(seqs):
+                old = self.slot_positions.recent(r, s.ctx_runs[r], s.start - window + 1)
+                new = s.slots[self.idx[r][b]]
+                slots += [old, new]
+                pos += [self.slot_positions.pos[r, old], self.pos[r][b]]
+                seq_ids.append(np.full(len(old) + len(new), b, dtype=np.int64))
+            kv_meta.append((cat(seq_ids), cat(pos)))
+            if r == self.rank:
+                mine = cat(slots)
+        plan = plan_from_metadata(q_meta, kv_meta, group=self.group, rank=self.rank, world=self.world,
+                                  strategy=self.strategy, backend=self.backend_name, window=window)
+        self._windowed[window] = plan, torch.from_numpy(mine).to(self.device)
+        return self._windowed[window]
+
     # ------------------------------------------------------------------ per layer
-    def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D]."""
+    def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
+            window: int | None = None) -> torch.Tensor:
+        """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
+        `window`: the layer's sliding window (None: full causal attention)."""
+        if window is not None:
+            plan, gather = self._window_plan(window)
+            return plan.run(q, store_k.index_select(0, gather), store_v.index_select(0, gather), timings, scale)
+        if self.steps is None:
+            self._plan_full()
         if not self._tables:  # device tables of every step, once per forward and before the ring (no host work inside)
             self._prepare(q, k_new)
         if self.strategy == "pass-kv" and self.world > 1:

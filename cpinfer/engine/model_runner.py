@@ -16,7 +16,7 @@ import torch
 from cpinfer import timing
 from cpinfer.attention.local import new_accumulator
 from cpinfer.distributed import ParallelConfig, build_groups
-from cpinfer.engine.attention import BatchAttention
+from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
 from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
@@ -53,7 +53,9 @@ class ModelRunner:
         self.dtype = dtype
         self.n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
         self.backend = attention_backend
-        self.scale = self.config.head_dim ** -0.5
+        self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
+        self.windows = self.config.windows  # per layer: its sliding window or None
+        self.slot_positions: SlotPositions | None = None  # set with the KV store when some layer has a window
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
         self._tp_linears = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
         self.store: KVStore | None = None
@@ -66,6 +68,9 @@ class ModelRunner:
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
         self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, c.head_dim, self.dtype, self.ctx.device)
+        # positions of every rank's slots, mirrored from the batches, when some layer has a window
+        cp = self.groups.config.cp
+        self.slot_positions = SlotPositions(cp, capacity) if any(self.windows) else None
 
     def profile_forward(self, tokens: int) -> None:
         """A forward of `tokens` new tokens on this rank alone, for its activation peak: every layer's tensors and
@@ -92,7 +97,9 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
-        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device)
+        if self.slot_positions is not None:
+            self.slot_positions.record(batch)
+        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         dev = self.ctx.device
         ids = torch.from_numpy(plan.input_ids).to(dev)
         pos = torch.from_numpy(plan.positions).to(dev)
@@ -102,7 +109,7 @@ class ModelRunner:
         def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             store.v[layer].index_copy_(0, slots, v)
-            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps)
+            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer])
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]
