@@ -26,7 +26,7 @@ def test_cp_tp_exact_with_partial_prefill_and_decode(llama_checkpoint, variant, 
     path = llama_checkpoint(variant, max_position_embeddings=2048)
     prompts = prompts_for(256, [23, 70], seed=cp * 10 + tp)
     with LLM(str(path), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1, timeout_s=120,
-             max_kv_tokens_per_rank=2048) as llm:
+             max_kv_tokens_per_rank=2048, placement="shard") as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, prompt_logprobs=True, **GREEDY))
         check_against_hf(path, outs, prompts, 10)
         turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]

@@ -21,6 +21,7 @@ from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.kv_manager import BLOCK, KVManager
+from cpinfer.engine.placement import PLACEMENTS, CostModel, Placer
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -54,6 +55,7 @@ class EngineConfig:
     max_kv_tokens_per_rank: int | None = None
     kv_memory_fraction: float = 0.25
     strategy: str = "auto"
+    placement: str = "auto"  # "auto" (cost model) | "shard" (always 2N-chunk sharding) | "local" (one rank)
     hardware_profile: str | None = None
     attention_backend: str = "auto"
     threads_per_rank: int | None = None
@@ -71,6 +73,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(repr(p) for p in PLACEMENTS)}, "
+                             f"got {self.placement!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -116,7 +121,7 @@ class LLMEngine:
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
         self.tokenizer = _load_tokenizer(self.model_path)
         self._start_ranks(capacity)
-        self.kv = KVManager(self.n, capacity, a.enable_prefix_caching)
+        self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer())
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
         self._aborts: list[str] = []
@@ -133,10 +138,28 @@ class LLMEngine:
         tokens = int(total * fraction / self.n / per_token)
         return max(BLOCK, min(tokens, 4 * self.max_model_len))
 
+    def _threads_per_rank(self) -> int:
+        return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // self.parallel.world_size)
+
+    def _placer(self) -> Placer:
+        """The placement policy; "auto" predicts costs for this model on the engine's hardware profile. CPU ranks
+        share the machine: one runs at its threads' share of the cores (the profile describes the whole machine)."""
+        a = self.args
+        if a.placement != "auto" or self.n == 1:
+            return Placer(a.placement, self.n)
+        share = 1.0
+        if a.device == "cpu":
+            cores = os.cpu_count() or 1
+            here = int(os.environ.get("LOCAL_WORLD_SIZE", self.parallel.world_size))
+            share = min(1.0, min(self._threads_per_rank(), cores / here) / cores)
+        model = CostModel.for_model(self.config, self.hardware, self.n, a.tensor_parallel_size, self.elem_bytes,
+                                    share)
+        return Placer("auto", self.n, model)
+
     def _start_ranks(self, capacity: int) -> None:
         a = self.args
         world = self.parallel.world_size
-        threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+        threads = self._threads_per_rank()
         backend = "gloo" if a.device == "cpu" else "nccl"
         if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
             self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s)
@@ -264,11 +287,11 @@ class LLMEngine:
         return outputs
 
     def _choose(self, scheduled: list[ScheduledSeq]):
-        decodes = sum(s.is_decode for s in scheduled)
-        phase = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
-        t = sum(len(s.tokens) for s in scheduled)
-        p = sum(s.start for s in scheduled)
-        return choose_for_batch(self, t, p, phase), phase
+        """(the ring variant of the sequences that spread over ranks, or no ring; the forward's phase)."""
+        ring = [s for s in scheduled if s.placement.spread]
+        t = sum(len(s.tokens) for s in ring)
+        p = sum(s.start for s in ring)
+        return choose_for_batch(self, t, p, _phase(ring), ring=bool(ring)), _phase(scheduled)
 
     def _seq_input(self, s: ScheduledSeq) -> SeqInput:
         req = s.request
@@ -278,7 +301,7 @@ class LLMEngine:
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
-                        want_lp)
+                        want_lp, s.placement.spread)
 
     def _process(self, scheduled, results: list[RankResult], choice, phase) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -287,8 +310,7 @@ class LLMEngine:
         outputs = []
         for b, s in enumerate(scheduled):
             req = s.request
-            req.metrics["steps"].append(dict(step_info, new_tokens_per_rank=np.bincount(
-                s.placement.ranks, minlength=self.n).tolist()))
+            req.metrics["steps"].append(self._step_metrics(step_info, s))
             if req.params.prompt_logprobs:
                 self._collect_prompt_lp(req, s, b, results)
             if not s.is_decode:
@@ -300,6 +322,15 @@ class LLMEngine:
             self._take_token(req, samples[b], now)
             outputs.append(self._output(req))
         return outputs
+
+    def _step_metrics(self, step_info: dict, s: ScheduledSeq) -> dict:
+        """One forward in a request's metrics: the forward's phase and ring strategy, where this request's new
+        tokens went and whether its keys spread over ranks (with the prediction when the placement decided)."""
+        out = dict(step_info, placement="spread" if s.placement.spread else "local",
+                   new_tokens_per_rank=np.bincount(s.placement.ranks, minlength=self.n).tolist())
+        if s.placement.decision is not None:
+            out["placement_inputs"] = s.placement.decision.as_metrics()
+        return out
 
     def _collect_prompt_lp(self, req: Request, s: ScheduledSeq, b: int, results) -> None:
         if req.prompt_lp is None:
@@ -378,6 +409,11 @@ class LLMEngine:
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
+
+
+def _phase(scheduled: list[ScheduledSeq]) -> str:
+    decodes = sum(s.is_decode for s in scheduled)
+    return "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
 
 
 def _load_tokenizer(path: str):

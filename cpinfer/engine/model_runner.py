@@ -2,7 +2,8 @@
 
 `execute` reads as four steps: plan attention for the batch → run the model on this rank's new tokens (writing
 their K/V into the given slots, then CP attention) → sample where the logits are → return token ids and the
-log-probabilities asked for. Only TP rank 0 of each CP rank reports (every TP rank holds the same hidden states).
+log-probabilities asked for. A rank with no token and no ring to serve skips the model. Only TP rank 0 of each CP
+rank reports (every TP rank holds the same hidden states).
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device)
+        if plan.idle:  # no token here and no ring in this forward: nothing to run
+            return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True)
         dev = self.ctx.device
         ids = torch.from_numpy(plan.input_ids).to(dev)
         pos = torch.from_numpy(plan.positions).to(dev)
