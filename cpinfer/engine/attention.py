@@ -170,7 +170,8 @@ class BatchAttention:
             if len(s.token_ids) > 1:
                 new_items += _causal_items(self.pos[me][b], self.pos[me][b], q0, q0)
         covered = np.zeros(int(self.nq[me]), dtype=bool)
-        self.local_steps = (mark_first(store_items, len(covered), covered), mark_first(new_items, len(covered), covered))
+        self.local_steps = (mark_first(store_items, len(covered), covered),
+                            mark_first(new_items, len(covered), covered))
 
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None) -> torch.Tensor:

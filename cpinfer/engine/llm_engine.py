@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import random
 import time
 from pathlib import Path
@@ -259,13 +260,26 @@ class LLMEngine:
         choice, phase = self._choose(scheduled)
         batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase)
         try:
-            results: list[RankResult] = self._pool.run(MR.execute_batch, batch)
+            results: list[RankResult] = self._run_batch(batch)
         except Exception as exc:
             self.dead_error = f"{type(exc).__name__}: {exc}"
             raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
         key = f"{phase}/{choice.strategy}"
         self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
         return outputs + self._process(scheduled, results, choice, phase)
+
+    def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
+        """Every rank runs the batch; one with no token and no ring to serve gets None instead (it answers at once).
+        Local ranks receive it pickled once (not once per rank)."""
+        if isinstance(self._pool, InProcessWorld):
+            return self._pool.run(MR.execute_batch, batch)
+        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        if not isinstance(self._pool, WorkerPool):
+            return self._pool.run(MR.execute_batch, blob)
+        active = MR.active_cp_ranks(batch, self.n)
+        tp = self.parallel.tp
+        return self._pool.run_each(MR.execute_batch, [(blob if active[r // tp] else None,)
+                                                      for r in range(self.parallel.world_size)])
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:

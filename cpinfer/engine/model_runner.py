@@ -8,6 +8,7 @@ rank reports (every TP rank holds the same hidden states).
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import numpy as np
@@ -129,8 +130,25 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int, cp: int = 1, tp
     return {"pid": os.getpid()}
 
 
-def execute_batch(ctx, batch: ForwardBatch) -> RankResult:
+def execute_batch(ctx, batch: ForwardBatch | bytes | None) -> RankResult:
+    """Run one forward (a ForwardBatch, or its pickle); None: this rank has nothing to do in it."""
+    if batch is None:
+        return RankResult((), {}, 0.0, 0.0, idle=True)
+    if isinstance(batch, bytes):
+        batch = pickle.loads(batch)
     return ctx.state["runner"].execute(batch)
+
+
+def active_cp_ranks(batch: ForwardBatch, n: int) -> np.ndarray:
+    """[n] bool: the CP ranks that work in this forward — every one when a sequence spreads (the ring needs them
+    all), else those holding a local sequence's tokens."""
+    active = np.zeros(n, dtype=bool)
+    for s in batch.seqs:
+        if s.spread:
+            active[:] = True
+            break
+        active[s.ranks[0]] = True
+    return active
 
 
 def ring_wait(ctx) -> float:
