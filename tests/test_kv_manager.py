@@ -255,3 +255,24 @@ def test_bad_manager_arguments():
         KVManager(2, 10)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(0)
+
+
+def test_a_burst_goes_whole_to_both_ranks_and_a_long_prompt_among_it_spreads():
+    """The scheduler tells the placement the forward's whole work (its floor): 32 short prompts arriving together
+    are kept whole, 16 per rank, with no ring; a 16K prompt with them is still spread."""
+    eng = FakeEngine(2, capacity=32 * 1024, budget=None, seed=0, max_num_seqs=64, placement="auto")
+    shorts = [eng.add([1000 + i] + [5] * 499, 32) for i in range(32)]
+    eng.step()
+    assert [s.kv.home for s in shorts].count(0) == 16 and [s.kv.home for s in shorts].count(1) == 16
+    alone = FakeEngine(2, capacity=32 * 1024, budget=None, seed=0, placement="auto")
+    one = alone.add([7] * 500, 32)
+    alone.step()
+    assert one.kv.home == SPREAD  # alone, halving its prefill beats the ring of 31 decode steps
+    eng = FakeEngine(2, capacity=32 * 1024, budget=None, seed=0, max_num_seqs=64, placement="auto")
+    long = eng.add([9] * 16384, 32)
+    shorts = [eng.add([1000 + i] + [5] * 499, 32) for i in range(32)]
+    eng.step()
+    assert long.kv.home == SPREAD and all(s.kv.home >= 0 for s in shorts)
+    homes = [s.kv.home for s in shorts]
+    assert abs(homes.count(0) - homes.count(1)) <= 2
+    eng.check()
