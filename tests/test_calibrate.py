@@ -64,7 +64,7 @@ def test_engine_uses_the_profile_by_path(calibrated, random_checkpoint):
         "profile test-cpu"
     for method in ("alg5", "empirical"):  # both rules read this profile by path
         choice = choose_strategy(8, 72, 2, n_heads=8, n_kv_heads=2, head_dim=16, elem_bytes=4,
-                                 hardware=str(calibrated), method=method)
+                                 hardware=load_hardware_profile(str(calibrated)), method=method)
         assert choice.inputs["hardware"] == "test-cpu"
 
 

@@ -33,7 +33,8 @@ def test_table_is_complete_and_sourced():
         assert s.source and s.quote and s.kind in ("value", "holds")
         assert s.kind == "holds" or s.paper != 0
     for key in ("ttft_cp16_1m", "tflops_1m", "parallel_efficiency_1m", "halving_cp4_cp8", "gti_cp2_cp4",
-                "tipping_5pct", "pass_kv_wins_16000", "ttit_flat_cp2", "decode_pass_q_total_grows"):
+                "tipping_5pct", "pass_kv_wins_16000", "ttit_flat_cp2", "decode_pass_q_total_grows",
+                "choice_above_12_5pct", "choice_10pct", "choice_5pct", "choice_below_3_25pct"):
         assert key in BY_KEY
 
 
@@ -69,3 +70,38 @@ def test_evaluate_reports_every_row():
     assert len(rows) == len(STATEMENTS)
     misses = {r["key"] for r in rows if not r["passes"]}
     assert misses <= set(KNOWN_MISSES)
+
+
+def test_the_heuristic_statements_fail_when_the_pick_is_wrong():
+    """The §4.2.4 pick statements can fail: on the peak rates Alg. 5 ties at 2.5% and picks pass-KV there."""
+    import dataclasses
+    peaks = dataclasses.replace(GTT, attn_tflops=800.0, attn_overhead_tokens=0.0, inter_gbs=50.0)
+    assert BY_KEY["choice_below_3_25pct"].model(peaks) < 0
+    assert BY_KEY["choice_below_3_25pct"].model(GTT) > 0
+
+
+def test_fit_command_prints_every_statement(capsys):
+    assert fit.main(["--no-loo"]) == 0
+    out = capsys.readouterr().out
+    for s in STATEMENTS:
+        assert f"`{s.key}`" in out
+    assert out.count("| NO |") == len(KNOWN_MISSES)
+
+
+def test_write_doc_fills_the_marked_sections(tmp_path):
+    from cpinfer.perf import planning_doc
+    doc = tmp_path / "plan.md"
+    args = "--model llama3-8b --hardware h200 --cp 2 --prompt-tokens 4096"
+    doc.write_text("intro\n<!-- begin:parameters -->\nOLD-TABLE\n<!-- end:parameters -->\n"
+                   "<!-- begin:statements -->\n<!-- end:statements -->\n<!-- begin:leave-one-out -->\n"
+                   "<!-- end:leave-one-out -->\n<!-- begin:miss-rate-grid -->\n<!-- end:miss-rate-grid -->\n"
+                   f"<!-- plan: {args} -->\n```\nSTALE-OUTPUT\n```\ntail\n")
+    done = planning_doc.write_doc(doc)
+    text = doc.read_text()
+    assert "OLD-TABLE" not in text and "STALE-OUTPUT" not in text
+    assert text.startswith("intro") and text.endswith("tail\n")
+    assert "| `gemm_efficiency` |" in text and "`tipping_5pct`" in text and "Median held-out error" in text
+    assert f"$ cpinfer plan {args}\nmodel     llama3-8b" in text and len(done) == 5
+    (tmp_path / "bad.md").write_text("no markers")
+    with pytest.raises(ValueError, match="begin:parameters"):
+        planning_doc.write_doc(tmp_path / "bad.md")

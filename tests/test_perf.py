@@ -1,23 +1,24 @@
-"""Performance model components (GEMM, attention curve, collectives, ring shapes, decode, memory), catalogs,
-profile migration and `cpinfer plan`; the paper's statements are in tests/test_paper_statements.py."""
+"""Performance model components (GEMM, attention curve, collectives, decode, memory), catalogs, profile migration
+and `cpinfer plan`; the shared ring cost model is tests/test_cost_model.py, the paper's statements
+tests/test_paper_statements.py."""
 from __future__ import annotations
 
 import dataclasses
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from cpinfer.cli import main as cli_main
+from cpinfer.cp import cost_model
+from cpinfer.cp.cost_model import AttnShape
+from cpinfer.cp.ring_shape import RingShape
 from cpinfer.perf import costs
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.costs import AttnShape
 from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
-from cpinfer.perf.models import MODELS, WEIGHT_FORMATS, load_model_spec
-from cpinfer.perf.ring import RingShape
-from cpinfer.perf.simulator import (Deployment, memory_per_gpu, ring_attention_layer, simulate_decode,
-                                    simulate_prefill)
+from cpinfer.perf.implementations import PAPER
+from cpinfer.perf.model_catalog import MODELS
+from cpinfer.perf.models import WEIGHT_FORMATS, load_model_spec, model_spec_from_hf_config
+from cpinfer.perf.simulator import Deployment, memory_per_gpu, paper_flops, simulate_decode, simulate_prefill
 from cpinfer.perf.statements import K128, M1
 
 GTT = HARDWARE["h100-gtt"]
@@ -25,8 +26,8 @@ L405 = MODELS["llama3-405b"]
 FP8_FFN = WEIGHT_FORMATS["fp8-ffn"]
 
 
-def dep405(cp: int, hw: HardwareProfile = GTT, tp: int = 8) -> Deployment:
-    return Deployment(L405, hw, cp, tp, FP8_FFN)
+def dep405(cp: int, hw: HardwareProfile = GTT, tp: int = 8, implementation=PAPER) -> Deployment:
+    return Deployment(L405, hw, cp, tp, FP8_FFN, implementation=implementation)
 
 
 # --- components from their physics ---------------------------------------------------------------------------
@@ -34,7 +35,7 @@ def test_attention_rate_curve_hits_the_paper_reference_and_slows_on_short_blocks
     shape = AttnShape(128, 8, 128, 2)
 
     def rate(n: int) -> float:  # TF/s of a causal n x n square on one H100
-        return 4 * n * n / 2 * 128 * 128 / costs.attention_time(GTT, shape, n * (n + 1) / 2, n, n) / 1e12
+        return 4 * n * n / 2 * 128 * 128 / cost_model.attention_time(GTT, shape, n * (n + 1) / 2, n, n) / 1e12
     assert rate(8192) == pytest.approx(540, rel=0.01)               # App. A: FA3 causal 8K, 540 TF/s
     assert rate(1024) < rate(4096) < rate(8192) < rate(65536)       # shorter blocks run slower
     assert rate(1 << 20) == pytest.approx(GTT.attn_flops_per_s() / 1e12, rel=0.01)
@@ -51,9 +52,8 @@ def test_gemm_pays_whole_tiles_runs_fp8_faster_and_reads_weights_in_decode():
 
 
 def test_collectives_follow_latency_plus_bytes_over_bandwidth():
-    link = (10e9, 20e-6)
-    assert costs.p2p_time(1e6, link) == pytest.approx(20e-6 + 1e-4)
-    assert costs.all2all_time(1e6, 4, link) == pytest.approx(3 * (20e-6 + 1e-4))
+    link = cost_model.Link(10e9, 20e-6, 50e9)
+    assert cost_model.p2p_time(1e6, link) == pytest.approx(20e-6 + 1e-4)
     one_node = costs.allreduce_time(GTT, 1e9, 8)
     assert one_node == pytest.approx(GTT.intra_latency_us * 1e-6 + 1.75e9 / (GTT.intra_gbs * 1e9))
     assert costs.allreduce_time(GTT, 1e9, 16) > one_node                    # the slice crosses the network
@@ -70,11 +70,10 @@ def test_prefill_breakdown_sums_and_full_prefill_hides_sendrecv_at_128k_cp8():
 def test_transfers_hide_only_where_they_overlap_compute():
     """comm_overlap 1 (GPU: NIC DMA beside the SMs) hides a SendRecv under attention; 0 (gloo on CPU) serialises."""
     ring, shape = RingShape(4, 128_000, 0), dep405(4).attn_shape
-    hidden = ring_attention_layer(GTT, shape, ring, 1, "pass-kv", dep405(4).link)
-    serial = ring_attention_layer(dataclasses.replace(GTT, comm_overlap=0.0), shape, ring, 1, "pass-kv",
-                                  dep405(4).link)
-    assert hidden["sendrecv_exposed"] == 0.0
-    assert serial["sendrecv_exposed"] == pytest.approx(3 * hidden["step_sendrecv"], rel=1e-12)
+    hidden = cost_model.ring_cost(GTT, shape, ring, "pass-kv", tp=8)
+    serial = cost_model.ring_cost(dataclasses.replace(GTT, comm_overlap=0.0), shape, ring, "pass-kv", tp=8)
+    assert hidden.sendrecv_exposed == 0.0
+    assert serial.sendrecv_exposed == pytest.approx(3 * hidden.step_sendrecv, rel=1e-12)
 
 
 def test_legacy_profile_json_migrates(tmp_path):
@@ -113,6 +112,25 @@ def test_decode_ttit_grows_with_cp_because_of_padding_and_ring_latency():
         "kernels"]
 
 
+def test_decode_terms_of_section_4_3():
+    """Q SendRecv per step, All2All of partial outputs, merge; the paper's decode sends after each step, cpinfer's
+    beside it; padding the batch adds work on other ranks, not time on the ring's critical path."""
+    from cpinfer.perf.implementations import CPINFER
+    from cpinfer.perf.simulator import decode_attention_layer
+
+    paper, ours = dep405(4), dep405(4, implementation=CPINFER)
+    att = decode_attention_layer(paper, K128, 1)
+    assert att["sendrecv_exposed"] == pytest.approx(3 * att["step_sendrecv"])  # after each step: all exposed
+    shape = paper.attn_shape
+    assert att["all2all"] == pytest.approx(cost_model.all2all_time(shape.partial_out_bytes(1), 4, paper.link))
+    assert decode_attention_layer(ours, K128, 1)["sendrecv_exposed"] < att["sendrecv_exposed"]
+    unpadded = dep405(4, implementation=dataclasses.replace(PAPER, pad_decode_batch=False))
+    a, b = simulate_decode(paper, K128, 5), simulate_decode(unpadded, K128, 5)
+    assert a.seconds == b.seconds
+    assert (a.detail["padded_batch"], b.detail["padded_batch"]) == (8, 5)
+    assert a.detail["queries_computed_per_layer"] > b.detail["queries_computed_per_layer"]
+
+
 def test_decode_is_weight_read_bound_at_batch_1():
     est = simulate_decode(dep405(1), 1024)
     weights = FP8_FFN.weight_bytes_per_gpu(L405, 8)
@@ -130,31 +148,37 @@ def test_memory_per_gpu():
     assert bf16.weights_gb > 96 * 0.9 and not bf16.fits
 
 
-# --- ring shapes ---------------------------------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 9), t=st.integers(1, 500), p=st.integers(0, 300))
-def test_ring_pairs_cover_the_padded_causal_matrix(n, t, p):
-    ring = RingShape(n, t, p)
-    padded = 2 * n * ring.chunk
-    assert ring.padding == padded - t
-    assert ring.total_pairs() == padded * (padded + 1) // 2 + padded * p
-    assert sum(ring.cached_on(r) for r in range(n)) == p
-
-
-def test_load_balanced_full_prefill_gives_every_rank_equal_work_per_step():
-    ring = RingShape(4, 8 * 100, 0)
-    c = ring.chunk
-    for q in range(4):
-        for k in range(4):
-            expected = 2 * c * c if q != k else c * c + c * (c + 1)
-            assert ring.visible_pairs(q, k) == expected
-
-
 # --- catalogs ------------------------------------------------------------------------------------------------
 def test_llama3_catalog_shapes():
     assert load_model_spec("Llama3-405B").params == pytest.approx(405e9, rel=0.01)
     assert load_model_spec("llama3-70b").params == pytest.approx(70.6e9, rel=0.01)
     assert load_model_spec("llama3-8b").params == pytest.approx(8.03e9, rel=0.01)
+
+
+# (total, non-embedding) parameters as their publishers state them (model cards; Gemma 3 technical report
+# Table 1 for the text part; the meta-device count 23,572,403,200 for Mistral Small 3.x text)
+PUBLISHED = {"llama-3.1-8b": (8_030_261_248, None), "llama-3.1-70b": (70_553_706_496, None),
+             "qwen2.5-7b": (7.61e9, 6.53e9), "qwen2.5-14b-1m": (14.7e9, 13.1e9), "qwen3-8b": (8.2e9, 6.95e9),
+             "qwen3-32b": (32.8e9, 31.2e9), "mistral-small": (23_572_403_200, None),
+             "gemma-3-12b": (None, 10_759e6), "gemma-3-27b": (None, 25_600e6)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_family_catalog_matches_published_parameter_counts(name):
+    spec, (total, non_embedding) = load_model_spec(name), PUBLISHED[name]
+    assert spec.source.startswith("published config.json of huggingface.co/")
+    if total:
+        assert spec.params == pytest.approx(total, rel=0.01)
+    if non_embedding:
+        assert spec.n_layers * (spec.attn_params + spec.ffn_params) == pytest.approx(non_embedding, rel=0.01)
+
+
+def test_gemma3_layers_alternate_five_local_to_one_global():
+    for name, layers, local in (("gemma-3-12b", 48, 40), ("gemma-3-27b", 62, 52)):
+        spec = load_model_spec(name)
+        assert (spec.n_layers, spec.window_layers, spec.full_layers, spec.window) == (layers, local,
+                                                                                       layers - local, 1024)
+    assert load_model_spec("qwen3-32b").head_dim * 64 == 8192 != load_model_spec("qwen3-32b").hidden
 
 
 def test_model_from_hf_config(tmp_path):
@@ -167,6 +191,63 @@ def test_model_from_hf_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(ValueError, match="lacks"):
         load_model_spec(str(tmp_path))
+
+
+BASE_CFG = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=12,
+                intermediate_size=128, vocab_size=100)
+
+
+@pytest.mark.parametrize("extra,windowed,window", [
+    (dict(model_type="gemma3_text", sliding_window=16), 10, 16),                        # default pattern 6
+    (dict(model_type="gemma3_text", sliding_window=16, sliding_window_pattern=4), 9, 16),
+    (dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 6), 6, 16),
+    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True, max_window_layers=8), 4, 32),
+    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=False), 0, 0),
+    (dict(model_type="qwen3", sliding_window=None, use_sliding_window=False), 0, 0),
+    (dict(model_type="mistral", sliding_window=4096), 12, 4096),
+    (dict(model_type="mistral", sliding_window=None), 0, 0),
+])
+def test_sliding_window_layers_follow_transformers_layout(extra, windowed, window):
+    spec = model_spec_from_hf_config(BASE_CFG | extra, "m", "test")
+    assert (spec.window_layers, spec.window) == (windowed, window)
+
+
+def test_multimodal_configs_read_their_text_config():
+    cfg = {"model_type": "gemma3", "text_config": BASE_CFG | dict(model_type="gemma3_text", sliding_window=8,
+                                                                   head_dim=32, max_position_embeddings=4096)}
+    spec = model_spec_from_hf_config(cfg, "g", "test")
+    assert (spec.head_dim, spec.window_layers, spec.tie_embeddings, spec.max_context) == (32, 10, True, 4096)
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (dict(layer_types=["full_attention"] * 3), "3 entries for 12 layers"),
+    (dict(layer_types=["chunked_attention"] * 12), "chunked_attention"),
+    (dict(layer_types=["sliding_attention"] * 12), "no sliding_window length"),
+    (dict(num_hidden_layers="many"), "malformed"),
+])
+def test_bad_layer_layouts_are_named(extra, msg):
+    with pytest.raises(ValueError, match=msg):
+        model_spec_from_hf_config(BASE_CFG | extra, "m", "test")
+
+
+def test_sliding_windows_cut_the_attention_of_gemma3():
+    """Gemma 3 27B at 128K, CP4 x TP2 on H200: 52 of its 62 layers see 1024 keys, so attention is a small part."""
+    gemma = load_model_spec("gemma-3-27b")
+    dense = dataclasses.replace(gemma, window=0, window_layers=0)
+    plans = {m.name if m.window else "dense": simulate_prefill(Deployment(m, HARDWARE["h200"], 4, 2,
+                                                                          WEIGHT_FORMATS["bf16"]), 131072)
+             for m in (gemma, dense)}
+    attention = {k: p.breakdown["attention"] for k, p in plans.items()}
+    assert attention["gemma-3-27b"] < 0.3 * attention["dense"]
+    assert attention["gemma-3-27b"] > 10 / 62 * attention["dense"]  # the 10 global layers stay whole
+    assert plans["gemma-3-27b"].breakdown["gemm"] == plans["dense"].breakdown["gemm"]
+    # App. A's FLOP count takes the windowed layers' visible pairs: the achieved rate stays below the peak
+    assert plans["gemma-3-27b"].detail["tflops_per_gpu"] < plans["dense"].detail["tflops_per_gpu"] < 989
+    wide = dataclasses.replace(gemma, window=10**6)
+    assert paper_flops(wide, 131072, 5000) == pytest.approx(paper_flops(dense, 131072, 5000), rel=1e-4)
+    tt = {k: simulate_decode(Deployment(m, HARDWARE["h200"], 4, 2, WEIGHT_FORMATS["bf16"]), 131072)
+          for k, m in (("gemma", gemma), ("dense", dense))}
+    assert tt["gemma"].breakdown["attention"] < tt["dense"].breakdown["attention"]
 
 
 def test_unknown_names_list_the_known_ones():
@@ -249,6 +330,28 @@ def test_cli_plan_explain_lists_components_with_parameters(capsys):
     assert out["parameters"]["inter_gbs"]["value"] == GTT.inter_gbs
 
 
+def test_cli_plans_the_families_and_says_when_the_context_is_too_long(capsys):
+    rc, out = _json(capsys, ["plan", "--model", "gemma-3-27b", "--hardware", "h200", "--cp", "4", "--tp", "2",
+                             "--prompt-tokens", "131072"])
+    assert rc == 0 and (out["window"], out["window_layers"]) == (1024, 52) and out["warnings"] == []
+    rc, out = _json(capsys, ["plan", "--model", "qwen3-8b", "--hardware", "h200", "--cp", "2", "--prompt-tokens",
+                             "131072"])
+    assert any("max_position_embeddings (40960)" in w for w in out["warnings"])
+    assert cli_main(["plan", "--model", "qwen3-8b", "--hardware", "h200", "--cp", "2", "--prompt-tokens",
+                     "131072"]) == 0
+    assert "warning   131072 tokens exceed qwen3-8b" in capsys.readouterr().out
+
+
+def test_cli_implementation_switches_whose_ring_is_predicted(capsys):
+    argv = BASE + ["--cp", "4", "--prompt-tokens", "3200", "--cached-tokens", "124800"]
+    _, ours = _json(capsys, argv)
+    _, paper = _json(capsys, argv + ["--implementation", "paper"])
+    assert (ours["implementation"], paper["implementation"]) == ("cpinfer", "paper")
+    # cpinfer sends fp32 partial outputs: twice the output bytes of the paper's bf16 ones
+    assert ours["pass_q"]["breakdown_s"]["all2all"] > paper["pass_q"]["breakdown_s"]["all2all"]
+    assert ours["ttit_detail"]["padding_queries"] == 0 and paper["ttit_detail"]["padding_queries"] == 3
+
+
 def test_cli_sweep_finds_the_smallest_cp(capsys):
     rc, out = _json(capsys, BASE + ["--prompt-tokens", str(K128), "--sweep", "--ttft-target", "10"])
     assert rc == 0
@@ -264,7 +367,7 @@ def test_cli_help_explains_every_option(capsys):
     text = capsys.readouterr().out
     for opt in ("--model", "--hardware", "--cp", "--tp", "--prompt-tokens", "--cached-tokens", "--batch",
                 "--weights", "--kv-dtype", "--method", "--json", "--sweep", "--ttft-target", "--max-cp", "--explain",
-                "calibrate", "docs/planning.md"):
+                "--implementation", "gemma-3-27b", "qwen2.5-14b-1m", "calibrate", "docs/planning.md"):
         assert opt in text
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cpinfer.cp.heuristics import choose_strategy, fit_empirical
+from cpinfer.cp.heuristics import choose_strategy, fit_empirical, heuristic_rates
 from cpinfer.perf import calibrate as cal
 
 DOC_PATH = Path("docs/benchmarks.md")
@@ -45,13 +45,21 @@ def leave_one_out(grid: list[dict]) -> list[tuple[float, float, float] | None]:
     return out
 
 
-def with_ratio(profile, rho: float):
-    """`profile` with C / BW = rho flop per byte (Alg. 1 / 5 depend on C and BW only through it), raising C or BW
-    from their measured values, never lowering them."""
-    c = max(profile.peak_tflops * 1e12, rho * profile.inter_gbs_peak * 1e9)
-    bw = max(profile.inter_gbs_peak, c / rho / 1e9)  # max(): no rounding below the achieved inter_gbs
-    return dataclasses.replace(profile, peak_tflops=c / 1e12, inter_gbs_peak=bw,
-                               gemm_efficiency=min(1.0, profile.gemm_efficiency * profile.peak_tflops * 1e12 / c))
+def with_ratio(profile, rho: float, cp: int):
+    """`profile` with C / BW = rho flop per byte, C and BW as Alg. 1 / 5 read them (`heuristic_rates`: the
+    attention rate and the ring link's SendRecv bandwidth; the rules depend on them only through the ratio),
+    raising one from its measured value, never lowering either; GEMM rates unchanged."""
+    c0, bw0 = heuristic_rates(profile, cp)
+    up_c = max(1.0, rho * bw0 / c0)
+    up_bw = max(1.0, c0 * up_c / rho / bw0)
+    attn = profile.attn_tflops * up_c
+    peak = max(profile.peak_tflops, attn)
+    link = "inter_gbs" if cp > profile.devices_per_node else "intra_gbs"
+    changes = {"attn_tflops": attn, "peak_tflops": peak, link: getattr(profile, link) * up_bw,
+               "gemm_efficiency": min(1.0, profile.gemm_efficiency * profile.peak_tflops / peak)}
+    if link == "inter_gbs":
+        changes["inter_gbs_peak"] = max(profile.inter_gbs_peak, changes["inter_gbs"])
+    return dataclasses.replace(profile, **changes)
 
 
 def best_alg5(record: dict, profile, tolerance: float) -> tuple[float, list[str]]:
@@ -60,9 +68,10 @@ def best_alg5(record: dict, profile, tolerance: float) -> tuple[float, list[str]
     thresholds") can give Alg. 5."""
     grid, cfg = record["grid"], record["config"]
     best = (-1, 0.0, [])
-    measured = profile.peak_tflops * 1e3 / profile.inter_gbs_peak  # flop/byte of the profile itself
+    c, bw = heuristic_rates(profile, cfg["cp"])
+    measured = c / bw  # flop/byte of the profile itself
     for rho in [measured] + list(np.logspace(1, 7, 121)):
-        hw = with_ratio(profile, float(rho))
+        hw = with_ratio(profile, float(rho), cfg["cp"])
         picks = [_choose(c, cfg, hw, "alg5") for c in grid]
         good = sum(is_good(c, s, tolerance) for c, s in zip(grid, picks))
         if good > best[0]:
@@ -95,19 +104,17 @@ def rule_picks(record: dict, profile, compare: dict, tolerance: float = 0.02) ->
 
 def simulated_times(record: dict, profile) -> list[dict]:
     """Per grid cell, the cost model's time of one ring-attention call for pass-KV and pass-Q on `profile` (the
-    same `ring_attention_layer` that `cpinfer plan` and the "simulator" rule use), beside the measured times."""
-    from cpinfer.perf.costs import AttnShape
-    from cpinfer.perf.ring import RingShape
-    from cpinfer.perf.simulator import STRATEGIES, ring_attention_layer
+    shared `cpinfer.cp.cost_model.ring_cost` that `cpinfer plan` and the "simulator" rule use), beside the
+    measured times."""
+    from cpinfer.cp.cost_model import STRATEGIES, AttnShape, ring_cost
+    from cpinfer.cp.ring_shape import RingShape
 
     cfg = record["config"]
     shape = AttnShape(cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cal.DTYPES[cfg["dtype"]].itemsize)
-    link = profile.ring_link(cfg["cp"], 1)
-    keys = ("attention", "merge", "sendrecv_exposed", "all2all", "ring_steps")
     out = []
     for c in record["grid"]:
         ring = RingShape(cfg["cp"], c["T"], c["P"])
-        t = {s: sum(ring_attention_layer(profile, shape, ring, 1, s, link)[k] for k in keys) for s in STRATEGIES}
+        t = {s: ring_cost(profile, shape, ring, s).total for s in STRATEGIES}
         out.append({"pass-kv_s": t["pass-kv"], "pass-q_s": t["pass-q"],
                     "error_kv": t["pass-kv"] / c["pass-kv_s"] - 1, "error_q": t["pass-q"] / c["pass-q_s"] - 1})
     return out

@@ -62,6 +62,7 @@ def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]]
 
 def measure(args) -> dict:
     from cpinfer.cp.heuristics import choose_strategy
+    from cpinfer.perf.hardware import load_hardware_profile
 
     cfg = C.model_config(args, max(args.cached) + max(args.new) + 1024)
     model_dir = C.random_model("bench-model", **cfg)
@@ -70,7 +71,8 @@ def measure(args) -> dict:
     rows = []
     for t, p in grid:
         choice = choose_strategy(t, p, args.cp, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                                 head_dim=args.hidden // args.heads, elem_bytes=4, hardware=args.hardware_profile,
+                                 head_dim=args.hidden // args.heads, elem_bytes=4,
+                                 hardware=load_hardware_profile(args.hardware_profile),
                                  method="alg5")
         kv, q = per["pass-kv"][(t, p)], per["pass-q"][(t, p)]
         fastest = "pass-kv" if kv <= q else "pass-q"

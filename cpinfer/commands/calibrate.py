@@ -213,16 +213,16 @@ def _grid(record: dict) -> str:
 
 
 def _profile(record: dict, hw) -> str:
-    from cpinfer.cp.heuristics import kv_token_threshold, miss_rate_threshold
+    from cpinfer.cp.heuristics import heuristic_rates, kv_token_threshold, miss_rate_threshold
     from cpinfer.perf.calibrate import DTYPES
 
     cfg = record["config"]
-    c, bw, e = hw.peak_tflops * 1e12, hw.inter_gbs_peak * 1e9, DTYPES[cfg["dtype"]].itemsize
+    (c, bw), e = heuristic_rates(hw, cfg["cp"]), DTYPES[cfg["dtype"]].itemsize
     t_min = float(kv_token_threshold(cfg["cp"], c, bw, cfg["heads"], cfg["kv_heads"], e))
     slope = cfg["cp"] * c * e / (4 * bw)  # Eq. 5: threshold = 2 N_KV / N_H - T / slope
-    return (f"Profile {hw.name!r}: C = peak_tflops {hw.peak_tflops:.4f} TF/s, attn_tflops {hw.attn_tflops:.4f} "
-            f"at {hw.attn_ref_tokens:.0f} tokens (L0 {hw.attn_overhead_tokens:.0f}), "
-            f"BW = inter_gbs_peak {hw.inter_gbs_peak:.2f} GB/s, inter_gbs {hw.inter_gbs:.2f}, latency "
+    return (f"Profile {hw.name!r}: peak_tflops {hw.peak_tflops:.4f} TF/s, attn_tflops {hw.attn_tflops:.4f} "
+            f"at {hw.attn_ref_tokens:.0f} tokens (L0 {hw.attn_overhead_tokens:.0f}; C = {c / 1e12:.4f} on long "
+            f"blocks), inter_gbs_peak {hw.inter_gbs_peak:.2f} GB/s, BW = ring SendRecv {bw / 1e9:.2f}, latency "
             f"{hw.inter_latency_us:.0f} us, memory {hw.mem_tbps * 1e3:.1f} GB/s\n"
             f"Alg. 5 on it, CP{cfg['cp']}, {cfg['heads']}/{cfg['kv_heads']} heads, {e}-byte elements: pass-KV when "
             f"T >= {t_min:.0f} (Eq. 2) or T/(T+P) >= {float(miss_rate_threshold(cfg['heads'], cfg['kv_heads'])):.3f}"

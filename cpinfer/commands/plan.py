@@ -6,7 +6,9 @@ import json
 
 from cpinfer.cp.heuristics import METHODS
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.models import DTYPE_BYTES, MODELS, WEIGHT_FORMATS
+from cpinfer.perf.implementations import IMPLEMENTATIONS
+from cpinfer.perf.model_catalog import ALIASES, MODELS
+from cpinfer.perf.models import DTYPE_BYTES, WEIGHT_FORMATS
 
 EPILOG = """examples:
   # the paper's 1M prefill (77 s on CP16 x TP8 GTT), with the per-component breakdown and its parameters
@@ -18,11 +20,13 @@ EPILOG = """examples:
   # smallest CP meeting a 10 s TTFT at 128K
   cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --tp 8 --prompt-tokens 128000 \\
                --sweep --ttft-target 10
+  # Gemma 3 27B at 128K on 4 H200 x TP2: its 52 sliding-window layers (1024 keys) cost little attention
+  cpinfer plan --model gemma-3-27b --hardware h200 --cp 4 --tp 2 --prompt-tokens 131072
   # your cluster: a profile measured by `cpinfer calibrate --out my.json`
   cpinfer plan --model path/to/config.json --hardware my.json --cp 2 --prompt-tokens 16384
 
-Numbers are predictions of the cost model in cpinfer/perf. Five h100-gtt parameters are fitted to the paper's
-public statements; docs/planning.md lists them, the statements, and leave-one-out errors."""
+Numbers are predictions of the cost model in cpinfer/cp/cost_model.py and cpinfer/perf. Five h100-gtt parameters
+are fitted to the paper's public statements; docs/planning.md lists them, the statements, and leave-one-out errors."""
 
 
 def register(subparsers) -> None:
@@ -32,8 +36,10 @@ def register(subparsers) -> None:
                     "pass-KV and pass-Q with a breakdown, the pass-KV/pass-Q heuristic's choice, decode TTIT and\n"
                     "memory per device. With --sweep, find the smallest CP size meeting --ttft-target.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = sorted(n for n in MODELS if n not in ALIASES)
     p.add_argument("--model", metavar="NAME_OR_PATH", required=True,
-                   help=f"catalog model ({', '.join(sorted(MODELS))}) or path to a Hugging Face config.json")
+                   help=f"catalog model ({', '.join(names)}) or path to a Hugging Face config.json (Llama, "
+                        "Mistral, Qwen2/2.5, Qwen3, Gemma 3 layouts; sliding-window layers are read from it)")
     p.add_argument("--hardware", metavar="NAME_OR_PATH", required=True,
                    help=f"hardware profile ({', '.join(sorted(HARDWARE))}) or path to a JSON profile")
     p.add_argument("--cp", type=int, metavar="N",
@@ -54,8 +60,12 @@ def register(subparsers) -> None:
     p.add_argument("--kv-dtype", metavar="DTYPE", default="bf16",
                    help=f"KV cache dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
     p.add_argument("--method", metavar="METHOD", default="alg5", choices=METHODS,
-                   help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), "
-                        "empirical (App. D), simulator (cost model), decode, or force pass-kv / pass-q")
+                   help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), both "
+                        "with the profile's achieved attention rate and SendRecv bandwidth as C and BW; empirical "
+                        "(App. D), simulator (cost model), decode, or force pass-kv / pass-q")
+    p.add_argument("--implementation", metavar="NAME", default="cpinfer", choices=tuple(IMPLEMENTATIONS),
+                   help="whose ring to predict: cpinfer (default: fp32 partial outputs, unpadded decode, decode "
+                        "SendRecv overlapped) or paper (bf16 partials, padded decode, SendRecv after each step)")
     p.add_argument("--json", action="store_true", help="print one JSON object on one line instead of the table")
     p.add_argument("--explain", action="store_true",
                    help="also print, per component (GEMM, attention, SendRecv, All2All, all-reduce, ...), how it is "
@@ -76,7 +86,7 @@ def run(args) -> int:
         if args.ttft_target is None:
             raise ValueError("--sweep needs --ttft-target SECONDS")
         base = planner.build_deployment(args.model, args.hardware, 1, args.tp, args.weights, args.act_dtype,
-                                        args.kv_dtype)
+                                        args.kv_dtype, args.implementation)
         rows, plan = planner.sweep_cp(base, work, args.ttft_target, args.max_cp, args.method)
         if args.json:
             out = plan.to_dict() if plan else {}
@@ -93,7 +103,7 @@ def run(args) -> int:
     if args.cp is None:
         raise ValueError("--cp is required (or use --sweep with --ttft-target)")
     dep = planner.build_deployment(args.model, args.hardware, args.cp, args.tp, args.weights, args.act_dtype,
-                                   args.kv_dtype)
+                                   args.kv_dtype, args.implementation)
     plan = planner.make_plan(dep, work, args.method)
     if args.json:
         out = plan.to_dict()

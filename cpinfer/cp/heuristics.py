@@ -1,8 +1,12 @@
 """Choose ring pass-KV or pass-Q for one batch (paper §3.4 Alg. 1, App. C Alg. 5, App. D empirical h(T, P)).
 
-T = new tokens in the batch, P = cached tokens, N = CP ranks. C and BW are the hardware profile's per-device
-peak compute and inter-node link bandwidth, as the paper's analysis uses them. Decisions are made in exact
-rational arithmetic, so a batch sitting exactly on a threshold always goes the same way (pass-KV on ties).
+T = new tokens in the batch, P = cached tokens, N = CP ranks. Alg. 1 / Alg. 5 take C and BW as the rates the
+hardware achieves, which is where the paper's footnote to Alg. 1 tunes them ("achieved BW and C are lower than the
+theoretical hardware peaks; we start with these peak values and then fine-tune the thresholds"): C = the attention
+kernel's rate on long blocks, BW = the ring's SendRecv bandwidth (both from the hardware profile, as the shared cost
+model `cost_model.py` uses them). "simulator" compares that cost model's predicted times. Closed-form decisions are
+made in exact rational arithmetic, so a batch sitting exactly on a threshold always goes the same way (pass-KV on
+ties, as Alg. 1's ">=" says). This module reads hardware numbers but imports nothing from `cpinfer.perf`.
 """
 from __future__ import annotations
 
@@ -10,16 +14,18 @@ import math
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
-from cpinfer.perf.catalog import PAPER_EMPIRICAL
-from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
+from cpinfer.cp import cost_model
+from cpinfer.cp.ring_shape import RingShape
 from cpinfer.utils import check_positive
 
 STRATEGIES = ("pass-kv", "pass-q")
 METHODS = ("alg1", "alg5", "empirical", "simulator", "decode", "pass-kv", "pass-q")  # accepted `method`
 CHOICE_METHODS = ("alg1", "alg5", "empirical", "simulator", "forced", "full-prefill", "decode", "single-rank")
+PAPER_EMPIRICAL = (-1.059, 1.145, 12.112)  # App. D: alpha, beta, gamma (natural log), fitted on the paper's data
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,12 @@ def miss_rate_threshold_all2all(t: int, n: int, c: float, bw: float, n_heads: in
     return miss_rate_threshold(n_heads, n_kv_heads) - 4 * t * Fraction(bw) / (n * Fraction(c) * elem_bytes)
 
 
+def heuristic_rates(hardware, n: int, tp: int = 1) -> tuple[float, float]:
+    """(C flop/s, BW bytes/s) that Alg. 1 / Alg. 5 use on `hardware`: the attention rate it achieves on long
+    blocks and the SendRecv bandwidth of a ring of n ranks x tp devices (NVLink inside a node, else the network)."""
+    return cost_model.attention_rate(hardware), cost_model.ring_link(hardware, n, tp).bandwidth
+
+
 def empirical_h(t: int, p: int, coeffs: tuple[float, float, float]) -> float:
     """App. D: h = alpha*ln T + beta*ln(T/(T+P)) + gamma; pass-KV when h > 0."""
     alpha, beta, gamma = coeffs
@@ -59,18 +71,23 @@ def empirical_h(t: int, p: int, coeffs: tuple[float, float, float]) -> float:
 
 
 def choose_strategy(T: int, P: int, N: int, *, n_heads: int, n_kv_heads: int, head_dim: int, elem_bytes: int,
-                    hardware="cpu-gloo", method: str = "alg5", empirical=None) -> StrategyChoice:
-    """Pick the ring variant for a batch of T new and P cached tokens on N CP ranks.
+                    hardware, method: str = "alg5", empirical=None, tp: int = 1,
+                    partial_bytes: int = 4) -> StrategyChoice:
+    """Pick the ring variant for a batch of T new and P cached tokens on N CP ranks of tp devices each.
 
-    method: "alg1" | "alg5" | "empirical" | "simulator" (compare the cost model's per-layer attention time;
-    then n_heads / n_kv_heads are the heads one device holds) | "decode" (always pass-Q, §3.6) |
-    "pass-kv" / "pass-q" (forced). P == 0 is full prefill (pass-KV); N == 1 needs no communication.
+    n_heads / n_kv_heads are the heads ONE device holds. hardware: a hardware profile object (anything with the
+    fields of `cost_model.Rates`; resolve a catalog name or JSON path with `cpinfer.perf.load_hardware_profile`).
+    method: "alg1" | "alg5" | "empirical" | "simulator" (the cost model's predicted per-layer times; partial_bytes
+    is the element size of pass-Q's partial outputs) | "decode" (always pass-Q, §3.6) | "pass-kv" / "pass-q"
+    (forced). P == 0 is full prefill (pass-KV); N == 1 needs no communication.
     empirical: (alpha, beta, gamma) for "empirical"; default the profile's fit, else the paper's.
     """
     T, P, N = (_as_int(v, what) for v, what in ((T, "T (new tokens)"), (P, "P (cached tokens)"), (N, "N (CP ranks)")))
     _validate(T, P, N, n_heads, n_kv_heads, head_dim, elem_bytes, method)
-    hw = load_hardware_profile(hardware)
-    base = dict(T=T, P=P, N=N, miss_rate=T / (T + P), hardware=hw.name, requested=method)
+    hw = _profile(hardware)
+    check_positive(tp, "tp")
+    base = dict(T=T, P=P, N=N, miss_rate=T / (T + P), hardware=getattr(hw, "name", type(hw).__name__),
+                requested=method)
     if method in STRATEGIES:
         return StrategyChoice(method, "forced", base, f"{method} was requested explicitly.")
     if N == 1:
@@ -84,8 +101,19 @@ def choose_strategy(T: int, P: int, N: int, *, n_heads: int, n_kv_heads: int, he
     if method == "empirical":
         return _empirical(T, P, hw, empirical, base)
     if method == "simulator":
-        return _simulated(T, P, N, hw, n_heads, n_kv_heads, head_dim, elem_bytes, base)
-    return _analytical(T, P, N, hw, n_heads, n_kv_heads, elem_bytes, method, base)
+        shape = cost_model.AttnShape(n_heads, n_kv_heads, head_dim, elem_bytes, partial_bytes)
+        return _simulated(T, P, N, hw, shape, tp, base)
+    return _analytical(T, P, N, hw, n_heads, n_kv_heads, elem_bytes, method, tp, base)
+
+
+def _profile(hardware):
+    if hardware is None or isinstance(hardware, (str, Path)):
+        raise ValueError(f"hardware must be a hardware profile object, got {hardware!r}: resolve a catalog name "
+                         f"or a JSON profile path with cpinfer.perf.load_hardware_profile(...) first")
+    missing = [f for f in cost_model.Rates.__annotations__ if not hasattr(hardware, f)]
+    if missing:
+        raise ValueError(f"hardware {getattr(hardware, 'name', hardware)!r} lacks the profile fields {missing}")
+    return hardware
 
 
 def _as_int(value, what: str) -> int:
@@ -110,15 +138,15 @@ def _validate(T, P, N, n_heads, n_kv_heads, head_dim, elem_bytes, method) -> Non
         raise ValueError(f"unknown method {method!r}: known methods are {', '.join(METHODS)}")
 
 
-def _analytical(T, P, N, hw: HardwareProfile, n_heads, n_kv_heads, elem_bytes, method, base) -> StrategyChoice:
-    c, bw = hw.peak_tflops * 1e12, hw.inter_gbs_peak * 1e9
+def _analytical(T, P, N, hw, n_heads, n_kv_heads, elem_bytes, method, tp, base) -> StrategyChoice:
+    c, bw = heuristic_rates(hw, N, tp)
     t_min = kv_token_threshold(N, c, bw, n_heads, n_kv_heads, elem_bytes)
     if method == "alg1":
         r_min = miss_rate_threshold(n_heads, n_kv_heads)
     else:
         r_min = miss_rate_threshold_all2all(T, N, c, bw, n_heads, n_kv_heads, elem_bytes)
     miss = Fraction(T, T + P)
-    inputs = base | dict(C_flops=c, BW_bytes_per_s=bw, elem_bytes=elem_bytes, n_heads=n_heads,
+    inputs = base | dict(C_flops=c, BW_bytes_per_s=bw, elem_bytes=elem_bytes, n_heads=n_heads, tp=tp,
                          n_kv_heads=n_kv_heads, kv_token_threshold=float(t_min), miss_rate_threshold=float(r_min))
     eq = "Eq. 1" if method == "alg1" else "Eq. 5"
     if T >= t_min:
@@ -133,10 +161,10 @@ def _analytical(T, P, N, hw: HardwareProfile, n_heads, n_kv_heads, elem_bytes, m
     return StrategyChoice("pass-q", method, inputs, reason)
 
 
-def _empirical(T, P, hw: HardwareProfile, empirical, base) -> StrategyChoice:
+def _empirical(T, P, hw, empirical, base) -> StrategyChoice:
     if empirical is not None:
         coeffs, source = _as_coeffs(empirical), "caller"
-    elif hw.empirical is not None:
+    elif getattr(hw, "empirical", None) is not None:
         coeffs, source = hw.empirical, f"profile {hw.name}"
     else:
         coeffs, source = PAPER_EMPIRICAL, "paper App. D"
@@ -154,17 +182,11 @@ def _as_coeffs(value) -> tuple[float, float, float]:
     return alpha, beta, gamma
 
 
-def _simulated(T, P, N, hw, n_heads, n_kv_heads, head_dim, elem_bytes, base) -> StrategyChoice:
-    from cpinfer.perf.costs import AttnShape
-    from cpinfer.perf.ring import RingShape
-    from cpinfer.perf.simulator import ring_attention_layer
-
-    shape, ring = AttnShape(n_heads, n_kv_heads, head_dim, elem_bytes), RingShape(N, T, P)
-    link = (hw.inter_gbs * 1e9, hw.inter_latency_us * 1e-6)
-    keys = ("attention", "merge", "sendrecv_exposed", "all2all", "ring_steps")
-    t = {s: sum(ring_attention_layer(hw, shape, ring, 1, s, link)[k] for k in keys) for s in STRATEGIES}
+def _simulated(T, P, N, hw, shape, tp, base) -> StrategyChoice:
+    ring = RingShape(N, T, P)
+    t = {s: cost_model.ring_cost(hw, shape, ring, s, tp=tp).total for s in STRATEGIES}
     strategy = "pass-kv" if t["pass-kv"] <= t["pass-q"] else "pass-q"
-    inputs = base | dict(layer_us_pass_kv=t["pass-kv"] * 1e6, layer_us_pass_q=t["pass-q"] * 1e6)
+    inputs = base | dict(layer_us_pass_kv=t["pass-kv"] * 1e6, layer_us_pass_q=t["pass-q"] * 1e6, tp=tp)
     return StrategyChoice(strategy, "simulator", inputs, f"Cost model: {t['pass-kv'] * 1e6:.0f} us (pass-KV) vs "
                           f"{t['pass-q'] * 1e6:.0f} us (pass-Q) of attention per layer: {strategy}.")
 

@@ -34,4 +34,4 @@ def choose_for_batch(engine, t: int, p: int, phase: str, ring: bool = True) -> S
     tp = engine.parallel.tp  # the heads one device holds
     return choose_strategy(t, p, engine.n, n_heads=c.num_attention_heads // tp,
                            n_kv_heads=max(1, c.num_key_value_heads // tp), head_dim=c.head_dim,
-                           elem_bytes=engine.elem_bytes, hardware=engine.hardware, method=method)
+                           elem_bytes=engine.elem_bytes, hardware=engine.hardware, method=method, tp=tp)

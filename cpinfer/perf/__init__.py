@@ -1,14 +1,16 @@
-"""Performance model, hardware/model catalogs, deployment planner (paper §3.4, App. A, C, D).
+"""Performance model, hardware/model catalogs, deployment planner (paper §3.4, §4, App. A, C, D).
 
-models     ModelSpec (Llama-3 catalog or any HF config.json), weight formats incl. row-wise FP8 FFN
-hardware   HardwareProfile (frozen, validated, every number with its source), JSON round trip
-catalog    built-in profiles: h100-gtt, h100-gti, h200, cpu-gloo
-costs      GEMM (dtype, tiles), attention (block-length curve), flash-decoding, merge, SendRecv, All2All, all-reduce
-ring       block shapes of load-balanced ring attention (rank i holds chunks i and 2N-1-i)
-simulator  TTFT (pass-KV / pass-Q), TTIT (pass-Q decode), memory per GPU
-statements every quantitative statement of the paper's public text, with its source, as a model check
-fit        fits the h100-gtt parameters to those statements; leave-one-out cross-validation
-planner    `cpinfer plan`: one deployment, or the smallest CP meeting a TTFT target; report renders it (--explain)
+hardware        HardwareProfile (frozen, validated, every number with its source), JSON round trip
+catalog         built-in profiles: h100-gtt, h100-gti, h200, cpu-gloo
+models          ModelSpec (sliding-window layers included) from a catalog name or any HF config.json, weight formats
+model_catalog   Llama 3.1, Qwen2.5 (incl. 1M), Qwen3, Mistral Small 3.1, Gemma 3, each from its published config
+implementations what differs between the paper's ring and cpinfer's, with sources
+costs           GEMM (dtype, tiles), flash-decoding, TP all-reduce; the ring parts are cpinfer.cp.cost_model
+simulator       TTFT (pass-KV / pass-Q), TTIT (pass-Q decode), memory per GPU
+statements      every quantitative statement of the paper's public text, with its source, as a model check
+fit             fits the h100-gtt parameters to those statements; leave-one-out cross-validation
+planner         `cpinfer plan`: one deployment, or the smallest CP meeting a TTFT target; report renders it (--explain)
+planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.fit --write-doc docs/planning.md)
 """
 from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
 from cpinfer.perf.models import ModelSpec, load_model_spec

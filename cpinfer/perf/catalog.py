@@ -12,8 +12,8 @@ ASSUMED = "assumption"
 
 # Fitted on h100-gtt by cpinfer.perf.fit.fit_h100_gtt() to public statements of the paper (rounded); each
 # source names the statement(s) that determine it. Reused where the same GPUs and software run.
-FIT = dict(gemm_efficiency=0.392, attn_overhead_tokens=34.0, inter_gbs=12.9, inter_latency_us=30.0,
-           ring_step_us=400.0)
+FIT = dict(gemm_efficiency=0.389, attn_overhead_tokens=34.0, inter_gbs=18.4, inter_latency_us=28.7,
+           ring_step_us=413.0)
 
 # The attention curve's prior: FA3's published causal forward benchmark (head dim 128, BF16, H100) roughly halves
 # from 8K to 1K tokens and gains ~5% from 8K to 16K; L0 = 560 keys per query row-tile reproduces that shape. The
@@ -26,7 +26,8 @@ FIT_SOURCES = dict(
                          "ring runs long blocks no faster than the 8K benchmark's 540 TF/s",
     gemm_efficiency="fitted (cpinfer.perf.fit) on the nominal 800 / 1600 TF/s peaks: 128K prefills, GEMM-dominated "
                     "(CP8 5.85 s §4.2.1, one host 1M 1200 s §1, halving §4.2.1); the 500 W cap binds GEMMs",
-    inter_gbs="fitted (cpinfer.perf.fit): pass-KV = pass-Q within 1% at T=6400, P+T=128000, CP4 (§4.2.4)",
+    inter_gbs="fitted (cpinfer.perf.fit): pass-KV = pass-Q within 1% at T=6400, P+T=128000, CP4 (§4.2.4); the "
+              "rate of one SendRecv flow while the ring's attention runs beside it",
     inter_latency_us="fitted (cpinfer.perf.fit): CP4 decode TTIT 71 ms and TP32 47 ms at 128K (§4.3)",
     ring_step_us="fitted (cpinfer.perf.fit): CP16 128K = 3.8 s (§4.2.3) against CP8 5.85 s and the halving (§4.2.1); "
                  "only that CP8 -> CP16 gap determines it",
@@ -111,20 +112,17 @@ _CPU_GLOO = dict(
     kernel_overhead_us=(20.0, f"{_CPU}: eager op dispatch"),
 )
 
-PAPER_EMPIRICAL = (-1.059, 1.145, 12.112)  # App. D: alpha, beta, gamma (natural log), fitted on the paper's system
-
-
-def _profile(name: str, kind: str, numbers: dict, empirical=None, empirical_source: str = "") -> HardwareProfile:
+def _profile(name: str, kind: str, numbers: dict) -> HardwareProfile:
     values = {k: v for k, (v, _) in numbers.items()}
     sources = {k: s for k, (_, s) in numbers.items()}
-    if empirical is not None:
-        sources["empirical"] = empirical_source
-    return HardwareProfile(name=name, kind=kind, empirical=empirical, sources=sources, **values)
+    return HardwareProfile(name=name, kind=kind, sources=sources, **values)
 
 
+# No profile here carries App. D's coefficients (cpinfer.cp.heuristics.PAPER_EMPIRICAL, what method "empirical"
+# falls back to): on the paper's own CP4 128K grid they pick pass-Q at 10% miss and above 12.5%, where §4.2.4
+# states pass-KV, so the engine's default rule on these profiles is Alg. 5 (docs/planning.md).
 HARDWARE = {
-    "h100-gtt": _profile("h100-gtt", "fitted", _H100_GPU | _GTT_NET, PAPER_EMPIRICAL,
-                         f"{PAPER} App. D: alpha=-1.059, beta=1.145, gamma=12.112"),
+    "h100-gtt": _profile("h100-gtt", "fitted", _H100_GPU | _GTT_NET),
     "h100-gti": _profile("h100-gti", "fitted", _H100_GPU | _GTI_NET),
     "h200": _profile("h200", "spec", _H200),
     "cpu-gloo": _profile("cpu-gloo", "estimate", _CPU_GLOO),

@@ -1,56 +1,19 @@
-"""Costs of the primitives one forward pass is made of: GEMM, attention block, flash-decoding, merge, collectives.
+"""Costs of the dense parts of a forward pass: GEMM (dtype, tiles), flash-decoding, TP all-reduce (paper §3.4, §4.1).
 
 All times are seconds on one device; flops, bytes and rates are SI units. A kernel takes the longer of its compute
-time and its memory time (a roofline). Compute rates carry their shape effects: GEMMs pay for partly filled
-128-row tiles, attention pays a fixed cost of L0 keys per query row-tile (the FA3 prologue/epilogue), so short
-blocks run slower, as the paper's 540 TF/s at 8K and its per-op attention scaling (§4.3) describe.
+time and its memory time (a roofline). GEMMs pay for partly filled 128-row tiles. The ring-attention parts (prefill
+attention blocks, SendRecv, All2All, merge) are the shared cost model `cpinfer/cp/cost_model.py`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from cpinfer.cp.cost_model import AttnShape, memory_rate
 from cpinfer.perf.hardware import HardwareProfile
 from cpinfer.utils import ceil_div
 
-LSE_BYTES = 4      # the log-sum-exp of a partial output is kept in fp32 (DESIGN.md, Numerics)
 GEMM_TILE_M = 128  # rows of one GEMM tile on Hopper (CUTLASS / FBGEMM FP8 kernels); a partial tile costs a full one
-
-
-@dataclass(frozen=True)
-class AttnShape:
-    """Attention heads one GPU holds (after TP sharding) and the element size of Q/K/V/O."""
-    heads: int      # query heads per GPU
-    kv_heads: int   # KV heads per GPU
-    head_dim: int
-    elem_bytes: int
-
-    def __post_init__(self) -> None:
-        for name in ("heads", "kv_heads", "head_dim", "elem_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"attention shape: {name} must be positive, got {getattr(self, name)}")
-
-    def q_bytes(self, tokens: float) -> float:       # Q (or O) of `tokens` queries
-        return tokens * self.heads * self.head_dim * self.elem_bytes
-
-    def kv_bytes(self, tokens: float) -> float:      # K and V of `tokens` keys
-        return 2 * tokens * self.kv_heads * self.head_dim * self.elem_bytes
-
-    def partial_out_bytes(self, tokens: float) -> float:  # a partial output plus its LSE (pass-Q All2All)
-        return tokens * self.heads * (self.head_dim * self.elem_bytes + LSE_BYTES)
-
-
-def attention_time(hw: HardwareProfile, shape: AttnShape, pairs: float, lq: float, lkv: float) -> float:
-    """One prefill attention kernel: `pairs` visible (query, key) pairs of lq queries against lkv keys.
-
-    FLOPs = 4 * pairs * head_dim * heads (QK^T and PV, paper Table 3, App. A). Each query row pays L0 keys' worth
-    of fixed work (attn_overhead_tokens), so a causal square of L runs at A_inf * (L/2) / (L/2 + L0).
-    """
-    if pairs <= 0:
-        return 0.0
-    work = 4.0 * (pairs + lq * hw.attn_overhead_tokens) * shape.head_dim * shape.heads
-    traffic = 2 * shape.q_bytes(lq) + shape.kv_bytes(lkv)  # read Q, K, V; write O
-    return max(work / hw.attn_flops_per_s(), traffic / hw.mem_bytes_per_s)
+DECODE_SPLITS = 256  # paper §4.1: Flash Decoding with 256 K/V splits
 
 
 def decode_attention_time(hw: HardwareProfile, shape: AttnShape, queries: int, keys: float) -> float:
@@ -62,20 +25,9 @@ def decode_attention_time(hw: HardwareProfile, shape: AttnShape, queries: int, k
     if queries <= 0 or keys <= 0:
         return 0.0
     traffic = queries * (shape.kv_bytes(keys) + 2 * shape.q_bytes(1))
-    combine = queries * shape.heads * DECODE_SPLITS * (shape.head_dim + 1) * 4 / hw.mem_bytes_per_s
+    combine = queries * shape.heads * DECODE_SPLITS * (shape.head_dim + 1) * 4 / memory_rate(hw)
     slot = hw.kernel_overhead_us * 1e-6
-    return max(slot, traffic / hw.mem_bytes_per_s) + max(slot, combine)
-
-
-DECODE_SPLITS = 256  # paper §4.1: Flash Decoding with 256 K/V splits
-
-
-def merge_time(hw: HardwareProfile, shape: AttnShape, lq: float, parts: int) -> float:
-    """Merge `parts` partial outputs (App. B): read each and its LSE in fp32, write the output once."""
-    if parts <= 1:
-        return 0.0
-    traffic = parts * lq * shape.heads * (shape.head_dim + 1) * 4 + shape.q_bytes(lq)
-    return traffic / hw.mem_bytes_per_s
+    return max(slot, traffic / memory_rate(hw)) + max(slot, combine)
 
 
 def gemm_time(hw: HardwareProfile, m: int, n: int, k: int, weight_bytes: float, fp8: bool) -> float:
@@ -85,22 +37,7 @@ def gemm_time(hw: HardwareProfile, m: int, n: int, k: int, weight_bytes: float, 
         return 0.0
     rows = ceil_div(m, GEMM_TILE_M) * GEMM_TILE_M if m > GEMM_TILE_M else m
     flops = 2.0 * rows * n * k
-    return max(flops / hw.gemm_flops_per_s(fp8), weight_bytes / hw.mem_bytes_per_s)
-
-
-def p2p_time(nbytes: float, link: tuple[float, float]) -> float:
-    """One SendRecv of nbytes over a (bytes/s, latency s) link; both directions run at once."""
-    bandwidth, latency = link
-    return latency + nbytes / bandwidth if nbytes > 0 else 0.0
-
-
-def all2all_time(bytes_per_peer: float, n: int, link: tuple[float, float]) -> float:
-    """All2All across n ranks as a pairwise exchange: n-1 rounds, each one message's latency + bytes / bandwidth
-    (the alpha-beta cost of the pass-Q merge's All2All, App. C)."""
-    if n <= 1:
-        return 0.0
-    bandwidth, latency = link
-    return (n - 1) * (latency + bytes_per_peer / bandwidth)
+    return max(flops / hw.gemm_flops_per_s(fp8), weight_bytes / memory_rate(hw))
 
 
 def allreduce_time(hw: HardwareProfile, nbytes: float, tp: int) -> float:

@@ -1,14 +1,12 @@
-"""Fit the h100-gtt parameters that no spec sheet gives to the paper's public statements, and cross-validate them.
+"""Fit the five h100-gtt parameters no spec sheet gives (`FITTED`) to the paper's public statements; leave-one-out
+cross-validation; `python -m cpinfer.perf.fit [--write-doc docs/planning.md]` prints or regenerates the tables.
 
-Fitted (each in `FITTED` with its bounds and the prior it is pulled towards, weakly, when no statement pins it):
-gemm_efficiency, attn_overhead_tokens, inter_gbs, inter_latency_us, ring_step_us. (The all-reduce bandwidths were
-fitted once too; both went to their physical bounds, so the catalog states those bounds as assumptions instead.)
-The residual of a statement is ln(model / paper); the fit is Levenberg-Marquardt in ln(parameter) with box
-bounds. Leave-one-out refits without each fitted statement and predicts it: the error a user should expect on
-numbers the model was not fitted to (docs/planning.md).
+Residual of a statement: ln(model / paper); Levenberg-Marquardt in ln(parameter) with box bounds and a weak pull
+towards each physical prior. Leave-one-out refits without each fitted statement and predicts it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -137,34 +135,68 @@ def determined_by() -> dict:
     return out
 
 
-def report(loo: bool = True) -> str:
-    """Markdown: the fitted parameters, every statement with model vs paper, and (optionally) leave-one-out."""
-    from cpinfer.perf.statements import evaluate
-
-    hw = HARDWARE["h100-gtt"]
-    values = fit()
+def parameter_table(values: dict | None = None) -> str:
+    """Markdown: each fitted parameter, catalog vs refit value, prior, bounds, the statements that move it."""
+    hw, values = HARDWARE["h100-gtt"], values or fit()
     lines = ["| parameter | catalog | refit now | prior | bounds | moves (fitted statements) |",
              "|---|---|---|---|---|---|"]
     moves = determined_by()
     for name, (lo, hi, prior, why) in FITTED.items():
         lines.append(f"| `{name}` | {getattr(hw, name):g} | {values[name]:.4g} | {prior:g} ({why}) | {lo:g}-{hi:g} | "
                      f"{', '.join(moves[name]) or 'none by > 1%'} |")
-    lines += ["", "| statement | source | model | paper | error | fitted | ok |", "|---|---|---|---|---|---|---|"]
-    for r in evaluate(hw):
+    return "\n".join(lines)
+
+
+def statement_table() -> str:
+    """Markdown: every statement of the paper with its source, the model's value on h100-gtt, pass / fail."""
+    from cpinfer.perf.statements import evaluate
+
+    lines = ["| statement | source | model | paper | error | fitted | ok |", "|---|---|---|---|---|---|---|"]
+    for r in evaluate(HARDWARE["h100-gtt"]):
         paper = f"{r['paper']:.4g}" if r["kind"] == "value" else "holds"
         err = f"{100 * r['error']:+.1f}%" if r["error"] is not None else f"margin {r['model']:.3g}"
         model = f"{r['model']:.4g}" if r["kind"] == "value" else "-"
         lines.append(f"| `{r['key']}`: {r['quote']} | {r['source']} | {model} | {paper} | {err} | "
                      f"{'fit' if r['fit'] else ''} | {'yes' if r['passes'] else 'NO'} |")
-    if loo:
-        lines += ["", "| held-out statement | paper | in-sample error | held-out error |", "|---|---|---|---|"]
-        for r in leave_one_out():
-            lines.append(f"| `{r['key']}` | {r['paper']:g} | {100 * r['in_sample']:+.1f}% | "
-                         f"{100 * r['held_out']:+.1f}% |")
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    import sys
+def loo_table(rows: list[dict]) -> str:
+    """Markdown: leave-one-out rows, then one line with the median / worst held-out error."""
+    lines = ["| held-out statement | paper | in-sample error | held-out error |", "|---|---|---|---|"]
+    lines += [f"| `{r['key']}` | {r['paper']:g} | {100 * r['in_sample']:+.1f}% | {100 * r['held_out']:+.1f}% |"
+              for r in rows]
+    held = sorted(abs(r["held_out"]) for r in rows)
+    worst = max(rows, key=lambda r: abs(r["held_out"]))
+    lines += ["", f"Median held-out error {100 * float(np.median(held)):.1f}%, "
+                  f"{sum(h <= 0.10 for h in held)} of {len(held)} within 10%; worst "
+                  f"{100 * worst['held_out']:+.1f}% (`{worst['key']}`)."]
+    return "\n".join(lines)
 
-    print(report(loo="--no-loo" not in sys.argv))
+
+def report(loo: bool = True) -> str:
+    """Markdown: the fitted parameters, every statement with model vs paper, and (optionally) leave-one-out."""
+    parts = [parameter_table(), statement_table()]
+    if loo:
+        parts.append(loo_table(leave_one_out()))
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cpinfer.perf.fit", description=__doc__.splitlines()[0])
+    parser.add_argument("--no-loo", action="store_true", help="skip leave-one-out (the slow part)")
+    parser.add_argument("--write-doc", metavar="PATH",
+                        help="regenerate the marked tables and worked examples of PATH (docs/planning.md) instead")
+    args = parser.parse_args(argv)
+    if args.write_doc:
+        from cpinfer.perf.planning_doc import write_doc
+
+        for what in write_doc(args.write_doc):
+            print(f"regenerated {what}")
+    else:
+        print(report(loo=not args.no_loo))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,15 +12,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpinfer.cp import cost_model
 from cpinfer.utils import check_positive
 
 KINDS = ("measured", "fitted", "spec", "estimate", "calibrated")
 
 # Numeric fields, each with its unit; every one must have an entry in `sources`.
 UNITS = {
-    "peak_tflops": "TF/s dense peak of the compute dtype per device (bf16 on GPU, fp32 on CPU)",
+    "peak_tflops": "TF/s dense peak of the compute dtype per device (bf16 on GPU, fp32 on CPU); GEMMs run at "
+                   "peak_tflops * gemm_efficiency",
     "peak_tflops_fp8": "TF/s dense FP8 peak per device (0: no FP8 GEMMs, FP8 weights run at peak_tflops)",
-    "attn_tflops": "TF/s achieved by the prefill attention kernel on a causal square of attn_ref_tokens",
+    "attn_tflops": "TF/s achieved by the prefill attention kernel on a causal square of attn_ref_tokens (with the "
+                   "L0 curve, the C of Alg. 1 / Alg. 5)",
     "attn_ref_tokens": "tokens of the causal square attn_tflops was measured on (paper: 8K)",
     "attn_overhead_tokens": "L0: fixed cost of one query row-tile, in keys' worth of work (short blocks run slower)",
     "gemm_efficiency": "achieved / peak of large GEMMs (0-1]",
@@ -30,8 +33,9 @@ UNITS = {
     "devices_per_node": "devices sharing the fast intra-node link",
     "intra_gbs": "GB/s achieved per-device bus bandwidth of intra-node collectives (all-reduce)",
     "intra_latency_us": "us fixed cost of one intra-node collective",
-    "inter_gbs_peak": "GB/s peak per-device inter-node link (the BW of Alg. 1 / Alg. 5)",
-    "inter_gbs": "GB/s achieved per-rank SendRecv bandwidth across nodes",
+    "inter_gbs_peak": "GB/s line rate of one device's inter-node link (its NIC): what the concurrent flows of an "
+                      "All2All share",
+    "inter_gbs": "GB/s achieved by one SendRecv flow across nodes (the ring's; the BW of Alg. 1 / Alg. 5)",
     "inter_latency_us": "us fixed cost of one inter-node SendRecv / All2All",
     "inter_coll_gbs": "GB/s achieved per-device bus bandwidth of inter-node all-reduce (TP across nodes)",
     "ring_step_us": "us exposed per ring step (stream sync on the received block, per-step launches, merge)",
@@ -111,20 +115,17 @@ class HardwareProfile:
         return peak * 1e12 * self.gemm_efficiency
 
     def attn_flops_per_s(self) -> float:
-        """A_inf: the long-block attention rate. With a fixed cost of L0 keys per query row, a causal square of
-        L tokens runs at A_inf * (L/2) / (L/2 + L0); A_inf is chosen so that L = attn_ref_tokens gives attn_tflops."""
-        half = self.attn_ref_tokens / 2
-        return self.attn_tflops * 1e12 * (half + self.attn_overhead_tokens) / half
+        """A_inf, the long-block attention rate (cpinfer.cp.cost_model.attention_rate)."""
+        return cost_model.attention_rate(self)
 
     @property
     def mem_bytes_per_s(self) -> float:
-        return self.mem_tbps * 1e12 * self.mem_efficiency
+        return cost_model.memory_rate(self)
 
-    def ring_link(self, cp: int, tp: int) -> tuple[float, float]:
-        """(bytes/s, latency s) of the slowest hop of a CP ring of cp ranks, each a TP group of tp devices."""
-        if cp * tp > self.devices_per_node:
-            return self.inter_gbs * 1e9, self.inter_latency_us * 1e-6
-        return self.intra_gbs * 1e9, self.intra_latency_us * 1e-6
+    def ring_link(self, cp: int, tp: int) -> cost_model.Link:
+        """(bytes/s per flow, latency s, bytes/s shared by concurrent flows) of the slowest hop of a CP ring of cp
+        ranks, each a TP group of tp devices."""
+        return cost_model.ring_link(self, cp, tp)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -1,7 +1,8 @@
-"""Model catalog for the performance model: Llama-3 shapes, parameter counts, weight formats (paper §4.1, App. A).
+"""Model shapes for the performance model: `ModelSpec`, parameter counts, weight formats (paper §4.1, App. A).
 
-A `ModelSpec` is only the shape of a dense GQA transformer; it knows nothing about hardware. Catalog entries come
-from the published Hugging Face `config.json` files; any other model is read from its own `config.json`.
+A `ModelSpec` is only the shape of a dense GQA transformer (with the layers that use a sliding window); it knows
+nothing about hardware. Catalog entries (`model_catalog.py`) come from published Hugging Face `config.json` files;
+any other model is read from its own `config.json` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 layouts).
 """
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ class ModelSpec:
     hidden: int          # D, model dimension
     n_heads: int         # N_H, query heads
     n_kv_heads: int      # N_KV, key/value heads
-    head_dim: int        # D_H
-    ffn_dim: int         # SwiGLU intermediate size
+    head_dim: int        # D_H (need not be hidden / n_heads: Qwen3, Gemma 3)
+    ffn_dim: int         # gated-MLP intermediate size (SwiGLU / GeGLU: gate, up, down)
     vocab: int
     tie_embeddings: bool = False
     source: str = ""     # where the numbers come from
+    window: int = 0          # sliding window of the windowed layers (a key j visible to query i iff i - j < window)
+    window_layers: int = 0   # how many of the n_layers use it (Gemma 3: 5 of every 6; Mistral v0.1: all)
+    max_context: int = 0     # max_position_embeddings of the config (0: not stated)
 
     def __post_init__(self) -> None:
         for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
@@ -34,6 +38,20 @@ class ModelSpec:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model {self.name!r}: n_heads ({self.n_heads}) must be a multiple of "
                              f"n_kv_heads ({self.n_kv_heads}) for grouped-query attention")
+        for what in ("window", "window_layers", "max_context"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model {self.name!r}: {what} must be a non-negative integer, got {value!r}")
+        if self.window_layers > self.n_layers:
+            raise ValueError(f"model {self.name!r}: window_layers ({self.window_layers}) exceeds n_layers "
+                             f"({self.n_layers})")
+        if bool(self.window) != bool(self.window_layers):
+            raise ValueError(f"model {self.name!r}: a sliding window needs both window ({self.window}) and "
+                             f"window_layers ({self.window_layers}) positive, or neither")
+
+    @property
+    def full_layers(self) -> int:  # layers that attend to the whole context
+        return self.n_layers - self.window_layers
 
     # Parameter counts (elements), per layer unless stated.
     @property
@@ -101,14 +119,6 @@ class WeightFormat:
         return (model.n_layers * per_layer + model.embed_params * self.embed_bytes) / tp + norms
 
 
-_HF = "published Hugging Face config.json of meta-llama/Llama-3.1-{}"
-MODELS = {
-    "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, source=_HF.format("8B")),
-    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 128, 28672, 128256, source=_HF.format("70B")),
-    "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 8, 128, 53248, 128256,
-                             source=_HF.format("405B") + "; paper App. A Table 6"),
-}
-
 WEIGHT_FORMATS = {
     "bf16": WeightFormat("bf16", 2, 2, 2, False, False, "all weights bf16"),
     "fp16": WeightFormat("fp16", 2, 2, 2, False, False, "all weights fp16"),
@@ -123,8 +133,12 @@ def _known(catalog: dict) -> str:
     return ", ".join(sorted(catalog))
 
 
-def load_model_spec(name_or_config_path: str) -> ModelSpec:
-    """A catalog name (case-insensitive) or a path to a HF `config.json` (or the folder holding it)."""
+def load_model_spec(name_or_config_path) -> ModelSpec:
+    """A ModelSpec, a catalog name (case-insensitive), or a path to a HF `config.json` (or the folder holding it)."""
+    from cpinfer.perf.model_catalog import MODELS  # the catalog imports this module
+
+    if isinstance(name_or_config_path, ModelSpec):
+        return name_or_config_path
     key = str(name_or_config_path).strip().lower()
     if key in MODELS:
         return MODELS[key]
@@ -133,26 +147,73 @@ def load_model_spec(name_or_config_path: str) -> ModelSpec:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_config_path!r}: known models are {_known(MODELS)}, "
-                         f"or give the path of a Hugging Face config.json")
-    return model_spec_from_hf_config(json.loads(path.read_text()), name=path.parent.name or str(path),
-                                     source=str(path))
+                         f"or give the path of a Hugging Face config.json (or of the folder holding it)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    return model_spec_from_hf_config(cfg, name=path.parent.name or str(path), source=str(path))
+
+
+# model_type -> tie_word_embeddings when config.json omits it (the transformers config class default)
+TIED_BY_DEFAULT = {"gemma": True, "gemma2": True, "gemma3": True, "gemma3_text": True}
+GEMMA3 = ("gemma3", "gemma3_text")
 
 
 def model_spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
-    """Read the shape of a Llama-style model from a Hugging Face config dict."""
+    """The shape of a dense decoder from a Hugging Face config dict: Llama / Mistral / Qwen2 / Qwen3 / Gemma 3,
+    a multimodal wrapper's `text_config` included. Sliding-window layers come from `layer_types`, else Gemma 3's
+    `sliding_window_pattern`, else Qwen's `use_sliding_window` + `max_window_layers`, else Mistral's
+    `sliding_window` on every layer."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: config.json must hold a JSON object")
+    text = cfg.get("text_config")
+    if isinstance(text, dict):
+        cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **text}
     try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        hidden, heads, layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+        tied = cfg.get("tie_word_embeddings", TIED_BY_DEFAULT.get(cfg.get("model_type", ""), False))
+        window, window_layers = _windows(cfg, layers, source)
         return ModelSpec(
-            name=name, n_layers=int(cfg["num_hidden_layers"]), hidden=hidden, n_heads=heads,
+            name=name, n_layers=layers, hidden=hidden, n_heads=heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads), ffn_dim=int(cfg["intermediate_size"]),
-            vocab=int(cfg["vocab_size"]), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            source=source)
+            vocab=int(cfg["vocab_size"]), tie_embeddings=bool(tied), source=source, window=window,
+            window_layers=window_layers, max_context=int(cfg.get("max_position_embeddings") or 0))
     except KeyError as exc:
         raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: config.json has a malformed field ({exc})") from None
 
 
-def load_weight_format(name: str) -> WeightFormat:
+def _windows(cfg: dict, layers: int, source: str) -> tuple[int, int]:
+    """(window, number of windowed layers) as transformers lays the layer types out for this config."""
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != layers:
+            raise ValueError(f"{source}: layer_types has {len(types)} entries for {layers} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"{source}: layer_types holds {sorted(unknown)}; the planner knows "
+                             f"'sliding_attention' and 'full_attention'")
+        count = sum(t == "sliding_attention" for t in types)
+    elif cfg.get("sliding_window_pattern") or cfg.get("model_type") in GEMMA3:  # every pattern-th layer global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)  # transformers' Gemma3TextConfig default
+        count = sum(bool((i + 1) % pattern) for i in range(layers))
+    elif "use_sliding_window" in cfg:  # Qwen2 / Qwen3: layers from max_window_layers on, when switched on
+        first = int(cfg.get("max_window_layers", 28))  # transformers' Qwen2Config default
+        count = max(0, layers - first) if cfg["use_sliding_window"] else 0
+    else:  # Mistral / Llama: one window for every layer when set
+        count = layers if window else 0
+    if count and not window:
+        raise ValueError(f"{source}: {count} sliding-window layers but no sliding_window length")
+    return (window, count) if count else (0, 0)
+
+
+def load_weight_format(name) -> WeightFormat:
+    if isinstance(name, WeightFormat):
+        return name
     key = str(name).strip().lower()
     if key not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {name!r}: known formats are {_known(WEIGHT_FORMATS)}")

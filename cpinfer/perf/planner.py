@@ -5,10 +5,12 @@ size that meets a TTFT target. Both are what `cpinfer plan` prints (docs/plannin
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cpinfer.cp.heuristics import StrategyChoice, choose_strategy
 from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.implementations import load_implementation
 from cpinfer.perf.models import dtype_bytes, load_model_spec, load_weight_format
 from cpinfer.perf.simulator import (STRATEGIES, Deployment, Estimate, Memory, memory_per_gpu, simulate_decode,
                                     simulate_prefill)
@@ -46,14 +48,27 @@ class Plan:
         return self.ttft[self.choice.strategy].seconds
 
     @property
+    def warnings(self) -> tuple[str, ...]:
+        """What makes this plan describe a deployment the model cannot run as configured."""
+        m, ctx = self.deployment.model, self.workload.context_tokens
+        out = []
+        if m.max_context and ctx > m.max_context:
+            out.append(f"{ctx} tokens exceed {m.name}'s max_position_embeddings ({m.max_context}); serving that "
+                       f"needs RoPE scaling in its config")
+        if not self.memory.fits:
+            out.append("weights + KV do not fit in 90% of device memory")
+        return tuple(out)
+
+    @property
     def fastest(self) -> str:
         return min(STRATEGIES, key=lambda s: self.ttft[s].seconds)
 
     def to_dict(self) -> dict:
         d, w, m = self.deployment, self.workload, self.memory
         out = dict(model=d.model.name, hardware=d.hardware.name, hardware_kind=d.hardware.kind, cp=d.cp, tp=d.tp,
-                   gpus=d.gpus, weights=d.weights.name, prompt_tokens=w.prompt_tokens,
-                   cached_tokens=w.cached_tokens, batch=w.batch)
+                   gpus=d.gpus, weights=d.weights.name, implementation=d.implementation.name,
+                   prompt_tokens=w.prompt_tokens, cached_tokens=w.cached_tokens, batch=w.batch,
+                   window=d.model.window, window_layers=d.model.window_layers, warnings=list(self.warnings))
         for s in STRATEGIES:
             e = self.ttft[s]
             out[s.replace("-", "_")] = dict(ttft_s=e.seconds, breakdown_s=dict(e.breakdown), **e.detail)
@@ -65,19 +80,26 @@ class Plan:
         return out
 
 
-def build_deployment(model: str, hardware: str, cp: int, tp: int, weights: str = "bf16",
-                     act_dtype: str = "bf16", kv_dtype: str = "bf16") -> Deployment:
-    """Resolve catalog names / paths into a validated Deployment."""
+def build_deployment(model, hardware, cp: int, tp: int, weights="bf16", act_dtype: str = "bf16",
+                     kv_dtype: str = "bf16", implementation="cpinfer") -> Deployment:
+    """Resolve catalog names / paths (or objects) into a validated Deployment."""
     return Deployment(load_model_spec(model), load_hardware_profile(hardware), cp, tp, load_weight_format(weights),
-                      act_bytes=dtype_bytes(act_dtype), kv_bytes=dtype_bytes(kv_dtype))
+                      act_bytes=dtype_bytes(act_dtype), kv_bytes=dtype_bytes(kv_dtype),
+                      implementation=load_implementation(implementation))
+
+
+def choose(dep: Deployment, work: Workload, method: str = "alg5") -> StrategyChoice:
+    """The pass-KV / pass-Q heuristic's pick for this deployment and workload (heads of one device, its ring)."""
+    shape = dep.attn_shape
+    return choose_strategy(work.batch * work.prompt_tokens, work.batch * work.cached_tokens, dep.cp,
+                           n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                           elem_bytes=shape.elem_bytes, hardware=dep.hardware, method=method, tp=dep.tp,
+                           partial_bytes=shape.partial_bytes)
 
 
 def make_plan(dep: Deployment, work: Workload, method: str = "alg5") -> Plan:
     ttft = {s: simulate_prefill(dep, work.prompt_tokens, work.cached_tokens, work.batch, s) for s in STRATEGIES}
-    shape = dep.attn_shape
-    choice = choose_strategy(work.batch * work.prompt_tokens, work.batch * work.cached_tokens, dep.cp,
-                             n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                             elem_bytes=shape.elem_bytes, hardware=dep.hardware, method=method)
+    choice = choose(dep, work, method)
     ttit = simulate_decode(dep, work.context_tokens, work.batch)
     memory = memory_per_gpu(dep, work.context_tokens, work.batch)
     return Plan(dep, work, ttft, choice, ttit, memory)
@@ -100,8 +122,7 @@ def sweep_cp(base: Deployment, work: Workload, target_s: float, max_cp: int = 64
     check_positive(max_cp, "max CP size")
     rows = []
     for cp in range(1, max_cp + 1):
-        plan = make_plan(Deployment(base.model, base.hardware, cp, base.tp, base.weights, base.act_bytes,
-                                    base.kv_bytes), work, method)
+        plan = make_plan(dataclasses.replace(base, cp=cp), work, method)
         rows.append(SweepRow(cp, plan.chosen_ttft_s, plan.choice.strategy, plan.memory.total_gb, plan.memory.fits))
         if plan.memory.fits and plan.chosen_ttft_s <= target_s:
             return rows, plan

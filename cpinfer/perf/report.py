@@ -23,16 +23,20 @@ EXPLAIN = {
              "weights), or the weight read at mem_tbps * mem_efficiency, whichever is longer",
              ("peak_tflops", "peak_tflops_fp8", "gemm_efficiency", "mem_tbps", "mem_efficiency")),
     "attention": ("per ring step, the slowest rank's block: 4 * (pairs + L0 * queries) * head_dim * heads / A_inf, "
-                  "A_inf = attn_tflops * (ref/2 + L0) / (ref/2); decode: flash-decoding reads K/V once",
+                  "A_inf = attn_tflops * (ref/2 + L0) / (ref/2); a sliding-window layer counts only the pairs its "
+                  "window shows and skips trailing empty steps; decode: flash-decoding reads K/V once",
                   ("attn_tflops", "attn_ref_tokens", "attn_overhead_tokens", "mem_tbps", "kernel_overhead_us")),
-    "merge": ("N partial outputs + LSE read in fp32, output written once (App. B)", ("mem_tbps", "mem_efficiency")),
+    "merge": ("N partial outputs + LSE read, output written once (App. B); pass-Q also copies the N-1 outgoing "
+              "partials into the All2All buffer (Alg. 3's permute)", ("mem_tbps", "mem_efficiency")),
     "sendrecv_exposed": ("per step max(0, latency + message / BW - comm_overlap * attention): the ring overlaps "
-                         "the transfer", ("inter_gbs", "inter_latency_us", "intra_gbs", "intra_latency_us",
-                                          "devices_per_node", "comm_overlap")),
+                         "the transfer (the paper's decode does not: its Q SendRecv follows each step)",
+                         ("inter_gbs", "inter_latency_us", "intra_gbs", "intra_latency_us", "devices_per_node",
+                          "comm_overlap")),
     "ring_steps": ("N * ring_step_us per layer (eager prefill ring: stream sync and launches per step)",
                    ("ring_step_us",)),
-    "all2all": ("pass-Q: (N-1) * (latency + partial output bytes / BW), fully exposed (App. C)",
-                ("inter_gbs", "inter_latency_us")),
+    "all2all": ("pass-Q: partial outputs + fp32 LSE of the other ranks' queries, every peer posted at once: "
+                "(N-1) * latency + max(bytes per peer / BW, (N-1) * bytes per peer / line rate), exposed (App. C)",
+                ("inter_gbs", "inter_gbs_peak", "inter_latency_us")),
     "allreduce": ("2 per layer; NVLink ring in the node, over nodes 2*log2(nodes) latencies + the 1/8 slice at "
                   "the collective bandwidth", ("intra_gbs", "intra_latency_us", "inter_coll_gbs",
                                                "inter_latency_us")),
@@ -45,10 +49,11 @@ EXPLAIN = {
 def format_plan(plan: Plan) -> str:
     d, w = plan.deployment, plan.workload
     m, hw = d.model, d.hardware
+    windows = f", {m.window_layers} with a {m.window}-token sliding window" if m.window_layers else ""
     lines = [
-        f"model     {m.name}: {m.params / 1e9:.1f}B params, {m.n_layers} layers, {m.n_heads} heads / "
-        f"{m.n_kv_heads} KV heads; weights {d.weights.name}",
-        f"hardware  {hw.name} ({hw.kind}); CP{d.cp} x TP{d.tp} = {d.gpus} devices",
+        f"model     {m.name}: {m.params / 1e9:.1f}B params, {m.n_layers} layers{windows}, {m.n_heads} heads / "
+        f"{m.n_kv_heads} KV heads x {m.head_dim}; weights {d.weights.name}",
+        f"hardware  {hw.name} ({hw.kind}); CP{d.cp} x TP{d.tp} = {d.gpus} devices; {d.implementation.name}'s ring",
         f"workload  batch {w.batch} x ({w.prompt_tokens} new + {w.cached_tokens} cached) tokens; "
         f"miss rate {w.prompt_tokens / w.context_tokens:.2%}",
         "",
@@ -68,11 +73,14 @@ def format_plan(plan: Plan) -> str:
         f"choice    {plan.choice.strategy} ({plan.choice.method}): {plan.choice.reason}",
         f"simulated fastest: {plan.fastest}",
         f"TTIT      {plan.ttit.seconds * 1e3:.2f} ms per decode step at {w.context_tokens} context, batch {w.batch} "
-        f"(padded to {plan.ttit.detail['padded_batch']}): " + _ttit_parts(plan),
+        f"({plan.ttit.detail['queries_per_rank']} on the fullest rank"
+        f"{', padded to ' + str(plan.ttit.detail['padded_batch']) if plan.ttit.detail['padding_queries'] else ''}): "
+        + _ttit_parts(plan),
         f"memory    {plan.memory.weights_gb:.2f} GB weights + {plan.memory.kv_gb:.2f} GB KV = "
         f"{plan.memory.total_gb:.2f} GB per device of {plan.memory.capacity_gb:.0f} GB -> "
         f"{'fits' if plan.memory.fits else 'DOES NOT FIT'} (90% usable)",
     ]
+    lines += [f"warning   {w}" for w in plan.warnings]
     return "\n".join(lines)
 
 

@@ -1,23 +1,25 @@
 """Simulated forward pass on CP x TP: TTFT (full / partial prefill, pass-KV or pass-Q), TTIT, memory per GPU.
 
 Per layer on one GPU (paper §3.4, §3.5, §4.1, §4.3): the TP-sharded GEMMs (FP8 FFN, bf16 projections), memory-bound
-elementwise ops, two TP all-reduces, and ring attention: N steps, each taking the slowest rank's attention block
-or the SendRecv it overlaps, whichever is longer, plus the per-step cost of an eager ring; pass-Q adds its All2All
-(App. C). Decode is batched ring pass-Q under CUDA graphs with the batch padded to a multiple of N (§3.6, §4.3).
-Every hardware number comes from the profile; `cpinfer/perf/fit.py` says which are fitted and to what.
+elementwise ops, two TP all-reduces, and ring attention priced by the shared cost model `cpinfer/cp/cost_model.py`
+(N steps of the slowest rank's block or the SendRecv it overlaps, a per-step cost, pass-Q's All2All, permute and
+merge; sliding-window layers skip what their window hides). Decode is ring pass-Q under CUDA graphs (Alg. 4): Q
+SendRecv per step, flash-decoding, All2All of the partial outputs, merge. `Implementation` says what differs between
+the paper's system (the statements) and cpinfer (the default). `cpinfer/perf/fit.py` says which numbers are fitted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from cpinfer.cp import cost_model
+from cpinfer.cp.cost_model import STRATEGIES, AttnShape
+from cpinfer.cp.ring_shape import RingShape
 from cpinfer.perf import costs
-from cpinfer.perf.costs import AttnShape
 from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.implementations import CPINFER, Implementation
 from cpinfer.perf.models import ModelSpec, WeightFormat
-from cpinfer.perf.ring import RingShape
 from cpinfer.utils import ceil_div, check_positive
 
-STRATEGIES = ("pass-kv", "pass-q")
 # Memory passes over one token's hidden vector per layer: two fused residual-add + RMSNorm kernels (read x and
 # residual, write both and the normed x: 5 each), on the 1/TP token slice each rank norms (sequence-parallel TP).
 ELEMENTWISE_HIDDEN_PASSES = 10
@@ -27,6 +29,7 @@ DECODE_KERNELS_PER_RING_STEP = 2  # besides flash-decoding's two: the grouped NC
 DECODE_KERNELS_AFTER_RING = 3     # permute, All2All, merge (Alg. 4)
 COMPONENTS = ("gemm", "attention", "merge", "sendrecv_exposed", "ring_steps", "all2all", "allreduce",
               "elementwise", "kernels")
+RING_KEYS = ("attention", "merge", "sendrecv_exposed", "ring_steps", "all2all")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Deployment:
     weights: WeightFormat
     act_bytes: int = 2       # e, activations and the Q/K/V messages
     kv_bytes: int = 2        # KV cache element size
+    implementation: Implementation = field(default=CPINFER)
 
     def __post_init__(self) -> None:
         check_positive(self.cp, "cp")
@@ -51,10 +55,11 @@ class Deployment:
     @property
     def attn_shape(self) -> AttnShape:
         m = self.model
-        return AttnShape(m.n_heads // self.tp, m.kv_heads_per_gpu(self.tp), m.head_dim, self.act_bytes)
+        return AttnShape(m.n_heads // self.tp, m.kv_heads_per_gpu(self.tp), m.head_dim, self.act_bytes,
+                         self.implementation.partial_bytes)
 
     @property
-    def link(self) -> tuple[float, float]:
+    def link(self) -> cost_model.Link:
         return self.hardware.ring_link(self.cp, self.tp)
 
 
@@ -67,37 +72,17 @@ class Estimate:
     detail: dict             # per-step and per-layer numbers worth showing
 
 
-def ring_attention_layer(hw: HardwareProfile, shape: AttnShape, ring: RingShape, batch: int, strategy: str,
-                         link: tuple[float, float]) -> dict:
-    """One layer of ring attention on one rank (eager prefill), seconds by component.
-
-    Step j: every rank computes its block while the next block travels; the step ends when the slowest rank's
-    block and the transfer are both done, plus ring_step_us. The transfer progresses during comm_overlap of the
-    compute time, so exposed SendRecv = max(0, comm - comm_overlap * compute) per step (comm - compute on a GPU).
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    n, lq = ring.n, batch * ring.q_tokens
-    msg = shape.kv_bytes(batch * ring.max_kv_tokens) if strategy == "pass-kv" else shape.q_bytes(lq)
-    comm = costs.p2p_time(msg, link) if n > 1 else 0.0
-    out = dict(attention=0.0, sendrecv_exposed=0.0, step_attention_max=0.0)
-    for j in range(n):
-        compute = max(_step_compute(hw, shape, ring, batch, strategy, k, (k - j) % n) for k in range(n))
-        out["attention"] += compute
-        out["sendrecv_exposed"] += max(0.0, (comm if j < n - 1 else 0.0) - hw.comm_overlap * compute)
-        out["step_attention_max"] = max(out["step_attention_max"], compute)
-    out["ring_steps"] = n * hw.ring_step_us * 1e-6 if n > 1 else 0.0
-    out["merge"] = costs.merge_time(hw, shape, lq, n)
-    out["all2all"] = costs.all2all_time(shape.partial_out_bytes(lq), n, link) if strategy == "pass-q" else 0.0
-    out["step_sendrecv"], out["message_bytes"] = comm, (msg if n > 1 else 0)
-    return out
-
-
-def _step_compute(hw, shape, ring, batch, strategy, rank, other) -> float:
-    """Attention time on `rank` at a step where it meets `other` (KV source for pass-KV, Q source for pass-Q)."""
-    q_rank, kv_rank = (rank, other) if strategy == "pass-kv" else (other, rank)
-    pairs = batch * ring.visible_pairs(q_rank, kv_rank)
-    return costs.attention_time(hw, shape, pairs, batch * ring.q_tokens, batch * ring.kv_tokens(kv_rank))
+def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy: str) -> tuple[dict, dict]:
+    """Ring attention of every layer on one rank, seconds by RING_KEYS, and the per-step numbers of a full layer."""
+    m, shape = dep.model, dep.attn_shape
+    full = cost_model.ring_cost(dep.hardware, shape, ring, strategy, batch=batch, tp=dep.tp)
+    total = {k: m.full_layers * getattr(full, k) for k in RING_KEYS}
+    if m.window_layers:
+        windowed = RingShape(ring.n, ring.new, ring.cached, m.window)
+        win = cost_model.ring_cost(dep.hardware, shape, windowed, strategy, batch=batch, tp=dep.tp)
+        total = {k: total[k] + m.window_layers * getattr(win, k) for k in RING_KEYS}
+    return total, dict(step_sendrecv=full.step_sendrecv, step_attention_max=full.step_attention_max,
+                       message_bytes=full.message_bytes)
 
 
 def gemm_layer(dep: Deployment, tokens: int) -> float:
@@ -134,51 +119,66 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
                      strategy: str = "pass-kv") -> Estimate:
     """TTFT of B identical sequences, each with T new and P cached tokens, on dep.cp x dep.tp GPUs."""
     check_positive(batch, "batch")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     ring = RingShape(dep.cp, prompt_tokens, cached_tokens)
-    attn = ring_attention_layer(dep.hardware, dep.attn_shape, ring, batch, strategy, dep.link)
-    per_layer = _dense_layer(dep, batch * ring.q_tokens) | {k: attn[k] for k in
-                                                             ("attention", "merge", "sendrecv_exposed",
-                                                              "ring_steps", "all2all")}
-    breakdown = {k: per_layer.get(k, 0.0) * dep.model.n_layers for k in COMPONENTS}
+    attn, step = ring_attention_layers(dep, ring, batch, strategy)
+    breakdown = {k: v * dep.model.n_layers for k, v in _dense_layer(dep, batch * ring.q_tokens).items()}
+    breakdown = {k: breakdown.get(k, 0.0) + attn.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, batch)
     seconds = sum(breakdown.values())
     flops = paper_flops(dep.model, prompt_tokens, cached_tokens, batch)
     detail = dict(chunk_tokens=ring.chunk, padding_tokens=batch * ring.padding,
-                  tokens_per_rank=batch * ring.q_tokens, ring_message_mb=attn["message_bytes"] / 1e6,
-                  step_sendrecv_us=attn["step_sendrecv"] * 1e6,
-                  step_attention_max_us=attn["step_attention_max"] * 1e6,
+                  tokens_per_rank=batch * ring.q_tokens, ring_message_mb=step["message_bytes"] / 1e6,
+                  step_sendrecv_us=step["step_sendrecv"] * 1e6,
+                  step_attention_max_us=step["step_attention_max"] * 1e6,
                   tflops_per_gpu=flops / seconds / dep.gpus / 1e12)
     return Estimate(strategy, seconds, breakdown, detail)
 
 
-def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int) -> dict:
-    """Batched ring pass-Q decode attention of one layer (Alg. 4), seconds by component, under CUDA graphs.
+def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, window: int = 0) -> dict:
+    """Ring pass-Q decode attention of one layer (Alg. 4) on the rank holding the most queries, under CUDA graphs.
 
-    The batch is padded to a multiple of N (§4.3), so each rank holds q = ceil(B/N) queries; every step runs
-    flash-decoding of q queries over this rank's ~context/N keys while the next Q block travels.
+    q = ceil(B/N) queries on the fullest rank, padded or not (the ring's critical path holds that many at every
+    step either way; padding adds work on the other ranks, not time). N steps of flash-decoding over this rank's
+    ~context/N keys (~min(window, context)/N in a windowed layer), each with the next Q block's SendRecv beside it
+    (overlapped) or after it (the paper's decode, §4.3); then All2All of the partial outputs, permute and merge.
     """
     hw, shape, n = dep.hardware, dep.attn_shape, dep.cp
     q = ceil_div(batch, n)
-    op = costs.decode_attention_time(hw, shape, q, ceil_div(context_tokens, n))
-    comm = costs.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
-    exposed = (n - 1) * max(0.0, comm - hw.comm_overlap * op)
-    return dict(attention=n * op, sendrecv_exposed=exposed, merge=costs.merge_time(hw, shape, q, n),
-                all2all=costs.all2all_time(shape.partial_out_bytes(q), n, dep.link), op=op, queries=q)
+    keys = min(window, context_tokens) if window else context_tokens
+    op = costs.decode_attention_time(hw, shape, q, ceil_div(keys, n))
+    comm = cost_model.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
+    hidden = hw.comm_overlap * op if dep.implementation.overlap_decode_ring else 0.0
+    exposed = (n - 1) * max(0.0, comm - hidden)
+    merge = cost_model.merge_time(hw, shape, q, n) + cost_model.permute_time(hw, shape, q, n)
+    return dict(attention=n * op, sendrecv_exposed=exposed, merge=merge,
+                all2all=cost_model.all2all_time(shape.partial_out_bytes(q), n, dep.link), op=op, queries=q,
+                step_sendrecv=comm)
 
 
 def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1) -> Estimate:
     """TTIT: one decode step of `batch` sequences with `context_tokens` cached each (ring pass-Q decode)."""
     check_positive(context_tokens, "context tokens")
     check_positive(batch, "batch")
+    m = dep.model
     att = decode_attention_layer(dep, context_tokens, batch)
+    keys = ("attention", "sendrecv_exposed", "merge", "all2all")
+    per = {k: m.full_layers * att[k] for k in keys}
+    if m.window_layers:
+        win = decode_attention_layer(dep, context_tokens, batch, m.window)
+        per = {k: per[k] + m.window_layers * win[k] for k in keys}
     q = att["queries"]
-    per_layer = _dense_layer(dep, q) | {k: att[k] for k in ("attention", "sendrecv_exposed", "merge", "all2all")}
+    breakdown = {k: v * m.n_layers for k, v in _dense_layer(dep, q).items()}
     ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
-    per_layer["kernels"] = (DECODE_KERNELS_PER_LAYER + ring_kernels) * dep.hardware.kernel_overhead_us * 1e-6
-    breakdown = {k: per_layer.get(k, 0.0) * dep.model.n_layers for k in COMPONENTS}
+    breakdown["kernels"] = m.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * dep.hardware.kernel_overhead_us \
+        * 1e-6
+    breakdown = {k: breakdown.get(k, 0.0) + per.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, q)
-    detail = dict(queries_per_rank=q, padded_batch=q * dep.cp, padding_queries=q * dep.cp - batch,
-                  attention_op_us=att["op"] * 1e6)
+    padded = q * dep.cp if dep.implementation.pad_decode_batch else batch
+    detail = dict(queries_per_rank=q, padded_batch=padded, padding_queries=padded - batch,
+                  attention_op_us=att["op"] * 1e6, step_sendrecv_us=att["step_sendrecv"] * 1e6,
+                  queries_computed_per_layer=padded * dep.cp)
     return Estimate("pass-q" if dep.cp > 1 else "local", sum(breakdown.values()), breakdown, detail)
 
 
@@ -199,7 +199,8 @@ class Memory:
 
 
 def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memory:
-    """Weights (TP-sharded) and the KV cache of `batch` sequences of `tokens_per_seq` (CP-sharded)."""
+    """Weights (TP-sharded) and the KV cache of `batch` sequences of `tokens_per_seq` (CP-sharded). Windowed layers
+    keep every token's K/V too (cpinfer's KV cache does not trim what a window no longer sees)."""
     weights = dep.weights.weight_bytes_per_gpu(dep.model, dep.tp)
     kv_tokens = batch * 2 * dep.cp * ceil_div(tokens_per_seq, 2 * dep.cp) / dep.cp
     kv = kv_tokens * dep.model.kv_bytes_per_token(dep.tp, dep.kv_bytes)
@@ -207,6 +208,17 @@ def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memo
 
 
 def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1) -> float:
-    """App. A: 2*W*T*B GEMM FLOPs + 4*B*T*(T/2 + P)*D*layers attention FLOPs (causal half for new tokens)."""
+    """App. A: 2*W*T*B GEMM FLOPs + 4*B*T*(T/2 + P)*D*layers attention FLOPs (causal half for new tokens); a
+    sliding-window layer counts the pairs its window shows, sum over new tokens of min(W, position + 1)."""
     d = model.n_heads * model.head_dim
-    return 2.0 * model.params * new * batch + 4.0 * batch * new * (new / 2 + cached) * d * model.n_layers
+    pairs = new * (new / 2 + cached) * model.full_layers
+    if model.window_layers:
+        pairs += model.window_layers * _window_pairs(cached + 1, cached + new, model.window)
+    return 2.0 * model.params * new * batch + 4.0 * batch * pairs * d
+
+
+def _window_pairs(lo: int, hi: int, window: int) -> int:
+    """sum of min(x, window) over the integers x in [lo, hi]."""
+    below = max(0, min(hi, window) - lo + 1)  # terms with x <= window
+    first = lo if below else 0
+    return below * (first + first + below - 1) // 2 + (hi - lo + 1 - below) * window

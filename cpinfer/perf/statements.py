@@ -15,10 +15,13 @@ from typing import Callable
 
 import numpy as np
 
+from cpinfer.cp.cost_model import AttnShape, attention_time
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.costs import attention_time
 from cpinfer.perf.hardware import HardwareProfile
-from cpinfer.perf.models import MODELS, WEIGHT_FORMATS
+from cpinfer.perf.implementations import PAPER
+from cpinfer.perf.model_catalog import MODELS
+from cpinfer.perf.models import WEIGHT_FORMATS
+from cpinfer.perf.planner import Workload, choose
 from cpinfer.perf.simulator import (Deployment, decode_attention_layer, memory_per_gpu, paper_flops, simulate_decode,
                                     simulate_prefill)
 
@@ -55,7 +58,8 @@ class Statement:
 
 
 def dep(hw: HardwareProfile, cp: int, tp: int = 8) -> Deployment:
-    return Deployment(L405, hw, cp, tp, WEIGHT_FORMATS["fp8-ffn"])
+    """The paper's setup (§4.1) run by the paper's implementation (padded decode, bf16 partial outputs)."""
+    return Deployment(L405, hw, cp, tp, WEIGHT_FORMATS["fp8-ffn"], implementation=PAPER)
 
 
 def with_network(hw: HardwareProfile, net: str) -> HardwareProfile:
@@ -94,6 +98,36 @@ def _exposed_vs_all2all(hw, t):
     return 3 * (send - attn) - a2a
 
 
+def _choice(hw, t):
+    """The heuristic `cpinfer plan` and the engine use by default (Alg. 5) at CP4, T new of P+T = 128000."""
+    return choose(dep(hw, 4), Workload(t, K128 - t), "alg5")
+
+
+def _picks_kv_by(hw, ts, condition):
+    """Margin of "pass-KV is chosen at every T, and `condition` ("eq1", "eq2") is met": the smallest relative
+    distance past the condition's threshold, or -1 when a pick is pass-Q or the condition fails."""
+    margins = []
+    for t in ts:
+        c = _choice(hw, t)
+        if condition == "eq2":
+            margin = t / c.inputs["kv_token_threshold"] - 1
+        else:
+            margin = c.inputs["miss_rate"] / (2 * L405.n_kv_heads / L405.n_heads) - 1
+        margins.append(margin if c.strategy == "pass-kv" and margin >= 0 else -1.0)
+    return min(margins)
+
+
+def _picks_q(hw, ts):
+    """+1 when the heuristic picks pass-Q at every T, else -1."""
+    return 1.0 if all(_choice(hw, t).strategy == "pass-q" for t in ts) else -1.0
+
+
+def _pick_within(hw, t, tol):
+    """tol minus how much slower (model) the heuristic's pick is than the faster strategy at T."""
+    times = {s: ttft(hw, 4, t, K128 - t, s).seconds for s in ("pass-kv", "pass-q")}
+    return tol - (times[_choice(hw, t).strategy] / min(times.values()) - 1)
+
+
 def _linearity(hw, strategy):
     """R^2 of a straight line through TTFT vs miss rate T/(T+P) over the §4.2.4 grid (CP4, P+T = 128000)."""
     ts = [1280, 2560, 3200, 6400, 12800, 25600, 32000, 64000, K128]
@@ -105,7 +139,6 @@ def _linearity(hw, strategy):
 
 def _fa3_8k(hw):
     """The model's attention rate on the paper's standalone benchmark: one H100, causal 8K, 128 heads."""
-    from cpinfer.perf.costs import AttnShape
     n = int(hw.attn_ref_tokens)
     seconds = attention_time(hw, AttnShape(128, 8, 128, 2), n * (n + 1) / 2, n, n)
     return 4 * n * n / 2 * 128 * 128 / seconds / 1e12
@@ -185,6 +218,20 @@ def _all():
         S("exposed_beats_all2all_2_5pct", "§4.2.4 'for T = 3200, the sum of exposed pass-KV communication "
           "((N-1)(SendRecv - Attn)) is longer than pass-Q All2All'", "CP4, T=3200: (N-1)(SendRecv-Attn) > "
           "All2All", "holds", lambda hw: _exposed_vs_all2all(hw, 3200)),
+        S("choice_above_12_5pct", "§4.2.4 'When the KV cache miss rate exceeds 12.5% ... pass-KV is always "
+          "selected, meeting the 2nd condition in Algorithm 1'", "CP4, T/(T+P) in 15-50%: the heuristic picks "
+          "pass-KV, miss rate >= 2 N_KV / N_H", "holds", lambda hw: _picks_kv_by(hw, (19200, 25600, 32000, 64000),
+                                                                               "eq1")),
+        S("choice_10pct", "§4.2.4 'At 10% KV cache miss rate, pass-KV remains the choice since the number of new "
+          "tokens T is sufficiently large, satisfying Equation 2'", "CP4, T=12800: the heuristic picks pass-KV, "
+          "T >= Eq. 2's threshold", "holds", lambda hw: _picks_kv_by(hw, (12800,), "eq2")),
+        S("choice_5pct", "§4.2.4 'Around 5% cache miss rate (e.g., T=6400), the differences between pass-KV and "
+          "pass-Q is less than 1%, allowing for either option to be selected'", "CP4, T=6400: the heuristic's "
+          "pick within 1% of the faster (model)", "holds", lambda hw: _pick_within(hw, 6400, 0.01)),
+        S("choice_below_3_25pct", "§4.2.4 'When cache miss rate falls below 3.25%, pass-KV communication becomes "
+          "exposed, leading to the selection of pass-Q. Specifically, at a 2.5% cache miss rate ... resulting in "
+          "the selection of pass-Q'", "CP4, T in 1280-4000 (1-3.125%): the heuristic picks pass-Q", "holds",
+          lambda hw: _picks_q(hw, (1280, 2560, 3200, 4000))),
         *[S(f"linear_in_miss_rate_{s}", "§4.2.4 'TTFT latency is linearly proportional to the persistent KV "
             "cache miss rate'", f"CP4 {s}: TTFT vs T/(T+P) on a straight line, R^2 >= 0.99", "holds",
             (lambda s: lambda hw: _linearity(hw, s) - 0.99)(s)) for s in ("pass-kv", "pass-q")],

@@ -1,0 +1,58 @@
+"""Built-in model shapes for `cpinfer plan`: the paper's Llama3-405B (§4.1, App. A Table 6) and the long-context
+members of the families cpinfer serves (Llama 3.1, Qwen2.5 incl. 1M, Qwen3, Mistral Small 3.1, Gemma 3).
+
+Every number is the published Hugging Face `config.json` of the checkpoint named in its `source` (text part of the
+multimodal ones); windows follow the config's layer layout (Gemma 3: 5 local layers of 1024 keys per global one).
+"""
+from __future__ import annotations
+
+from cpinfer.perf.models import ModelSpec
+
+
+def _hf(repo: str, extra: str = "") -> str:
+    return f"published config.json of huggingface.co/{repo}" + (f"; {extra}" if extra else "")
+
+
+_LLAMA = "llama3 RoPE scaling to 131072 positions"
+_QWEN25 = "use_sliding_window false (its sliding_window field is inactive)"
+_QWEN3 = ("use_sliding_window false; max_position_embeddings 40960 (the model card: 32768 native, 131072 with "
+          "YaRN factor 4 in rope_scaling)")
+
+
+def _gemma3_windowed(layers: int) -> int:  # sliding_window_pattern 6: every 6th layer global, the rest local
+    return sum(bool((i + 1) % 6) for i in range(layers))
+
+
+_SPECS = (
+    # name, layers, hidden, heads, kv heads, head_dim, ffn, vocab, tied, window, windowed layers, context, source
+    ("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 0, 0, 131072,
+     _hf("meta-llama/Llama-3.1-8B", _LLAMA)),
+    ("llama3-70b", 80, 8192, 64, 8, 128, 28672, 128256, False, 0, 0, 131072,
+     _hf("meta-llama/Llama-3.1-70B", _LLAMA)),
+    ("llama3-405b", 126, 16384, 128, 8, 128, 53248, 128256, False, 0, 0, 131072,
+     _hf("meta-llama/Llama-3.1-405B", "paper App. A Table 6")),
+    ("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, False, 0, 0, 131072,
+     _hf("Qwen/Qwen2.5-7B", _QWEN25)),
+    ("qwen2.5-7b-1m", 28, 3584, 28, 4, 128, 18944, 152064, False, 0, 0, 1010000,
+     _hf("Qwen/Qwen2.5-7B-Instruct-1M", _QWEN25 + "; rope_theta 1e7")),
+    ("qwen2.5-14b-1m", 48, 5120, 40, 8, 128, 13824, 152064, False, 0, 0, 1010000,
+     _hf("Qwen/Qwen2.5-14B-Instruct-1M", "the Qwen2.5-14B shapes; " + _QWEN25 + "; rope_theta 1e7")),
+    ("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, False, 0, 0, 40960,
+     _hf("Qwen/Qwen3-8B", _QWEN3)),
+    ("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, False, 0, 0, 40960,
+     _hf("Qwen/Qwen3-32B", "head_dim 128 x 64 heads = 8192 > hidden 5120; " + _QWEN3)),
+    ("mistral-small-3.1-24b", 40, 5120, 32, 8, 128, 32768, 131072, False, 0, 0, 131072,
+     _hf("mistralai/Mistral-Small-3.1-24B-Instruct-2503", "text_config; sliding_window null")),
+    ("gemma-3-12b", 48, 3840, 16, 8, 256, 15360, 262208, True, 1024, _gemma3_windowed(48), 131072,
+     _hf("google/gemma-3-12b-it", "text_config; sliding_window 1024, sliding_window_pattern 6 (40 local + 8 "
+         "global layers); tied embeddings (Gemma3TextConfig default)")),
+    ("gemma-3-27b", 62, 5376, 32, 16, 128, 21504, 262208, True, 1024, _gemma3_windowed(62), 131072,
+     _hf("google/gemma-3-27b-it", "text_config; sliding_window 1024, sliding_window_pattern 6 (52 local + 10 "
+         "global layers); tied embeddings (Gemma3TextConfig default)")),
+)
+
+MODELS = {name: ModelSpec(name, layers, hidden, heads, kv, hd, ffn, vocab, tied, source, window, windowed, ctx)
+          for name, layers, hidden, heads, kv, hd, ffn, vocab, tied, window, windowed, ctx, source in _SPECS}
+ALIASES = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
+           "mistral-small": "mistral-small-3.1-24b"}
+MODELS.update({alias: MODELS[name] for alias, name in ALIASES.items()})
