@@ -46,7 +46,9 @@ def test_cost_model_halves_compute_and_charges_the_ring():
     assert two.compute_s == pytest.approx(one.compute_s / 2, rel=0.02)  # 2N-chunk sharding splits the work
     assert two.ring_latency_s == pytest.approx(30 * (2 * GLOO.ring_step_us + GLOO.intra_latency_us) * 1e-6)
     dec1, dec2 = sequence_cost(m, 1, 65536, 1), sequence_cost(m, 1, 65536, 2)
-    assert dec2.compute_s < dec1.compute_s and dec2.ring_latency_s > 0  # decode: half the keys, plus the ring
+    # one decode query visits the ranks in turn (pass-Q): no shorter attention, and the ring on top
+    assert dec2.compute_s == pytest.approx(dec1.compute_s, rel=0.01) and dec2.ring_latency_s > 0
+    assert dec2.total_s > dec1.total_s
     # a rank with all the cores computes twice as fast as one with half of them
     full = CostModel(SMOL, GLOO, 2, compute_share=1.0)
     assert sequence_cost(full, 4096, 0, 1).compute_s == pytest.approx(sequence_cost(m, 4096, 0, 1).compute_s / 2)

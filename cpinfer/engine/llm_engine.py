@@ -32,6 +32,7 @@ from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
 from cpinfer.model.resolve import resolve_model
 from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.models import load_model_spec
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -153,8 +154,8 @@ class LLMEngine:
             cores = os.cpu_count() or 1
             here = int(os.environ.get("LOCAL_WORLD_SIZE", self.parallel.world_size))
             share = min(1.0, min(self._threads_per_rank(), cores / here) / cores)
-        model = CostModel.for_model(self.config, self.hardware, self.n, a.tensor_parallel_size, self.elem_bytes,
-                                    share)
+        model = CostModel(load_model_spec(self.model_path), self.hardware, self.n, a.tensor_parallel_size,
+                          self.elem_bytes, share)
         return Placer("auto", self.n, model)
 
     def _start_ranks(self, capacity: int) -> None:

@@ -2,8 +2,8 @@
 
 Spreading a prefill over the N ranks (2N-chunk sharding, §3.5.1) divides its compute but makes every forward of
 that sequence run the ring (per-layer SendRecv / All2All latency, which dominates on gloo); one rank costs no
-communication. The choice compares both predicted costs from the performance model (`perf.costs`, the engine's
-hardware profile); `shard` and `local` force one side. The KV manager asks, then places the tokens.
+communication. The choice compares both predicted costs from the shared cost model (`cp.cost_model`, GEMMs from
+`perf.simulator`, the engine's hardware profile); `shard` and `local` force one side. The KV manager asks.
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import math
 
 import numpy as np
 
-from cpinfer.perf import costs
-from cpinfer.perf.costs import AttnShape
+from cpinfer.cp.cost_model import AttnShape, predict_attention, ring_link
 from cpinfer.perf.hardware import HardwareProfile
-from cpinfer.perf.models import ModelSpec, load_weight_format, model_spec_from_hf_config
+from cpinfer.perf.models import ModelSpec, load_weight_format
 from cpinfer.perf.simulator import Deployment, gemm_layer
 from cpinfer.utils import ceil_div
 
@@ -56,17 +55,6 @@ class CostModel:
         if not 0 < self.compute_share <= 1:
             raise ValueError(f"compute_share must be in (0, 1], got {self.compute_share}")
 
-    @classmethod
-    def for_model(cls, config, hardware: HardwareProfile, n: int, tp: int = 1, elem_bytes: int = 4,
-                  compute_share: float = 1.0) -> "CostModel":
-        """From a `ModelConfig` (the engine's model)."""
-        spec = model_spec_from_hf_config(dict(
-            hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            num_hidden_layers=config.num_hidden_layers, intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size, tie_word_embeddings=config.tie_word_embeddings), "engine model", "config")
-        return cls(spec, hardware, n, tp, elem_bytes, compute_share)
-
     @functools.cached_property
     def shape(self) -> AttnShape:
         return AttnShape(self.spec.n_heads // self.tp, self.spec.kv_heads_per_gpu(self.tp), self.spec.head_dim,
@@ -77,50 +65,32 @@ class CostModel:
         weights = load_weight_format({4: "fp32", 2: "bf16"}.get(self.elem_bytes, "bf16"))
         return Deployment(self.spec, self.hardware, 1, self.tp, weights, self.elem_bytes, self.elem_bytes)
 
-    @functools.cached_property
-    def link(self) -> tuple[float, float]:
-        """(bytes/s, latency s) of one ring hop."""
-        return self.hardware.ring_link(self.n, self.tp)
-
 
 def sequence_cost(m: CostModel, t: int, p: int, span: int, p_max: int | None = None) -> Cost:
     """Predicted cost of t new tokens of one sequence after p cached keys, the new tokens over `span` ranks.
 
     span 1: everything on one rank, no ring. span N: the new tokens 2N-sharded; `p_max` (default p / span) is the
-    most cached keys on one rank. A prefill takes the cheaper of pass-KV (keys travel; each rank attends its queries
-    to every key) and pass-Q (queries travel to the keys; partial outputs come back by one All2All), as the strategy
-    heuristic would; a decode token (t == 1) takes pass-Q decode. This is the one function the placement asks
-    (re-point it to the shared cost model); the rest is arithmetic on its answers.
+    most cached keys on one rank (all p when they sit on one rank): the busiest rank is priced as if every rank
+    held that many. Attention and ring come from the shared cost model (the faster of pass-KV and pass-Q, what the
+    strategy heuristic aims at), the GEMMs from the planner's; compute runs at the rank's share of the machine.
     """
     if t <= 0:
         return Cost(0.0)
-    hw, shape, layers, share = m.hardware, m.shape, m.spec.n_layers, m.compute_share
-    rows = ceil_div(t, span)  # the busiest rank's new tokens
-    gemm = gemm_layer(m.deployment, rows) / share
-    if span == 1:
-        return Cost(layers * (gemm + _attention(hw, shape, t, p, p + t) / share))
-    p_max = ceil_div(p, span) if p_max is None else p_max
-    (bandwidth, latency), steps = m.link, span * hw.ring_step_us * 1e-6
-    latency_q = steps + 2 * (span - 1) * latency  # Q around the ring, then the All2All of the partials
-    bytes_q = (span - 1) * shape.q_bytes(rows) / bandwidth + \
-        max(0.0, costs.all2all_time(shape.partial_out_bytes(rows), span, m.link) - (span - 1) * latency)
-    if t == 1:  # decode: one query visits every rank; the busiest holds p_max + 1 keys
-        attn = costs.decode_attention_time(hw, shape, 1, p_max + 1) / share
-        return Cost(layers * (gemm + attn), layers * latency_q, layers * bytes_q)
-    attn_kv = _attention(hw, shape, rows, p, p_max + rows, pairs=(t * (t + 1) / 2 + t * p) / span) / share
-    exposed_kv = max(0.0, shape.kv_bytes(p_max + rows) / bandwidth - hw.comm_overlap * attn_kv / span)
-    kv = Cost(layers * (gemm + attn_kv), layers * (steps + (span - 1) * latency), layers * (span - 1) * exposed_kv)
-    attn_q = _attention(hw, shape, t, p_max, p_max + rows, pairs=t * (t + 1) / 2 / span + t * p_max) / share
-    q = Cost(layers * (gemm + attn_q), layers * latency_q, layers * bytes_q)
-    return min(kv, q, key=lambda c: c.total_s)
-
-
-def _attention(hw, shape: AttnShape, lq: int, p: int, keys: int, pairs: float | None = None) -> float:
-    """One layer's attention of lq queries (causal among themselves) after p cached keys."""
-    if lq == 1 and pairs is None:
-        return costs.decode_attention_time(hw, shape, 1, keys)
-    pairs = lq * (lq + 1) / 2 + lq * p if pairs is None else pairs
-    return costs.attention_time(hw, shape, pairs, lq, keys)
+    spec, share = m.spec, m.compute_share
+    cached = p if span == 1 else span * (ceil_div(p, span) if p_max is None else p_max)
+    pred = predict_attention(m.hardware, m.shape, new=t, cached=cached, ranks=span, tp=m.tp, layers=spec.n_layers,
+                             window=spec.window, window_layers=spec.window_layers)
+    layers = pred.per_layer[pred.strategy if span > 1 else "pass-kv"]
+    latency = ring_link(m.hardware, span, m.tp).latency if span > 1 else 0.0
+    compute, ring_latency, ring_bytes = spec.n_layers * gemm_layer(m.deployment, ceil_div(t, span)), 0.0, 0.0
+    for cost, count in ((layers["full"], spec.full_layers), (layers["window"], spec.window_layers)):
+        if cost is None or not count:
+            continue
+        messages = (cost.steps_run - 1) + (span - 1 if cost.strategy == "pass-q" else 0)
+        compute += count * (cost.attention + cost.merge)
+        ring_latency += count * (cost.ring_steps + messages * latency)
+        ring_bytes += count * max(0.0, cost.sendrecv_exposed + cost.all2all - messages * latency)
+    return Cost(compute / share, ring_latency, ring_bytes)
 
 
 # ---------------------------------------------------------------- the decision
