@@ -276,3 +276,23 @@ def test_a_burst_goes_whole_to_both_ranks_and_a_long_prompt_among_it_spreads():
     homes = [s.kv.home for s in shorts]
     assert abs(homes.count(0) - homes.count(1)) <= 2
     eng.check()
+
+
+def test_eviction_frees_the_rank_that_needs_room():
+    """A local sequence growing on its rank evicts cached segments of that rank only, even when an older cached
+    segment sits on another rank (LRU over the whole cache would evict that one first, for nothing)."""
+    kv = KVManager(2, 4 * BLOCK, placer=Placer("local", 2))
+    x = kv.attach("x", np.arange(3, 104))
+    kv.begin_forward()
+    assert kv.reserve(x, np.arange(3, 103)).ranks.tolist() == [0] * 100
+    a = kv.attach("a", np.arange(1000, 1151))
+    assert set(kv.reserve(a, np.arange(1000, 1150)).ranks.tolist()) == {1}
+    kv.release(a, keep=True)  # cached on rank 1, the older
+    d = kv.attach("d", np.arange(2000, 2065))
+    assert set(kv.reserve(d, np.arange(2000, 2064)).ranks.tolist()) == {0}
+    kv.release(d, keep=True)  # cached on rank 0, the newer
+    a_node, d_node = a.leaf, d.leaf
+    grown = kv.reserve(x, np.arange(5000, 5150))  # x's next 150 tokens need 2 more blocks on rank 0
+    assert grown.ranks.tolist() == [0] * 150 and not grown.spread
+    assert a_node.id in kv.nodes and d_node.id not in kv.nodes
+    kv.check_invariants()

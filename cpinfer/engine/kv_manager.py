@@ -332,9 +332,10 @@ class KVManager:
         return self.ranks[r].num_free >= need or self.ranks[r].num_free + self._evictable_blocks(r) >= need
 
     def _evictable_blocks(self, r: int) -> int:
-        """Upper bound on the blocks of rank r that evicting unreferenced leaves could free."""
+        """Upper bound on the blocks of rank r that eviction could free: every unreferenced segment's (a descendant
+        of an unreferenced segment is unreferenced too, so leaf after leaf all of them can go)."""
         return sum(ceil_div(int(nd.count[r]), BLOCK) + 1 for nd in self.nodes.values()
-                   if nd.count[r] and not nd.children and nd.ref == 0 and nd.owner is None)
+                   if nd.count[r] and nd.ref == 0 and nd.owner is None)
 
     def _spill(self, seq: SeqKV, home: int):
         """A local sequence's decode token when its rank is full: the least-loaded rank with room takes it."""
@@ -401,11 +402,11 @@ class KVManager:
         has `need` free blocks."""
         while np.any(self.free_blocks() < need):
             short = self.free_blocks() < need
-            victims = [nd for nd in self.nodes.values() if not nd.children and nd.ref == 0 and nd.owner is None
-                       and nd.count[short].any()]
+            victims = [nd for nd in self.nodes.values() if not nd.children and nd.ref == 0 and nd.owner is None]
             if not victims:
                 return False
-            self._free_node(min(victims, key=lambda nd: nd.last_access))
+            useful = [nd for nd in victims if nd.count[short].any()]  # else one whose parent holds such tokens
+            self._free_node(min(useful or victims, key=lambda nd: nd.last_access))
         return True
 
     def _free_node(self, node: Node) -> None:
