@@ -72,6 +72,12 @@ class FakeEngine:
             assert len(flat) == r.num_stored
         for nid, node in self.kv.nodes.items():
             assert node.ref == refs.get(nid, 0), (nid, node.ref, refs.get(nid, 0))
+        promised = np.zeros(self.kv.n, dtype=np.int64)  # decode tokens local requests may still add, per rank
+        for r in running:
+            if r.kv.promised:
+                assert r.kv.promised_on == r.kv.home >= 0
+                promised[r.kv.home] += r.kv.promised
+        np.testing.assert_array_equal(self.kv.promised, promised)
 
 
 SMOL = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)
@@ -129,7 +135,7 @@ def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed, mode):
         assert eng.step(), "scheduler stalled with work left"
         eng.check()
     assert not eng.live
-    assert all(node.ref == 0 for node in eng.kv.nodes.values())
+    assert all(node.ref == 0 for node in eng.kv.nodes.values()) and not eng.kv.promised.any()
     used = np.asarray(eng.kv.tokens_per_rank())
     if mode == "shard":
         assert used.max() - used.min() <= BLOCK, used  # balanced over the ranks within one block
@@ -139,9 +145,10 @@ def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed, mode):
 @given(sizes=st.lists(st.integers(1, 300), min_size=8, max_size=50), n=st.integers(2, 4),
        mode=st.sampled_from(["local", "auto"]), arrivals=st.integers(1, 6))
 def test_local_placements_keep_ranks_balanced(sizes, n, mode, arrivals):
-    """Requests kept whole on one rank go to the least-loaded one (KV tokens plus this forward's): per-rank usage
-    stays within the largest request (so within one block per request once there are more requests than the
-    largest one has blocks), in tokens and in blocks (each request leaves at most one part-filled block)."""
+    """Requests kept whole on one rank go to the least-loaded one (KV tokens, the decode tokens its local requests
+    may still add, and this forward's new tokens once more for their compute): per-rank usage stays within twice
+    the largest request (so within one block per request once there are more requests than that has blocks), in
+    tokens and in blocks (each request leaves at most one part-filled block)."""
     eng = FakeEngine(n, capacity=(2 * sum(sizes) // n + 64 * len(sizes)) // BLOCK * BLOCK, budget=None, seed=3,
                      max_num_seqs=64, placement=mode)
     rng = np.random.default_rng(len(sizes))
@@ -158,9 +165,9 @@ def test_local_placements_keep_ranks_balanced(sizes, n, mode, arrivals):
         eng.check()
     used = np.asarray(eng.kv.tokens_per_rank())
     assert used.sum() == sum(sizes) + sum(i % 4 for i in range(len(sizes)))  # nothing evicted, nothing lost
-    assert used.max() - used.min() <= largest, used
+    assert used.max() - used.min() <= 2 * largest, used
     blocks = np.asarray([eng.kv.num_blocks - r.num_free for r in eng.kv.ranks])
-    assert blocks.max() - blocks.min() <= -(-largest // BLOCK) + len(sizes) / n + 1, blocks
+    assert blocks.max() - blocks.min() <= -(-2 * largest // BLOCK) + len(sizes) / n + 1, blocks
 
 
 def test_a_local_request_needs_its_blocks_on_one_rank():

@@ -111,6 +111,8 @@ class SeqKV:
     next_rank: int = 0  # decode round-robin
     per_rank: np.ndarray | None = None  # [N] tokens of the path on each rank
     home: int = UNPLACED  # the one rank holding the whole path, UNPLACED (no tokens yet) or SPREAD
+    promised: int = 0  # decode tokens it may still write on its home, counted in the load of rank `promised_on`
+    promised_on: int = -1
 
     def runs_array(self, rank: int) -> np.ndarray:
         """[R, 2] int64 snapshot of the runs on one rank."""
@@ -162,6 +164,7 @@ class KVManager:
         self.root.ref = 1  # never evicted
         self.enable_prefix_caching = enable_prefix_caching
         self.used = np.zeros(num_ranks, dtype=np.int64)  # tokens stored per rank
+        self.promised = np.zeros(num_ranks, dtype=np.int64)  # decode tokens local sequences may still add per rank
         self.nodes: dict[int, Node] = {}
         self.prefix_queries = 0  # prompt tokens looked up / found in the cache (the scheduler counts them)
         self.prefix_hits = 0
@@ -278,8 +281,18 @@ class KVManager:
         return load
 
     def _load_order(self) -> list[int]:
-        """Ranks for a local placement, least loaded first: KV tokens stored plus this forward's new tokens."""
-        return sorted(range(self.n), key=lambda r: (self.used[r] + self._fwd_tokens[r], r))
+        """Ranks for a local placement, least loaded first: KV tokens stored, plus the decode tokens the local
+        sequences there may still add, plus this forward's new tokens (they cost compute now)."""
+        load = self.used + self.promised + self._fwd_tokens
+        return sorted(range(self.n), key=lambda r: (load[r], r))
+
+    def _promise(self, seq: SeqKV, tokens: int) -> None:
+        """Record that seq may still write `tokens` decode tokens on its home (none once it spreads or leaves)."""
+        if seq.promised:
+            self.promised[seq.promised_on] -= seq.promised
+        seq.promised, seq.promised_on = (tokens, seq.home) if tokens and seq.home >= 0 else (0, -1)
+        if seq.promised:
+            self.promised[seq.home] += tokens
 
     def _rank_order(self, leaf: Node) -> list[int]:
         return sorted(range(self.n), key=lambda r: (leaf.count[r], self.used[r], r))
@@ -371,6 +384,7 @@ class KVManager:
         leaf.count += counts
         self.used += counts
         seq.add(counts)
+        self._promise(seq, decode_left)
         seq.num_stored += len(tokens)
         self._fwd_tokens += counts
         self._fwd_items.append((seq.home if seq.home >= 0 else SPREAD, len(tokens), work.cached, p_max))
@@ -419,6 +433,7 @@ class KVManager:
     def release(self, seq: SeqKV, keep: bool) -> None:
         """A request leaves: unlock its path; keep its tokens cached (finished) or free its private leaf
         (aborted / preempted)."""
+        self._promise(seq, 0)
         leaf = seq.leaf
         leaf.owner = None
         p = leaf
@@ -474,3 +489,4 @@ class KVManager:
             np.testing.assert_array_equal(self.ranks[r].ref, refs[r], err_msg=f"block refs of rank {r}")
             assert self.ranks[r].num_free == int(np.count_nonzero(refs[r] == 0)), "free count"
         np.testing.assert_array_equal(self.used, used)
+        assert (self.promised >= 0).all(), f"negative promised decode tokens {self.promised}"

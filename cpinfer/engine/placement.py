@@ -66,6 +66,7 @@ class CostModel:
         return Deployment(self.spec, self.hardware, 1, self.tp, weights, self.elem_bytes, self.elem_bytes)
 
 
+@functools.lru_cache(maxsize=8192)  # a burst of like requests, a decode step's context: asked again and again
 def sequence_cost(m: CostModel, t: int, p: int, span: int, p_max: int | None = None) -> Cost:
     """Predicted cost of t new tokens of one sequence after p cached keys, the new tokens over `span` ranks.
 
@@ -148,7 +149,9 @@ class Placer:
         return self.mode == "auto" and self.n > 1
 
     def cost(self, t: int, p: int, span: int = 1, p_max: int | None = None) -> Cost:
-        return sequence_cost(self.model, t, p, span, p_max) if self.model is not None else Cost(float(t))
+        if self.model is None:
+            return Cost(float(t))
+        return sequence_cost(self.model, int(t), int(p), span, None if p_max is None else int(p_max))
 
     def decide(self, work: Work, home: int, rank: int, load: ForwardLoad | None) -> Decision:
         """A prefill chunk of a sequence whose keys sit on `home` (a rank or UNPLACED): stay on one rank (`rank`,
