@@ -122,7 +122,7 @@ class ForwardLoad:
 class Decision:
     spread: bool
     rank: int            # the rank of a local placement, -1 when spread
-    method: str          # "auto" | "forced" | "context" (the keys already span ranks) | "home" | "capacity"
+    method: str          # "auto" (the cost model) | "forced" (placement shard / local) | "capacity" (no rank had room)
     local_s: float = math.nan   # predicted seconds of the rest of the request, local vs spread ("auto" only)
     spread_s: float = math.nan
 
