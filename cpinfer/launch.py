@@ -2,22 +2,33 @@
 
 Used by tests, benchmarks and the local `LLM(...)` launcher. Each rank joins one gloo (CPU) or NCCL (GPU)
 world; a function sent with `run` is called as `fn(ctx, *args)` on every rank and its per-rank results come
-back in rank order. A rank that raises or dies fails the call on the driver instead of hanging it.
+back in rank order. Local ranks rendezvous through a private FileStore and bind their sockets to loopback only.
+A rank that dies is seen at once by a watcher on the process sentinels (`dead_reason`), even between calls; a
+call in which one rank raised while the others are still inside it (stuck in a collective) kills the pool within
+`fail_grace_s` instead of waiting for the collective timeout.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import multiprocessing.connection
 import os
 import queue
+import shutil
 import signal
 import socket
+import sys
+import tempfile
+import threading
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cpinfer.device import check_gpus, gpu_of_rank
 
 
 @dataclasses.dataclass
@@ -52,6 +63,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_interface() -> str | None:
+    """Name of the loopback network interface ("lo" on Linux), or None when it cannot be found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
+
+
+def _bind_to_loopback() -> None:
+    """Gloo and NCCL sockets of local ranks listen on loopback only (a user's choice in the environment wins)."""
+    lo = loopback_interface()
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def _set_parent_death_signal() -> None:
     """Ask Linux to kill this rank if the driver dies, so no orphan ranks are left behind."""
     try:
@@ -63,21 +102,21 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker_main(rank, world_size, port, backend, threads, timeout_s, inbox, outbox):
+def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox, device_type="cpu"):
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and shuts us down
     os.environ["RANK"] = str(rank)
+    _bind_to_loopback()
     if threads:
         torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    if device_type == "cuda":  # one GPU per rank (the pool checked there are enough), or shared over gloo
+        device = gpu_of_rank(rank)
         torch.cuda.set_device(device)
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
-        )
+        store = dist.FileStore(store_path, world_size)  # a file, not a TCP store listening on every interface
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         group = dist.group.WORLD
         cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         ctx = RankContext(rank, world_size, group, cpu_group, device, {})
@@ -105,53 +144,87 @@ class WorkerPool:
     """N local ranks started once. `run(fn, *args)` calls `fn(ctx, *args)` on every rank and returns the results.
 
     `fn` must be importable by name (a module-level function). `timeout_s` bounds both the collectives inside
-    the ranks and how long the driver waits for a call, so a dead or stuck rank fails the call instead of
-    hanging forever.
+    the ranks and how long the driver waits for a call, so a stuck rank fails the call instead of hanging
+    forever; a rank that exits fails the call (and sets `dead_reason`) at once, and when some ranks raised while
+    the others have not answered `fail_grace_s` later, those are stuck waiting for them: the pool is killed.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", threads_per_rank: int | None = 1,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, fail_grace_s: float = 2.0, device: str | None = None):
+        """device: "cpu" or "cuda" (default: cuda for nccl, cpu for gloo); gloo with "cuda" puts several ranks on
+        one GPU (their CUDA tensors go through host memory)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        device = device or ("cuda" if backend == "nccl" else "cpu")
+        if device not in ("cpu", "cuda") or (backend == "nccl" and device != "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (nccl needs 'cuda'), got {device!r} with {backend}")
+        if device == "cuda":  # before any process starts: enough GPUs for one per rank unless gloo shares them
+            check_gpus(world_size, share_gpus=backend == "gloo")
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s, self.fail_grace_s = timeout_s, fail_grace_s
+        self.dead_reason: str | None = None  # set by the watcher when a rank exits unasked
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store_dir = tempfile.mkdtemp(prefix="cpinfer-rdzv-")  # private (0700): the ranks' rendezvous file
+        store_path = os.path.join(self._store_dir, "store")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._procs = []
+        self._closed = self._closing = False
         for rank in range(world_size):
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, port, backend, threads_per_rank, timeout_s, self._inboxes[rank], self._outbox),
+                args=(rank, world_size, store_path, backend, threads_per_rank, timeout_s, self._inboxes[rank],
+                      self._outbox, device),
                 daemon=True,
             )
             p.start()
             self._procs.append(p)
-        self._closed = False
+        self._watcher = threading.Thread(target=self._watch, name="cpinfer-rank-watcher", daemon=True)
+        self._watcher.start()
         self._collect(what="start-up")
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _watch(self) -> None:
+        """Wake up as soon as any rank process ends (its sentinel); record why unless the pool is closing."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while not self._closing:
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+            if ready and not self._closing:
+                rank = sentinels[ready[0]]
+                self._procs[rank].join(timeout=1)
+                self.dead_reason = f"rank {rank} exited ({describe_exit(self._procs[rank].exitcode)})"
+                return
 
     def _collect(self, what: str) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
-        deadline = self.timeout_s + 30.0
-        waited = 0.0
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        first_error = None
         while len(results) + len(errors) < self.world_size:
             try:
-                rank, status, payload = self._outbox.get(timeout=1.0)
+                rank, status, payload = self._outbox.get(timeout=0.1)
             except queue.Empty:
-                waited += 1.0
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
-                if dead or waited > deadline:
+                now = time.monotonic()
+                if self.dead_reason is not None or now > deadline:
                     self.close(force=True)
-                    why = (f"rank(s) {dead} died (see their output above; a script that starts ranks needs an "
-                           "`if __name__ == \"__main__\":` guard)") if dead else f"no answer after {deadline:.0f}s"
+                    why = (f"{self.dead_reason} (see its output above; a script that starts ranks needs an "
+                           "`if __name__ == \"__main__\":` guard)") if self.dead_reason else "no answer in time"
                     raise RuntimeError(f"worker pool failed during {what}: {why}; the pool was shut down")
+                if first_error is not None and now - first_error > self.fail_grace_s:
+                    self.close(force=True)  # the silent ranks wait in a collective for the failed one: end them
+                    self.dead_reason = (f"rank {min(errors)} raised during {what} while rank(s) "
+                                        f"{sorted(set(range(self.world_size)) - set(errors) - set(results))} "
+                                        "were still inside it")
+                    raise RemoteError(errors)
                 continue
             if status == "error":
                 errors[rank] = payload
+                first_error = first_error or time.monotonic()
             else:
                 results[rank] = payload
         if errors:
@@ -175,7 +248,7 @@ class WorkerPool:
     def close(self, force: bool = False) -> None:
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._closing = True
         if not force:
             for inbox in self._inboxes:
                 inbox.put(None)
@@ -188,6 +261,7 @@ class WorkerPool:
         for q in [*self._inboxes, self._outbox]:  # release the queues now (never wait on a dead rank's pipe)
             q.cancel_join_thread()
             q.close()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def __enter__(self) -> "WorkerPool":
         return self
@@ -214,6 +288,7 @@ class InProcessWorld:
             torch.set_num_threads(threads)
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.world_size, self.timeout_s = 1, timeout_s
+        self.dead_reason: str | None = None  # the rank is this process: it cannot die alone
         self.ctx = RankContext(0, 1, None, None, dev, {})
         self._closed = False
 
@@ -253,21 +328,30 @@ def _call(fn, ctx, args, kwargs):
         return ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
 
 
+def heartbeat(ctx) -> int:
+    """A no-op every rank answers: the driver's idle check that a joined world's ranks are still there."""
+    return ctx.rank
+
+
 class JoinedWorld:
     """The same `run` interface as `WorkerPool`, over an existing torchrun world: rank 0 drives, the others serve.
 
     Rank 0 broadcasts each call over a gloo control group, runs it itself, and gathers every rank's result.
     The control group waits without a deadline-driven failure for idle periods (up to `idle_timeout_s`); the
-    data groups keep `timeout_s`, and torchrun tears the job down if any rank dies.
+    data groups keep `timeout_s`, and torchrun tears the job down if any rank dies. A rank that raises inside a
+    call exits at once (rank 0: stops driving), so its peers' collectives fail on the closed connection instead
+    of waiting for the timeout; `heartbeat` lets an idle driver notice a rank whose process is gone.
     """
 
     def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
-                 idle_timeout_s: float = 7 * 24 * 3600.0):
+                 idle_timeout_s: float = 7 * 24 * 3600.0, device: str | None = None):
         if threads_per_rank:
             torch.set_num_threads(threads_per_rank)
+        on_gpu = (device or ("cuda" if backend == "nccl" else "cpu")) == "cuda"
         device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if on_gpu:  # LOCAL_RANK's GPU, after checking this node has one per rank (unless gloo shares them)
+            check_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), share_gpus=backend == "gloo")
+            device = gpu_of_rank(int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -276,14 +360,35 @@ class JoinedWorld:
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         self.ctx = RankContext(self.rank, self.world_size, dist.group.WORLD, cpu_group, device, {})
+        self.dead_reason: str | None = None
         self._closed = False
 
     def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
         if self.rank != 0:
             raise RuntimeError("only rank 0 drives a joined world")
+        if self.dead_reason is not None:
+            raise RuntimeError(f"the joined world is unusable: {self.dead_reason}")
         msg = [(fn, args, kwargs)]
-        dist.broadcast_object_list(msg, src=0, group=self._control)
-        return self._finish(_call(fn, self.ctx, args, kwargs))
+        try:
+            dist.broadcast_object_list(msg, src=0, group=self._control)
+        except Exception as exc:  # a peer's connection closed: its process is gone
+            self.dead_reason = f"a rank is unreachable ({type(exc).__name__})"
+            raise
+        mine = _call(fn, self.ctx, args, kwargs)
+        if mine[0] == "error" and fn is not heartbeat:  # peers may wait in a collective for us: do not gather
+            self.dead_reason = f"rank 0 raised {mine[1][0]} during {getattr(fn, '__name__', 'a call')}"
+            raise RemoteError({0: mine[1]})
+        try:
+            return self._finish(mine)
+        except RemoteError:
+            raise
+        except Exception as exc:
+            self.dead_reason = f"a rank is unreachable ({type(exc).__name__})"
+            raise
+
+    def heartbeat(self) -> None:
+        """Every rank answers a no-op (raises when one is gone and its connection closed)."""
+        self.run(heartbeat)
 
     def _finish(self, mine) -> list[Any]:
         gathered = [None] * self.world_size if self.rank == 0 else None
@@ -303,7 +408,12 @@ class JoinedWorld:
             if msg[0] is None:
                 break
             fn, args, kwargs = msg[0]
-            self._finish(_call(fn, self.ctx, args, kwargs))
+            mine = _call(fn, self.ctx, args, kwargs)
+            if mine[0] == "error":  # exit now: peers stuck in a collective with us fail at once, torchrun ends the job
+                print(f"rank {self.rank}: {fn.__name__} raised {mine[1][0]}: {mine[1][1]}\n{mine[1][2]}",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            self._finish(mine)
         dist.destroy_process_group()
         raise SystemExit(0)
 
@@ -311,5 +421,6 @@ class JoinedWorld:
         if self._closed or self.rank != 0:
             return
         self._closed = True
-        dist.broadcast_object_list([None], src=0, group=self._control)
+        if self.dead_reason is None:  # with a peer gone, the broadcast could wait for ever: the job ends with us
+            dist.broadcast_object_list([None], src=0, group=self._control)
         dist.destroy_process_group()

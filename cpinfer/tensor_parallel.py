@@ -1,19 +1,20 @@
-"""Tensor parallelism applied to a Llama model from outside it (paper §4.1: TP inside a node).
+"""Tensor parallelism applied to a decoder of any supported family from outside it (paper §4.1: TP inside a node).
 
-Column-parallel q/k/v, gate and up projections keep this rank's output rows; row-parallel o and down projections
-keep its input columns and all-reduce their output over the TP group. Query heads are split evenly; KV heads are
+Column-parallel q/k/v, gate and up projections keep this rank's output rows (and bias entries); row-parallel o
+and down projections keep their input columns, all-reduce their output over the TP group, then add their bias
+once. Norms (incl. Qwen3 / Gemma 3 per-head q/k norms) are replicated. Query heads are split evenly; KV heads are
 split when tp divides them and replicated when tp is a multiple of them (as the paper does for TP16 on 8 KV heads).
 Each rank reads only its slices from the safetensors files.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from cpinfer.model import ModelConfig, build_model, load_weights
+from cpinfer.timing import Stopwatch
 
 
 class RowParallelLinear(nn.Module):
@@ -22,18 +23,33 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group):
         super().__init__()
         self.linear, self.group = linear, group
-        self.comm_s = 0.0  # time spent in all-reduce (for benchmarks)
+        self._comm: list = []  # all-reduce spans (seconds on CPU, CUDA-event spans on CUDA), read by `comm_s`
+        self._comm_s = 0.0
 
     @property
     def weight(self):
         return self.linear.weight
 
+    @property
+    def comm_s(self) -> float:
+        """Seconds spent in the all-reduce so far (for benchmarks; on CUDA, the stream's time in it)."""
+        self._comm_s += sum(float(x) for x in self._comm)
+        self._comm = []
+        return self._comm_s
+
+    @comm_s.setter
+    def comm_s(self, value: float) -> None:
+        self._comm, self._comm_s = [], value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [L, in/tp] → [L, out]
-        y = self.linear(x)
-        t0 = time.perf_counter()
+        y = F.linear(x, self.linear.weight)
+        clock = Stopwatch(y.device)
+        t0 = clock.mark()
         dist.all_reduce(y, group=self.group)
-        self.comm_s += time.perf_counter() - t0
-        return y
+        self._comm.append(clock.span(t0, clock.mark()))
+        if len(self._comm) > 4096:  # nobody reads them (a server): keep the record bounded
+            _ = self.comm_s
+        return y if self.linear.bias is None else y + self.linear.bias  # the bias once, not once per rank
 
 
 def head_ranges(config: ModelConfig, tp: int, tp_rank: int) -> tuple[range, range]:
@@ -81,13 +97,13 @@ def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dt
                 if name in cols:
                     in_f = cols[name].stop - cols[name].start
                 with torch.device("meta"):
-                    setattr(parent, name, nn.Linear(in_f, out_f, bias=False, dtype=dtype))
+                    setattr(parent, name, nn.Linear(in_f, out_f, bias=lin.bias is not None, dtype=dtype))
 
     def slicer(name: str, sl):
-        key = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if ".layers." in name and key in rows:
+        key = name.rsplit(".", 2)[-2] if ".layers." in name else ""
+        if key in rows:  # weight rows and bias entries of a column-parallel linear
             return sl[rows[key]]
-        if ".layers." in name and key in cols:
+        if key in cols and name.endswith(".weight"):  # a row-parallel bias stays whole (added after all-reduce)
             return sl[:, cols[key]]
         return sl[:]
 

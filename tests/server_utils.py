@@ -179,3 +179,48 @@ def in_thread(fn, *args) -> tuple[threading.Thread, list]:
     t = threading.Thread(target=target, daemon=True)
     t.start()
     return t, box
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        pass
+    return inodes
+
+
+def _address(hex_addr: str) -> str:
+    """/proc/net/tcp{,6} local address (little-endian hex words) → text."""
+    host, port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return f"{socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)}:{int(port, 16)}"
+
+
+def listening_addresses(pids: list[int]) -> dict[int, list[str]]:
+    """The TCP addresses each process listens on, from /proc/<pid>/fd and /proc/net/tcp{,6} (state 0A)."""
+    found: dict[int, list[str]] = {pid: [] for pid in pids}
+    for pid in pids:
+        inodes = _socket_inodes(pid)
+        for table in ("tcp", "tcp6"):
+            try:
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    found[pid].append(_address(fields[1]))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")

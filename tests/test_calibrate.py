@@ -38,6 +38,7 @@ def test_quick_profile_loads_with_measured_numbers(calibrated):
     assert [(c["T"], c["P"]) for c in record["grid"]] == cal.CalibrationConfig.quick(2).cells()
     assert all(c["pass-kv_s"] > 0 and c["pass-q_s"] > 0 for c in record["grid"])
     assert record["sendrecv"]["latency_us"] >= 0 and record["all2all"]["gbs"] > 0
+    assert record["hosts"][0]["attention_backend"] == "cpu-flash"  # the engine's CPU kernel was measured
 
 
 def test_fit_runs_and_is_stored(calibrated):

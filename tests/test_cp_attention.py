@@ -26,9 +26,9 @@ def pools():
 
 
 def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None,
-                   backend="auto"):
+                   backend="auto", window=None):
     return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale,
-                        kv_seq_end=kv_seq_end, backend=backend)
+                        kv_seq_end=kv_seq_end, backend=backend, window=window)
 
 
 def rank_attention_catching(ctx, *args, **kwargs):
@@ -52,6 +52,7 @@ class Problem:
         self.kv_seq = torch.zeros(n_kv, dtype=torch.long)
         self.kv_pos = torch.zeros(n_kv, dtype=torch.long)
         self.kv_end = None  # [n_kv] prefix-tree interval ends, or None for "same sequence id"
+        self.window = None  # sliding window, or None
 
     def solve(self, pool, q_idx, kv_idx, strategy):
         """q_idx[r], kv_idx[r]: index arrays of rank r's queries / keys (-1 = padding). Returns out [n_q, H, D]."""
@@ -63,7 +64,7 @@ class Problem:
             args.append((self.q[qc], self.k[kc], self.v[kc],
                          self.q_seq[qc].masked_fill(qp, -1), self.q_pos[qc].masked_fill(qp, 0),
                          self.kv_seq[kc].masked_fill(kp, -1), self.kv_pos[kc].masked_fill(kp, 0), strategy, None,
-                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0)))
+                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0), "auto", self.window))
         outs = pool.run_each(rank_attention, args)
         full = torch.full_like(self.q, float("nan"))
         for qi, out in zip(q_idx, outs):
@@ -75,7 +76,7 @@ class Problem:
 
     def check(self, out):
         ref, _ = reference_attention(self.q, self.k, self.v, self.q_seq, self.q_pos, self.kv_seq, self.kv_pos,
-                                     kv_seq_end=self.kv_end)
+                                     kv_seq_end=self.kv_end, window=self.window)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -269,6 +270,61 @@ def test_shared_prefix_sends_only_keys_on_some_query_path():
     assert plan.metas[0].send.tolist() == [0, 2, 3] and plan.metas[1].send.tolist() == [1]
 
 
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sliding_window(pools, n, strategy):
+    """Windows of 1, 7 and 30 keys over prefills, partial prefills and a prefix tree (2N-sharded and random)."""
+    for window in (1, 7, 30):
+        p, q_idx, kv_idx = prefill_problem(n + window, [1, 5, 40, 1, 17, 97], [0, 33, 9, 120, 1, 0], n)
+        p.window = window
+        p.check(p.solve(pools(n), q_idx, kv_idx, strategy))
+    for placement, new_lens in (("sharded", [5, 13, 1, 30]), ("random", [9, 4, 1, 17])):
+        p, q_idx, kv_idx = tree_problem(n, n, new_lens, placement)
+        p.window = 9
+        p.check(p.solve(pools(n), q_idx, kv_idx, strategy))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sliding_window_decode_round_robin(pools, n):
+    """Decode queries far past a window of 6: only the last keys (spread over the ranks) count."""
+    lens, window = [40, 9, 70], 6
+    p = Problem(n, len(lens), sum(lens))
+    p.q_seq[:], p.q_pos[:] = torch.arange(3), torch.tensor(lens) - 1
+    p.kv_seq[:] = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    p.kv_pos[:] = torch.cat([torch.arange(m) for m in lens])
+    p.window = window
+    kv_idx = [np.arange(r, sum(lens), n) for r in range(n)]  # round-robin placement of every key
+    q_idx = [np.arange(r, 3, n) for r in range(n)]
+    for strategy in ("pass-q", "pass-kv"):
+        p.check(p.solve(pools(n), q_idx, kv_idx, strategy))
+
+
+def test_window_skips_pairs_steps_rows_and_tiles():
+    """One 2N-sharded sequence of 8 chunks of W tokens at CP4 with window W: chunk c needs only chunks c - 1 and c,
+    so rank r (chunks r, 7 - r) needs keys only from ranks r - 1 and r + 1 (not around the ring's ends): step 2
+    is empty for every rank (no message), each pair moves at most W - 1 rows (pass-KV) or W queries (pass-Q), and
+    the tiles cover the band only."""
+    w, n = 64, 4
+    plan = shard_prefill([8 * w], n)
+    q_meta = [(sh.seq[sh.valid], sh.pos[sh.valid]) for sh in plan.shards]
+    full = [plan_from_metadata(q_meta, q_meta, group=None, rank=r, world=n, strategy="pass-kv") for r in range(n)]
+    for strategy in ("pass-kv", "pass-q"):
+        plans = [plan_from_metadata(q_meta, q_meta, group=None, rank=r, world=n, strategy=strategy, window=w)
+                 for r in range(n)]
+        routes = plans[0].routes
+        assert routes.empty_steps() == [2]
+        for s in range(n):
+            for r in range(n):
+                count = routes.count(s, r)
+                assert (count > 0) == (abs(r - s) == 1), (strategy, s, r)
+                assert count <= (w - 1 if strategy == "pass-kv" else w)
+        for r in range(n):
+            assert not plans[r].steps[2]  # the skipped step has no kernel call either
+            area = sum((it.q1 - it.q0) * (it.k1 - it.k0) for step in plans[r].steps for it in step)
+            full_area = sum((it.q1 - it.q0) * (it.k1 - it.k0) for step in full[r].steps for it in step)
+            assert area < 0.45 * full_area  # 2W tokens x W keys per query chunk, not a causal triangle over 8W
+
+
 def _bad_inputs(n):
     """(description, per-rank argument tuples, expected message fragment) — only the last rank is wrong."""
     good = lambda: [torch.randn(4, 8, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16),
@@ -296,6 +352,9 @@ def _bad_inputs(n):
     args = [tuple(good()) + ("pass-kv", None, None, "cpu-flash") for _ in range(n)]
     args[-1] = args[-1][:-1] + ("flash-attn",)  # not usable on a CPU rank
     cases.append(("backend unusable here", args, "cannot run on cpu"))
+    args = [tuple(good()) + ("pass-q", None, None, "auto", 8) for _ in range(n)]
+    args[-1] = args[-1][:-1] + (0,)
+    cases.append(("window not positive", args, "window must be a positive integer"))
     return cases
 
 
@@ -313,6 +372,10 @@ def test_bad_input_raises_same_value_error_on_every_rank(pools, n):
                  "pass-q") for r in range(n)]
         msgs = pool.run_each(rank_attention_catching, args)
         assert all("disagree on head_dim" in m for m in msgs)
+        good = (torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.zeros(2, dtype=torch.long),
+                torch.arange(2), torch.zeros(2, dtype=torch.long), torch.arange(2), "pass-kv", None, None, "auto")
+        msgs = pool.run_each(rank_attention_catching, [good + (16 if r else None,) for r in range(n)])
+        assert all("disagree on window" in m for m in msgs)
     # the group still works after the errors
     p, q_idx, kv_idx = prefill_problem(3, [11], [0], n)
     p.check(p.solve(pool, q_idx, kv_idx, "pass-kv"))

@@ -1,4 +1,5 @@
-"""Model layer: config parsing, RoPE, loader (incl. errors and shards), and exactness against HF transformers."""
+"""Model layer: every family and RoPE scaling exact against HF transformers (both config layouts), config parsing
+and its errors, loader (incl. errors and shards), torch-only random checkpoints."""
 from __future__ import annotations
 
 import functools
@@ -10,15 +11,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpinfer.model import (
-    LlamaForCausalLM, ModelConfig, ReferenceAttention, build_model, load_model, load_weights, rope_inv_freq,
+    CausalLM, ModelConfig, ReferenceAttention, build_model, load_model, load_weights, rope_inv_freq,
     write_random_checkpoint,
 )
 from cpinfer.model.random_checkpoint import random_config_dict
 
 transformers = pytest.importorskip("transformers")
-from cpinfer.model.testing import load_hf_model  # noqa: E402
+from cpinfer.model.testing import load_hf_model, tiny_config  # noqa: E402
 
-VARIANTS = ["gqa", "mqa", "mha", "tied", "llama3"]
+VARIANTS = ["gqa", "mqa", "mha", "tied", "llama3", "llama_bias"]
+FAMILIES = ["mistral", "qwen2", "qwen2_full", "qwen3", "qwen3_swa", "gemma3"]
+ROPES = ["linear", "dynamic", "yarn", "yarn_mscale", "longrope", "llama3"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +43,7 @@ def hf_logprobs(path, ids, positions=None):
 
 @torch.no_grad()
 def our_logprobs(model, ids, positions, seq_ids):
-    hidden = model(ids, positions, ReferenceAttention(seq_ids, positions))  # [L, hidden]
+    hidden = model(ids, positions, ReferenceAttention(seq_ids, positions, config=model.config))  # [L, hidden]
     return model.compute_logits(hidden).log_softmax(-1)
 
 
@@ -61,7 +64,7 @@ def rand_ids(n, vocab, seed):
 
 # ---------------------------------------------------------------- exactness vs transformers
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + FAMILIES)
 def test_single_sequence_matches_hf(llama_checkpoint, variant):
     path = llama_checkpoint(variant)
     model = _ours(path)
@@ -71,7 +74,7 @@ def test_single_sequence_matches_hf(llama_checkpoint, variant):
     torch.testing.assert_close(got, hf_logprobs(path, ids), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["gqa", "mqa", "tied", "llama3", "qwen2", "gemma3"])
 def test_packed_shuffled_batch_matches_hf_per_sequence(llama_checkpoint, variant):
     path = llama_checkpoint(variant)
     model = _ours(path)
@@ -83,20 +86,43 @@ def test_packed_shuffled_batch_matches_hf_per_sequence(llama_checkpoint, variant
         torch.testing.assert_close(rows, hf_logprobs(path, s), atol=1e-4, rtol=0)
 
 
-def test_far_positions_with_llama3_scaling_match_hf(llama_checkpoint):
-    path = llama_checkpoint("llama3")
+# Positions past the original context (64 for llama3 / yarn / longrope; 4x the trained 512 for linear).
+# `dynamic` is evaluated at factor x max_position_embeddings = 128, where transformers evaluates it for a
+# sequence whose last position is 127.
+FAR = {"linear": (2040, 2064), "dynamic": (104, 128), "yarn": (400, 424), "yarn_mscale": (400, 424),
+       "longrope": (200, 224), "llama3": (400, 424)}
+
+
+@pytest.mark.parametrize("layout", ["hf5", "hf4"])
+@pytest.mark.parametrize("variant", ROPES)
+def test_rope_scaling_at_far_positions_matches_hf(llama_checkpoint, variant, layout):
+    path = llama_checkpoint(variant, layout=layout)
     model = _ours(path)
-    ids, pos = rand_ids(24, model.config.vocab_size, 5), torch.arange(400, 424)
+    a, b = FAR[variant]
+    ids, pos = rand_ids(b - a, model.config.vocab_size, 5), torch.arange(a, b)
     got = our_logprobs(model, ids, pos, torch.zeros_like(pos))
     torch.testing.assert_close(got, hf_logprobs(path, ids, pos), atol=1e-4, rtol=0)
 
 
-def test_inv_freq_matches_hf(llama_checkpoint):
-    path = llama_checkpoint("llama3")
-    cfg = ModelConfig.from_pretrained(path)
-    assert cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position_embeddings == 64
-    ours = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    torch.testing.assert_close(ours, _hf(path).model.rotary_emb.inv_freq.float(), atol=0, rtol=1e-6)
+@pytest.mark.parametrize("variant", ROPES + ["gemma3"])
+def test_inv_freq_and_attention_factor_match_hf(llama_checkpoint, variant):
+    path = llama_checkpoint(variant)
+    cfg, hf = ModelConfig.from_pretrained(path), _hf(path)
+    rotary = hf.model.rotary_emb
+    if variant == "gemma3":  # one RoPE per layer type
+        for layer_type, rope in cfg.rope.items():
+            inv, scale = rope_inv_freq(cfg.head_dim, rope, cfg.max_position_embeddings)
+            torch.testing.assert_close(inv, getattr(rotary, f"{layer_type}_inv_freq").float(), atol=0, rtol=1e-6)
+            assert scale == getattr(rotary, f"{layer_type}_attention_scaling")
+        return
+    if variant in ("dynamic", "longrope"):  # evaluated at a fixed length: run HF once at that length
+        a, b = FAR[variant]
+        hf_logprobs(path, rand_ids(b - a, cfg.vocab_size, 1), torch.arange(a, b))
+    inv, scale = rope_inv_freq(cfg.head_dim, cfg.layer_rope(0), cfg.max_position_embeddings)
+    torch.testing.assert_close(inv, rotary.inv_freq.float(), atol=0, rtol=1e-6)
+    torch.testing.assert_close(torch.tensor(scale), torch.tensor(float(rotary.attention_scaling)))
+    if variant in ("yarn", "yarn_mscale", "longrope"):
+        assert scale != 1.0  # the attention factor is in play
 
 
 def test_bf16_load_runs_close_to_fp32(llama_checkpoint):
@@ -109,30 +135,36 @@ def test_bf16_load_runs_close_to_fp32(llama_checkpoint):
     torch.testing.assert_close(got, hf_logprobs(path, ids), atol=0.15, rtol=0)
 
 
-def test_heads_follow_weight_shapes_for_tp_slicing(llama_checkpoint):
-    """Two half-head 'TP ranks' (q/k/v rows, o columns sliced from outside) sum to the full attention block."""
-    model = _ours(llama_checkpoint("gqa"))
+@pytest.mark.parametrize("variant", ["gqa", "qwen3", "gemma3"])
+def test_heads_follow_weight_shapes_for_tp_slicing(llama_checkpoint, variant):
+    """Two half-head 'TP ranks' (q/k/v rows and biases, o columns sliced from outside) sum to the full block."""
+    model = _ours(llama_checkpoint(variant))
     block, d = model.model.layers[0].self_attn, model.config.head_dim
     x, pos = torch.randn(10, model.config.hidden_size), torch.arange(10)
     cos, sin = model.rotary.cos_sin(pos)
-    attn = ReferenceAttention(torch.zeros_like(pos), pos)
+    attn = ReferenceAttention(torch.zeros_like(pos), pos, config=model.config)
     full = block(x, cos, sin, attn)
     hq, hkv = block.num_heads, block.num_kv_heads
     parts = []
     for r in range(2):
-        part = LlamaForCausalLM(model.config).model.layers[0].self_attn
+        part = CausalLM(model.config).model.layers[0].self_attn
+        part.load_state_dict(block.state_dict())
         qs, kvs = slice(r * hq // 2 * d, (r + 1) * hq // 2 * d), slice(r * hkv // 2 * d, (r + 1) * hkv // 2 * d)
         for name, rows in (("q_proj", qs), ("k_proj", kvs), ("v_proj", kvs)):
-            w = getattr(block, name).weight[rows]
-            setattr(part, name, torch.nn.Linear(w.shape[1], w.shape[0], bias=False))
-            getattr(part, name).weight.data.copy_(w)
+            src = getattr(block, name)
+            lin = torch.nn.Linear(src.in_features, rows.stop - rows.start, bias=src.bias is not None)
+            lin.weight.data.copy_(src.weight[rows])
+            if src.bias is not None:
+                lin.bias.data.copy_(src.bias[rows])
+            setattr(part, name, lin)
         w = block.o_proj.weight[:, qs]
         part.o_proj = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         part.o_proj.weight.data.copy_(w)
         assert (part.num_heads, part.num_kv_heads) == (hq // 2, hkv // 2)
         with torch.no_grad():
             parts.append(part(x, cos, sin, attn))
-    torch.testing.assert_close(parts[0] + parts[1], full.detach(), atol=1e-5, rtol=1e-5)
+    o_bias = 0 if block.o_proj.bias is None else block.o_proj.bias
+    torch.testing.assert_close(parts[0] + parts[1] + o_bias, full.detach(), atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- config
@@ -140,7 +172,15 @@ def test_heads_follow_weight_shapes_for_tp_slicing(llama_checkpoint):
 def test_config_reads_hf5_layout(llama_checkpoint):
     raw = json.loads((llama_checkpoint("llama3") / "config.json").read_text())
     cfg = ModelConfig.from_dict(raw)
-    assert (cfg.num_queries_per_kv, cfg.head_dim, cfg.rope_scaling.factor) == (4, 16, 8.0)
+    assert (cfg.num_queries_per_kv, cfg.head_dim, cfg.layer_rope(0).factor) == (4, 16, 8.0)
+
+
+@pytest.mark.parametrize("variant", ROPES + FAMILIES)
+def test_hf4_and_hf5_layouts_give_the_same_config(llama_checkpoint, variant):
+    new = json.loads((llama_checkpoint(variant) / "config.json").read_text())
+    old = json.loads((llama_checkpoint(variant, layout="hf4") / "config.json").read_text())
+    assert "rope_parameters" in new and "rope_parameters" not in old
+    assert ModelConfig.from_dict(new) == ModelConfig.from_dict(old)
 
 
 def test_config_reads_legacy_layout_and_eos_list():
@@ -149,23 +189,47 @@ def test_config_reads_legacy_layout_and_eos_list():
         "original_max_position_embeddings": 8192})
     del d["head_dim"]
     cfg = ModelConfig.from_dict(d)
-    assert cfg.rope_theta == 5e5 and cfg.rope_scaling.factor == 32.0
+    assert cfg.layer_rope(0).theta == 5e5 and cfg.layer_rope(0).factor == 32.0
     assert cfg.eos_token_ids == (2, 7) and cfg.head_dim == d["hidden_size"] // d["num_attention_heads"]
-    assert ModelConfig.from_dict(random_config_dict(rope_scaling=None)).rope_scaling is None
+    assert ModelConfig.from_dict(random_config_dict(rope_scaling=None)).layer_rope(0).rope_type == "default"
+
+
+def test_family_options_and_windows():
+    cfg = lambda variant, **kw: ModelConfig.from_dict(tiny_config(variant, **kw))  # noqa: E731
+    g = cfg("gemma3")
+    assert (g.windows, g.attention_scale, g.norm_style, g.hidden_act) == ((16, None, 16), 24 ** -0.5, "gemma",
+                                                                          "gelu_pytorch_tanh")
+    assert g.layer_rope(1).rope_type == "linear" and g.layer_rope(0).theta == 1e4 and g.layer_rope(1).theta == 1e6
+    assert g.qk_norm and g.sandwich_norm and g.embed_scale and g.tie_word_embeddings
+    assert cfg("qwen2").windows == (None, 20) and cfg("qwen2").qkv_bias and not cfg("qwen2").o_bias
+    assert cfg("qwen2", use_sliding_window=False).windows == (None, None)  # Qwen2.5's configs: windows off
+    assert cfg("qwen3").head_dim == 16 and cfg("qwen3").qk_norm and cfg("qwen3").o_bias
+    assert cfg("mistral").windows == (24, 24) and cfg("mistral", sliding_window=None).windows == (None, None)
+    assert cfg("gqa").attention_scale == 8 ** -0.5
+    legacy = {**tiny_config("gemma3"), "layer_types": None, "rope_parameters": None}
+    del legacy["layer_types"], legacy["rope_parameters"]
+    assert ModelConfig.from_dict({**legacy, "num_hidden_layers": 12}).windows == (16,) * 5 + (None,) + (16,) * 5 + (
+        None,)  # 4.x Gemma 3: every 6th layer global, rope_theta 1e6 / rope_local_base_freq 1e4 by default
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"model_type": "mistral"}, "unsupported model_type 'mistral': cpinfer supports"),
+    ({"model_type": "gpt2"}, "unsupported model_type 'gpt2': cpinfer supports 'llama'"),
+    ({"model_type": "gemma3"}, "multimodal Gemma 3 folder"),
     ({"num_attention_heads": 8, "num_key_value_heads": 3}, "num_attention_heads (8) must be divisible"),
-    ({"attention_bias": True}, "attention_bias / mlp_bias are not supported"),
-    ({"mlp_bias": True}, "attention_bias / mlp_bias are not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "unsupported rope type 'su'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing key 'low_freq_factor'"),
-    ({"hidden_act": "gelu"}, "unsupported hidden_act"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "linear rope scaling needs a factor > 0"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "missing key 'long_factor'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 0}, "sliding_window must be a positive"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "layer_types": ["chunked_attention"] * 2},
+     "unsupported layer type(s) ['chunked_attention']"),
 ])
 def test_config_rejects_unsupported(override, message):
     d = {**random_config_dict(), **override}
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         ModelConfig.from_dict(d)
 
 
@@ -276,7 +340,9 @@ def test_loader_slicer_hook_loads_tp_slices(random_checkpoint):
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "num_key_value_heads": 1, "rope_scaling": {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32}}])
+    "original_max_position_embeddings": 32}}, {"model_type": "qwen3", "head_dim": 32, "architectures": None},
+    {"model_type": "gemma3_text", "architectures": None, "hidden_activation": "gelu_pytorch_tanh",
+     "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "query_pre_attn_scalar": 32}])
 def test_random_checkpoint_matches_hf(random_checkpoint, overrides):
     path = random_checkpoint(seed=1, **overrides)
     model = _ours(path)

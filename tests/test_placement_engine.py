@@ -223,3 +223,21 @@ def test_full_ranks_spill_and_preempt_without_changing_outputs(model, engine, cp
         llm.engine.stats().preemptions > 0
     assert {s["placement"] for s in steps} == {"local", "spread"}  # some spilled: their next forwards ring
     llm.engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "mistral"])
+def test_sliding_windows_in_mixed_forwards(llama_checkpoint, fast_profile, variant):
+    """Sliding-window layers (window 16-24) with some requests spread and some local in the same forwards: the
+    windowed plans split the same way (the ring's sequences over every rank, the local ones on their rank), and
+    every output equals HF."""
+    path = llama_checkpoint(variant, max_position_embeddings=2048)
+    with LLM(str(path), context_parallel_size=2, threads_per_rank=1, timeout_s=120, max_kv_tokens_per_rank=2048,
+             hardware_profile=fast_profile, max_num_batched_tokens=512) as llm:
+        long, *short = prompts_for(llm.config.vocab_size, [700, 10, 33], seed=8)
+        outs = llm.generate([long, *short], SamplingParams(max_tokens=6, **GREEDY))
+        assert placements(outs[0])[0] == "spread" and all(placements(o) == ["local"] * 6 for o in outs[1:])
+        turns = [short[0] + outs[1].token_ids + [4, 5, 6], long + outs[0].token_ids + [7]]
+        again = llm.generate(turns, SamplingParams(max_tokens=5, **GREEDY))
+    check_against_hf(path, outs, [long, *short], 6, check_prompt_lp=False)
+    check_against_hf(path, again, turns, 5, check_prompt_lp=False)
+    assert placements(again[0]) == ["local"] * 5 and placements(again[1]) == ["spread"] * 5

@@ -34,7 +34,7 @@ def _tensors(lq, lk, h, hkv, d, dtype, seed):
 
 
 def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=torch.float32, seed=0, split=None,
-           mode="vectors"):
+           mode="vectors", window=None):
     """Triton (optionally as two launches over a split of the keys, merged in-kernel) vs the f64 reference.
 
     mode "vectors": visibility from the metadata vectors in the kernel; "items": from the plan's items alone."""
@@ -42,7 +42,7 @@ def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=to
                                     for x in (q_seq, q_pos, kv_seq, kv_pos))
     kv_end = None if kv_end is None else torch.as_tensor(np.asarray(kv_end), dtype=torch.int64)
     q, k, v = _tensors(len(q_seq), len(kv_seq), h, hkv, d, dtype, seed)
-    kw = dict(backend="triton", use_vectors=mode == "vectors")
+    kw = dict(backend="triton", use_vectors=mode == "vectors", window=window)
     if split is None:
         out, lse = attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, **kw)
     else:  # a ring step after another: the second launch merges into the first's running (out, lse)
@@ -50,7 +50,8 @@ def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=to
         a, b = slice(0, split), slice(split, None)
         acc = attend_local(q, k[a], v[a], q_seq, q_pos, kv_seq[a], kv_pos[a], kv_seq_end=end(a), **kw)
         out, lse = attend_local(q, k[b], v[b], q_seq, q_pos, kv_seq[b], kv_pos[b], kv_seq_end=end(b), acc=acc, **kw)
-    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end)
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end,
+                                           window=window)
     out, lse = out.cpu(), lse.cpu()
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert not torch.isnan(out).any()
@@ -109,6 +110,32 @@ def test_shared_prefix_intervals(mode):
     kv_pos = np.concatenate([np.arange(12), np.arange(12, 21), np.arange(12, 18)])
     q_seq, q_pos = np.repeat([1, 2], [4, 3]), np.concatenate([np.arange(17, 21), np.arange(15, 18)])
     _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, dtype=torch.bfloat16, mode=mode)
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "vectors"), (torch.bfloat16, "vectors"),
+                                        (torch.float32, "items")])
+def test_sliding_window(dtype, mode):
+    """A window (5, 16, 17) much shorter than the sequences: prefill, a partial prefill split over two launches,
+    decode far past the window, shared-prefix intervals, and shuffled metadata (the window in-kernel or in tiles)."""
+    n = 70
+    for w in (5, 16, 17):
+        _check([0] * n, range(n), [0] * n, range(n), dtype=dtype, mode=mode, window=w)
+    lens, cached = [7, 40, 5], [0, 20, 3]
+    q_seq = np.repeat(np.arange(3), lens)
+    q_pos = np.concatenate([np.arange(c, c + t) for c, t in zip(cached, lens)])
+    kv_seq = np.repeat(np.arange(3), np.add(lens, cached))
+    kv_pos = np.concatenate([np.arange(c + t) for c, t in zip(cached, lens)])
+    _check(q_seq, q_pos, kv_seq, kv_pos, split=30, mode=mode, dtype=dtype, window=6)
+    dec = [3, 40, 17]
+    _check(np.arange(3), np.array(dec) - 1, np.repeat(np.arange(3), dec), np.concatenate([np.arange(m) for m in dec]),
+           h=8, hkv=2, mode=mode, dtype=dtype, window=9)
+    kv_seq, kv_end = np.repeat([0, 1, 2], [12, 9, 6]), np.repeat([3, 2, 3], [12, 9, 6])
+    kv_pos = np.concatenate([np.arange(12), np.arange(12, 21), np.arange(12, 18)])
+    q_seq, q_pos = np.repeat([1, 2], [4, 3]), np.concatenate([np.arange(17, 21), np.arange(15, 18)])
+    _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, mode=mode, dtype=dtype, window=7)
+    rng = np.random.default_rng(6)
+    _check(rng.integers(-1, 3, 37), rng.integers(0, 40, 37), rng.integers(-1, 3, 90), rng.integers(0, 40, 90),
+           split=41, mode=mode, dtype=dtype, window=8)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -190,16 +217,16 @@ def test_merge_kernel_matches_merge_partials():
     assert torch.equal(out[7].float().cpu(), torch.zeros(4, 17)) and torch.isneginf(lse[7]).all()
 
 
-def _rank_cp(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, backend):
+def _rank_cp(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, backend, window=None):
     args = [x.to(ctx.device) for x in (q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end)]  # cuda:rank under NCCL
     out = cp_attention(*args[:7], group=ctx.group, strategy=strategy, kv_seq_end=args[7], backend=backend,
-                       control_group=ctx.cpu_group)
+                       control_group=ctx.cpu_group, window=window)
     return out.cpu()
 
 
-@pytest.mark.skipif(ON_GPU and torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cp_attention_cp2_triton_equals_cpu_backend():
-    """cp_attention at CP2, every strategy: the Triton backend equals the CPU backend (a prefix tree, bf16)."""
+    """cp_attention at CP2, every strategy, with and without a sliding window: the Triton backend equals the CPU
+    backend (a prefix tree, bf16)."""
     kv_lens, kv_end = [24, 11, 9], [3, 2, 3]  # root 0 shared by leaves 1 and 2
     starts = [0, 24, 24]
     new = [5, 4]  # new tokens of leaves 1 and 2 (their last tokens)
@@ -217,16 +244,18 @@ def test_cp_attention_cp2_triton_equals_cpu_backend():
     kv_off = np.cumsum([0] + kv_lens)
     q_idx = [torch.from_numpy(sh.index[sh.valid]) for sh in q_shards]
     kv_idx = [torch.from_numpy(kv_off[sh.seq[sh.valid]] + sh.pos[sh.valid]) for sh in kv_shards]
-    with WorkerPool(2, backend="nccl" if ON_GPU else "gloo", timeout_s=300) as pool:
-        for strategy in STRATEGIES:
+    two_gpus = ON_GPU and torch.cuda.device_count() >= 2  # one GPU: both ranks on it, tensors over gloo
+    with WorkerPool(2, backend="nccl" if two_gpus else "gloo", device="cuda" if ON_GPU else "cpu",
+                    timeout_s=300) as pool:
+        for strategy, window in [(s, w) for s in STRATEGIES for w in (None, 7)]:
             outs = {}
             for backend in ("triton", "math" if ON_GPU else "cpu-flash"):
-                args = [(q[qi], k[ki], v[ki], q_seq[qi], q_pos[qi], kv_seq[ki], kv_pos[ki], kv_e[ki], strategy, backend)
-                        for qi, ki in zip(q_idx, kv_idx)]
+                args = [(q[qi], k[ki], v[ki], q_seq[qi], q_pos[qi], kv_seq[ki], kv_pos[ki], kv_e[ki], strategy, backend,
+                         window) for qi, ki in zip(q_idx, kv_idx)]
                 outs[backend] = torch.cat(pool.run_each(_rank_cp, args))
             a, b = outs.values()
             assert a.dtype == torch.bfloat16
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-            ref, _ = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_e)
+            ref, _ = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_e, window=window)
             order = torch.cat(q_idx)
             torch.testing.assert_close(a.double(), ref[order], rtol=2e-2, atol=2e-2)

@@ -29,9 +29,10 @@ class StepBackend(abc.ABC):
 
     @abc.abstractmethod
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale: float, cache: dict | None = None,
-                     key=None) -> None:
+                     key=None, window: int | None = None) -> None:
         """Merge q [Lq, H, D] against k/v [Lk, Hkv, D] under `items` into acc_out [Lq, H, D] fp32 and acc_lse
-        [Lq, H] fp32 in place (rows no item touches stay as they are).
+        [Lq, H] fp32 in place (rows no item touches stay as they are). `window`: the sliding window the items
+        were planned with (items are exact by themselves; in-kernel backends apply it with the vectors).
 
         vectors: a callable returning the step's metadata (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) as int64
         arrays in the items' row order, or None; read only by in-kernel backends (Triton without vectors runs in
@@ -50,7 +51,8 @@ class StepBackend(abc.ABC):
         """Step j of a plan (`plan.steps[j]`, `plan.step_vectors(j)` if it has one); tables cached on the plan."""
         sv = getattr(plan, "step_vectors", None)
         vectors = None if sv is None else (lambda: sv(j))
-        self.attend_items(plan.steps[j], vectors, q, k, v, acc_out, acc_lse, scale, device_cache(plan), j)
+        self.attend_items(plan.steps[j], vectors, q, k, v, acc_out, acc_lse, scale, device_cache(plan), j,
+                          getattr(plan, "window", None))
 
     def prepare_plan(self, plan, q, k) -> None:
         vectors = getattr(plan, "step_vectors", None)
@@ -68,7 +70,7 @@ class ItemBackend(StepBackend):
     def __init__(self, name: str, kernel):
         self.name, self.kernel = name, kernel
 
-    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
+    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None, window=None):
         if q.device.type != "cpu" and any(it.mask is not None for it in items):
             items = _cached(cache, ("items", key, str(q.device)), lambda: _items_on(items, q.device))
         run_items(items, q, k, v, acc_out, acc_lse, scale, self.kernel)
@@ -125,11 +127,11 @@ class TritonBackend(StepBackend):
     def prepare_items(self, items, vectors, q, k, cache, key) -> None:
         self._tables(items, vectors, q.device, q.shape[1] // k.shape[1], k.shape[1], cache, key)
 
-    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None):
+    def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, cache=None, key=None, window=None):
         block_m, (vec, (table, slots, n_slots), masked) = self._tables(
             items, vectors, q.device, q.shape[1] // k.shape[1], k.shape[1], cache, key)
         self._kernels.launch_step(q, k, v, acc_out, acc_lse, vec, table, scale, block_m, self.block_n,
-                                  slots=slots, n_slots=n_slots)
+                                  slots=slots, n_slots=n_slots, window=window)
         if masked:  # item mode: irregular MASK tiles through the portable kernel, merged (never stored)
             run_items(masked, q, k, v, acc_out, acc_lse, scale, sdpa_math_backend)
 
@@ -314,9 +316,10 @@ def _int32_on(x, device, what: str) -> torch.Tensor:
 class _OneStep:
     """A one-step plan (local attention): the items and, unless None, the vectors a backend reads."""
 
-    def __init__(self, items, vectors):
+    def __init__(self, items, vectors, window=None):
         self.steps = [items]
         self.step_vectors = None if vectors is None else (lambda j: vectors)
+        self.window = window
 
 
 class LocalAttention:
@@ -327,15 +330,15 @@ class LocalAttention:
     """
 
     def __init__(self, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, backend="auto", device="cpu",
-                 scale=None, use_vectors: bool = True):
+                 scale=None, use_vectors: bool = True, window: int | None = None):
         from cpinfer.attention.local import _np, build_items, seq_end_or_default
 
         qs, qp, ks, kp = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
         ke = seq_end_or_default(ks, kv_seq_end)
-        items = build_items(qs, qp, ks, kp, ke)
+        items = build_items(qs, qp, ks, kp, ke, window)
         vectors = (qs, qp, ks, ke, kp) if use_vectors else None  # without: in-kernel backends use item mode
-        self._fresh = _OneStep(items, vectors)  # rows without a partial yet may be overwritten
-        self._merge = _OneStep(mark_first(items, len(qs), np.ones(len(qs), dtype=bool)), vectors)
+        self._fresh = _OneStep(items, vectors, window)  # rows without a partial yet may be overwritten
+        self._merge = _OneStep(mark_first(items, len(qs), np.ones(len(qs), dtype=bool)), vectors, window)
         self.backend = get_step_backend(backend, device)
         self.scale = scale
 
@@ -350,8 +353,8 @@ class LocalAttention:
 
 
 def attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, scale=None, backend="auto",
-                 acc=None, use_vectors=True):
+                 acc=None, use_vectors=True, window=None):
     """One-shot `LocalAttention`: q [Lq, H, D] against k/v [Lk, Hkv, D] → (out fp32, lse fp32), merged into acc."""
     step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end, backend=backend, device=q.device,
-                          scale=scale, use_vectors=use_vectors)
+                          scale=scale, use_vectors=use_vectors, window=window)
     return step(q, k, v, acc)

@@ -1,12 +1,14 @@
 """Local partial attention: `(out, lse)` of a query block against one key/value block (no communication).
 
 Visibility follows the `cp_attention` contract: query i sees key j iff `q_seq[i] >= 0`,
-`kv_seq[j] <= q_seq[i] < kv_seq_end[j]` and `kv_pos[j] <= q_pos[i]`. `kv_seq_end` defaults to `kv_seq + 1`
+`kv_seq[j] <= q_seq[i] < kv_seq_end[j]` and `kv_pos[j] <= q_pos[i]` (and, with a sliding `window`,
+`q_pos[i] - kv_pos[j] < window`). `kv_seq_end` defaults to `kv_seq + 1`
 ("same sequence id"); with prefix-tree segments numbered in DFS preorder a key carries its segment's interval
 [number, end of its subtree) and a query its own leaf segment's number, so a shared prefix is visible to every
 branch below it. Negative key ids are padding and match nothing. A *plan* (`build_items`) turns the metadata into
 a short list of kernel calls — fully visible blocks, top-left causal squares, and small masked tiles only where
-positions are irregular — so no dense mask over a long sequence is ever built and invisible blocks are skipped.
+positions are irregular or along a window's trailing edge — so no dense mask over a long sequence is ever built
+and invisible blocks (incl. keys that fell out of every query's window) are skipped.
 `run_items` executes a plan on tensors; the kernel sits behind `AttentionBackend`.
 """
 from __future__ import annotations
@@ -137,10 +139,11 @@ def seq_end_or_default(kv_seq: np.ndarray, kv_seq_end) -> np.ndarray:
     return np.where(kv_seq < 0, kv_seq + 1, end)
 
 
-def visible(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end) -> np.ndarray:
+def visible(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window: int | None = None) -> np.ndarray:
     """Dense visibility [Lq, Lkv] bool of the rule (small blocks and tests only); padding keys match nothing."""
     qs, qp, ks = q_seq[:, None], q_pos[:, None], kv_seq[None, :]
-    return (qs >= 0) & (ks >= 0) & (ks <= qs) & (qs < kv_seq_end[None, :]) & (kv_pos[None, :] <= qp)
+    vis = (qs >= 0) & (ks >= 0) & (ks <= qs) & (qs < kv_seq_end[None, :]) & (kv_pos[None, :] <= qp)
+    return vis if window is None else vis & (qp - kv_pos[None, :] < window)
 
 
 def _segments(pos: np.ndarray, *labels: np.ndarray) -> list[tuple[int, int]]:
@@ -197,6 +200,41 @@ def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[At
     return items
 
 
+def _band_rows(window: int) -> int:
+    """Query rows per block of a windowed band: the trailing edge's masked tile costs rows^2 / 2 of wasted work
+    against rows x window of useful work, so blocks of window / 8 rows (64 .. 512)."""
+    return int(min(max(_TILE_Q, window // 8), 512))
+
+
+def _band_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int, window: int) -> list[AttnItem]:
+    """Items for one query segment against one key segment under a sliding window (both sorted by position).
+
+    Row r sees keys [lo[r], c[r]) with lo and c nondecreasing. Per block of rows: keys [lo[first], lo[last]) are
+    the window's trailing edge (a MASK tile), keys [lo[last], c[first]) every row sees (FULL), and keys from
+    max(lo[last], c[first]) on are inside every row's window, so the causal rule alone decides (`_pair_items`).
+    Keys before lo[first] — out of every row's window — are never visited.
+    """
+    c = np.searchsorted(kpos, qpos, side="right")
+    lo = np.searchsorted(kpos, qpos - window, side="right")
+    items: list[AttnItem] = []
+    m = _band_rows(window)
+    for a in range(0, len(qpos), m):
+        b = min(len(qpos), a + m)
+        first_lo, last_lo, first_c, last_c = int(lo[a]), int(lo[b - 1]), int(c[a]), int(c[b - 1])
+        edge_hi = min(last_lo, last_c)
+        if edge_hi > first_lo:
+            keys = np.arange(first_lo, edge_hi)
+            mask = (keys[None, :] >= lo[a:b, None]) & (keys[None, :] < c[a:b, None])  # [b-a, edge_hi-first_lo]
+            if mask.any():
+                items.append(AttnItem(q0 + a, q0 + b, k0 + first_lo, k0 + edge_hi, MASK, torch.from_numpy(mask)))
+        if first_c > last_lo:
+            items.append(AttnItem(q0 + a, q0 + b, k0 + last_lo, k0 + first_c, FULL))
+        start = max(last_lo, first_c)
+        if last_c > start:
+            items.extend(_pair_items(qpos[a:b], kpos[start:], q0 + a, k0 + start))
+    return items
+
+
 def _intervals(kv_seq, kv_end, kv_segs):
     """Distinct key intervals: (lo [U], hi [U]) and, per interval, its key segments in order."""
     by_iv: dict[tuple[int, int], list[tuple[int, int]]] = {}
@@ -207,7 +245,7 @@ def _intervals(kv_seq, kv_end, kv_segs):
     return lo, hi, list(by_iv.values())
 
 
-def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals) -> list[AttnItem]:
+def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window=None) -> list[AttnItem]:
     """Each query segment against every key segment whose interval holds the query's label."""
     lo, hi, segs = intervals
     items = []
@@ -217,18 +255,21 @@ def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals) -> list[AttnItem]:
             for ka, kb in segs[u]:
                 if kv_pos[ka] > q_pos[qb - 1]:
                     continue  # every key is in the future of every query
-                items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka))
+                if window is None:
+                    items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka))
+                elif q_pos[qa] - kv_pos[kb - 1] < window:  # else every key left every query's window
+                    items.extend(_band_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka, window))
     return items
 
 
-def _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end) -> list[AttnItem]:
+def _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window=None) -> list[AttnItem]:
     """Fragmented metadata (e.g. random placement): fixed tiles, classified; masks exist only per tile."""
     items = []
     for qa in range(0, len(q_seq), _TILE_Q):
         qs, qp = q_seq[qa:qa + _TILE_Q], q_pos[qa:qa + _TILE_Q]
         for ka in range(0, len(kv_seq), _TILE_K):
             sl = slice(ka, ka + _TILE_K)
-            vis = visible(qs, qp, kv_seq[sl], kv_pos[sl], kv_end[sl])
+            vis = visible(qs, qp, kv_seq[sl], kv_pos[sl], kv_end[sl], window)
             if not vis.any():
                 continue
             qb, kb = qa + len(qs), ka + vis.shape[1]
@@ -239,10 +280,11 @@ def _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end) -> list[AttnItem]:
     return items
 
 
-def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None) -> list[AttnItem]:
+def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None, window: int | None = None) -> list[AttnItem]:
     """Plan the kernel calls for queries against keys (metadata as int64 numpy arrays or CPU tensors).
 
     A query segment may pair with several key segments: every one whose [kv_seq, kv_seq_end) holds its label.
+    window: a sliding window (keys with q_pos - kv_pos >= window are invisible), or None.
     """
     q_seq, q_pos, kv_seq, kv_pos = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
     kv_end = seq_end_or_default(kv_seq, kv_seq_end)
@@ -254,9 +296,9 @@ def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None) -> list[AttnItem]
     pairs = int((((lo[None, :] <= labels[:, None]) & (labels[:, None] < hi[None, :])) * per_iv).sum())
     tiles = -(-len(q_seq) // _TILE_Q) * -(-len(kv_seq) // _TILE_K)
     if pairs > tiles + 64:  # fragmented metadata (e.g. random placement): fixed tiles are cheaper
-        items = _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end)
+        items = _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window)
     else:
-        items = _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals)
+        items = _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window)
     return mark_first(items, len(q_seq))
 
 
@@ -291,10 +333,10 @@ def new_accumulator(lq: int, h: int, d: int, device) -> tuple[Tensor, Tensor]:
             torch.full((lq, h), -torch.inf, dtype=torch.float32, device=device))
 
 
-def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None, kv_seq_end=None):
+def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None, kv_seq_end=None, window=None):
     """(out [Lq, H, D] fp32, lse [Lq, H] fp32) of q against k/v under the visibility rule; empty rows → 0, -inf."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end)
+    items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     run_items(items, q, k, v, acc_out, acc_lse, scale, get_backend(backend, q.device))
     return acc_out, acc_lse
@@ -304,7 +346,7 @@ def _np(x) -> np.ndarray:
     return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, Tensor) else np.asarray(x, dtype=np.int64)
 
 
-def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_seq_end=None):
+def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_seq_end=None, window=None):
     """Dense float64 reference for tests (small inputs only): (out [Lq, H, D] f64, lse [Lq, H] f64)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = q.shape[1] // k.shape[1]
@@ -312,7 +354,7 @@ def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_se
     vv = v.double().repeat_interleave(g, dim=1)
     kv_seq_np = _np(kv_seq)
     vis = torch.from_numpy(visible(_np(q_seq), _np(q_pos), kv_seq_np, _np(kv_pos),
-                                   seq_end_or_default(kv_seq_np, kv_seq_end))).to(q.device)
+                                   seq_end_or_default(kv_seq_np, kv_seq_end), window)).to(q.device)
     s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
     s = s.masked_fill(~vis[None], -torch.inf)
     lse = torch.logsumexp(s, dim=-1)  # [H, Lq]

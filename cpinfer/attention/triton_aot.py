@@ -36,6 +36,7 @@ def compile_step(target: str, dtype: str = "bf16", use_vectors: bool = True, hea
     sig.update({"SLOT": "*i32", "SCR": "*fp32"})
     sig.update({name: "i64" for name in _STRIDES})
     sig["qk_scale"] = "fp32"
+    sig["WINDOW"] = "i32"  # sliding window (2^30: none)
     consts = dict(D=head_dim, G=group, BLOCK_M=block_m, BLOCK_N=block_n,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if dtype == "fp32" else "tf32",
                   UPCAST=False, USE_VECTORS=use_vectors, SPLIT=split)

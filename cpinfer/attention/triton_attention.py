@@ -3,23 +3,26 @@
 One launch per ring step (paper §3.5.2 / §3.5.3 inner loop). Program (t, kv head) owns query rows
 [row0[t], row1[t]) of a tile table (`tiles.py`) for all G query heads sharing that KV head (GQA/MQA packed into
 the M dimension), visits only the key ranges the plan found visible, decides visibility per (query, key) inside the
-kernel from the metadata vectors — `q_seq >= 0, 0 <= kv_seq <= q_seq < kv_seq_end, kv_pos <= q_pos`, no dense
-mask — runs an fp32 online softmax, and merges its partial into the running fp32 (out, lse) it owns (App. B), so
-no separate merge pass is needed. The same source compiles for NVIDIA and AMD GPUs; on CPU it runs only in
+kernel from the metadata vectors — `q_seq >= 0, 0 <= kv_seq <= q_seq < kv_seq_end, kv_pos <= q_pos` and
+`q_pos - kv_pos < window` (a sliding window; 2^30 without one), no dense mask — runs an fp32 online softmax, and
+merges its partial into the running fp32 (out, lse) it owns (App. B), so no separate merge pass is needed. The same source compiles for NVIDIA and AMD GPUs; on CPU it runs only in
 Triton's interpreter (TRITON_INTERPRET=1), which is how the tests verify it.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 2 ** 30  # positions stay below this (int32 metadata), so q_pos - kv_pos < it always
 
 
 @triton.jit
 def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OFF, KLO, KHI, RLO, RHI, DIAG,
-                 SLOT, SCR, sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sl0, sl1, ss0, ss1, ss2, qk_scale,
+                 SLOT, SCR, sq0, sq1, sk0, sk1, sv0, sv1, so0, so1, sl0, sl1, ss0, ss1, ss2, qk_scale, WINDOW,
                  D: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_VECTORS: tl.constexpr,
                  SPLIT: tl.constexpr):
@@ -64,7 +67,8 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
                 ke = tl.load(KEND + n, mask=n_ok, other=0)
                 kp = tl.load(KPOS + n, mask=n_ok, other=0)
                 vis = (vis & (qs[:, None] >= 0) & (ks[None, :] >= 0) & (ks[None, :] <= qs[:, None])
-                       & (qs[:, None] < ke[None, :]) & (kp[None, :] <= qp[:, None]))
+                       & (qs[:, None] < ke[None, :]) & (kp[None, :] <= qp[:, None])
+                       & ((qp[:, None] - kp[None, :]) < WINDOW))
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays empty
@@ -86,7 +90,7 @@ def _step_kernel(Q, K, V, OUT, LSE, QSEQ, QPOS, KSEQ, KEND, KPOS, ROW0, ROW1, OF
     if SPLIT:  # split-KV: one of several programs over these rows; its partial goes to scratch slot `slot`
         slot = tl.load(SLOT + t)
     if slot >= 0:
-        s_ptr = SCR + slot * ss0 + row_a * ss1 + head * ss2
+        s_ptr = SCR + slot.to(tl.int64) * ss0 + row_a * ss1 + head * ss2  # slot x [Lq, H, D+1] passes 2^31
         tl.store(s_ptr[:, None] + d[None, :], o_new, mask=m_ok[:, None] & d_ok[None, :])
         tl.store(s_ptr + D, lse_new, mask=m_ok)
     else:
@@ -114,7 +118,7 @@ def _merge_into_running(OUT, LSE, row_a, head, d, m_ok, d_ok, so0, so1, sl0, sl1
 
 
 def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m: int, block_n: int,
-                num_warps: int = 8, slots=None, n_slots: int = 0) -> None:
+                num_warps: int = 8, slots=None, n_slots: int = 0, window: int | None = None) -> None:
     """Accumulate q [Lq, H, D] against k/v [Lk, Hkv, D] into acc_out [Lq, H, D] fp32 / acc_lse [Lq, H] fp32.
 
     vectors: (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) int32 device tensors, or None in item mode (the table
@@ -122,6 +126,7 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
     rows_per_prog = block_m // G. Strided acc views are fine (last dim contiguous). Always merges: acc must hold a
     valid partial (zeros / -inf where empty). slots [T] int32 (split-KV): programs with slot s >= 0 write their
     partial to scratch slot s instead, and one merge launch folds the n_slots scratch partials into acc.
+    window: a sliding window applied with the vectors (item-mode tables are exact by themselves).
     """
     rows, h, d = q.shape
     hkv = k.shape[1]
@@ -136,17 +141,14 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
     q_seq, q_pos, kv_seq, kv_end, kv_pos = vectors if use_vectors else (row0,) * 5  # unread in item mode
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 applies to fp32 only; 16-bit dots are exact
     split = slots is not None and n_slots > 0
-    scratch = None
-    if split:  # [S, Lq, H, D+1]: out | lse per split slot; slots a row block does not use stay empty
-        scratch = torch.zeros(n_slots, rows, h, d + 1, dtype=torch.float32, device=q.device)
-        scratch[..., d] = -torch.inf
+    scratch = split_scratch(n_slots, rows, h, d, q.device) if split else None
     scr = scratch if split else acc_out
     _step_kernel[(row0.numel(), hkv)](
         q, k, v, acc_out, acc_lse, q_seq, q_pos, kv_seq, kv_end, kv_pos, row0, row1, off, k_lo, k_hi, r_lo, r_hi, diag,
         slots if split else row0, scr,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         acc_out.stride(0), acc_out.stride(1), acc_lse.stride(0), acc_lse.stride(1),
-        scr.stride(0), scr.stride(1), scr.stride(2), scale * _LOG2E,
+        scr.stride(0), scr.stride(1), scr.stride(2), scale * _LOG2E, _NO_WINDOW if window is None else int(window),
         D=d, G=g, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION=precision, UPCAST=interpreting() and q.dtype == torch.bfloat16, USE_VECTORS=use_vectors,
         SPLIT=split, num_warps=num_warps)
@@ -156,9 +158,19 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
         triton_merge_into(acc_out, acc_lse, scratch[..., :d], scratch[..., d])
 
 
+def split_scratch(n_slots: int, rows: int, h: int, d: int, device) -> torch.Tensor:
+    """[S, Lq, H, D+1] fp32: out | lse per split-KV slot; slots a row block does not use stay empty (0, -inf)."""
+    scratch = torch.zeros(n_slots, rows, h, d + 1, dtype=torch.float32, device=device)
+    scratch[..., d] = -torch.inf
+    return scratch
+
+
 def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1) instead of being compiled."""
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; before, `triton.jit` read the variable itself
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def block_m_for(g: int, block_m: int) -> int:

@@ -15,7 +15,8 @@ import triton.language as tl
 def _merge_kernel(P_OUT, P_LSE, OUT, LSE, n_src, n_pairs, heads,
                   po0, po1, po2, pl0, pl1, pl2, oo0, oo1, ol0, ol1,
                   D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACCUMULATE: tl.constexpr):
-    e = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (row, head) pair index
+    # flat (row, head) pair index, int64: row * po1 etc. pass 2^31 elements (CP8, 128K rows per rank)
+    e = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     e_ok = e < n_pairs
     row = e // heads
     head = e % heads
@@ -28,10 +29,13 @@ def _merge_kernel(P_OUT, P_LSE, OUT, LSE, n_src, n_pairs, heads,
         mx = tl.load(LSE + row * ol0 + head * ol1, mask=e_ok, other=float("-inf"))
         den = tl.where(mx == float("-inf"), 0.0, 1.0)
         acc = tl.load(OUT + row[:, None] * oo0 + head[:, None] * oo1 + d[None, :], mask=ok2, other=0.0)
-    for s in range(0, n_src):
-        lse_s = tl.load(P_LSE + s * pl0 + row * pl1 + head * pl2, mask=e_ok, other=float("-inf")).to(tl.float32)
-        out_s = tl.load(P_OUT + s * po0 + row[:, None] * po1 + head[:, None] * po2 + d[None, :], mask=ok2,
-                        other=0.0).to(tl.float32)
+    lse_ptr = P_LSE + row * pl1 + head * pl2  # source 0; each source advances the 64-bit pointers by its stride,
+    out_ptr = P_OUT + row[:, None] * po1 + head[:, None] * po2 + d[None, :]  # so s * po0 is never an int32 product
+    for _ in range(0, n_src):
+        lse_s = tl.load(lse_ptr, mask=e_ok, other=float("-inf")).to(tl.float32)
+        out_s = tl.load(out_ptr, mask=ok2, other=0.0).to(tl.float32)
+        lse_ptr += pl0
+        out_ptr += po0
         new_mx = tl.maximum(mx, lse_s)
         safe = tl.where(new_mx == float("-inf"), 0.0, new_mx)
         a = tl.exp(mx - safe)

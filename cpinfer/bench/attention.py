@@ -2,7 +2,9 @@
 
 Full prefill of one sequence, sharded load-balanced (paper §3.5.1) over N ranks of one thread each; reports the
 parallel efficiency T_1 / (N * T_N) and, per ring step, compute vs exposed communication (§3.5.2). A second table
-times the three strategies at partial-prefill points (T new tokens on P cached ones, §3.5.3 / §3.4).
+times the three strategies at partial-prefill points (T new tokens on P cached ones, §3.5.3 / §3.4). With
+`--window W` it instead compares a sliding window of W keys against full causal attention at each CP size: time,
+and the share of ring steps, pair messages, bytes and attention tiles the windowed plan skips.
 """
 from __future__ import annotations
 
@@ -23,11 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpinfer.attention.local import CAUSAL
 from cpinfer.cp import STRATEGIES, plan_from_metadata
 from cpinfer.cp.sharding import shard_prefill
 from cpinfer.launch import WorkerPool
 
 DOC_PATH = Path("docs/benchmarks.md")
+_WINDOW_TIMEOUT_S = 3 * 3600  # a rank may spend minutes in one full-causal run of a long sequence on a busy CPU
 # Partial-prefill points as (new, cached) fractions of --tokens: 1024+15360, 4096+12288, 16384+0, 64+16320 at 16K.
 PARTIAL_FRACTIONS = ((1 / 16, 15 / 16), (1 / 4, 3 / 4), (1.0, 0.0), (1 / 256, 255 / 256))
 
@@ -68,15 +72,15 @@ def prefill_layout(new_lens, cached_lens, num_ranks: int) -> list[RankLayout]:
     return layouts
 
 
-def _plan(ctx, layouts: list[RankLayout], strategy: str):
+def _plan(ctx, layouts: list[RankLayout], strategy: str, window: int | None = None):
     return plan_from_metadata([(lay.q_seq, lay.q_pos) for lay in layouts],
                               [(lay.kv_seq, lay.kv_pos) for lay in layouts],
-                              group=ctx.group, rank=ctx.rank, world=ctx.world_size, strategy=strategy)
+                              group=ctx.group, rank=ctx.rank, world=ctx.world_size, strategy=strategy, window=window)
 
 
 # ---------------------------------------------------------------- rank side (module level: sent to the pool)
 
-def rank_time_attention(ctx, layouts, heads, kv_heads, head_dim, strategies, repeat, seed=0):
+def rank_time_attention(ctx, layouts, heads, kv_heads, head_dim, strategies, repeat, seed=0, window=None):
     """Time `plan.run` on this rank's random shard: one warm-up, then `repeat` runs, each after a barrier.
 
     Returns {strategy: [{"time_s", "cpu_share", "steps": [{"step", "compute_s", "wait_s"}, ...]}, ...]}, where
@@ -90,7 +94,7 @@ def rank_time_attention(ctx, layouts, heads, kv_heads, head_dim, strategies, rep
     v = torch.randn(len(lay.kv_seq), kv_heads, head_dim, generator=gen)
     results = {}
     for strategy in strategies:
-        plan = _plan(ctx, layouts, strategy)
+        plan = _plan(ctx, layouts, strategy, window)
         plan.run(q, k, v)
         runs = []
         for _ in range(repeat):
@@ -137,6 +141,80 @@ def partial_points(tokens: int) -> list[tuple[int, int]]:
         if (t, tokens - t) not in points:
             points.append((t, tokens - t))
     return points
+
+
+def _area(it) -> int:
+    """Query-key pairs a kernel call visits: a causal square only its lower triangle, a masked tile all of it."""
+    h, w = it.q1 - it.q0, it.k1 - it.k0
+    return h * (h + 1) // 2 if it.kind == CAUSAL else h * w
+
+
+def window_stats(layouts: list[RankLayout], window: int, strategy: str, heads: int, kv_heads: int,
+                 head_dim: int, elem_bytes: int = 4) -> dict:
+    """What the windowed plan skips against the full causal one (host-side plans, no ranks needed): transfer
+    steps with no message for any rank, point-to-point messages, bytes moved, attention tiles (query-key pairs)."""
+    n = len(layouts)
+    q_meta = [(lay.q_seq, lay.q_pos) for lay in layouts]
+    kv_meta = [(lay.kv_seq, lay.kv_pos) for lay in layouts]
+
+    def plans(w):
+        return [plan_from_metadata(q_meta, kv_meta, group=None, rank=r, world=n, strategy=strategy, window=w)
+                for r in range(n)]
+
+    full, win = plans(None), plans(window)
+    if strategy == "pass-q":  # queries out, partials (out | lse, fp32) back
+        row_bytes = heads * head_dim * elem_bytes + heads * (head_dim + 1) * 4
+        full_rows = n * (n - 1) * full[0].max_q
+    else:  # packed K and V
+        row_bytes = 2 * kv_heads * head_dim * elem_bytes
+        full_rows = n * (n - 1) * full[0].max_send
+    routes = win[0].routes
+    pairs = [(s, r) for s in range(n) for r in range(n) if s != r]
+    moved = sum(routes.count(s, r) for s, r in pairs)
+    work = [sum(_area(it) for p in ps for step in p.steps for it in step) for ps in (full, win)]
+    share = (lambda skipped, total: skipped / total if total else 0.0)  # noqa: E731
+    return {"steps": n - 1, "steps_skipped": len(routes.empty_steps()),
+            "messages": len(pairs), "messages_skipped": sum(routes.count(s, r) == 0 for s, r in pairs),
+            "bytes_full": full_rows * row_bytes, "bytes_window": moved * row_bytes,
+            "bytes_skipped_share": share(full_rows - moved, full_rows),
+            "tiles_full": work[0], "tiles_window": work[1], "tiles_skipped_share": share(work[0] - work[1], work[0])}
+
+
+def measure_window(args) -> dict:
+    """Full causal vs sliding window over the same load-balanced prefill, one pool per CP size."""
+    shape = (args.heads, args.kv_heads, args.head_dim)
+    rows = []
+    for n in args.cp:
+        layouts = prefill_layout([args.tokens], [0], n)
+        with WorkerPool(n, threads_per_rank=1, timeout_s=_WINDOW_TIMEOUT_S) as pool:  # full causal at 32K+ is slow
+            full = summarize([r[args.strategy] for r in
+                              pool.run(rank_time_attention, layouts, *shape, [args.strategy], args.repeat)])
+            win = summarize([r[args.strategy] for r in
+                             pool.run(rank_time_attention, layouts, *shape, [args.strategy], args.repeat, 0,
+                                      args.window)])
+        rows.append({"cp": n, "full_s": full["time_s"], "window_s": win["time_s"],
+                     "full_runs_s": full["runs_s"], "window_runs_s": win["runs_s"],
+                     "cpu_share": min(full["cpu_share"], win["cpu_share"]),
+                     **window_stats(layouts, args.window, args.strategy, *shape)})
+    return {"bench": "attention-window", "command": command_line(args), "tokens": args.tokens,
+            "window": args.window, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "dtype": "float32", "strategy": args.strategy, "repeat": args.repeat, "rows": rows}
+
+
+def format_window_report(res: dict) -> str:
+    shape = f"H={res['heads']}, Hkv={res['kv_heads']}, D={res['head_dim']}, fp32, 1 thread per rank"
+    out = [f"Sliding window of {res['window']} keys vs full causal attention: full prefill of {res['tokens']} "
+           f"tokens, {res['strategy']} ({shape}); median of {res['repeat']}, slowest rank. Skipped shares are "
+           "of the full causal plan's transfer steps, point-to-point messages, bytes and attention tiles "
+           "(query-key pairs visited).", ""]
+    rows = [[r["cp"], f"{r['full_s']:.3f}", f"{r['window_s']:.3f}", f"{r['full_s'] / r['window_s']:.2f}x",
+             f"{r['steps_skipped']}/{r['steps']}", f"{r['messages_skipped']}/{r['messages']}",
+             f"{100 * r['bytes_skipped_share']:.1f}% ({r['bytes_window'] / 2**20:.1f} of "
+             f"{r['bytes_full'] / 2**20:.1f} MiB)", f"{100 * r['tiles_skipped_share']:.1f}%",
+             f"{r['cpu_share']:.2f}"] for r in res["rows"]]
+    out.append(_fmt_table(["CP", "full causal (s)", f"window {res['window']} (s)", "speed-up", "steps skipped",
+                           "messages skipped", "bytes skipped", "tiles skipped", "CPU share (min rank)"], rows))
+    return "\n".join(out)
 
 
 def measure(args) -> dict:
@@ -252,6 +330,8 @@ def command_line(args) -> str:
            f"--heads {args.heads} --kv-heads {args.kv_heads} --head-dim {args.head_dim} --repeat {args.repeat}")
     if args.strategy != "pass-kv":
         cmd += f" --strategy {args.strategy}"
+    if getattr(args, "window", None):
+        return cmd + f" --window {args.window}"
     if args.no_partial:
         cmd += " --no-partial"
     elif args.partial_cp != 2:
@@ -276,6 +356,13 @@ def machine_line(machine: dict) -> str:
     return (f"Machine: {machine['nproc']} cores ({machine['cpu']}), torch {machine['torch']}, {machine['date']}; "
             f"load average {machine['load_avg_before']} before, {machine['load_avg']} after; "
             f"CPU used by other processes during the run: {foreign} of the machine.")
+
+
+def window_doc_body(res: dict) -> str:
+    cps = ", ".join(str(r["cp"]) for r in res["rows"])
+    return "\n".join([f"### Sliding-window attention, {res['tokens']} tokens, window {res['window']}, CP {cps}", "",
+                      "```", res["command"], "```", "", machine_line(res["machine"]), "",
+                      format_window_report(res), ""])
 
 
 def doc_body(res: dict) -> str:
@@ -313,10 +400,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=positive_int, default=2, help="key/value heads (default: 2)")
     parser.add_argument("--head-dim", type=positive_int, default=128, help="head dimension (default: 128)")
     parser.add_argument("--repeat", type=positive_int, default=3, help="timed runs after a warm-up (default: 3)")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="pass-kv", help="strategy of the scaling table")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="pass-kv", help="strategy of the scaling table and of --window")
     parser.add_argument("--partial-cp", type=positive_int, default=2,
                         help="CP size of the pass-KV / pass-Q / all-gather partial-prefill table (default: 2)")
     parser.add_argument("--no-partial", action="store_true", help="skip the partial-prefill table")
+    parser.add_argument("--window", type=positive_int, metavar="W",
+                        help="instead of the tables above: a sliding window of W keys vs full causal attention at "
+                             "each --cp size (time, and the ring steps, messages, bytes and tiles skipped)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     parser.add_argument("--write-doc", nargs="?", const=DOC_PATH, type=Path, metavar="FILE",
@@ -326,18 +416,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    if args.window and args.strategy == "all-gather":
+        raise ValueError("--window compares the ring strategies: use --strategy pass-kv or pass-q")
     before = [round(x, 2) for x in os.getloadavg()]
     with ForeignCPU() as foreign:
-        res = measure(args)
+        res = measure_window(args) if args.window else measure(args)
     res["machine"] = machine = machine_info()
     machine["load_avg_before"] = before
     machine["foreign_cpu_share"] = foreign.share
-    print(format_report(res))
+    print(format_window_report(res) if args.window else format_report(res))
     print(f"\n{machine_line(machine)}")
     if foreign.share is not None and foreign.share > 0.05:
         print(f"warning: other processes used {100 * foreign.share:.0f}% of the machine during the run; "
               "the timings are disturbed", file=sys.stderr)
-    if args.write_doc:
+    if args.write_doc and args.window:
+        write_doc_section(args.write_doc, f"attention-window-{args.tokens}-{args.window}", window_doc_body(res))
+    elif args.write_doc:
         write_doc_section(args.write_doc, f"attention-{args.tokens}", doc_body(res))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -12,13 +12,13 @@ import time
 from cpinfer.bench import common as C
 
 
-def run_once(model_dir, cp: int, tokens: int, budget: int | None, vocab: int) -> dict:
+def run_once(model_dir, cp: int, tokens: int, budget: int | None, vocab: int, hw: dict | None = None) -> dict:
     from cpinfer import LLM, SamplingParams
 
     long = C.random_prompt(tokens, vocab, seed=2)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=max(1, (os.cpu_count() or 1) // cp),
              max_kv_tokens_per_rank=C.kv_capacity(-(-tokens // cp) + 2048), max_num_batched_tokens=budget,
-             placement="shard") as llm:
+             placement="shard", **(hw or {})) as llm:
         llm.generate(C.random_prompt(128, vocab, seed=9), SamplingParams(max_tokens=2))  # warm-up
         eng = llm.engine
         eng.add_request("chat", C.random_prompt(64, vocab, seed=3),
@@ -45,10 +45,12 @@ def run_once(model_dir, cp: int, tokens: int, budget: int | None, vocab: int) ->
 def measure(args) -> dict:
     cfg = C.model_config(args, args.tokens + 4096)
     model_dir = C.random_model("bench-decode-model", **cfg)
-    whole = run_once(model_dir, args.cp, args.tokens, None, args.vocab)
-    chunked = run_once(model_dir, args.cp, args.tokens, args.budget, args.vocab)
+    hw = C.hardware(args)
+    whole = run_once(model_dir, args.cp, args.tokens, None, args.vocab, hw)
+    chunked = run_once(model_dir, args.cp, args.tokens, args.budget, args.vocab, hw)
     chunk_s = chunked["ttft_s"] / max(1, chunked["chunks"])
-    return {"bench": "chunked-prefill", "command": command_line(args), "model": C.shape_text(cfg), "cp": args.cp,
+    return {"bench": "chunked-prefill", "command": command_line(args) + C.hardware_flags(hw),
+            "model": C.shape_text(cfg, hw), "cp": args.cp,
             "tokens": args.tokens, "budget": args.budget, "whole": whole, "chunked": chunked,
             "ttft_ratio": chunked["ttft_s"] / whole["ttft_s"], "mean_chunk_s": chunk_s,
             "gap_over_chunk": (chunked["decode_gap_max_s"] or 0) / chunk_s,

@@ -15,7 +15,8 @@ from cpinfer.bench.attention import (DOC_PATH, ForeignCPU, _cp_sizes, _fmt_table
                                      positive_int, write_doc_section)
 
 __all__ = ["DOC_PATH", "ForeignCPU", "cp_sizes", "fmt_table", "machine_info", "machine_line", "positive_int",
-           "write_doc_section", "add_common_arguments", "run_measured", "cache_dir", "random_model", "random_prompt", "measured", "finish_report"]
+           "write_doc_section", "add_common_arguments", "run_measured", "cache_dir", "random_model", "random_prompt",
+           "measured", "finish_report", "hardware", "hardware_text", "hardware_flags"]
 
 cp_sizes = _cp_sizes
 fmt_table = _fmt_table
@@ -32,7 +33,7 @@ def random_model(name: str, seed: int = 0, **config) -> Path:
     """A random Llama-3-shaped checkpoint in the cache, written once per (shape, seed) and reused afterwards."""
     from cpinfer.model import write_random_checkpoint
 
-    key = hashlib.sha1(json.dumps([seed, sorted(config.items())]).encode()).hexdigest()[:10]
+    key = hashlib.sha1(json.dumps([seed, sorted(config.items())], default=str).encode()).hexdigest()[:10]
     path = cache_dir() / f"{name}-{key}"
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -83,6 +84,8 @@ def run_measured(args, measure, format_report, doc_key: str, title) -> int:
 
     `title` is the doc section's heading, or a function of the result that returns it.
     """
+    if hasattr(args, "device"):
+        hardware(args)  # a device the machine lacks: exit 2 before any checkpoint is written or rank started
     res, machine = measured(measure, args)
     res["machine"] = machine
     finish_report(args, res, format_report(res), doc_key, title(res) if callable(title) else title)
@@ -90,9 +93,46 @@ def run_measured(args, measure, format_report, doc_key: str, title) -> int:
 
 
 def add_common_arguments(parser) -> None:
+    """--json, --write-doc, and the hardware flags of `cpinfer.device` (--device, --dtype, --attention-backend,
+    --gpu-memory-utilization, --share-gpus) that `hardware(args)` turns into `LLM` arguments."""
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
     parser.add_argument("--write-doc", nargs="?", const=DOC_PATH, type=Path, metavar="FILE",
                         help=f"replace (or append) this run's section in FILE (default: {DOC_PATH})")
+    from cpinfer.device import add_arguments
+
+    add_arguments(parser)
+
+
+def hardware(args) -> dict:
+    """`LLM` keyword arguments of the hardware flags, resolved ("auto" → cpu / cuda, float32 / bfloat16): a
+    device the machine lacks fails here, before any model is built or rank started."""
+    from cpinfer.device import engine_kwargs, resolve_device, resolve_dtype
+
+    kw = engine_kwargs(args)
+    kw["device"] = resolve_device(kw["device"])
+    kw["dtype"] = resolve_dtype(kw["dtype"], kw["device"])
+    return kw
+
+
+def hardware_text(hw: dict) -> str:
+    """"cpu, float32" / "cuda (NVIDIA H100 ...), bfloat16, triton attention" for reports."""
+    where = hw["device"]
+    if where == "cuda":
+        import torch
+
+        where = f"cuda ({torch.cuda.get_device_name()})"
+    backend = "" if hw.get("attention_backend", "auto") == "auto" else f", {hw['attention_backend']} attention"
+    return f"{where}, {hw['dtype']}{backend}"
+
+
+def hardware_flags(hw: dict) -> str:
+    """The command-line flags that reproduce `hw` (empty for CPU float32 with the default backend)."""
+    flags = "" if hw["device"] == "cpu" else f" --device {hw['device']}"
+    if hw["dtype"] != ("float32" if hw["device"] == "cpu" else "bfloat16"):
+        flags += f" --dtype {hw['dtype']}"
+    if hw.get("attention_backend", "auto") != "auto":
+        flags += f" --attention-backend {hw['attention_backend']}"
+    return flags
 
 
 def add_model_arguments(parser, *, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> None:
@@ -116,10 +156,12 @@ def model_config(args, max_positions: int) -> dict:
                 max_position_embeddings=positions, rope_theta=500000.0)
 
 
-def shape_text(cfg: dict) -> str:
+def shape_text(cfg: dict, hw: dict | None = None) -> str:
+    """The model shape, and where it ran (`hw` from `hardware`; default CPU fp32)."""
     return (f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads x "
             f"{cfg['hidden_size'] // cfg['num_attention_heads']}, {cfg['num_key_value_heads']} KV heads, "
-            f"ffn {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, fp32")
+            f"ffn {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, "
+            f"{hardware_text(hw) if hw else 'fp32'}")
 
 
 def kv_capacity(tokens: int) -> int:

@@ -28,12 +28,13 @@ def comm_probe(ctx) -> dict:
     return {"allreduce_s": allreduce, "ring_wait_s": ring}
 
 
-def time_layout(model_dir, cp: int, tp: int, tokens: int, vocab: int, repeat: int) -> dict:
+def time_layout(model_dir, cp: int, tp: int, tokens: int, vocab: int, repeat: int, hw: dict | None = None) -> dict:
     from cpinfer import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # prefill only: comm and TTFT align
     with LLM(str(model_dir), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1,
-             placement="shard", max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024)) as llm:
+             placement="shard", max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024),
+             **(hw or {})) as llm:
         llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
         llm.engine._pool.run(comm_probe)
         ttft, comm = [], []
@@ -48,16 +49,16 @@ def time_layout(model_dir, cp: int, tp: int, tokens: int, vocab: int, repeat: in
 def measure(args) -> dict:
     cfg = C.model_config(args, max(args.tokens) + 1024)
     model_dir = C.random_model("bench-model", **cfg)
-    rows = []
+    rows, hw = [], C.hardware(args)
     for t in args.tokens:
         base = None
         for name, cp, tp in LAYOUTS:
-            r = time_layout(model_dir, cp, tp, t, args.vocab, args.repeat)
+            r = time_layout(model_dir, cp, tp, t, args.vocab, args.repeat, hw)
             base = base or r["ttft_s"]
             rows.append({"tokens": t, "layout": name, "ttft_s": r["ttft_s"], "scaling": base / r["ttft_s"],
                          "comm_share": r["comm_s"] / r["ttft_s"]})
-    command = "cpinfer bench cp-vs-tp --tokens " + ",".join(map(str, args.tokens))
-    return {"rows": rows, "shape": C.shape_text(cfg), "command": command}
+    command = "cpinfer bench cp-vs-tp --tokens " + ",".join(map(str, args.tokens)) + C.hardware_flags(hw)
+    return {"rows": rows, "shape": C.shape_text(cfg, hw), "command": command}
 
 
 def format_report(res: dict) -> str:

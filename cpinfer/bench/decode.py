@@ -12,12 +12,12 @@ import statistics
 from cpinfer.bench import common as C
 
 
-def time_decode(model_dir, cp: int, context: int, steps: int, vocab: int) -> dict:
+def time_decode(model_dir, cp: int, context: int, steps: int, vocab: int, hw: dict | None = None) -> dict:
     from cpinfer import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1, placement="shard",  # context split
-             max_kv_tokens_per_rank=C.kv_capacity(-(-context // cp) + steps + 512)) as llm:
+             max_kv_tokens_per_rank=C.kv_capacity(-(-context // cp) + steps + 512), **(hw or {})) as llm:
         llm.generate(C.random_prompt(256, vocab, seed=999), SamplingParams(max_tokens=4, ignore_eos=True))
         out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
     ttit = out.metrics["ttit_s"][1:]  # the first step after prefill is a warm-up
@@ -29,10 +29,11 @@ def time_decode(model_dir, cp: int, context: int, steps: int, vocab: int) -> dic
 def measure(args) -> dict:
     cfg = C.model_config(args, args.context + args.steps + 1024)
     model_dir = C.random_model("bench-decode-model", **cfg)
-    per_cp = {str(n): time_decode(model_dir, n, args.context, args.steps, args.vocab) for n in args.cp}
+    hw = C.hardware(args)
+    per_cp = {str(n): time_decode(model_dir, n, args.context, args.steps, args.vocab, hw) for n in args.cp}
     base = per_cp[str(min(args.cp))]["ttit_s"]
-    return {"bench": "decode", "command": command_line(args), "context": args.context, "steps": args.steps,
-            "model": C.shape_text(cfg), "baseline_cp": min(args.cp), "cp": per_cp,
+    return {"bench": "decode", "command": command_line(args) + C.hardware_flags(hw), "context": args.context,
+            "steps": args.steps, "model": C.shape_text(cfg, hw), "baseline_cp": min(args.cp), "cp": per_cp,
             "ratio": {n: r["ttit_s"] / base for n, r in per_cp.items()}}
 
 

@@ -16,13 +16,13 @@ from cpinfer.bench import common as C
 
 
 def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, threads: int,
-                placement: str = "auto") -> tuple[float, str]:
+                hw: dict | None = None, placement: str = "auto") -> tuple[float, str]:
     """(median decode step, where the request's keys were: "local" | "spread")."""
     from cpinfer import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=threads, placement=placement,
-             max_kv_tokens_per_rank=C.kv_capacity(context + steps + 64)) as llm:
+             max_kv_tokens_per_rank=C.kv_capacity(context + steps + 64), **(hw or {})) as llm:
         llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
     # the first step after the prefill is a warm-up
@@ -42,14 +42,16 @@ class _TokenClock:
         pass
 
 
-def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int) -> float:
-    """Median gap between consecutive tokens of transformers' `generate` (greedy, KV cache), after a warm-up."""
+def hf_ttit(model_dir, context: int, steps: int, vocab: int, threads: int, hw: dict | None = None) -> float:
+    """Median gap between consecutive tokens of transformers' `generate` (greedy, KV cache), after a warm-up, on
+    the engine's device and dtype (`hw`; default CPU fp32)."""
     import torch
     import transformers
 
+    device, dtype = (hw or {}).get("device", "cpu"), getattr(torch, (hw or {}).get("dtype", "float32"))
     torch.set_num_threads(threads)
-    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([C.random_prompt(context, vocab, seed=0)])
+    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    ids = torch.tensor([C.random_prompt(context, vocab, seed=0)], device=device)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         model.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
@@ -63,14 +65,16 @@ def measure(args) -> dict:
     cfg = C.model_config(args, max(args.context) + args.steps + 1024)
     model_dir = C.random_model("bench-decode-model", **cfg)
     rows = {}
+    hw = C.hardware(args)
     for ctx in args.context:
-        hf = hf_ttit(model_dir, ctx, args.steps, args.vocab, args.threads)
-        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, args.threads, args.placement)
+        hf = hf_ttit(model_dir, ctx, args.steps, args.vocab, args.threads, hw)
+        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, args.threads, hw, args.placement)
                   for n in args.cp}
         rows[str(ctx)] = {"hf_s": hf, "cp_s": {n: t for n, (t, _) in per_cp.items()},
                           "placement": {n: p for n, (_, p) in per_cp.items()}}
-    return {"bench": "decode-overhead", "command": command_line(args), "model": C.shape_text(cfg),
-            "steps": args.steps, "threads": args.threads, "placement": args.placement, "rows": rows}
+    return {"bench": "decode-overhead", "command": command_line(args) + C.hardware_flags(hw),
+            "model": C.shape_text(cfg, hw), "steps": args.steps, "threads": args.threads,
+            "placement": args.placement, "rows": rows}
 
 
 def format_report(res: dict) -> str:

@@ -34,7 +34,8 @@ def _turn2(base: list[int], p: int, t: int, vocab: int, seed: int) -> list[int]:
     return base[:p] + fresh
 
 
-def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]], vocab: int, repeat: int) -> dict:
+def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]], vocab: int, repeat: int,
+                  hw: dict | None = None) -> dict:
     """{(T, P): median turn-2 TTFT} for one forced strategy, all on one LLM instance."""
     from cpinfer import LLM, SamplingParams
 
@@ -45,7 +46,7 @@ def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]]
     need = sum(p + 1 + max(t for t, q in grid if q == p) for p in ps)
     times = {}
     with LLM(str(model_dir), context_parallel_size=cp, strategy=strategy, threads_per_rank=1, placement="shard",
-             max_kv_tokens_per_rank=C.kv_capacity(-(-need // cp) + 1024)) as llm:
+             max_kv_tokens_per_rank=C.kv_capacity(-(-need // cp) + 1024), **(hw or {})) as llm:
         for p in ps:
             base = C.random_prompt(p + 1, vocab, seed=p)
             llm.generate(base, params)  # turn 1: P+1 prompt tokens (+1 output) cached
@@ -67,11 +68,13 @@ def measure(args) -> dict:
     cfg = C.model_config(args, max(args.cached) + max(args.new) + 1024)
     model_dir = C.random_model("bench-model", **cfg)
     grid = [(t, p) for p in args.cached for t in args.new]
-    per = {s: time_strategy(model_dir, args.cp, s, grid, args.vocab, args.repeat) for s in STRATEGIES}
+    hw = C.hardware(args)
+    per = {s: time_strategy(model_dir, args.cp, s, grid, args.vocab, args.repeat, hw) for s in STRATEGIES}
     rows = []
     for t, p in grid:
         choice = choose_strategy(t, p, args.cp, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                                 head_dim=args.hidden // args.heads, elem_bytes=4,
+                                 head_dim=args.hidden // args.heads,
+                                 elem_bytes=4 if hw["dtype"] == "float32" else 2,
                                  hardware=load_hardware_profile(args.hardware_profile),
                                  method="alg5")
         kv, q = per["pass-kv"][(t, p)], per["pass-q"][(t, p)]
@@ -79,7 +82,8 @@ def measure(args) -> dict:
         rows.append({"T": t, "P": p, "miss_rate": t / (t + p), "pass-kv_s": kv, "pass-q_s": q, "fastest": fastest,
                      "heuristic": choice.strategy, "heuristic_right": choice.strategy == fastest,
                      "loss_if_wrong": max(kv, q) / min(kv, q) - 1 if choice.strategy != fastest else 0.0})
-    return score({"bench": "partial", "command": command_line(args), "cp": args.cp, "model": C.shape_text(cfg),
+    return score({"bench": "partial", "command": command_line(args) + C.hardware_flags(hw), "cp": args.cp,
+                  "model": C.shape_text(cfg, hw),
                   "repeat": args.repeat, "hardware_profile": args.hardware_profile, "rows": rows})
 
 

@@ -15,7 +15,7 @@ import torch
 from cpinfer.bench import common as C
 
 
-def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int) -> dict:
+def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int, hw: dict | None = None) -> dict:
     """Median TTFT of `repeat` full prefills (each a new prompt, so no prefix is reused) after a short warm-up."""
     from cpinfer import LLM, SamplingParams
 
@@ -23,7 +23,7 @@ def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int) -> dic
     # released to the prefix cache on every engine version (ones ending inside their prefill were not, before 336da01).
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1, placement="shard",  # the ring's scaling
-             max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024)) as llm:
+             max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024), **(hw or {})) as llm:
         llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
         ttft, steps = [], None
         for i in range(repeat):
@@ -33,22 +33,27 @@ def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int) -> dic
     return {"ttft_s": statistics.median(ttft), "runs_s": ttft, "strategy": steps[0]["strategy"]}
 
 
-def time_hf(model_dir, tokens: int, vocab: int, repeat: int) -> dict:
-    """Median forward time of transformers' LlamaForCausalLM (sdpa, fp32) with one thread, last-token logits."""
+def time_hf(model_dir, tokens: int, vocab: int, repeat: int, hw: dict | None = None) -> dict:
+    """Median forward time of transformers' LlamaForCausalLM (sdpa) with one thread, last-token logits, on the
+    engine's device and dtype (`hw`; default CPU fp32)."""
     import transformers
 
+    device, dtype = (hw or {}).get("device", "cpu"), getattr(torch, (hw or {}).get("dtype", "float32"))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                              attn_implementation="sdpa").eval()
+        model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=dtype,
+                                                              attn_implementation="sdpa").to(device).eval()
         times = []
         with torch.no_grad():
-            model(torch.tensor([C.random_prompt(min(tokens, 512), vocab, seed=999)]), logits_to_keep=1)
+            model(torch.tensor([C.random_prompt(min(tokens, 512), vocab, seed=999)], device=device), logits_to_keep=1)
             for i in range(repeat):
-                ids = torch.tensor([C.random_prompt(tokens, vocab, seed=i)])  # [1, tokens]
+                ids = torch.tensor([C.random_prompt(tokens, vocab, seed=i)], device=device)  # [1, tokens]
+                sync()
                 t0 = time.perf_counter()
                 model(ids, logits_to_keep=1)
+                sync()
                 times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
@@ -58,16 +63,17 @@ def time_hf(model_dir, tokens: int, vocab: int, repeat: int) -> dict:
 def measure(args) -> dict:
     cfg = C.model_config(args, args.tokens + 1024)
     model_dir = C.random_model("bench-model", **cfg)
-    engine = {str(n): time_engine(model_dir, n, args.tokens, args.vocab, args.repeat) for n in args.cp}
+    hw = C.hardware(args)
+    engine = {str(n): time_engine(model_dir, n, args.tokens, args.vocab, args.repeat, hw) for n in args.cp}
     base = min(args.cp)
     t_base = engine[str(base)]["ttft_s"]
-    res = {"bench": "prefill", "command": command_line(args), "tokens": args.tokens, "model": C.shape_text(cfg),
+    res = {"bench": "prefill", "command": command_line(args, hw), "tokens": args.tokens, "model": C.shape_text(cfg, hw),
            "repeat": args.repeat, "baseline_cp": base, "engine": engine,
            "efficiency": {n: base * t_base / (int(n) * e["ttft_s"]) for n, e in engine.items()}}
     if not args.no_hf:
-        hf = time_hf(model_dir, args.tokens, args.vocab, args.repeat)
+        hf = time_hf(model_dir, args.tokens, args.vocab, args.repeat, hw)
         cp1 = engine["1"]["ttft_s"] if "1" in engine else time_engine(model_dir, 1, args.tokens, args.vocab,
-                                                                      args.repeat)["ttft_s"]
+                                                                      args.repeat, hw)["ttft_s"]
         res["hf"] = {**hf, "cpinfer_cp1_s": cp1, "speedup_vs_hf": hf["ttft_s"] / cp1}
     return res
 
@@ -88,13 +94,13 @@ def format_report(res: dict) -> str:
     return "\n".join(out)
 
 
-def command_line(args) -> str:
+def command_line(args, hw: dict) -> str:
     cmd = f"cpinfer bench prefill --cp {','.join(map(str, args.cp))} --tokens {args.tokens} --repeat {args.repeat}"
     shape = (("hidden", 1024), ("layers", 2), ("heads", 8), ("kv_heads", 2), ("ffn", 2816), ("vocab", 4096))
     for name, default in shape:
         if getattr(args, name) != default:
             cmd += f" --{name.replace('_', '-')} {getattr(args, name)}"
-    return cmd + (" --no-hf" if args.no_hf else "")
+    return cmd + (" --no-hf" if args.no_hf else "") + C.hardware_flags(hw)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

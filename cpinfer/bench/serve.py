@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpinfer.bench.common import (ForeignCPU, add_common_arguments, finish_report, fmt_table, measured,
+from cpinfer.bench.common import (ForeignCPU, add_common_arguments, finish_report, fmt_table, hardware, measured,
                                   positive_int)
 
 WORDS = ("ring attention shards keys values across ranks while queries rotate the cache persists between turns "
@@ -177,6 +177,9 @@ class _Server:
             cmd += ["--max-model-len", str(args.max_model_len)]
         if args.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        hw = hardware(args)
+        cmd += ["--device", hw["device"], "--dtype", hw["dtype"], "--attention-backend", hw["attention_backend"],
+                "--gpu-memory-utilization", str(hw["gpu_memory_utilization"])] + (["--share-gpus"] * hw["share_gpus"])
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
 
@@ -255,7 +258,7 @@ def overhead(url: str, name: str, model_dir: Path, config: Config, args, prompt:
     times: dict[str, list[float]] = {"server": [], "offline": []}
     with httpx.Client(timeout=600) as client, \
             LLM(str(model_dir), context_parallel_size=config.cp, threads_per_rank=args.threads_per_rank,
-                enable_prefix_caching=config.prefix_caching, **kwargs) as llm:
+                enable_prefix_caching=config.prefix_caching, **kwargs, **hardware(args)) as llm:
         for i in range(args.overhead_repeat + 1):
             t0 = time.perf_counter()
             r = client.post(url + "/v1/completions", json=body)
@@ -438,6 +441,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.rate <= 0:
         raise ValueError(f"--rate must be > 0 sessions per second, got {args.rate}")
+    hardware(args)  # a device the machine lacks: exit 2 now
     res, machine = measured(measure, args)
     res["machine"] = machine
     finish_report(args, res, format_report(res), "serve", f"Serving, {res['model']}: {res['sessions']} sessions x "

@@ -14,14 +14,15 @@ import time
 from cpinfer.bench import common as C
 
 
-def run_workload(model_dir, cp: int, doc: int, requests: int, max_tokens: int, vocab: int, sharing: bool) -> dict:
+def run_workload(model_dir, cp: int, doc: int, requests: int, max_tokens: int, vocab: int, sharing: bool,
+                 hw: dict | None = None) -> dict:
     from cpinfer import LLM, SamplingParams
 
     document = C.random_prompt(doc, vocab, seed=1)
     prompts = [document + C.random_prompt(16, vocab, seed=100 + i) for i in range(requests)]
     capacity = C.kv_capacity(-(-(requests * (doc + 16 + max_tokens)) // cp) + 1024)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=max(1, (os.cpu_count() or 1) // cp),
-             max_kv_tokens_per_rank=capacity, enable_prefix_caching=sharing) as llm:
+             max_kv_tokens_per_rank=capacity, enable_prefix_caching=sharing, **(hw or {})) as llm:
         llm.generate(C.random_prompt(128, vocab, seed=9), SamplingParams(max_tokens=2))  # warm-up
         before = sum(llm.cache_stats()["kv_tokens_per_rank"])
         t0 = time.perf_counter()
@@ -36,9 +37,11 @@ def run_workload(model_dir, cp: int, doc: int, requests: int, max_tokens: int, v
 def measure(args) -> dict:
     cfg = C.model_config(args, args.doc + 1024)
     model_dir = C.random_model("bench-decode-model", **cfg)
-    on = run_workload(model_dir, args.cp, args.doc, args.requests, args.max_tokens, args.vocab, True)
-    off = run_workload(model_dir, args.cp, args.doc, args.requests, args.max_tokens, args.vocab, False)
-    return {"bench": "shared-prefix", "command": command_line(args), "model": C.shape_text(cfg), "cp": args.cp,
+    hw = C.hardware(args)
+    on = run_workload(model_dir, args.cp, args.doc, args.requests, args.max_tokens, args.vocab, True, hw)
+    off = run_workload(model_dir, args.cp, args.doc, args.requests, args.max_tokens, args.vocab, False, hw)
+    return {"bench": "shared-prefix", "command": command_line(args) + C.hardware_flags(hw),
+            "model": C.shape_text(cfg, hw), "cp": args.cp,
             "doc": args.doc, "requests": args.requests, "max_tokens": args.max_tokens,
             "sharing": {k: v for k, v in on.items() if k != "tokens"},
             "no_sharing": {k: v for k, v in off.items() if k != "tokens"},

@@ -7,7 +7,7 @@ import os
 import sys
 
 EPILOG = """examples:
-  cpinfer calibrate --cp 2 --out profiles/this-machine.json          # spawn 2 local ranks (CPU, gloo)
+  cpinfer calibrate --cp 2 --device cpu --out profiles/this-machine.json   # spawn 2 local ranks (CPU, gloo)
   cpinfer calibrate --cp 2 --quick                                   # a few seconds, print only
   torchrun --nnodes 4 --nproc-per-node 1 ... -m cpinfer calibrate --cp 4 --device cuda --out gtt.json
 Then: LLM(..., hardware_profile="profiles/this-machine.json") or cpinfer plan --hardware profiles/this-machine.json
@@ -26,15 +26,21 @@ def register(subparsers) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cpinfer.device import ATTENTION_BACKENDS, DEVICES, DTYPES
+
     p.add_argument("--cp", type=int, metavar="N", required=True, help="CP ranks to measure (>= 2)")
     p.add_argument("--out", metavar="FILE", help="write the profile here (and FILE's stem + .measurements.json)")
     p.add_argument("--quick", action="store_true", help="small sweeps (seconds; for tests and smoke checks)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo, default) or cuda (NCCL)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (CUDA when a GPU is visible, default), cpu (gloo) or cuda (NCCL, one GPU per rank)")
     p.add_argument("--heads", type=int, metavar="H", default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=int, metavar="HKV", default=2, help="key/value heads (default 2)")
     p.add_argument("--head-dim", type=int, metavar="D", default=128, help="head dimension (default 128)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="element type (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="element type: auto = bfloat16 on cuda, float32 on cpu, as the engine (default auto)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="the attention kernel to measure, as the engine picks it: auto = cpu-flash on cpu; "
+                        "flash-attn on cuda when installed, else triton (default auto)")
     p.add_argument("--threads-per-rank", type=int, metavar="K", default=1, help="torch threads per CPU rank (1)")
     p.add_argument("--repeat", type=int, metavar="R", help="timed runs per measurement (default 3, --quick 2)")
     p.add_argument("--rounds", type=int, metavar="K", help="passes over the grid (default 2, --quick 1)")
@@ -51,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
+    from cpinfer.device import resolve_device, resolve_dtype
     from cpinfer.perf.calibrate import CalibrationConfig
 
     if args.threads_per_rank < 1:
@@ -59,8 +66,9 @@ def config_from_args(args):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be positive, got {value}")
     extra = {k: v for k in ("repeat", "rounds", "max_context") if (v := getattr(args, k)) is not None}
-    extra |= dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, device=args.device,
-                  dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
+    device = resolve_device(args.device)  # ValueError naming CUDA when it is asked for and missing
+    extra |= dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, device=device,
+                  dtype=resolve_dtype(args.dtype, device), attention_backend=args.attention_backend)
     return CalibrationConfig.quick(args.cp, **extra) if args.quick else CalibrationConfig(args.cp, **extra)
 
 
@@ -102,8 +110,9 @@ def _ranks(cfg, threads: int):
 
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.cp:
         raise ValueError(f"--device cuda --cp {cfg.cp} starts {cfg.cp} local ranks, one GPU each, but "
-                         f"{torch.cuda.device_count()} GPU(s) are visible; across nodes, start it with torchrun")
-    return WorkerPool(cfg.cp, backend=cfg.backend, threads_per_rank=threads, timeout_s=600)
+                         f"{torch.cuda.device_count()} GPU(s) are visible; across nodes, start it with torchrun "
+                         "(or --device cpu)")
+    return WorkerPool(cfg.cp, backend=cfg.backend, threads_per_rank=threads, timeout_s=600, device=cfg.device)
 
 
 class _TorchrunRanks:
@@ -151,7 +160,8 @@ class _TorchrunRanks:
 
 def format_summary(record: dict, profile) -> str:
     cfg, host = record["config"], record["hosts"][0]
-    head = (f"calibrated CP{cfg['cp']} ({cfg['device']}, {'nccl' if cfg['device'] == 'cuda' else 'gloo'}) on "
+    head = (f"calibrated CP{cfg['cp']} ({cfg['device']}, {'nccl' if cfg['device'] == 'cuda' else 'gloo'}, "
+            f"{host.get('attention_backend', 'cpu-flash')} attention) on "
             f"{len({h['host'] for h in record['hosts']})} host(s), {host['device_name'] or 'unknown device'}; "
             f"{cfg['heads']}/{cfg['kv_heads']} heads, D={cfg['head_dim']}, {cfg['dtype']}, "
             f"{host['threads']} thread(s)/rank; {record['created']}, took {record['seconds']:.0f} s")

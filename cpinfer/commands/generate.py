@@ -1,7 +1,8 @@
 """`cpinfer generate`: one prompt through a model on N local context-parallel ranks (a thin layer over
 `LLM.generate` / `LLM.chat`). The model is a Hugging Face folder, a .gguf file (converted once) or, by default, the
-embedded SmolLM2-135M-Instruct. Prints the completion (text when the model has a tokenizer, token ids otherwise),
-the time to first token, the time between tokens and the strategy chosen for each phase.
+embedded SmolLM2-135M-Instruct. The ranks run on the GPUs when CUDA is available (bfloat16), else on the CPU
+(float32); see --device / --dtype. Prints the completion (text when the model has a tokenizer, token ids
+otherwise), the time to first token, the time between tokens and the strategy chosen for each phase.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import json
 
 from cpinfer.bench.attention import positive_int
+from cpinfer.device import add_arguments as add_device_arguments
 
 
 def _token_ids(text: str) -> list[int]:
@@ -66,8 +68,10 @@ def _placement_line(p: dict, cp: int) -> str:
 
 def run(args) -> int:
     from cpinfer import LLM, SamplingParams
+    from cpinfer.device import check_arguments, engine_kwargs
     from cpinfer.model.resolve import resolve_model
 
+    check_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (the user message), not --prompt-ids")
     try:
@@ -83,20 +87,24 @@ def run(args) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     with LLM(str(model), context_parallel_size=args.cp, max_kv_tokens_per_rank=args.max_kv_tokens_per_rank,
              max_model_len=args.max_model_len, strategy=args.strategy, placement=args.placement,
-             hardware_profile=args.hardware_profile, threads_per_rank=args.threads_per_rank) as llm:
+             hardware_profile=args.hardware_profile, threads_per_rank=args.threads_per_rank,
+             **engine_kwargs(args)) as llm:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
             out = llm.generate(prompt, params)[0]
+        hw = {"device": llm.engine.args.device, "dtype": llm.engine.args.dtype,
+              "attention_backend": llm.engine.attention_backend}
     res = _summary(out, out.metrics["steps"])
-    res["cp"] = args.cp
+    res.update(cp=args.cp, device=hw["device"], dtype=hw["dtype"], attention_backend=hw["attention_backend"])
     if res["text"] is not None:
         print(res["text"])
     else:
         print("token ids:", " ".join(map(str, res["token_ids"])))
     ttit = "n/a" if res["ttit_mean_s"] is None else f"{1000 * res['ttit_mean_s']:.1f} ms"
     print(f"prompt {res['prompt_tokens']} tokens, {len(res['token_ids'])} generated ({res['finish_reason']}); "
-          f"CP={args.cp}; TTFT {res['ttft_s']:.3f} s; mean TTIT {ttit}")
+          f"CP={args.cp} on {res['device']} ({res['dtype']}, {res['attention_backend']} attention); "
+          f"TTFT {res['ttft_s']:.3f} s; mean TTIT {ttit}")
     print("strategy: " + "; ".join(f"{k} → {v}" for k, v in res["strategy"].items()))
     print("placement: " + _placement_line(res["placement"], args.cp))
     if args.json:
@@ -109,10 +117,12 @@ def register(subparsers) -> None:
         "generate", help="generate from a checkpoint on N local CP ranks", description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="Hugging Face Llama checkpoint folder (config.json + *.safetensors, + tokenizer files "
-                             "to accept --prompt text) or a .gguf file of a Llama-family model (converted once into "
-                             "$CPINFER_CACHE); default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks (local CPU processes)")
+                        help="Hugging Face checkpoint folder of a supported family — llama, mistral, qwen2, qwen3, "
+                             "gemma3_text — (config.json + *.safetensors, + tokenizer files to accept --prompt text) "
+                             "or a .gguf file (llama, qwen2, qwen3, gemma3; converted once into $CPINFER_CACHE); "
+                             "default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--cp", type=positive_int, default=1,
+                        help="context-parallel ranks (local processes, one GPU each on CUDA)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="1,2,3", help="prompt as comma-separated token ids")
@@ -135,10 +145,13 @@ def register(subparsers) -> None:
                         help="where the request's KV goes: auto = one rank unless spreading over the CP ranks pays "
                              "(cost model), shard = 2N-sharded over all ranks, local = one rank")
     parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
-                        help="KV-cache capacity of each rank in tokens (default: a share of RAM)")
+                        help="KV-cache capacity of each rank in tokens (default: CUDA: what "
+                             "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "
+                             "share of RAM)")
     parser.add_argument("--hardware-profile", default=None, metavar="NAME",
                         help="hardware profile of the strategy and placement cost models (default: cpu-gloo on CPU)")
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / CP)")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON object on the last line")
+    add_device_arguments(parser)
     parser.set_defaults(func=run)

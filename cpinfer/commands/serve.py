@@ -3,15 +3,20 @@
 
 Locally the ranks are child processes of the server; under torchrun rank 0 serves HTTP and the other ranks serve
 the engine (they never return from `AsyncLLM(...)`). SIGINT / SIGTERM end in-flight requests, stop every rank and
-release the port.
+release the port (exit 0). A dead engine (a rank died or raised) closes in-flight responses and exits with code 1
+so a supervisor restarts the server, unless --no-exit-on-engine-death.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import threading
 
 from cpinfer.bench.attention import positive_int
+from cpinfer.device import add_arguments as add_device_arguments
+from cpinfer.device import check_arguments as check_device_arguments
+from cpinfer.device import engine_kwargs as device_kwargs
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -42,6 +47,19 @@ def _rank_pids() -> list[int]:
         if int(fields[1]) == me:
             pids.append(int(entry))
     return sorted(pids)
+
+
+EXIT_ENGINE_DEAD = 1
+
+
+def _watch_engine(engine, server, stop: threading.Event) -> None:
+    """Stop uvicorn (gracefully: in-flight responses end with their error) once the engine is dead."""
+    while not stop.wait(0.1):
+        if engine.errored:
+            log.error("the engine is dead (%s): closing in-flight responses and exiting with code %d",
+                      engine.dead_error, EXIT_ENGINE_DEAD)
+            server.should_exit = True
+            return
 
 
 def _run_until_signal(server) -> str:
@@ -80,6 +98,7 @@ def engine_kwargs(args) -> dict:
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank}
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    kwargs.update(device_kwargs(args))  # --device, --dtype, --attention-backend, --gpu-memory-utilization, ...
     return kwargs
 
 
@@ -90,10 +109,15 @@ def run(args) -> int:
     from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
     from cpinfer.server.app import ServerConfig, build_app
 
+    check_device_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
     api_key = args.api_key or os.environ.get("CPINFER_API_KEY") or None
     model_dir = resolve_model(args.model)  # ValueError naming the problem, before any rank starts
-    name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
-    config = ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
+                                      else DEFAULT_MODEL_NAME)
+    config = ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key,
+                          max_request_bytes=args.max_request_bytes,
+                          allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                          enable_docs=args.enable_docs)
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
@@ -101,6 +125,8 @@ def run(args) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 listens
         _check_port_free(args.host, args.port)
     engine = AsyncLLM(str(model_dir), **engine_kwargs(args))  # under torchrun only rank 0 returns
+    stop_watch = threading.Event()
+    code = 0
     try:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(
@@ -112,12 +138,17 @@ def run(args) -> int:
                  engine.max_model_len, "off" if args.no_prefix_caching else "on",
                  "required" if api_key else "off",
                  getattr(engine, "rank_pids", None) or _rank_pids())
+        if args.exit_on_engine_death:
+            threading.Thread(target=_watch_engine, args=(engine, server, stop_watch), daemon=True).start()
         stopped_by = _run_until_signal(server)
+        if engine.errored and args.exit_on_engine_death:
+            stopped_by, code = "engine death", EXIT_ENGINE_DEAD
         log.info("stopping on %s: shutting the engine down", stopped_by)
     finally:
+        stop_watch.set()
         engine.shutdown()
         log.info("server stopped; every rank exited")
-    return 0
+    return code
 
 
 def register(subparsers) -> None:
@@ -132,15 +163,17 @@ def register(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
     parser.add_argument("--port", type=_port, default=8000, help="TCP port")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="model name clients send and see in /v1/models (default: --model as given, or "
-                             "SmolLM2-135M-Instruct)")
+                        help="model name clients send and see in /v1/models (default: the last part of --model, "
+                             "never a local path, or SmolLM2-135M-Instruct)")
     parser.add_argument("--max-model-len", type=positive_int, default=None, metavar="L",
                         help="longest prompt + completion in tokens (default: the model's context length)")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="B",
                         help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests at most")
     parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
-                        help="KV-cache capacity of each rank in tokens (default: a share of memory)")
+                        help="KV-cache capacity of each rank in tokens (default: CUDA: what "
+                             "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "
+                             "share of RAM)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse K/V across requests (every turn re-prefills its whole history)")
     parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
@@ -154,12 +187,24 @@ def register(subparsers) -> None:
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / ranks)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 and /tokenize routes (or set "
-                             "CPINFER_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                             "(or set CPINFER_API_KEY); checked before the request body is read")
+    parser.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
+                        help="largest request body accepted (413 beyond it, checked before the body is read; "
+                             "default: 32 bytes per token of max_model_len, at least 1 MiB)")
+    parser.add_argument("--allow-special-tokens-in-content", action="store_true",
+                        help="let special-token text in chat message content ('<|im_end|>') become special tokens "
+                             "(by default it is tokenized as plain text, so users cannot forge turns)")
+    parser.add_argument("--enable-docs", action="store_true",
+                        help="serve the OpenAPI schema at /openapi.json (off by default; no docs UI is served)")
+    parser.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+                        help="when a rank dies or fails, close in-flight responses and exit with code 1 so a "
+                             "supervisor restarts the server; --no-exit-on-engine-death keeps answering 503")
     parser.add_argument("--graceful-timeout", type=positive_int, default=30, metavar="S",
                         help="on SIGINT / SIGTERM, seconds in-flight requests get to finish before they are "
                              "aborted")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                         help="uvicorn log level")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_device_arguments(parser)
     parser.set_defaults(func=run)

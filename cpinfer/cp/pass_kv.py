@@ -2,18 +2,18 @@
 
 Each rank packs the K/V rows that matter to the batch into one message (padded to the longest rank's, the
 paper's max_i(P_i) + ceil(T/N) for partial prefill), then passes it around the ring N-1 times; the transfer of
-the next block overlaps the attention on the current one. Partials merge into one fp32 accumulator.
+the next block overlaps the attention on the current one. Partials merge into one fp32 accumulator. With a
+sliding window (`run_direct`) each source sends each rank only the rows its queries can see, straight to it.
 """
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import backend_for, device_send_index
+from cpinfer.attention.backends import _cached, backend_for, device_cache, device_send_index
 from cpinfer.attention.local import new_accumulator
-from cpinfer.cp.ring import ring_steps
+from cpinfer.cp.ring import direct_steps, ring_steps
+from cpinfer.timing import Stopwatch
 
 
 def _pack_kv(plan, k, v) -> torch.Tensor:
@@ -39,18 +39,48 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     return acc_out.to(q.dtype)
 
 
+def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+    """Windowed pass-KV: at step j rank r receives from rank r - j the K/V rows its queries see (`plan.routes`);
+    pairs with no such rows exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    backend = backend_for(plan, q.device)
+    backend.prepare_plan(plan, q, k)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    n, me, rows = plan.world, plan.rank, plan.routes.rows
+    cache = device_cache(plan)
+
+    def outgoing(j):  # my rows the rank j ahead of me needs, packed [2, rows, Hkv, D]
+        sel = rows[me][(me + j) % n]
+        if not len(sel):
+            return None
+        idx = _cached(cache, ("direct-send", j, str(k.device)), lambda: torch.from_numpy(sel).to(k.device))
+        return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+
+    def incoming(j):
+        count = len(rows[(me - j) % n][me])
+        return k.new_empty((2, count) + tuple(k.shape[1:])) if count else None
+
+    def compute(j, block):
+        if plan.steps[j]:
+            kj, vj = (k, v) if j == 0 else (block[0], block[1])
+            backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
+
+    direct_steps(plan.group, n, outgoing, incoming, compute, timings, q.device)
+    return acc_out.to(q.dtype)
+
+
 def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """Baseline: all-gather every rank's packed K/V first (not overlapped), then attend locally."""
     backend = backend_for(plan, q.device)
     backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-    t0 = time.perf_counter()
+    clock = Stopwatch(q.device)
+    t0 = clock.mark()
     blocks = [k, v]
     if plan.world > 1:
         mine = _pack_kv(plan, k, v)
         blocks = [torch.empty_like(mine) for _ in range(plan.world)]
         dist.all_gather(blocks, mine, group=plan.group)
-    t1 = time.perf_counter()
+    t1 = clock.mark()
     for j in range(plan.world):
         if j == 0:
             backend.attend(plan, 0, q, k, v, acc_out, acc_lse, scale)
@@ -58,5 +88,5 @@ def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
             blk = blocks[plan.source(j)]
             backend.attend(plan, j, q, blk[0], blk[1], acc_out, acc_lse, scale)
     if timings is not None:
-        timings.append({"step": "all", "compute_s": time.perf_counter() - t1, "wait_s": t1 - t0})
+        timings.append({"step": "all", "compute_s": clock.span(t1, clock.mark()), "wait_s": clock.span(t0, t1)})
     return acc_out.to(q.dtype)

@@ -6,13 +6,12 @@ are padded only to the longest rank's query count (decode places at most ceil(B/
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import backend_for
-from cpinfer.cp.ring import ring_steps
+from cpinfer.attention.backends import _cached, backend_for, device_cache
+from cpinfer.cp.ring import direct_steps, ring_steps
+from cpinfer.timing import Stopwatch
 
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
@@ -37,10 +36,73 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     ring_steps(plan.group, cur, n, compute, timings)
     if n == 1:
         return partials[0, :lq, :, :d].to(q.dtype)
-    t0 = time.perf_counter()
+    clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL
+    t0 = clock.mark()
     back = torch.empty_like(partials)
     dist.all_to_all_single(back, partials, group=plan.group)  # back[s] = my queries' partial computed on rank s
     out, _ = backend.merge(back[:, :lq, :, :d], back[:, :lq, :, d], q.dtype)  # [Lq, H, D]
     if timings is not None:
-        timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
+        timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
+    return out
+
+
+def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+    """Windowed pass-Q: at step j rank r receives from rank r - j the queries that see some key of r
+    (`plan.routes`), attends them to its K/V in place, and an All2All with per-pair sizes returns the partials;
+    pairs with nothing to move exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    backend = backend_for(plan, q.device)
+    backend.prepare_plan(plan, q, k)
+    n, me, rows = plan.world, plan.rank, plan.routes.rows
+    lq, h, d = q.shape
+    cache = device_cache(plan)
+    own = torch.zeros(lq, h, d + 1, dtype=torch.float32, device=q.device)  # my queries against my K/V
+    own[..., d] = -torch.inf
+    parts: dict[int, torch.Tensor] = {}  # source rank -> [rows, H, D+1] partial of its queries against my K/V
+
+    def index(src, dst):
+        return _cached(cache, ("direct-q", src, dst, str(q.device)),
+                       lambda: torch.from_numpy(rows[src][dst]).to(q.device))
+
+    def outgoing(j):
+        dst = (me + j) % n
+        return q.index_select(0, index(me, dst)) if len(rows[me][dst]) else None
+
+    def incoming(j):
+        count = len(rows[(me - j) % n][me])
+        return q.new_empty((count, h, d)) if count else None
+
+    def compute(j, block):
+        if j == 0:
+            if plan.steps[0]:
+                backend.attend(plan, 0, q, k, v, own[..., :d], own[..., d], scale)
+            return
+        if block is None:
+            return
+        part = torch.zeros(block.shape[0], h, d + 1, dtype=torch.float32, device=q.device)
+        part[..., d] = -torch.inf
+        if plan.steps[j]:
+            backend.attend(plan, j, block, k, v, part[..., :d], part[..., d], scale)
+        parts[(me - j) % n] = part
+
+    direct_steps(plan.group, n, outgoing, incoming, compute, timings, q.device)
+    if not any(plan.routes.count(s, r) for s in range(n) for r in range(n)):
+        return own[..., :d].to(q.dtype)  # nothing crossed ranks anywhere: no All2All either
+    clock = Stopwatch(q.device)
+    t0 = clock.mark()
+    send_sizes = [len(rows[s][me]) if s != me else 0 for s in range(n)]  # partials back to each source
+    recv_sizes = [len(rows[me][r]) if r != me else 0 for r in range(n)]  # my queries' partials from each rank
+    send = torch.cat([parts[s] for s in range(n) if send_sizes[s]] or [own[:0]])
+    back = own.new_empty((sum(recv_sizes), h, d + 1))
+    dist.all_to_all_single(back, send, recv_sizes, send_sizes, group=plan.group)
+    stacked = own.new_zeros((n, lq, h, d + 1))  # [N, Lq, H, D+1]: slot r the partial from rank r (mine at me)
+    stacked[..., d] = -torch.inf
+    stacked[me] = own
+    at = 0
+    for r in range(n):
+        if recv_sizes[r]:
+            stacked[r, index(me, r)] = back[at:at + recv_sizes[r]]
+            at += recv_sizes[r]
+    out, _ = backend.merge(stacked[..., :d], stacked[..., d], q.dtype)  # [Lq, H, D]
+    if timings is not None:
+        timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
     return out

@@ -1,5 +1,9 @@
 """The once-per-forward plan of `cp_attention`: validated metadata of every rank and the kernel calls per ring step.
 
+Without a window the steps go around the ring (paper Alg. 2-4). With a sliding window a plan routes each step
+directly from rank r - j to rank r (`Routes`): only rows some query can see travel, pairs with nothing to move
+post no message, and a step that is empty for every rank is skipped by all of them.
+
 Building a plan costs one small exchange of shapes and metadata (or none, when the caller already knows every
 rank's metadata, as the engine does); running it per layer only moves and multiplies tensors. Bad input is
 detected on the rank that has it and reported as the same `ValueError` on every rank before any tensor moves.
@@ -15,6 +19,7 @@ import torch.distributed as dist
 from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.local import AttnItem, build_items, mark_first, seq_end_or_default
 from cpinfer.cp.ring import group_rank_and_size
+from cpinfer.cp.routes import Routes, pair_routes
 
 STRATEGIES = ("pass-kv", "pass-q", "all-gather")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -50,10 +55,17 @@ class CPAttentionPlan:
     max_q: int  # longest query block over ranks (pass-Q message rows)
     max_send: int  # longest packed K/V over ranks (pass-KV / all-gather message rows)
     backend: str = "auto"  # attention backend name (cpinfer.attention.backends), resolved on the tensors' device
+    window: int | None = None  # sliding window: keys with q_pos - kv_pos >= window are invisible
+    routes: Routes | None = None  # direct schedule (with a window): per pair of ranks the rows that travel
 
     @property
     def me(self) -> RankMeta:
         return self.metas[self.rank]
+
+    @property
+    def direct(self) -> bool:
+        """Step j goes straight from rank (r - j) to rank r, skipping empty pairs, instead of around the ring."""
+        return self.routes is not None
 
     def source(self, step: int) -> int:
         return (self.rank - step) % self.world
@@ -61,27 +73,27 @@ class CPAttentionPlan:
     def step_vectors(self, j: int) -> tuple[np.ndarray, ...]:
         """Metadata of ring step j as int64 arrays (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos), in the row order of
         the step's `AttnItem`s: pass-KV / all-gather — my queries against my own K/V (j = 0) or source j's packed
-        K/V; pass-Q — source j's queries against my K/V. In-kernel backends (Triton) read these."""
-        src = self.metas[self.source(j)]
+        K/V; pass-Q — source j's queries (those that travel) against my K/V. In-kernel backends read these."""
+        src, me = self.metas[self.source(j)], self.me
         if self.strategy == "pass-q":
-            me = self.me
-            return src.q_seq, src.q_pos, me.kv_seq, me.kv_end, me.kv_pos
-        me = self.me
+            qs = slice(None) if j == 0 or not self.direct else self.routes.rows[self.source(j)][self.rank]
+            return src.q_seq[qs], src.q_pos[qs], me.kv_seq, me.kv_end, me.kv_pos
         if j == 0:
             return me.q_seq, me.q_pos, me.kv_seq, me.kv_end, me.kv_pos
-        sl = src.send
+        sl = self.routes.rows[self.source(j)][self.rank] if self.direct else src.send
         return me.q_seq, me.q_pos, src.kv_seq[sl], src.kv_end[sl], src.kv_pos[sl]
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype."""
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None,
+            scale: float | None = None) -> torch.Tensor:
+        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides."""
         from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
 
-        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        scale = scale if scale is not None else q.shape[-1] ** -0.5 if self.scale is None else self.scale
         if self.strategy == "pass-q":
-            return pass_q.run(self, q, k, v, scale, timings)
+            return (pass_q.run_direct if self.direct else pass_q.run)(self, q, k, v, scale, timings)
         if self.strategy == "all-gather":
             return pass_kv.run_all_gather(self, q, k, v, scale, timings)
-        return pass_kv.run(self, q, k, v, scale, timings)
+        return (pass_kv.run_direct if self.direct else pass_kv.run)(self, q, k, v, scale, timings)
 
 
 def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray) -> np.ndarray:
@@ -93,38 +105,49 @@ def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray)
 
 
 def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strategy: str,
-                       scale: float | None = None, backend: str = "auto") -> CPAttentionPlan:
+                       scale: float | None = None, backend: str = "auto", window: int | None = None) -> CPAttentionPlan:
     """Build a plan from every rank's metadata, known on all ranks: no communication.
 
     q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) or (kv_seq, kv_pos, kv_seq_end) as int64 arrays,
-    for r in range(world); a missing kv_seq_end means kv_seq + 1 (same sequence id).
+    for r in range(world); a missing kv_seq_end means kv_seq + 1 (same sequence id). With a sliding `window`
+    pass-KV and pass-Q use the direct schedule (`Routes`): only rows some query can see travel, and a step
+    with nothing to move for any rank sends no message.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    problem = window_problem(window)
+    if problem:
+        raise ValueError(problem)
     q_meta = [(np.asarray(s, dtype=np.int64), np.asarray(p, dtype=np.int64)) for s, p in q_meta]
     kv_meta = [_kv_triple(m) for m in kv_meta]
     labels = np.unique(np.concatenate([s for s, _ in q_meta])) if q_meta else np.zeros(0, np.int64)
     labels = labels[labels >= 0]
     metas = [RankMeta(qs, qp, ks, kp, _relevant_rows(labels, ks, ke), ke)
              for (qs, qp), (ks, kp, ke) in zip(q_meta, kv_meta)]
-    me = metas[rank]
-    steps: list[list[AttnItem]] = []
-    covered = np.zeros(len(me.q_seq), dtype=bool)
+    routes = None
+    if window is not None and strategy != "all-gather":
+        routes = pair_routes(metas, "q" if strategy == "pass-q" else "kv", window)
+    plan = CPAttentionPlan(group, rank, world, strategy, scale, metas, [], max(len(m.q_seq) for m in metas),
+                           max(len(m.send) for m in metas), backend, window, routes)
+    covered = np.zeros(len(plan.me.q_seq), dtype=bool)
     for j in range(world):
-        s = (rank - j) % world
-        src = metas[s]
+        q_seq, q_pos, kv_seq, kv_end, kv_pos = plan.step_vectors(j)
+        items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window)
         if strategy == "pass-q":  # source's queries against my stationary K/V; one accumulator per source
-            items = build_items(src.q_seq, src.q_pos, me.kv_seq, me.kv_pos, me.kv_end)
-            steps.append(mark_first(items, len(src.q_seq)))
-        elif j == 0:  # my queries against my own K/V, read in place
-            items = build_items(me.q_seq, me.q_pos, me.kv_seq, me.kv_pos, me.kv_end)
-            steps.append(mark_first(items, len(covered), covered))
-        else:  # my queries against the source's packed K/V
-            sl = src.send
-            items = build_items(me.q_seq, me.q_pos, src.kv_seq[sl], src.kv_pos[sl], src.kv_end[sl])
-            steps.append(mark_first(items, len(covered), covered))
-    return CPAttentionPlan(group, rank, world, strategy, scale, metas, steps,
-                           max(len(m.q_seq) for m in metas), max(len(m.send) for m in metas), backend)
+            plan.steps.append(mark_first(items, len(q_seq)))
+        else:  # my queries against my own K/V (read in place) or the source's packed K/V
+            plan.steps.append(mark_first(items, len(covered), covered))
+    return plan
+
+
+def window_problem(window) -> str:
+    """What is wrong with a `window` argument, or '' (None or a positive int is fine)."""
+    if window is None:
+        return ""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
+        return f"window must be a positive integer (keys with q_pos - kv_pos >= window are invisible) or None, " \
+               f"got {window!r}"
+    return ""
 
 
 def _kv_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,10 +160,12 @@ def _kv_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- validation and metadata exchange
 
 def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end=None,
-                   backend="auto") -> str:
+                   backend="auto", window=None) -> str:
     """A description of what is wrong with this rank's inputs, or '' if nothing is."""
     if strategy not in STRATEGIES:
         return f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
+    if window_problem(window):
+        return window_problem(window)
     if isinstance(q, torch.Tensor):
         try:
             resolve_name(backend, q.device)
@@ -191,7 +216,7 @@ def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None,
-                      kv_seq_end=None, backend="auto", control_group=None) -> CPAttentionPlan:
+                      kv_seq_end=None, backend="auto", control_group=None, window=None) -> CPAttentionPlan:
     """Validate on every rank, agree on errors, all-gather metadata, then build the plan.
 
     control_group: a gloo group over the same ranks for the metadata (default: `group` itself)."""
@@ -200,20 +225,21 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     if group_rank_and_size(group) != (rank, world):
         raise ValueError(f"control_group must hold the same ranks in the same order as group: this rank is "
                          f"{group_rank_and_size(group)} there and {(rank, world)} in group")
-    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend)
+    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend, window)
     ok = not problem
     header = torch.tensor([0 if ok else 1,
                            q.shape[0] if ok else 0, k.shape[0] if ok else 0,
                            q.shape[1] if ok else 0, k.shape[1] if ok else 0, q.shape[2] if ok else 0,
-                           _DTYPES.index(q.dtype) if ok else -1, STRATEGIES.index(strategy) if ok else -1],
-                          dtype=torch.int64)
-    headers = torch.stack(_all_gather_ints(header, group))  # [world, 8]
+                           _DTYPES.index(q.dtype) if ok else -1, STRATEGIES.index(strategy) if ok else -1,
+                           (window or 0) if ok else -1], dtype=torch.int64)
+    headers = torch.stack(_all_gather_ints(header, group))  # [world, 9]
     if headers[:, 0].any():
         problems = [None] * world
         dist.all_gather_object(problems, problem, group=group)
         bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
         raise ValueError(f"cp_attention: bad input on {bad}")
-    for col, what in ((3, "query heads"), (4, "key/value heads"), (5, "head_dim"), (6, "dtype"), (7, "strategy")):
+    for col, what in ((3, "query heads"), (4, "key/value heads"), (5, "head_dim"), (6, "dtype"), (7, "strategy"),
+                      (8, "window")):
         if (headers[:, col] != headers[0, col]).any():
             raise ValueError(f"cp_attention: ranks disagree on {what}: {headers[:, col].tolist()}")
     max_q, max_kv = int(headers[:, 1].max()), int(headers[:, 2].max())
@@ -225,4 +251,4 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
     kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy(), g[4, :h[2]].numpy()) for g, h in zip(gathered, headers)]
     return plan_from_metadata(q_meta, kv_meta, group=tensors_group, rank=rank, world=world, strategy=strategy,
-                              scale=scale, backend=backend)
+                              scale=scale, backend=backend, window=window)

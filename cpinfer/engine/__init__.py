@@ -4,11 +4,11 @@ request (state) → scheduler (queues, token budget, preemption) → kv_manager 
 the one owner of every rank's blocks) → batch (typed driver↔rank messages) → model_runner + attention (SPMD ranks)
 → llm_engine (step loop) → llm (offline `LLM`) / async_llm (`AsyncLLM` for the server).
 """
-from cpinfer.engine.async_llm import AsyncLLM, RequestStream
+from cpinfer.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream
 from cpinfer.engine.llm import LLM
 from cpinfer.engine.llm_engine import EngineConfig, EngineDeadError, LLMEngine
 from cpinfer.engine.request import EngineStats, RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 
-__all__ = ["AsyncLLM", "RequestStream", "LLM", "LLMEngine", "EngineConfig", "EngineDeadError", "EngineStats",
+__all__ = ["AsyncLLM", "RequestFailedError", "RequestStream", "LLM", "LLMEngine", "EngineConfig", "EngineDeadError", "EngineStats",
            "RequestOutput", "SamplingParams"]

@@ -2,8 +2,10 @@
 request is a stream of cumulative `RequestOutput`s delivered to the event loop as tokens are sampled.
 
 Validation happens in the caller (`add_request` raises ValueError before anything is queued); aborting a stream
-(`aclose()`, cancellation, a disconnected client) frees the request's blocks at the engine's next step. If a rank
-dies, every open stream raises `EngineDeadError` and `errored` turns True.
+(`aclose()`, cancellation, a disconnected client) frees the request's blocks at the engine's next step. A request
+whose own work fails (sampling, its grammar) raises `RequestFailedError` on its stream alone. If a rank dies or
+raises inside a forward, every open stream raises `EngineDeadError` and `errored` turns True; the loop checks the
+ranks every few tens of milliseconds, so a rank that dies while the engine is idle is seen too.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from cpinfer.engine.llm import encode_chat
@@ -21,6 +24,16 @@ from cpinfer.utils import get_logger
 
 log = get_logger()
 _IDLE_WAIT_S = 0.05
+_HEARTBEAT_S = 1.0  # idle interval between liveness checks of ranks that have no process sentinel (torchrun)
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (its sampling, its grammar); the engine and other requests go on.
+    `reason` is for the server log; clients get a generic message with the request id."""
+
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id} failed")
+        self.request_id, self.reason = request_id, reason
 
 
 class RequestStream:
@@ -100,6 +113,14 @@ class AsyncLLM:
     def encode_chat(self, messages) -> list[int]:
         return encode_chat(self.engine.tokenizer, messages)
 
+    def validate(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or ValueError (thread-safe: reads no mutable engine state; may tokenize)."""
+        return self.engine.validate(prompt, params)
+
+    def validate_grammar(self, grammar: str) -> None:
+        """ValueError when a structured-output grammar cannot be used with this model (cached; thread-safe)."""
+        self.engine.grammars.validate(grammar)
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None) -> RequestStream:
         """Validate now (ValueError with the numbers), queue, and return the request's stream."""
@@ -158,6 +179,10 @@ class AsyncLLM:
                     self.engine.add_request(rid, tokens, params)
                 except ValueError as exc:
                     self._deliver(rid, exc)
+                except EngineDeadError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - this request's problem, not the engine's
+                    self._deliver(rid, RequestFailedError(rid, f"{type(exc).__name__}: {exc}"))
             elif op == "abort" and rid in self.engine.requests:
                 self.engine.abort(rid)
             try:
@@ -166,21 +191,33 @@ class AsyncLLM:
                 return
 
     def _run(self) -> None:
+        last_busy = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished_requests())
+                dead = self.engine.check_ranks()  # a sentinel fired, even with nothing to do
+                if dead is not None:
+                    raise EngineDeadError(dead)
                 if not self.engine.has_unfinished_requests():
                     self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                    if time.monotonic() - last_busy > _HEARTBEAT_S:
+                        self.engine.heartbeat()
+                        last_busy = time.monotonic()
                     continue
                 outputs = self.engine.step()
+                last_busy = time.monotonic()
                 self._snapshot = (self.engine.cache_stats(), self.engine.stats())
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    if out.error is not None:
+                        self._deliver(out.request_id, RequestFailedError(out.request_id, out.error))
+                    else:
+                        self._deliver(out.request_id, out)
             except Exception as exc:  # noqa: BLE001 - a dead rank or a bug: fail every request, stay inspectable
                 self.dead_error = f"{type(exc).__name__}: {exc}"
+                self.engine.dead_error = self.engine.dead_error or self.dead_error
                 log.error("engine loop stopped: %s", self.dead_error)
                 for rid in list(self._streams):
-                    self._deliver(rid, EngineDeadError(f"the engine failed: {self.dead_error}"))
+                    self._deliver(rid, EngineDeadError("the engine failed"))
                 return
 
     def shutdown(self) -> None:

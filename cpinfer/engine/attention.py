@@ -7,11 +7,16 @@ communication). Only sequences whose keys span ranks take part in the ring; the 
 live, and a forward without such a sequence issues no collective at all. Per layer only tensors move: pass-KV packs
 each rank's visible store rows and new rows into one ring message (paper Alg. 2), pass-Q rotates queries and reads
 the store in place, then returns partial outputs with one All2All (Alg. 3, 4).
+
+Sliding-window layers get their own plans, once per forward per distinct window (one over the ring's sequences, one
+over this rank's local ones): each rank gathers, per sequence, only the cached keys that can still be in some
+query's window (positions > start - window; `SlotPositions` mirrors every rank's slot positions from the batches)
+plus the new ones, and runs windowed `cp_attention` on them — tiles, ring steps and messages no query can see are
+skipped.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 import torch
@@ -20,8 +25,40 @@ import torch.distributed as dist
 from cpinfer.attention.backends import get_step_backend, resolve_name
 from cpinfer.attention.local import FULL, AttnItem, build_items, mark_first, new_accumulator
 from cpinfer.attention.merge import merge_partials
+from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
+from cpinfer.timing import Stopwatch
+
+
+class SlotPositions:
+    """The position of the token in every slot of every CP rank, [world, capacity] int64 (-1: never written).
+
+    Every rank sees every `ForwardBatch`, so every rank keeps the same mirror (`record`), and windowed plans know
+    the positions of cached keys on all ranks without communication. Within one of a sequence's slot runs the
+    positions increase (the KV manager appends a segment's tokens in position order into consecutive slots), and
+    runs are listed in position order, so the keys still inside a window are found by binary search.
+    """
+
+    def __init__(self, world: int, capacity: int):
+        self.pos = np.full((world, capacity), -1, dtype=np.int64)
+
+    def record(self, batch: ForwardBatch) -> None:
+        for s in batch.seqs:
+            self.pos[s.ranks, s.slots] = s.start + np.arange(len(s.slots), dtype=np.int64)
+
+    def recent(self, rank: int, runs: np.ndarray, first_pos: int) -> np.ndarray:
+        """Slots of `runs` ([R, 2], position order) on `rank` holding positions >= first_pos, in order."""
+        if not len(runs):
+            return np.zeros(0, dtype=np.int64)
+        last = self.pos[rank, runs[:, 1] - 1]  # the newest position of each run
+        runs = runs[np.searchsorted(last, first_pos, side="left"):]
+        if not len(runs):
+            return np.zeros(0, dtype=np.int64)
+        a0 = int(runs[0, 0])
+        a0 += int(np.searchsorted(self.pos[rank, a0:runs[0, 1]], first_pos, side="left"))
+        parts = [np.arange(a0, runs[0, 1], dtype=np.int64)] + [np.arange(a, e, dtype=np.int64) for a, e in runs[1:]]
+        return np.concatenate(parts)
 
 
 def _merge_runs(runs: np.ndarray) -> np.ndarray:
@@ -57,7 +94,7 @@ class BatchAttention:
     """One rank's attention plan for a forward; `run` is called once per layer."""
 
     def __init__(self, batch: ForwardBatch, rank: int, world: int, group, backend: str | None = None,
-                 device=torch.device("cpu")):
+                 device=torch.device("cpu"), slot_positions: SlotPositions | None = None):
         self.rank, self.world, self.group = rank, world, group
         self.strategy = batch.strategy
         seqs = batch.seqs
@@ -67,7 +104,10 @@ class BatchAttention:
         if self.idle:
             return
         name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
+        self.backend_name, self.device = name, device
         self.backend = get_step_backend(name, device)
+        self.batch, self.slot_positions = batch, slot_positions
+        self._windowed: dict[int, list] = {}  # window -> [(plan, my gathered slots, my rows)]: ring, then local
         self._tables: dict = {}  # device tables of the steps, built on first use and reused by every layer
         empty = np.zeros(0, dtype=np.int64)
         self.idx = [[empty] * len(seqs) for _ in range(world)]  # new tokens of b on rank r (ring and mine)
@@ -89,14 +129,23 @@ class BatchAttention:
         self.input_ids = cat([seqs[b].token_ids[i] for b, i in zip(order, mine)])  # [Lq] this rank's new tokens
         self.positions = cat([seqs[b].start + i for b, i in zip(order, mine)])
         self.slots = cat([seqs[b].slots[i] for b, i in zip(order, mine)])
-        # keys every query of b sees in full on rank r: the cached runs, plus b's single new token (decode);
-        # positions of b's new tokens on rank r. Only what this rank's plan reads: the ring's sequences on every
-        # rank, my local ones on mine.
-        self.full_runs: list[list] = [[None] * len(seqs) for _ in range(world)]
+        # positions of b's new tokens on rank r, for what this rank's plans read: the ring's sequences on every
+        # rank, my local ones on mine
         self.pos: list[list] = [[None] * len(seqs) for _ in range(world)]
-        for b, r in [(b, r) for b in self.ring for r in range(world)] + [(b, rank) for b in self.local]:
-            self.full_runs[r][b] = self._visible_runs(seqs[b], r)
+        for b, r in self._members():
             self.pos[r][b] = seqs[b].start + self.idx[r][b]
+        self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
+
+    def _members(self) -> list[tuple[int, int]]:
+        """(sequence, rank) pairs this rank's plans read: the ring's sequences on every rank, mine on mine."""
+        return [(b, r) for b in self.ring for r in range(self.world)] + [(b, self.rank) for b in self.local]
+
+    def _plan_full(self) -> None:
+        seqs = self.batch.seqs
+        # keys every query of b sees in full on rank r: the cached runs, plus b's single new token (decode)
+        self.full_runs: list[list] = [[None] * len(seqs) for _ in range(self.world)]
+        for b, r in self._members():
+            self.full_runs[r][b] = self._visible_runs(seqs[b], r)
         self.steps = []
         if self.ring and self.strategy == "pass-kv":
             self._plan_pass_kv(seqs)
@@ -173,10 +222,61 @@ class BatchAttention:
         self.local_steps = (mark_first(store_items, len(covered), covered),
                             mark_first(new_items, len(covered), covered))
 
+    def _window_plans(self, window: int) -> list[tuple[CPAttentionPlan, torch.Tensor, slice]]:
+        """The windowed plans (once per forward and window): the ring's sequences over every rank, my local ones on
+        this rank alone; per rank, each sequence's keys that can be in some query's window — cached slots with
+        positions >= start - window + 1, then the new tokens' slots. Each with my gathered slots and my rows."""
+        if window in self._windowed:
+            return self._windowed[window]
+        if self.slot_positions is None:
+            raise RuntimeError("a sliding-window layer needs the runner's SlotPositions (a bug: none was passed)")
+        plans, lr = [], int(self.nq_ring[self.rank])
+        if self.ring:
+            plan, mine = self._window_plan(window, self.ring, list(range(self.world)), self.group)
+            plans.append((plan, mine, slice(0, lr)))
+        if self.local:
+            plan, mine = self._window_plan(window, self.local, [self.rank], None)
+            plans.append((plan, mine, slice(lr, int(self.nq[self.rank]))))
+        self._windowed[window] = plans
+        return plans
+
+    def _window_plan(self, window: int, members: list[int], ranks: list[int], group):
+        seqs, cat = self.batch.seqs, (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+        q_meta, kv_meta, mine = [], [], None
+        for r in ranks:
+            q_meta.append((cat([np.full(len(self.idx[r][b]), b, dtype=np.int64) for b in members]),
+                           cat([self.pos[r][b] for b in members])))
+            slots, seq_ids, pos = [], [], []
+            for b in members:
+                s = seqs[b]
+                old = self.slot_positions.recent(r, s.ctx_runs[r], s.start - window + 1)
+                new = s.slots[self.idx[r][b]]
+                slots += [old, new]
+                pos += [self.slot_positions.pos[r, old], self.pos[r][b]]
+                seq_ids.append(np.full(len(old) + len(new), b, dtype=np.int64))
+            kv_meta.append((cat(seq_ids), cat(pos)))
+            if r == self.rank:
+                mine = cat(slots)
+        world, rank = len(ranks), ranks.index(self.rank)
+        strategy = self.strategy if world > 1 else "pass-kv"
+        plan = plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy,
+                                  backend=self.backend_name, window=window)
+        return plan, torch.from_numpy(mine).to(self.device)
+
     # ------------------------------------------------------------------ per layer
-    def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D].
-        Rows [0, nq_ring) belong to the ring's sequences, the rest to my local ones."""
+    def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
+            window: int | None = None) -> torch.Tensor:
+        """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
+        `window`: the layer's sliding window (None: full causal attention). Rows [0, nq_ring) belong to the ring's
+        sequences, the rest to my local ones."""
+        if window is not None:
+            out = torch.empty_like(q)
+            for plan, gather, rows in self._window_plans(window):
+                out[rows] = plan.run(q[rows], store_k.index_select(0, gather), store_v.index_select(0, gather),
+                                     timings, scale)
+            return out
+        if self.steps is None:
+            self._plan_full()
         if not self._tables:  # device tables of every step, once per forward and before the ring (no host work inside)
             self._prepare(q, k_new)
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
@@ -244,10 +344,11 @@ class BatchAttention:
                                       self._tables, ("new", j))
 
         ring_steps(self.group, cur, n, compute, timings)
-        t0 = time.perf_counter()
+        clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL
+        t0 = clock.mark()
         back = torch.empty_like(partials)
         dist.all_to_all_single(back, partials, group=self.group)  # back[s] = my queries' partial from rank s
         out, _ = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
         if timings is not None:
-            timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": time.perf_counter() - t0})
+            timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
         return out.to(q.dtype)

@@ -42,6 +42,7 @@ class SampleResult:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    error: str | None = None  # this request's sampling failed (token is -1): it ends alone, the forward goes on
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ __all__ = ["LLM", "RequestOutput"]
 
 
 class LLM:
-    """Serve a Llama-3-family model over `context_parallel_size` × `tensor_parallel_size` ranks.
+    """Serve a model of a supported family (docs/models.md) on `context_parallel_size` × `tensor_parallel_size`
+    ranks.
 
     model: a Hugging Face folder (config.json + *.safetensors, tokenizer files to accept strings), a .gguf file,
     or None for the embedded default model. Keyword arguments: see `EngineConfig` (docs/engine.md).

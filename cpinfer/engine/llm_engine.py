@@ -18,14 +18,17 @@ import torch
 
 from cpinfer.attention.backends import NAMES as ATTENTION_BACKENDS
 from cpinfer.attention.backends import resolve_name
+from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
+from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv_manager import BLOCK, KVManager
 from cpinfer.engine.placement import PLACEMENTS, CostModel, Placer
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.strategy import choose_for_batch
 from cpinfer.launch import InProcessWorld, JoinedWorld, RemoteError, WorkerPool, joined_world_requested
 from cpinfer.model.config import ModelConfig
@@ -48,14 +51,16 @@ class EngineConfig:
 
     context_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda"; resolved here
+    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     max_kv_tokens_per_rank: int | None = None
-    kv_memory_fraction: float = 0.25
+    kv_memory_fraction: float = 0.25  # CPU: share of host RAM for the KV cache of all ranks
+    gpu_memory_utilization: float = 0.9  # CUDA: share of each GPU for weights, activations and the KV cache
+    share_gpus: bool = False  # CUDA: allow more ranks than GPUs on a node (gloo through host memory; slow)
     strategy: str = "auto"
     placement: str = "auto"  # "auto" (cost model) | "shard" (always 2N-chunk sharding) | "local" (one rank)
     hardware_profile: str | None = None
@@ -69,10 +74,13 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        device = resolve_device(self.device)  # ValueError naming CUDA when it was asked for and is missing
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if device == "cuda":  # more ranks than GPUs on this node fails now, naming both numbers
+            check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
         if self.placement not in PLACEMENTS:
@@ -117,15 +125,22 @@ class LLMEngine:
         self.strategy = a.strategy
         # a catalog name or a `cpinfer calibrate` JSON; loaded now so a bad path fails before any rank starts
         self.hardware = load_hardware_profile(a.hardware_profile or ("cpu-gloo" if a.device == "cpu" else "h100-gtt"))
-        self.elem_bytes = torch.empty(0, dtype=getattr(torch, a.dtype)).element_size()
-        capacity = (a.max_kv_tokens_per_rank or self._default_capacity(a.kv_memory_fraction)) // BLOCK * BLOCK
+        self.elem_bytes = getattr(torch, a.dtype).itemsize
+        capacity = a.max_kv_tokens_per_rank
+        if capacity is None and a.device == "cpu":
+            capacity = self._default_capacity(a.kv_memory_fraction)
+        capacity = None if capacity is None else capacity // BLOCK * BLOCK  # None: measured on the GPUs
         # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
         self.tokenizer = _load_tokenizer(self.model_path)
-        self._start_ranks(capacity)
+        capacity = self._start_ranks(capacity)
         self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer())
+        self._mirrors_slots = any(w is not None for w in self.config.windows)  # ranks keep SlotPositions
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
+        self._matchers: dict[str, Matcher] = {}  # request id → its grammar state (constrained requests only)
+        self._failed: dict[str, str] = {}  # request id → why it fails at the end of this step (its own fault)
         self._aborts: list[str] = []
         self._rng = random.Random(0)
         self.dead_error: str | None = None
@@ -136,9 +151,7 @@ class LLMEngine:
         c = self.config
         per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                                self.elem_bytes)
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        tokens = int(total * fraction / self.n / per_token)
-        return max(BLOCK, min(tokens, 4 * self.max_model_len))
+        return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
     def _threads_per_rank(self) -> int:
         return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // self.parallel.world_size)
@@ -152,31 +165,46 @@ class LLMEngine:
         share = 1.0
         if a.device == "cpu":
             cores = os.cpu_count() or 1
-            here = int(os.environ.get("LOCAL_WORLD_SIZE", self.parallel.world_size))
+            here = ranks_on_this_node(self.parallel.world_size)
             share = min(1.0, min(self._threads_per_rank(), cores / here) / cores)
         model = CostModel(load_model_spec(self.model_path), self.hardware, self.n, a.tensor_parallel_size,
                           self.elem_bytes, share)
         return Placer("auto", self.n, model)
 
-    def _start_ranks(self, capacity: int) -> None:
+    def _start_ranks(self, capacity: int | None) -> int:
+        """Start the ranks and load the model; with capacity None (CUDA), size the KV cache from each GPU's memory.
+        Returns the KV capacity per rank."""
         a = self.args
         world = self.parallel.world_size
         threads = self._threads_per_rank()
-        backend = "gloo" if a.device == "cpu" else "nccl"
+        ranks_here = ranks_on_this_node(world)
+        backend = comm_backend(a.device, ranks_here, a.share_gpus)
+        if a.device == "cuda" and backend == "gloo":
+            log.warning("%d ranks share %d GPU(s): tensors go over gloo through host memory (slow; for checks)",
+                        ranks_here, torch.cuda.device_count())
         if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
-            self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s)
+            self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s, device=a.device)
             self.parallel.check_world(self._pool.world_size)
         elif world == 1 and a.in_process:  # one rank: run it in this process, no IPC per step
             self._pool = InProcessWorld(a.device, threads, a.timeout_s)
         else:
-            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s)
+            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
+                                    device=a.device)
         backend_name = self.attention_backend
+        sizing = None if capacity is not None else {
+            "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
+            "utilization": a.gpu_memory_utilization, "block": BLOCK,
+            "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count()))}
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
-                                   a.tensor_parallel_size, backend_name)
+                                   a.tensor_parallel_size, backend_name, sizing)
             self.rank_pids = [i["pid"] for i in infos]
+            if capacity is None:
+                capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
+                self._pool.run(MR.allocate_kv, capacity)
+                _log_gpu_capacity(capacity, infos, sizing)
         except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
             self._pool.close(force=True)
             if exc.exception_type == "ValueError":
@@ -185,6 +213,7 @@ class LLMEngine:
         except BaseException:
             self._pool.close(force=True)
             raise
+        return capacity
 
     def shutdown(self) -> None:
         if getattr(self, "_pool", None) is not None:
@@ -212,6 +241,11 @@ class LLMEngine:
             raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model directory has none (use stop_token_ids)")
+        bad = [t for t, _ in params.logit_bias if t >= vocab] + [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias / stop_token_ids name token ids outside [0, {vocab}): {bad[:5]}")
+        if params.grammar is not None:
+            self.grammars.validate(params.grammar)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
@@ -236,6 +270,8 @@ class LLMEngine:
         tokens = self.validate(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, tokens, params, seed)
+        if params.grammar is not None:
+            self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -248,6 +284,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def heartbeat(self) -> None:
+        """Idle liveness check of ranks without a process sentinel (a torchrun world): raises if one is gone."""
+        beat = getattr(self._pool, "heartbeat", None)
+        if beat is not None:
+            beat()
+
+    def check_ranks(self) -> str | None:
+        """Why the engine is dead (a rank process exited, found without a forward), or None while it is alive."""
+        if self.dead_error is None and self._pool is not None:
+            reason = getattr(self._pool, "dead_reason", None)
+            if reason is not None:
+                self.dead_error = reason
+        return self.dead_error
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -270,12 +320,13 @@ class LLMEngine:
         return outputs + self._process(scheduled, results, choice, phase)
 
     def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
-        """Every rank runs the batch; one with no token and no ring to serve gets None instead (it answers at once).
-        Local ranks receive it pickled once (not once per rank)."""
+        """Every rank runs the batch; one with no token and no ring to serve gets None instead (it answers at once)
+        unless sliding-window layers need every rank to mirror every batch's slot positions. Local ranks receive
+        it pickled once (not once per rank)."""
         if isinstance(self._pool, InProcessWorld):
             return self._pool.run(MR.execute_batch, batch)
         blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-        if not isinstance(self._pool, WorkerPool):
+        if not isinstance(self._pool, WorkerPool) or self._mirrors_slots:
             return self._pool.run(MR.execute_batch, blob)
         active = MR.active_cp_ranks(batch, self.n)
         tp = self.parallel.tp
@@ -295,6 +346,7 @@ class LLMEngine:
             if req is None:
                 continue
             self.scheduler.finish(req, keep_cache=False)
+            self._matchers.pop(rid, None)
             req.finish_reason = "abort"
             self._count_finish(req)
             outputs.append(self._output(req))
@@ -310,13 +362,37 @@ class LLMEngine:
 
     def _seq_input(self, s: ScheduledSeq) -> SeqInput:
         req = s.request
-        spec = SampleSpec.of(req.params, req.seed, len(req.out)) if s.sample else None
+        spec = SampleSpec.of(req.params, req.seed, len(req.out), self._allowed(req)) if s.sample else None
         end = s.start + len(s.tokens)
         known = len(req.prompt) + len(req.out)
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread)
+
+    def _allowed(self, req: Request):
+        """The grammar's bitmask of allowed next tokens (None: unconstrained, or its grammar failed: it ends)."""
+        matcher = self._matchers.get(req.request_id)
+        if matcher is None:
+            return None
+        try:
+            return matcher.bitmask()
+        except Exception as exc:  # noqa: BLE001 - the request's own grammar: it fails after this forward
+            self._failed[req.request_id] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End one request whose own work failed (sampling, grammar, output): free its private blocks."""
+        log.warning("request %s failed: %s", req.request_id, why)
+        self.scheduler.finish(req, keep_cache=False)
+        self.requests.pop(req.request_id, None)
+        self._matchers.pop(req.request_id, None)
+        self._failed.pop(req.request_id, None)
+        req.finish_reason = "error"
+        self._count_finish(req)
+        out = self._output(req)
+        out.error = why
+        return out
 
     def _process(self, scheduled, results: list[RankResult], choice, phase) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -334,8 +410,15 @@ class LLMEngine:
                 continue
             if b not in samples:
                 raise RuntimeError(f"no rank returned a sample for request {req.request_id} (this is a bug)")
-            self._take_token(req, samples[b], now)
-            outputs.append(self._output(req))
+            why = self._failed.get(req.request_id) or samples[b].error
+            if why is None:
+                try:
+                    self._take_token(req, samples[b], now)
+                except Exception as exc:  # noqa: BLE001 - decoding / grammar of this request only
+                    why = f"{type(exc).__name__}: {exc}"
+            outputs.append(self._fail(req, why) if why is not None else self._output(req))
+        for rid in [r for r in self._failed if r not in self.requests]:
+            del self._failed[rid]
         return outputs
 
     def _step_metrics(self, step_info: dict, s: ScheduledSeq) -> dict:
@@ -367,6 +450,9 @@ class LLMEngine:
             req.metrics["first_token_time"] = now
         req.t_last = now
         req.out.append(token)
+        matcher = self._matchers.get(req.request_id)
+        if matcher is not None:
+            matcher.consume(token)
         req.logprobs.append(res.logprob)
         if req.params.top_logprobs:
             req.top_logprobs.append(dict(res.top))
@@ -380,11 +466,14 @@ class LLMEngine:
             req.finish_reason, req.stop_reason = "stop", token
         elif p.stop and self._hit_stop_string(req):
             req.finish_reason = "stop"
+        elif matcher is not None and matcher.done:
+            req.finish_reason = "stop"
         elif len(req.out) >= p.max_tokens:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             self.scheduler.finish(req, keep_cache=True)
             self.requests.pop(req.request_id, None)
+            self._matchers.pop(req.request_id, None)
             self._count_finish(req)
 
     @staticmethod
@@ -429,6 +518,17 @@ class LLMEngine:
 def _phase(scheduled: list[ScheduledSeq]) -> str:
     decodes = sum(s.is_decode for s in scheduled)
     return "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
+
+
+def _log_gpu_capacity(capacity: int, infos: list[dict], sizing: dict) -> None:
+    m = infos[0]["memory"]
+    gib = float(1 << 30)
+    log.info("KV cache: %d tokens per rank (%.2f GiB each), from gpu_memory_utilization %.2f of %.1f GiB per GPU "
+             "(%d rank(s) per GPU) after the weights and a profiling forward of %d tokens per rank peaked at "
+             "%.2f GiB (rank 0; %.2f GiB were in use before loading); per-rank limits %s",
+             capacity, capacity * infos[0]["kv_bytes_per_token"] / gib, sizing["utilization"], m["total"] / gib,
+             sizing["ranks_per_device"], sizing["tokens"], m["peak"] / gib, (m["total"] - m["free_at_start"]) / gib,
+             [i["kv_capacity"] for i in infos])
 
 
 def _load_tokenizer(path: str):

@@ -7,6 +7,7 @@ rank reports (every TP rank holds the same hidden states).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
@@ -14,12 +15,15 @@ import time
 import numpy as np
 import torch
 
+from cpinfer import timing
+from cpinfer.attention.local import new_accumulator
 from cpinfer.distributed import ParallelConfig, build_groups
-from cpinfer.engine.attention import BatchAttention
+from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
+from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
 from cpinfer.model import ModelConfig, load_model
-from cpinfer.tensor_parallel import load_tp_model
+from cpinfer.tensor_parallel import RowParallelLinear, load_tp_model
 
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
@@ -38,7 +42,7 @@ class KVStore:
 
 
 class ModelRunner:
-    def __init__(self, ctx, model_path: str, dtype: torch.dtype, capacity: int, parallel: ParallelConfig,
+    def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
                  attention_backend: str | None = None):
         self.ctx = ctx
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
@@ -48,32 +52,68 @@ class ModelRunner:
             self.config = ModelConfig.from_pretrained(model_path)
             self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
-        c = self.config
-        n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
+        self.dtype = dtype
+        self.n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
         self.backend = attention_backend
-        self.scale = c.head_dim ** -0.5
+        self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
+        self.windows = self.config.windows  # per layer: its sliding window or None
+        self.slot_positions: SlotPositions | None = None  # set with the KV store when some layer has a window
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
-        self.store = KVStore(c.num_hidden_layers, capacity, n_kv, c.head_dim, dtype, ctx.device)
+        self._tp_linears = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
+        self.store: KVStore | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, c.head_dim, self.dtype.itemsize)
+
+    def allocate_kv(self, capacity: int) -> None:
+        c = self.config
+        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, c.head_dim, self.dtype, self.ctx.device)
+        # positions of every rank's slots, mirrored from the batches, when some layer has a window
+        cp = self.groups.config.cp
+        self.slot_positions = SlotPositions(cp, capacity) if any(self.windows) else None
+
+    def profile_forward(self, tokens: int) -> None:
+        """A forward of `tokens` new tokens on this rank alone, for its activation peak: every layer's tensors and
+        logits as in `execute`, attention replaced by the buffers a ring step keeps (the fp32 accumulator, the
+        received K/V block and its spare), not its O(tokens^2) compute. TP ranks all-reduce as usual."""
+        dev = self.ctx.device
+        ids = torch.zeros(tokens, dtype=torch.long, device=dev)  # [L]
+        pos = torch.arange(tokens, device=dev)  # [L]
+
+        def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D]
+            acc_out, _ = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+            ring = k.new_empty((2, 2) + tuple(k.shape))  # [2, 2, L, Hkv, D]: the block and its spare
+            del ring
+            return acc_out.to(q.dtype)
+
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, attn)  # [L, hidden]
+            rows = hidden[:min(tokens, _LOGIT_CHUNK)]
+            logits = self.model.compute_logits(rows)  # [min(L, chunk), vocab] fp32, as prompt log-probs use
+            torch.logsumexp(logits, dim=-1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
-        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device)
+        if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
+            self.slot_positions.record(batch)
+        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True)
         dev = self.ctx.device
         ids = torch.from_numpy(plan.input_ids).to(dev)
         pos = torch.from_numpy(plan.positions).to(dev)
         slots = torch.from_numpy(plan.slots).to(dev)
-        store, wait = self.store, [0.0]
+        store, steps = self.store, []  # steps: ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             store.v[layer].index_copy_(0, slots, v)
-            steps: list[dict] = []
-            out = plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps)
-            wait[0] += sum(st["wait_s"] for st in steps)
-            return out
+            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer])
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]
@@ -81,8 +121,11 @@ class ModelRunner:
                 samples, prompt_lp = self._sample(batch, plan, hidden), self._prompt_logprobs(batch, plan, hidden)
             else:
                 samples, prompt_lp = (), {}
-        self.ring_wait_s += wait[0]
-        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait[0])
+        wait = sum(st["wait_s"] for st in timing.resolve(steps))  # CUDA event spans: one sync, after the forward
+        for m in self._tp_linears:
+            m.comm_s  # noqa: B018 - folds this forward's all-reduce spans (keeps the record bounded)
+        self.ring_wait_s += wait
+        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait)
 
     def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
         """Sample every sequence whose last new token this rank holds (its logits never leave the rank)."""
@@ -97,13 +140,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=hidden.device)]).cpu()
         out = []
         for b, row_logits in zip(which, logits):
-            token, lp, top = sample(row_logits, batch.seqs[b].sample)
+            try:
+                token, lp, top = sample(row_logits, batch.seqs[b].sample)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is that request's, not the forward's
+                out.append(SampleResult(b, -1, 0.0, (), f"{type(exc).__name__}: {exc}"))
+                continue
             out.append(SampleResult(b, token, lp, top))
         return tuple(out)
 
     def _prompt_logprobs(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> dict:
-        """log p(next token) for each new token of a prompt-log-probs sequence held here, by offset in the chunk."""
-        rank, result = self.groups.cp_rank, {}
+        """log p(next token) for each new token of a prompt-log-probs sequence held here, by offset in the chunk.
+
+        Logits and their log-sum-exp stay on the device, chunk by chunk; only the chosen values cross to the host,
+        in one copy per forward."""
+        rank, dev = self.groups.cp_rank, hidden.device
+        wanted, parts = [], []
         for b, s in enumerate(batch.seqs):
             if not s.prompt_logprobs or not plan.counts[rank, b]:
                 continue
@@ -111,23 +162,51 @@ class ModelRunner:
             targets_all = np.append(s.token_ids[1:], s.next_token)
             keep = targets_all[offsets] >= 0
             offsets = offsets[keep]
-            rows = torch.from_numpy(plan.qoff[rank, b] + np.nonzero(keep)[0])
-            targets = torch.from_numpy(targets_all[offsets])
-            values = torch.empty(len(offsets))
+            rows = torch.from_numpy(plan.qoff[rank, b] + np.nonzero(keep)[0]).to(dev)  # [M] rows of `hidden`
+            targets = torch.from_numpy(targets_all[offsets]).to(dev)  # [M] the next token of each
             for a in range(0, len(offsets), _LOGIT_CHUNK):
-                lp = torch.log_softmax(self.model.compute_logits(hidden[rows[a:a + _LOGIT_CHUNK]]), dim=-1).cpu()
-                values[a:a + _LOGIT_CHUNK] = lp.gather(1, targets[a:a + _LOGIT_CHUNK, None]).squeeze(1)
-            result[b] = (offsets, values.numpy())
+                logits = self.model.compute_logits(hidden[rows[a:a + _LOGIT_CHUNK]])  # [m, vocab] fp32
+                chosen = logits.gather(1, targets[a:a + _LOGIT_CHUNK, None]).squeeze(1)  # [m]
+                parts.append(chosen - torch.logsumexp(logits, dim=-1))
+            wanted.append((b, offsets))
+        if not wanted:
+            return {}
+        values = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.float32)  # the one host copy
+        result, at = {}, 0
+        for b, offsets in wanted:
+            result[b] = (offsets, values[at:at + len(offsets)])
+            at += len(offsets)
         return result
 
 
 # ---------------------------------------------------------------- functions the driver runs on every rank
 
-def init_runner(ctx, model_path: str, dtype: str, capacity: int, cp: int = 1, tp: int = 1,
-                attention_backend: str | None = None) -> dict:
-    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), capacity, ParallelConfig(cp, tp), attention_backend)
+def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int = 1, tp: int = 1,
+                attention_backend: str | None = None, sizing: dict | None = None) -> dict:
+    """Load this rank's model. With a capacity, allocate its KV store now; with None (CUDA), measure instead:
+    `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} → the KV tokens this rank could hold
+    (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest."""
+    probe = None
+    if capacity is None:
+        probe = MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
+        probe.start()
+    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend)
     ctx.state["runner"] = runner
-    return {"pid": os.getpid()}
+    info = {"pid": os.getpid()}
+    if capacity is not None:
+        runner.allocate_kv(capacity)
+        return info
+    runner.profile_forward(sizing["tokens"])
+    fig = probe.figures()
+    info["memory"] = dataclasses.asdict(fig)
+    info["kv_bytes_per_token"] = runner.kv_bytes_per_token
+    info["kv_capacity"] = kv_tokens_from_memory(fig, sizing["utilization"], runner.kv_bytes_per_token,
+                                                sizing["block"], sizing["ranks_per_device"])
+    return info
+
+
+def allocate_kv(ctx, capacity: int) -> None:
+    ctx.state["runner"].allocate_kv(capacity)
 
 
 def execute_batch(ctx, batch: ForwardBatch | bytes | None) -> RankResult:

@@ -83,6 +83,7 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None = None
     finished: bool = False
     stop_reason: str | int | None = None
+    error: str | None = None  # finish_reason "error": why this request alone failed (for the log, not clients)
 
 
 @dataclasses.dataclass

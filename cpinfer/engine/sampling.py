@@ -2,18 +2,31 @@
 
 Sampling is reproducible whatever the CP size or batch: the random draw of output token k of a request uses a
 generator seeded from (request seed, k), so any rank can take it and a preempted request resamples identically.
+The sampler is total: any logits (NaN, ±inf included) and any valid parameters give a token, unless the request's
+own constraints (its grammar mask, its logit bias) leave no token allowed; that is a `SamplingError` for that
+request alone, never for the forward.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import numpy as np
 import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the scores
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+_NEG = -math.inf
+
+
+class SamplingError(ValueError):
+    """A request's own sampling cannot proceed (e.g. its constraints allow no token): it fails alone."""
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 → greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_EPS) → greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 → off
     seed: int | None = None
@@ -23,25 +36,41 @@ class SamplingParams:
     logprobs: bool = False  # log-probability of each chosen token
     top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs)
     prompt_logprobs: bool = False  # log-probability of each prompt token (first is None); disables prefix reuse
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
+    grammar: str | None = None  # an llguidance grammar (JSON) the output must follow (docs/serving.md)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {stop!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                                      else self.logit_bias))
+        if any(t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in bias):
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {bias[:8]!r}")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("grammar must be an llguidance grammar as a JSON string")
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,32 +83,74 @@ class SampleSpec:
     seed: int  # the request's seed (a random one when the user gave none)
     step: int  # index of the output token being sampled
     top_logprobs: int  # 0: only the chosen token's log-probability
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed: np.ndarray | None = None  # [ceil(V/32)] int32 bitmask of the tokens the request's grammar allows
 
     @classmethod
-    def of(cls, params: SamplingParams, seed: int, step: int) -> "SampleSpec":
-        return cls(params.temperature, params.top_p, params.top_k, seed, step, params.top_logprobs)
+    def of(cls, params: SamplingParams, seed: int, step: int, allowed: np.ndarray | None = None) -> "SampleSpec":
+        return cls(params.temperature, params.top_p, params.top_k, seed, step, params.top_logprobs,
+                   params.logit_bias, allowed)
+
+
+def allowed_mask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
+    """[ceil(V/32)] int32 bitmask (bit j of word i = token 32 i + j) → [vocab] bool."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, dtype="<i4").view(np.uint8), bitorder="little")
+    mask = np.zeros(vocab, dtype=bool)
+    n = min(vocab, len(bits))
+    mask[:n] = bits[:n].astype(bool)
+    return torch.from_numpy(mask)
+
+
+def _processed(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+    """Finite-or--inf scores: NaN → -inf, +inf → the largest float, then the bias and the grammar mask."""
+    scores = torch.nan_to_num(logits.float(), nan=_NEG, posinf=torch.finfo(torch.float32).max, neginf=_NEG)
+    vocab = scores.numel()
+    if spec.logit_bias:
+        ids = torch.tensor([t for t, _ in spec.logit_bias if t < vocab], dtype=torch.long)
+        vals = torch.tensor([b for t, b in spec.logit_bias if t < vocab], dtype=torch.float32)
+        scores = scores.index_add(0, ids, vals) if len(ids) else scores
+    if spec.allowed is not None:
+        ok = allowed_mask(spec.allowed, vocab)
+        if not bool(ok.any()):
+            raise SamplingError("the output constraint (response_format / tools) allows no next token")
+        scores = scores.masked_fill(~ok, _NEG)
+    else:
+        ok = None
+    if bool(torch.isneginf(scores).all()):  # nothing finite: every allowed token is equally likely
+        scores = torch.zeros_like(scores) if ok is None else torch.zeros_like(scores).masked_fill(~ok, _NEG)
+    return scores
+
+
+def _draw(scores: torch.Tensor, spec: SampleSpec) -> int:
+    """Temperature, top-k, top-p, then one draw from the seeded generator (scores have a finite maximum)."""
+    scores = (scores - scores.max()) / spec.temperature  # every score <= 0: no overflow whatever the temperature
+    if spec.top_k:
+        kth = torch.topk(scores, min(spec.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, _NEG)
+    if spec.top_p < 1:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        drop = probs.cumsum(-1) - probs >= spec.top_p  # keep the smallest nucleus (its first token always)
+        drop[0] = False
+        scores[order[drop]] = _NEG
+    gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2 ** 63))
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen))
 
 
 def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float, tuple[tuple[int, float], ...]]:
-    """logits [vocab] → (token id, its log-probability under the model's unmodified distribution, top-k list)."""
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    if spec.temperature == 0:
-        token = int(torch.argmax(logits))
+    """logits [vocab] → (token id, its log-probability under the model's unmodified distribution, top-k list).
+
+    Log-probabilities are of the raw logits (NaN read as -inf); a token the model gives no probability has -inf.
+    """
+    scores = _processed(logits, spec)
+    if spec.temperature < GREEDY_EPS:
+        token = int(torch.argmax(scores))
     else:
-        scores = logits / spec.temperature
-        if spec.top_k:
-            kth = torch.topk(scores, min(spec.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, -torch.inf)
-        if spec.top_p < 1:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            probs = torch.softmax(sorted_scores, dim=-1)
-            drop = probs.cumsum(-1) - probs >= spec.top_p  # keep the smallest nucleus
-            scores[order[drop]] = -torch.inf
-        gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2 ** 63))
-        token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen))
+        token = _draw(scores, spec)
+    raw = torch.nan_to_num(logits.float(), nan=_NEG, posinf=torch.finfo(torch.float32).max, neginf=_NEG)
+    logprobs = torch.log_softmax(raw, dim=-1) if bool(torch.isfinite(raw).any()) else torch.full_like(raw, _NEG)
     top: tuple[tuple[int, float], ...] = ()
     if spec.top_logprobs:
-        vals, idx = torch.topk(logprobs, spec.top_logprobs)
+        vals, idx = torch.topk(logprobs, min(spec.top_logprobs, logprobs.numel()))
         top = tuple(zip(idx.tolist(), vals.tolist()))
     return token, float(logprobs[token]), top

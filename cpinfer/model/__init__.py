@@ -1,7 +1,13 @@
-"""Llama-3 model family (no distributed code: attention is injected)."""
-from cpinfer.model.config import Llama3RopeScaling, ModelConfig
-from cpinfer.model.llama import (
+"""Model families (Llama, Mistral, Qwen2/3, Gemma 3) as one decoder with options; no distributed code (attention
+is injected)."""
+from cpinfer.model.config import ModelConfig, RopeConfig
+from cpinfer.model.decoder import (
+    MLP,
+    Attention,
     AttentionFn,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -9,6 +15,7 @@ from cpinfer.model.llama import (
     LlamaModel,
     RMSNorm,
 )
+from cpinfer.model.families import FAMILIES, Family
 from cpinfer.model.loader import WeightSlicer, build_model, checkpoint_files, full_tensor, load_model, load_weights
 from cpinfer.model.random_checkpoint import write_random_checkpoint
 from cpinfer.model.reference import ReferenceAttention
@@ -16,8 +23,9 @@ from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
 from cpinfer.model.rope import RotaryEmbedding, apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = [
-    "DEFAULT_MODEL_NAME", "AttentionFn", "Llama3RopeScaling", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP",
-    "LlamaModel", "ModelConfig", "RMSNorm", "ReferenceAttention", "RotaryEmbedding", "WeightSlicer",
-    "apply_rope", "build_model", "checkpoint_files", "full_tensor", "load_model", "load_weights",
-    "resolve_model", "rope_cos_sin", "rope_inv_freq", "write_random_checkpoint",
+    "DEFAULT_MODEL_NAME", "FAMILIES", "MLP", "Attention", "AttentionFn", "CausalLM", "DecoderLayer", "DecoderModel",
+    "Family", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "ModelConfig",
+    "RMSNorm", "ReferenceAttention", "RopeConfig", "RotaryEmbedding", "WeightSlicer", "apply_rope", "build_model",
+    "checkpoint_files", "full_tensor", "load_model", "load_weights", "resolve_model", "rope_cos_sin",
+    "rope_inv_freq", "write_random_checkpoint",
 ]

@@ -1,45 +1,71 @@
-"""Frozen, self-validating model configuration read from a Hugging Face Llama `config.json`.
+"""Frozen, self-validating model configuration read from a Hugging Face `config.json` of a supported family.
 
-Accepts both the transformers 4.x layout (`rope_theta` + `rope_scaling`) and the 5.x one (`rope_parameters`).
+One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3) as options of one decoder:
+biases, q/k norms, norm style, activation, embedding scale, sandwich norms, attention scale, and per layer its
+type (full or sliding-window attention) and RoPE. The family-specific reading lives in `families.py`; both the
+transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer type) layouts are accepted.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cpinfer.utils import check_divisible, check_positive
 
-SUPPORTED_MODEL_TYPES = ("llama",)
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+NORM_STYLES = ("llama", "gemma")  # weight * x.to(dtype)  |  (x * (1 + weight)).to(dtype)
 
 
 @dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1 frequency-dependent RoPE scaling (`rope_type: "llama3"`)."""
+class RopeConfig:
+    """One RoPE as transformers defines it (`modeling_rope_utils.py`); unused fields stay None.
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    `dynamic` is evaluated at factor x max_position_embeddings and `longrope` uses its long factors iff
+    max_position_embeddings > original_max_position_embeddings: fixed choices, so cached keys never change
+    (transformers re-evaluates both at the current sequence length; see docs/models.md).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float | None = None  # linear, dynamic, yarn, llama3; longrope (None: max / original)
+    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn, longrope: explicit cos/sin scale (None: derived from factor)
+    short_factor: tuple[float, ...] | None = None  # longrope
+    long_factor: tuple[float, ...] | None = None  # longrope
 
     def __post_init__(self) -> None:
-        if not self.factor > 0:
-            raise ValueError(f"llama3 rope scaling: factor must be > 0, got {self.factor}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
-                "llama3 rope scaling: need 0 < low_freq_factor < high_freq_factor, got "
-                f"{self.low_freq_factor} and {self.high_freq_factor}"
-            )
-        check_positive(self.original_max_position_embeddings, "llama3 rope scaling: original_max_position_embeddings")
+        t = self.rope_type
+        if t not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {t!r}: cpinfer supports {ROPE_TYPES}")
+        if not (self.theta > 0 and math.isfinite(self.theta)):
+            raise ValueError(f"rope_theta must be a positive finite number, got {self.theta}")
+        if t in ("linear", "dynamic", "yarn", "llama3") and not (self.factor is not None and self.factor > 0):
+            raise ValueError(f"{t} rope scaling needs a factor > 0, got {self.factor}")
+        if t in ("yarn", "longrope", "llama3"):
+            check_positive(self.original_max_position_embeddings, f"{t} rope scaling: original_max_position_embeddings")
+        if t == "llama3" and not (self.low_freq_factor is not None and self.high_freq_factor is not None
+                                  and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError("llama3 rope scaling: need 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if t == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope rope scaling needs short_factor and long_factor lists")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The Llama-3 family hyper-parameters cpinfer needs. Build with `from_dict` / `from_pretrained`."""
+    """The hyper-parameters of a decoder of any supported family. Build with `from_dict` / `from_pretrained`."""
 
     vocab_size: int
     hidden_size: int
@@ -48,15 +74,25 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    model_type: str = "llama"
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope: dict[str, RopeConfig] = field(default_factory=lambda: {"full_attention": RopeConfig()})  # by layer type
+    layer_types: tuple[str, ...] = ()  # per layer; () means every layer is full attention
+    sliding_window: int | None = None  # keys with q_pos - kv_pos >= window are invisible to sliding layers
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    norm_style: str = "llama"
+    hidden_act: str = "silu"
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norm: bool = False  # norms after attention and MLP too (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -67,10 +103,29 @@ class ModelConfig:
         check_divisible(self.head_dim, 2, "head_dim", "2 (RoPE rotates pairs)")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"rope_theta must be a positive finite number, got {self.rope_theta}")
-        if self.attention_bias or self.mlp_bias:
-            raise ValueError("attention_bias / mlp_bias are not supported: Llama-3 linears have no bias")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                             f"{self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"unsupported layer type(s) {bad}: cpinfer supports {LAYER_TYPES}")
+        if self.sliding_window is not None:
+            check_positive(self.sliding_window, "sliding_window")
+        elif "sliding_attention" in self.layer_types:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        missing = sorted(set(self.layer_types) - set(self.rope))
+        if missing:
+            raise ValueError(f"no RoPE parameters for layer type(s) {missing}")
+        for name, allowed in (("norm_style", NORM_STYLES), ("hidden_act", ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unsupported {name} {getattr(self, name)!r}: cpinfer supports {allowed}")
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number, got {value}")
 
     # Derived sizes (unsharded).
     @property
@@ -85,6 +140,27 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every layer: 1/sqrt(query_pre_attn_scalar) (Gemma) or 1/sqrt(head_dim)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer (None: full causal attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        return self.rope[self.layer_types[layer]]
+
+    @property
+    def rope_theta(self) -> float:
+        """The RoPE base of the global (full-attention) layers, or of the sliding ones when every layer slides."""
+        return self.rope.get("full_attention", next(iter(self.rope.values()))).theta
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         """Read `<path>/config.json` (or `path` itself when it is a JSON file)."""
@@ -98,59 +174,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config dict; reject architectures and options cpinfer does not implement."""
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}: cpinfer supports {SUPPORTED_MODEL_TYPES} "
-                             "(Llama-3 family: GQA, RoPE with optional llama3 scaling, RMSNorm, SwiGLU)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
-        missing = [k for k in _REQUIRED_KEYS if k not in d]
-        if missing:
-            raise ValueError(f"config is missing required key(s) {missing}")
-        heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim") or check_divisible(d["hidden_size"], heads, "hidden_size", "num_attention_heads")
-        theta, scaling = _parse_rope(d)
-        eos = d.get("eos_token_id")
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
-            attention_bias=bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-        )
+        from cpinfer.model.families import config_kwargs  # late: families builds on this module
 
-
-def _parse_rope(d: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from `rope_parameters` (transformers 5.x) or `rope_theta` + `rope_scaling` (4.x)."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}: cpinfer supports {SUPPORTED_ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 is not supported")
-    if rope_type == "default":
-        return theta, None
-    # As in transformers: a top-level original_max_position_embeddings wins, then the rope dict, then max_pos.
-    orig = d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-    try:
-        scaling = Llama3RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=orig or d.get("max_position_embeddings", 2048),
-        )
-    except KeyError as e:
-        raise ValueError(f"llama3 rope scaling is missing key {e.args[0]!r}") from None
-    return theta, scaling
+        return cls(**config_kwargs(d))

@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama checkpoint (config.json + safetensors, single or sharded) into `LlamaForCausalLM`.
+"""Load a Hugging Face checkpoint of any supported family (config.json + safetensors, single or sharded).
 
 The model is built on the meta device and each parameter is replaced by the loaded tensor. A `WeightSlicer`
 hook lets a tensor-parallel rank read only its slice of each tensor (after resizing the meta model itself).
@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
-from cpinfer.model.llama import LlamaForCausalLM
+from cpinfer.model.decoder import CausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,14 +36,14 @@ def full_tensor(name: str, sl: SafeSlice) -> Tensor:
     return sl[:]
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> CausalLM:
     """An unloaded model on the meta device (no memory); resize its linears here before loading for TP."""
     with torch.device("meta"):
-        return LlamaForCausalLM(config).to(dtype)
+        return CausalLM(config).to(dtype)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               slicer: WeightSlicer = full_tensor) -> tuple[ModelConfig, LlamaForCausalLM]:
+               slicer: WeightSlicer = full_tensor) -> tuple[ModelConfig, CausalLM]:
     """Read `path`'s config and weights; returns (config, model in eval mode on `device`)."""
     path = _check_dir(path)
     config = ModelConfig.from_pretrained(path)
@@ -52,7 +52,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return config, model
 
 
-def load_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.dtype = torch.float32,
+def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", slicer: WeightSlicer = full_tensor) -> None:
     """Replace every parameter of `model` by its tensor from the safetensors files in `path`."""
     path = _check_dir(path)
@@ -103,7 +103,7 @@ def _check_dir(path: str | Path) -> Path:
     return path
 
 
-def _ignorable(name: str, model: LlamaForCausalLM) -> bool:
+def _ignorable(name: str, model: CausalLM) -> bool:
     """Non-parameters HF may store, and an lm_head a tied checkpoint may still carry."""
     tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
     return tied_head or name.endswith(_IGNORED_SUFFIXES)

@@ -1,4 +1,5 @@
-"""Write a random, HF-compatible Llama checkpoint (config.json + model.safetensors) with torch only.
+"""Write a random, HF-compatible checkpoint (config.json + model.safetensors) with torch only: Llama by default,
+any supported family by `model_type`.
 
 For demos and tests on machines without `transformers`: deterministic from a seed, weights ~N(0, 0.02).
 """
@@ -47,31 +48,19 @@ def random_config_dict(**overrides: Any) -> dict[str, Any]:
 
 def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """HF-named tensors; norms are 1 + small noise so that a mis-mapped norm weight is caught by tests."""
+    """HF-named tensors of every parameter of `config`'s family; norms are their identity plus small noise and
+    biases are random, so that a mis-mapped norm or bias is caught by tests."""
+    from cpinfer.model.loader import build_model  # late: the loader imports this package
+
     gen = torch.Generator().manual_seed(seed)
-    h, i = config.hidden_size, config.intermediate_size
-
-    def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(dtype)
-
-    def norm() -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn(h, generator=gen)).to(dtype)
-
-    sd = {"model.embed_tokens.weight": normal(config.vocab_size, h)}
-    for n in range(config.num_hidden_layers):
-        p = f"model.layers.{n}."
-        sd[p + "input_layernorm.weight"] = norm()
-        sd[p + "self_attn.q_proj.weight"] = normal(config.q_size, h)
-        sd[p + "self_attn.k_proj.weight"] = normal(config.kv_size, h)
-        sd[p + "self_attn.v_proj.weight"] = normal(config.kv_size, h)
-        sd[p + "self_attn.o_proj.weight"] = normal(h, config.q_size)
-        sd[p + "post_attention_layernorm.weight"] = norm()
-        sd[p + "mlp.gate_proj.weight"] = normal(i, h)
-        sd[p + "mlp.up_proj.weight"] = normal(i, h)
-        sd[p + "mlp.down_proj.weight"] = normal(h, i)
-    sd["model.norm.weight"] = norm()
-    if not config.tie_word_embeddings:
-        sd["lm_head.weight"] = normal(config.vocab_size, h)
+    identity = 1.0 if config.norm_style == "llama" else 0.0  # gemma norms scale by (1 + weight)
+    sd = {}
+    for name, p in build_model(config).named_parameters():  # meta model: names and shapes only
+        noise = torch.randn(*p.shape, generator=gen)
+        if name.endswith("norm.weight"):
+            sd[name] = (identity + 0.1 * noise).to(dtype)
+        else:
+            sd[name] = (noise * std).to(dtype)
     return sd
 
 

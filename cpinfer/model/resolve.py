@@ -71,14 +71,15 @@ def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = Fal
     if allow_download and _looks_like_hub_id(str(model)):
         return check_checkpoint_dir(_download(str(model)))
     raise ValueError(f"model {str(model)!r}: no such folder or .gguf file (expected a Hugging Face checkpoint "
-                     "folder, a .gguf file of a Llama-family model, or nothing for the default "
+                     "folder, a .gguf file of a supported family, or nothing for the default "
                      f"{DEFAULT_MODEL_NAME})")
 
 
 def check_checkpoint_dir(path: Path) -> Path:
     """`path` if it holds a supported config.json and safetensors weights; else ValueError."""
     if not (path / "config.json").is_file():
-        raise ValueError(f"model folder {path} has no config.json (expected a Hugging Face Llama checkpoint)")
+        raise ValueError(f"model folder {path} has no config.json (expected a Hugging Face checkpoint of a "
+                         "supported family)")
     ModelConfig.from_pretrained(path)   # unsupported architectures and options fail here
     checkpoint_files(path)              # no weights fails here
     return path

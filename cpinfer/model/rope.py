@@ -1,7 +1,10 @@
-"""Rotary position embedding (rotate-half convention of HF Llama), incl. Llama 3.1 frequency scaling.
+"""Rotary position embedding (rotate-half convention of HF) with every scaling transformers defines: default,
+linear, dynamic NTK, YaRN (with its attention factor), LongRoPE (short / long factors) and Llama 3.1's.
 
 Positions are per-token global positions within each token's own sequence, so tokens of many sequences can be
-packed in any order; cos/sin are computed in fp32 for exactly the positions of the call (no table).
+packed in any order; cos/sin are computed in fp32 for exactly the positions of the call (no table). Frequencies
+never depend on the batch: `dynamic` is evaluated at factor x max_position_embeddings and `longrope` picks its
+long factors iff max_position_embeddings exceeds the original context (cached keys stay valid).
 """
 from __future__ import annotations
 
@@ -10,17 +13,36 @@ import math
 import torch
 from torch import Tensor
 
-from cpinfer.model.config import Llama3RopeScaling
+from cpinfer.model.config import RopeConfig
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32 on CPU (always CPU, also under a meta-device context)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
+def _exponents(head_dim: int) -> Tensor:
+    """[head_dim // 2] fp32: 2i / head_dim, as transformers builds them (int64 arange, then float)."""
+    return torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
 
 
-def _llama3_scale(inv_freq: Tensor, s: Llama3RopeScaling) -> Tensor:
+def rope_inv_freq(head_dim: int, rope: RopeConfig | None = None,
+                  max_position_embeddings: int = 2048) -> tuple[Tensor, float]:
+    """(inverse frequencies [head_dim // 2] fp32 on CPU, cos/sin scale) of one RoPE; always on CPU."""
+    rope = rope or RopeConfig()
+    t, base = rope.rope_type, rope.theta
+    if t == "dynamic":  # transformers' formula at sequence length factor x max_position_embeddings
+        seq_len = rope.factor * max_position_embeddings
+        base = base * ((rope.factor * seq_len / max_position_embeddings) - (rope.factor - 1)) ** (
+            head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** _exponents(head_dim))
+    if t == "linear":
+        return inv_freq / rope.factor, 1.0
+    if t == "llama3":
+        return _llama3_scale(inv_freq, rope), 1.0
+    if t == "yarn":
+        return _yarn(head_dim, rope)
+    if t == "longrope":
+        return _longrope(head_dim, rope, max_position_embeddings)
+    return inv_freq, 1.0
+
+
+def _llama3_scale(inv_freq: Tensor, s: RopeConfig) -> Tensor:
     """Keep high frequencies, divide low ones by `factor`, interpolate smoothly in between."""
     old_len = s.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
@@ -33,10 +55,54 @@ def _llama3_scale(inv_freq: Tensor, s: Llama3RopeScaling) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """positions [L] int64 -> (cos, sin), each [L, D/2] fp32 on the positions' device."""
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, s: RopeConfig) -> tuple[Tensor, float]:
+    """YaRN: interpolate low frequencies by `factor`, extrapolate high ones, ramp in between (by rotations over
+    the original context); cos/sin scaled by the attention factor (0.1 ln(factor) + 1 unless given)."""
+    factor, base, orig = s.factor, s.theta, s.original_max_position_embeddings
+    attention = s.attention_factor
+    if attention is None:
+        attention = (_yarn_mscale(factor, s.mscale) / _yarn_mscale(factor, s.mscale_all_dim)
+                     if s.mscale and s.mscale_all_dim else _yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over orig
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** _exponents(dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by factor
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+def _longrope(dim: int, s: RopeConfig, max_position_embeddings: int) -> tuple[Tensor, float]:
+    """LongRoPE: per-dimension factors, the long ones for a model configured past its original context."""
+    orig = s.original_max_position_embeddings
+    attention = s.attention_factor
+    if attention is None:
+        attention = 1.0 if s.factor <= 1.0 else math.sqrt(1 + math.log(s.factor) / math.log(orig))
+    factors = s.long_factor if max_position_embeddings > orig else s.short_factor
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope factors have {len(factors)} entries, expected head_dim / 2 = {dim // 2}")
+    ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return 1.0 / (ext * s.theta ** _exponents(dim)), float(attention)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """positions [L] int64 -> (cos, sin), each [L, D/2] fp32 on the positions' device, times `scale`."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [L, D/2]
-    return freqs.cos(), freqs.sin()
+    if scale == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * scale, freqs.sin() * scale
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -54,8 +120,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class RotaryEmbedding:
     """Holds fp32 inverse frequencies (not a module buffer, so `.to(bf16)` cannot degrade them)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None):
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [D/2] fp32, CPU
+    def __init__(self, head_dim: int, rope: RopeConfig | None = None, max_position_embeddings: int = 2048):
+        self.inv_freq, self.scale = rope_inv_freq(head_dim, rope, max_position_embeddings)  # [D/2] fp32, CPU
         self._on_device: dict[torch.device, Tensor] = {}
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -63,4 +129,4 @@ class RotaryEmbedding:
         dev = positions.device
         if dev not in self._on_device:
             self._on_device[dev] = self.inv_freq.to(dev)
-        return rope_cos_sin(self._on_device[dev], positions)
+        return rope_cos_sin(self._on_device[dev], positions, self.scale)

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cpinfer.attention.backends import resolve_name
 from cpinfer.perf.hardware import UNITS, HardwareProfile, load_hardware_profile
+from cpinfer.timing import resolve
 from cpinfer.utils import check_positive
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,6 +43,7 @@ class CalibrationConfig:
     head_dim: int = 128
     dtype: str = "float32"
     device: str = "cpu"            # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    attention_backend: str = "auto"  # the kernel the engine will use ("auto": cpu-flash on CPU, triton / flash-attn)
     repeat: int = 3                # timed runs per measurement (after one warm-up)
     rounds: int = 2                # passes over the grid, each with fresh tensors (decorrelates slow spells)
     grid_new: tuple = (64, 256, 1024, 4096)              # T of the grid
@@ -64,6 +67,7 @@ class CalibrationConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < 1:
             raise ValueError("device 'cuda' requested but no CUDA device is visible")
+        resolve_name(self.attention_backend, torch.device(self.device))  # ValueError naming what is allowed
         if any(not 0 < r <= 1 for r in self.grid_miss):
             raise ValueError(f"grid miss rates must be in (0, 1], got {self.grid_miss}")
         if not self.cells():
@@ -107,19 +111,29 @@ def _timed(ctx, fn, repeat: int) -> list[float]:
     return times
 
 
-def rank_compute(ctx, cfg: CalibrationConfig) -> dict:
-    """Local attention per block length (causal and not), a square GEMM, a memory copy, one tiny op's dispatch."""
-    from cpinfer.attention.local import get_backend
+def local_attention_fn(cfg: CalibrationConfig, device, length: int, causal: bool):
+    """(q, k, v) → out through the backend the engine uses (`cfg.attention_backend` on `device`), planned once:
+    one sequence of `length` queries and keys, causal or every key visible."""
+    from cpinfer.attention.backends import LocalAttention
 
+    seq, pos = np.zeros(length, dtype=np.int64), np.arange(length, dtype=np.int64)
+    q_pos = pos if causal else np.full(length, length, dtype=np.int64)
+    step = LocalAttention(seq, q_pos, seq, pos, backend=cfg.attention_backend, device=device,
+                          scale=cfg.head_dim ** -0.5)
+    return lambda q, k, v: step(q, k, v)
+
+
+def rank_compute(ctx, cfg: CalibrationConfig) -> dict:
+    """Local attention per block length (causal and not) through the engine's backend and dtype, a square GEMM, a
+    memory copy, one tiny op's dispatch."""
     dev, dt, gen = ctx.device, DTYPES[cfg.dtype], torch.Generator().manual_seed(ctx.rank)
-    backend = get_backend(None, dev)
     out = {"attention": {}}
     for length in cfg.block_lens:
         q = torch.randn(length, cfg.heads, cfg.head_dim, generator=gen).to(dev, dt)         # [L, H, D]
         kv = torch.randn(2, length, cfg.kv_heads, cfg.head_dim, generator=gen).to(dev, dt)  # K, V [L, Hkv, D]
         for causal in (False, True):
-            fn = lambda: backend(q, kv[0], kv[1], causal, None, cfg.head_dim ** -0.5)  # noqa: E731
-            out["attention"][f"{length}/{int(causal)}"] = _timed(ctx, fn, cfg.repeat)
+            attend = local_attention_fn(cfg, dev, length, causal)
+            out["attention"][f"{length}/{int(causal)}"] = _timed(ctx, lambda: attend(q, kv[0], kv[1]), cfg.repeat)
     a = torch.randn(cfg.gemm_size, cfg.gemm_size, generator=gen).to(dev, dt)
     out["gemm"] = _timed(ctx, lambda: a @ a, cfg.repeat)
     big = torch.empty(64 * MiB // 4, dtype=torch.float32, device=dev)                    # 64 MiB
@@ -159,7 +173,6 @@ def rank_all2all(ctx, cfg: CalibrationConfig) -> dict:
 def rank_overlap(ctx, cfg: CalibrationConfig) -> dict:
     """Attention alone, one ring SendRecv alone, and both at once (transfer posted, attention, wait): how much of
     the transfer the ring actually hides (on CPU the transfer runs on the cores that compute)."""
-    from cpinfer.attention.local import get_backend
     from cpinfer.cp.ring import RingComm
 
     length, nbytes = min(1024, max(cfg.block_lens)), min(16 * MiB, max(cfg.message_bytes))
@@ -167,10 +180,11 @@ def rank_overlap(ctx, cfg: CalibrationConfig) -> dict:
     q = torch.randn(length, cfg.heads, cfg.head_dim, generator=gen).to(dev, dt)         # [L, H, D]
     kv = torch.randn(2, length, cfg.kv_heads, cfg.head_dim, generator=gen).to(dev, dt)  # [2, L, Hkv, D]
     send = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
-    recv, ring, backend = torch.empty_like(send), RingComm(ctx.group), get_backend(None, dev)
+    recv, ring = torch.empty_like(send), RingComm(ctx.group)
+    backend = local_attention_fn(cfg, dev, length, causal=False)
 
     def attend():
-        backend(q, kv[0], kv[1], False, None, cfg.head_dim ** -0.5)
+        backend(q, kv[0], kv[1])
 
     def transfer():
         ring.start(send, recv)
@@ -211,7 +225,8 @@ def rank_cell(ctx, cfg: CalibrationConfig, new: int, cached: int, seed: int = 0)
     q = torch.randn(len(q_seq), cfg.heads, cfg.head_dim, generator=gen).to(dev, dt)         # [Lq, H, D]
     kv = torch.randn(2, len(kv_seq), cfg.kv_heads, cfg.head_dim, generator=gen).to(dev, dt)  # [2, Lkv, Hkv, D]
     plans = {s: plan_from_metadata([(a[0], a[1]) for a in layout], [(a[2], a[3]) for a in layout],
-                                   group=ctx.group, rank=ctx.rank, world=ctx.world_size, strategy=s)
+                                   group=ctx.group, rank=ctx.rank, world=ctx.world_size, strategy=s,
+                                   backend=cfg.attention_backend)
              for s in STRATEGIES}
     out = {s: [] for s in STRATEGIES} | {f"{s}/wait": [] for s in STRATEGIES}
     first = {s: _run_plan(ctx, plans[s], q, kv) for s in STRATEGIES}  # warm-up; its time sizes the loop below
@@ -231,7 +246,7 @@ def _run_plan(ctx, plan, q, kv) -> tuple[float, float]:
     t0 = time.perf_counter()
     plan.run(q, kv[0], kv[1], timings=timings)
     _sync(ctx.device)
-    return time.perf_counter() - t0, sum(t["wait_s"] for t in timings)
+    return time.perf_counter() - t0, sum(t["wait_s"] for t in resolve(timings))  # CUDA: event spans
 
 
 def _agreed_runs(ctx, repeat: int, seconds: float) -> int:
@@ -242,12 +257,13 @@ def _agreed_runs(ctx, repeat: int, seconds: float) -> int:
     return int(mine)
 
 
-def rank_host(ctx) -> dict:
+def rank_host(ctx, cfg: CalibrationConfig) -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     if ctx.device.type == "cuda":
         mem = torch.cuda.get_device_properties(ctx.device).total_memory
     return {"host": socket.gethostname(), "threads": torch.get_num_threads(), "mem_bytes": mem,
-            "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else _cpu_name()}
+            "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else _cpu_name(),
+            "attention_backend": resolve_name(cfg.attention_backend, ctx.device)}
 
 
 def _cpu_name() -> str:
@@ -291,7 +307,7 @@ def run_calibration(pool, cfg: CalibrationConfig, log=None) -> dict:
     """Every measurement on `pool` (WorkerPool-like: `run(fn, *args)` → per-rank results); returns the record."""
     log = log or (lambda msg: None)
     started, load_before = time.perf_counter(), _load_average()
-    hosts = pool.run(rank_host)
+    hosts = pool.run(rank_host, cfg)
     log("compute: attention blocks, GEMM, memory copy")
     compute = pool.run(rank_compute, cfg)
     log("links: ring SendRecv and All2All")
@@ -402,7 +418,8 @@ def build_profile(record: dict, base="cpu-gloo", name: str | None = None, peak_t
         peak_tflops=(peak, f"{where}: best of GEMM {cfg['gemm_size']}^3 and attention TF/s per rank"
                      if peak_tflops is None else "given with --peak-tflops"),
         attn_tflops=(attn, f"{where}: causal attention, {max(a['length'] for a in causal)} tokens, "
-                     f"{cfg['heads']}/{cfg['kv_heads']} heads, D={cfg['head_dim']}, {cfg['dtype']}"),
+                     f"{cfg['heads']}/{cfg['kv_heads']} heads, D={cfg['head_dim']}, {cfg['dtype']}, "
+                     f"{record['hosts'][0].get('attention_backend', 'cpu-flash')} kernel"),
         gemm_efficiency=(min(1.0, comp["gemm_tflops"] / peak), f"{where}: GEMM TF/s / peak_tflops"),
         mem_tbps=(comp["copy_gbs"] / 1e3, f"{where}: 64 MiB copy, read + write bytes per second"),
         mem_efficiency=(1.0, f"{where}: mem_tbps is itself an achieved rate"),

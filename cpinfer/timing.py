@@ -1,0 +1,50 @@
+"""Time spans on the device's own timeline: CUDA events on CUDA, the wall clock on CPU.
+
+On a GPU the host only enqueues work (and `work.wait()` of an NCCL transfer just makes the compute stream wait),
+so wall-clock spans read ~0; events recorded on the stream measure what the GPU did. A span is read only after
+the forward (`seconds`, one synchronisation), never inside the layer loop.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Span:
+    """A pending CUDA span between two recorded events; `float(span)` waits for the end event."""
+
+    __slots__ = ("start", "end")
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def __float__(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+class Stopwatch:
+    """`mark()` a point on the device's timeline; `span(a, b)` is seconds (CPU) or a pending `Span` (CUDA)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def span(self, a, b):
+        return Span(a, b) if self.cuda else b - a
+
+
+def resolve(timings: list[dict] | None) -> list[dict]:
+    """Replace every pending span in `timings` (ring steps: {"step", "compute_s", "wait_s"}) by its seconds."""
+    for entry in timings or ():
+        for key, value in entry.items():
+            if isinstance(value, Span):
+                entry[key] = float(value)
+    return timings or []
