@@ -320,9 +320,9 @@ class LLMEngine:
         return outputs + self._process(scheduled, results, choice, phase)
 
     def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
-        """Every rank runs the batch; one with no token and no ring to serve gets None instead (it answers at once)
-        unless sliding-window layers need every rank to mirror every batch's slot positions. Local ranks receive
-        it pickled once (not once per rank)."""
+        """Every rank runs the batch, except that a local rank with no token and no ring to serve is not even sent
+        it (unless sliding-window layers need every rank to mirror every batch's slot positions). Local ranks
+        receive it pickled once (not once per rank)."""
         if isinstance(self._pool, InProcessWorld):
             return self._pool.run(MR.execute_batch, batch)
         blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
@@ -330,8 +330,9 @@ class LLMEngine:
             return self._pool.run(MR.execute_batch, blob)
         active = MR.active_cp_ranks(batch, self.n)
         tp = self.parallel.tp
-        return self._pool.run_each(MR.execute_batch, [(blob if active[r // tp] else None,)
-                                                      for r in range(self.parallel.world_size)])
+        results = self._pool.run_some(MR.execute_batch, [(blob,) if active[r // tp] else None
+                                                         for r in range(self.parallel.world_size)])
+        return [RankResult((), {}, 0.0, 0.0, idle=True) if res is None else res for res in results]
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:

@@ -209,10 +209,8 @@ def allocate_kv(ctx, capacity: int) -> None:
     ctx.state["runner"].allocate_kv(capacity)
 
 
-def execute_batch(ctx, batch: ForwardBatch | bytes | None) -> RankResult:
-    """Run one forward (a ForwardBatch, or its pickle); None: this rank has nothing to do in it."""
-    if batch is None:
-        return RankResult((), {}, 0.0, 0.0, idle=True)
+def execute_batch(ctx, batch: ForwardBatch | bytes) -> RankResult:
+    """Run one forward (a ForwardBatch, or its pickle)."""
     if isinstance(batch, bytes):
         batch = pickle.loads(batch)
     return ctx.state["runner"].execute(batch)
