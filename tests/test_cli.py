@@ -143,6 +143,21 @@ def test_compare_turns_flags_a_mismatch():
     assert not ok
 
 
+def test_demo_states_when_a_prompt_spreads():
+    from cpinfer.engine.placement import CostModel, Placer, Work
+    from cpinfer.perf.hardware import load_hardware_profile
+    from cpinfer.perf.models import ModelSpec
+
+    smol = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)
+    placer = Placer("auto", 2, CostModel(smol, load_hardware_profile("cpu-gloo"), 2, compute_share=0.5))
+    t = placer.crossover(48)
+    assert f"a new prompt of {t} tokens or more spreads" in demo.placement_rule(placer, 48)
+    assert placer.decide(Work(t, 0, 0, 48), -1, 0, None).spread
+    assert not placer.decide(Work(t - 1, 0, 0, 48), -1, 0, None).spread
+    assert "every request spreads" in demo.placement_rule(Placer("shard", 2), 48)
+    assert "stays on one rank" in demo.placement_rule(Placer("local", 2), 48)
+
+
 def test_generate_default_model_chat(capsys):
     rc = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json",
                "--threads-per-rank", "1"])

@@ -115,3 +115,15 @@ def test_decision_metrics_carry_the_prediction():
     m = d.as_metrics()
     assert m["placement"] == "spread" and m["method"] == "auto" and m["spread_s"] < m["local_s"]
     assert SPREAD < 0 and UNPLACED < 0 and SPREAD != UNPLACED
+
+
+def test_crossover_is_the_shortest_prompt_that_spreads():
+    p = placer()
+    for decode in (8, 48, 256):
+        t = p.crossover(decode)
+        assert spreads(p, t, decode=decode) and not spreads(p, t - 1, decode=decode)
+        assert abs(t - threshold(p, decode)) <= max(1, t // 100)
+    assert p.crossover(8) < p.crossover(48) < p.crossover(256)  # a longer answer pays the ring more often
+    assert placer(hw=fast_links()).crossover(48) < p.crossover(48) // 10
+    assert Placer("shard", 2).crossover(48) is None and Placer("auto", 1).crossover(48) is None
+    assert p.crossover(48, limit=16) is None  # nothing that short spreads

@@ -120,6 +120,17 @@ def _why(step: dict, new_tokens: int, max_tokens: int) -> str:
             f"vs {d['spread_s']:.2f} s spread over the ranks")
 
 
+def placement_rule(placer, max_tokens: int) -> str:
+    """When this engine spreads a new prompt over its ranks, in words, from its own cost model."""
+    if placer.mode != "auto":
+        return f"placement {placer.mode}: every request {'spreads' if placer.mode == 'shard' else 'stays on one rank'}"
+    t = placer.crossover(max_tokens)
+    if t is None:
+        return "placement auto: every new prompt stays on one rank (spreading never pays on this hardware profile)"
+    return (f"placement auto: with up to {max_tokens} answer tokens, a new prompt of {t} tokens or more spreads over "
+            f"the ranks; a shorter one stays whole on the least-loaded rank (no ring, no collective)")
+
+
 def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens: int = 48,
                     document_paths: list[Path] | None = None, threads_per_rank: int | None = None,
                     placement: str = "auto", **hardware) -> tuple[list[TurnResult], int]:
@@ -143,6 +154,8 @@ def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens:
             a = llm.engine.args
             print(f"[CP={n}] {n} rank(s) on {a.device} ({a.dtype}, {llm.engine.attention_backend} attention), "
                   f"{threads} thread(s) each, started in {time.perf_counter() - t0:.1f} s", flush=True)
+            if n > 1:
+                print(f"[CP={n}] {placement_rule(llm.engine.kv.placer, max_tokens)}", flush=True)
             results += run_conversation(llm, n, document, max_tokens=max_tokens, top_gaps=a.dtype != "float32")
     return results, n_doc
 

@@ -164,6 +164,25 @@ class Placer:
         spread = spread_s < local_s
         return Decision(spread, -1 if spread else rank, "auto", local_s, spread_s)
 
+    def crossover(self, decode: int, limit: int = 1 << 22) -> int | None:
+        """The shortest new prompt (no cached keys, an idle engine) that `auto` spreads when up to `decode` tokens
+        will follow, or None when none up to `limit` would; shorter ones stay on one rank. Bisection: spreading's
+        advantage grows with the prompt (its compute saved grows faster than its ring)."""
+        if not self.needs_costs:
+            return None
+
+        def spreads(t: int) -> bool:
+            local, spread = self.predict(Work(t, 0, 0, decode), UNPLACED, 0, None)
+            return spread < local
+
+        if not spreads(limit):
+            return None
+        lo, hi = 1, limit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if spreads(mid) else (mid + 1, hi)
+        return lo
+
     def predict(self, w: Work, home: int, rank: int, load: ForwardLoad | None) -> tuple[float, float]:
         """Predicted seconds until the request ends (this forward's makespan increase, later chunks alone, then
         its decode steps) when its new tokens stay on `rank` vs when they spread over the N ranks."""
