@@ -228,4 +228,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    return C.run_measured(args, measure, format_report, "placement", "Adaptive placement: auto vs shard vs local")
+    key = "placement" if list(args.parts) == list(PARTS) else "placement-" + "-".join(args.parts)  # a part re-run
+    return C.run_measured(args, measure, format_report, key,  # gets its own doc section beside the full run's
+                          f"Adaptive placement: auto vs shard vs local ({', '.join(args.parts)})")
