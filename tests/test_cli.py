@@ -117,6 +117,9 @@ def test_demo_short_real_conversation_passes(capsys):
             assert placement == "local" and prefill.startswith("local") and decode.startswith("local")
     why = re.findall(r"^\[CP=2\] turn \d: (spread over the ranks|one rank) — (.+)$", out, re.M)
     assert len(why) == 2 and "predicted" in why[0][1]  # why each turn was spread or kept on one rank
+    rule = re.search(r"^\[CP=2\] placement auto: with up to 6 answer tokens, a new prompt of (\d+) tokens or more "
+                     r"spreads", out, re.M)  # when a prompt spreads at all, from the engine's cost model
+    assert rule and (int(rule.group(1)) <= first_prompt) == (rows[2][6] == "spread")
 
 
 def test_demo_document_keeps_whole_paragraphs(tmp_path):
