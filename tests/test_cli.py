@@ -2,6 +2,7 @@
 `generate` on the default model and on a .gguf file, and clear errors on bad input."""
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -103,13 +104,22 @@ def test_demo_short_real_conversation_passes(capsys):
     assert out.count("answer 1:") == 2 and out.count("answer 2:") == 2
     rows = [[c.strip() for c in r if c.strip()] for r in _table(out)]
     assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
-    for cp, turn, prompt, cached, prefill, decode, *_, kv in rows:
+    for cp, turn, prompt, cached, prefill, decode, placement, *_, kv in rows:
         if turn == "1":
             first_prompt = int(prompt)
-            assert cached == "0" and prefill.startswith("pass-kv")
+            assert cached == "0"
         else:
             assert int(cached) >= first_prompt  # the document's K/V from turn 1 is reused
-        assert len(json.loads(kv)) == int(cp) and decode.startswith("pass-q")
+        assert len(json.loads(kv)) == int(cp)
+        if placement == "spread":  # ring pass-KV for the document, pass-Q decode
+            assert cp == "2" and (turn == "2" or prefill.startswith("pass-kv")) and decode.startswith("pass-q")
+        else:  # one rank holds the conversation: no ring at all
+            assert placement == "local" and prefill.startswith("local") and decode.startswith("local")
+    why = re.findall(r"^\[CP=2\] turn \d: (spread over the ranks|one rank) — (.+)$", out, re.M)
+    assert len(why) == 2 and "predicted" in why[0][1]  # why each turn was spread or kept on one rank
+    rule = re.search(r"^\[CP=2\] placement auto: with up to 6 answer tokens, a new prompt of (\d+) tokens or more "
+                     r"spreads", out, re.M)  # when a prompt spreads at all, from the engine's cost model
+    assert rule and (int(rule.group(1)) <= first_prompt) == (rows[2][6] == "spread")
 
 
 def test_demo_document_keeps_whole_paragraphs(tmp_path):
@@ -134,6 +144,21 @@ def test_compare_turns_flags_a_mismatch():
     assert not ok and lines[0].startswith("FAIL")
     ok, _ = demo.compare_turns([turn(1, [1, 2], [-1.0, -2.0]), turn(2, [1, 3], [-1.0, -2.0])])
     assert not ok
+
+
+def test_demo_states_when_a_prompt_spreads():
+    from cpinfer.engine.placement import CostModel, Placer, Work
+    from cpinfer.perf.hardware import load_hardware_profile
+    from cpinfer.perf.models import ModelSpec
+
+    smol = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)
+    placer = Placer("auto", 2, CostModel(smol, load_hardware_profile("cpu-gloo"), 2, compute_share=0.5))
+    t = placer.crossover(48)
+    assert f"a new prompt of {t} tokens or more spreads" in demo.placement_rule(placer, 48)
+    assert placer.decide(Work(t, 0, 0, 48), -1, 0, None).spread
+    assert not placer.decide(Work(t - 1, 0, 0, 48), -1, 0, None).spread
+    assert "every request spreads" in demo.placement_rule(Placer("shard", 2), 48)
+    assert "stays on one rank" in demo.placement_rule(Placer("local", 2), 48)
 
 
 def test_generate_default_model_chat(capsys):
