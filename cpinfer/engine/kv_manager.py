@@ -229,12 +229,15 @@ class KVManager:
             path.append(p)
             p = p.parent
         path.reverse()
+        restored = [p for p in path if not p.on_device]
         usable, hits = self._restore(path)  # segments below the device come back into free slots
         if usable < len(path):  # no room to restore all of it: the rest is recomputed
             path = path[:usable]
             node = path[-1] if path else self.root
             matched = node.pos0 + len(node) if path else 0
         leaf = Node(node, matched, self.n, owner=request_id)
+        if restored and path and path[-1] is restored[-1]:
+            self._hand_tail(node, leaf)  # the new tokens continue in the restored path's last blocks
         node.children.append(leaf)
         self.nodes[leaf.id] = leaf
         runs: list[list[list[int]]] = [[] for _ in range(self.n)]
@@ -258,23 +261,36 @@ class KVManager:
         hits = dict.fromkeys(TIERS, 0)
         for p in path:
             p.ref += 1
+        prev = None  # the segment restored just before p: p's tokens continue in its last blocks
         for i, p in enumerate(path):
             if p.on_device:
                 hits["device"] += len(p)
+                prev = None
                 continue
-            if not self.make_room(-(-p.count // BLOCK)):
+            p.tail, p.tail_held = [(-1, BLOCK)] * self.n, [False] * self.n
+            if prev is not None:
+                self._hand_tail(prev, p)
+            if not self.make_room(self._blocks_needed(p, p.count)):
                 for q in path[i:]:
                     q.ref -= 1
                 return i, hits
             slots = np.empty(len(p), dtype=np.int64)
-            p.tail, p.tail_held = [(-1, BLOCK)] * self.n, [False] * self.n
             for r in np.flatnonzero(p.count).tolist():
                 idx = np.flatnonzero(p.rank.view == r)
                 slots[idx] = self._alloc_slots(p, r, len(idx))
             p.slot, p.on_device = GrowArray(slots), True
             self.used += p.count
             hits[self.tiers.restore(p)] += len(p)
+            prev = p
         return len(path), hits
+
+    @staticmethod
+    def _hand_tail(giver: Node, taker: Node) -> None:
+        """taker (a new or restored segment right below giver, which will not append again) goes on filling
+        giver's last block on each rank, so that a path restored segment by segment takes the blocks it took when
+        it was written, not one more per segment and rank. giver keeps its tokens there (and its block refs)."""
+        taker.tail, taker.tail_held = list(giver.tail), [False] * len(giver.tail)
+        giver.tail = [(-1, BLOCK)] * len(giver.tail)
 
     def _split(self, node: Node, m: int) -> Node:
         """Cut node after its first m tokens; the new parent segment P holds them (K/V stay where they are)."""

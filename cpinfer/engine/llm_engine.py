@@ -7,6 +7,7 @@ and releasing requests. Requests come and go between steps (`add_request`, `abor
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import random
@@ -660,7 +661,8 @@ class LLMEngine:
 
 
 def _check_gib(name: str, value, zero_ok: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero_ok else value > 0):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not (value >= 0 if zero_ok else value > 0)):
         raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number of GiB, got {value!r}")
 
 

@@ -83,9 +83,15 @@ class Scheduler:
                 skipped.append(req)
                 continue
             first = req.num_cached < 0
-            req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=not req.params.prompt_logprobs
-                                    or bool(req.out))  # prompt log-probs need every prompt row computed once
+            use_cache = not req.params.prompt_logprobs or bool(req.out)  # prompt log-probs: every row computed
+            req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=use_cache)
             sched = self._place(req, budget)
+            if sched is None and use_cache and not self.running and not out:
+                # nothing else holds blocks: its cached path itself (one block per segment and rank at least)
+                # leaves no room for its new tokens — recompute it rather than wait for ever
+                self.kv.release(req.kv, keep=False)
+                req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=False)
+                sched = self._place(req, budget)
             if sched is None:
                 self.kv.release(req.kv, keep=False)
                 req.kv = None
