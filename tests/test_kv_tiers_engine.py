@@ -76,7 +76,8 @@ def test_restored_conversations_match_hf(ckpt, engines, tmp_path, cp):
     of each reads its whole history back (host or disk) and answers as transformers; a prompt that leaves a restored
     history half-way splits its segment; two requests sharing a restored history are restored together."""
     dev = {1: 320, 2: 192, 3: 128}[cp]  # tokens per rank (64-token blocks): about two of the chats
-    with engines(ckpt, cp, max_kv_tokens_per_rank=dev, kv_host_gib=_gib(ckpt, 192), kv_disk_dir=tmp_path / "kv",
+    host = {1: 192, 2: 128, 3: 64}[cp]  # host-pool tokens per rank: about one chat
+    with engines(ckpt, cp, max_kv_tokens_per_rank=dev, kv_host_gib=_gib(ckpt, host), kv_disk_dir=tmp_path / "kv",
                  max_num_batched_tokens=96) as llm:
         vocab = llm.config.vocab_size
         docs = [[3 + i] + p for i, p in enumerate(prompts_for(vocab, [150, 140, 150, 130], seed=10 + cp))]
