@@ -288,3 +288,57 @@ def test_a_full_disk_switches_the_tier_off_once_and_nothing_is_lost(caplog):
 def test_bad_tier_configs_are_refused(bad):
     with pytest.raises(ValueError):
         TierConfig(**{"layout": LAYOUT, **bad})
+
+
+def test_each_tier_lets_go_of_its_least_recently_used_first():
+    """CP2, a 100-token chat takes one block per rank: the device holds two chats, the host one, the disk two
+    entries. Of five chats one after another the device keeps the two newest, the host the one before, the disk the
+    one before that; the oldest is gone from every tier (its entry deleted)."""
+    eng = TierEngine(2, 2 * BLOCK, BLOCK, 2 * 110, seed=0)  # a chat: 100 prompt tokens + 2 sampled (101 cached)
+    rng = np.random.default_rng(3)
+    chats = []
+    for _ in range(5):
+        chats.append(rng.integers(3, 40, 100).tolist())
+        eng.add(chats[-1], 2)
+        while eng.live:
+            eng.step()
+            eng.check()
+    eng.kv.tiers.on_events(eng.ranks.apply(eng.kv.take_ops()))
+    eng.check()
+
+    def where(chat):
+        node, _, matched = eng.kv.match(np.asarray(chat + [1]), len(chat))
+        if matched < len(chat):
+            return None
+        return "device" if node.on_device else "host" if node.host is not None else "disk"
+
+    got = [where(c) for c in chats]
+    assert got == [None, "disk", "host", "device", "device"], got
+    assert len(eng.kv.tiers.entries) == 2 and len(eng.ranks.files) == 4  # 2 entries x 2 CP shards, within the bound
+
+
+def test_tier_options_are_checked():
+    from cpinfer.engine.llm_engine import EngineConfig
+
+    for bad, fragment in ((dict(kv_host_gib=-1), "kv_host_gib"), (dict(kv_host_gib=float("inf")), "kv_host_gib"),
+                          (dict(kv_host_gib="1"), "kv_host_gib"), (dict(kv_disk_gib=0), "kv_disk_gib"),
+                          (dict(kv_disk_dir=""), "kv_disk_dir")):
+        with pytest.raises(ValueError, match=fragment):
+            EngineConfig(**bad)
+    assert EngineConfig(kv_disk_dir=__import__("pathlib").Path("/tmp/x")).kv_disk_dir == "/tmp/x"
+
+
+def test_serve_flags_reach_the_engine(tmp_path):
+    from cpinfer.cli import build_parser
+    from cpinfer.commands.serve import engine_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--kv-host-gib", "2.5", "--kv-disk-dir", str(tmp_path), "--kv-disk-gib", "10"])
+    kw = engine_kwargs(args)
+    assert (kw["kv_host_gib"], kw["kv_disk_dir"], kw["kv_disk_gib"]) == (2.5, str(tmp_path), 10.0)
+    kw = engine_kwargs(parser.parse_args(["serve"]))
+    assert "kv_host_gib" not in kw and "kv_disk_dir" not in kw
+    for flag in ("--kv-host-gib", "--kv-disk-dir", "--kv-disk-gib"):
+        assert flag in parser._subparsers._group_actions[0].choices["serve"].format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-host-gib", "-1"])

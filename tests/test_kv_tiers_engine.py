@@ -177,6 +177,26 @@ def test_a_full_disk_is_logged_once_and_serving_goes_on(ckpt, engines, tmp_path,
     assert not list((tmp_path / "kv").glob("*.safetensors"))
 
 
+def test_a_read_only_directory_is_read_and_never_written(ckpt, engines, tmp_path, monkeypatch, caplog):
+    """Entries written by one engine are restored by the next one that cannot write there (logged once); it writes
+    and deletes nothing."""
+    from cpinfer.engine import kv_disk
+
+    d = tmp_path / "kv"
+    docs = prompts_for(256, [150, 150], seed=6)
+    with engines(ckpt, 1, max_kv_tokens_per_rank=2048, kv_disk_dir=d) as llm:
+        first = _turn(llm, docs, ckpt)
+    files = sorted((p.name, p.stat().st_mtime_ns) for p in d.glob("*.safetensors"))
+    monkeypatch.setattr(kv_disk, "_probe_write", lambda path: False)
+    caplog.set_level(logging.INFO, logger="cpinfer")
+    with engines(ckpt, 1, max_kv_tokens_per_rank=320, kv_disk_dir=d) as llm:  # one chat on the device
+        outs = _turn(llm, [p + o.token_ids + [3] for p, o in zip(docs, first)], ckpt)
+        assert [o.num_cached_tokens for o in outs] == [len(p) + OUT - 1 for p in docs]
+        assert _tiers(llm)["disk"]["writable"] is False
+    assert caplog.text.count("is not writable") == 1
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in d.glob("*.safetensors")) == files
+
+
 # ---------------------------------------------------------------------------------------------- the entry files
 LAYOUT = Layout("a" * 64, "float32", 2, 2, 4, 1)
 
