@@ -40,7 +40,6 @@ def sessions(args, hw: dict, vocab: int, **tiers) -> dict:
     ttft: dict[int, list[float]] = {}
     with _llm(args.cp, capacity, hw, **tiers) as llm:
         llm.generate(C.random_prompt(256, vocab, seed=7), _params(2))  # warm-up
-        base = llm.cache_stats()
         for turn in range(1, args.turns + 1):
             for i in range(args.sessions):
                 prompt = history[i] + C.random_prompt(args.question, vocab, seed=10_000 * turn + i)
@@ -55,7 +54,6 @@ def sessions(args, hw: dict, vocab: int, **tiers) -> dict:
     hits = stats["prefix_cache_hits"] - after1["prefix_cache_hits"]
     tiers_out = {k: {f: v.get(f) for f in ("hit_tokens", "restored_bytes", "restore_s")}
                  for k, v in stats["tiers"].items()}
-    del base
     return {"capacity_per_rank": capacity, "ttft_turn1_p50_s": statistics.median(ttft[1]),
             "ttft_later_p50_s": statistics.median(later), "ttft_s": ttft, "hit_rate_later": hits / max(queries, 1),
             "tiers": tiers_out}
