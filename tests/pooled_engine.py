@@ -29,7 +29,12 @@ class _PooledEngine(LLMEngine):
         return capacity
 
     def shutdown(self) -> None:
+        if getattr(self, "_pool", None) is not None and self.dead_error is None:
+            self.flush_tiers()  # disk writes finish, as in a real shutdown
         self._pool = None  # the pool outlives the engine; its owner closes it
+        if getattr(self, "disk", None) is not None:
+            self.disk.close()
+            self.disk = None
 
 
 class PooledLLM(LLM):

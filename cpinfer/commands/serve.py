@@ -29,6 +29,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite non-negative number of GiB")
+    return value
+
+
 def _rank_pids() -> list[int]:
     """PIDs of this process's direct children (the local ranks), read from /proc; [] where /proc is absent."""
     me, pids = os.getpid(), []
@@ -96,7 +106,10 @@ def engine_kwargs(args) -> dict:
               "placement": args.placement, "hardware_profile": args.hardware_profile}
     optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
-                "threads_per_rank": args.threads_per_rank}
+                "threads_per_rank": args.threads_per_rank, "kv_disk_dir": args.kv_disk_dir,
+                "kv_disk_gib": args.kv_disk_gib}
+    if args.kv_host_gib:
+        kwargs["kv_host_gib"] = args.kv_host_gib
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(device_kwargs(args))  # --device, --dtype, --attention-backend, --gpu-memory-utilization, ...
     return kwargs
@@ -174,6 +187,17 @@ def register(subparsers) -> None:
                         help="KV-cache capacity of each rank in tokens (default: CUDA: what "
                              "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "
                              "share of RAM)")
+    parser.add_argument("--kv-host-gib", type=_gib, default=0.0, metavar="G",
+                        help="host KV tier: GiB of host memory per CP rank that K/V evicted from the device cache "
+                             "move to (pinned on CUDA), restored on a later prefix match instead of recomputed; "
+                             "0: no host tier")
+    parser.add_argument("--kv-disk-dir", default=None, metavar="D",
+                        help="disk KV tier: a directory for evicted and finished K/V (one safetensors file per "
+                             "CP shard, keyed by model checksum, dtype, layer layout and token path); the index is "
+                             "rebuilt from it at start, so conversations keep their cache across restarts")
+    parser.add_argument("--kv-disk-gib", type=_gib, default=None, metavar="G",
+                        help="bound of the disk KV tier in GiB, least recently used entries deleted beyond it "
+                             "(default: half the disk's free space at start)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse K/V across requests (every turn re-prefills its whole history)")
     parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",

@@ -199,6 +199,7 @@ class AsyncLLM:
                 if dead is not None:
                     raise EngineDeadError(dead)
                 if not self.engine.has_unfinished_requests():
+                    self.engine.sync_tiers()  # idle: background disk writes go out, their acks come back
                     self._snapshot = (self.engine.cache_stats(), self.engine.stats())
                     if time.monotonic() - last_busy > _HEARTBEAT_S:
                         self.engine.heartbeat()

@@ -4,7 +4,8 @@ Cached tokens form a radix tree of token segments shared by every request that e
 segment lives on one CP rank, in a slot of a block of that rank. The manager decides the rank and slot of every new
 token — a sequence's new tokens on one rank or 2N-sharded over all (§3.5.1) as the placement policy chooses, decode
 tokens on the rank that holds the sequence or round-robin (§3.6) — and the ranks only write where told.
-Splitting a segment relabels metadata here; K/V never move. Unreferenced leaves are evicted least recently used.
+Splitting a segment relabels metadata here; K/V never move. Unreferenced leaves are evicted least recently used —
+down to the host and disk tiers when there are some (kv_tiers.py), from where a later match restores them.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 from cpinfer.cp.sharding import chunk_ranks
+from cpinfer.engine.kv_tiers import TIERS, DiskEntry, DiskRef, Tiers
 from cpinfer.engine.placement import SPREAD, UNPLACED, Decision, ForwardLoad, Placer, Work
 from cpinfer.utils import ceil_div
 
@@ -74,7 +76,9 @@ class RankBlocks:
 
 
 class Node:
-    """A segment of the prefix tree: tokens at positions pos0 ..., each stored on rank[i] in slot[i]."""
+    """A segment of the prefix tree: tokens at positions pos0 ..., each stored on rank[i] in slot[i] while
+    `on_device`; `host` / `disk`: its copies in the lower tiers (kv_tiers.py). Off the device, rank[i] is where a
+    restore puts token i (the rank whose host pool holds it) and `count` counts those; the slots mean nothing."""
 
     _ids = itertools.count(1)
 
@@ -91,12 +95,17 @@ class Node:
         self.last_access = time.monotonic()
         self.tail = [(-1, BLOCK)] * num_ranks  # per rank: (last block, slots used in it) for appending
         self.tail_held = [False] * num_ranks  # per rank: this node holds tokens in its tail block (counted in ref)
+        self.on_device = True
+        self.host: np.ndarray | None = None  # [len] host-pool slot of each token on its rank
+        self.disk: DiskRef | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def blocks(self, num_blocks: int) -> np.ndarray:
-        """Distinct (rank * num_blocks + block) keys of the blocks holding this node's tokens."""
+        """Distinct (rank * num_blocks + block) keys of the blocks holding this node's tokens (none off device)."""
+        if not self.on_device:
+            return np.zeros(0, dtype=np.int64)
         return np.unique(self.rank.view * num_blocks + self.slot.view // BLOCK)
 
 
@@ -113,6 +122,7 @@ class SeqKV:
     home: int = UNPLACED  # the one rank holding the whole path, UNPLACED (no tokens yet) or SPREAD
     promised: int = 0  # decode tokens it may still write on its home, counted in the load of rank `promised_on`
     promised_on: int = -1
+    hits: dict | None = None  # tier → tokens of the matched prefix found there (device, or restored from host/disk)
 
     def runs_array(self, rank: int) -> np.ndarray:
         """[R, 2] int64 snapshot of the runs on one rank."""
@@ -153,7 +163,7 @@ class KVManager:
     """Owner of every rank's blocks and of the prefix tree. Pure bookkeeping: no tensors, no processes."""
 
     def __init__(self, num_ranks: int, capacity_tokens_per_rank: int, enable_prefix_caching: bool = True,
-                 placer: Placer | None = None):
+                 placer: Placer | None = None, tiers=None):
         self.n = num_ranks
         self.placer = placer or Placer("shard", num_ranks)  # who decides each sequence's span
         self.num_blocks = capacity_tokens_per_rank // BLOCK
@@ -168,6 +178,9 @@ class KVManager:
         self.nodes: dict[int, Node] = {}
         self.prefix_queries = 0  # prompt tokens looked up / found in the cache (the scheduler counts them)
         self.prefix_hits = 0
+        self.tier_hits = dict.fromkeys(TIERS, 0)  # of the hits, where their K/V were when matched
+        # host / disk tiers below the device (a TierConfig), or None: evicted segments are dropped
+        self.tiers = Tiers(tiers, num_ranks, self._drop_subtree) if tiers is not None and tiers.enabled else None
         self.begin_forward()
 
     # ------------------------------------------------------------------ capacity
@@ -194,7 +207,7 @@ class KVManager:
                 m = min(len(child), limit - done)
                 neq = np.nonzero(child.tokens.view[:m] != tokens[done:done + m])[0]
                 common = int(neq[0]) if len(neq) else m
-                if common > best_len:
+                if common > best_len or (common == best_len and common and child.on_device and not best.on_device):
                     best, best_len = child, common
             if best is None:
                 break
@@ -210,35 +223,83 @@ class KVManager:
         node, inside, matched = self.match(tokens, limit)
         if node is not self.root and (inside < len(node) or node.owner is not None):
             node = self._split(node, inside)  # the matched part becomes its own segment
-        leaf = Node(node, matched, self.n, owner=request_id)
-        node.children.append(leaf)
-        self.nodes[leaf.id] = leaf
-        runs: list[list[list[int]]] = [[] for _ in range(self.n)]
         path = []
         p = node
         while p is not self.root:
             path.append(p)
             p = p.parent
+        path.reverse()
+        restored = [p for p in path if not p.on_device]
+        usable, hits = self._restore(path)  # segments below the device come back into free slots
+        if usable < len(path):  # no room to restore all of it: the rest is recomputed
+            path = path[:usable]
+            node = path[-1] if path else self.root
+            matched = node.pos0 + len(node) if path else 0
+        leaf = Node(node, matched, self.n, owner=request_id)
+        if restored and path and path[-1] is restored[-1]:
+            self._hand_tail(node, leaf)  # the new tokens continue in the restored path's last blocks
+        node.children.append(leaf)
+        self.nodes[leaf.id] = leaf
+        runs: list[list[list[int]]] = [[] for _ in range(self.n)]
         now = time.monotonic()
         per_rank = np.zeros(self.n, dtype=np.int64)
-        for p in reversed(path):
-            p.ref += 1
+        for p in path:
             p.last_access = now
             per_rank += p.count
             for r in range(self.n):
                 _add_runs(runs[r], p.slot.view[p.rank.view == r])
         leaf.ref = 1
         seq = SeqKV(request_id, leaf, matched, runs, next_rank=int(np.argmin(self.used)),
-                    per_rank=np.zeros(self.n, dtype=np.int64))
+                    per_rank=np.zeros(self.n, dtype=np.int64), hits=hits)
         seq.add(per_rank)
         return seq
+
+    def _restore(self, path: list[Node]) -> tuple[int, dict]:
+        """Lock the path (root first) and bring its segments that are off the device back into free slots on their
+        ranks, evicting other unreferenced segments for room. Returns how many segments of the path are usable
+        (the rest are unlocked again) and the matched tokens per tier."""
+        hits = dict.fromkeys(TIERS, 0)
+        for p in path:
+            p.ref += 1
+        prev = None  # the segment restored just before p: p's tokens continue in its last blocks
+        for i, p in enumerate(path):
+            if p.on_device:
+                hits["device"] += len(p)
+                prev = None
+                continue
+            p.tail, p.tail_held = [(-1, BLOCK)] * self.n, [False] * self.n
+            if prev is not None:
+                self._hand_tail(prev, p)
+            if not self.make_room(self._blocks_needed(p, p.count)):
+                for q in path[i:]:
+                    q.ref -= 1
+                return i, hits
+            slots = np.empty(len(p), dtype=np.int64)
+            for r in np.flatnonzero(p.count).tolist():
+                idx = np.flatnonzero(p.rank.view == r)
+                slots[idx] = self._alloc_slots(p, r, len(idx))
+            p.slot, p.on_device = GrowArray(slots), True
+            self.used += p.count
+            hits[self.tiers.restore(p)] += len(p)
+            prev = p
+        return len(path), hits
+
+    @staticmethod
+    def _hand_tail(giver: Node, taker: Node) -> None:
+        """taker (a new or restored segment right below giver, which will not append again) goes on filling
+        giver's last block on each rank, so that a path restored segment by segment takes the blocks it took when
+        it was written, not one more per segment and rank. giver keeps its tokens there (and its block refs)."""
+        taker.tail, taker.tail_held = list(giver.tail), [False] * len(giver.tail)
+        giver.tail = [(-1, BLOCK)] * len(giver.tail)
 
     def _split(self, node: Node, m: int) -> Node:
         """Cut node after its first m tokens; the new parent segment P holds them (K/V stay where they are)."""
         pv = node.parent
         p = Node(pv, node.pos0, self.n, tokens=node.tokens.view[:m], rank=node.rank.view[:m],
                  slot=node.slot.view[:m])
-        p.ref, p.last_access = node.ref, node.last_access
+        p.ref, p.last_access, p.on_device = node.ref, node.last_access, node.on_device
+        if self.tiers is not None:
+            self.tiers.split(p, node, m)
         rest = [a.view[m:].copy() for a in (node.tokens, node.rank, node.slot)]
         node.tokens, node.rank, node.slot = (GrowArray(a) for a in rest)
         node.count = node.count - p.count
@@ -250,6 +311,8 @@ class KVManager:
         p.children.append(node)
         node.parent = p
         self.nodes[p.id] = p
+        if not node.on_device:
+            return p
         shared = np.intersect1d(p.blocks(self.num_blocks), node.blocks(self.num_blocks))
         for key in shared.tolist():  # a block now holds tokens of both segments
             self.ranks[key // self.num_blocks].incref(np.asarray([key % self.num_blocks]))
@@ -348,7 +411,7 @@ class KVManager:
         """Upper bound on the blocks of rank r that eviction could free: every unreferenced segment's (a descendant
         of an unreferenced segment is unreferenced too, so leaf after leaf all of them can go)."""
         return sum(ceil_div(int(nd.count[r]), BLOCK) + 1 for nd in self.nodes.values()
-                   if nd.count[r] and nd.ref == 0 and nd.owner is None)
+                   if nd.on_device and nd.count[r] and nd.ref == 0 and nd.owner is None)
 
     def _spill(self, seq: SeqKV, home: int):
         """A local sequence's decode token when its rank is full: the least-loaded rank with room takes it."""
@@ -412,23 +475,52 @@ class KVManager:
 
     # ------------------------------------------------------------------ freeing
     def make_room(self, need: np.ndarray) -> bool:
-        """Evict least recently used unreferenced leaves holding tokens on a rank short of blocks, until every rank
-        has `need` free blocks."""
+        """Evict least recently used unreferenced segments with nothing below them on the device, holding tokens on
+        a rank short of blocks, until every rank has `need` free blocks (down a tier when there are tiers)."""
         while np.any(self.free_blocks() < need):
             short = self.free_blocks() < need
-            victims = [nd for nd in self.nodes.values() if not nd.children and nd.ref == 0 and nd.owner is None]
+            victims = [nd for nd in self.nodes.values() if nd.on_device and nd.ref == 0 and nd.owner is None
+                       and not any(c.on_device for c in nd.children)]
             if not victims:
                 return False
             useful = [nd for nd in victims if nd.count[short].any()]  # else one whose parent holds such tokens
-            self._free_node(min(useful or victims, key=lambda nd: nd.last_access))
+            self._evict(min(useful or victims, key=lambda nd: nd.last_access))
         return True
 
-    def _free_node(self, node: Node) -> None:
+    def _evict(self, node: Node) -> None:
+        """node leaves the device: a copy stays below (the tiers copy it before its slots can be reused), or it goes
+        with its subtree (already off the device)."""
+        if self.tiers is None or not self.tiers.demote(node):
+            self._drop_subtree(node)
+            return
+        self._free_device(node)
+
+    def _free_device(self, node: Node) -> None:
         for key in node.blocks(self.num_blocks).tolist():
             self.ranks[key // self.num_blocks].decref(np.asarray([key % self.num_blocks]))
-        self.used -= node.count
+        if node.on_device:
+            self.used -= node.count
+        node.on_device = False
+        node.slot = GrowArray(np.full(len(node), -1, dtype=np.int64))
+
+    def _free_node(self, node: Node) -> None:
+        self._free_device(node)
+        if self.tiers is not None:
+            self.tiers.forget(node)
         node.parent.children.remove(node)
         del self.nodes[node.id]
+        node.parent = None
+
+    def _drop_subtree(self, node: Node) -> None:
+        """Remove an unreferenced segment and everything below it, from every tier."""
+        stack, order = [node], []
+        while stack:
+            nd = stack.pop()
+            assert nd.ref == 0 and nd.owner is None, "dropping a segment a request still uses (this is a bug)"
+            order.append(nd)
+            stack.extend(nd.children)
+        for nd in reversed(order):  # leaves first
+            self._free_node(nd)
 
     def release(self, seq: SeqKV, keep: bool) -> None:
         """A request leaves: unlock its path; keep its tokens cached (finished) or free its private leaf
@@ -438,10 +530,14 @@ class KVManager:
         leaf.owner = None
         p = leaf
         now = time.monotonic()
+        path = []
         while p is not self.root:
             p.ref -= 1
             p.last_access = now
+            path.append(p)
             p = p.parent
+        if keep and self.tiers is not None:
+            self.tiers.write_through(path[::-1])
         if not keep or len(leaf) == 0:
             if not leaf.children:
                 self._free_node(leaf)
@@ -455,6 +551,52 @@ class KVManager:
             c.parent = parent
             parent.children.append(c)
         del self.nodes[node.id]
+        node.parent = None
+
+    # ------------------------------------------------------------------ tiers
+    def count_tier_hits(self, hits: dict | None, sign: int = 1) -> None:
+        for tier, tokens in (hits or {}).items():
+            self.tier_hits[tier] += sign * tokens
+
+    def take_ops(self) -> list:
+        """The cache operations decided since the last call (for the next batch), in order."""
+        return self.tiers.take_ops() if self.tiers is not None else []
+
+    def put_back_ops(self, ops: list) -> None:
+        """Operations that could not be sent yet go first in the next batch."""
+        if ops:
+            self.tiers.ops[:0] = ops
+
+    def discard(self, node_ids) -> None:
+        """Segments whose restore failed (their entry is unreadable): drop them, their subtrees and the entries."""
+        for nid in node_ids:
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            entry = node.disk.entry if node.disk is not None else None
+            self._drop_subtree(node)
+            if entry is not None:
+                self.tiers.drop_entry(entry)
+
+    def adopt(self, entry: DiskEntry, path: np.ndarray, pos0: int, ranks: np.ndarray, shard: np.ndarray,
+              row: np.ndarray, last_access: float) -> bool:
+        """Put a disk entry found at start into the tree as an off-device segment: tokens path[pos0:] with, per
+        token, its restore rank and (shard, row). Its prefix must be there already (entries are adopted by
+        position); tokens another entry covers are skipped. False: nothing of it is usable (orphan or duplicate)."""
+        node, inside, matched = self.match(path, len(path))
+        if matched < pos0 or matched == len(path):
+            return False
+        if node is not self.root and inside < len(node):
+            node = self._split(node, inside)
+        k = matched - pos0
+        seg = Node(node, matched, self.n, tokens=path[matched:], rank=ranks[k:],
+                   slot=np.full(len(path) - matched, -1, dtype=np.int64))
+        seg.on_device, seg.last_access = False, last_access
+        seg.disk = DiskRef(entry, shard[k:].copy(), row[k:].copy())
+        entry.nodes[seg.id] = seg
+        node.children.append(seg)
+        self.nodes[seg.id] = seg
+        return True
 
     # ------------------------------------------------------------------ introspection
     def tokens_per_rank(self) -> list[int]:
@@ -477,9 +619,14 @@ class KVManager:
                 continue
             seen.add(nd.id)
             assert nd.ref >= 0, f"negative ref count on node {nd.id}"
+            np.testing.assert_array_equal(nd.count, np.bincount(nd.rank.view, minlength=self.n))
+            if not nd.on_device:  # off the device: a lower copy, nothing below on the device, nobody using it
+                assert nd.host is not None or nd.disk is not None, f"node {nd.id} is in no tier"
+                assert nd.ref == 0 and nd.owner is None, f"node {nd.id} is used off the device"
+                assert not any(c.on_device for c in nd.children), f"node {nd.id} has a child on the device"
+                continue
             for key in nd.blocks(self.num_blocks).tolist():
                 refs[key // self.num_blocks, key % self.num_blocks] += 1
-            np.testing.assert_array_equal(nd.count, np.bincount(nd.rank.view, minlength=self.n))
             used += nd.count
             all_slots.append(nd.rank.view * self.num_blocks * BLOCK + nd.slot.view)
         assert seen == set(self.nodes), "node registry out of step with the tree"
@@ -490,3 +637,5 @@ class KVManager:
             assert self.ranks[r].num_free == int(np.count_nonzero(refs[r] == 0)), "free count"
         np.testing.assert_array_equal(self.used, used)
         assert (self.promised >= 0).all(), f"negative promised decode tokens {self.promised}"
+        if self.tiers is not None:
+            self.tiers.check(self.nodes)

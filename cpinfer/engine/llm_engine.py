@@ -7,6 +7,7 @@ and releasing requests. Requests come and go between steps (`add_request`, `abor
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import random
@@ -21,9 +22,11 @@ from cpinfer.attention.backends import resolve_name
 from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
+from cpinfer.engine.batch import ForwardBatch, LoadEntry, RankResult, SeqInput
 from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
+from cpinfer.engine.kv_disk import model_layout, open_disk_dir, rebuild_index
 from cpinfer.engine.kv_manager import BLOCK, KVManager
+from cpinfer.engine.kv_tiers import TierConfig
 from cpinfer.engine.placement import PLACEMENTS, CostModel, Placer
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
@@ -68,6 +71,9 @@ class EngineConfig:
     threads_per_rank: int | None = None
     timeout_s: float = 600.0
     in_process: bool = True  # CP1 x TP1 runs its one rank inside the driver process
+    kv_host_gib: float = 0.0  # host tier: GiB of host memory per rank for K/V evicted from the device (0: none)
+    kv_disk_dir: str | None = None  # disk tier: a directory for evicted / finished K/V, kept across restarts
+    kv_disk_gib: float | None = None  # its bound (None: half the disk's free space at start)
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -96,6 +102,13 @@ class EngineConfig:
         if not 0 < self.kv_memory_fraction <= 0.9:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)  # validates both
+        _check_gib("kv_host_gib", self.kv_host_gib, zero_ok=True)
+        if self.kv_disk_gib is not None:
+            _check_gib("kv_disk_gib", self.kv_disk_gib, zero_ok=False)
+        if self.kv_disk_dir is not None:
+            if not isinstance(self.kv_disk_dir, (str, os.PathLike)) or not str(self.kv_disk_dir):
+                raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
+            object.__setattr__(self, "kv_disk_dir", str(self.kv_disk_dir))
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -106,6 +119,7 @@ class LLMEngine:
     """Driver of N×M ranks: `add_request`, `abort`, `step() -> list[RequestOutput]`, `has_unfinished_requests()`."""
 
     def __init__(self, model: str | None = None, **kwargs):
+        self.dead_error: str | None = None
         self.args = EngineConfig(**kwargs)
         a = self.args
         self.model_path = str(resolve_model(model))  # None → the embedded default; .gguf → converted once
@@ -134,7 +148,16 @@ class LLMEngine:
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
         self.tokenizer = _load_tokenizer(self.model_path)
         capacity = self._start_ranks(capacity)
-        self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer())
+        self.disk = None  # the opened disk-tier directory
+        self._last_sync = 0.0
+        try:
+            tiers = self._start_tiers()
+            self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer(), tiers)
+            if self.disk is not None:
+                rebuild_index(self.kv, self.disk, tiers.layout)
+        except BaseException:
+            self.shutdown()
+            raise
         self._mirrors_slots = any(w is not None for w in self.config.windows)  # ranks keep SlotPositions
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
@@ -215,10 +238,107 @@ class LLMEngine:
             raise
         return capacity
 
+    def _start_tiers(self) -> TierConfig | None:
+        """Host pools and disk writers on the ranks, and the disk directory, when asked for (None: no tiers)."""
+        a = self.args
+        if not a.kv_host_gib and a.kv_disk_dir is None:
+            return None
+        if not a.enable_prefix_caching:
+            log.warning("kv_host_gib / kv_disk_dir need prefix caching, which is off: no KV tiers")
+            return None
+        per_rank = self._pool.run(MR.kv_token_bytes)  # one token's bytes on each rank (its TP share of heads)
+        host_slots = int(a.kv_host_gib * (1 << 30)) // max(per_rank)
+        if a.kv_host_gib and host_slots < BLOCK:
+            raise ValueError(f"kv_host_gib {a.kv_host_gib} holds fewer than {BLOCK} tokens per rank "
+                             f"({max(per_rank)} bytes each)")
+        token_bytes = sum(per_rank[:a.tensor_parallel_size])  # a CP rank's token over its TP ranks
+        layout, disk_dir, disk_bytes = None, None, 0
+        if a.kv_disk_dir is not None:
+            self.disk = open_disk_dir(a.kv_disk_dir, a.kv_disk_gib)
+            c = self.config
+            layout = model_layout(self.model_path, checkpoint_files(Path(self.model_path)), self.disk, a.dtype,
+                                  c.num_hidden_layers, c.num_key_value_heads, c.head_dim, a.tensor_parallel_size)
+            disk_dir, disk_bytes = str(self.disk.path), self.disk.bound
+        writable = self.disk is not None and self.disk.writable
+        self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n)
+        config = TierConfig(host_slots, disk_dir, disk_bytes, token_bytes, layout, a.tensor_parallel_size,
+                            writable=writable)
+        log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
+                 f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
+        return config
+
     def shutdown(self) -> None:
         if getattr(self, "_pool", None) is not None:
+            if self.dead_error is None:
+                self.flush_tiers()
             self._pool.close(force=self.dead_error is not None)
             self._pool = None
+        if getattr(self, "disk", None) is not None:
+            self.disk.close()
+            self.disk = None
+
+    # ------------------------------------------------------------------ tiers
+    def flush_tiers(self) -> None:
+        """Send the cache operations still waiting, wait for every disk write, and account them (shutdown)."""
+        tiers = getattr(getattr(self, "kv", None), "tiers", None)
+        if tiers is None:
+            return
+        try:
+            self.sync_tiers(force=True)
+            if self.disk is not None:
+                self._tier_events(self._pool.run(MR.flush_tiers))
+                self.sync_tiers(force=True)  # deletions and forgets the acks asked for
+                self._pool.run(MR.flush_tiers)
+                log.info("KV disk tier %s: %d entries (%.2f GiB) on disk", self.disk.path, len(tiers.entries),
+                         tiers.disk_used / (1 << 30))
+        except Exception as exc:  # noqa: BLE001 - shutting down: say so, do not mask the shutdown
+            log.error("KV tiers: flushing at shutdown failed: %s", exc)
+
+    def sync_tiers(self, force: bool = False) -> None:
+        """Between steps (idle server): send waiting cache operations (background disk writes) and read what the
+        ranks report. Cheap when there is nothing to do."""
+        tiers = self.kv.tiers if self._pool is not None else None
+        if tiers is None or not (force or tiers.ops or tiers.unacked):
+            return
+        now = time.monotonic()
+        if not (force or tiers.ops) and now - self._last_sync < 0.25:  # only acks to collect: poll calmly
+            return
+        self._last_sync = now
+        ops = self.kv.take_ops()
+        self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
+
+    def _tier_events(self, per_rank) -> list:
+        """Hand what the ranks reported (a list per rank of events, or of RankResults) to the tier index."""
+        events = []
+        for item in per_rank:
+            events.extend(item.tier_events if isinstance(item, RankResult) else (item or ()))
+        if events and self.kv.tiers is not None:
+            self.kv.tiers.on_events(events)
+        return events
+
+    def _restore_from_disk(self, ops: list, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Apply cache operations that read the disk before the forward, in their own call: a failed read (a corrupt
+        or vanished file) requeues only the requests whose prefix needed it — they recompute it — and its segment
+        and entry are dropped. Returns the scheduled work that can run."""
+        events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
+        failed = {ev.node for ev in events if ev.kind == "load_failed"}
+        if not failed:
+            return scheduled
+        for ev in events:
+            if ev.kind == "load_failed":
+                log.warning("KV disk tier: restoring a cached prefix failed on rank %d (%s); it is recomputed",
+                            ev.rank, ev.error)
+        keep = []
+        for s in scheduled:
+            p, hit = s.request.kv.leaf, False
+            while p is not None and not hit:
+                hit, p = p.id in failed, p.parent
+            if hit:
+                self.scheduler.requeue(s.request)
+            else:
+                keep.append(s)
+        self.kv.discard(failed)
+        return keep
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt, params: SamplingParams) -> list[int]:
@@ -304,20 +424,30 @@ class LLMEngine:
         self._check_alive()
         outputs = self._apply_aborts()
         scheduled = self.scheduler.schedule()
+        ops = self.kv.take_ops()  # K/V moving between tiers, decided while scheduling
+        if any(isinstance(op, LoadEntry) for op in ops):
+            scheduled = self._on_ranks(self._restore_from_disk, ops, scheduled)
+            ops = []
         if not scheduled:
+            self.kv.put_back_ops(ops)  # they go with the next forward
             if self.scheduler.has_work() and not outputs:
                 raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
             return outputs
         choice, phase = self._choose(scheduled)
-        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase)
-        try:
-            results: list[RankResult] = self._run_batch(batch)
-        except Exception as exc:
-            self.dead_error = f"{type(exc).__name__}: {exc}"
-            raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
+        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops))
+        results: list[RankResult] = self._on_ranks(self._run_batch, batch)
+        self._tier_events(results)
         key = f"{phase}/{choice.strategy}"
         self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
         return outputs + self._process(scheduled, results, choice, phase)
+
+    def _on_ranks(self, fn, *args):
+        """fn(*args), which runs something on the ranks: any failure there kills the engine."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
 
     def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
         """Every rank runs the batch, except that a local rank with no token and no ring to serve is not even sent
@@ -503,17 +633,37 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict:
         return {"kv_tokens_per_rank": self.kv.tokens_per_rank(), "kv_capacity_per_rank": self.kv.capacity_per_rank,
-                "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits}
+                "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
+                "tiers": self.tier_stats()}
+
+    def tier_stats(self) -> dict:
+        """Per tier (device, host, disk): hit tokens, bytes and tokens held, capacity, restores (tokens, bytes,
+        seconds), disk writes. Without tiers, the device's alone."""
+        kv = self.kv
+        if kv.tiers is not None:
+            out = kv.tiers.snapshot(int(kv.used.sum()))
+        else:
+            out = {"device": {"bytes": None, "tokens": int(kv.used.sum())}}
+        for tier, hits in kv.tier_hits.items():
+            if tier in out:
+                out[tier]["hit_tokens"] = hits
+        return out
 
     def stats(self) -> EngineStats:
         c = self._counters
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.tokens_per_rank(),
                            self.kv.capacity_per_rank, self.kv.prefix_queries, self.kv.prefix_hits,
                            c["prompt_tokens"], c["generation_tokens"], dict(c["forwards"]),
-                           self.scheduler.num_preemptions, dict(c["finished"]))
+                           self.scheduler.num_preemptions, dict(c["finished"]), self.tier_stats())
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
+
+
+def _check_gib(name: str, value, zero_ok: bool) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not (value >= 0 if zero_ok else value > 0)):
+        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number of GiB, got {value!r}")
 
 
 def _phase(scheduled: list[ScheduledSeq]) -> str:

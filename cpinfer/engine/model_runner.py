@@ -1,8 +1,8 @@
 """The rank side (SPMD): one model replica and this rank's KV shard; runs each `ForwardBatch` as told.
 
-`execute` reads as four steps: plan attention for the batch → run the model on this rank's new tokens (writing
-their K/V into the given slots, then CP attention) → sample where the logits are → return token ids and the
-log-probabilities asked for. A rank with no token and no ring to serve skips the model. Only TP rank 0 of each CP
+`execute` reads as five steps: apply the batch's cache operations (K/V moving between the device, host and disk
+tiers) → plan attention for the batch → run the model on this rank's new tokens (writing their K/V into the given
+slots, then CP attention) → sample where the logits are → return token ids and the log-probabilities asked for. A rank with no token and no ring to serve skips the model. Only TP rank 0 of each CP
 rank reports (every TP rank holds the same hidden states).
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ from cpinfer import timing
 from cpinfer.attention.local import new_accumulator
 from cpinfer.distributed import ParallelConfig, build_groups
 from cpinfer.engine.attention import BatchAttention, SlotPositions
-from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
+from cpinfer.engine.batch import FromHost, ForwardBatch, LoadEntry, RankResult, SampleResult
 from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
+from cpinfer.engine.tier_store import RankTiers
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.tensor_parallel import RowParallelLinear, load_tp_model
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
         self._tp_linears = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
         self.store: KVStore | None = None
+        self.tiers: RankTiers | None = None  # host pool and disk writer, when the engine has tiers
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -96,14 +98,26 @@ class ModelRunner:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
+    def apply_cache_ops(self, ops) -> tuple:
+        """Move K/V between tiers as the driver decided (before any new K/V are written); returns the tier events
+        so far (writes done or failed, restore timings, failed disk reads)."""
+        if ops:
+            self.tiers.apply(ops)
+            if self.slot_positions is not None:  # restored slots hold these positions now, on whichever rank
+                for op in ops:
+                    if isinstance(op, (FromHost, LoadEntry)):
+                        self.slot_positions.pos[op.rank, op.slots] = op.positions
+        return self.tiers.events() if self.tiers is not None else ()
+
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
+        events = self.apply_cache_ops(batch.cache_ops)
         if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
             self.slot_positions.record(batch)
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         if plan.idle:  # no token here and no ring in this forward: nothing to run
-            return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True)
+            return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         dev = self.ctx.device
         ids = torch.from_numpy(plan.input_ids).to(dev)
         pos = torch.from_numpy(plan.positions).to(dev)
@@ -125,7 +139,7 @@ class ModelRunner:
         for m in self._tp_linears:
             m.comm_s  # noqa: B018 - folds this forward's all-reduce spans (keeps the record bounded)
         self.ring_wait_s += wait
-        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait)
+        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events)
 
     def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
         """Sample every sequence whose last new token this rank holds (its logits never leave the rank)."""
@@ -190,6 +204,9 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     if capacity is None:
         probe = MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
         probe.start()
+    old = ctx.state.get("runner")
+    if old is not None and old.tiers is not None:  # a pool reused by another engine
+        old.tiers.close()
     runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend)
     ctx.state["runner"] = runner
     info = {"pid": os.getpid()}
@@ -209,6 +226,35 @@ def allocate_kv(ctx, capacity: int) -> None:
     ctx.state["runner"].allocate_kv(capacity)
 
 
+def kv_token_bytes(ctx) -> int:
+    """One token's K/V bytes on this rank (its TP share of the KV heads, every layer)."""
+    return ctx.state["runner"].kv_bytes_per_token
+
+
+def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int) -> None:
+    """Give this rank a host pool of host_slots tokens and, with disk_dir, disk reads (and a writer when writable),
+    replacing earlier ones."""
+    runner = ctx.state["runner"]
+    if runner.tiers is not None:
+        runner.tiers.close()
+    runner.tiers = RankTiers(runner.store, runner.groups.cp_rank, runner.groups.tp_rank, host_slots, disk_dir,
+                             writable, layout, cp, ctx.device)
+
+
+def apply_cache_ops(ctx, ops) -> tuple:
+    """Cache operations outside a forward (disk restores before it, writes when idle); returns tier events."""
+    return ctx.state["runner"].apply_cache_ops(ops)
+
+
+def flush_tiers(ctx) -> tuple:
+    """Wait until every queued disk write is done; returns the tier events (graceful shutdown)."""
+    runner = ctx.state["runner"]
+    if runner.tiers is None:
+        return ()
+    runner.tiers.flush()
+    return runner.tiers.events()
+
+
 def execute_batch(ctx, batch: ForwardBatch | bytes) -> RankResult:
     """Run one forward (a ForwardBatch, or its pickle)."""
     if isinstance(batch, bytes):
@@ -218,8 +264,10 @@ def execute_batch(ctx, batch: ForwardBatch | bytes) -> RankResult:
 
 def active_cp_ranks(batch: ForwardBatch, n: int) -> np.ndarray:
     """[n] bool: the CP ranks that work in this forward — every one when a sequence spreads (the ring needs them
-    all), else those holding a local sequence's tokens."""
+    all), else those holding a local sequence's tokens — and those with cache operations to apply."""
     active = np.zeros(n, dtype=bool)
+    for op in batch.cache_ops:
+        active[op.rank] = True
     for s in batch.seqs:
         if s.spread:
             active[:] = True

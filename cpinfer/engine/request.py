@@ -101,3 +101,4 @@ class EngineStats:
     forwards: dict[str, int]  # "phase/strategy" → count
     preemptions: int
     requests_finished: dict[str, int]  # finish reason → count
+    tiers: dict = dataclasses.field(default_factory=dict)  # per KV tier: hits, bytes, restores (cache_stats)

@@ -83,9 +83,15 @@ class Scheduler:
                 skipped.append(req)
                 continue
             first = req.num_cached < 0
-            req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=not req.params.prompt_logprobs
-                                    or bool(req.out))  # prompt log-probs need every prompt row computed once
+            use_cache = not req.params.prompt_logprobs or bool(req.out)  # prompt log-probs: every row computed
+            req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=use_cache)
             sched = self._place(req, budget)
+            if sched is None and use_cache and not self.running and not out:
+                # nothing else holds blocks: its cached path itself (one block per segment and rank at least)
+                # leaves no room for its new tokens — recompute it rather than wait for ever
+                self.kv.release(req.kv, keep=False)
+                req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=False)
+                sched = self._place(req, budget)
             if sched is None:
                 self.kv.release(req.kv, keep=False)
                 req.kv = None
@@ -95,6 +101,7 @@ class Scheduler:
                 req.num_cached = min(sched.start, len(req.prompt))
                 self.kv.prefix_queries += len(req.prompt)
                 self.kv.prefix_hits += req.num_cached
+                self.kv.count_tier_hits(req.kv.hits)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(sched)
@@ -173,6 +180,20 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def requeue(self, req: Request) -> None:
+        """Take back a request scheduled in this step whose restored prefix turned out unreadable: it waits again
+        (first in line) and matches what is left; a first admission is undone in the counters."""
+        if not req.metrics["steps"] and req.num_cached >= 0:
+            self.kv.prefix_queries -= len(req.prompt)
+            self.kv.prefix_hits -= req.num_cached
+            self.kv.count_tier_hits(req.kv.hits, -1)
+            req.num_cached = -1
+        self.running.remove(req)
+        self.kv.release(req.kv, keep=False)
+        req.kv = None
+        req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, keep_cache: bool) -> None:

@@ -72,11 +72,35 @@ class EngineCollector:
             phase, _, strategy = str(key).partition("/")
             fwd.add_metric([self._model, phase, strategy or "none"], float(count))
         yield fwd
+        yield from _tier_metrics(self._model, s.get("tiers") or {})
         fin = CounterMetricFamily("cpinfer_engine_requests_finished", "requests the engine finished, by reason",
                                   labels=["model_name", "reason"])
         for reason, count in sorted(s.get("requests_finished", {}).items()):
             fin.add_metric([self._model, str(reason)], float(count))
         yield fin
+
+
+_TIER_METRICS = (  # (stat key, metric name, help, counter?)
+    ("hit_tokens", "cpinfer_kv_tier_hit_tokens", "prompt tokens whose cached K/V were found in this KV tier", True),
+    ("restored_tokens", "cpinfer_kv_tier_restored_tokens", "tokens restored to the device from this tier", True),
+    ("restored_bytes", "cpinfer_kv_tier_restored_bytes", "K/V bytes restored to the device from this tier", True),
+    ("restore_s", "cpinfer_kv_tier_restore_seconds", "time spent restoring K/V from this tier (slowest rank)", True),
+    ("written_bytes", "cpinfer_kv_tier_written_bytes", "K/V bytes written to this tier's files", True),
+    ("write_errors", "cpinfer_kv_tier_write_errors", "failed writes of this tier's entries", True),
+    ("bytes", "cpinfer_kv_tier_bytes", "K/V bytes this tier holds now", False),
+    ("capacity_bytes", "cpinfer_kv_tier_capacity_bytes", "this tier's bound in bytes", False),
+)
+
+
+def _tier_metrics(model: str, tiers: dict):
+    """Per KV tier (device, host, disk): hits, bytes held, restores (tokens, bytes, seconds) and disk writes."""
+    for key, name, doc, is_counter in _TIER_METRICS:
+        fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, doc, labels=["model_name", "tier"])
+        for tier, st in tiers.items():
+            value = st.get(key)
+            if value is not None:
+                fam.add_metric([model, tier], float(value))
+        yield fam
 
 
 class ServerMetrics:

@@ -1,0 +1,421 @@
+"""Host and disk tiers below the device KV cache, on the driver: which prefix-tree segments have a copy in the ranks'
+host pools or in the disk directory, each tier LRU within its bound, and the typed cache operations that move a
+segment's shards between tiers (the ranks apply them, tier_store.py; the KV manager calls in here).
+
+A segment (`Node`) is on the device when `on_device`; `host` gives each token's host-pool slot on its rank; `disk`
+each token's (shard file, row) in one disk entry. Copies are inclusive: a restored segment keeps its lower copies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cpinfer.engine.batch import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
+                                  ToHost)
+from cpinfer.engine.kv_files import TIER_ERRNOS, Layout, entry_name
+from cpinfer.utils import get_logger
+
+log = get_logger()
+TIERS = ("device", "host", "disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """host_slots: host-pool tokens per CP rank (0: no host tier); disk_dir / disk_bytes: the disk tier (None: no
+    disk tier); token_bytes: one token's K/V over the TP ranks of a CP rank (the disk bound counts these)."""
+
+    host_slots: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    token_bytes: int = 1
+    layout: Layout | None = None
+    tp: int = 1
+    write_through: bool = True  # a finished request's segments are written to disk in the background at once
+    writable: bool = True  # False: a read-only directory (its entries are read, nothing is written or deleted)
+
+    def __post_init__(self):
+        if self.host_slots < 0 or self.token_bytes < 1 or self.tp < 1:
+            raise ValueError(f"bad tier config: host_slots {self.host_slots}, token_bytes {self.token_bytes}, "
+                             f"tp {self.tp}")
+        if self.disk_dir is not None and (self.disk_bytes <= 0 or self.layout is None):
+            raise ValueError("a disk tier needs a positive byte bound and the model layout")
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_slots > 0 or self.disk_dir is not None
+
+
+class HostPool:
+    """Free host-pool slots of every CP rank (a stack per rank)."""
+
+    def __init__(self, n: int, slots: int):
+        self.capacity = slots
+        self._free = [np.arange(slots - 1, -1, -1, dtype=np.int64) for _ in range(n)]
+        self._top = [slots] * n
+
+    def num_free(self, r: int) -> int:
+        return self._top[r]
+
+    def alloc(self, r: int, k: int) -> np.ndarray:
+        if k > self._top[r]:
+            raise RuntimeError("host pool exhausted (the caller checks room first; this is a bug)")
+        self._top[r] -= k
+        return self._free[r][self._top[r]:self._top[r] + k][::-1].copy()
+
+    def free(self, r: int, slots: np.ndarray) -> None:
+        top = self._top[r]
+        self._free[r][top:top + len(slots)] = slots
+        self._top[r] = top + len(slots)
+
+
+@dataclasses.dataclass(eq=False)
+class DiskEntry:
+    """One segment written to disk: a file per (CP shard, TP rank) of the layout that wrote it."""
+
+    name: str
+    cp: int  # CP size when written
+    shards: tuple[int, ...]  # CP ranks that hold rows (one file each per TP rank)
+    nbytes: int
+    last_access: float
+    nodes: dict = dataclasses.field(default_factory=dict)  # node id → Node whose tokens are rows of it
+    unacked: int = 0  # files whose write has not been confirmed yet
+
+
+@dataclasses.dataclass
+class DiskRef:
+    """A node's tokens in a disk entry: per token its shard file and row there."""
+
+    entry: DiskEntry
+    shard: np.ndarray  # [len] int64
+    row: np.ndarray  # [len] int64
+
+    def cut(self, a: int, b: int | None = None) -> "DiskRef":
+        return DiskRef(self.entry, self.shard[a:b], self.row[a:b])
+
+
+@dataclasses.dataclass
+class TierStats:
+    hit_tokens: int = 0  # prompt tokens whose K/V came from this tier at a request's first admission
+    restored_tokens: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    written_bytes: int = 0
+    write_errors: int = 0
+    evicted_tokens: int = 0  # tokens this tier let go of (moved down or dropped)
+
+
+class Tiers:
+    """The host and disk tier index of one KV manager. `drop_subtree(node)` is the manager's: it removes a segment
+    that lost its last copy, with everything below it (nothing below can be used without it)."""
+
+    def __init__(self, config: TierConfig, n: int, drop_subtree):
+        self.config, self.n = config, n
+        self.host = HostPool(n, config.host_slots) if config.host_slots else None
+        self.host_nodes: dict[int, object] = {}  # node id → Node with a host copy
+        self.entries: dict[str, DiskEntry] = {}
+        self.disk_used = 0
+        self.disk_on = config.disk_dir is not None
+        self.writable = self.disk_on and config.writable
+        self._drop_subtree = drop_subtree
+        self.ops: list[CacheOp] = []
+        self.stats = {t: TierStats() for t in TIERS}
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ the device lets a segment go
+    def demote(self, node) -> bool:
+        """node (on device, unreferenced) leaves the device: keep a copy below it if possible (the copies are
+        made before any later operation can reuse its device slots). False: nothing kept it (drop it)."""
+        if node.host is None and self.host is not None:
+            self._to_host(node)
+        if node.host is not None or node.disk is not None:
+            return True
+        return self.save(node, "device")
+
+    def _to_host(self, node) -> None:
+        need = np.asarray(node.count, dtype=np.int64)
+        if not len(node) or need.max() > self.host.capacity or not self._host_room(need, node):
+            return
+        hs = np.empty(len(node), dtype=np.int64)
+        ranks, slots = node.rank.view, node.slot.view
+        for r in np.flatnonzero(need).tolist():
+            idx = np.flatnonzero(ranks == r)
+            hs[idx] = self.host.alloc(r, len(idx))
+            self.ops.append(ToHost(r, slots[idx].copy(), hs[idx].copy()))
+        node.host = hs
+        self.host_nodes[node.id] = node
+
+    def _host_room(self, need: np.ndarray, keep) -> bool:
+        """Evict host copies, least recently used first, until every rank has `need` free host slots."""
+        while True:
+            short = np.asarray([self.host.num_free(r) < need[r] for r in range(self.n)])
+            if not short.any():
+                return True
+            victims = [nd for nd in self.host_nodes.values() if nd is not keep and not _pinned(nd)
+                       and np.asarray(nd.count)[short].any()]
+            if not victims:
+                return False
+            self._host_evict(min(victims, key=_lru_key))
+
+    def _host_evict(self, node) -> None:
+        """Drop node's host copy: moved to disk first when nothing else holds it, else its subtree goes."""
+        hs = node.host
+        if not node.on_device and node.disk is None:
+            self.save(node, "host")  # reads the host rows now, before a later operation can reuse them
+        node.host = None
+        del self.host_nodes[node.id]
+        for r in range(self.n):
+            mine = hs[node.rank.view == r]
+            if len(mine):
+                self.host.free(r, mine)
+        self.stats["host"].evicted_tokens += len(node)
+        if not node.on_device and node.disk is None:
+            self._drop_subtree(node)
+
+    # ------------------------------------------------------------------ disk writes
+    def save(self, node, source: str) -> bool:
+        """Write node's shards to disk from its device or host slots (background; readable at once). False when
+        the disk tier is off, read-only or cannot hold it."""
+        c = self.config
+        if not self.writable or not len(node):
+            return False
+        nbytes = len(node) * c.token_bytes
+        if nbytes > c.disk_bytes or not self._disk_room(nbytes, node):
+            return False
+        path = path_tokens(node)
+        name = entry_name(c.layout, path, node.pos0)
+        ranks = node.rank.view
+        counts = np.bincount(ranks, minlength=self.n)
+        shards = tuple(np.flatnonzero(counts).tolist())
+        entry = DiskEntry(name, self.n, shards, nbytes, time.monotonic(), unacked=len(shards) * c.tp)
+        slots = node.slot.view if source == "device" else node.host
+        rows = np.empty(len(node), dtype=np.int64)
+        positions = node.pos0 + np.arange(len(node), dtype=np.int64)
+        for r in shards:
+            idx = np.flatnonzero(ranks == r)
+            rows[idx] = np.arange(len(idx))
+            self.ops.append(SaveEntry(r, name, source, slots[idx].copy(), positions[idx], node.pos0, len(node),
+                                      path))
+        node.disk = DiskRef(entry, ranks.copy(), rows)
+        entry.nodes[node.id] = node
+        self.entries[name] = entry
+        self.disk_used += nbytes
+        return True
+
+    def write_through(self, path: list) -> None:
+        """A finished request's segments (root first) that have no disk copy yet are written in the background."""
+        if self.writable and self.config.write_through:
+            for node in path:
+                if node.disk is None and node.on_device and len(node):
+                    if not self.save(node, "device"):
+                        return  # a child without its parent on disk could not be used after a restart
+
+    def _disk_room(self, nbytes: int, keep=None) -> bool:
+        """Delete entries, least recently used first, until nbytes more fit. Never one a restore in progress reads,
+        nor one holding an ancestor of `keep` (the segment about to be written)."""
+        above = set()
+        p = keep.parent if keep is not None else None
+        while p is not None:
+            above.add(p.id)
+            p = p.parent
+        while self.disk_used + nbytes > self.config.disk_bytes:
+            victims = [e for e in self.entries.values()
+                       if not any(_pinned(nd) or nd.id in above for nd in e.nodes.values())]
+            if not victims:
+                return False
+            self.drop_entry(min(victims, key=_entry_lru_key))
+        return True
+
+    def trim(self) -> None:
+        """Back within the disk bound (after adopting a directory that holds more)."""
+        self._disk_room(0)
+
+    def drop_entry(self, entry: DiskEntry) -> None:
+        """Forget an entry and delete its files (after their writes, in each writer's order); segments it was the
+        last copy of go, with their subtrees."""
+        if self.entries.pop(entry.name, None) is None:
+            return
+        self.disk_used -= entry.nbytes
+        self.stats["disk"].evicted_tokens += sum(len(nd) for nd in entry.nodes.values())
+        for shard in entry.shards if self.config.writable else ():
+            self.ops.append(DeleteEntry(shard % self.n, entry.name, shard))
+        orphans = []
+        for nd in entry.nodes.values():
+            nd.disk = None
+            if not nd.on_device and nd.host is None:
+                orphans.append(nd)
+        entry.nodes = {}
+        for nd in orphans:
+            if nd.parent is not None:  # not already removed with an earlier orphan's subtree
+                self._drop_subtree(nd)
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self, node) -> str:
+        """node was given device slots (node.slot, on node.rank): copy its K/V there, from host if it has a host
+        copy, else from disk. Returns the tier it came from."""
+        ranks, slots = node.rank.view, node.slot.view
+        positions = node.pos0 + np.arange(len(node), dtype=np.int64)
+        tier = "host" if node.host is not None else "disk"
+        for r in np.flatnonzero(np.bincount(ranks, minlength=self.n)).tolist():
+            idx = np.flatnonzero(ranks == r)
+            if tier == "host":
+                self.ops.append(FromHost(r, node.host[idx].copy(), slots[idx].copy(), positions[idx]))
+                continue
+            ref = node.disk
+            parts, order = [], []
+            for shard in np.unique(ref.shard[idx]).tolist():
+                sel = idx[ref.shard[idx] == shard]
+                parts.append((ref.entry.name, shard, ref.row[sel].copy()))
+                order.append(sel)
+            sel = np.concatenate(order)
+            self.ops.append(LoadEntry(r, node.id, tuple(parts), slots[sel].copy(), positions[sel]))
+        if node.disk is not None:
+            node.disk.entry.last_access = time.monotonic()
+        st = self.stats[tier]
+        st.restored_tokens += len(node)
+        return tier
+
+    # ------------------------------------------------------------------ tree changes
+    def split(self, head, node, m: int) -> None:
+        """node's first m tokens became `head` (a new parent segment): cut its lower copies the same way."""
+        if node.host is not None:
+            head.host, node.host = node.host[:m], node.host[m:]
+            self.host_nodes[head.id] = head
+        if node.disk is not None:
+            head.disk, node.disk = node.disk.cut(0, m), node.disk.cut(m)
+            node.disk.entry.nodes[head.id] = head
+
+    def forget(self, node) -> None:
+        """node leaves the tree: free its host slots; an entry no segment uses any more is deleted."""
+        if node.host is not None:
+            for r in range(self.n):
+                mine = node.host[node.rank.view == r]
+                if len(mine):
+                    self.host.free(r, mine)
+            node.host = None
+            del self.host_nodes[node.id]
+        if node.disk is not None:
+            entry = node.disk.entry
+            entry.nodes.pop(node.id, None)
+            node.disk = None
+            if not entry.nodes:
+                self.drop_entry(entry)
+
+    # ------------------------------------------------------------------ what the ranks report
+    def on_events(self, events: list[TierEvent]) -> None:
+        restored: dict[str, list[float]] = {}
+        for ev in events:
+            if ev.kind == "saved":
+                self._saved(ev)
+            elif ev.kind == "restored":
+                acc = restored.setdefault(ev.tier, [0, 0.0])
+                acc[0] += ev.nbytes
+                acc[1] = max(acc[1], ev.seconds)  # ranks restore side by side: the slowest one is the time
+        for tier, (nbytes, seconds) in restored.items():
+            self.stats[tier].restored_bytes += nbytes
+            self.stats[tier].restore_s += seconds
+
+    def _saved(self, ev: TierEvent) -> None:
+        entry = self.entries.get(ev.entry)
+        if ev.ok:
+            self.stats["disk"].written_bytes += ev.nbytes
+            if entry is not None:
+                entry.unacked -= 1
+            return
+        self.stats["disk"].write_errors += 1
+        self.ops.append(ForgetEntry(ev.rank, ev.entry, ev.shard))
+        if ev.errno in TIER_ERRNOS:
+            if self.writable:
+                log.error("KV disk tier: writing to %s failed (%s); serving goes on without writing to disk",
+                          self.config.disk_dir, ev.error)
+            self.writable = False
+        else:
+            self.warn_once("write", f"KV disk tier: an entry could not be written ({ev.error}); it is dropped")
+        if entry is not None:
+            self.drop_entry(entry)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def take_ops(self) -> list[CacheOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    @property
+    def unacked(self) -> int:
+        return sum(e.unacked for e in self.entries.values())
+
+    # ------------------------------------------------------------------ introspection
+    def snapshot(self, device_tokens: int) -> dict:
+        """Per tier: its bound and what it holds (bytes, tokens), hits, restores and writes."""
+        c = self.config
+        out = {}
+        host_tokens = sum(len(nd) for nd in self.host_nodes.values())
+        held = {"device": (device_tokens * c.token_bytes, device_tokens, None),
+                "host": (host_tokens * c.token_bytes, host_tokens, c.host_slots * self.n * c.token_bytes),
+                "disk": (self.disk_used, sum(sum(len(nd) for nd in e.nodes.values()) for e in self.entries.values()),
+                         c.disk_bytes if self.disk_on else 0)}
+        for tier in TIERS:
+            nbytes, tokens, cap = held[tier]
+            out[tier] = dict(dataclasses.asdict(self.stats[tier]), bytes=nbytes, tokens=tokens, capacity_bytes=cap)
+        out["disk"]["entries"] = len(self.entries)
+        out["disk"]["writable"] = self.writable
+        return out
+
+    def check(self, nodes: dict) -> None:
+        """Invariants (tests): host slots distinct and accounted, entries and their segments agree."""
+        if self.host is not None:
+            used = [[] for _ in range(self.n)]
+            for nd in self.host_nodes.values():
+                assert nd.id in nodes and nd.host is not None and len(nd.host) == len(nd)
+                for r in range(self.n):
+                    used[r].append(nd.host[nd.rank.view == r])
+            for r in range(self.n):
+                flat = np.concatenate(used[r]) if used[r] else np.zeros(0, dtype=np.int64)
+                assert len(np.unique(flat)) == len(flat), "a host slot holds two tokens"
+                assert len(flat) + self.host.num_free(r) == self.host.capacity, "host slots leaked"
+        for nd in nodes.values():
+            assert (nd.host is not None) == (nd.id in self.host_nodes)
+            if nd.disk is not None:
+                assert self.entries.get(nd.disk.entry.name) is nd.disk.entry and nd.id in nd.disk.entry.nodes
+                assert len(nd.disk.shard) == len(nd.disk.row) == len(nd)
+        for e in self.entries.values():
+            assert e.nodes, f"entry {e.name} is used by no segment"
+            for nid, nd in e.nodes.items():
+                assert nid in nodes and nd.disk is not None and nd.disk.entry is e
+        assert self.disk_used == sum(e.nbytes for e in self.entries.values())
+        assert self.disk_used <= max(self.config.disk_bytes, 0) or not self.disk_on
+
+
+def _pinned(node) -> bool:
+    """A segment locked by a request but not on the device is being restored: its lower copies must stay."""
+    return node.ref > 0 and not node.on_device
+
+
+def _lru_key(node):
+    return node.last_access, -node.pos0  # deeper segments first among equals (their parents stay usable)
+
+
+def _entry_lru_key(entry: DiskEntry):
+    """An entry is as recent as the most recently used segment it backs (or its own restore / write)."""
+    nodes = entry.nodes.values()
+    last = max([entry.last_access] + [nd.last_access for nd in nodes])
+    return last, -max((nd.pos0 for nd in nodes), default=0)
+
+
+def path_tokens(node) -> np.ndarray:
+    """[pos0 + len] every token from the root through the end of node."""
+    parts = []
+    p = node
+    while p.parent is not None:
+        parts.append(p.tokens.view)
+        p = p.parent
+    return np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
+
+
+def disk_dir_path(disk_dir: str | None) -> Path | None:
+    return Path(disk_dir) if disk_dir is not None else None

@@ -1,0 +1,252 @@
+"""The rank side of the KV tiers: this rank's host pool (pinned memory on CUDA, a separate bounded pool on CPU), a
+writer thread that writes disk entries off the forward's path, and `apply` of the cache operations the driver's
+KV manager puts in each batch (kv_tiers.py decides; a rank copies its own shard only).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpinfer.engine.batch import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
+                                  ToHost)
+from cpinfer.engine.kv_files import CorruptEntry, EntryHeader, Layout, file_name, read_rows, write_entry
+from cpinfer.utils import get_logger
+
+log = get_logger()
+WRITE_DELAY_ENV = "CPINFER_TEST_KV_WRITE_DELAY_S"  # tests only: pause between written chunks (kill mid-write)
+
+
+class DiskWriter:
+    """Writes entry files in a background thread, in submission order (a delete queued after a write runs after
+    it). Rows submitted stay readable from memory until their file is renamed into place — and, when the write
+    failed, until the driver says it has seen the failure (`forget`). At most `max_pending_bytes` wait to be
+    written: `submit` blocks beyond that (the forward waits for the disk rather than memory growing)."""
+
+    def __init__(self, directory: Path, tp_rank: int, max_pending_bytes: int):
+        self.directory, self.tp_rank = directory, tp_rank
+        self.max_pending = max_pending_bytes
+        self.delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+        self._rows: dict[tuple[str, int], torch.Tensor] = {}  # (entry, shard) → kv [M, 2, L, Hkv, D]
+        self._waiting = 0  # bytes submitted and not yet written
+        self._cv = threading.Condition()
+        self._events: list[TierEvent] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="cpinfer-kv-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, header: EntryHeader, kv: torch.Tensor, rank: int, ready: torch.cuda.Event | None) -> None:
+        nbytes = kv.numel() * kv.element_size()
+        with self._cv:
+            self._cv.wait_for(lambda: self._waiting == 0 or self._waiting + nbytes <= self.max_pending)
+            self._rows[(header.entry, header.shard)] = kv
+            self._waiting += nbytes
+        self._queue.put(("save", header, kv, rank, ready, nbytes))
+
+    def delete(self, entry: str, shard: int) -> None:
+        self._queue.put(("delete", entry, shard))
+
+    def forget(self, entry: str, shard: int) -> None:
+        with self._cv:
+            self._rows.pop((entry, shard), None)
+
+    def rows(self, entry: str, shard: int, rows: np.ndarray) -> torch.Tensor | None:
+        """[K, 2, L, Hkv, D] from memory when that shard is still being written (or failed), else None."""
+        with self._cv:
+            kv = self._rows.get((entry, shard))
+        return None if kv is None else kv[torch.from_numpy(np.asarray(rows, dtype=np.int64))]
+
+    def events(self) -> list[TierEvent]:
+        with self._cv:
+            out, self._events = self._events, []
+        return out
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is written (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                if item[0] == "save":
+                    self._save(*item[1:])
+                else:
+                    self._delete(*item[1:])
+            finally:
+                self._queue.task_done()
+
+    def _save(self, header: EntryHeader, kv: torch.Tensor, rank: int, ready, nbytes: int) -> None:
+        key = (header.entry, header.shard)
+        try:
+            if ready is not None:
+                ready.synchronize()  # the device → host copy of the rows has landed
+            written = write_entry(self.directory, header, kv, self.delay_s)
+            event = TierEvent("saved", rank, header.entry, header.shard, nbytes=written)
+            keep = False
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which drops the entry
+            event = TierEvent("saved", rank, header.entry, header.shard, ok=False,
+                              error=f"{type(exc).__name__}: {exc}", errno=getattr(exc, "errno", 0) or 0)
+            keep = True  # reads issued before the driver saw the failure are served from memory
+        with self._cv:
+            self._waiting -= nbytes
+            if not keep and self._rows.get(key) is kv:
+                del self._rows[key]
+            self._events.append(event)
+            self._cv.notify_all()
+
+    def _delete(self, entry: str, shard: int) -> None:
+        with self._cv:
+            self._rows.pop((entry, shard), None)
+        try:
+            os.unlink(self.directory / file_name(entry, shard, self.tp_rank))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a read-only directory: the driver's index no longer names the file
+            log.debug("could not delete KV entry %s: %s", entry, exc)
+
+
+class RankTiers:
+    """This rank's host pool and disk writer; `apply` runs the driver's cache operations for this CP rank."""
+
+    def __init__(self, store, cp_rank: int, tp_rank: int, host_slots: int, disk_dir: str | None, writable: bool,
+                 layout: Layout | None, cp: int, device: torch.device, max_pending_bytes: int = 2 << 30):
+        self.store, self.cp_rank, self.tp_rank, self.cp = store, cp_rank, tp_rank, cp
+        self.layout, self.device = layout, device
+        k = store.k
+        shape = (k.shape[0], host_slots, k.shape[2], k.shape[3])  # [layers, host slots, Hkv, D]
+        pin = device.type == "cuda"
+        self.host_k = torch.empty(shape, dtype=k.dtype, pin_memory=pin) if host_slots else None
+        self.host_v = torch.empty(shape, dtype=k.dtype, pin_memory=pin) if host_slots else None
+        self.directory = Path(disk_dir) if disk_dir else None
+        self.writer = DiskWriter(self.directory, tp_rank, max_pending_bytes) if disk_dir and writable else None
+        self._events: list[TierEvent] = []
+
+    @property
+    def token_bytes(self) -> int:
+        k = self.store.k
+        return 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+
+    def apply(self, ops: tuple[CacheOp, ...]) -> None:
+        """Run this rank's operations in order (a failed disk read is reported as a "load_failed" event)."""
+        timings: dict[str, list[float]] = {}
+        for op in ops:
+            if op.rank != self.cp_rank:
+                continue
+            if isinstance(op, ToHost):
+                self._to_host(op)
+            elif isinstance(op, FromHost):
+                self._timed(timings, "host", self._from_host, op)
+            elif isinstance(op, SaveEntry):
+                self._save(op)
+            elif isinstance(op, LoadEntry):
+                self._timed(timings, "disk", self._load, op)
+            elif isinstance(op, DeleteEntry):
+                self._delete(op)
+            elif isinstance(op, ForgetEntry) and self.writer is not None:
+                self.writer.forget(op.entry, op.shard)
+        for tier, (nbytes, seconds) in timings.items():
+            self._events.append(TierEvent("restored", self.cp_rank, tier=tier, nbytes=int(nbytes), seconds=seconds))
+
+    def events(self) -> tuple[TierEvent, ...]:
+        out = self._events + (self.writer.events() if self.writer is not None else [])
+        self._events = []
+        return tuple(out)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    # ------------------------------------------------------------------ operations
+    def _timed(self, timings: dict, tier: str, fn, op) -> None:
+        t0 = time.perf_counter()
+        nbytes = fn(op)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        acc = timings.setdefault(tier, [0.0, 0.0])
+        acc[0] += nbytes
+        acc[1] += time.perf_counter() - t0
+
+    def _to_host(self, op: ToHost) -> None:
+        s = torch.from_numpy(op.slots).to(self.device)
+        hs = torch.from_numpy(op.host_slots)
+        self.host_k.index_copy_(1, hs, self.store.k.index_select(1, s).cpu())  # [L, M, Hkv, D]
+        self.host_v.index_copy_(1, hs, self.store.v.index_select(1, s).cpu())
+
+    def _from_host(self, op: FromHost) -> int:
+        s = torch.from_numpy(op.slots).to(self.device)
+        hs = torch.from_numpy(op.host_slots)
+        k = self.host_k.index_select(1, hs)  # [L, M, Hkv, D]
+        v = self.host_v.index_select(1, hs)
+        self.store.k.index_copy_(1, s, k.to(self.device, non_blocking=True))
+        self.store.v.index_copy_(1, s, v.to(self.device, non_blocking=True))
+        return 2 * k.numel() * k.element_size()
+
+    def _gather(self, op: SaveEntry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The rows to write, [M, 2, L, Hkv, D] in host memory, copied now (the slots may be reused next)."""
+        if op.source == "host":
+            hs = torch.from_numpy(op.slots)
+            k, v = self.host_k.index_select(1, hs), self.host_v.index_select(1, hs)
+        else:
+            s = torch.from_numpy(op.slots).to(self.device)
+            k, v = self.store.k.index_select(1, s), self.store.v.index_select(1, s)
+        kv = torch.stack((k, v), 0).permute(2, 0, 1, 3, 4)  # [M, 2, L, Hkv, D]
+        if kv.device.type != "cuda":
+            return kv.contiguous(), None
+        out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+        out.copy_(kv, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return out, ready
+
+    def _save(self, op: SaveEntry) -> None:
+        if self.writer is None:
+            return
+        kv, ready = self._gather(op)
+        header = EntryHeader(self.layout, op.entry, self.cp_rank, self.cp, self.tp_rank, op.pos0, op.count,
+                             op.path, op.positions, 0)
+        self.writer.submit(header, kv, self.cp_rank, ready)
+
+    def _load(self, op: LoadEntry) -> int:
+        try:
+            parts = []
+            for entry, shard, rows in op.parts:
+                kv = self.writer.rows(entry, shard, rows) if self.writer is not None else None
+                if kv is None:
+                    kv = read_rows(self.directory / file_name(entry, shard, self.tp_rank), rows)
+                parts.append(kv)
+            kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [K, 2, L, Hkv, D]
+            if tuple(kv.shape[2:]) != (self.store.k.shape[0],) + tuple(self.store.k.shape[2:]):
+                raise CorruptEntry(f"rows of shape {tuple(kv.shape)} do not fit this rank's KV store")
+        except (CorruptEntry, OSError) as exc:
+            self._events.append(TierEvent("load_failed", self.cp_rank, node=op.node,
+                                          error=f"{type(exc).__name__}: {exc}"))
+            return 0
+        s = torch.from_numpy(op.slots).to(self.device)
+        self.store.k.index_copy_(1, s, kv[:, 0].transpose(0, 1).to(self.device, self.store.k.dtype))
+        self.store.v.index_copy_(1, s, kv[:, 1].transpose(0, 1).to(self.device, self.store.v.dtype))
+        return kv.numel() * kv.element_size()
+
+    def _delete(self, op: DeleteEntry) -> None:
+        if self.writer is not None:
+            self.writer.delete(op.entry, op.shard)
+        elif self.directory is not None:
+            try:
+                os.unlink(self.directory / file_name(op.entry, op.shard, self.tp_rank))
+            except OSError:
+                pass
