@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from cpinfer.attention.local import CAUSAL, FULL, MASK
+from cpinfer.attention.items import CAUSAL, FULL, MASK
 
 NO_DIAG = 2 ** 30  # diag of a range without a causal edge: every key - row is below it (kernels use int32)
 

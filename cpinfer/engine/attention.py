@@ -11,6 +11,9 @@ Sliding-window layers get their own plan, once per forward per distinct window: 
 only the cached keys that can still be in some query's window (positions > start - window; `SlotPositions`
 mirrors every rank's slot positions from the batches) plus the new ones, and runs windowed `cp_attention` on
 them — tiles, ring steps and messages no query can see are skipped.
+
+`prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
+tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
 """
 from __future__ import annotations
 
@@ -20,9 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import get_step_backend, resolve_name
-from cpinfer.attention.local import FULL, AttnItem, build_items, mark_first, new_accumulator
+from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
+from cpinfer.attention.items import FULL, AttnItem, mark_first, new_accumulator
+from cpinfer.attention.local import build_items
 from cpinfer.attention.merge import merge_partials
+from cpinfer.attention.step import HeadLayout
+from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
@@ -75,10 +81,10 @@ def _shift(items: list[AttnItem], dq: int, dk: int) -> list[AttnItem]:
     return [dataclasses.replace(it, q0=it.q0 + dq, q1=it.q1 + dq, k0=it.k0 + dk, k1=it.k1 + dk) for it in items]
 
 
-def _causal_items(q_pos: np.ndarray, k_pos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
+def _causal_items(q_pos: np.ndarray, k_pos: np.ndarray, q0: int, k0: int, stair: int) -> list[AttnItem]:
     """Queries of one sequence against new keys of the same sequence (kv_pos <= q_pos), offsets applied."""
     zq, zk = np.zeros(len(q_pos), dtype=np.int64), np.zeros(len(k_pos), dtype=np.int64)
-    return _shift(build_items(zq, q_pos, zk, k_pos), q0, k0)
+    return _shift(build_items(zq, q_pos, zk, k_pos, min_stair=stair), q0, k0)
 
 
 class BatchAttention:
@@ -91,9 +97,11 @@ class BatchAttention:
         name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
         self.backend_name, self.device = name, device
         self.backend = get_step_backend(name, device)
+        self.stair = min_stair(name)
         self.batch, self.slot_positions = batch, slot_positions
-        self._windowed: dict[int, tuple[CPAttentionPlan, torch.Tensor]] = {}  # window -> (plan, my gathered slots)
-        self._tables: dict = {}  # device tables of the steps, built on first use and reused by every layer
+        self._windowed: dict[int, CPAttentionPlan] = {}  # window -> its plan over my gathered slots
+        self.tables = ForwardTables(device)  # every device index of the forward, uploaded once (`prepare`)
+        self.prepared = False
         seqs = batch.seqs
         self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
         counts = np.asarray([[len(x) for x in row] for row in self.idx], dtype=np.int64).reshape(world, len(seqs))
@@ -152,7 +160,8 @@ class BatchAttention:
                     packed = _merge_runs(np.stack((starts, starts + runs[:, 1] - runs[:, 0]), axis=1))
                     items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in packed]
                 if len(s.token_ids) > 1 and self.counts[src, b]:
-                    items += _causal_items(self.pos[me][b], self.pos[src][b], q0, len(u) + int(self.qoff[src, b]))
+                    items += _causal_items(self.pos[me][b], self.pos[src][b], q0, len(u) + int(self.qoff[src, b]),
+                                           self.stair)
             self.steps.append(mark_first(items, len(covered), covered))
 
     def _plan_pass_q(self, seqs) -> None:
@@ -170,16 +179,41 @@ class BatchAttention:
                 q0 = int(self.qoff[src, b])
                 store_items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in self.full_runs[me][b]]
                 if len(s.token_ids) > 1 and self.counts[me, b]:
-                    new_items += _causal_items(self.pos[src][b], self.pos[me][b], q0, int(self.qoff[me, b]))
+                    new_items += _causal_items(self.pos[src][b], self.pos[me][b], q0, int(self.qoff[me, b]),
+                                               self.stair)
             covered = np.zeros(int(self.nq[src]), dtype=bool)
             self.steps.append((mark_first(store_items, len(covered), covered),
                                mark_first(new_items, len(covered), covered)))
 
-    def _window_plan(self, window: int) -> tuple[CPAttentionPlan, torch.Tensor]:
+    def prepare(self, layout: HeadLayout, windows) -> ForwardTables:
+        """Plan every kind of layer the model has (`windows`: each layer's window, None = full attention) and put
+        every device index the forward reads into `self.tables`: the model's inputs ("input_ids", "positions",
+        "slots"), the kernel tables of every ring step, the rows each message packs and the windowed gathers.
+        The caller uploads them once, before layer 0; inside the layers nothing else crosses to the device."""
+        t = self.tables
+        for name in ("input_ids", "positions", "slots"):
+            t.put((name,), getattr(self, name).astype(np.int64, copy=False))  # [Lq] each
+        if any(w is None for w in windows):
+            self._plan_full()
+            self._prepare_full(layout)
+        for w in sorted({int(w) for w in windows if w is not None}):
+            self._window_plan(w, layout)
+        self.prepared = True
+        return t
+
+    def _prepare_full(self, layout: HeadLayout) -> None:
+        for j, step in enumerate(self.steps):
+            if isinstance(step, tuple):
+                self.backend.prepare_items(step[0], None, self.tables, ("full", "store", j), layout)
+                self.backend.prepare_items(step[1], None, self.tables, ("full", "new", j), layout)
+            else:
+                self.backend.prepare_items(step, None, self.tables, ("full", "kv", j), layout)
+        if self.strategy == "pass-kv" and self.world > 1:
+            self.tables.put(("full", "send"), self.send_slots[self.rank])
+
+    def _window_plan(self, window: int, layout: HeadLayout) -> None:
         """The windowed plan (once per forward and window): per rank, each sequence's keys that can be in some
         query's window — cached slots with positions >= start - window + 1, then the new tokens' slots."""
-        if window in self._windowed:
-            return self._windowed[window]
         if self.slot_positions is None:
             raise RuntimeError("a sliding-window layer needs the runner's SlotPositions (a bug: none was passed)")
         seqs, cat = self.batch.seqs, (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
@@ -199,37 +233,35 @@ class BatchAttention:
                 mine = cat(slots)
         plan = plan_from_metadata(q_meta, kv_meta, group=self.group, rank=self.rank, world=self.world,
                                   strategy=self.strategy, backend=self.backend_name, window=window)
-        self._windowed[window] = plan, torch.from_numpy(mine).to(self.device)
-        return self._windowed[window]
+        plan.table_prefix = ("win", window)
+        plan.prepare(layout, self.device, self.tables)
+        self.tables.put(("win", window, "gather"), mine)  # [keys] my store slots the plan's K/V rows come from
+        self._windowed[window] = plan
 
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
             window: int | None = None) -> torch.Tensor:
         """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
         `window`: the layer's sliding window (None: full causal attention)."""
+        if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
+            self.prepare(HeadLayout.of(q, k_new), [window])
+            self.tables.upload()
         if window is not None:
-            plan, gather = self._window_plan(window)
-            return plan.run(q, store_k.index_select(0, gather), store_v.index_select(0, gather), timings, scale)
+            if window not in self._windowed:
+                self._window_plan(window, HeadLayout.of(q, k_new))
+            gather = self.tables[("win", window, "gather")]
+            return self._windowed[window].run(q, store_k.index_select(0, gather), store_v.index_select(0, gather),
+                                              timings, scale)
         if self.steps is None:
             self._plan_full()
-        if not self._tables:  # device tables of every step, once per forward and before the ring (no host work inside)
-            self._prepare(q, k_new)
+            self._prepare_full(HeadLayout.of(q, k_new))
         if self.strategy == "pass-kv" and self.world > 1:
             return self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings)
         return self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
 
-    def _prepare(self, q, k) -> None:
-        self._tables["prepared"] = True
-        for j, step in enumerate(self.steps):
-            if isinstance(step, tuple):
-                self.backend.prepare_items(step[0], None, q, k, self._tables, ("store", j))
-                self.backend.prepare_items(step[1], None, q, k, self._tables, ("new", j))
-            else:
-                self.backend.prepare_items(step, None, q, k, self._tables, ("kv", j))
-
     def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings):
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-        u = torch.from_numpy(self.send_slots[self.rank]).to(q.device)
+        u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         packed = k_new.new_zeros((2, self.max_send) + tuple(k_new.shape[1:]))  # [2, max_send, Hkv, D]
         packed[0, :len(u)] = store_k.index_select(0, u)
         packed[1, :len(u)] = store_v.index_select(0, u)
@@ -238,7 +270,7 @@ class BatchAttention:
 
         def compute(j, block):
             self.backend.attend_items(self.steps[j], None, q, block[0], block[1], acc_out, acc_lse, scale,
-                                      self._tables, ("kv", j))
+                                      self.tables, ("full", "kv", j))
 
         ring_steps(self.group, packed, self.world, compute, timings)
         return acc_out.to(q.dtype)
@@ -247,9 +279,10 @@ class BatchAttention:
         """One rank: my queries against my store and my new K/V, straight into one accumulator."""
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
         store_items, new_items = self.steps[0]
-        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self._tables,
-                                  ("store", 0))
-        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self._tables, ("new", 0))
+        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
+                                  ("full", "store", 0))
+        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self.tables,
+                                  ("full", "new", 0))
         return acc_out.to(q.dtype)
 
     def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
@@ -268,9 +301,9 @@ class BatchAttention:
             part = partials[(self.rank - j) % n]
             store_items, new_items = self.steps[j]
             self.backend.attend_items(store_items, None, block, store_k, store_v, part[..., :d], part[..., d],
-                                      scale, self._tables, ("store", j))
+                                      scale, self.tables, ("full", "store", j))
             self.backend.attend_items(new_items, None, block, k_new, v_new, part[..., :d], part[..., d], scale,
-                                      self._tables, ("new", j))
+                                      self.tables, ("full", "new", j))
 
         ring_steps(self.group, cur, n, compute, timings)
         if n == 1:

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from cpinfer import timing
-from cpinfer.attention.local import new_accumulator
+from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
 from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
@@ -51,7 +52,9 @@ class ModelRunner:
             self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
-        self.n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
+        attn = self.model.model.layers[0].self_attn
+        self.n_kv = attn.num_kv_heads  # this TP rank's KV heads
+        self.layout = HeadLayout(attn.num_heads, self.n_kv, self.config.head_dim, dtype)  # what attention gets
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
@@ -100,10 +103,9 @@ class ModelRunner:
         if self.slot_positions is not None:
             self.slot_positions.record(batch)
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
-        dev = self.ctx.device
-        ids = torch.from_numpy(plan.input_ids).to(dev)
-        pos = torch.from_numpy(plan.positions).to(dev)
-        slots = torch.from_numpy(plan.slots).to(dev)
+        tables = plan.prepare(self.layout, self.windows)  # every index of the forward, planned on the host
+        tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
+        ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         store, steps = self.store, []  # steps: ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
