@@ -6,6 +6,7 @@ exactly without a GPU. Every call is recorded in `CALLS`.
 """
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
@@ -57,7 +58,9 @@ def varlen_reference(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1)):
 
 def make_module(fa3: bool = False, version: str = "2.7.4") -> types.ModuleType:
     """A module named like flash-attn 3's `flash_attn_interface` or flash-attn 2's `flash_attn`."""
-    mod = types.ModuleType("flash_attn_interface" if fa3 else "flash_attn")
+    name = "flash_attn_interface" if fa3 else "flash_attn"
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)  # libraries probe it with find_spec
     mod.__version__ = "3.0.0" if fa3 else version
 
     def fa2_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -178,12 +178,22 @@ class FlashAttnBackend(StepBackend):
     def handles(layout: HeadLayout) -> bool:
         return layout.dtype in DTYPES and layout.head_dim <= 256 and layout.head_dim % 8 == 0
 
-    def prepare_items(self, items, vectors, tables: ForwardTables, key, layout: HeadLayout) -> None:
+    def maps_keys(self, layout: HeadLayout) -> bool:
+        return self.handles(layout)  # keys are gathered through an index anyway: several K sources read as one
+
+    def prepare_items(self, items, vectors, tables: ForwardTables, key, layout: HeadLayout, key_map=None) -> None:
         if not self.handles(layout):  # fp32 and odd head sizes: the whole step through the tiled Triton kernel
+            if key_map is not None:
+                raise ValueError(f"{layout.dtype} / head_dim {layout.head_dim} runs the Triton kernel, which takes "
+                                 "no key_map")
             self.tiled.prepare_items(items, vectors, tables, key + ("tiled",), layout)
             tables.meta[key] = {"delegate": True}
             return
         calls = varlen_calls(items)
+        if key_map is not None:
+            if any(it.kind == MASK for it in items):
+                raise ValueError("a key_map cannot be used with MASK tiles (they read contiguous key ranges)")
+            calls = [dataclasses.replace(c, k_rows=np.asarray(key_map(c.k_rows), dtype=np.int64)) for c in calls]
         for c, call in enumerate(calls):
             for field in ("q_rows", "k_rows", "cu_q", "cu_k"):
                 tables.put(key + (c, field), getattr(call, field))

@@ -33,11 +33,16 @@ class StepBackend(abc.ABC):
 
     name: str
 
-    def prepare_items(self, items, vectors, tables: ForwardTables, key, layout: HeadLayout) -> None:
+    def maps_keys(self, layout: HeadLayout) -> bool:
+        """Whether prepare_items takes a `key_map` for this layout (the backend gathers keys through an index)."""
+        return False
+
+    def prepare_items(self, items, vectors, tables: ForwardTables, key, layout: HeadLayout, key_map=None) -> None:
         """Put into `tables` (under `key`) what `attend_items(items, ..., tables, key)` will read on the device, so
         that no host work or host→device copy happens inside a ring step. `vectors`: a callable returning the
         step's metadata (q_seq, q_pos, kv_seq, kv_seq_end, kv_pos) as int64 arrays in the items' row order, or
-        None; `layout`: heads, head_dim and dtype of the q and k the step will get."""
+        None; `layout`: heads, head_dim and dtype of the q and k the step will get; `key_map` (when
+        `maps_keys(layout)`): items' key indices (int64 array) → rows of the k the step gets."""
 
     @abc.abstractmethod
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale: float,
@@ -76,7 +81,8 @@ class ItemBackend(StepBackend):
     def __init__(self, name: str, kernel):
         self.name, self.kernel = name, kernel
 
-    def prepare_items(self, items, vectors, tables, key, layout) -> None:
+    def prepare_items(self, items, vectors, tables, key, layout, key_map=None) -> None:
+        no_key_map(self, key_map)
         masked = [i for i, it in enumerate(items) if it.mask is not None]
         tables.meta[key] = {"masked": masked, "items": None}
         if tables.device.type != "cpu":
@@ -91,6 +97,11 @@ class ItemBackend(StepBackend):
                 meta["items"] = with_device_masks(items, meta["masked"], tables, key)
             items = meta["items"]
         run_items(items, q, k, v, acc_out, acc_lse, scale, self.kernel)
+
+
+def no_key_map(backend: StepBackend, key_map) -> None:
+    if key_map is not None:
+        raise ValueError(f"the {backend.name} backend reads keys as contiguous ranges: it takes no key_map")
 
 
 def with_device_masks(items, masked, tables: ForwardTables, key) -> list[AttnItem]:
@@ -132,4 +143,4 @@ def step_vectors(plan, j: int):
 
 
 __all__ = ["HeadLayout", "StepBackend", "ItemBackend", "plan_tables", "plan_key", "step_vectors", "with_device_masks",
-           "ensure_prepared"]
+           "ensure_prepared", "no_key_map"]

@@ -11,7 +11,7 @@ import torch
 from cpinfer.attention import triton_attention
 from cpinfer.attention.items import MASK, AttnItem, run_items
 from cpinfer.attention.kernels import sdpa_math_backend
-from cpinfer.attention.step import HeadLayout, StepBackend, ensure_prepared, with_device_masks
+from cpinfer.attention.step import HeadLayout, StepBackend, ensure_prepared, no_key_map, with_device_masks
 from cpinfer.attention.tables import ForwardTables
 from cpinfer.attention.tiles import item_table, split_table, tile_table
 
@@ -54,7 +54,8 @@ class TritonBackend(StepBackend):
     def block_m_for(self, layout: HeadLayout) -> int:
         return triton_attention.block_m_for(layout.heads // layout.kv_heads, self.block_m)
 
-    def prepare_items(self, items, vectors, tables: ForwardTables, key, layout: HeadLayout) -> None:
+    def prepare_items(self, items, vectors, tables: ForwardTables, key, layout: HeadLayout, key_map=None) -> None:
+        no_key_map(self, key_map)
         block_m = self.block_m_for(layout)
         tables.meta[key] = put_step_tables(
             tables, key, items, None if vectors is None else vectors(), block_m // (layout.heads // layout.kv_heads),

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
-from cpinfer.attention.items import FULL, AttnItem, mark_first, new_accumulator
+from cpinfer.attention.items import FULL, MASK, AttnItem, mark_first, new_accumulator
 from cpinfer.attention.local import build_items
 from cpinfer.attention.merge import merge_partials
 from cpinfer.attention.step import HeadLayout
@@ -102,6 +102,8 @@ class BatchAttention:
         self._windowed: dict[int, CPAttentionPlan] = {}  # window -> its plan over my gathered slots
         self.tables = ForwardTables(device)  # every device index of the forward, uploaded once (`prepare`)
         self.prepared = False
+        self.store_rows: int | None = None  # set by `prepare` for backends that read a step in one call
+        self.both: dict[int, list[AttnItem]] = {}  # step -> its store and new-key items as one list (`_one_source`)
         seqs = batch.seqs
         self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
         counts = np.asarray([[len(x) for x in row] for row in self.idx], dtype=np.int64).reshape(world, len(seqs))
@@ -185,12 +187,15 @@ class BatchAttention:
             self.steps.append((mark_first(store_items, len(covered), covered),
                                mark_first(new_items, len(covered), covered)))
 
-    def prepare(self, layout: HeadLayout, windows) -> ForwardTables:
+    def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None) -> ForwardTables:
         """Plan every kind of layer the model has (`windows`: each layer's window, None = full attention) and put
         every device index the forward reads into `self.tables`: the model's inputs ("input_ids", "positions",
         "slots"), the kernel tables of every ring step, the rows each message packs and the windowed gathers.
-        The caller uploads them once, before layer 0; inside the layers nothing else crosses to the device."""
+        The caller uploads them once, before layer 0; inside the layers nothing else crosses to the device.
+        `store_rows`: the store's size; with it a backend that addresses keys through an index (flash-attn) reads
+        a step's store rows and new rows (already written to the store) in one call."""
         t = self.tables
+        self.store_rows = store_rows if self.backend.maps_keys(layout) else None
         for name in ("input_ids", "positions", "slots"):
             t.put((name,), getattr(self, name).astype(np.int64, copy=False))  # [Lq] each
         if any(w is None for w in windows):
@@ -203,13 +208,40 @@ class BatchAttention:
 
     def _prepare_full(self, layout: HeadLayout) -> None:
         for j, step in enumerate(self.steps):
-            if isinstance(step, tuple):
+            if isinstance(step, tuple) and self.store_rows is not None and not any(
+                    it.kind == MASK for it in step[1]):  # one call: the new keys read from the store
+                self.both[j] = self._one_source(step)
+                self.backend.prepare_items(self.both[j], None, self.tables, ("full", "both", j), layout,
+                                           key_map=self._store_row_of)
+            elif isinstance(step, tuple):
                 self.backend.prepare_items(step[0], None, self.tables, ("full", "store", j), layout)
                 self.backend.prepare_items(step[1], None, self.tables, ("full", "new", j), layout)
             else:
                 self.backend.prepare_items(step, None, self.tables, ("full", "kv", j), layout)
         if self.strategy == "pass-kv" and self.world > 1:
             self.tables.put(("full", "send"), self.send_slots[self.rank])
+
+    def _one_source(self, step) -> list[AttnItem]:
+        """A pass-Q / local step's store items and new-key items as one list over [store rows ; my new rows]."""
+        store_items, new_items = step
+        return list(store_items) + _shift(new_items, 0, self.store_rows)
+
+    def _store_row_of(self, keys: np.ndarray) -> np.ndarray:
+        """Key index of `_one_source` items → store row (my new tokens' K/V sit in their slots by then)."""
+        new = keys >= self.store_rows
+        return np.where(new, self.slots[np.where(new, keys - self.store_rows, 0)], keys)
+
+    def _attend(self, j: int, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale) -> None:
+        """Step j of pass-Q / local: the queries `q` against my store and my new K/V, merged into (acc_out, acc_lse)."""
+        if j in self.both:
+            self.backend.attend_items(self.both[j], None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
+                                      ("full", "both", j))
+            return
+        store_items, new_items = self.steps[j]
+        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
+                                  ("full", "store", j))
+        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self.tables,
+                                  ("full", "new", j))
 
     def _window_plan(self, window: int, layout: HeadLayout) -> None:
         """The windowed plan (once per forward and window): per rank, each sequence's keys that can be in some
@@ -278,11 +310,7 @@ class BatchAttention:
     def _run_local(self, q, k_new, v_new, store_k, store_v, scale):
         """One rank: my queries against my store and my new K/V, straight into one accumulator."""
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-        store_items, new_items = self.steps[0]
-        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
-                                  ("full", "store", 0))
-        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self.tables,
-                                  ("full", "new", 0))
+        self._attend(0, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
         return acc_out.to(q.dtype)
 
     def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
@@ -299,11 +327,7 @@ class BatchAttention:
 
         def compute(j, block):
             part = partials[(self.rank - j) % n]
-            store_items, new_items = self.steps[j]
-            self.backend.attend_items(store_items, None, block, store_k, store_v, part[..., :d], part[..., d],
-                                      scale, self.tables, ("full", "store", j))
-            self.backend.attend_items(new_items, None, block, k_new, v_new, part[..., :d], part[..., d], scale,
-                                      self.tables, ("full", "new", j))
+            self._attend(j, block, k_new, v_new, store_k, store_v, part[..., :d], part[..., d], scale)
 
         ring_steps(self.group, cur, n, compute, timings)
         if n == 1:

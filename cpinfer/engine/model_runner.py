@@ -103,10 +103,11 @@ class ModelRunner:
         if self.slot_positions is not None:
             self.slot_positions.record(batch)
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
-        tables = plan.prepare(self.layout, self.windows)  # every index of the forward, planned on the host
+        store = self.store
+        tables = plan.prepare(self.layout, self.windows, store.k.shape[1])  # every index, planned on the host
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
-        store, steps = self.store, []  # steps: ring timings of every layer, read after the forward
+        steps = []  # ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
