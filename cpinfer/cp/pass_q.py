@@ -22,7 +22,7 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     rows = plan.max_q if n > 1 else lq
     # partials[s] = (out, lse) of source s's queries against my K/V, packed as [N, rows, H, D+1] for the All2All
     partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)
-    partials[..., d] = -torch.inf
+    partials[..., d].fill_(-torch.inf)
     cur = q
     if n > 1:  # queries travel padded to the longest rank's count
         cur = q.new_zeros((rows, h, d))
@@ -55,7 +55,7 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     lq, h, d = q.shape
     tables = plan_tables(plan, q.device)
     own = torch.zeros(lq, h, d + 1, dtype=torch.float32, device=q.device)  # my queries against my K/V
-    own[..., d] = -torch.inf
+    own[..., d].fill_(-torch.inf)
     parts: dict[int, torch.Tensor] = {}  # source rank -> [rows, H, D+1] partial of its queries against my K/V
 
     def index(dst):  # [rows] int64: my queries that see some key of rank dst (uploaded before the ring)
@@ -77,7 +77,7 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         if block is None:
             return
         part = torch.zeros(block.shape[0], h, d + 1, dtype=torch.float32, device=q.device)
-        part[..., d] = -torch.inf
+        part[..., d].fill_(-torch.inf)
         if plan.steps[j]:
             backend.attend(plan, j, block, k, v, part[..., :d], part[..., d], scale)
         parts[(me - j) % n] = part
@@ -93,7 +93,7 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     back = own.new_empty((sum(recv_sizes), h, d + 1))
     dist.all_to_all_single(back, send, recv_sizes, send_sizes, group=plan.group)
     stacked = own.new_zeros((n, lq, h, d + 1))  # [N, Lq, H, D+1]: slot r the partial from rank r (mine at me)
-    stacked[..., d] = -torch.inf
+    stacked[..., d].fill_(-torch.inf)
     stacked[me] = own
     at = 0
     for r in range(n):

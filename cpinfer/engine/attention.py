@@ -319,7 +319,7 @@ class BatchAttention:
             return self._run_local(q, k_new, v_new, store_k, store_v, scale)
         rows = self.max_q if n > 1 else lq
         partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
-        partials[..., d] = -torch.inf
+        partials[..., d].fill_(-torch.inf)
         cur = q
         if n > 1 and lq < rows:
             cur = q.new_zeros((rows, h, d))
