@@ -100,7 +100,8 @@ def gpu_memory_utilization(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto", dtype_help: str = "",
                   memory: bool = True) -> None:
-    """--device, --dtype, --attention-backend, --share-gpus and (with `memory`) --gpu-memory-utilization."""
+    """--device, --dtype, --attention-backend, --share-gpus, --enforce-eager and (with `memory`)
+    --gpu-memory-utilization."""
     g = parser.add_argument_group("hardware")
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the ranks run: auto = CUDA when a GPU is visible, else CPU (default: %(default)s)")
@@ -117,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
     g.add_argument("--share-gpus", action="store_true",
                    help="CUDA: allow more ranks than GPUs on a node (tensors then go over gloo through host "
                         "memory; for checks on one GPU, not for speed)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: never capture CUDA graphs; decode runs eagerly (default: decode is captured per "
+                        "batch-size bucket and replayed)")
 
 
 def check_arguments(args) -> None:
@@ -128,7 +132,7 @@ def check_arguments(args) -> None:
 def engine_kwargs(args) -> dict:
     """`LLM` / `AsyncLLM` keyword arguments of `add_arguments`' options."""
     kwargs = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
-              "share_gpus": args.share_gpus}
+              "share_gpus": args.share_gpus, "enforce_eager": getattr(args, "enforce_eager", False)}
     if hasattr(args, "gpu_memory_utilization"):
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     return kwargs

@@ -7,7 +7,8 @@ itself), reads of device values on the host (`.item()`, `bool(t)`, `.tolist()`, 
 `np.asarray(t)`), explicit moves (`.to(device)`, `.cuda()`, `.pin_memory()`), and ops whose output size depends on
 the data (`nonzero`, boolean indexing, `masked_select`, `unique`, `repeat_interleave` without an output size). It is
 active from layer 0's forward pre-hook to the last layer's forward hook of the rank's model; kernels of Triton's CPU
-interpreter (numpy inside) run with recording paused. `ForwardTables.upload` calls are counted per forward.
+interpreter (numpy inside) run with recording paused. Uploads (`ForwardTables`, the static decode path's
+`StaticBuffers`) are counted per forward.
 """
 from __future__ import annotations
 
@@ -149,6 +150,17 @@ def install(ctx) -> None:
 
         upload.counted, upload.real = True, real_upload
         ForwardTables.upload = upload
+    from cpinfer.engine.decode_graph import StaticBuffers
+
+    if not getattr(StaticBuffers.upload, "counted", False):
+        real_static = StaticBuffers.upload
+
+        def static_upload(self):
+            _GUARD["uploads"].append("inside the layers" if _GUARD["recorder"] is not None else "before")
+            return real_static(self)
+
+        static_upload.counted, static_upload.real = True, real_static
+        StaticBuffers.upload = static_upload
     if not getattr(ModelRunner.execute, "counted", False):
         real_execute = ModelRunner.execute
 
@@ -171,9 +183,10 @@ def install(ctx) -> None:
 def uninstall(ctx) -> None:
     """On a rank: undo `install`'s patches of shared code (the hooks go with the runner's model)."""
     from cpinfer.attention.tables import ForwardTables
+    from cpinfer.engine.decode_graph import StaticBuffers
     from cpinfer.engine.model_runner import ModelRunner
 
-    for cls, name in ((ForwardTables, "upload"), (ModelRunner, "execute")):
+    for cls, name in ((ForwardTables, "upload"), (StaticBuffers, "upload"), (ModelRunner, "execute")):
         fn = getattr(cls, name)
         if getattr(fn, "counted", False):
             setattr(cls, name, fn.real)

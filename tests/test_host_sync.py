@@ -77,6 +77,21 @@ def test_no_host_work_with_the_triton_backend(llama_checkpoint, pool, strategy):
         _check(llm, lambda: _workload(llm))
 
 
+@pytest.mark.parametrize("cp", [1, 2])
+def test_no_host_work_in_the_static_decode_path(llama_checkpoint, pool, cp):
+    """The static-shape decode path (what CUDA graphs capture; eager here, Triton interpreter): one upload per
+    decode step, nothing from the host inside the layers, windows and full layers, CP1 and CP2."""
+    path = llama_checkpoint("gemma3", max_position_embeddings=512)
+    with _engine(path, cp, pool, static_decode=True) as llm:
+        _check(llm, lambda: _workload(llm))
+        served = llm.engine._pool.run(_static_forwards)
+    assert min(served) >= 6  # the decode steps went through it
+
+
+def _static_forwards(ctx) -> int:
+    return ctx.state["runner"].static.forwards
+
+
 def test_no_host_work_with_the_flash_attn_backend(llama_checkpoint, monkeypatch):
     """The flash-attn backend's host code (fake flash-attn, fp16, CP1, windows: varlen calls + Triton MASK tiles)."""
     import fake_flash_attn as fake

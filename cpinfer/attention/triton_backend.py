@@ -13,10 +13,9 @@ from cpinfer.attention.items import MASK, AttnItem, run_items
 from cpinfer.attention.kernels import sdpa_math_backend
 from cpinfer.attention.step import HeadLayout, StepBackend, ensure_prepared, no_key_map, with_device_masks
 from cpinfer.attention.tables import ForwardTables
-from cpinfer.attention.tiles import item_table, split_table, tile_table
+from cpinfer.attention.tiles import TABLE_FIELDS, item_table, split_table, tile_table
 
 _INT32_LIMIT = 2 ** 30  # labels, positions, rows and keys below this; NO_DIAG sits at it
-TABLE_FIELDS = ("row0", "row1", "off", "k0", "k1", "r0", "r1", "diag")
 
 
 class TritonBackend(StepBackend):

@@ -51,6 +51,16 @@ class SlotPositions:
         for s in batch.seqs:
             self.pos[s.ranks, s.slots] = s.start + np.arange(len(s.slots), dtype=np.int64)
 
+    def recent_runs(self, rank: int, runs: np.ndarray, first_pos: int) -> np.ndarray:
+        """The runs ([R, 2], position order) on `rank` cut to the slots holding positions >= first_pos ([R', 2])."""
+        if not len(runs):
+            return np.zeros((0, 2), dtype=np.int64)
+        last = self.pos[rank, runs[:, 1] - 1]  # the newest position of each run
+        runs = np.array(runs[np.searchsorted(last, first_pos, side="left"):], dtype=np.int64)
+        if len(runs):
+            runs[0, 0] += int(np.searchsorted(self.pos[rank, runs[0, 0]:runs[0, 1]], first_pos, side="left"))
+        return runs
+
     def recent(self, rank: int, runs: np.ndarray, first_pos: int) -> np.ndarray:
         """Slots of `runs` ([R, 2], position order) on `rank` holding positions >= first_pos, in order."""
         if not len(runs):

@@ -19,6 +19,7 @@ from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
 from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
+from cpinfer.engine.decode_graph import StaticDecode
 from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
 from cpinfer.model import ModelConfig, load_model
@@ -28,12 +29,14 @@ _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
 
 class KVStore:
-    """This rank's K/V tensors: k, v [layers, capacity, Hkv, D], indexed by the slots the driver assigns."""
+    """This rank's K/V tensors: k, v [layers, capacity + 1, Hkv, D], indexed by the slots the driver assigns; row
+    `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there."""
 
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype, device):
-        shape = (num_layers, capacity, n_kv_heads, head_dim)
+        shape = (num_layers, capacity + 1, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.sink = capacity
 
     @staticmethod
     def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
@@ -42,7 +45,9 @@ class KVStore:
 
 class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, decode: dict | None = None):
+        """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
+        (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off."""
         self.ctx = ctx
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
         if parallel.tp == 1:
@@ -62,6 +67,8 @@ class ModelRunner:
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
         self._tp_linears = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
         self.store: KVStore | None = None
+        self.decode = dict(decode or {"mode": "off"})
+        self.static: StaticDecode | None = None  # made with the KV store when the decode mode is not "off"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -74,6 +81,8 @@ class ModelRunner:
         # positions of every rank's slots, mirrored from the batches, when some layer has a window
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if any(self.windows) else None
+        if self.decode["mode"] != "off":
+            self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
 
     def profile_forward(self, tokens: int) -> None:
         """A forward of `tokens` new tokens on this rank alone, for its activation peak: every layer's tensors and
@@ -102,6 +111,8 @@ class ModelRunner:
         rank, n = self.groups.cp_rank, self.groups.config.cp
         if self.slot_positions is not None:
             self.slot_positions.record(batch)
+        if self.static is not None and self.static.handles(batch):
+            return self._execute_static(batch, t0)
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         store = self.store
         tables = plan.prepare(self.layout, self.windows, store.k.shape[1])  # every index, planned on the host
@@ -126,6 +137,12 @@ class ModelRunner:
         self.ring_wait_s += wait
         return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait)
 
+    def _execute_static(self, batch: ForwardBatch, t0: float) -> RankResult:
+        """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
+        which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
+        samples = self._draw(batch, which, logits.cpu()) if self.groups.tp_rank == 0 and which else ()
+        return RankResult(samples, {}, time.perf_counter() - t0, 0.0)
+
     def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
         """Sample every sequence whose last new token this rank holds (its logits never leave the rank)."""
         rank = self.groups.cp_rank
@@ -137,6 +154,11 @@ class ModelRunner:
         if not rows:
             return ()
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=hidden.device)]).cpu()
+        return self._draw(batch, which, logits)
+
+    @staticmethod
+    def _draw(batch: ForwardBatch, which: list[int], logits: torch.Tensor) -> tuple[SampleResult, ...]:
+        """Sample sequence which[i] from logits[i] ([len(which), vocab] on the host)."""
         out = []
         for b, row_logits in zip(which, logits):
             try:
@@ -181,15 +203,16 @@ class ModelRunner:
 # ---------------------------------------------------------------- functions the driver runs on every rank
 
 def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int = 1, tp: int = 1,
-                attention_backend: str | None = None, sizing: dict | None = None) -> dict:
+                attention_backend: str | None = None, sizing: dict | None = None, decode: dict | None = None) -> dict:
     """Load this rank's model. With a capacity, allocate its KV store now; with None (CUDA), measure instead:
     `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} → the KV tokens this rank could hold
-    (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest."""
+    (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest. `decode`: the
+    static decode path's mode and bucket bound (`ModelRunner`)."""
     probe = None
     if capacity is None:
         probe = MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
         probe.start()
-    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend)
+    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend, decode)
     ctx.state["runner"] = runner
     info = {"pid": os.getpid()}
     if capacity is not None:

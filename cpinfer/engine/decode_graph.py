@@ -1,0 +1,275 @@
+"""Decode under CUDA graphs (paper §4.3): the decode forward with static shapes, one per batch-size bucket.
+
+A decode forward's shapes depend only on how many tokens the busiest rank holds, so every rank pads its tokens to
+the same bucket (1, 2, 4, 8, then multiples of 8). Static device buffers hold the token ids, positions and KV slots
+(padding rows write a spare slot) and, per ring step and per distinct sliding window, a fixed-size item-mode tile
+table of the Triton step kernel: its loop bounds are read on the device, so the grid never changes (split-KV with
+a fixed number of pieces per row). The host fills a pinned mirror of them and copies it with one non-blocking
+transfer per step. On CUDA the forward — the layers, pass-Q decode's ring, All2All and merge (Alg. 4), the logits
+of the bucket's rows — is captured once per bucket (after an eager warm-up, in a memory pool the buckets share)
+and replayed; with `enforce_eager`, on CPU or over gloo the same static forward runs eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cpinfer import timing
+from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.tiles import NO_DIAG, TABLE_FIELDS
+from cpinfer.cp.ring import ring_steps
+from cpinfer.engine.attention import _merge_runs
+from cpinfer.engine.batch import ForwardBatch
+
+MODES = ("off", "eager", "graph")  # no static path; the static path run eagerly; captured as CUDA graphs
+_ALIGN = 8
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Rows per rank a decode graph is made for: 1, 2, 4, 8, 16, 24, ... (multiples of 8), the last max_rows."""
+    return sorted({min(b, max_rows) for b in [1, 2, 4] + list(range(8, max_rows + 8, 8))})
+
+
+class StaticBuffers:
+    """Device tensors at fixed addresses (a captured graph reads them) and their pinned host mirror.
+
+    fields: (key, numpy dtype, length); `host(key)` is the writable numpy view, `[key]` the device view, and
+    `upload()` moves the whole mirror with one non-blocking copy (on CPU the mirror is the buffer)."""
+
+    def __init__(self, fields, device):
+        self.device = torch.device(device)
+        offsets, total = {}, 0
+        for key, dtype, length in fields:
+            offsets[key] = (total, np.dtype(dtype), length)
+            total += -(-np.dtype(dtype).itemsize * length // _ALIGN) * _ALIGN
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(max(total, _ALIGN), dtype=torch.uint8, pin_memory=cuda)  # [bytes]
+        self._dev = self._host if not cuda else torch.zeros_like(self._host, device=self.device)
+        flat = self._host.numpy()
+        torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+        self._views, self._hosts = {}, {}
+        for key, (off, dtype, length) in offsets.items():
+            nbytes = dtype.itemsize * length
+            self._hosts[key] = flat[off:off + nbytes].view(dtype)
+            self._views[key] = self._dev[off:off + nbytes].view(torch_dtype[dtype])
+
+    def host(self, key) -> np.ndarray:
+        return self._hosts[key]
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self._views[key]
+
+    def upload(self) -> None:
+        if self._dev is not self._host:
+            self._dev.copy_(self._host, non_blocking=True)  # the step's one host→device transfer
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """The host side of one decode forward on this rank (built from the batch, identical logic on every rank)."""
+
+    rows: int  # the bucket: rows every rank pads its tokens to
+    mine: list[int]  # sequences whose token this rank holds, in row order
+    tables: dict  # (step j, window) -> split rows of the source's queries against my store
+    ranges: int  # the largest table's range count
+
+
+def split_rows(row_runs: list[np.ndarray], rows: int, pieces: int) -> dict[str, np.ndarray]:
+    """One item-mode tile table for decode rows: row i sees the key runs row_runs[i] ([R_i, 2], slot ranges) in
+    full; each row's keys are cut into `pieces` parts of equal size (program t = row * pieces + part; parts of a
+    split row write scratch slot `part`). Rows past len(row_runs) get programs that do nothing.
+    Returns the TABLE_FIELDS arrays and "slot" (int64; lengths: programs, programs + 1 and ranges)."""
+    n_real, programs = len(row_runs), rows * pieces
+    lens = np.asarray([len(r) for r in row_runs], dtype=np.int64)
+    runs = np.concatenate(row_runs).astype(np.int64) if lens.sum() else np.zeros((0, 2), dtype=np.int64)
+    row_of = np.repeat(np.arange(n_real), lens)
+    size = runs[:, 1] - runs[:, 0]
+    totals = np.bincount(row_of, weights=size, minlength=n_real).astype(np.int64)  # [n_real] keys per row
+    start = np.cumsum(size) - size - (np.cumsum(totals) - totals)[row_of]  # run start within its row's keys
+    end = start + size
+    bounds = (np.arange(pieces + 1)[None, :] * totals[:, None]) // pieces  # [n_real, pieces + 1]
+    tot = np.maximum(totals[row_of], 1)
+    first = np.clip(((start + 1) * pieces + tot - 1) // tot - 1, 0, pieces - 1)  # part holding the run's first key
+    last = np.clip((end * pieces + tot - 1) // tot - 1, 0, pieces - 1)  # ... and its last key
+    count = last - first + 1
+    run = np.repeat(np.arange(len(runs)), count)
+    part = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    row = row_of[run]
+    lo = np.maximum(start[run], bounds[row, part])
+    hi = np.minimum(end[run], bounds[row, part + 1])
+    keep = hi > lo
+    run, part, row, lo, hi = run[keep], part[keep], row[keep], lo[keep], hi[keep]
+    prog = row * pieces + part  # nondecreasing: runs are in row order, parts increase along them
+    k0 = runs[run, 0] + lo - start[run]
+    owner = np.repeat(np.arange(rows), pieces)
+    real = owner < n_real
+    return {"row0": np.where(real, owner, 0), "row1": np.where(real, owner + 1, 0),
+            "off": np.concatenate(([0], np.cumsum(np.bincount(prog, minlength=programs)))),
+            "k0": k0, "k1": k0 + (hi - lo), "r0": row, "r1": row + 1, "diag": np.full(len(row), NO_DIAG),
+            "slot": np.tile(np.arange(pieces), rows) if pieces > 1 else np.full(programs, -1)}
+
+
+class StaticDecode:
+    """The runner's static-shape decode path: `handles(batch)`, then `execute(batch)` → (my sequences in row order,
+    their logits [rows, vocab] fp32 on the device)."""
+
+    def __init__(self, runner, mode: str, max_rows: int, pieces: int | None = None):
+        if mode not in ("eager", "graph"):
+            raise ValueError(f"the static decode path runs 'eager' or 'graph', got {mode!r}")
+        from cpinfer.attention import triton_attention, triton_merge  # the kernels (Triton is optional)
+
+        self.kernels, self.merge = triton_attention, triton_merge.triton_merge
+        self.runner, self.mode, self.max_rows, self.pieces = runner, mode, max_rows, pieces
+        self.device = runner.ctx.device
+        self.rank, self.world = runner.groups.cp_rank, runner.groups.config.cp
+        self.group = runner.groups.cp_group
+        self.windows = sorted({w for w in runner.windows if w is not None}) + (
+            [None] if any(w is None for w in runner.windows) else [])
+        interp = triton_attention.interpreting()
+        layout = runner.layout
+        self.block_m = triton_attention.block_m_for(layout.heads // layout.kv_heads, 16)  # one row per program
+        self.block_n = 16 if interp else 64
+        self.sizes = bucket_sizes(max_rows)
+        self.buckets: dict[int, dict] = {}
+        self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
+        self.forwards = 0  # decode forwards this path served (diagnostics and tests)
+        self.replays = 0  # ... of which by replaying a captured graph
+
+    # ------------------------------------------------------------------ host side
+    def handles(self, batch: ForwardBatch) -> bool:
+        """A pure decode forward (one sampled token per sequence) of pass-Q (or one rank) that fits a bucket."""
+        if batch.phase != "decode" or (self.world > 1 and batch.strategy != "pass-q"):
+            return False
+        if any(len(s.token_ids) != 1 or s.sample is None or s.prompt_logprobs for s in batch.seqs):
+            return False
+        counts = np.bincount([int(s.ranks[0]) for s in batch.seqs], minlength=self.world)
+        return int(counts.max()) <= self.max_rows
+
+    def plan(self, batch: ForwardBatch) -> DecodeStep:
+        seqs, me, n = batch.seqs, self.rank, self.world
+        rows_of = [[b for b, s in enumerate(seqs) if int(s.ranks[0]) == r] for r in range(n)]
+        rows = next(b for b in self.sizes if b >= max(len(x) for x in rows_of))
+        pieces = self._pieces(rows)
+        visible = {}  # sequence -> its key runs on this rank (its cached runs, plus its new token if here)
+        for b, s in enumerate(seqs):
+            runs = s.ctx_runs[me]
+            if int(s.ranks[0]) == me:
+                runs = np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]]))
+            visible[b] = _merge_runs(runs)
+        tables, ranges = {}, 0
+        for j in range(n):
+            src = rows_of[(me - j) % n]
+            for w in self.windows:
+                runs = [visible[b] if w is None else
+                        self.runner.slot_positions.recent_runs(me, visible[b], seqs[b].start - w + 1) for b in src]
+                tables[(j, w)] = split_rows(runs, rows, pieces)
+                ranges = max(ranges, len(tables[(j, w)]["k0"]))
+        return DecodeStep(rows, rows_of[me], tables, ranges)
+
+    def _pieces(self, rows: int) -> int:
+        if self.pieces is not None:
+            return self.pieces
+        if self.device.type != "cuda":
+            return 1
+        target = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return int(min(16, max(1, math.ceil(target / (rows * self.runner.layout.kv_heads)))))
+
+    def _bucket(self, step: DecodeStep) -> dict:
+        """The bucket for this step: made on first use, remade (bigger, recaptured) when a table outgrows it."""
+        bucket = self.buckets.get(step.rows)
+        if bucket is None or bucket["ranges"] < step.ranges:
+            cap = max(256, 1 << (2 * max(step.ranges, 1) - 1).bit_length())
+            pieces = self._pieces(step.rows)
+            programs = step.rows * pieces
+            fields = [(("ids",), np.int64, step.rows), (("pos",), np.int64, step.rows), (("slots",), np.int64,
+                                                                                          step.rows)]
+            for key in step.tables:
+                fields += [(key + ("row0",), np.int32, programs), (key + ("row1",), np.int32, programs),
+                           (key + ("off",), np.int32, programs + 1), (key + ("slot",), np.int32, programs)]
+                fields += [(key + (f,), np.int32, cap) for f in ("k0", "k1", "r0", "r1", "diag")]
+            bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces,
+                      "rows": step.rows, "graph": None, "logits": None}
+            self.buckets[step.rows] = bucket  # a replaced bucket's graph and memory go with the old dict
+        return bucket
+
+    def _fill(self, bucket: dict, batch: ForwardBatch, step: DecodeStep) -> None:
+        buf, seqs, n = bucket["buffers"], batch.seqs, len(step.mine)
+        sink = self.runner.store.sink
+        for name, values, pad in (("ids", [int(seqs[b].token_ids[0]) for b in step.mine], 0),
+                                  ("pos", [seqs[b].start for b in step.mine], 0),
+                                  ("slots", [int(seqs[b].slots[0]) for b in step.mine], sink)):
+            host = buf.host((name,))
+            host[:n] = values
+            host[n:] = pad
+        for key, table in step.tables.items():
+            for f in TABLE_FIELDS + ("slot",):
+                host = buf.host(key + (f,))
+                host[:len(table[f])] = table[f]
+                host[len(table[f]):] = 0
+        buf.upload()
+
+    # ------------------------------------------------------------------ device side
+    def execute(self, batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
+        step = self.plan(batch)
+        bucket = self._bucket(step)
+        self.forwards += 1
+        self._fill(bucket, batch, step)
+        if bucket["graph"] is not None:
+            bucket["graph"].replay()
+            self.replays += 1
+            logits = bucket["logits"]
+        else:
+            logits = self.forward(bucket)  # eager (and, before a capture, the warm-up: this step's result)
+            if self.mode == "graph":
+                self._capture(bucket)
+        return step.mine, logits[:len(step.mine)]
+
+    def _capture(self, bucket: dict) -> None:
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with timing.paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            bucket["logits"] = self.forward(bucket)  # recorded, not run: this step already ran eagerly
+        bucket["graph"] = graph
+
+    def forward(self, bucket: dict) -> torch.Tensor:
+        """The bucket's decode forward from its static buffers → logits [rows, vocab] fp32."""
+        buf, store, r = bucket["buffers"], self.runner.store, self.runner
+
+        def attn(layer: int, q, k, v):  # q [rows, H, D], k/v [rows, Hkv, D]
+            store.k[layer].index_copy_(0, buf[("slots",)], k)
+            store.v[layer].index_copy_(0, buf[("slots",)], v)
+            return self._attention(bucket, q, store.k[layer], store.v[layer], r.windows[layer])
+
+        with torch.inference_mode():
+            hidden = r.model(buf[("ids",)], buf[("pos",)], attn)  # [rows, hidden]
+            return r.model.compute_logits(hidden)  # [rows, vocab] fp32
+
+    def _attention(self, bucket: dict, q, k, v, window) -> torch.Tensor:
+        n, (rows, h, d) = self.world, q.shape
+        if n == 1:
+            acc_out, acc_lse = new_accumulator(rows, h, d, q.device)
+            self._launch(bucket, (0, window), q, k, v, acc_out, acc_lse)
+            return acc_out.to(q.dtype)
+        partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
+        partials[..., d].fill_(-torch.inf)
+
+        def compute(j, block):  # the queries of rank (rank - j) against my store
+            part = partials[(self.rank - j) % n]
+            self._launch(bucket, (j, window), block, k, v, part[..., :d], part[..., d])
+
+        ring_steps(self.group, q.contiguous(), n, compute)
+        back = torch.empty_like(partials)
+        dist.all_to_all_single(back, partials, group=self.group)  # back[s]: my queries' partial from rank s
+        out, _ = self.merge(back[..., :d], back[..., d], q.dtype)
+        return out
+
+    def _launch(self, bucket: dict, key, q, k, v, acc_out, acc_lse) -> None:
+        buf, pieces = bucket["buffers"], bucket["pieces"]
+        table = tuple(buf[key + (f,)] for f in TABLE_FIELDS)
+        self.kernels.launch_step(q, k, v, acc_out, acc_lse, None, table, self.runner.scale, self.block_m,
+                                 self.block_n, slots=buf[key + ("slot",)] if pieces > 1 else None,
+                                 n_slots=pieces if pieces > 1 else 0)
