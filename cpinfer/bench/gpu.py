@@ -163,9 +163,9 @@ def run(args) -> int:
         print("cpinfer bench gpu needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured")
         return 2
     if args.backends is None:
-        from cpinfer.attention.backends import _has
+        from cpinfer.attention.flash_backend import detect
 
-        args.backends = ["triton"] + (["flash-attn"] if _has("flash_attn") else [])
+        args.backends = ["triton"] + (["flash-attn"] if detect() is not None else [])  # imports (FA3 first)
     res = measure(args)
     print(format_report(res))
     if args.json:

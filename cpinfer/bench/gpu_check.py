@@ -113,11 +113,11 @@ def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, 
 # ---------------------------------------------------------------- (b) attention TFLOP/s beside a GEMM
 
 def part_tflops(out: Path) -> dict:
-    from cpinfer.attention.backends import _has
+    from cpinfer.attention.flash_backend import detect
     from cpinfer.bench import gpu
 
     args = argparse.Namespace(tokens=[8192, 16384, 32768, 65536, 131072], heads=32, kv_heads=8, head_dim=128,
-                              dtype="bf16", backends=["triton"] + (["flash-attn"] if _has("flash_attn") else []),
+                              dtype="bf16", backends=["triton"] + (["flash-attn"] if detect() is not None else []),
                               repeat=3)
     res = gpu.measure(args)
     for r in res["rows"]:
@@ -221,6 +221,73 @@ def part_engine_vs_hf(out_dir: Path) -> dict:
             "rows": [{"model": n, "tokens": t, **st, **c} for n, t, st, c in rows]}
 
 
+# ---------------------------------------------------------------- (d) decode with and without CUDA graphs
+
+def _decode_run(model_dir: str, prompts: list[list[int]], eager: bool, steps: int) -> dict:
+    """Greedy decode of each batch in `prompts` (warm-up first: it captures the bucket's graph) on a fresh CP1 engine;
+    → {batch: (outputs, median TTIT s)} and the graph replays."""
+    import statistics
+
+    from cpinfer import LLM, SamplingParams
+
+    res = {}
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", enforce_eager=eager, enable_prefix_caching=False,
+              max_model_len=4096)
+    try:
+        params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=True, ignore_eos=True)
+        for batch in (1, 8):
+            llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+            outs = llm.generate(prompts[:batch], params)
+            res[batch] = (outs, statistics.median(t for o in outs for t in o.metrics["ttit_s"][1:]))
+        replays = sum(llm.engine._pool.run(_graph_replays))
+    finally:
+        llm.shutdown()
+        del llm
+    _free_cuda()
+    return {"runs": res, "replays": replays}
+
+
+def _graph_replays(ctx) -> int:
+    static = ctx.state["runner"].static
+    return 0 if static is None else static.replays
+
+
+def _same_decode(a, b, tol: float = LOGPROB_TOL_BF16) -> int:
+    """Greedy outputs a, b of one prompt: identical until a bf16 near tie (log-probs within `tol` up to and at the
+    first differing token). Returns how many tokens agree."""
+    n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+    err = max((abs(x - y) for x, y in zip(a.logprobs[:n + 1], b.logprobs[:n + 1])), default=0.0)
+    assert err <= tol, f"decode with and without CUDA graphs differs: log-probs {err:.3f} apart (> {tol})"
+    return n
+
+
+def part_decode_graphs(out: Path) -> dict:
+    """Per-token decode time at CP1 on the GPU (bf16, the embedded SmolLM2-135M: 30 layers, where launch overhead
+    dominates) with CUDA graphs and with `enforce_eager`, batches of 1 and 8 over 2K-token contexts: the same greedy
+    tokens (up to bf16 near ties), the graphs really replayed, and graphs not slower."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.model.resolve import resolve_model
+
+    smol = str(resolve_model(None))
+    prompts = [random_prompt(2048, 49152, seed=s) for s in range(8)]
+    eager, graphs = _decode_run(smol, prompts, True, 64), _decode_run(smol, prompts, False, 64)
+    assert graphs["replays"] > 0 and eager["replays"] == 0, (graphs["replays"], eager["replays"])
+    rows = []
+    for batch in (1, 8):
+        (e_outs, e_ttit), (g_outs, g_ttit) = eager["runs"][batch], graphs["runs"][batch]
+        agree = sum(_same_decode(a, b) for a, b in zip(e_outs, g_outs))
+        rows.append([batch, f"{1e3 * e_ttit:.2f}", f"{1e3 * g_ttit:.2f}", f"{e_ttit / g_ttit:.2f}",
+                     f"{agree}/{sum(len(o.token_ids) for o in e_outs)}"])
+        assert g_ttit <= e_ttit * 1.05, f"batch {batch}: CUDA graphs {g_ttit * 1e3:.2f} ms/token, eager " \
+                                        f"{e_ttit * 1e3:.2f} ms/token"
+    note = ("CP1, bf16, SmolLM2-135M-Instruct (embedded), 2048-token random prompts, 64 greedy tokens, median time "
+            "per token after the first; eager = `enforce_eager=True` (the dynamic path), graphs = the static decode "
+            "path replayed per batch-size bucket.")
+    return {"markdown": note + "\n\n" + _table(["batch", "eager ms/token", "CUDA graphs ms/token", "speed-up",
+                                                 "same tokens"], rows),
+            "rows": rows}
+
+
 # ---------------------------------------------------------------- (e) CP2 on the one GPU equals CP1
 
 def part_cp2_one_gpu(out: Path) -> dict:
@@ -272,7 +339,7 @@ def _versions() -> str:
     import platform
 
     parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"python {platform.python_version()}"]
-    for mod in ("triton", "transformers", "flash_attn"):
+    for mod in ("triton", "transformers", "flash_attn", "flash_attn_interface"):
         try:
             parts.append(f"{mod} {__import__(mod).__version__}")
         except Exception:  # noqa: BLE001 - absent or broken: say so
@@ -284,9 +351,10 @@ PARTS = [
     Part("a", 360, "compiled Triton kernels vs the reference (small shapes, offsets past 2^31, 128K tokens)",
          part_kernels),
     Part("b", 240, "attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM", part_tflops),
-    Part("c", 420, "engine CP1 bf16 vs Hugging Face on the GPU (embedded model; Llama-3-8B shape at 32K, 128K)",
+    Part("c", 400, "engine CP1 bf16 vs Hugging Face on the GPU (embedded model; Llama-3-8B shape at 32K, 128K)",
          part_engine_vs_hf),
-    Part("e", 240, "CP2 on the GPU(s) equals CP1", part_cp2_one_gpu),
+    Part("d", 150, "decode TTIT with and without CUDA graphs (CP1, bf16, batch 1 and 8)", part_decode_graphs),
+    Part("e", 230, "CP2 on the GPU(s) equals CP1", part_cp2_one_gpu),
     Part("report", 60, "markdown report", lambda out: {}),
 ]
 

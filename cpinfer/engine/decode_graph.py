@@ -52,13 +52,20 @@ class StaticBuffers:
         flat = self._host.numpy()
         torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
         self._views, self._hosts = {}, {}
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the mirror
         for key, (off, dtype, length) in offsets.items():
             nbytes = dtype.itemsize * length
             self._hosts[key] = flat[off:off + nbytes].view(dtype)
             self._views[key] = self._dev[off:off + nbytes].view(torch_dtype[dtype])
 
     def host(self, key) -> np.ndarray:
+        """The writable mirror of `key` (call `wait()` first: the previous step's copy may still be reading it)."""
         return self._hosts[key]
+
+    def wait(self) -> None:
+        """Until the previous upload has left the mirror (a rank that does not sample never syncs otherwise)."""
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def __getitem__(self, key) -> torch.Tensor:
         return self._views[key]
@@ -66,6 +73,7 @@ class StaticBuffers:
     def upload(self) -> None:
         if self._dev is not self._host:
             self._dev.copy_(self._host, non_blocking=True)  # the step's one host→device transfer
+            self._copied.record()
 
 
 @dataclasses.dataclass
@@ -75,7 +83,7 @@ class DecodeStep:
     rows: int  # the bucket: rows every rank pads its tokens to
     mine: list[int]  # sequences whose token this rank holds, in row order
     tables: dict  # (step j, window) -> split rows of the source's queries against my store
-    ranges: int  # the largest table's range count
+    ranges: int  # a bound on any rank's table ranges (the same on every rank: they resize buckets together)
 
 
 def split_rows(row_runs: list[np.ndarray], rows: int, pieces: int) -> dict[str, np.ndarray]:
@@ -160,15 +168,18 @@ class StaticDecode:
             if int(s.ranks[0]) == me:
                 runs = np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]]))
             visible[b] = _merge_runs(runs)
-        tables, ranges = {}, 0
+        tables = {}
         for j in range(n):
             src = rows_of[(me - j) % n]
             for w in self.windows:
                 runs = [visible[b] if w is None else
                         self.runner.slot_positions.recent_runs(me, visible[b], seqs[b].start - w + 1) for b in src]
                 tables[(j, w)] = split_rows(runs, rows, pieces)
-                ranges = max(ranges, len(tables[(j, w)]["k0"]))
-        return DecodeStep(rows, rows_of[me], tables, ranges)
+        # every rank can bound every rank's tables from the batch: a run per cached run and the new token, and
+        # each run cut at most pieces - 1 more times
+        bound = sum(max(len(r) for r in s.ctx_runs) + 1 for s in seqs) + len(seqs) * (pieces - 1)
+        assert all(len(t["k0"]) <= bound for t in tables.values())
+        return DecodeStep(rows, rows_of[me], tables, bound)
 
     def _pieces(self, rows: int) -> int:
         if self.pieces is not None:
@@ -199,6 +210,7 @@ class StaticDecode:
     def _fill(self, bucket: dict, batch: ForwardBatch, step: DecodeStep) -> None:
         buf, seqs, n = bucket["buffers"], batch.seqs, len(step.mine)
         sink = self.runner.store.sink
+        buf.wait()
         for name, values, pad in (("ids", [int(seqs[b].token_ids[0]) for b in step.mine], 0),
                                   ("pos", [seqs[b].start for b in step.mine], 0),
                                   ("slots", [int(seqs[b].slots[0]) for b in step.mine], sink)):
