@@ -132,6 +132,9 @@ class StaticDecode:
 
         self.kernels, self.merge = triton_attention, triton_merge.triton_merge
         self.runner, self.mode, self.max_rows, self.pieces = runner, mode, max_rows, pieces
+        if runner.store.sink >= 2 ** 30:  # slots sit in the kernel's int32 tables
+            raise ValueError(f"the static decode path's int32 tables hold slots below 2^30; this rank has "
+                             f"{runner.store.sink} (use enforce_eager=True or a smaller max_kv_tokens_per_rank)")
         self.device = runner.ctx.device
         self.rank, self.world = runner.groups.cp_rank, runner.groups.config.cp
         self.group = runner.groups.cp_group
