@@ -141,6 +141,7 @@ class ModelRunner:
         """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
         which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
         samples = self._draw(batch, which, logits.cpu()) if self.groups.tp_rank == 0 and which else ()
+        # (a rank with no token and no ring to serve ran nothing: `which` is empty, `logits` None)
         return RankResult(samples, {}, time.perf_counter() - t0, 0.0)
 
     def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
