@@ -150,7 +150,7 @@ def install(ctx) -> None:
 
         upload.counted, upload.real = True, real_upload
         ForwardTables.upload = upload
-    from cpinfer.engine.decode_graph import StaticBuffers
+    from cpinfer.engine.decode_tables import StaticBuffers
 
     if not getattr(StaticBuffers.upload, "counted", False):
         real_static = StaticBuffers.upload
@@ -183,7 +183,7 @@ def install(ctx) -> None:
 def uninstall(ctx) -> None:
     """On a rank: undo `install`'s patches of shared code (the hooks go with the runner's model)."""
     from cpinfer.attention.tables import ForwardTables
-    from cpinfer.engine.decode_graph import StaticBuffers
+    from cpinfer.engine.decode_tables import StaticBuffers
     from cpinfer.engine.model_runner import ModelRunner
 
     for cls, name in ((ForwardTables, "upload"), (StaticBuffers, "upload"), (ModelRunner, "execute")):

@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the pool spawns: the st
 pytest.importorskip("triton", reason="the static decode path's attention is the Triton kernel")
 
 from cpinfer import LLM, SamplingParams  # noqa: E402
-from cpinfer.engine.decode_graph import bucket_sizes, split_rows  # noqa: E402
+from cpinfer.engine.decode_tables import bucket_sizes, split_rows  # noqa: E402
 from cpinfer.engine.llm_engine import LLMEngine  # noqa: E402
 from cpinfer.launch import WorkerPool  # noqa: E402
 from pooled_engine import PooledLLM  # noqa: E402
