@@ -78,11 +78,11 @@ def _static_forwards(ctx):
     return ctx.state["runner"].static.forwards
 
 
-def _run(path, cp, pool, static: bool, pieces=None):
+def _run(path, cp, pool, static: bool, pieces=None, tp=1):
     """Three requests (two share a 40-token prefix; different lengths and stop points, so the decode batch shrinks
     from 3 to 1 and buckets change), greedy with log-probs."""
-    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static)
-    llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
+    kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, max_kv_tokens_per_rank=1024, static_decode=static)
+    llm = LLM(str(path), threads_per_rank=1, **kw) if cp * tp == 1 else PooledLLM(str(path), pool, **kw)
     with llm:
         if static and pieces:
             llm.engine._pool.run(_set_pieces, pieces)
@@ -105,6 +105,18 @@ def test_static_decode_equals_the_dynamic_path(llama_checkpoint, pool, cp, varia
     dynamic, _ = _run(path, cp, pool, static=False)
     static, served = _run(path, cp, pool, static=True, pieces=pieces)
     assert min(served) >= 8  # every decode step after the prefill went through the static path, on every rank
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+def test_static_decode_with_tensor_parallel(llama_checkpoint, pool):
+    """TP2 inside one CP rank: both TP ranks run the static forward (its all-reduces at fixed shapes), rank 0
+    samples; the same tokens as the dynamic path."""
+    path = llama_checkpoint("qwen2", max_position_embeddings=512)  # a sliding layer, biases split by rows
+    dynamic, _ = _run(path, 1, pool, static=False, tp=2)
+    static, served = _run(path, 1, pool, static=True, tp=2)
+    assert min(served) >= 8
     for a, b in zip(dynamic, static):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
