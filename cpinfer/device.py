@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                    help="CUDA: allow more ranks than GPUs on a node (tensors then go over gloo through host "
                         "memory; for checks on one GPU, not for speed)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: never capture CUDA graphs; decode runs eagerly (default: decode is captured per "
+                   help="CUDA: never capture CUDA graphs; decode runs eagerly (otherwise it is captured once per "
                         "batch-size bucket and replayed)")
 
 
