@@ -17,7 +17,7 @@ import torch
 
 from cpinfer.attention.items import CAUSAL, FULL, AttnItem, mark_first, new_accumulator
 from cpinfer.attention.kernels import cpu_flash_backend, sdpa_math_backend
-from cpinfer.attention.local import _np, build_items, seq_end_or_default
+from cpinfer.attention.local import MIN_STAIR, _np, build_items, seq_end_or_default
 from cpinfer.attention.step import (HeadLayout, ItemBackend, StepBackend, plan_key, plan_tables,  # noqa: F401
                                     step_vectors)
 
@@ -89,8 +89,6 @@ def get_step_backend(name: str | None, device) -> StepBackend:
 
 def min_stair(name: str | None) -> int:
     """`build_items`' min_stair for a concrete backend name: in-kernel backends take causal squares of any length."""
-    from cpinfer.attention.local import MIN_STAIR
-
     return 1 if name in IN_KERNEL else MIN_STAIR
 
 

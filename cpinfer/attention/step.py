@@ -83,11 +83,12 @@ class ItemBackend(StepBackend):
 
     def prepare_items(self, items, vectors, tables, key, layout, key_map=None) -> None:
         no_key_map(self, key_map)
+        if tables.device.type == "cpu":
+            return  # the items and their masks are used where they are
         masked = [i for i, it in enumerate(items) if it.mask is not None]
         tables.meta[key] = {"masked": masked, "items": None}
-        if tables.device.type != "cpu":
-            for i in masked:
-                tables.put(key + ("mask", i), items[i].mask.numpy())
+        for i in masked:
+            tables.put(key + ("mask", i), items[i].mask.numpy())
 
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
         if q.device.type != "cpu" and any(it.mask is not None for it in items):

@@ -20,7 +20,7 @@ class ForwardTables:
     """Device tables of one forward (or of one plan run alone), filled on the host, uploaded once."""
 
     def __init__(self, device):
-        self.device = torch.device(device)
+        self.device = device if isinstance(device, torch.device) else torch.device(device)
         self.meta: dict = {}  # key -> host-side information that goes with the key's arrays
         self.uploads = 0  # transfers made so far (the engine's forwards make exactly one)
         self._pending: dict = {}  # key -> numpy array waiting for the next upload
