@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import multiprocessing.connection
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -120,20 +119,23 @@ def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbo
         group = dist.group.WORLD
         cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         ctx = RankContext(rank, world_size, group, cpu_group, device, {})
-        outbox.put((rank, "ready", None))
+        outbox.send((rank, "ready", None))
     except Exception as exc:  # noqa: BLE001 - report start-up failure to the driver
-        outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        outbox.send((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
         return
     while True:
-        msg = inbox.get()
+        try:
+            msg = inbox.recv()
+        except EOFError:  # the driver is gone
+            break
         if msg is None:
             break
         fn, args, kwargs = msg
         try:
             result = fn(ctx, *args, **kwargs)
-            outbox.put((rank, "ok", result))
+            outbox.send((rank, "ok", result))  # pickled here: an unpicklable result is this call's error
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-            outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+            outbox.send((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -168,18 +170,25 @@ class WorkerPool:
         ctx = mp.get_context("spawn")
         self._store_dir = tempfile.mkdtemp(prefix="cpinfer-rdzv-")  # private (0700): the ranks' rendezvous file
         store_path = os.path.join(self._store_dir, "store")
-        self._outbox = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        # one pipe each way per rank: a message is pickled and written by the thread that sends it (no feeder
+        # thread to wake up), which is most of a decode step's driver <-> rank round trip
+        self._inboxes, self._outboxes = [], []
         self._procs = []
         self._closed = self._closing = False
         for rank in range(world_size):
+            in_recv, in_send = ctx.Pipe(duplex=False)  # driver -> rank
+            out_recv, out_send = ctx.Pipe(duplex=False)  # rank -> driver
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, store_path, backend, threads_per_rank, timeout_s, self._inboxes[rank],
-                      self._outbox, device),
+                args=(rank, world_size, store_path, backend, threads_per_rank, timeout_s, in_recv, out_send,
+                      device),
                 daemon=True,
             )
             p.start()
+            in_recv.close()  # the rank's ends live in the rank: a dead rank then reads as EOF here
+            out_send.close()
+            self._inboxes.append(in_send)
+            self._outboxes.append(out_recv)
             self._procs.append(p)
         self._watcher = threading.Thread(target=self._watch, name="cpinfer-rank-watcher", daemon=True)
         self._watcher.start()
@@ -200,36 +209,51 @@ class WorkerPool:
                 self.dead_reason = f"rank {rank} exited ({describe_exit(self._procs[rank].exitcode)})"
                 return
 
-    def _collect(self, what: str) -> list[Any]:
+    def _collect(self, what: str, ranks: list[int] | None = None) -> list[Any]:
+        """The answers of `ranks` (default: all) to the call just sent, in rank order."""
+        pending = {self._outboxes[r]: r for r in (range(self.world_size) if ranks is None else ranks)}
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
         deadline = time.monotonic() + self.timeout_s + 30.0
         first_error = None
-        while len(results) + len(errors) < self.world_size:
-            try:
-                rank, status, payload = self._outbox.get(timeout=0.1)
-            except queue.Empty:
-                now = time.monotonic()
-                if self.dead_reason is not None or now > deadline:
-                    self.close(force=True)
-                    why = (f"{self.dead_reason} (see its output above; a script that starts ranks needs an "
-                           "`if __name__ == \"__main__\":` guard)") if self.dead_reason else "no answer in time"
-                    raise RuntimeError(f"worker pool failed during {what}: {why}; the pool was shut down")
-                if first_error is not None and now - first_error > self.fail_grace_s:
-                    self.close(force=True)  # the silent ranks wait in a collective for the failed one: end them
-                    self.dead_reason = (f"rank {min(errors)} raised during {what} while rank(s) "
-                                        f"{sorted(set(range(self.world_size)) - set(errors) - set(results))} "
-                                        "were still inside it")
-                    raise RemoteError(errors)
-                continue
-            if status == "error":
-                errors[rank] = payload
-                first_error = first_error or time.monotonic()
+        while pending:
+            if len(pending) == 1:  # one poll syscall (a decode step of a local request waits on one rank)
+                conn = next(iter(pending))
+                ready = [conn] if conn.poll(0.1) else []
             else:
-                results[rank] = payload
+                ready = multiprocessing.connection.wait(list(pending), timeout=0.1)
+            for conn in ready:
+                r = pending.pop(conn)
+                try:
+                    rank, status, payload = conn.recv()
+                except (EOFError, OSError):  # the rank exited: the watcher names how
+                    self._procs[r].join(timeout=1)
+                    self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._procs[r].exitcode)})"
+                    self._fail(what)
+                if status == "error":
+                    errors[rank] = payload
+                    first_error = first_error or time.monotonic()
+                else:
+                    results[rank] = payload
+            if ready or not pending:
+                continue
+            now = time.monotonic()
+            if self.dead_reason is not None or now > deadline:
+                self._fail(what)
+            if first_error is not None and now - first_error > self.fail_grace_s:
+                self.close(force=True)  # the silent ranks wait in a collective for the failed one: end them
+                self.dead_reason = (f"rank {min(errors)} raised during {what} while rank(s) "
+                                    f"{sorted(pending.values())} were still inside it")
+                raise RemoteError(errors)
         if errors:
             raise RemoteError(errors)
-        return [results[r] for r in range(self.world_size)]
+        return [results[r] for r in sorted(results)]
+
+    def _fail(self, what: str) -> None:
+        self.close(force=True)
+        why = (f"{self.dead_reason} (see its output above; a script that starts ranks needs an "
+               "`if __name__ == \"__main__\":` guard)") if self.dead_reason else "no answer in time"
+        raise RuntimeError(f"worker pool failed during {what}: {why}; the pool was shut down")
 
     def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
         """Call `fn(ctx, *args, **kwargs)` on every rank; results in rank order."""
@@ -237,13 +261,27 @@ class WorkerPool:
 
     def run_each(self, fn: Callable, args_per_rank: list[tuple], kwargs: dict | None = None) -> list[Any]:
         """Like `run`, with a different argument tuple for each rank."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"need {self.world_size} argument tuples, got {len(args_per_rank)}")
+        return self.run_some(fn, args_per_rank, kwargs)
+
+    def run_some(self, fn: Callable, args_per_rank: list[tuple | None], kwargs: dict | None = None) -> list[Any]:
+        """Like `run_each`; a rank whose entry is None is not called at all (its result is None)."""
         if self._closed:
             raise RuntimeError("worker pool is closed")
         if len(args_per_rank) != self.world_size:
-            raise ValueError(f"need {self.world_size} argument tuples, got {len(args_per_rank)}")
-        for inbox, args in zip(self._inboxes, args_per_rank):
-            inbox.put((fn, tuple(args), kwargs or {}))
-        return self._collect(what=getattr(fn, "__name__", "call"))
+            raise ValueError(f"need {self.world_size} argument tuples (or None), got {len(args_per_rank)}")
+        called = [r for r, args in enumerate(args_per_rank) if args is not None]
+        what = getattr(fn, "__name__", "call")
+        for r in called:
+            try:
+                self._inboxes[r].send((fn, tuple(args_per_rank[r]), kwargs or {}))
+            except (BrokenPipeError, EOFError, OSError):  # the rank is gone
+                self._procs[r].join(timeout=1)
+                self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._procs[r].exitcode)})"
+                self._fail(what)
+        answers = dict(zip(called, self._collect(what, called)))
+        return [answers.get(r) for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
         if self._closed:
@@ -251,16 +289,18 @@ class WorkerPool:
         self._closed = self._closing = True
         if not force:
             for inbox in self._inboxes:
-                inbox.put(None)
+                try:
+                    inbox.send(None)
+                except OSError:  # that rank is gone already
+                    pass
             for p in self._procs:
                 p.join(timeout=10)
         for p in self._procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        for q in [*self._inboxes, self._outbox]:  # release the queues now (never wait on a dead rank's pipe)
-            q.cancel_join_thread()
-            q.close()
+        for conn in [*self._inboxes, *self._outboxes]:
+            conn.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def __enter__(self) -> "WorkerPool":

@@ -54,7 +54,7 @@ def test_engine_uses_the_profile_by_path(calibrated, random_checkpoint):
     from cpinfer import LLM, SamplingParams
 
     with LLM(str(random_checkpoint(seed=1)), context_parallel_size=2, hardware_profile=str(calibrated),
-             threads_per_rank=1) as llm:
+             threads_per_rank=1, placement="shard") as llm:
         prompt = list(range(1, 65))
         first = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
         out = llm.generate([prompt + first.token_ids + [7] * 8], SamplingParams(max_tokens=1))[0]

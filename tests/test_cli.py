@@ -2,6 +2,7 @@
 `generate` on the default model and on a .gguf file, and clear errors on bad input."""
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -103,13 +104,19 @@ def test_demo_short_real_conversation_passes(capsys):
     assert out.count("answer 1:") == 2 and out.count("answer 2:") == 2
     rows = [[c.strip() for c in r if c.strip()] for r in _table(out)]
     assert [(r[0], r[1]) for r in rows] == [("1", "1"), ("1", "2"), ("2", "1"), ("2", "2")]
-    for cp, turn, prompt, cached, prefill, decode, *_, kv in rows:
+    for cp, turn, prompt, cached, prefill, decode, placement, *_, kv in rows:
         if turn == "1":
             first_prompt = int(prompt)
-            assert cached == "0" and prefill.startswith("pass-kv")
+            assert cached == "0"
         else:
             assert int(cached) >= first_prompt  # the document's K/V from turn 1 is reused
-        assert len(json.loads(kv)) == int(cp) and decode.startswith("pass-q")
+        assert len(json.loads(kv)) == int(cp)
+        if placement == "spread":  # ring pass-KV for the document, pass-Q decode
+            assert cp == "2" and (turn == "2" or prefill.startswith("pass-kv")) and decode.startswith("pass-q")
+        else:  # one rank holds the conversation: no ring at all
+            assert placement == "local" and prefill.startswith("local") and decode.startswith("local")
+    why = re.findall(r"^\[CP=2\] turn \d: (spread over the ranks|one rank) — (.+)$", out, re.M)
+    assert len(why) == 2 and "predicted" in why[0][1]  # why each turn was spread or kept on one rank
 
 
 def test_demo_document_keeps_whole_paragraphs(tmp_path):

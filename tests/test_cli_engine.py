@@ -30,15 +30,22 @@ def _last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
 
-def test_generate_cp2_json(ckpt, capsys):
+@pytest.mark.parametrize("placement", ["auto", "shard"])
+def test_generate_cp2_json(ckpt, capsys, placement):
     rc = main(["generate", "--model", str(ckpt), "--cp", "2", "--prompt-ids", "1,2,3", "--max-tokens", "3",
-               "--json"])
+               "--placement", placement, "--json"])
     out = capsys.readouterr().out
     assert rc == 0, out
     res = _last_json(out)
     assert len(res["token_ids"]) == 3 and res["prompt_tokens"] == 3 and res["cp"] == 2
-    assert res["strategy"]["prefill"].startswith("pass-kv") and res["strategy"]["decode"].startswith("pass-q")
     assert res["ttft_s"] > 0 and len(res["ttit_s"]) == 2
+    if placement == "shard":  # spread over both ranks: ring pass-KV prefill, pass-Q decode
+        assert res["strategy"]["prefill"].startswith("pass-kv") and res["strategy"]["decode"].startswith("pass-q")
+        assert res["placement"]["placement"] == "spread" and res["placement"]["method"] == "forced"
+    else:  # three tokens: one rank, no ring; the prediction is printed
+        assert res["strategy"] == {"prefill": "local (no-ring)", "decode": "local (no-ring)"}
+        assert res["placement"]["placement"] == "local" and res["placement"]["local_s"] < res["placement"]["spread_s"]
+        assert "placement: one rank (predicted" in out
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -78,10 +78,12 @@ def _static_forwards(ctx):
     return ctx.state["runner"].static.forwards
 
 
-def _run(path, cp, pool, static: bool, pieces=None, tp=1):
+def _run(path, cp, pool, static: bool, pieces=None, tp=1, placement="shard"):
     """Three requests (two share a 40-token prefix; different lengths and stop points, so the decode batch shrinks
-    from 3 to 1 and buckets change), greedy with log-probs."""
-    kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, max_kv_tokens_per_rank=1024, static_decode=static)
+    from 3 to 1 and buckets change), greedy with log-probs. `placement` "shard": every request in the ring (ring rows
+    on every rank); "local": each on one rank (local rows; a rank without one is idle)."""
+    kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, max_kv_tokens_per_rank=1024, static_decode=static,
+              placement=placement)
     llm = LLM(str(path), threads_per_rank=1, **kw) if cp * tp == 1 else PooledLLM(str(path), pool, **kw)
     with llm:
         if static and pieces:
@@ -105,6 +107,20 @@ def test_static_decode_equals_the_dynamic_path(llama_checkpoint, pool, cp, varia
     dynamic, _ = _run(path, cp, pool, static=False)
     static, served = _run(path, cp, pool, static=True, pieces=pieces)
     assert min(served) >= 8  # every decode step after the prefill went through the static path, on every rank
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_static_decode_of_local_requests_at_cp2(llama_checkpoint, pool, variant):
+    """Requests placed on one rank each (issue 18): their decode rows are a rank's local rows (no ring), a rank
+    with no request left is idle; the same tokens as the dynamic path with the same placement."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
+    dynamic, _ = _run(path, 2, pool, static=False, placement="local")
+    static, served = _run(path, 2, pool, static=True, placement="local")
+    assert all(p == "local" for o in static for p in (s["placement"] for s in o.metrics["steps"]))
+    assert min(served) >= 1 and sum(served) >= 8  # both ranks held requests; every decode step went static
     for a, b in zip(dynamic, static):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)

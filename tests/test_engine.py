@@ -28,13 +28,13 @@ def engine():
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_matches_hf_mixed_batch(llama_checkpoint, engine, variant, cp):
     path = llama_checkpoint(variant, max_position_embeddings=2048)
-    llm = engine(path, cp, max_kv_tokens_per_rank=2048)
+    llm = engine(path, cp, max_kv_tokens_per_rank=2048, placement="shard")  # every sequence in the ring
     prompts = prompts_for(llm.config.vocab_size, [1, 37, 130], seed=cp)
     params = SamplingParams(max_tokens=16, prompt_logprobs=True, ignore_eos=True, **GREEDY)
     outs = llm.generate(prompts, params)
     check_against_hf(path, outs, prompts, 16)
     assert all(o.num_cached_tokens == 0 and o.finish_reason == "length" for o in outs)
-    assert outs[0].metrics["steps"][0]["strategy"] == "pass-kv"  # full prefill
+    assert outs[0].metrics["steps"][0]["strategy"] == ("pass-kv" if cp > 1 else "local")  # full prefill
     if cp > 1:
         assert outs[0].metrics["steps"][-1]["strategy"] == "pass-q"  # decode
 
@@ -43,7 +43,7 @@ def test_matches_hf_mixed_batch(llama_checkpoint, engine, variant, cp):
 @pytest.mark.parametrize("strategy", ["auto", "pass-kv", "pass-q"])
 def test_three_turn_conversation_reuses_prefix(llama_checkpoint, engine, cp, strategy):
     path = llama_checkpoint("gqa", max_position_embeddings=2048)
-    llm = engine(path, cp, max_kv_tokens_per_rank=2048, strategy=strategy)
+    llm = engine(path, cp, max_kv_tokens_per_rank=2048, strategy=strategy, placement="shard")
     rng = np.random.default_rng(cp)
     prompt = rng.integers(3, 256, 150).tolist()
     params = SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY)
@@ -60,7 +60,7 @@ def test_three_turn_conversation_reuses_prefix(llama_checkpoint, engine, cp, str
 
 def test_kv_stays_balanced_over_a_long_conversation(llama_checkpoint, engine):
     path = llama_checkpoint("gqa", max_position_embeddings=4096)
-    llm = engine(path, 2, max_kv_tokens_per_rank=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=4096, placement="shard")  # one sequence over both ranks
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, 256, 1001).tolist()
     for turn in range(3):
@@ -179,7 +179,8 @@ def test_calibrated_profile_drives_the_partial_prefill_choice(llama_checkpoint, 
     prof.to_json(prof_path)  # h = -1 everywhere: always pass-Q for partial prefill
     with pytest.raises(ValueError):
         LLM(str(path), hardware_profile=str(tmp_path / "nope.json"))
-    with LLM(str(path), context_parallel_size=2, hardware_profile=str(prof_path), threads_per_rank=1) as llm:
+    with LLM(str(path), context_parallel_size=2, hardware_profile=str(prof_path), threads_per_rank=1,
+             placement="shard") as llm:
         prompt = prompts_for(256, [300], seed=4)[0]
         first = llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))[0]
         turn2 = prompt + first.token_ids + [9] * 200  # T large enough that Alg. 5 would pick pass-KV

@@ -32,7 +32,7 @@ def test_engine_cp2_triton_matches_hf(llama_checkpoint):
     prompts = _shared_prefix_prompts(256)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     with LLM(str(path), context_parallel_size=2, attention_backend="triton", threads_per_rank=1, timeout_s=300,
-             max_kv_tokens_per_rank=1024) as llm:
+             max_kv_tokens_per_rank=1024, placement="shard") as llm:
         first = llm.generate(prompts[:1], params)  # prompt log-probs too (they bypass the prefix cache)
         turn2 = [prompts[0] + first[0].token_ids + [7, 8, 9]] + prompts[1:]  # a second turn, a branch, another
         second = llm.generate(turn2, dataclasses.replace(params, prompt_logprobs=False))
@@ -49,7 +49,7 @@ def test_engine_bf16_matches_hf_bf16(llama_checkpoint):
     prompts = _shared_prefix_prompts(256)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, prompt_logprobs=True, ignore_eos=True)
     with LLM(str(path), context_parallel_size=2, dtype="bfloat16", threads_per_rank=1, timeout_s=300,
-             max_kv_tokens_per_rank=1024) as llm:
+             max_kv_tokens_per_rank=1024, placement="shard") as llm:
         outs = llm.generate(prompts, params)
     hf16 = load_hf_model(path).to(torch.bfloat16)
     hf32 = load_hf_model(path)

@@ -27,6 +27,7 @@ def engines():
     pools: dict[int, WorkerPool] = {}
 
     def get(path, cp, tp=1, **kw):
+        kw.setdefault("placement", "shard")  # the ring under windows; tests/test_placement_engine.py: local ones
         kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, max_kv_tokens_per_rank=2048, **kw)
         if cp * tp == 1:
             return LLM(str(path), threads_per_rank=1, **kw)

@@ -1,5 +1,6 @@
 """The scheduler and the KV manager without ranks: a fake forward (sampled tokens are random) drives random
-add / step / finish / abort / evict / preempt sequences; after every step the cache is recounted from the tree."""
+add / step / finish / abort / evict / preempt sequences under each placement (shard, local, auto); after every step
+the cache is recounted from the tree and every placement is checked against where the sequence's keys are."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,6 +8,9 @@ from hypothesis import strategies as st
 
 from cpinfer.cp.sharding import chunk_ranks
 from cpinfer.engine.kv_manager import BLOCK, KVManager
+from cpinfer.engine.placement import SPREAD, CostModel, Placer
+from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.models import ModelSpec
 from cpinfer.engine.request import Request, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
@@ -15,8 +19,9 @@ from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
 class FakeEngine:
     """The driver's bookkeeping of LLMEngine.step with the forward replaced by random tokens."""
 
-    def __init__(self, n, capacity, budget, seed, max_num_seqs=8):
-        self.kv = KVManager(n, capacity)
+    def __init__(self, n, capacity, budget, seed, max_num_seqs=8, placement="shard"):
+        self.kv = KVManager(n, capacity, placer=make_placer(placement, n))
+        self.mode = placement
         self.sched = Scheduler(self.kv, SchedulerConfig(budget, max_num_seqs))
         self.rng = np.random.default_rng(seed)
         self.live: dict[str, Request] = {}
@@ -36,6 +41,7 @@ class FakeEngine:
             assert len(np.unique(s.placement.ranks * 10**9 + s.placement.slots)) == len(s.tokens)
             assert s.start + len(s.tokens) == s.request.num_stored
             assert sum(int(np.sum(r[:, 1] - r[:, 0])) for r in s.ctx_runs) == s.start
+            check_placement(s, self.mode)
         for s in scheduled:
             req = s.request
             if s.sample:
@@ -66,16 +72,51 @@ class FakeEngine:
             assert len(flat) == r.num_stored
         for nid, node in self.kv.nodes.items():
             assert node.ref == refs.get(nid, 0), (nid, node.ref, refs.get(nid, 0))
+        promised = np.zeros(self.kv.n, dtype=np.int64)  # decode tokens local requests may still add, per rank
+        for r in running:
+            if r.kv.promised:
+                assert r.kv.promised_on == r.kv.home >= 0
+                promised[r.kv.home] += r.kv.promised
+        np.testing.assert_array_equal(self.kv.promised, promised)
+
+
+SMOL = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)
+
+
+def make_placer(mode: str, n: int) -> Placer:
+    """The policy as the engine builds it (auto: the embedded model's shape on the cpu-gloo profile)."""
+    if mode != "auto" or n == 1:
+        return Placer(mode, n)
+    return Placer("auto", n, CostModel(SMOL, load_hardware_profile("cpu-gloo"), n, compute_share=1 / n))
+
+
+def check_placement(s, mode):
+    """A placement agrees with where the sequence's keys are: `spread` iff its old and new keys span ranks; a local
+    sequence's decode token stays with its keys (unless its rank is full); `shard` spreads every prefill."""
+    pl = s.placement
+    before = {r for r, runs in enumerate(s.ctx_runs) if len(runs)}
+    after = before | set(pl.ranks.tolist())
+    assert pl.spread == (len(after) > 1), (before, pl.ranks, pl.spread)
+    assert s.request.kv.home == (SPREAD if len(after) > 1 else min(after))
+    if s.is_decode and len(before) == 1 and mode != "shard" and (pl.decision is None
+                                                                  or pl.decision.method != "capacity"):
+        assert pl.ranks.tolist() == list(before)
+    if mode == "shard" and not s.is_decode and pl.decision is not None:
+        assert pl.decision.spread
+    if mode == "local" and pl.decision is not None:
+        assert pl.decision.method in ("forced", "capacity") and (pl.decision.method == "capacity"
+                                                                 or not pl.decision.spread)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "add_shared", "step", "step", "step", "abort"]),
                          st.integers(0, 10**6)), min_size=5, max_size=60)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, n=st.integers(1, 4), budget=st.sampled_from([None, 7, 40]), seed=st.integers(0, 1000))
-def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed):
-    eng = FakeEngine(n, capacity=6 * BLOCK, budget=budget, seed=seed)
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, n=st.integers(1, 4), budget=st.sampled_from([None, 7, 40]), seed=st.integers(0, 1000),
+       mode=st.sampled_from(["shard", "local", "auto"]))
+def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed, mode):
+    eng = FakeEngine(n, capacity=6 * BLOCK, budget=budget, seed=seed, placement=mode)
     doc = list(range(3, 3 + 150))
     for op, x in ops:
         if op == "add":
@@ -94,9 +135,73 @@ def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed):
         assert eng.step(), "scheduler stalled with work left"
         eng.check()
     assert not eng.live
-    assert all(node.ref == 0 for node in eng.kv.nodes.values())
+    assert all(node.ref == 0 for node in eng.kv.nodes.values()) and not eng.kv.promised.any()
     used = np.asarray(eng.kv.tokens_per_rank())
-    assert used.max() - used.min() <= BLOCK, used  # balanced over the ranks within one block
+    if mode == "shard":
+        assert used.max() - used.min() <= BLOCK, used  # balanced over the ranks within one block
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 300), min_size=8, max_size=50), n=st.integers(2, 4),
+       mode=st.sampled_from(["local", "auto"]), arrivals=st.integers(1, 6))
+def test_local_placements_keep_ranks_balanced(sizes, n, mode, arrivals):
+    """Requests kept whole on one rank go to the least-loaded one (KV tokens, the decode tokens its local requests
+    may still add, and this forward's new tokens once more for their compute): per-rank usage stays within twice
+    the largest request (so within one block per request once there are more requests than that has blocks), in
+    tokens and in blocks (each request leaves at most one part-filled block)."""
+    eng = FakeEngine(n, capacity=(2 * sum(sizes) // n + 64 * len(sizes)) // BLOCK * BLOCK, budget=None, seed=3,
+                     max_num_seqs=64, placement=mode)
+    rng = np.random.default_rng(len(sizes))
+    largest = 0
+    for i, size in enumerate(sizes):
+        outs = 1 + i % 4
+        eng.add([1000 + i] + rng.integers(3, 60, size - 1).tolist(), outs)  # distinct: no prefix shared
+        largest = max(largest, size + outs)
+        if i % arrivals == 0:
+            eng.step()
+            eng.check()
+    while eng.live:
+        assert eng.step()
+        eng.check()
+    used = np.asarray(eng.kv.tokens_per_rank())
+    assert used.sum() == sum(sizes) + sum(i % 4 for i in range(len(sizes)))  # nothing evicted, nothing lost
+    assert used.max() - used.min() <= 2 * largest, used
+    blocks = np.asarray([eng.kv.num_blocks - r.num_free for r in eng.kv.ranks])
+    assert blocks.max() - blocks.min() <= -(-2 * largest // BLOCK) + len(sizes) / n + 1, blocks
+
+
+def test_a_local_request_needs_its_blocks_on_one_rank():
+    """Per-rank admission: a request kept on one rank waits until one rank can hold it (not the sum over ranks),
+    and eviction frees room on that rank only."""
+    eng = FakeEngine(2, capacity=4 * BLOCK, budget=None, seed=0, placement="local")
+    a = eng.add(list(range(3, 203)), 40)  # 200 + 40 tokens: rank 0
+    b = eng.add(list(range(4, 204)), 80)  # rank 1
+    eng.step()
+    assert a.kv.home == 0 and b.kv.home == 1
+    c = eng.add(list(range(5, 155)), 2)  # 150 tokens: 56 free on each rank, 112 in all, neither alone
+    while a.request_id in eng.live:
+        eng.step()
+        eng.check()
+        assert c.kv is None  # not admitted while no single rank (nor both together) can hold it
+    b_slots = b.kv.leaf.slot.view.copy()
+    eng.step()  # a finished: its cached tokens on rank 0 are evicted for c; b's stay
+    assert c.kv is not None and c.kv.home == 0 and eng.kv.tokens_per_rank()[0] == 150
+    np.testing.assert_array_equal(b.kv.leaf.slot.view[:len(b_slots)], b_slots)
+    assert eng.sched.num_preemptions == 0
+    eng.check()
+
+
+def test_a_full_rank_spills_decode_tokens_instead_of_preempting():
+    eng = FakeEngine(2, capacity=4 * BLOCK, budget=None, seed=0, placement="local")
+    a = eng.add(list(range(3, 203)), 100)  # 200 prompt + 100 output > one rank's 256 slots
+    while eng.live:
+        scheduled = eng.step()
+        eng.check()
+        if a.kv is not None and a.num_stored == 257:
+            spill = [s for s in scheduled if s.request is a][0].placement
+            assert spill.ranks.tolist() == [1] and spill.spread and spill.decision.method == "capacity"
+    assert eng.sched.num_preemptions == 0 and len(a.out) == 100
+    assert eng.kv.tokens_per_rank() == [256, 299 - 256]
 
 
 def test_shared_prefix_stored_once_and_split_relabels_only():
@@ -157,3 +262,44 @@ def test_bad_manager_arguments():
         KVManager(2, 10)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(0)
+
+
+def test_a_burst_goes_whole_to_both_ranks_and_a_long_prompt_among_it_spreads():
+    """The scheduler tells the placement the forward's whole work (its floor): 32 short prompts arriving together
+    are kept whole, 16 per rank, with no ring; a 16K prompt with them is still spread."""
+    eng = FakeEngine(2, capacity=32 * 1024, budget=None, seed=0, max_num_seqs=64, placement="auto")
+    shorts = [eng.add([1000 + i] + [5] * 499, 32) for i in range(32)]
+    eng.step()
+    assert [s.kv.home for s in shorts].count(0) == 16 and [s.kv.home for s in shorts].count(1) == 16
+    alone = FakeEngine(2, capacity=32 * 1024, budget=None, seed=0, placement="auto")
+    one = alone.add([7] * 500, 32)
+    alone.step()
+    assert one.kv.home == SPREAD  # alone, halving its prefill beats the ring of 31 decode steps
+    eng = FakeEngine(2, capacity=32 * 1024, budget=None, seed=0, max_num_seqs=64, placement="auto")
+    long = eng.add([9] * 16384, 32)
+    shorts = [eng.add([1000 + i] + [5] * 499, 32) for i in range(32)]
+    eng.step()
+    assert long.kv.home == SPREAD and all(s.kv.home >= 0 for s in shorts)
+    homes = [s.kv.home for s in shorts]
+    assert abs(homes.count(0) - homes.count(1)) <= 2
+    eng.check()
+
+
+def test_eviction_frees_the_rank_that_needs_room():
+    """A local sequence growing on its rank evicts cached segments of that rank only, even when an older cached
+    segment sits on another rank (LRU over the whole cache would evict that one first, for nothing)."""
+    kv = KVManager(2, 4 * BLOCK, placer=Placer("local", 2))
+    x = kv.attach("x", np.arange(3, 104))
+    kv.begin_forward()
+    assert kv.reserve(x, np.arange(3, 103)).ranks.tolist() == [0] * 100
+    a = kv.attach("a", np.arange(1000, 1151))
+    assert set(kv.reserve(a, np.arange(1000, 1150)).ranks.tolist()) == {1}
+    kv.release(a, keep=True)  # cached on rank 1, the older
+    d = kv.attach("d", np.arange(2000, 2065))
+    assert set(kv.reserve(d, np.arange(2000, 2064)).ranks.tolist()) == {0}
+    kv.release(d, keep=True)  # cached on rank 0, the newer
+    a_node, d_node = a.leaf, d.leaf
+    grown = kv.reserve(x, np.arange(5000, 5150))  # x's next 150 tokens need 2 more blocks on rank 0
+    assert grown.ranks.tolist() == [0] * 150 and not grown.spread
+    assert a_node.id in kv.nodes and d_node.id not in kv.nodes
+    kv.check_invariants()

@@ -103,8 +103,9 @@ def runs(request, model_dir, ref):
     cp = request.param
     model = {1: None, 2: str(default_model_file()), 3: str(model_dir)}[cp]
     greedy = dict(temperature=0.0, logprobs=True)
+    placement = "shard" if cp == 3 else "auto"  # CP3: every sequence in the ring; CP2: the cost model decides
     with LLM(model, context_parallel_size=cp, max_kv_tokens_per_rank=4096, threads_per_rank=1,
-             timeout_s=300) as llm:
+             timeout_s=300, placement=placement) as llm:
         long = llm.generate([ref["p1"]], SamplingParams(max_tokens=STEPS, prompt_logprobs=True,
                                                           ignore_eos=True, **greedy))[0]
         t1 = llm.chat(ref["turn1"], SamplingParams(max_tokens=TURN_STEPS, **greedy))[0]

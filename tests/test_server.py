@@ -367,8 +367,8 @@ def test_metrics_report_tokens_kv_forwards_and_latency(server, client):
     assert _metric(after, "cpinfer_kv_capacity_tokens") > 0
     forwards = {k: v for k, v in after.items() if k.startswith("cpinfer_forwards_total{")}
     assert any('phase="decode"' in k for k in forwards) and any("prefill" in k for k in forwards)
-    assert all('strategy="pass-kv"' in k or 'strategy="pass-q"' in k or 'strategy="single-rank"' in k
-               for k in forwards), forwards
+    assert all('strategy="pass-kv"' in k or 'strategy="pass-q"' in k or 'strategy="local"' in k
+               for k in forwards), forwards  # local: a forward whose requests each sit on one rank (no ring)
     for name in ("cpinfer_time_to_first_token_seconds_count", "cpinfer_e2e_request_latency_seconds_count",
                  "cpinfer_inter_token_latency_seconds_count"):
         assert _metric(after, name) > _metric(before, name), name

@@ -17,22 +17,25 @@ SCRIPT = Path(__file__).parent / "scripts" / "torchrun_generate.py"
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 
 
-@pytest.mark.parametrize("variant,cp,tp", [
-    ("gqa", 2, 2), ("gqa", 1, 2), ("gqa", 2, 1),
-    ("mqa", 2, 2),  # 1 KV head, TP2: the KV head is replicated on both TP ranks
-    ("gqa", 1, 4),  # 2 KV heads, TP4: each KV head replicated twice
+@pytest.mark.parametrize("variant,cp,tp,placement", [
+    ("gqa", 2, 2, "shard"), ("gqa", 1, 2, "shard"), ("gqa", 2, 1, "shard"),
+    ("mqa", 2, 2, "local"),  # 1 KV head, TP2: the KV head is replicated on both TP ranks; each request on 1 CP rank
+    ("gqa", 1, 4, "shard"),  # 2 KV heads, TP4: each KV head replicated twice
 ])
-def test_cp_tp_exact_with_partial_prefill_and_decode(llama_checkpoint, variant, cp, tp):
+def test_cp_tp_exact_with_partial_prefill_and_decode(llama_checkpoint, variant, cp, tp, placement):
     path = llama_checkpoint(variant, max_position_embeddings=2048)
     prompts = prompts_for(256, [23, 70], seed=cp * 10 + tp)
     with LLM(str(path), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1, timeout_s=120,
-             max_kv_tokens_per_rank=2048) as llm:
+             max_kv_tokens_per_rank=2048, placement=placement) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, prompt_logprobs=True, **GREEDY))
         check_against_hf(path, outs, prompts, 10)
         turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
         outs2 = llm.generate(turn2, SamplingParams(max_tokens=8, **GREEDY))
         assert [o.num_cached_tokens for o in outs2] == [len(p) + 9 for p in prompts]
         check_against_hf(path, outs2, turn2, 8, check_prompt_lp=False)
+        if cp > 1:  # local: the two requests on different CP ranks, no ring; shard: both spread
+            assert {o.metrics["steps"][0]["placement"] for o in outs + outs2} == \
+                {"local" if placement == "local" else "spread"}
 
 
 @pytest.mark.parametrize("cp,tp,heads,kv,match", [

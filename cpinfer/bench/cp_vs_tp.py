@@ -33,7 +33,8 @@ def time_layout(model_dir, cp: int, tp: int, tokens: int, vocab: int, repeat: in
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # prefill only: comm and TTFT align
     with LLM(str(model_dir), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1,
-             max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024), **(hw or {})) as llm:
+             placement="shard", max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024),
+             **(hw or {})) as llm:
         llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
         llm.engine._pool.run(comm_probe)
         ttft, comm = [], []

@@ -4,6 +4,7 @@ cores in the same run (`cpinfer bench decode-overhead`).
 At these contexts attention is cheap, so the step time is the engine's host overhead: scheduling, the driver ↔ rank
 messages, per-layer planning and the ring collectives. Batch 1, greedy; every process (HF, each rank) runs
 `--threads` threads (default 1: a decode step is too small for intra-op threads to pay off on a shared machine).
+`--placement` (default auto) is the engine's; with it a short request stays on one rank and decodes without a ring.
 """
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from cpinfer.bench import common as C
 
 
 def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, threads: int,
-                hw: dict | None = None) -> float:
+                hw: dict | None = None, placement: str = "auto") -> tuple[float, str]:
+    """(median decode step, where the request's keys were: "local" | "spread")."""
     from cpinfer import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=threads,
+    with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=threads, placement=placement,
              max_kv_tokens_per_rank=C.kv_capacity(context + steps + 64), **(hw or {})) as llm:
         llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
-    return statistics.median(out.metrics["ttit_s"][1:])  # the first step after the prefill is a warm-up
+    # the first step after the prefill is a warm-up
+    return statistics.median(out.metrics["ttit_s"][1:]), out.metrics["steps"][-1]["placement"]
 
 
 class _TokenClock:
@@ -65,30 +68,34 @@ def measure(args) -> dict:
     hw = C.hardware(args)
     for ctx in args.context:
         hf = hf_ttit(model_dir, ctx, args.steps, args.vocab, args.threads, hw)
-        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, args.threads, hw) for n in args.cp}
-        rows[str(ctx)] = {"hf_s": hf, "cp_s": per_cp}
+        per_cp = {str(n): engine_ttit(model_dir, n, ctx, args.steps, args.vocab, args.threads, hw, args.placement)
+                  for n in args.cp}
+        rows[str(ctx)] = {"hf_s": hf, "cp_s": {n: t for n, (t, _) in per_cp.items()},
+                          "placement": {n: p for n, (_, p) in per_cp.items()}}
     return {"bench": "decode-overhead", "command": command_line(args) + C.hardware_flags(hw),
-            "model": C.shape_text(cfg, hw),
-            "steps": args.steps, "threads": args.threads, "rows": rows}
+            "model": C.shape_text(cfg, hw), "steps": args.steps, "threads": args.threads,
+            "placement": args.placement, "rows": rows}
 
 
 def format_report(res: dict) -> str:
     cps = list(next(iter(res["rows"].values()))["cp_s"])
     head = ["context", "HF generate (ms)"] + [f"CP{n} (ms)" for n in cps] + [f"CP{n} / HF" for n in cps[:1]]
-    head += [f"CP{n} / CP{cps[0]}" for n in cps[1:]]
+    head += [f"CP{n} / CP{cps[0]}" for n in cps[1:]] + [f"CP{n} placement" for n in cps[1:]]
     rows = []
     for ctx, r in res["rows"].items():
         base = r["cp_s"][cps[0]]
+        where = r.get("placement", {})
         rows.append([ctx, f"{1000 * r['hf_s']:.2f}"] + [f"{1000 * r['cp_s'][n]:.2f}" for n in cps]
-                    + [f"{base / r['hf_s']:.2f}"] + [f"{r['cp_s'][n] / base:.2f}" for n in cps[1:]])
+                    + [f"{base / r['hf_s']:.2f}"] + [f"{r['cp_s'][n] / base:.2f}" for n in cps[1:]]
+                    + [where.get(n, "-") for n in cps[1:]])
     return "\n".join([f"Per-token decode time, batch 1, greedy, {res['model']}; median over {res['steps']} steps; "
-                      f"{res['threads']} thread(s) per process (HF, each rank):", "",
-                      C.fmt_table(head, rows)])
+                      f"{res['threads']} thread(s) per process (HF, each rank); placement "
+                      f"{res.get('placement', 'shard')}:", "", C.fmt_table(head, rows)])
 
 
 def command_line(args) -> str:
     return (f"cpinfer bench decode-overhead --cp {','.join(map(str, args.cp))} "
-            f"--context {','.join(map(str, args.context))} --steps {args.steps}")
+            f"--context {','.join(map(str, args.context))} --steps {args.steps} --placement {args.placement}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,10 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=C.positive_int, default=32, help="decode steps timed (default: 32)")
     parser.add_argument("--threads", type=C.positive_int, default=1,
                         help="threads of HF and of each rank (default: 1)")
+    parser.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
+                        help="the engine's placement of the request's KV (default: auto)")
     C.add_model_arguments(parser, hidden=256, layers=4, heads=8, kv_heads=2, ffn=768, vocab=1024)
     C.add_common_arguments(parser)
 
 
 def run(args) -> int:
-    return C.run_measured(args, measure, format_report, "decode-overhead",
-                          "Engine decode overhead vs Hugging Face generate")
+    key = "decode-overhead" if args.placement == "shard" else f"decode-overhead-{args.placement}"
+    return C.run_measured(args, measure, format_report, key,
+                          f"Engine decode overhead vs Hugging Face generate, placement {args.placement}")

@@ -45,7 +45,7 @@ def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]]
     ps = sorted({p for _, p in grid})
     need = sum(p + 1 + max(t for t, q in grid if q == p) for p in ps)
     times = {}
-    with LLM(str(model_dir), context_parallel_size=cp, strategy=strategy, threads_per_rank=1,
+    with LLM(str(model_dir), context_parallel_size=cp, strategy=strategy, threads_per_rank=1, placement="shard",
              max_kv_tokens_per_rank=C.kv_capacity(-(-need // cp) + 1024), **(hw or {})) as llm:
         for p in ps:
             base = C.random_prompt(p + 1, vocab, seed=p)

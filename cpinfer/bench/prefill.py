@@ -22,7 +22,7 @@ def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int, hw: di
     # max_tokens=2: TTFT is taken at the end of the prefill either way, and a request that has decoded once is
     # released to the prefix cache on every engine version (ones ending inside their prefill were not, before 336da01).
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1,
+    with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1, placement="shard",  # the ring's scaling
              max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024), **(hw or {})) as llm:
         llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
         ttft, steps = [], None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 BENCHES = ["attention", "prefill", "decode", "decode-overhead", "shared-prefix", "chunked-prefill", "partial",
-           "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output"]
+           "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output", "placement"]
 
 
 def _load(name: str):

@@ -1,7 +1,8 @@
 """`cpinfer demo`: a real conversation about a long real document — the project's own README and docs — with the
 embedded SmolLM2-135M-Instruct, served at CP=1 and at CP=N on local ranks (full prefill by ring pass-KV, the
-second turn a partial prefill on the persistent KV shards, decode by pass-Q; paper §3.3-3.6). PASS only when CP=N
-produces CP=1's tokens and log-probabilities (fp32 by default; in 16-bit types within a looser tolerance, and a
+second turn a partial prefill on the persistent KV shards, decode by pass-Q; paper §3.3-3.6). At CP=N the engine
+decides per turn whether spreading the new tokens over the ranks pays (it prints the prediction). PASS only when
+CP=N produces CP=1's tokens and log-probabilities (fp32 by default; in 16-bit types within a looser tolerance, and a
 divergence is accepted only where CP=1's two best tokens were a near tie). A second stage checks CP attention
 itself against one device, on CPU ranks.
 """
@@ -64,6 +65,8 @@ class TurnResult:
     decode: str
     kv_tokens_per_rank: list[int]   # every cached token on each rank after this turn (all sequences)
     top_gaps: list[float] | None = None  # log p(best) - log p(second best) per output token (16-bit runs)
+    placement: str = "-"            # where this turn's new tokens went, e.g. "spread" or "local"
+    why: str = ""                   # the placement's prediction, when the cost model decided
 
 
 def _strategy(steps: list[dict], phase: str) -> str:
@@ -92,11 +95,13 @@ def run_conversation(llm, cp: int, document: str, questions=QUESTIONS, max_token
         m = out.metrics
         text = _answer_text(llm.tokenizer, out.token_ids)
         messages.append({"role": "assistant", "content": text})
+        first = m["steps"][0]
         results.append(TurnResult(cp, turn, len(out.prompt_token_ids), out.num_cached_tokens, list(out.token_ids),
                                   list(out.logprobs), text, m["ttft_s"], list(m["ttit_s"]),
                                   _strategy(m["steps"], "prefill"), _strategy(m["steps"], "decode"),
                                   list(llm.cache_stats()["kv_tokens_per_rank"]),
-                                  [_gap(t) for t in out.top_logprobs] if top_gaps else None))
+                                  [_gap(t) for t in out.top_logprobs] if top_gaps else None, first["placement"],
+                                  _why(first, len(out.prompt_token_ids) - out.num_cached_tokens, max_tokens)))
     return results
 
 
@@ -105,9 +110,19 @@ def _gap(top: dict) -> float:
     return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
+def _why(step: dict, new_tokens: int, max_tokens: int) -> str:
+    """The placement's reason in words: the predicted time to finish the turn on one rank vs spread."""
+    d = step.get("placement_inputs", {})
+    if "local_s" not in d:
+        reasons = {"forced": "forced by --placement", "capacity": "no single rank had room"}
+        return reasons.get(d.get("method"), "its keys already span ranks")
+    return (f"{new_tokens} new tokens + up to {max_tokens} decode steps: predicted {d['local_s']:.2f} s on one rank "
+            f"vs {d['spread_s']:.2f} s spread over the ranks")
+
+
 def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens: int = 48,
                     document_paths: list[Path] | None = None, threads_per_rank: int | None = None,
-                    **hardware) -> tuple[list[TurnResult], int]:
+                    placement: str = "auto", **hardware) -> tuple[list[TurnResult], int]:
     """The conversation at CP=1 and, if cp > 1, at CP=cp, each on a fresh `LLM` (by default with the same cores:
     cores / N threads per rank). `hardware`: device, dtype, attention_backend, share_gpus, enforce_eager (`LLM` arguments).
     Returns (turns of CP=1 then of CP=cp, document tokens)."""
@@ -123,7 +138,7 @@ def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens:
     for n in sorted({1, cp}):
         t0 = time.perf_counter()
         threads = threads_per_rank or max(1, _cores() // n)
-        with LLM(str(model_dir), context_parallel_size=n, threads_per_rank=threads,
+        with LLM(str(model_dir), context_parallel_size=n, threads_per_rank=threads, placement=placement,
                  max_kv_tokens_per_rank=_capacity(n_doc, max_tokens), **hardware) as llm:
             a = llm.engine.args
             print(f"[CP={n}] {n} rank(s) on {a.device} ({a.dtype}, {llm.engine.attention_backend} attention), "
@@ -169,16 +184,27 @@ def compare_turns(results: list[TurnResult], tol: float = LOGPROB_TOL) -> tuple[
 
 
 def format_turns(results: list[TurnResult]) -> str:
-    header = ["CP", "turn", "prompt", "cached", "prefill strategy", "decode strategy", "TTFT (s)",
+    header = ["CP", "turn", "prompt", "cached", "prefill strategy", "decode strategy", "placement", "TTFT (s)",
               "TTIT mean (ms)", "output", "KV tokens / rank"]
     rows = []
     for r in results:
         ttit = 1000 * sum(r.ttit_s) / len(r.ttit_s) if r.ttit_s else float("nan")
-        rows.append([r.cp, r.turn, r.prompt_tokens, r.num_cached_tokens, r.prefill, r.decode, f"{r.ttft_s:.3f}",
-                     f"{ttit:.1f}", len(r.token_ids), r.kv_tokens_per_rank])
+        rows.append([r.cp, r.turn, r.prompt_tokens, r.num_cached_tokens, r.prefill, r.decode, r.placement,
+                     f"{r.ttft_s:.3f}", f"{ttit:.1f}", len(r.token_ids), r.kv_tokens_per_rank])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(fmt.format(*map(str, row)) for row in [header, *rows])
+
+
+def format_placements(results: list[TurnResult]) -> str:
+    """Why each CP=N turn's new tokens stayed on one rank or spread over the ranks."""
+    lines = [f"[CP={r.cp}] turn {r.turn}: {'spread over the ranks' if r.placement == 'spread' else 'one rank'} — "
+             f"{r.why}" for r in results if r.cp > 1]
+    if lines:
+        lines.append("cpinfer keeps a request on one rank (no ring, no collective) unless the compute spreading "
+                     "saves beats the ring's cost (per-layer message latency on every later forward); "
+                     "--placement shard|local forces either.")
+    return "\n".join(lines)
 
 
 def format_answers(results: list[TurnResult]) -> str:
@@ -267,11 +293,12 @@ def run(args) -> int:
           f"greedy, up to {args.max_tokens} tokens per answer", flush=True)
     t0 = time.perf_counter()
     results, _ = run_engine_demo(args.cp, args.model, args.doc_tokens, args.max_tokens, args.document,
-                                 args.threads_per_rank, device=device, dtype=dtype,
+                                 args.threads_per_rank, args.placement, device=device, dtype=dtype,
                                  attention_backend=args.attention_backend, share_gpus=args.share_gpus,
                                  enforce_eager=args.enforce_eager)
     print(format_answers(results))
     print(format_turns(results))
+    print(format_placements(results))
     ok, lines = compare_turns(results, LOGPROB_TOL if dtype == "float32" else LOGPROB_TOL_16BIT)
     print("\n".join(lines) if lines else "(CP=1 only: nothing to compare)")
     print(f"stage 1: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -301,6 +328,9 @@ def register(subparsers) -> None:
                         help="greedy output tokens per answer at most (default: 48)")
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / N, the same cores for every CP size)")
+    parser.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
+                        help="CP=N: auto = spread a turn over the ranks only when it pays (default), shard = "
+                             "always, local = never")
     parser.add_argument("--skip-attention", action="store_true", help="skip stage 2 (CP attention vs one device)")
     parser.add_argument("--heads", type=positive_int, default=8, help="stage 2: query heads (default: 8)")
     parser.add_argument("--kv-heads", type=positive_int, default=2, help="stage 2: key/value heads (default: 2)")

@@ -40,6 +40,8 @@ def _non_negative(text: str) -> float:
 
 def _summary(out, strategy_steps: list[dict]) -> dict:
     m = out.metrics
+    first = strategy_steps[0] if strategy_steps else {}
+    placement = {"placement": first.get("placement"), **first.get("placement_inputs", {})}
     by_phase: dict[str, list[str]] = {}
     for s in strategy_steps:
         name = f"{s['strategy']} ({s['method']})"
@@ -50,8 +52,18 @@ def _summary(out, strategy_steps: list[dict]) -> dict:
     return {"prompt_tokens": len(out.prompt_token_ids), "token_ids": out.token_ids, "text": out.text,
             "logprobs": out.logprobs, "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
             "ttft_s": m["ttft_s"], "ttit_s": ttit, "ttit_mean_s": sum(ttit) / len(ttit) if ttit else None,
-            "strategy": {k: ", ".join(v) for k, v in by_phase.items()},
-            "new_tokens_per_rank": m.get("new_tokens_per_rank")}
+            "strategy": {k: ", ".join(v) for k, v in by_phase.items()}, "placement": placement,
+            "new_tokens_per_rank": first.get("new_tokens_per_rank")}
+
+
+def _placement_line(p: dict, cp: int) -> str:
+    """Where the request's KV went, and why (the prediction when the cost model decided)."""
+    where = "spread over the CP ranks" if p.get("placement") == "spread" else \
+        ("one rank" if cp > 1 else "one rank (CP=1)")
+    if "local_s" in p:
+        return (f"{where} (predicted {p['local_s']:.2f} s on one rank vs {p['spread_s']:.2f} s spread, "
+                "prefill and decode)")
+    return f"{where} ({p.get('method', 'decode')})" if p.get("method") else where
 
 
 def run(args) -> int:
@@ -74,8 +86,9 @@ def run(args) -> int:
                             top_k=args.top_k or 0, seed=args.seed, logprobs=True, ignore_eos=args.ignore_eos)
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     with LLM(str(model), context_parallel_size=args.cp, max_kv_tokens_per_rank=args.max_kv_tokens_per_rank,
-             max_model_len=args.max_model_len, strategy=args.strategy, hardware_profile=args.hardware_profile,
-             threads_per_rank=args.threads_per_rank, **engine_kwargs(args)) as llm:
+             max_model_len=args.max_model_len, strategy=args.strategy, placement=args.placement,
+             hardware_profile=args.hardware_profile, threads_per_rank=args.threads_per_rank,
+             **engine_kwargs(args)) as llm:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
@@ -93,6 +106,7 @@ def run(args) -> int:
           f"CP={args.cp} on {res['device']} ({res['dtype']}, {res['attention_backend']} attention); "
           f"TTFT {res['ttft_s']:.3f} s; mean TTIT {ttit}")
     print("strategy: " + "; ".join(f"{k} → {v}" for k, v in res["strategy"].items()))
+    print("placement: " + _placement_line(res["placement"], args.cp))
     if args.json:
         print(json.dumps(res))
     return 0
@@ -127,12 +141,15 @@ def register(subparsers) -> None:
     parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
                         help="ring variant: auto = pass-KV for full prefill, the paper's heuristic (Alg. 5) for "
                              "partial prefill, pass-Q for decode; or force one for every phase")
+    parser.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
+                        help="where the request's KV goes: auto = one rank unless spreading over the CP ranks pays "
+                             "(cost model), shard = 2N-sharded over all ranks, local = one rank")
     parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
                         help="KV-cache capacity of each rank in tokens (default: CUDA: what "
                              "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "
                              "share of RAM)")
     parser.add_argument("--hardware-profile", default=None, metavar="NAME",
-                        help="hardware profile used by the strategy heuristic (default: cpu-gloo on CPU)")
+                        help="hardware profile of the strategy and placement cost models (default: cpu-gloo on CPU)")
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / CP)")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON object on the last line")

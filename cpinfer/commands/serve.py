@@ -93,7 +93,7 @@ def engine_kwargs(args) -> dict:
     """`AsyncLLM` keyword arguments from the parsed command line."""
     kwargs = {"context_parallel_size": args.cp, "tensor_parallel_size": args.tp,
               "enable_prefix_caching": not args.no_prefix_caching, "strategy": args.strategy,
-              "hardware_profile": args.hardware_profile}
+              "placement": args.placement, "hardware_profile": args.hardware_profile}
     optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank}
@@ -132,8 +132,9 @@ def run(args) -> int:
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
             timeout_graceful_shutdown=args.graceful_timeout, lifespan="off"))
-        log.info("serving %s (%s) at http://%s:%d/v1 — CP=%d TP=%d, max_model_len %d, prefix caching %s, "
-                 "API key %s; rank pids %s", name, model_dir, args.host, args.port, args.cp, args.tp,
+        log.info("serving %s (%s) at http://%s:%d/v1 — CP=%d TP=%d (placement %s), max_model_len %d, prefix "
+                 "caching %s, API key %s; rank pids %s", name, model_dir, args.host, args.port, args.cp, args.tp,
+                 args.placement,
                  engine.max_model_len, "off" if args.no_prefix_caching else "on",
                  "required" if api_key else "off",
                  getattr(engine, "rank_pids", None) or _rank_pids())
@@ -177,8 +178,12 @@ def register(subparsers) -> None:
                         help="do not reuse K/V across requests (every turn re-prefills its whole history)")
     parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
                         help="ring variant: auto = the paper's heuristic per forward, or force one")
+    parser.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
+                        help="where a request's KV goes: auto = one rank unless spreading over the CP ranks pays "
+                             "(cost model), shard = always 2N-sharded over all ranks, local = always one rank")
     parser.add_argument("--hardware-profile", default=None, metavar="P",
-                        help="hardware profile for the strategy heuristic (catalog name or calibrate JSON)")
+                        help="hardware profile for the strategy and placement cost models (catalog name or "
+                             "calibrate JSON)")
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / ranks)")
     parser.add_argument("--api-key", default=None, metavar="KEY",

@@ -2,15 +2,17 @@
 
 A query of sequence b sees (1) every key of b's prefix-tree path before this forward's new tokens — slot runs the
 KV manager gives per rank, all visible since their positions are smaller — and (2) b's new keys with
-kv_pos <= q_pos, which are 2N-sharded over the ranks (causal tiles from `build_items`). The plan is built once per
-forward from the batch alone (no communication); per layer only tensors move: pass-KV packs each rank's visible
-store rows and new rows into one ring message (paper Alg. 2), pass-Q rotates queries and reads the store in place,
-then returns partial outputs with one All2All (Alg. 3, 4).
+kv_pos <= q_pos (causal tiles from `build_items`). The plan is built once per forward from the batch alone (no
+communication). Only sequences whose keys span ranks take part in the ring; the others are attended where they
+live, and a forward without such a sequence issues no collective at all. Per layer only tensors move: pass-KV packs
+each rank's visible store rows and new rows into one ring message (paper Alg. 2), pass-Q rotates queries and reads
+the store in place, then returns partial outputs with one All2All (Alg. 3, 4).
 
-Sliding-window layers get their own plan, once per forward per distinct window: each rank gathers, per sequence,
-only the cached keys that can still be in some query's window (positions > start - window; `SlotPositions`
-mirrors every rank's slot positions from the batches) plus the new ones, and runs windowed `cp_attention` on
-them — tiles, ring steps and messages no query can see are skipped.
+Sliding-window layers get their own plans, once per forward per distinct window (one over the ring's sequences, one
+over this rank's local ones): each rank gathers, per sequence, only the cached keys that can still be in some
+query's window (positions > start - window; `SlotPositions` mirrors every rank's slot positions from the batches)
+plus the new ones, and runs windowed `cp_attention` on them — tiles, ring steps and messages no query can see are
+skipped.
 
 `prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
 tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
@@ -91,6 +93,13 @@ def _shift(items: list[AttnItem], dq: int, dk: int) -> list[AttnItem]:
     return [dataclasses.replace(it, q0=it.q0 + dq, q1=it.q1 + dq, k0=it.k0 + dk, k1=it.k1 + dk) for it in items]
 
 
+def ring_members(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+    """(sequences in the ring, sequences attended where they live): a sequence takes part in the ring when its keys
+    (cached and new) sit on more than one rank — the KV manager's `spread` — else no other rank needs its tokens."""
+    ring = [b for b, s in enumerate(batch.seqs) if s.spread]
+    return ring, [b for b, s in enumerate(batch.seqs) if not s.spread]
+
+
 def _causal_items(q_pos: np.ndarray, k_pos: np.ndarray, q0: int, k0: int, stair: int) -> list[AttnItem]:
     """Queries of one sequence against new keys of the same sequence (kv_pos <= q_pos), offsets applied."""
     zq, zk = np.zeros(len(q_pos), dtype=np.int64), np.zeros(len(k_pos), dtype=np.int64)
@@ -104,40 +113,65 @@ class BatchAttention:
                  device=torch.device("cpu"), slot_positions: SlotPositions | None = None):
         self.rank, self.world, self.group = rank, world, group
         self.strategy = batch.strategy
+        seqs = batch.seqs
+        self.ring, local = ring_members(batch) if world > 1 else ([], list(range(len(seqs))))
+        self.local = [b for b in local if seqs[b].ranks[0] == rank]  # a local sequence's tokens are all on one rank
+        self.idle = not self.ring and not self.local  # nothing to compute and no ring to serve: skip the forward
+        if self.idle:
+            return
         name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
         self.backend_name, self.device = name, device
         self.backend = get_step_backend(name, device)
         self.stair = min_stair(name)
         self.batch, self.slot_positions = batch, slot_positions
-        self._windowed: dict[int, CPAttentionPlan] = {}  # window -> its plan over my gathered slots
+        self._windowed: dict[int, list] = {}  # window -> [(plan, my rows)]: the ring's, then my local ones'
         self.tables = ForwardTables(device)  # every device index of the forward, uploaded once (`prepare`)
         self.prepared = False
         self.store_rows: int | None = None  # set by `prepare` for backends that read a step in one call
-        self.both: dict[int, list[AttnItem]] = {}  # step -> its store and new-key items as one list (`_one_source`)
-        seqs = batch.seqs
-        self.idx = [[np.nonzero(s.ranks == r)[0] for s in seqs] for r in range(world)]  # new tokens of b on r
+        self.both: dict = {}  # step ("local" or j) -> its store and new-key items as one list (`_one_source`)
+        empty = np.zeros(0, dtype=np.int64)
+        self.idx = [[empty] * len(seqs) for _ in range(world)]  # new tokens of b on rank r (ring and mine)
+        for b in self.ring:
+            for r in range(world):
+                self.idx[r][b] = np.nonzero(seqs[b].ranks == r)[0]
+        for b in self.local:
+            self.idx[rank][b] = np.arange(len(seqs[b].token_ids), dtype=np.int64)
         counts = np.asarray([[len(x) for x in row] for row in self.idx], dtype=np.int64).reshape(world, len(seqs))
         self.counts = counts
-        self.qoff = np.zeros((world, len(seqs) + 1), dtype=np.int64)
-        self.qoff[:, 1:] = np.cumsum(counts, axis=1)
-        self.nq = self.qoff[:, -1]
-        self.max_q = int(self.nq.max()) if len(seqs) else 0
-        mine = self.idx[rank]
+        order = self.ring + self.local  # rows on every rank: the ring's sequences first, then my local ones
+        self.qoff = np.zeros((world, len(seqs)), dtype=np.int64)  # first row of b's new tokens on rank r
+        self.qoff[:, order] = np.cumsum(counts[:, order], axis=1) - counts[:, order]
+        self.nq = counts.sum(axis=1)  # [world] rows per rank
+        self.nq_ring = counts[:, self.ring].sum(axis=1)  # [world] of which in the ring
+        self.max_q = int(self.nq_ring.max())
+        mine = [self.idx[rank][b] for b in order]
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
-        self.input_ids = cat([s.token_ids[i] for s, i in zip(seqs, mine)])  # [Lq] this rank's new tokens
-        self.positions = cat([s.start + i for s, i in zip(seqs, mine)])
-        self.slots = cat([s.slots[i] for s, i in zip(seqs, mine)])
-        self.pos = [[s.start + i for s, i in zip(seqs, row)] for row in self.idx]
+        self.input_ids = cat([seqs[b].token_ids[i] for b, i in zip(order, mine)])  # [Lq] this rank's new tokens
+        self.positions = cat([seqs[b].start + i for b, i in zip(order, mine)])
+        self.slots = cat([seqs[b].slots[i] for b, i in zip(order, mine)])
+        # positions of b's new tokens on rank r, for what this rank's plans read: the ring's sequences on every
+        # rank, my local ones on mine
+        self.pos: list[list] = [[None] * len(seqs) for _ in range(world)]
+        for b, r in self._members():
+            self.pos[r][b] = seqs[b].start + self.idx[r][b]
         self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
+
+    def _members(self) -> list[tuple[int, int]]:
+        """(sequence, rank) pairs this rank's plans read: the ring's sequences on every rank, mine on mine."""
+        return [(b, r) for b in self.ring for r in range(self.world)] + [(b, self.rank) for b in self.local]
 
     def _plan_full(self) -> None:
         seqs = self.batch.seqs
         # keys every query of b sees in full on rank r: the cached runs, plus b's single new token (decode)
-        self.full_runs = [[self._visible_runs(s, r) for s in seqs] for r in range(self.world)]
-        if self.strategy == "pass-kv" and self.world > 1:
+        self.full_runs: list[list] = [[None] * len(seqs) for _ in range(self.world)]
+        for b, r in self._members():
+            self.full_runs[r][b] = self._visible_runs(seqs[b], r)
+        self.steps = []
+        if self.ring and self.strategy == "pass-kv":
             self._plan_pass_kv(seqs)
-        else:
+        elif self.ring:
             self._plan_pass_q(seqs)
+        self._plan_local(seqs)
 
     @staticmethod
     def _visible_runs(s, r: int) -> np.ndarray:
@@ -152,16 +186,16 @@ class BatchAttention:
         me, n = self.rank, self.world
         self.send_slots = []
         for s in range(n):
-            parts = [np.arange(a, e, dtype=np.int64) for b in range(len(seqs)) for a, e in self.full_runs[s][b]]
+            parts = [np.arange(a, e, dtype=np.int64) for b in self.ring for a, e in self.full_runs[s][b]]
             self.send_slots.append(np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64))
-        self.max_send = max(len(u) + int(c) for u, c in zip(self.send_slots, self.nq))
-        self.steps = []
-        covered = np.zeros(int(self.nq[me]), dtype=bool)
+        self.max_send = max(len(u) + int(c) for u, c in zip(self.send_slots, self.nq_ring))
+        covered = np.zeros(int(self.nq_ring[me]), dtype=bool)
         for j in range(n):
             src = (me - j) % n
             items: list[AttnItem] = []
             u = self.send_slots[src]
-            for b, s in enumerate(seqs):
+            for b in self.ring:
+                s = seqs[b]
                 nqb = int(self.counts[me, b])
                 if nqb == 0:
                     continue
@@ -179,12 +213,12 @@ class BatchAttention:
     def _plan_pass_q(self, seqs) -> None:
         """steps[j] = (items against my store, items against my new K/V) for the queries of source (rank - j)."""
         me, n = self.rank, self.world
-        self.steps = []
         for j in range(n):
             src = (me - j) % n
             store_items: list[AttnItem] = []
             new_items: list[AttnItem] = []
-            for b, s in enumerate(seqs):
+            for b in self.ring:
+                s = seqs[b]
                 nqb = int(self.counts[src, b])
                 if nqb == 0:
                     continue
@@ -193,17 +227,30 @@ class BatchAttention:
                 if len(s.token_ids) > 1 and self.counts[me, b]:
                     new_items += _causal_items(self.pos[src][b], self.pos[me][b], q0, int(self.qoff[me, b]),
                                                self.stair)
-            covered = np.zeros(int(self.nq[src]), dtype=bool)
+            covered = np.zeros(int(self.nq_ring[src]), dtype=bool)
             self.steps.append((mark_first(store_items, len(covered), covered),
                                mark_first(new_items, len(covered), covered)))
+
+    def _plan_local(self, seqs) -> None:
+        """My local sequences: their queries against their keys, all on this rank (store runs, then new K/V)."""
+        me, store_items, new_items = self.rank, [], []
+        for b in self.local:
+            s, q0 = seqs[b], int(self.qoff[me, b])
+            nqb = int(self.counts[me, b])
+            store_items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in self.full_runs[me][b]]
+            if len(s.token_ids) > 1:
+                new_items += _causal_items(self.pos[me][b], self.pos[me][b], q0, q0, self.stair)
+        covered = np.zeros(int(self.nq[me]), dtype=bool)
+        self.local_steps = (mark_first(store_items, len(covered), covered),
+                            mark_first(new_items, len(covered), covered))
 
     def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None) -> ForwardTables:
         """Plan every kind of layer the model has (`windows`: each layer's window, None = full attention) and put
         every device index the forward reads into `self.tables`: the model's inputs ("input_ids", "positions",
-        "slots"), the kernel tables of every ring step, the rows each message packs and the windowed gathers.
-        The caller uploads them once, before layer 0; inside the layers nothing else crosses to the device.
-        `store_rows`: the store's size; with it a backend that addresses keys through an index (flash-attn) reads
-        a step's store rows and new rows (already written to the store) in one call."""
+        "slots"), the kernel tables of every ring step and of my local sequences, the rows each message packs and
+        the windowed gathers. The caller uploads them once, before layer 0; inside the layers nothing else crosses
+        to the device. `store_rows`: the store's size; with it a backend that addresses keys through an index
+        (flash-attn) reads a step's store rows and new rows (already written to the store) in one call."""
         t = self.tables
         self.store_rows = store_rows if self.backend.maps_keys(layout) else None
         for name in ("input_ids", "positions", "slots"):
@@ -212,24 +259,29 @@ class BatchAttention:
             self._plan_full()
             self._prepare_full(layout)
         for w in sorted({int(w) for w in windows if w is not None}):
-            self._window_plan(w, layout)
+            self._window_plans(w, layout)
         self.prepared = True
         return t
 
     def _prepare_full(self, layout: HeadLayout) -> None:
         for j, step in enumerate(self.steps):
-            if isinstance(step, tuple) and self.store_rows is not None and not any(
-                    it.kind == MASK for it in step[1]):  # one call: the new keys read from the store
-                self.both[j] = self._one_source(step)
-                self.backend.prepare_items(self.both[j], None, self.tables, ("full", "both", j), layout,
-                                           key_map=self._store_row_of)
-            elif isinstance(step, tuple):
-                self.backend.prepare_items(step[0], None, self.tables, ("full", "store", j), layout)
-                self.backend.prepare_items(step[1], None, self.tables, ("full", "new", j), layout)
+            if isinstance(step, tuple):
+                self._prepare_pair(j, step, layout)
             else:
                 self.backend.prepare_items(step, None, self.tables, ("full", "kv", j), layout)
-        if self.strategy == "pass-kv" and self.world > 1:
+        self._prepare_pair("local", self.local_steps, layout)
+        if self.ring and self.strategy == "pass-kv":
             self.tables.put(("full", "send"), self.send_slots[self.rank])
+
+    def _prepare_pair(self, j, step, layout: HeadLayout) -> None:
+        """The tables of a (store items, new-key items) step: one call over both when the backend maps keys."""
+        if self.store_rows is not None and not any(it.kind == MASK for it in step[1]):
+            self.both[j] = self._one_source(step)  # one call: the new keys read from the store
+            self.backend.prepare_items(self.both[j], None, self.tables, ("full", "both", j), layout,
+                                       key_map=self._store_row_of)
+        else:
+            self.backend.prepare_items(step[0], None, self.tables, ("full", "store", j), layout)
+            self.backend.prepare_items(step[1], None, self.tables, ("full", "new", j), layout)
 
     def _one_source(self, step) -> list[AttnItem]:
         """A pass-Q / local step's store items and new-key items as one list over [store rows ; my new rows]."""
@@ -241,30 +293,48 @@ class BatchAttention:
         new = keys >= self.store_rows
         return np.where(new, self.slots[np.where(new, keys - self.store_rows, 0)], keys)
 
-    def _attend(self, j: int, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale) -> None:
-        """Step j of pass-Q / local: the queries `q` against my store and my new K/V, merged into (acc_out, acc_lse)."""
+    def _attend(self, j, step, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale) -> None:
+        """Step j ("local" or a pass-Q ring step): the queries `q` against my store and my new K/V, merged into
+        (acc_out, acc_lse)."""
         if j in self.both:
             self.backend.attend_items(self.both[j], None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
                                       ("full", "both", j))
             return
-        store_items, new_items = self.steps[j]
+        store_items, new_items = step
         self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
                                   ("full", "store", j))
         self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self.tables,
                                   ("full", "new", j))
 
-    def _window_plan(self, window: int, layout: HeadLayout) -> None:
-        """The windowed plan (once per forward and window): per rank, each sequence's keys that can be in some
-        query's window — cached slots with positions >= start - window + 1, then the new tokens' slots."""
+    def _window_plans(self, window: int, layout: HeadLayout) -> list[tuple[CPAttentionPlan, slice]]:
+        """The windowed plans (once per forward and window): the ring's sequences over every rank, my local ones on
+        this rank alone; per rank, each sequence's keys that can be in some query's window — cached slots with
+        positions >= start - window + 1, then the new tokens' slots. Each with my rows; my gathered slots go to
+        the tables under the plan's prefix + ("gather",)."""
+        if window in self._windowed:
+            return self._windowed[window]
         if self.slot_positions is None:
             raise RuntimeError("a sliding-window layer needs the runner's SlotPositions (a bug: none was passed)")
+        plans, lr = [], int(self.nq_ring[self.rank])
+        if self.ring:
+            plan = self._window_plan(window, "ring", self.ring, list(range(self.world)), self.group, layout)
+            plans.append((plan, slice(0, lr)))
+        if self.local:
+            plan = self._window_plan(window, "local", self.local, [self.rank], None, layout)
+            plans.append((plan, slice(lr, int(self.nq[self.rank]))))
+        self._windowed[window] = plans
+        return plans
+
+    def _window_plan(self, window: int, part: str, members: list[int], ranks: list[int], group,
+                     layout: HeadLayout) -> CPAttentionPlan:
         seqs, cat = self.batch.seqs, (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
         q_meta, kv_meta, mine = [], [], None
-        for r in range(self.world):
-            q_meta.append((cat([np.full(len(i), b, dtype=np.int64) for b, i in enumerate(self.idx[r])]),
-                           cat(self.pos[r])))
+        for r in ranks:
+            q_meta.append((cat([np.full(len(self.idx[r][b]), b, dtype=np.int64) for b in members]),
+                           cat([self.pos[r][b] for b in members])))
             slots, seq_ids, pos = [], [], []
-            for b, s in enumerate(seqs):
+            for b in members:
+                s = seqs[b]
                 old = self.slot_positions.recent(r, s.ctx_runs[r], s.start - window + 1)
                 new = s.slots[self.idx[r][b]]
                 slots += [old, new]
@@ -273,36 +343,53 @@ class BatchAttention:
             kv_meta.append((cat(seq_ids), cat(pos)))
             if r == self.rank:
                 mine = cat(slots)
-        plan = plan_from_metadata(q_meta, kv_meta, group=self.group, rank=self.rank, world=self.world,
-                                  strategy=self.strategy, backend=self.backend_name, window=window)
-        plan.table_prefix = ("win", window)
+        world, rank = len(ranks), ranks.index(self.rank)
+        strategy = self.strategy if world > 1 else "pass-kv"
+        plan = plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy,
+                                  backend=self.backend_name, window=window)
+        plan.table_prefix = ("win", window, part)
         plan.prepare(layout, self.device, self.tables)
-        self.tables.put(("win", window, "gather"), mine)  # [keys] my store slots the plan's K/V rows come from
-        self._windowed[window] = plan
+        self.tables.put(("win", window, part, "gather"), mine)  # [keys] my store slots the plan's K/V rows come from
+        return plan
 
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
             window: int | None = None) -> torch.Tensor:
         """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
-        `window`: the layer's sliding window (None: full causal attention)."""
+        `window`: the layer's sliding window (None: full causal attention). Rows [0, nq_ring) belong to the ring's
+        sequences, the rest to my local ones."""
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
             self.prepare(HeadLayout.of(q, k_new), [window])
             self.tables.upload()
         if window is not None:
-            if window not in self._windowed:
-                self._window_plan(window, HeadLayout.of(q, k_new))
-            gather = self.tables[("win", window, "gather")]
-            return self._windowed[window].run(q, store_k.index_select(0, gather), store_v.index_select(0, gather),
-                                              timings, scale)
+            return self._run_windowed(q, store_k, store_v, scale, timings, window)
         if self.steps is None:
             self._plan_full()
             self._prepare_full(HeadLayout.of(q, k_new))
-        if self.strategy == "pass-kv" and self.world > 1:
-            return self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings)
-        return self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
-
-    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings):
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        if self.local:
+            self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
+        if not self.ring:
+            return acc_out.to(q.dtype)
+        lr = int(self.nq_ring[self.rank])
+        q, k_new, v_new = q[:lr], k_new[:lr], v_new[:lr]
+        if self.strategy == "pass-kv":
+            self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse)
+        else:
+            acc_out[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
+        return acc_out.to(q.dtype)
+
+    def _run_windowed(self, q, store_k, store_v, scale, timings, window: int) -> torch.Tensor:
+        if window not in self._windowed:
+            self._window_plans(window, HeadLayout.of(q, store_k))
+        out = torch.empty_like(q)
+        for plan, rows in self._windowed[window]:
+            gather = self.tables[plan.table_prefix + ("gather",)]
+            out[rows] = plan.run(q[rows], store_k.index_select(0, gather), store_v.index_select(0, gather),
+                                 timings, scale)
+        return out
+
+    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse) -> None:
         u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         packed = k_new.new_zeros((2, self.max_send) + tuple(k_new.shape[1:]))  # [2, max_send, Hkv, D]
         packed[0, :len(u)] = store_k.index_select(0, u)
@@ -315,33 +402,22 @@ class BatchAttention:
                                       self.tables, ("full", "kv", j))
 
         ring_steps(self.group, packed, self.world, compute, timings)
-        return acc_out.to(q.dtype)
-
-    def _run_local(self, q, k_new, v_new, store_k, store_v, scale):
-        """One rank: my queries against my store and my new K/V, straight into one accumulator."""
-        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-        self._attend(0, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
-        return acc_out.to(q.dtype)
 
     def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
         n, lq, h, d = self.world, q.shape[0], q.shape[1], q.shape[2]
-        if n == 1:
-            return self._run_local(q, k_new, v_new, store_k, store_v, scale)
-        rows = self.max_q if n > 1 else lq
+        rows = self.max_q
         partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
         partials[..., d].fill_(-torch.inf)
         cur = q
-        if n > 1 and lq < rows:
+        if lq < rows:
             cur = q.new_zeros((rows, h, d))
             cur[:lq] = q
 
         def compute(j, block):
             part = partials[(self.rank - j) % n]
-            self._attend(j, block, k_new, v_new, store_k, store_v, part[..., :d], part[..., d], scale)
+            self._attend(j, self.steps[j], block, k_new, v_new, store_k, store_v, part[..., :d], part[..., d], scale)
 
         ring_steps(self.group, cur, n, compute, timings)
-        if n == 1:
-            return partials[0, :lq, :, :d].to(q.dtype)
         clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL
         t0 = clock.mark()
         back = torch.empty_like(partials)

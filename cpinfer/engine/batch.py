@@ -25,12 +25,14 @@ class SeqInput:
     sample: SampleSpec | None  # sample the next token from the last new token's logits
     next_token: int = -1  # the token after the last new one, when known (prompt log-probabilities of a chunk)
     prompt_logprobs: bool = False  # return log p(next token) for each new token held on a rank
+    spread: bool = True  # its keys (cached and new) sit on more than one rank: it takes part in the ring; else all
+    # of them, old and new, are on ranks[0] and no other rank needs them
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardBatch:
     seqs: tuple[SeqInput, ...]
-    strategy: str  # "pass-kv" | "pass-q"
+    strategy: str  # "pass-kv" | "pass-q" for the ring's sequences; "local" when no sequence spreads (no ring)
     phase: str  # "prefill" | "decode" | "mixed"
 
 
@@ -49,3 +51,4 @@ class RankResult:
     prompt_lp: dict[int, tuple[np.ndarray, np.ndarray]]  # seq → (offsets within its new tokens, log p(next))
     forward_s: float
     ring_wait_s: float
+    idle: bool = False  # this rank had no token and no ring to serve: it skipped the model

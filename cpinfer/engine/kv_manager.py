@@ -1,8 +1,9 @@
 """The driver's KV manager: the one owner of every CP rank's cache blocks (paper §3.3, persistent KV).
 
 Cached tokens form a radix tree of token segments shared by every request that extends them; each token of a
-segment lives on one CP rank, in a slot of a block of that rank. The manager decides the slot of every new token —
-prefill chunks 2N-sharded (§3.5.1), decode tokens round-robin (§3.6) — and the ranks only write where told.
+segment lives on one CP rank, in a slot of a block of that rank. The manager decides the rank and slot of every new
+token — a sequence's new tokens on one rank or 2N-sharded over all (§3.5.1) as the placement policy chooses, decode
+tokens on the rank that holds the sequence or round-robin (§3.6) — and the ranks only write where told.
 Splitting a segment relabels metadata here; K/V never move. Unreferenced leaves are evicted least recently used.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import numpy as np
 
 from cpinfer.cp.sharding import chunk_ranks
+from cpinfer.engine.placement import SPREAD, UNPLACED, Decision, ForwardLoad, Placer, Work
 from cpinfer.utils import ceil_div
 
 BLOCK = 64  # slots per allocation block
@@ -107,16 +109,29 @@ class SeqKV:
     num_stored: int  # tokens of the path (positions 0 .. num_stored-1) whose K/V are stored or being written
     runs: list[list[list[int]]]  # per rank: [start, end) slot runs of those tokens
     next_rank: int = 0  # decode round-robin
+    per_rank: np.ndarray | None = None  # [N] tokens of the path on each rank
+    home: int = UNPLACED  # the one rank holding the whole path, UNPLACED (no tokens yet) or SPREAD
+    promised: int = 0  # decode tokens it may still write on its home, counted in the load of rank `promised_on`
+    promised_on: int = -1
 
     def runs_array(self, rank: int) -> np.ndarray:
         """[R, 2] int64 snapshot of the runs on one rank."""
         return np.asarray(self.runs[rank], dtype=np.int64).reshape(-1, 2)
+
+    def add(self, counts: np.ndarray) -> None:
+        """Account new tokens ([N] per rank) and update the home."""
+        self.per_rank += counts
+        if self.home != SPREAD:
+            held = np.flatnonzero(self.per_rank)
+            self.home = UNPLACED if len(held) == 0 else int(held[0]) if len(held) == 1 else SPREAD
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
     ranks: np.ndarray  # [T] rank of each new token
     slots: np.ndarray  # [T] its slot on that rank
+    spread: bool  # the sequence's keys (cached and new) sit on more than one rank: it takes part in the ring
+    decision: Decision | None = None  # how the span was chosen (None: decode on its rank / round-robin)
 
 
 def _add_runs(runs: list[list[int]], slots: np.ndarray) -> None:
@@ -137,8 +152,10 @@ def _add_runs(runs: list[list[int]], slots: np.ndarray) -> None:
 class KVManager:
     """Owner of every rank's blocks and of the prefix tree. Pure bookkeeping: no tensors, no processes."""
 
-    def __init__(self, num_ranks: int, capacity_tokens_per_rank: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_ranks: int, capacity_tokens_per_rank: int, enable_prefix_caching: bool = True,
+                 placer: Placer | None = None):
         self.n = num_ranks
+        self.placer = placer or Placer("shard", num_ranks)  # who decides each sequence's span
         self.num_blocks = capacity_tokens_per_rank // BLOCK
         if self.num_blocks < 1:
             raise ValueError(f"KV capacity per rank must be at least {BLOCK} tokens, got {capacity_tokens_per_rank}")
@@ -147,9 +164,11 @@ class KVManager:
         self.root.ref = 1  # never evicted
         self.enable_prefix_caching = enable_prefix_caching
         self.used = np.zeros(num_ranks, dtype=np.int64)  # tokens stored per rank
+        self.promised = np.zeros(num_ranks, dtype=np.int64)  # decode tokens local sequences may still add per rank
         self.nodes: dict[int, Node] = {}
         self.prefix_queries = 0  # prompt tokens looked up / found in the cache (the scheduler counts them)
         self.prefix_hits = 0
+        self.begin_forward()
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -201,13 +220,18 @@ class KVManager:
             path.append(p)
             p = p.parent
         now = time.monotonic()
+        per_rank = np.zeros(self.n, dtype=np.int64)
         for p in reversed(path):
             p.ref += 1
             p.last_access = now
+            per_rank += p.count
             for r in range(self.n):
                 _add_runs(runs[r], p.slot.view[p.rank.view == r])
         leaf.ref = 1
-        return SeqKV(request_id, leaf, matched, runs, next_rank=int(np.argmin(self.used)))
+        seq = SeqKV(request_id, leaf, matched, runs, next_rank=int(np.argmin(self.used)),
+                    per_rank=np.zeros(self.n, dtype=np.int64))
+        seq.add(per_rank)
+        return seq
 
     def _split(self, node: Node, m: int) -> Node:
         """Cut node after its first m tokens; the new parent segment P holds them (K/V stay where they are)."""
@@ -232,6 +256,44 @@ class KVManager:
         return p
 
     # ------------------------------------------------------------------ placing new tokens
+    def begin_forward(self, floor_s=None) -> None:
+        """A new forward: no tokens placed yet. floor_s: a callable giving the forward's predicted total compute per
+        rank (its work spread evenly), asked only when a placement has to be decided."""
+        self._fwd_tokens = np.zeros(self.n, dtype=np.int64)
+        self._fwd_items: list[tuple[int, int, int, int]] = []  # (rank or SPREAD, T, P, P on the busiest rank)
+        self._fwd_load = ForwardLoad(np.zeros(self.n))
+        self._fwd_costed = 0  # items already in _fwd_load (costs are predicted only when a decision needs them)
+        self._floor = floor_s
+
+    def forward_load(self) -> ForwardLoad:
+        """This forward's predicted compute per rank from what was placed so far (the placement's view)."""
+        load = self._fwd_load
+        for where, t, p, p_max in self._fwd_items[self._fwd_costed:]:
+            if where == SPREAD:
+                load.compute_s += self.placer.cost(t, p, self.n, p_max).compute_s
+                load.ring = True
+            else:
+                load.compute_s[where] += self.placer.cost(t, p).compute_s
+        self._fwd_costed = len(self._fwd_items)
+        if self._floor is not None:
+            load.floor_s = float(self._floor() if callable(self._floor) else self._floor)
+            self._floor = None
+        return load
+
+    def _load_order(self) -> list[int]:
+        """Ranks for a local placement, least loaded first: KV tokens stored, plus the decode tokens the local
+        sequences there may still add, plus this forward's new tokens (they cost compute now)."""
+        load = self.used + self.promised + self._fwd_tokens
+        return sorted(range(self.n), key=lambda r: (load[r], r))
+
+    def _promise(self, seq: SeqKV, tokens: int) -> None:
+        """Record that seq may still write `tokens` decode tokens on its home (none once it spreads or leaves)."""
+        if seq.promised:
+            self.promised[seq.promised_on] -= seq.promised
+        seq.promised, seq.promised_on = (tokens, seq.home) if tokens and seq.home >= 0 else (0, -1)
+        if seq.promised:
+            self.promised[seq.home] += tokens
+
     def _rank_order(self, leaf: Node) -> list[int]:
         return sorted(range(self.n), key=lambda r: (leaf.count[r], self.used[r], r))
 
@@ -242,20 +304,72 @@ class KVManager:
             need[r] = ceil_div(max(0, int(per_rank[r]) - room), BLOCK)
         return need
 
-    def plan_ranks(self, seq: SeqKV, num_tokens: int, decode: bool) -> np.ndarray:
-        """The rank of each of the next num_tokens tokens of seq (2N-sharded, or round-robin for one decode)."""
+    def _spread_ranks(self, seq: SeqKV, num_tokens: int, decode: bool) -> np.ndarray:
+        """2N-sharded (prefill) or round-robin (one decode token) over all ranks."""
         if decode and num_tokens == 1:
             order = sorted(range(self.n), key=lambda r: (seq.leaf.count[r], (r - seq.next_rank) % self.n))
             return np.asarray([order[0]], dtype=np.int64)
         return chunk_ranks(num_tokens, self.n, self._rank_order(seq.leaf))
 
-    def reserve(self, seq: SeqKV, tokens: np.ndarray, decode: bool = False) -> Placement | None:
+    def _fits(self, seq: SeqKV, ranks: np.ndarray) -> bool:
+        """Room (evicting least recently used cached segments if needed) for tokens on these ranks."""
+        return self.make_room(self._blocks_needed(seq.leaf, np.bincount(ranks, minlength=self.n)))
+
+    def _choose(self, seq: SeqKV, work: Work, decode: bool) -> tuple[np.ndarray, Decision | None] | None:
+        """The ranks of the new tokens, and the decision when one was made; None when they fit nowhere."""
+        t, home, mode = work.new, seq.home, self.placer.mode
+        if self.n == 1:
+            ranks = np.zeros(t, dtype=np.int64)
+            return (ranks, None) if self._fits(seq, ranks) else None
+        if decode and t == 1 and home >= 0 and mode != "shard":  # stays with its keys unless that rank is full
+            ranks = np.full(1, home, dtype=np.int64)
+            return (ranks, None) if self._fits(seq, ranks) else self._spill(seq, home)
+        if home == SPREAD or mode == "shard" or (decode and t == 1):  # keys span ranks already, or forced
+            ranks = self._spread_ranks(seq, t, decode)
+            decision = None if home == SPREAD or decode else Decision(True, -1, "forced")
+            return (ranks, decision) if self._fits(seq, ranks) else None
+        candidates = [r for r in ([home] if home >= 0 else self._load_order()) if self._room_for(r, t, seq.leaf)]
+        if candidates:
+            load = self.forward_load() if self.placer.needs_costs else None
+            decision = self.placer.decide(work, home, candidates[0], load)
+            ranks = self._spread_ranks(seq, t, decode) if decision.spread else \
+                np.full(t, decision.rank, dtype=np.int64)
+            if self._fits(seq, ranks):
+                return ranks, decision
+        ranks = self._spread_ranks(seq, t, decode)  # no single rank can take them: spread, whatever the policy
+        return (ranks, Decision(True, -1, "capacity")) if self._fits(seq, ranks) else None
+
+    def _room_for(self, r: int, t: int, leaf: Node) -> bool:
+        """Whether rank r can hold t more tokens of this leaf after evicting every unreferenced cached segment."""
+        need = ceil_div(max(0, t - (BLOCK - leaf.tail[r][1])), BLOCK)
+        return self.ranks[r].num_free >= need or self.ranks[r].num_free + self._evictable_blocks(r) >= need
+
+    def _evictable_blocks(self, r: int) -> int:
+        """Upper bound on the blocks of rank r that eviction could free: every unreferenced segment's (a descendant
+        of an unreferenced segment is unreferenced too, so leaf after leaf all of them can go)."""
+        return sum(ceil_div(int(nd.count[r]), BLOCK) + 1 for nd in self.nodes.values()
+                   if nd.count[r] and nd.ref == 0 and nd.owner is None)
+
+    def _spill(self, seq: SeqKV, home: int):
+        """A local sequence's decode token when its rank is full: the least-loaded rank with room takes it."""
+        for r in self._load_order():
+            ranks = np.full(1, r, dtype=np.int64)
+            if r != home and self._fits(seq, ranks):
+                return ranks, Decision(True, -1, "capacity")
+        return None
+
+    def reserve(self, seq: SeqKV, tokens: np.ndarray, decode: bool = False, decode_left: int = 0,
+                later: int = 0) -> Placement | None:
         """Place tokens (appended to seq's leaf at positions num_stored ...), evicting LRU cached segments if needed.
-        Returns None when even after eviction the blocks are not there (the scheduler then preempts)."""
-        ranks = self.plan_ranks(seq, len(tokens), decode)
-        need = self._blocks_needed(seq.leaf, np.bincount(ranks, minlength=self.n))
-        if not self.make_room(need):
+        decode_left: tokens the request may still generate; later: prompt tokens left for later chunks (both only
+        inform the placement). Returns None when even after eviction the blocks are not there (the scheduler then
+        preempts)."""
+        work = Work(len(tokens), seq.num_stored, later, decode_left)
+        p_max = int(seq.per_rank.max())
+        chosen = self._choose(seq, work, decode)
+        if chosen is None:
             return None
+        ranks, decision = chosen
         leaf = seq.leaf
         slots = np.empty(len(tokens), dtype=np.int64)
         for r in range(self.n):
@@ -269,11 +383,15 @@ class KVManager:
         counts = np.bincount(ranks, minlength=self.n)
         leaf.count += counts
         self.used += counts
+        seq.add(counts)
+        self._promise(seq, decode_left)
         seq.num_stored += len(tokens)
+        self._fwd_tokens += counts
+        self._fwd_items.append((seq.home if seq.home >= 0 else SPREAD, len(tokens), work.cached, p_max))
         if decode:
             seq.next_rank = (int(ranks[-1]) + 1) % self.n
         leaf.last_access = time.monotonic()
-        return Placement(ranks, slots)
+        return Placement(ranks, slots, seq.home == SPREAD, decision)
 
     def _alloc_slots(self, leaf: Node, r: int, k: int) -> np.ndarray:
         out = []
@@ -294,12 +412,15 @@ class KVManager:
 
     # ------------------------------------------------------------------ freeing
     def make_room(self, need: np.ndarray) -> bool:
-        """Evict least recently used unreferenced leaves until every rank has `need` free blocks."""
+        """Evict least recently used unreferenced leaves holding tokens on a rank short of blocks, until every rank
+        has `need` free blocks."""
         while np.any(self.free_blocks() < need):
+            short = self.free_blocks() < need
             victims = [nd for nd in self.nodes.values() if not nd.children and nd.ref == 0 and nd.owner is None]
             if not victims:
                 return False
-            self._free_node(min(victims, key=lambda nd: nd.last_access))
+            useful = [nd for nd in victims if nd.count[short].any()]  # else one whose parent holds such tokens
+            self._free_node(min(useful or victims, key=lambda nd: nd.last_access))
         return True
 
     def _free_node(self, node: Node) -> None:
@@ -312,6 +433,7 @@ class KVManager:
     def release(self, seq: SeqKV, keep: bool) -> None:
         """A request leaves: unlock its path; keep its tokens cached (finished) or free its private leaf
         (aborted / preempted)."""
+        self._promise(seq, 0)
         leaf = seq.leaf
         leaf.owner = None
         p = leaf
@@ -367,3 +489,4 @@ class KVManager:
             np.testing.assert_array_equal(self.ranks[r].ref, refs[r], err_msg=f"block refs of rank {r}")
             assert self.ranks[r].num_free == int(np.count_nonzero(refs[r] == 0)), "free count"
         np.testing.assert_array_equal(self.used, used)
+        assert (self.promised >= 0).all(), f"negative promised decode tokens {self.promised}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import random
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv_manager import BLOCK, KVManager
+from cpinfer.engine.placement import PLACEMENTS, CostModel, Placer
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -34,6 +36,7 @@ from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
 from cpinfer.model.resolve import resolve_model
 from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.models import load_model_spec
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -60,6 +63,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of each GPU for weights, activations and the KV cache
     share_gpus: bool = False  # CUDA: allow more ranks than GPUs on a node (gloo through host memory; slow)
     strategy: str = "auto"
+    placement: str = "auto"  # "auto" (cost model) | "shard" (always 2N-chunk sharding) | "local" (one rank)
     hardware_profile: str | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs; decode runs the dynamic eager path
@@ -92,6 +96,9 @@ class EngineConfig:
             if problem:
                 raise ValueError(f"static_decode=True runs decode attention in the Triton kernel, which cannot run "
                                  f"on {device}: {problem}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(repr(p) for p in PLACEMENTS)}, "
+                             f"got {self.placement!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -140,7 +147,8 @@ class LLMEngine:
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
         self.tokenizer = _load_tokenizer(self.model_path)
         capacity = self._start_ranks(capacity)
-        self.kv = KVManager(self.n, capacity, a.enable_prefix_caching)
+        self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer())
+        self._mirrors_slots = any(w is not None for w in self.config.windows)  # ranks keep SlotPositions
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
@@ -158,12 +166,30 @@ class LLMEngine:
                                                self.elem_bytes)
         return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
+    def _threads_per_rank(self) -> int:
+        return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // self.parallel.world_size)
+
+    def _placer(self) -> Placer:
+        """The placement policy; "auto" predicts costs for this model on the engine's hardware profile. CPU ranks
+        share the machine: one runs at its threads' share of the cores (the profile describes the whole machine)."""
+        a = self.args
+        if a.placement != "auto" or self.n == 1:
+            return Placer(a.placement, self.n)
+        share = 1.0
+        if a.device == "cpu":
+            cores = os.cpu_count() or 1
+            here = ranks_on_this_node(self.parallel.world_size)
+            share = min(1.0, min(self._threads_per_rank(), cores / here) / cores)
+        model = CostModel(load_model_spec(self.model_path), self.hardware, self.n, a.tensor_parallel_size,
+                          self.elem_bytes, share)
+        return Placer("auto", self.n, model)
+
     def _start_ranks(self, capacity: int | None) -> int:
         """Start the ranks and load the model; with capacity None (CUDA), size the KV cache from each GPU's memory.
         Returns the KV capacity per rank."""
         a = self.args
         world = self.parallel.world_size
-        threads = a.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+        threads = self._threads_per_rank()
         ranks_here = ranks_on_this_node(world)
         backend = comm_backend(a.device, ranks_here, a.share_gpus)
         if a.device == "cuda" and backend == "gloo":
@@ -316,13 +342,28 @@ class LLMEngine:
         choice, phase = self._choose(scheduled)
         batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase)
         try:
-            results: list[RankResult] = self._pool.run(MR.execute_batch, batch)
+            results: list[RankResult] = self._run_batch(batch)
         except Exception as exc:
             self.dead_error = f"{type(exc).__name__}: {exc}"
             raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
         key = f"{phase}/{choice.strategy}"
         self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
         return outputs + self._process(scheduled, results, choice, phase)
+
+    def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
+        """Every rank runs the batch, except that a local rank with no token and no ring to serve is not even sent
+        it (unless sliding-window layers need every rank to mirror every batch's slot positions). Local ranks
+        receive it pickled once (not once per rank)."""
+        if isinstance(self._pool, InProcessWorld):
+            return self._pool.run(MR.execute_batch, batch)
+        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        if not isinstance(self._pool, WorkerPool) or self._mirrors_slots:
+            return self._pool.run(MR.execute_batch, blob)
+        active = MR.active_cp_ranks(batch, self.n)
+        tp = self.parallel.tp
+        results = self._pool.run_some(MR.execute_batch, [(blob,) if active[r // tp] else None
+                                                         for r in range(self.parallel.world_size)])
+        return [RankResult((), {}, 0.0, 0.0, idle=True) if res is None else res for res in results]
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -345,11 +386,11 @@ class LLMEngine:
         return outputs
 
     def _choose(self, scheduled: list[ScheduledSeq]):
-        decodes = sum(s.is_decode for s in scheduled)
-        phase = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
-        t = sum(len(s.tokens) for s in scheduled)
-        p = sum(s.start for s in scheduled)
-        return choose_for_batch(self, t, p, phase), phase
+        """(the ring variant of the sequences that spread over ranks, or no ring; the forward's phase)."""
+        ring = [s for s in scheduled if s.placement.spread]
+        t = sum(len(s.tokens) for s in ring)
+        p = sum(s.start for s in ring)
+        return choose_for_batch(self, t, p, _phase(ring), ring=bool(ring)), _phase(scheduled)
 
     def _seq_input(self, s: ScheduledSeq) -> SeqInput:
         req = s.request
@@ -359,7 +400,7 @@ class LLMEngine:
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
-                        want_lp)
+                        want_lp, s.placement.spread)
 
     def _allowed(self, req: Request):
         """The grammar's bitmask of allowed next tokens (None: unconstrained, or its grammar failed: it ends)."""
@@ -392,8 +433,7 @@ class LLMEngine:
         outputs = []
         for b, s in enumerate(scheduled):
             req = s.request
-            req.metrics["steps"].append(dict(step_info, new_tokens_per_rank=np.bincount(
-                s.placement.ranks, minlength=self.n).tolist()))
+            req.metrics["steps"].append(self._step_metrics(step_info, s))
             if req.params.prompt_logprobs:
                 self._collect_prompt_lp(req, s, b, results)
             if not s.is_decode:
@@ -412,6 +452,15 @@ class LLMEngine:
         for rid in [r for r in self._failed if r not in self.requests]:
             del self._failed[rid]
         return outputs
+
+    def _step_metrics(self, step_info: dict, s: ScheduledSeq) -> dict:
+        """One forward in a request's metrics: the forward's phase and ring strategy, where this request's new
+        tokens went and whether its keys spread over ranks (with the prediction when the placement decided)."""
+        out = dict(step_info, placement="spread" if s.placement.spread else "local",
+                   new_tokens_per_rank=np.bincount(s.placement.ranks, minlength=self.n).tolist())
+        if s.placement.decision is not None:
+            out["placement_inputs"] = s.placement.decision.as_metrics()
+        return out
 
     def _collect_prompt_lp(self, req: Request, s: ScheduledSeq, b: int, results) -> None:
         if req.prompt_lp is None:
@@ -496,6 +545,11 @@ class LLMEngine:
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
+
+
+def _phase(scheduled: list[ScheduledSeq]) -> str:
+    decodes = sum(s.is_decode for s in scheduled)
+    return "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
 
 
 def _log_gpu_capacity(capacity: int, infos: list[dict], sizing: dict) -> None:

@@ -2,12 +2,14 @@
 
 `execute` reads as four steps: plan attention for the batch → run the model on this rank's new tokens (writing
 their K/V into the given slots, then CP attention) → sample where the logits are → return token ids and the
-log-probabilities asked for. Only TP rank 0 of each CP rank reports (every TP rank holds the same hidden states).
+log-probabilities asked for. A rank with no token and no ring to serve skips the model. Only TP rank 0 of each CP
+rank reports (every TP rank holds the same hidden states).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import time
 
 import numpy as np
@@ -109,11 +111,13 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
-        if self.slot_positions is not None:
+        if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
             self.slot_positions.record(batch)
         if self.static is not None and self.static.handles(batch):
             return self._execute_static(batch, t0)
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
+        if plan.idle:  # no token here and no ring in this forward: nothing to run
+            return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True)
         store = self.store
         tables = plan.prepare(self.layout, self.windows, store.k.shape[1])  # every index, planned on the host
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
@@ -141,8 +145,8 @@ class ModelRunner:
         """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
         which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
         samples = self._draw(batch, which, logits.cpu()) if self.groups.tp_rank == 0 and which else ()
-        # (a rank with no token and no ring to serve ran nothing: `which` is empty, `logits` None)
-        return RankResult(samples, {}, time.perf_counter() - t0, 0.0)
+        # a rank with no token and no ring to serve ran nothing: `which` is empty, `logits` None
+        return RankResult(samples, {}, time.perf_counter() - t0, 0.0, idle=logits is None)
 
     def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
         """Sample every sequence whose last new token this rank holds (its logits never leave the rank)."""
@@ -232,8 +236,23 @@ def allocate_kv(ctx, capacity: int) -> None:
     ctx.state["runner"].allocate_kv(capacity)
 
 
-def execute_batch(ctx, batch: ForwardBatch) -> RankResult:
+def execute_batch(ctx, batch: ForwardBatch | bytes) -> RankResult:
+    """Run one forward (a ForwardBatch, or its pickle)."""
+    if isinstance(batch, bytes):
+        batch = pickle.loads(batch)
     return ctx.state["runner"].execute(batch)
+
+
+def active_cp_ranks(batch: ForwardBatch, n: int) -> np.ndarray:
+    """[n] bool: the CP ranks that work in this forward — every one when a sequence spreads (the ring needs them
+    all), else those holding a local sequence's tokens."""
+    active = np.zeros(n, dtype=bool)
+    for s in batch.seqs:
+        if s.spread:
+            active[:] = True
+            break
+        active[s.ranks[0]] = True
+    return active
 
 
 def ring_wait(ctx) -> float:

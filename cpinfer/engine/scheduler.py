@@ -2,13 +2,15 @@
 
 Running requests go first, oldest first: a decoding request takes one token, a prefilling one takes the next chunk
 of its prompt (chunked prefill = the paper's persistent-KV partial prefill, §3.3). Then waiting requests are admitted
-while the budget, `max_num_seqs` and the KV cache allow. When the cache runs out, the newest running request is
-preempted: its private blocks are freed and it is recomputed later (as a partial prefill over what is still cached).
+while the budget, `max_num_seqs` and the KV cache allow (per rank: a request kept on one rank needs its blocks
+there). When the cache runs out, the newest running request is preempted: its private blocks are freed and it is
+recomputed later (as a partial prefill over what is still cached). The KV manager places each one's new tokens.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -59,6 +61,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens or (1 << 62)
+        self.kv.begin_forward(self._work_estimate(budget) if self.kv.placer.needs_costs else None)
         out: list[ScheduledSeq] = []
         i = 0
         while i < len(self.running) and budget > 0:
@@ -102,15 +105,48 @@ class Scheduler:
 
     def _place(self, req: Request, budget: int) -> ScheduledSeq | None:
         start = req.num_stored
-        n = min(req.num_to_compute, budget)
+        todo = req.num_to_compute
+        n = min(todo, budget)
         is_decode = not req.is_prefill
         tokens = req.token_slice(start, n)
         ctx = tuple(req.kv.runs_array(r) for r in range(self.kv.n))  # before the new tokens are appended
-        placement = self.kv.reserve(req.kv, tokens, decode=is_decode)
+        decode_left = max(0, req.params.max_tokens - len(req.out) - 1)  # decode forwards it may still need
+        placement = self.kv.reserve(req.kv, tokens, decode=is_decode, decode_left=decode_left, later=todo - n)
         if placement is None:
             return None
         sample = start + n == len(req.prompt) + len(req.out)
         return ScheduledSeq(req, tokens, start, ctx, placement, sample, is_decode)
+
+    def _work_estimate(self, budget: int):
+        """A callable predicting this forward's compute per rank with its work spread evenly (the floor the placement
+        balances against), from the queues as they are now; evaluated only if a placement must be decided."""
+        if not self.waiting and not any(r.is_prefill for r in self.running):
+            return None  # decodes only: their tokens follow their keys, nothing to decide
+        running = [(r.num_stored, r.num_to_compute, r) for r in self.running]
+        room = self.config.max_num_seqs - len(self.running)
+        waiting = list(itertools.islice(self.waiting, max(0, room)))
+
+        def estimate() -> float:
+            cost, left, total = self.kv.placer.cost, budget, 0.0
+            shared = _SharedPrefixes()
+            for stored, todo, req in running:
+                n = min(todo, left)
+                left -= n
+                total += cost(n, stored).compute_s
+                if stored < len(req.prompt):  # a prompt being prefilled: waiting requests may share it
+                    shared.add(np.asarray(req.prompt, dtype=np.int64))
+            for req in waiting:
+                if left <= 0:
+                    break
+                tokens = req.known_array()
+                cached = self.kv.match(tokens, len(tokens) - 1)[2] if self.kv.enable_prefix_caching else 0
+                cached = max(cached, shared.longest(tokens))
+                n = min(len(tokens) - cached, left)
+                left -= n
+                total += cost(n, cached).compute_s
+                shared.add(tokens)
+            return total / self.kv.n
+        return estimate
 
     def _waits_for_inflight_prefix(self, req: Request) -> bool:
         """True when a running request still prefilling a prompt shares more of req's prompt than the cache holds:
@@ -149,3 +185,25 @@ class Scheduler:
             self.kv.release(req.kv, keep=keep_cache)
             req.kv = None
         req.status = RequestStatus.FINISHED
+
+
+class _SharedPrefixes:
+    """Prompts seen so far, bucketed by their first tokens: the longest prefix a new prompt shares with one of them
+    (a document several requests read is computed once)."""
+
+    KEY = 16
+
+    def __init__(self):
+        self.buckets: dict[tuple, list[np.ndarray]] = {}
+
+    def add(self, tokens: np.ndarray) -> None:
+        if len(tokens) > self.KEY:
+            self.buckets.setdefault(tuple(tokens[:self.KEY].tolist()), []).append(tokens)
+
+    def longest(self, tokens: np.ndarray) -> int:
+        best = 0
+        for other in self.buckets.get(tuple(tokens[:self.KEY].tolist()), ()) if len(tokens) > self.KEY else ():
+            m = min(len(other), len(tokens) - 1)
+            neq = np.flatnonzero(other[:m] != tokens[:m])
+            best = max(best, int(neq[0]) if len(neq) else m)
+        return best
