@@ -1,11 +1,13 @@
 """Attention backends by name: the kernel that computes one ring step of a `cp_attention` plan, and the merge.
 
 `"auto"` (default; the env var CPINFER_ATTENTION_BACKEND overrides it) picks `cpu-flash` on CPU; on CUDA
-`flash-attn` when that package imports (FA3 preferred), else `triton` — a tiled kernel for every dtype; `math`
-(explicit scores, small blocks) runs only when asked for by name. `cpu-flash` and `math` run the plan's
-`AttnItem`s one call each (`step.ItemBackend`); `triton` runs a whole step in one launch (`triton_backend.py`);
-`flash-attn` in one varlen call (`flash_backend.py`). Device tables are planned from the plan's `steps` and
-`step_vectors(j)` and uploaded once per forward (`tables.py`), so a plan built elsewhere runs too.
+`flash-attn` when that package imports (FA3 preferred), else `torch-flash` (PyTorch's own FA2 varlen op) when it
+exists and passed its probe on the device, else `triton` — every one a tiled kernel for every dtype (fp32 steps of
+the flash backends run Triton); `math` (explicit scores, small blocks) runs only when asked for by name. `cpu-flash`
+and `math` run the plan's `AttnItem`s one call each (`step.ItemBackend`); `triton` runs a whole step in one launch
+(`triton_backend.py`); `flash-attn` and `torch-flash` in one varlen call (`flash_backend.py`, `torch_flash.py`).
+Device tables are planned from the plan's `steps` and `step_vectors(j)` and uploaded once per forward
+(`tables.py`), so a plan built elsewhere runs too.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from cpinfer.attention.step import (HeadLayout, ItemBackend, StepBackend, plan_k
                                     step_vectors)
 
 ENV_VAR = "CPINFER_ATTENTION_BACKEND"
-NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "math")
-IN_KERNEL = ("triton", "flash-attn")  # backends that take CAUSAL squares of any length into one launch
+NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "torch-flash", "math")
+IN_KERNEL = ("triton", "flash-attn", "torch-flash")  # backends that take CAUSAL squares of any length into one launch
 
 
 def resolve_name(name: str | None, device: torch.device) -> str:
@@ -40,11 +42,20 @@ def resolve_name(name: str | None, device: torch.device) -> str:
     if name == "auto":
         if device.type == "cpu":
             return "cpu-flash"
-        return "flash-attn" if not _unusable("flash-attn", device) else "triton"
+        return accelerator_default(device)
     problem = _unusable(name, device)
     if problem:
         raise ValueError(f"attention backend {name!r}{where} cannot run on {device}: {problem}")
     return name
+
+
+def accelerator_default(device: torch.device) -> str:
+    """What `auto` means off the CPU: flash-attn if it imports, else torch-flash if its probe passed on `device`,
+    else triton."""
+    for name in ("flash-attn", "torch-flash"):
+        if not _unusable(name, device):
+            return name
+    return "triton"
 
 
 def _has(module: str) -> bool:
@@ -53,11 +64,16 @@ def _has(module: str) -> bool:
 
 def _unusable(name: str, device: torch.device) -> str:
     if name == "cpu-flash" and device.type != "cpu":
-        return "cpu-flash is the CPU kernel; use 'auto', 'triton', 'flash-attn' or 'math' on accelerators"
+        return ("cpu-flash is the CPU kernel; use 'auto', 'triton', 'flash-attn', 'torch-flash' or 'math' on "
+                "accelerators")
     if name == "flash-attn":
         from cpinfer.attention import flash_backend
 
         return flash_backend.unusable(device)
+    if name == "torch-flash":
+        from cpinfer.attention import torch_flash
+
+        return torch_flash.unusable(device)
     if name == "triton":
         if not _has("triton"):
             return "the triton package is not installed"
@@ -81,6 +97,10 @@ def get_step_backend(name: str | None, device) -> StepBackend:
             from cpinfer.attention import flash_backend
 
             _BACKENDS[concrete] = flash_backend.FlashAttnBackend(flash_backend.detect())
+        elif concrete == "torch-flash":
+            from cpinfer.attention import flash_backend, torch_flash
+
+            _BACKENDS[concrete] = flash_backend.FlashAttnBackend(torch_flash.api(), name="torch-flash")
         else:
             kernel = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}[concrete]
             _BACKENDS[concrete] = ItemBackend(concrete, kernel)
@@ -95,8 +115,8 @@ def min_stair(name: str | None) -> int:
 def item_kernel(name: str | None, device):
     """The per-item kernel (q, k, v, causal, mask, scale) → (out, lse) of a backend, by name ("auto" resolved).
 
-    For a whole-step backend (triton, flash-attn) this is an adapter that runs one item per call (tables built per
-    call): correct, but one launch per item and host work per call; `attend_items` runs a whole step instead.
+    For a whole-step backend (triton, flash-attn, torch-flash) this is an adapter that runs one item per call (tables
+    built per call): correct, but one launch per item and host work per call; `attend_items` runs a whole step instead.
     """
     backend = get_step_backend(name, device)
     if isinstance(backend, ItemBackend):

@@ -8,6 +8,7 @@ one-row piece sees all its keys. Pieces of several rows with FULL blocks only ca
 causal=False): they form a second call. fp32 (which flash-attn lacks) and head sizes it lacks run the Triton
 kernel; MASK tiles (a window's edge, irregular positions) run the Triton kernel in vector mode over those tiles.
 flash-attn is detected by importing it: a broken install falls back to Triton with a warning naming the error.
+Without flash-attn the same backend runs PyTorch's own FA2 varlen op (`torch_flash.py`, backend "torch-flash").
 """
 from __future__ import annotations
 
@@ -158,12 +159,12 @@ def _pack(pieces, causal: bool) -> VarlenCall:
 # ---------------------------------------------------------------- the backend
 
 class FlashAttnBackend(StepBackend):
-    """flash-attn varlen, one call per ring step (two when FULL blocks of several rows meet causal squares)."""
+    """flash-attn varlen, one call per ring step (two when FULL blocks of several rows meet causal squares). `api`:
+    an imported flash-attn (`FlashAPI`, backend "flash-attn") or PyTorch's own FA2 op (`torch_flash.TorchFlashAPI`,
+    backend "torch-flash"); both take the same packed arguments."""
 
-    name = "flash-attn"
-
-    def __init__(self, api: FlashAPI, tiled: StepBackend | None = None):
-        self.api = api
+    def __init__(self, api, tiled: StepBackend | None = None, name: str = "flash-attn"):
+        self.api, self.name = api, name
         self._tiled = tiled  # the Triton backend: fp32, head sizes flash-attn lacks, MASK tiles (made on first use)
 
     @property
