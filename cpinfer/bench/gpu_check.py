@@ -309,14 +309,17 @@ def part_cp2_one_gpu(out: Path) -> dict:
 
 def write_report(out: Path, write_doc: Path | None = None) -> tuple[bool, str]:
     """DIR/gpu_check.md from the parts' JSON; a part without JSON failed (timed out or crashed: see DIR/<part>.log)."""
-    head = [f"### GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}", "",
-            "```", "bash scripts/gpu_check.sh", "```", "", _versions(), ""]
+    results = {p.name: json.loads((out / f"{p.name}.json").read_text()) if (out / f"{p.name}.json").exists() else None
+               for p in PARTS if p.name != "report"}
+    # the machine is the one the parts ran on (the report may be written elsewhere, from their JSON)
+    ran = next((r for r in results.values() if r and r.get("device")), None)
+    device, versions = (ran["device"], ran["versions"]) if ran else (_device_name(), _versions())
+    head = [f"### GPU: {device}", "", "```", "bash scripts/gpu_check.sh", "```", "", versions, ""]
     ok, body = True, []
     for part in PARTS:
         if part.name == "report":
             continue
-        path = out / f"{part.name}.json"
-        res = json.loads(path.read_text()) if path.exists() else None
+        res = results[part.name]
         passed = bool(res and res["ok"])
         ok &= passed
         status = ("PASS" if passed else "FAIL") + (f", {res['seconds']:.0f} s" if res else ", no result (timed out "
@@ -333,6 +336,12 @@ def write_report(out: Path, write_doc: Path | None = None) -> tuple[bool, str]:
 
         write_doc_section(write_doc, "gpu", text)
     return ok, text
+
+
+def _device_name() -> str:
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}"
 
 
 def _versions() -> str:
@@ -372,7 +381,8 @@ def run_part(name: str, out: Path) -> bool:
         print(error, file=sys.stderr)
     res = {k: v for k, v in res.items() if _jsonable(v)}
     (out / f"{name}.json").write_text(json.dumps({"part": name, "title": part.title, "ok": ok,
-                                                  "seconds": time.perf_counter() - t0, "error": error, **res},
+                                                  "seconds": time.perf_counter() - t0, "error": error,
+                                                  "device": _device_name(), "versions": _versions(), **res},
                                                  indent=1, default=str))
     print(f"({name}) {part.title}: {'PASS' if ok else 'FAIL'}")
     return ok
