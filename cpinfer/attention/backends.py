@@ -28,8 +28,10 @@ NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "torch-flash", "math")
 IN_KERNEL = ("triton", "flash-attn", "torch-flash")  # backends that take CAUSAL squares of any length into one launch
 
 
-def resolve_name(name: str | None, device: torch.device) -> str:
-    """The concrete backend for `name` on `device` ("auto" and the env var resolved); ValueError if unusable."""
+def resolve_name(name: str | None, device: torch.device, probe: bool = True) -> str:
+    """The concrete backend for `name` on `device` ("auto" and the env var resolved); ValueError if unusable.
+    `probe=False` (a driver that does not own the device): torch-flash counts as usable when its op exists, without
+    running its probe on the device (the ranks resolve again, with the probe)."""
     device = torch.device(device)
     name = name or "auto"
     if name == "auto":
@@ -42,18 +44,18 @@ def resolve_name(name: str | None, device: torch.device) -> str:
     if name == "auto":
         if device.type == "cpu":
             return "cpu-flash"
-        return accelerator_default(device)
-    problem = _unusable(name, device)
+        return accelerator_default(device, probe)
+    problem = _unusable(name, device, probe)
     if problem:
         raise ValueError(f"attention backend {name!r}{where} cannot run on {device}: {problem}")
     return name
 
 
-def accelerator_default(device: torch.device) -> str:
+def accelerator_default(device: torch.device, probe: bool = True) -> str:
     """What `auto` means off the CPU: flash-attn if it imports, else torch-flash if its probe passed on `device`,
     else triton."""
     for name in ("flash-attn", "torch-flash"):
-        if not _unusable(name, device):
+        if not _unusable(name, device, probe):
             return name
     return "triton"
 
@@ -62,7 +64,7 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _unusable(name: str, device: torch.device) -> str:
+def _unusable(name: str, device: torch.device, probe: bool = True) -> str:
     if name == "cpu-flash" and device.type != "cpu":
         return ("cpu-flash is the CPU kernel; use 'auto', 'triton', 'flash-attn', 'torch-flash' or 'math' on "
                 "accelerators")
@@ -73,7 +75,7 @@ def _unusable(name: str, device: torch.device) -> str:
     if name == "torch-flash":
         from cpinfer.attention import torch_flash
 
-        return torch_flash.unusable(device)
+        return torch_flash.unusable(device, probe)
     if name == "triton":
         if not _has("triton"):
             return "the triton package is not installed"

@@ -67,8 +67,9 @@ def packed_lse(lse: torch.Tensor, cu_q: torch.Tensor, total_q: int, heads: int, 
 _PROBED: dict[tuple, str] = {}  # (device type, index) -> '' (the probe passed) or what failed
 
 
-def unusable(device: torch.device) -> str:
-    """Why torch-flash cannot run on `device` ('' when it can): no CUDA, no op, or the probe failed (warned once)."""
+def unusable(device: torch.device, probe_device: bool = True) -> str:
+    """Why torch-flash cannot run on `device` ('' when it can): no CUDA, no op, or the probe failed (warned once).
+    `probe_device=False`: '' when the op exists (a process that does not own the device: the ranks probe)."""
     device = torch.device(device)
     if device.type not in DEVICES:
         return "torch-flash needs a CUDA device"
@@ -77,7 +78,12 @@ def unusable(device: torch.device) -> str:
     op = aten_op()
     if op is None:
         return "this torch has no aten._flash_attention_forward"
-    key = _device_key(device)
+    if not probe_device:
+        return ""
+    try:
+        key = _device_key(device)
+    except Exception as exc:  # noqa: BLE001 - e.g. CUDA reported but unusable in this process
+        return f"cannot select {device}: {type(exc).__name__}: {exc}"
     if key not in _PROBED:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return "torch-flash is probed before its first use, not inside a CUDA graph capture"

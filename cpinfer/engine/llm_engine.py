@@ -144,7 +144,8 @@ class LLMEngine:
             capacity = self._default_capacity(a.kv_memory_fraction)
         capacity = None if capacity is None else capacity // BLOCK * BLOCK  # None: measured on the GPUs
         # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
-        self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
+        # start; the ranks resolve it again on their devices (torch-flash's probe runs there) and report the result
+        self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device), probe=False)
         self.tokenizer = _load_tokenizer(self.model_path)
         capacity = self._start_ranks(capacity)
         self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer())
@@ -203,7 +204,7 @@ class LLMEngine:
         else:
             self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
                                     device=a.device)
-        backend_name = self.attention_backend
+        backend_name = a.attention_backend  # each rank resolves it on its device
         sizing = None if capacity is not None else {
             "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
             "utilization": a.gpu_memory_utilization, "block": BLOCK,
@@ -214,6 +215,7 @@ class LLMEngine:
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
                                    a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend))
             self.rank_pids = [i["pid"] for i in infos]
+            self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
             if capacity is None:
                 capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
                 self._pool.run(MR.allocate_kv, capacity)

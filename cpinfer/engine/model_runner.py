@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cpinfer import timing
+from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.items import new_accumulator
 from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
@@ -217,9 +218,10 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     if capacity is None:
         probe = MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
         probe.start()
-    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend, decode)
+    backend = resolve_name(attention_backend, ctx.device)  # "auto" on this rank's device (torch-flash's probe)
+    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), backend, decode)
     ctx.state["runner"] = runner
-    info = {"pid": os.getpid()}
+    info = {"pid": os.getpid(), "attention_backend": backend}
     if capacity is not None:
         runner.allocate_kv(capacity)
         return info
