@@ -109,8 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                    help=dtype_help or "weights, activations and KV cache: auto = bfloat16 on CUDA, float32 on CPU "
                    "(default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="attention kernel: auto = cpu-flash on CPU; flash-attn on CUDA when installed, else triton; "
-                        "or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
+                   help="attention kernel: auto = cpu-flash on CPU; on CUDA flash-attn when installed, else "
+                        "torch-flash (PyTorch's own FlashAttention-2 varlen op, after a probe on the GPU), else "
+                        "triton; or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
     if memory:
         g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9, metavar="F",
                        help="CUDA: share of each GPU's memory the weights, activations and KV cache may use; the "
