@@ -1,7 +1,7 @@
 """Host work once per forward (issue 16, Must 4): every index a forward needs reaches the device in ONE upload before
 layer 0, and while the layers run nothing is made from host data and nothing is read back — for prefill, chunked
 prefill, partial prefill on a cached prefix, batched decode; pass-KV and pass-Q; with and without sliding windows;
-CP1 and CP2; cpu-flash, and Triton (interpreter) / flash-attn (fake) for their host code. The recorder
+CP1 and CP2; cpu-flash, and Triton (interpreter) / flash-attn (fake) / torch-flash (fake op) for their host code. The recorder
 (`host_sync_guard.py`) is also shown to catch a planted `.item()` and `torch.from_numpy`.
 """
 import os
@@ -113,6 +113,27 @@ def test_no_host_work_with_the_flash_attn_backend(llama_checkpoint, monkeypatch)
         assert len(fake.CALLS) > n0
     finally:
         fake.uninstall()
+
+
+@pytest.mark.parametrize("layout", ["hp", "padded"])
+def test_no_host_work_with_the_torch_flash_backend(llama_checkpoint, monkeypatch, layout):
+    """The torch-flash backend's host code (fake op, fp16, CP1, windows), its LSE read in the layout of today's torch
+    and in the padded one (unpacked on the device)."""
+    import fake_torch_flash as fake
+    from cpinfer.attention import torch_flash
+
+    fake.install(monkeypatch, layout=layout)
+    real = torch_flash.aten_op()
+
+    def op(*args, **kwargs):  # the fake checks its arguments on the host: not the engine's doing
+        with guard.paused():
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_flash, "aten_op", lambda: op)
+    path = llama_checkpoint("gemma3", max_position_embeddings=512)
+    with _engine(path, 1, None, attention_backend="torch-flash", dtype="float16") as llm:
+        _check(llm, lambda: _workload(llm))
+    assert fake.CALLS
 
 
 def test_the_recorder_catches_host_work(llama_checkpoint, pool):
