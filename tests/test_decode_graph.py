@@ -126,6 +126,45 @@ def test_static_decode_of_local_requests_at_cp2(llama_checkpoint, pool, variant)
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
 
 
+def _fast_links_profile(path) -> str:
+    """cpu-gloo with 30x faster links: on the tiny test model a ~900-token prompt spreads, short ones stay local."""
+    import dataclasses
+
+    from cpinfer.perf.hardware import load_hardware_profile
+
+    hw, f = load_hardware_profile("cpu-gloo"), 30.0
+    fast = dataclasses.replace(hw, name="cpu-fast-links", inter_latency_us=hw.inter_latency_us / f,
+                               intra_latency_us=hw.intra_latency_us / f, ring_step_us=hw.ring_step_us / f,
+                               inter_gbs=hw.inter_gbs * f, inter_gbs_peak=hw.inter_gbs_peak * f,
+                               intra_gbs=hw.intra_gbs * f)
+    fast.to_json(path)
+    return str(path)
+
+
+def test_static_decode_with_ring_and_local_rows(llama_checkpoint, pool, tmp_path):
+    """Placement "auto" (issue 18): a long request spread over both ranks (ring rows, pass-Q decode) beside short
+    ones each on one rank (local rows) in the same decode forwards: the same tokens and log-probs as the dynamic
+    path, every decode step through the static path on both ranks."""
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    profile = _fast_links_profile(tmp_path / "fast.json")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (900, 12, 30)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True)
+    runs = {}
+    for static in (False, True):
+        with PooledLLM(str(path), pool, context_parallel_size=2, max_kv_tokens_per_rank=2048, static_decode=static,
+                       hardware_profile=profile) as llm:
+            outs = llm.generate(prompts, params)
+            runs[static] = (outs, llm.engine._pool.run(_static_forwards) if static else None)
+    (dynamic, _), (static, served) = runs[False], runs[True]
+    where = [[s["placement"] for s in o.metrics["steps"]] for o in static]
+    assert where[0] == ["spread"] * 5 and where[1] == where[2] == ["local"] * 5, where
+    assert min(served) >= 4  # the decode forwards (4 per request, run together) went static on both ranks
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
 def test_static_decode_with_tensor_parallel(llama_checkpoint, pool):
     """TP2 inside one CP rank: both TP ranks run the static forward (its all-reduces at fixed shapes), rank 0
     samples; the same tokens as the dynamic path."""
