@@ -148,6 +148,18 @@ def test_auto_order_flash_attn_then_torch_flash_then_triton(monkeypatch):
     assert torch_flash.unusable(CPU) == "torch-flash needs a CUDA device"
 
 
+def test_gpu_check_small_varlen_cases_hold_with_a_correct_op(tf):
+    """gpu_check part (a)'s torch-flash cases, run here through the fake op: each passes its own assertions (empty
+    rows zero with lse -inf, out and lse within tolerance) with one call per step."""
+    from cpinfer.bench import gpu_check
+
+    resolve_name("torch-flash", CPU)
+    for name, case in gpu_check.SMALL_VARLEN.items():
+        tf.clear()
+        err_out, err_lse = gpu_check.small_varlen_check(*case, device="cpu")
+        assert 1 <= len(tf) <= 2 and err_out < 2e-2 and err_lse < 1e-3, (name, tf, err_out, err_lse)
+
+
 def test_engine_one_varlen_call_per_layer(tf, llama_checkpoint):
     """The engine at CP1 (fp16, the fake op): prefills, a partial prefill over a cached prefix and batched decodes
     each make one call per layer, with the tokens and log-probs of the `math` backend."""

@@ -121,16 +121,16 @@ SMALL_VARLEN = {  # name -> (q_seq, q_pos, kv_seq, kv_pos, kv_seq_end or None), 
 
 
 def small_varlen_check(q_seq, q_pos, kv_seq, kv_pos, kv_end, heads: int = 8, kv_heads: int = 2,
-                       head_dim: int = 128) -> tuple[float, float]:
+                       head_dim: int = 128, device: str = "cuda") -> tuple[float, float]:
     """One step through torch-flash (bf16, GQA) vs the float64 reference on the GPU → (max |out diff|, max |lse
-    diff| over rows that see a key); rows that see none must be 0 with lse -inf."""
+    diff| over rows that see a key); rows that see none must be 0 with lse -inf. (`device`: the CPU tests' fake.)"""
     from cpinfer.attention.backends import LocalAttention
     from cpinfer.attention.local import reference_attention
 
-    g = torch.Generator(device="cuda").manual_seed(len(q_seq))
-    q = torch.randn(len(q_seq), heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [Lq, H, D]
-    k = torch.randn(len(kv_seq), kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [Lk, Hkv, D]
-    v = torch.randn(len(kv_seq), kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=device).manual_seed(len(q_seq))
+    q = torch.randn(len(q_seq), heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [Lq, H, D]
+    k = torch.randn(len(kv_seq), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [Lk, Hkv, D]
+    v = torch.randn(len(kv_seq), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)
     t = (lambda x: None if x is None else torch.tensor(x, dtype=torch.long))  # noqa: E731
     step = LocalAttention(t(q_seq), t(q_pos), t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end), backend="torch-flash",
                           device=q.device)
