@@ -26,7 +26,9 @@ def pool():
 
 
 def _engine(path, cp, pool, **kw):
-    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, max_num_batched_tokens=32, **kw)
+    """placement "shard" unless asked otherwise: at CP2 every request in the ring (short prompts would stay local)."""
+    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, max_num_batched_tokens=32,
+              **{"placement": "shard", **kw})
     return LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
 
 
@@ -66,7 +68,17 @@ def test_no_host_work_inside_the_layers(llama_checkpoint, pool, cp, variant, str
     path = llama_checkpoint(variant, max_position_embeddings=512)
     with _engine(path, cp, pool, strategy=strategy) as llm:
         forwards = _check(llm, lambda: _workload(llm))
-    assert {"prefill/" + strategy, "decode/" + strategy} <= set(forwards), forwards
+    ran = strategy if cp > 1 else "local"  # one rank: no ring
+    assert {"prefill/" + ran, "decode/" + ran} <= set(forwards), forwards
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_no_host_work_with_local_placement_at_cp2(llama_checkpoint, pool, variant):
+    """Requests kept on one rank each (issue 18): local forwards, a rank without a request idle."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
+    with _engine(path, 2, pool, placement="local") as llm:
+        forwards = _check(llm, lambda: _workload(llm))
+    assert {"prefill/local", "decode/local"} <= set(forwards), forwards
 
 
 @pytest.mark.parametrize("strategy", ["pass-kv", "pass-q"])
