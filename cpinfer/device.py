@@ -100,7 +100,8 @@ def gpu_memory_utilization(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto", dtype_help: str = "",
                   memory: bool = True) -> None:
-    """--device, --dtype, --attention-backend, --share-gpus and (with `memory`) --gpu-memory-utilization."""
+    """--device, --dtype, --attention-backend, --share-gpus, --enforce-eager and (with `memory`)
+    --gpu-memory-utilization."""
     g = parser.add_argument_group("hardware")
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the ranks run: auto = CUDA when a GPU is visible, else CPU (default: %(default)s)")
@@ -108,8 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                    help=dtype_help or "weights, activations and KV cache: auto = bfloat16 on CUDA, float32 on CPU "
                    "(default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="attention kernel: auto = cpu-flash on CPU; flash-attn on CUDA when installed, else triton; "
-                        "or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
+                   help="attention kernel: auto = cpu-flash on CPU; on CUDA flash-attn when installed, else "
+                        "torch-flash (PyTorch's own FlashAttention-2 varlen op, after a probe on the GPU), else "
+                        "triton; or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
     if memory:
         g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9, metavar="F",
                        help="CUDA: share of each GPU's memory the weights, activations and KV cache may use; the "
@@ -117,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
     g.add_argument("--share-gpus", action="store_true",
                    help="CUDA: allow more ranks than GPUs on a node (tensors then go over gloo through host "
                         "memory; for checks on one GPU, not for speed)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: never capture CUDA graphs; decode runs eagerly (otherwise it is captured once per "
+                        "batch-size bucket and replayed)")
 
 
 def check_arguments(args) -> None:
@@ -128,7 +133,7 @@ def check_arguments(args) -> None:
 def engine_kwargs(args) -> dict:
     """`LLM` / `AsyncLLM` keyword arguments of `add_arguments`' options."""
     kwargs = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
-              "share_gpus": args.share_gpus}
+              "share_gpus": args.share_gpus, "enforce_eager": getattr(args, "enforce_eager", False)}
     if hasattr(args, "gpu_memory_utilization"):
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     return kwargs

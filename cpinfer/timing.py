@@ -6,9 +6,12 @@ the forward (`seconds`, one synchronisation), never inside the layer loop.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
+
+_PAUSED = [0]  # > 0 while a CUDA graph is captured: no events may be recorded then
 
 
 class Span:
@@ -31,6 +34,8 @@ class Stopwatch:
         self.cuda = torch.device(device).type == "cuda"
 
     def mark(self):
+        if _PAUSED[0]:
+            return None
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -38,7 +43,19 @@ class Stopwatch:
         return time.perf_counter()
 
     def span(self, a, b):
+        if a is None or b is None:  # marked while paused
+            return 0.0
         return Span(a, b) if self.cuda else b - a
+
+
+@contextlib.contextmanager
+def paused():
+    """No spans while this is active (a CUDA graph capture: event records would break it); they read 0."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
 
 
 def resolve(timings: list[dict] | None) -> list[dict]:

@@ -3,10 +3,12 @@
 #
 # Runs the parts of cpinfer/bench/gpu_check.py in order, each in its own process under its own time limit, and
 # never past 25 minutes in all, or GPU_CHECK_BUDGET_S seconds (`python -m cpinfer.bench.gpu_check list` prints them):
-#   a  compiled Triton kernels vs the reference: small shapes, offsets past 2^31 elements, one 128K-token sequence
+#   a  compiled Triton kernels vs the reference: small shapes, offsets past 2^31 elements, one 128K-token sequence;
+#      torch-flash (PyTorch's FA2 varlen op) vs float64: small varlen steps and one 32K-token sequence
 #   b  attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM measured in the same run
 #   c  the engine at CP1 in bf16 vs Hugging Face on the GPU: the embedded model, a 2-layer Llama-3-8B shape at 32K
-#      and 128K tokens (TTFT, memory, KV capacity)
+#      and 128K tokens (TTFT, memory, KV capacity, the attention backend `auto` chose)
+#   d  decode time per token with and without CUDA graphs (CP1, bf16, batch 1 and 8)
 #   e  CP2 equals CP1, both ranks on the one GPU (gloo through host memory) when there is only one
 #   report  OUT_DIR/gpu_check.md (default OUT_DIR: gpu_check_out); --write-doc also puts it in docs/benchmarks.md
 # Every part asserts what it checks; the exit status is 0 only when all passed. Logs: OUT_DIR/<part>.log.

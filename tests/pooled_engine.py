@@ -24,7 +24,8 @@ class _PooledEngine(LLMEngine):
                              f"{self.parallel.world_size}")
         self._pool = self._shared_pool
         infos = self._pool.run(MR.init_runner, self.model_path, self.args.dtype, capacity, self.n,
-                               self.args.tensor_parallel_size, self.attention_backend)
+                               self.args.tensor_parallel_size, self.attention_backend, None,
+                               self.decode_config("gloo"))
         self.rank_pids = [i["pid"] for i in infos]
         return capacity
 

@@ -17,9 +17,11 @@ def test_auto_resolves_by_device_and_env(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert resolve_name("auto", CPU) == "cpu-flash"
     assert resolve_name(None, CPU) == "cpu-flash"
-    monkeypatch.setattr(backends, "_has", lambda m: m != "flash_attn")
+    from cpinfer.attention import flash_backend
+
+    monkeypatch.setattr(flash_backend, "detect", lambda: None)  # flash-attn absent (or broken)
     assert resolve_name("auto", CUDA) == "triton"
-    monkeypatch.setattr(backends, "_has", lambda m: True)
+    monkeypatch.setattr(flash_backend, "detect", lambda: flash_backend.FlashAPI("flash-attn 2.7.4", None, False))
     assert resolve_name("auto", CUDA) == "flash-attn"
     monkeypatch.setenv(ENV_VAR, "math")
     assert resolve_name("auto", CPU) == "math"
@@ -30,11 +32,13 @@ def test_auto_resolves_by_device_and_env(monkeypatch):
 
 
 def test_unusable_backends_raise_clear_errors(monkeypatch):
-    with pytest.raises(ValueError, match="allowed: auto, cpu-flash, triton, flash-attn, math"):
+    with pytest.raises(ValueError, match="allowed: auto, cpu-flash, triton, flash-attn, torch-flash, math"):
         resolve_name("flash", CPU)
+    with pytest.raises(ValueError, match="torch-flash needs a CUDA device"):
+        resolve_name("torch-flash", CPU)
     with pytest.raises(ValueError, match="cpu-flash is the CPU kernel"):
         resolve_name("cpu-flash", CUDA)
-    with pytest.raises(ValueError, match="needs a CUDA device and the flash-attn package"):
+    with pytest.raises(ValueError, match="flash-attn needs a CUDA device"):
         resolve_name("flash-attn", CPU)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(backends, "_has", lambda m: True)
@@ -155,14 +159,42 @@ def test_tile_table_cuts_causal_squares_per_block():
 
 
 def test_per_item_kernel_lookup_by_name(monkeypatch):
-    """local.get_backend (per-item kernels, used by engine code) accepts "auto" and the registry's names."""
-    from cpinfer.attention.local import cpu_flash_backend, get_backend, sdpa_math_backend
+    """Per-item kernels by name: `kernels.kernel_by_name` (cpu-flash, math; None by device) and
+    `backends.item_kernel`, which also resolves "auto" and refuses what the device cannot run."""
+    from cpinfer.attention.backends import item_kernel
+    from cpinfer.attention.kernels import cpu_flash_backend, kernel_by_name, sdpa_math_backend
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert get_backend("auto", CPU) is cpu_flash_backend and get_backend(None, CUDA) is sdpa_math_backend
-    assert get_backend("math", CPU) is sdpa_math_backend
+    assert item_kernel("auto", CPU) is cpu_flash_backend and kernel_by_name(None, CUDA) is sdpa_math_backend
+    assert item_kernel("math", CPU) is sdpa_math_backend and kernel_by_name("cpu-flash", CPU) is cpu_flash_backend
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        get_backend("flash-attn", CPU)
+        item_kernel("flash-attn", CPU)
+    with pytest.raises(ValueError, match="not a per-item kernel"):
+        kernel_by_name("triton", CPU)
+
+
+def test_attention_modules_import_without_a_cycle():
+    """The attention package is layered (items, kernels ← local ← tiles ← step ← triton / flash backends ←
+    backends): no module imports, even lazily inside a function, one that imports it back."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "cpinfer" / "attention"
+    graph = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # every import, also those inside functions
+            if isinstance(node, ast.ImportFrom) and node.module == "cpinfer.attention":
+                deps |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cpinfer.attention."):
+                deps.add(node.module.split(".")[-1])
+        graph[path.stem] = deps - {path.stem}
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in graph.get(a, ()))
+
+    cycles = [m for m in graph if reaches(m, m)]
+    assert not cycles, f"import cycles through {cycles}: {graph}"
 
 
 @settings(max_examples=40, deadline=None)

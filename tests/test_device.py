@@ -177,7 +177,8 @@ def test_engine_sizes_its_cache_from_the_profiled_figures(monkeypatch, random_ch
             per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
             expect = int((GiB // 2 - (300 << 20) - (20 << 20)) // per_token) // BLOCK * BLOCK
             assert llm.cache_stats()["kv_capacity_per_rank"] == expect
-            assert llm.engine._pool.ctx.state["runner"].store.k.shape[1] == expect  # allocated at that size
+            store = llm.engine._pool.ctx.state["runner"].store
+            assert store.k.shape[1] == expect + 1 and store.sink == expect  # that size, plus the decode pad's row
             out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
             assert len(out.token_ids) == 3
     finally:
@@ -194,7 +195,7 @@ def test_profile_forward_runs_the_model_without_a_cache(random_checkpoint):
     runner.profile_forward(257)
     assert runner.store is None
     runner.allocate_kv(128)
-    assert runner.store.k.shape[1] == 128
+    assert runner.store.k.shape[1] == 129 and runner.store.sink == 128  # 128 slots and the static decode's pad
 
 
 # ---------------------------------------------------------------- Must 6: CUDA-event spans, read after the forward

@@ -25,7 +25,7 @@ def test_script_without_a_gpu_says_so_in_one_line_and_exits_0():
 
 def test_parts_fit_the_25_minute_budget_and_report_failures(tmp_path):
     names = [p.name for p in gpu_check.PARTS]
-    assert names[-1] == "report" and {"a", "b", "c", "e"} <= set(names)
+    assert names[-1] == "report" and {"a", "b", "c", "d", "e"} <= set(names)
     assert sum(p.limit_s for p in gpu_check.PARTS) <= 24 * 60
     (tmp_path / "a.json").write_text(json.dumps({"part": "a", "ok": True, "seconds": 12.0, "error": None,
                                                  "markdown": "| check | result |"}))
@@ -49,3 +49,15 @@ def test_a_failing_part_writes_its_error(tmp_path, monkeypatch):
     assert gpu_check.run_part("x", tmp_path) is False
     res = json.loads((tmp_path / "x.json").read_text())
     assert res["ok"] is False and "kernel off by 1.0" in res["error"]
+
+
+def test_decode_part_compares_up_to_a_near_tie():
+    """Part d's check of graphs vs eager decode: tokens equal until a bf16 near tie, log-probs within the tolerance
+    up to and at the first difference; a real disagreement fails."""
+    from types import SimpleNamespace as Out
+
+    a = Out(token_ids=[5, 6, 7, 8], logprobs=[-0.1, -0.2, -0.69, -0.3])
+    assert gpu_check._same_decode(a, Out(token_ids=[5, 6, 7, 8], logprobs=[-0.1, -0.21, -0.7, -0.3])) == 4
+    assert gpu_check._same_decode(a, Out(token_ids=[5, 6, 9, 1], logprobs=[-0.1, -0.2, -0.70, -5.0])) == 2
+    with pytest.raises(AssertionError, match="log-probs 2.000 apart"):
+        gpu_check._same_decode(a, Out(token_ids=[5, 6, 9, 1], logprobs=[-0.1, -0.2, -2.69, -5.0]))

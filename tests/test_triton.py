@@ -140,11 +140,11 @@ def test_sliding_window(dtype, mode):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_per_item_adapter_for_item_loops(causal):
-    """local.get_backend("triton"): one item per launch, for code that loops over items (run_items)."""
-    from cpinfer.attention.local import get_backend
+    """backends.item_kernel("triton"): one item per launch, for code that loops over items (run_items)."""
+    from cpinfer.attention.backends import item_kernel
 
     q, k, v = _tensors(20, 20, 6, 2, 16, torch.float32, 4)
-    out, lse = get_backend("triton", DEV)(q, k, v, causal, None, 0.3)
+    out, lse = item_kernel("triton", DEV)(q, k, v, causal, None, 0.3)
     pos = torch.arange(20) if causal else torch.full((20,), 99)
     zeros = torch.zeros(20, dtype=torch.long)
     ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), zeros, pos, zeros, torch.arange(20), scale=0.3)
@@ -156,8 +156,10 @@ def test_per_item_adapter_for_item_loops(causal):
 def test_split_kv_decode_and_prefill(mode):
     """Split-KV forced (every program over more than 16 keys is cut): decode rows over long contexts and a
     partial prefill, merged into a running partial of an earlier step, equal the reference."""
-    from cpinfer.attention.backends import TritonBackend, _OneStep
+    from cpinfer.attention.backends import _OneStep
     from cpinfer.attention.local import build_items, mark_first, new_accumulator
+    from cpinfer.attention.step import plan_tables
+    from cpinfer.attention.triton_backend import TritonBackend
 
     backend = TritonBackend(block_m=16, block_n=16, min_programs=10 ** 6, split_keys=16)
     lens = [3, 70, 41]
@@ -174,8 +176,7 @@ def test_split_kv_decode_and_prefill(mode):
         vectors = (q_seq, q_pos, kv_seq[keys], kv_end[keys], kv_pos[keys]) if mode == "vectors" else None
         plan = _OneStep(items, vectors)
         backend.attend(plan, 0, q, k[keys], v[keys], acc_out, acc_lse, 0.25)
-        _, (_, _, n_slots), _ = next(iter(plan.__dict__["_device_cache"].values()))
-        assert n_slots > 1  # the split really happened
+        assert plan_tables(plan, DEV).meta[(0,)]["n_slots"] > 1  # the split really happened
     ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(q_seq), torch.from_numpy(q_pos),
                                            torch.from_numpy(kv_seq), torch.from_numpy(kv_pos), scale=0.25)
     torch.testing.assert_close(acc_out.cpu().double(), ref_out, rtol=2e-2, atol=2e-2)
@@ -183,20 +184,23 @@ def test_split_kv_decode_and_prefill(mode):
 
 
 def test_prepare_items_builds_the_tables_attend_items_uses():
-    """Tables built before the ring (prepare_items) are the ones the launch reads: nothing is rebuilt later."""
+    """Tables put before the ring (prepare_items) and uploaded once are the ones the launch reads: attend_items
+    adds none and makes no second upload."""
     from cpinfer.attention.backends import get_step_backend
     from cpinfer.attention.local import build_items, new_accumulator
+    from cpinfer.attention.step import HeadLayout
+    from cpinfer.attention.tables import ForwardTables
 
     backend = get_step_backend("triton", DEV)
     q, k, v = _tensors(12, 12, 4, 2, 16, torch.float32, 8)
     zeros, pos = np.zeros(12, dtype=np.int64), np.arange(12)
-    items, cache = build_items(zeros, pos, zeros, pos), {}
-    backend.prepare_items(items, None, q, k, cache, "step0")
-    built = dict(cache)
-    assert len(built) == 1
+    items, tables = build_items(zeros, pos, zeros, pos, min_stair=1), ForwardTables(DEV)
+    backend.prepare_items(items, None, tables, ("step0",), HeadLayout.of(q, k))
+    assert tables.pending == 8 and ("step0",) in tables.meta  # the tile table's 8 int32 arrays
+    tables.upload()
     acc = new_accumulator(12, 4, 16, DEV)
-    backend.attend_items(items, None, q, k, v, *acc, 0.25, cache, "step0")
-    assert cache.keys() == built.keys() and all(cache[x] is built[x] for x in built)
+    backend.attend_items(items, None, q, k, v, *acc, 0.25, tables, ("step0",))
+    assert tables.uploads == 1 and tables.pending == 0
     ref, _ = reference_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(zeros), torch.from_numpy(pos),
                                  torch.from_numpy(zeros), torch.from_numpy(pos), scale=0.25)
     torch.testing.assert_close(acc[0].cpu().double(), ref, rtol=2e-5, atol=2e-5)

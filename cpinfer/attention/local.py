@@ -8,123 +8,21 @@ Visibility follows the `cp_attention` contract: query i sees key j iff `q_seq[i]
 branch below it. Negative key ids are padding and match nothing. A *plan* (`build_items`) turns the metadata into
 a short list of kernel calls — fully visible blocks, top-left causal squares, and small masked tiles only where
 positions are irregular or along a window's trailing edge — so no dense mask over a long sequence is ever built
-and invisible blocks (incl. keys that fell out of every query's window) are skipped.
-`run_items` executes a plan on tensors; the kernel sits behind `AttentionBackend`.
+and invisible blocks (incl. keys that fell out of every query's window) are skipped. Items and their execution live
+in `items.py`, the per-item kernels in `kernels.py` (re-exported here); whole-step backends in `backends.py`.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Protocol
-
 import numpy as np
 import torch
-from torch import Tensor
 
-from cpinfer.attention.merge import merge_into
+from cpinfer.attention.items import (CAUSAL, FULL, MASK, AttentionBackend, AttnItem,  # noqa: F401 (re-exported)
+                                     mark_first, new_accumulator, run_items)
+from cpinfer.attention.kernels import (cpu_flash_backend, kernel_by_name, register_backend,  # noqa: F401
+                                       sdpa_math_backend)
 
-FULL, CAUSAL, MASK = 0, 1, 2
 _TILE_Q, _TILE_K = 64, 256  # tile sizes for irregular metadata
-_MIN_STAIR = 16  # shorter causal runs are cheaper as one masked tile
-_FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
-_FEW_Q_MIN_KEYS = 1024  # below this many keys the flash kernel is as fast
-
-
-@dataclasses.dataclass(frozen=True)
-class AttnItem:
-    """One kernel call: queries [q0, q1) against keys [k0, k1); `mask` [q1-q0, k1-k0] bool only for MASK."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    kind: int
-    mask: Tensor | None = None
-    first: bool = False  # no earlier item of this plan touched these query rows: store instead of merge
-
-
-class AttentionBackend(Protocol):
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None,
-                 scale: float) -> tuple[Tensor, Tensor]:
-        """q [Lq, H, D], k/v [Lk, Hkv, D] → out [Lq, H, D], lse [Lq, H] (natural log, fp32)."""
-
-
-def _few_queries_full(q, k, v, scale: float):
-    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
-    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
-    lq, h, d = q.shape
-    hkv = k.shape[1]
-    g = h // hkv
-    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
-    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
-    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
-    p = torch.exp_(s.sub_(lse[..., None]))
-    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, D]
-    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, h, d).to(q.dtype)
-    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
-
-
-def cpu_flash_backend(q, k, v, causal, mask, scale):
-    """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
-    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead."""
-    if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
-            and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
-        return _few_queries_full(q, k, v, scale)
-    lq, h, d = q.shape
-    hkv = k.shape[1]
-    g = h // hkv
-    qb = q.view(lq, hkv, g, d).permute(2, 1, 0, 3)  # [G, Hkv, Lq, D], no copy
-    kb = k.permute(1, 0, 2).unsqueeze(0).expand(g, -1, -1, -1)  # [G, Hkv, Lk, D], stride 0 over G
-    vb = v.permute(1, 0, 2).unsqueeze(0).expand(g, -1, -1, -1)
-    attn_mask = None
-    if mask is not None:
-        attn_mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)[None, None]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qb, kb, vb, 0.0, causal, attn_mask=attn_mask, scale=scale)
-    out = out.permute(2, 1, 0, 3).reshape(lq, h, d)  # [Lq, H, D]
-    lse = lse.permute(2, 1, 0).reshape(lq, h)  # [Lq, H]
-    if mask is not None:  # the kernel returns lse 0 (not -inf) for a fully masked row
-        empty = ~mask.any(dim=1)
-        if bool(empty.any()):
-            lse = lse.masked_fill(empty[:, None], -torch.inf)
-            out = out.masked_fill(empty[:, None, None], 0.0)
-    return out, lse.float()
-
-
-def sdpa_math_backend(q, k, v, causal, mask, scale):
-    """Portable fallback on any device: explicit matmul/softmax in fp32 (small blocks only)."""
-    lq, h, d = q.shape
-    g = h // k.shape[1]
-    kk = k.float().repeat_interleave(g, dim=1)  # [Lk, H, D]
-    vv = v.float().repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale  # [H, Lq, Lk]
-    if causal:
-        mask = torch.ones(lq, k.shape[0], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        s = s.masked_fill(~mask[None], -torch.inf)
-    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
-    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("hqk,khd->qhd", p, vv)
-    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
-
-
-_BACKENDS = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}
-
-
-def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The per-item kernel for a name: None → cpu-flash on CPU, math elsewhere; "auto" and the names of
-    `cpinfer.attention.backends` resolve there (a whole-step backend such as triton is not a per-item kernel)."""
-    if name is None:
-        name = "cpu-flash" if torch.device(device).type == "cpu" else "math"
-    if name in _BACKENDS:
-        return _BACKENDS[name]
-    from cpinfer.attention.backends import item_kernel  # late: backends builds on this module
-
-    return item_kernel(name, device)
-
-
-def register_backend(name: str, fn: AttentionBackend) -> None:
-    """Let a device-specific kernel (e.g. CUDA flash with LSE) slot in under a name."""
-    _BACKENDS[name] = fn
+MIN_STAIR = 16  # for per-item kernels (cpu-flash): shorter causal runs are cheaper as one masked tile
 
 
 # ---------------------------------------------------------------- planning (metadata only, numpy)
@@ -160,7 +58,7 @@ def _segments(pos: np.ndarray, *labels: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(starts, ends) if labels[0][a] >= 0]
 
 
-def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
+def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int, min_stair: int = MIN_STAIR) -> list[AttnItem]:
     """Items for one query segment against one key segment it can see (both sorted by position).
 
     Row r sees keys [0, c[r]) with c nondecreasing. Walking down the rows: keys every remaining row sees become
@@ -188,7 +86,7 @@ def _pair_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int) -> list[At
         d = c[r:] - done  # ≥ 1: row r sees exactly one key past `done`
         stair = d == np.arange(1, len(d) + 1)
         rs = len(d) if stair.all() else int(np.argmin(stair))
-        if rs >= _MIN_STAIR or rs == len(d):
+        if rs >= min_stair or rs == len(d):
             items.append(AttnItem(q0 + r, q0 + r + rs, k0 + done, k0 + done + rs, CAUSAL))
             r += rs
         else:
@@ -206,7 +104,8 @@ def _band_rows(window: int) -> int:
     return int(min(max(_TILE_Q, window // 8), 512))
 
 
-def _band_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int, window: int) -> list[AttnItem]:
+def _band_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int, window: int,
+                min_stair: int = MIN_STAIR) -> list[AttnItem]:
     """Items for one query segment against one key segment under a sliding window (both sorted by position).
 
     Row r sees keys [lo[r], c[r]) with lo and c nondecreasing. Per block of rows: keys [lo[first], lo[last]) are
@@ -231,7 +130,7 @@ def _band_items(qpos: np.ndarray, kpos: np.ndarray, q0: int, k0: int, window: in
             items.append(AttnItem(q0 + a, q0 + b, k0 + last_lo, k0 + first_c, FULL))
         start = max(last_lo, first_c)
         if last_c > start:
-            items.extend(_pair_items(qpos[a:b], kpos[start:], q0 + a, k0 + start))
+            items.extend(_pair_items(qpos[a:b], kpos[start:], q0 + a, k0 + start, min_stair))
     return items
 
 
@@ -245,7 +144,7 @@ def _intervals(kv_seq, kv_end, kv_segs):
     return lo, hi, list(by_iv.values())
 
 
-def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window=None) -> list[AttnItem]:
+def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window=None, min_stair=MIN_STAIR) -> list[AttnItem]:
     """Each query segment against every key segment whose interval holds the query's label."""
     lo, hi, segs = intervals
     items = []
@@ -256,9 +155,9 @@ def _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window=None) -> list
                 if kv_pos[ka] > q_pos[qb - 1]:
                     continue  # every key is in the future of every query
                 if window is None:
-                    items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka))
+                    items.extend(_pair_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka, min_stair))
                 elif q_pos[qa] - kv_pos[kb - 1] < window:  # else every key left every query's window
-                    items.extend(_band_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka, window))
+                    items.extend(_band_items(q_pos[qa:qb], kv_pos[ka:kb], qa, ka, window, min_stair))
     return items
 
 
@@ -280,11 +179,14 @@ def _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window=None) -> list[AttnI
     return items
 
 
-def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None, window: int | None = None) -> list[AttnItem]:
+def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None, window: int | None = None,
+                min_stair: int = MIN_STAIR) -> list[AttnItem]:
     """Plan the kernel calls for queries against keys (metadata as int64 numpy arrays or CPU tensors).
 
     A query segment may pair with several key segments: every one whose [kv_seq, kv_seq_end) holds its label.
     window: a sliding window (keys with q_pos - kv_pos >= window are invisible), or None.
+    min_stair: causal runs shorter than this become MASK tiles (cheaper for a per-item kernel such as cpu-flash);
+    backends that take CAUSAL squares into a table (triton, flash-attn) plan with 1.
     """
     q_seq, q_pos, kv_seq, kv_pos = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
     kv_end = seq_end_or_default(kv_seq, kv_seq_end)
@@ -298,52 +200,22 @@ def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None, window: int | Non
     if pairs > tiles + 64:  # fragmented metadata (e.g. random placement): fixed tiles are cheaper
         items = _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window)
     else:
-        items = _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window)
+        items = _segment_items(q_seq, q_pos, kv_pos, q_segs, intervals, window, min_stair)
     return mark_first(items, len(q_seq))
 
 
-def mark_first(items: list[AttnItem], n_rows: int, covered: np.ndarray | None = None) -> list[AttnItem]:
-    """Flag items whose query rows no earlier item touched (`covered` carries coverage across plans)."""
-    covered = np.zeros(n_rows, dtype=bool) if covered is None else covered
-    out = []
-    for it in items:
-        first = not covered[it.q0:it.q1].any()
-        covered[it.q0:it.q1] = True
-        out.append(dataclasses.replace(it, first=first))
-    return out
-
-
-# ---------------------------------------------------------------- execution
-
-def run_items(items: list[AttnItem], q: Tensor, k: Tensor, v: Tensor, acc_out: Tensor, acc_lse: Tensor,
-              scale: float, backend: AttentionBackend) -> None:
-    """Accumulate the plan's partial attention into (acc_out [Lq, H, D] fp32, acc_lse [Lq, H] fp32) in place."""
-    for it in items:
-        out, lse = backend(q[it.q0:it.q1], k[it.k0:it.k1], v[it.k0:it.k1], it.kind == CAUSAL, it.mask, scale)
-        if it.first:
-            acc_out[it.q0:it.q1] = out
-            acc_lse[it.q0:it.q1] = lse
-        else:
-            merge_into(acc_out[it.q0:it.q1], acc_lse[it.q0:it.q1], out, lse)
-
-
-def new_accumulator(lq: int, h: int, d: int, device) -> tuple[Tensor, Tensor]:
-    """Empty partial: out zeros [Lq, H, D] fp32, lse -inf [Lq, H] fp32."""
-    return (torch.zeros(lq, h, d, dtype=torch.float32, device=device),
-            torch.full((lq, h), -torch.inf, dtype=torch.float32, device=device))
-
-
 def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None, kv_seq_end=None, window=None):
-    """(out [Lq, H, D] fp32, lse [Lq, H] fp32) of q against k/v under the visibility rule; empty rows → 0, -inf."""
+    """(out [Lq, H, D] fp32, lse [Lq, H] fp32) of q against k/v under the visibility rule; empty rows → 0, -inf.
+    backend: a per-item kernel (None, "cpu-flash", "math"); `backends.attend_local` takes every backend name."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-    run_items(items, q, k, v, acc_out, acc_lse, scale, get_backend(backend, q.device))
+    run_items(items, q, k, v, acc_out, acc_lse, scale, kernel_by_name(backend, q.device))
     return acc_out, acc_lse
 
 
 def _np(x) -> np.ndarray:
-    return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, Tensor) else np.asarray(x, dtype=np.int64)
+    return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.int64)
 
 
 def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_seq_end=None, window=None):

@@ -44,3 +44,30 @@ def merge_partials(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tens
     out = torch.where(nonempty.unsqueeze(-1), out / torch.where(nonempty, denom, 1.0).unsqueeze(-1), 0.0)
     merged_lse = torch.where(nonempty, safe_max + torch.log(torch.where(nonempty, denom, 1.0)), -torch.inf)
     return out, merged_lse
+
+
+def merge_rows_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, rows: Tensor,
+                    unique: bool) -> None:
+    """In place: merge packed partials into the accumulator rows they belong to.
+
+    acc_out [L, H, D] fp32, acc_lse [L, H] fp32; out [P, H, D], lse [P, H] and rows [P] int64 (the accumulator row
+    of each packed row). With `unique` every row appears at most once (gather, merge, scatter back); otherwise a
+    row may receive several partials: a per-row max over all of them, then weighted sums with index_add — a fixed
+    handful of kernels however many partials there are.
+    """
+    if unique:
+        a_out, a_lse = acc_out.index_select(0, rows), acc_lse.index_select(0, rows)  # [P, H, D], [P, H]
+        merge_into(a_out, a_lse, out, lse)
+        acc_out.index_copy_(0, rows, a_out)
+        acc_lse.index_copy_(0, rows, a_lse)
+        return
+    lse = lse.float()
+    top = acc_lse.clone().index_reduce_(0, rows, lse, "amax")  # [L, H] max over the row's partials and acc
+    safe = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    w_acc = torch.exp(acc_lse - safe)  # [L, H]; empty partials weigh 0
+    w_new = torch.exp(lse - safe.index_select(0, rows))  # [P, H]
+    den = w_acc.index_add(0, rows, w_new)
+    num = (acc_out * w_acc.unsqueeze(-1)).index_add_(0, rows, out.float() * w_new.unsqueeze(-1))
+    has = den > 0
+    acc_out.copy_(torch.where(has.unsqueeze(-1), num / torch.where(has, den, 1.0).unsqueeze(-1), 0.0))
+    acc_lse.copy_(torch.where(has, safe + torch.log(torch.where(has, den, 1.0)), -torch.inf))

@@ -14,9 +14,10 @@ import dataclasses
 
 import numpy as np
 
-from cpinfer.attention.local import CAUSAL, FULL, MASK
+from cpinfer.attention.items import CAUSAL, FULL, MASK
 
 NO_DIAG = 2 ** 30  # diag of a range without a causal edge: every key - row is below it (kernels use int32)
+TABLE_FIELDS = ("row0", "row1", "off", "k0", "k1", "r0", "r1", "diag")  # a table's arrays, in kernel order
 
 
 @dataclasses.dataclass(frozen=True)

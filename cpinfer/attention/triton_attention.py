@@ -161,7 +161,7 @@ def launch_step(q, k, v, acc_out, acc_lse, vectors, table, scale: float, block_m
 def split_scratch(n_slots: int, rows: int, h: int, d: int, device) -> torch.Tensor:
     """[S, Lq, H, D+1] fp32: out | lse per split-KV slot; slots a row block does not use stay empty (0, -inf)."""
     scratch = torch.zeros(n_slots, rows, h, d + 1, dtype=torch.float32, device=device)
-    scratch[..., d] = -torch.inf
+    scratch[..., d].fill_(-torch.inf)
     return scratch
 
 

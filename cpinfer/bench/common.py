@@ -122,7 +122,8 @@ def hardware_text(hw: dict) -> str:
 
         where = f"cuda ({torch.cuda.get_device_name()})"
     backend = "" if hw.get("attention_backend", "auto") == "auto" else f", {hw['attention_backend']} attention"
-    return f"{where}, {hw['dtype']}{backend}"
+    eager = ", no CUDA graphs" if hw.get("enforce_eager") and where != "cpu" else ""
+    return f"{where}, {hw['dtype']}{backend}{eager}"
 
 
 def hardware_flags(hw: dict) -> str:
@@ -132,6 +133,8 @@ def hardware_flags(hw: dict) -> str:
         flags += f" --dtype {hw['dtype']}"
     if hw.get("attention_backend", "auto") != "auto":
         flags += f" --attention-backend {hw['attention_backend']}"
+    if hw.get("enforce_eager"):
+        flags += " --enforce-eager"
     return flags
 
 

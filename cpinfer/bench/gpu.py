@@ -1,7 +1,8 @@
 """Attention kernel TFLOP/s on one GPU vs the matmul rate of the same run (`cpinfer bench gpu`; needs CUDA).
 
 Causal full prefill of one sequence (the paper's 8K-128K range, Llama-3-8B heads by default) through each
-backend's one-step kernel (`triton`, `flash-attn` when installed) and PyTorch's SDPA for comparison; every rate
+backend's one-step path (`triton`; `flash-attn` when installed; `torch-flash` when its probe passed) and PyTorch's
+SDPA for comparison; every rate
 is also given as a fraction of a bf16 GEMM measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D).
 `--plan-only` (no GPU needed) times the host side of one forward instead: the plan and the Triton tile tables of
 every ring step at CP1 and CP8, which are built once per forward and reused by every layer.
@@ -42,6 +43,15 @@ def matmul_rate(dtype: torch.dtype, n: int = 8192, repeat: int = 5) -> float:
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
     return 2.0 * n ** 3 / _time_cuda(lambda: a @ b, repeat) / 1e12
+
+
+def default_backends(device=None) -> list[str]:
+    """The backends worth timing here: triton, plus flash-attn when it imports and torch-flash when its probe passes
+    on the GPU."""
+    from cpinfer.attention.backends import _unusable
+
+    device = torch.device(device or "cuda")
+    return ["triton"] + [n for n in ("flash-attn", "torch-flash") if not _unusable(n, device)]
 
 
 def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
@@ -143,7 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=positive_int, default=128)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--backends", type=lambda s: [x for x in s.split(",") if x], default=None,
-                        help="attention backends to time (default: triton, plus flash-attn when installed)")
+                        help="attention backends to time (default: triton, plus flash-attn when installed and "
+                             "torch-flash when its probe passes)")
     parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--plan-only", action="store_true",
                         help="no GPU: time the host-side plan and tile tables of one forward instead")
@@ -163,9 +174,7 @@ def run(args) -> int:
         print("cpinfer bench gpu needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured")
         return 2
     if args.backends is None:
-        from cpinfer.attention.backends import _has
-
-        args.backends = ["triton"] + (["flash-attn"] if _has("flash_attn") else [])
+        args.backends = default_backends()
     res = measure(args)
     print(format_report(res))
     if args.json:

@@ -70,15 +70,89 @@ def part_kernels(out: Path) -> dict:
         assert res.returncode == 0, f"{what} failed (exit {res.returncode}): {tail}\n{res.stderr[-2000:]}"
         rows.append([what, tail, f"{time.perf_counter() - t0:.0f} s"])
     long = long_causal_check()
-    rows.append([f"{long['tokens']} tokens causal, H={long['heads']}/{long['kv_heads']}, D={long['head_dim']}, bf16",
-                 f"vs SDPA max |diff| {long['vs_sdpa']:.1e}; {long['rows']} rows vs float64: {long['vs_f64']:.1e}",
-                 f"{long['seconds']:.0f} s"])
-    return {"markdown": _table(["check", "result", "time"], rows), "long": long}
+    rows.append(_long_row(long))
+    flash = torch_flash_check()
+    rows += flash["rows"]
+    return {"markdown": _table(["check", "result", "time"], rows), "long": long, "torch_flash": flash}
+
+
+def _long_row(long: dict) -> list:
+    return [f"{long['backend']}: {long['tokens']} tokens causal, H={long['heads']}/{long['kv_heads']}, "
+            f"D={long['head_dim']}, bf16",
+            f"vs SDPA max |diff| {long['vs_sdpa']:.1e}; {long['rows']} rows vs float64: {long['vs_f64']:.1e}",
+            f"{long['seconds']:.0f} s"]
+
+
+def torch_flash_expected() -> bool:
+    """PyTorch's FA2 kernel should run here: an NVIDIA GPU of compute capability >= 8.0 (Ampere) under CUDA torch."""
+    return bool(torch.version.cuda) and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def torch_flash_check() -> dict:
+    """torch-flash (PyTorch's FA2 varlen op) through cpinfer's flash backend vs the float64 reference: small varlen
+    steps (Lq < Lk causal, GQA, a prefix tree, decode rows, rows that see no key, FULL blocks beside causal squares),
+    then one 32K-token causal sequence. Where the op should run, its probe must have passed."""
+    from cpinfer.attention import torch_flash
+
+    problem = torch_flash.unusable(torch.device("cuda"))
+    if problem:
+        assert not torch_flash_expected(), f"torch-flash failed on an sm_80+ NVIDIA GPU: {problem}"
+        return {"rows": [["torch-flash", f"not used here: {problem}", "-"]], "problem": problem}
+    t0 = time.perf_counter()
+    worst = {name: small_varlen_check(*case) for name, case in SMALL_VARLEN.items()}
+    rows = [["torch-flash vs float64: " + ", ".join(worst), "max |out diff| " + ", ".join(
+        f"{w[0]:.1e}" for w in worst.values()) + "; max |lse diff| " + f"{max(w[1] for w in worst.values()):.1e}",
+             f"{time.perf_counter() - t0:.0f} s"]]
+    long = long_causal_check(32768, backend="torch-flash")
+    return {"rows": rows + [_long_row(long)], "small": worst, "long": long}
+
+
+SMALL_VARLEN = {  # name -> (q_seq, q_pos, kv_seq, kv_pos, kv_seq_end or None), as lists
+    "Lq<Lk causal": ([0] * 30, list(range(40, 70)), [0] * 70, list(range(70)), None),
+    "decode rows": ([0, 1, 2, 3], [36, 89, 4, 60], [0] * 37 + [1] * 90 + [2] * 5 + [3] * 61,
+                    list(range(37)) + list(range(90)) + list(range(5)) + list(range(61)), None),
+    "prefix tree": ([1] * 11 + [2], list(range(24, 35)) + [32], [0] * 24 + [1] * 11 + [2] * 9,
+                    list(range(24)) + list(range(24, 35)) + list(range(24, 33)), [3] * 24 + [2] * 11 + [3] * 9),
+    "empty rows": ([0] * 6 + [7] * 3 + [1] * 4, list(range(10, 16)) + [5, 6, 7] + list(range(3, 7)),
+                   [0] * 16 + [1] * 7, list(range(16)) + list(range(7)), None),
+    "FULL beside causal": ([0] * 10 + [1] * 8, list(range(30, 40)) + list(range(50, 58)), [0] * 40 + [1] * 20,
+                           list(range(40)) + list(range(20)), None),
+}
+
+
+def small_varlen_check(q_seq, q_pos, kv_seq, kv_pos, kv_end, heads: int = 8, kv_heads: int = 2,
+                       head_dim: int = 128, device: str = "cuda") -> tuple[float, float]:
+    """One step through torch-flash (bf16, GQA) vs the float64 reference on the GPU → (max |out diff|, max |lse
+    diff| over rows that see a key); rows that see none must be 0 with lse -inf. (`device`: the CPU tests' fake.)"""
+    from cpinfer.attention.backends import LocalAttention
+    from cpinfer.attention.local import reference_attention
+
+    g = torch.Generator(device=device).manual_seed(len(q_seq))
+    q = torch.randn(len(q_seq), heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [Lq, H, D]
+    k = torch.randn(len(kv_seq), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [Lk, Hkv, D]
+    v = torch.randn(len(kv_seq), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+    t = (lambda x: None if x is None else torch.tensor(x, dtype=torch.long))  # noqa: E731
+    step = LocalAttention(t(q_seq), t(q_pos), t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end), backend="torch-flash",
+                          device=q.device)
+    out, lse = step(q, k, v)
+    ref_out, ref_lse = reference_attention(q, k, v, t(q_seq), t(q_pos), t(kv_seq), t(kv_pos),
+                                           kv_seq_end=t(kv_end))
+    seen = torch.isfinite(ref_lse)  # [Lq, H]
+    assert bool((torch.isneginf(lse) == ~seen).all()), "rows that see no key must have lse -inf (and the others not)"
+    assert _max_abs(out.double()[~seen]) == 0.0, "rows that see no key must be 0"
+    err_out = _max_abs(out.double() - ref_out)
+    err_lse = _max_abs((lse.double() - ref_lse)[seen])
+    assert err_out < 2e-2 and err_lse < 1e-3, f"torch-flash vs float64: out {err_out:.2e}, lse {err_lse:.2e}"
+    return err_out, err_lse
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return float(x.abs().max()) if x.numel() else 0.0
 
 
 def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                      sample_rows: int = 48) -> dict:
-    """The Triton step kernel on one causal sequence of `tokens` (bf16): every row against torch SDPA, sampled rows
+                      sample_rows: int = 48, backend: str = "triton") -> dict:
+    """A backend's step path on one causal sequence of `tokens` (bf16): every row against torch SDPA, sampled rows
     (first, last, spread between) against float64."""
     from cpinfer.attention.backends import LocalAttention
 
@@ -88,7 +162,7 @@ def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, 
     k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [L, Hkv, D]
     v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
     seq, pos = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
-    out, lse = LocalAttention(seq, pos, seq, pos, backend="triton", device=q.device)(q, k, v)  # fp32
+    out, lse = LocalAttention(seq, pos, seq, pos, backend=backend, device=q.device)(q, k, v)  # fp32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
     ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
@@ -104,21 +178,19 @@ def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, 
         worst = max(worst, float((out[r].double() - exact).abs().max()))
         lse_err = float((lse[r].double() - torch.logsumexp(s, dim=-1).reshape(heads)).abs().max())
         assert lse_err < 1e-2, f"row {r}: lse off by {lse_err}"
-    assert vs_sdpa < 3e-2, f"Triton vs SDPA at {tokens} tokens: max |diff| {vs_sdpa}"
-    assert worst < 2e-2, f"Triton vs float64 at {tokens} tokens: max |diff| {worst}"
-    return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "vs_sdpa": vs_sdpa,
+    assert vs_sdpa < 3e-2, f"{backend} vs SDPA at {tokens} tokens: max |diff| {vs_sdpa}"
+    assert worst < 2e-2, f"{backend} vs float64 at {tokens} tokens: max |diff| {worst}"
+    return {"backend": backend, "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "vs_sdpa": vs_sdpa,
             "vs_f64": worst, "rows": len(rows), "seconds": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------- (b) attention TFLOP/s beside a GEMM
 
 def part_tflops(out: Path) -> dict:
-    from cpinfer.attention.backends import _has
     from cpinfer.bench import gpu
 
     args = argparse.Namespace(tokens=[8192, 16384, 32768, 65536, 131072], heads=32, kv_heads=8, head_dim=128,
-                              dtype="bf16", backends=["triton"] + (["flash-attn"] if _has("flash_attn") else []),
-                              repeat=3)
+                              dtype="bf16", backends=gpu.default_backends(), repeat=3)  # torch-flash when usable
     res = gpu.measure(args)
     for r in res["rows"]:
         if r["kernel"] == "torch-sdpa" and r["tflops"] is None:
@@ -208,17 +280,90 @@ def part_engine_vs_hf(out_dir: Path) -> dict:
         out, st = _engine_run(model_dir, prompt, 8, max_model_len=tokens + 64)
         cmp = compare_with_hf(out, _hf_logprobs(model_dir, prompt, out.token_ids))
         rows.append([f"Llama-3-8B shape, 2 layers, random weights", tokens, st, cmp])
+    from cpinfer.attention.backends import resolve_name
+
+    auto = resolve_name("auto", torch.device("cuda"))  # flash-attn, else torch-flash (its probe passed), else triton
+    assert all(st["attention_backend"] == auto for _, _, st, _ in rows), \
+        f"the engine ran {[st['attention_backend'] for _, _, st, _ in rows]}, auto here is {auto}"
     table = _table(["model", "prompt tokens", "TTFT (s)", "peak GPU memory", "KV capacity / rank", "attention",
                     "tokens = HF argmax", "max |logprob - HF|"],
                    [[name, n, f"{st['ttft_s']:.3f}", _gib(st["peak_bytes"]),
                      f"{st['kv_capacity']} tokens ({_gib(st['kv_capacity'] * st['kv_bytes_per_token'])})",
                      st["attention_backend"], f"{c['same_argmax']}/{c['tokens']} ({c['near_tie_flips']} near ties)",
                      f"{c['max_logprob_diff']:.3f}"] for name, n, st, c in rows])
-    note = (f"Engine CP1, bf16, default gpu_memory_utilization 0.9 (the KV capacity is what it left); Hugging Face "
+    note = (f"Engine CP1, bf16, default gpu_memory_utilization 0.9 (the KV capacity is what it left), attention "
+            f"backend `auto` ({auto}); Hugging Face "
             f"`AutoModelForCausalLM` in bf16 on the same GPU, teacher-forced on the engine's greedy tokens; "
             f"tolerance {LOGPROB_TOL_BF16}.")
     return {"markdown": note + "\n\n" + table,
             "rows": [{"model": n, "tokens": t, **st, **c} for n, t, st, c in rows]}
+
+
+# ---------------------------------------------------------------- (d) decode with and without CUDA graphs
+
+def _decode_run(model_dir: str, prompts: list[list[int]], eager: bool, steps: int) -> dict:
+    """Greedy decode of each batch in `prompts` (warm-up first: it captures the bucket's graph) on a fresh CP1 engine;
+    → {batch: (outputs, median TTIT s)} and the graph replays."""
+    import statistics
+
+    from cpinfer import LLM, SamplingParams
+
+    res = {}
+    llm = LLM(model_dir, device="cuda", dtype="bfloat16", enforce_eager=eager, enable_prefix_caching=False,
+              max_model_len=4096)
+    try:
+        params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=True, ignore_eos=True)
+        for batch in (1, 8):
+            llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+            outs = llm.generate(prompts[:batch], params)
+            res[batch] = (outs, statistics.median(t for o in outs for t in o.metrics["ttit_s"][1:]))
+        replays = sum(llm.engine._pool.run(_graph_replays))
+    finally:
+        llm.shutdown()
+        del llm
+    _free_cuda()
+    return {"runs": res, "replays": replays}
+
+
+def _graph_replays(ctx) -> int:
+    static = ctx.state["runner"].static
+    return 0 if static is None else static.replays
+
+
+def _same_decode(a, b, tol: float = LOGPROB_TOL_BF16) -> int:
+    """Greedy outputs a, b of one prompt: identical until a bf16 near tie (log-probs within `tol` up to and at the
+    first differing token). Returns how many tokens agree."""
+    n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+    err = max((abs(x - y) for x, y in zip(a.logprobs[:n + 1], b.logprobs[:n + 1])), default=0.0)
+    assert err <= tol, f"decode with and without CUDA graphs differs: log-probs {err:.3f} apart (> {tol})"
+    return n
+
+
+def part_decode_graphs(out: Path) -> dict:
+    """Per-token decode time at CP1 on the GPU (bf16, the embedded SmolLM2-135M: 30 layers, where launch overhead
+    dominates) with CUDA graphs and with `enforce_eager`, batches of 1 and 8 over 2K-token contexts: the same greedy
+    tokens (up to bf16 near ties), the graphs really replayed, and graphs not slower."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.model.resolve import resolve_model
+
+    smol = str(resolve_model(None))
+    prompts = [random_prompt(2048, 49152, seed=s) for s in range(8)]
+    eager, graphs = _decode_run(smol, prompts, True, 64), _decode_run(smol, prompts, False, 64)
+    assert graphs["replays"] > 0 and eager["replays"] == 0, (graphs["replays"], eager["replays"])
+    rows = []
+    for batch in (1, 8):
+        (e_outs, e_ttit), (g_outs, g_ttit) = eager["runs"][batch], graphs["runs"][batch]
+        agree = sum(_same_decode(a, b) for a, b in zip(e_outs, g_outs))
+        rows.append([batch, f"{1e3 * e_ttit:.2f}", f"{1e3 * g_ttit:.2f}", f"{e_ttit / g_ttit:.2f}",
+                     f"{agree}/{sum(len(o.token_ids) for o in e_outs)}"])
+        assert g_ttit <= e_ttit * 1.05, f"batch {batch}: CUDA graphs {g_ttit * 1e3:.2f} ms/token, eager " \
+                                        f"{e_ttit * 1e3:.2f} ms/token"
+    note = ("CP1, bf16, SmolLM2-135M-Instruct (embedded), 2048-token random prompts, 64 greedy tokens, median time "
+            "per token after the first; eager = `enforce_eager=True` (the dynamic path), graphs = the static decode "
+            "path replayed per batch-size bucket.")
+    return {"markdown": note + "\n\n" + _table(["batch", "eager ms/token", "CUDA graphs ms/token", "speed-up",
+                                                 "same tokens"], rows),
+            "rows": rows}
 
 
 # ---------------------------------------------------------------- (e) CP2 on the one GPU equals CP1
@@ -281,7 +426,7 @@ def _versions() -> str:
     import platform
 
     parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"python {platform.python_version()}"]
-    for mod in ("triton", "transformers", "flash_attn"):
+    for mod in ("triton", "transformers", "flash_attn", "flash_attn_interface"):
         try:
             parts.append(f"{mod} {__import__(mod).__version__}")
         except Exception:  # noqa: BLE001 - absent or broken: say so
@@ -290,12 +435,14 @@ def _versions() -> str:
 
 
 PARTS = [
-    Part("a", 360, "compiled Triton kernels vs the reference (small shapes, offsets past 2^31, 128K tokens)",
+    Part("a", 360, "compiled Triton kernels vs the reference (small shapes, offsets past 2^31, 128K tokens); "
+                   "torch-flash vs float64 (small varlen shapes, 32K tokens)",
          part_kernels),
     Part("b", 240, "attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM", part_tflops),
-    Part("c", 420, "engine CP1 bf16 vs Hugging Face on the GPU (embedded model; Llama-3-8B shape at 32K, 128K)",
+    Part("c", 400, "engine CP1 bf16 vs Hugging Face on the GPU (embedded model; Llama-3-8B shape at 32K, 128K)",
          part_engine_vs_hf),
-    Part("e", 240, "CP2 on the GPU(s) equals CP1", part_cp2_one_gpu),
+    Part("d", 150, "decode TTIT with and without CUDA graphs (CP1, bf16, batch 1 and 8)", part_decode_graphs),
+    Part("e", 230, "CP2 on the GPU(s) equals CP1", part_cp2_one_gpu),
     Part("report", 60, "markdown report", lambda out: {}),
 ]
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import _cached, backend_for, device_cache, device_send_index
-from cpinfer.attention.local import new_accumulator
+from cpinfer.attention.backends import backend_for
+from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.step import plan_tables
 from cpinfer.cp.ring import direct_steps, ring_steps
 from cpinfer.timing import Stopwatch
 
 
 def _pack_kv(plan, k, v) -> torch.Tensor:
     """This rank's relevant K/V as one message [2, max_send, Hkv, D] (rows past its own count are padding)."""
-    idx = device_send_index(plan, k.device)
+    idx = plan_tables(plan, k.device)[plan.key("send")]  # [sent rows] int64, uploaded before the ring
     buf = k.new_zeros((2, plan.max_send) + tuple(k.shape[1:]))
     buf[0, :len(idx)] = k.index_select(0, idx)
     buf[1, :len(idx)] = v.index_select(0, idx)
@@ -26,9 +27,8 @@ def _pack_kv(plan, k, v) -> torch.Tensor:
 
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D] (the plan's tables prepared and uploaded)."""
     backend = backend_for(plan, q.device)
-    backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
 
     def compute(j, block):  # step 0 reads my K/V in place; later steps the block received from rank - j
@@ -43,16 +43,14 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """Windowed pass-KV: at step j rank r receives from rank r - j the K/V rows its queries see (`plan.routes`);
     pairs with no such rows exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
     backend = backend_for(plan, q.device)
-    backend.prepare_plan(plan, q, k)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     n, me, rows = plan.world, plan.rank, plan.routes.rows
-    cache = device_cache(plan)
+    tables = plan_tables(plan, q.device)
 
     def outgoing(j):  # my rows the rank j ahead of me needs, packed [2, rows, Hkv, D]
-        sel = rows[me][(me + j) % n]
-        if not len(sel):
+        if not len(rows[me][(me + j) % n]):
             return None
-        idx = _cached(cache, ("direct-send", j, str(k.device)), lambda: torch.from_numpy(sel).to(k.device))
+        idx = tables[plan.key("direct", (me + j) % n)]
         return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
 
     def incoming(j):
@@ -71,7 +69,6 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
 def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """Baseline: all-gather every rank's packed K/V first (not overlapped), then attend locally."""
     backend = backend_for(plan, q.device)
-    backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     clock = Stopwatch(q.device)
     t0 = clock.mark()

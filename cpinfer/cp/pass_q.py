@@ -9,20 +9,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import _cached, backend_for, device_cache
+from cpinfer.attention.backends import backend_for
+from cpinfer.attention.step import plan_tables
 from cpinfer.cp.ring import direct_steps, ring_steps
 from cpinfer.timing import Stopwatch
 
 
 def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
-    backend = backend_for(plan, q.device)
-    backend.prepare_plan(plan, q, k)  # device tables once per forward, before any ring step
+    backend = backend_for(plan, q.device)  # the plan's tables are prepared and uploaded
     n, lq, h, d = plan.world, q.shape[0], q.shape[1], q.shape[2]
     rows = plan.max_q if n > 1 else lq
     # partials[s] = (out, lse) of source s's queries against my K/V, packed as [N, rows, H, D+1] for the All2All
     partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)
-    partials[..., d] = -torch.inf
+    partials[..., d].fill_(-torch.inf)
     cur = q
     if n > 1:  # queries travel padded to the longest rank's count
         cur = q.new_zeros((rows, h, d))
@@ -51,21 +51,19 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     (`plan.routes`), attends them to its K/V in place, and an All2All with per-pair sizes returns the partials;
     pairs with nothing to move exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
     backend = backend_for(plan, q.device)
-    backend.prepare_plan(plan, q, k)
     n, me, rows = plan.world, plan.rank, plan.routes.rows
     lq, h, d = q.shape
-    cache = device_cache(plan)
+    tables = plan_tables(plan, q.device)
     own = torch.zeros(lq, h, d + 1, dtype=torch.float32, device=q.device)  # my queries against my K/V
-    own[..., d] = -torch.inf
+    own[..., d].fill_(-torch.inf)
     parts: dict[int, torch.Tensor] = {}  # source rank -> [rows, H, D+1] partial of its queries against my K/V
 
-    def index(src, dst):
-        return _cached(cache, ("direct-q", src, dst, str(q.device)),
-                       lambda: torch.from_numpy(rows[src][dst]).to(q.device))
+    def index(dst):  # [rows] int64: my queries that see some key of rank dst (uploaded before the ring)
+        return tables[plan.key("direct", dst)]
 
     def outgoing(j):
         dst = (me + j) % n
-        return q.index_select(0, index(me, dst)) if len(rows[me][dst]) else None
+        return q.index_select(0, index(dst)) if len(rows[me][dst]) else None
 
     def incoming(j):
         count = len(rows[(me - j) % n][me])
@@ -79,7 +77,7 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         if block is None:
             return
         part = torch.zeros(block.shape[0], h, d + 1, dtype=torch.float32, device=q.device)
-        part[..., d] = -torch.inf
+        part[..., d].fill_(-torch.inf)
         if plan.steps[j]:
             backend.attend(plan, j, block, k, v, part[..., :d], part[..., d], scale)
         parts[(me - j) % n] = part
@@ -95,12 +93,12 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
     back = own.new_empty((sum(recv_sizes), h, d + 1))
     dist.all_to_all_single(back, send, recv_sizes, send_sizes, group=plan.group)
     stacked = own.new_zeros((n, lq, h, d + 1))  # [N, Lq, H, D+1]: slot r the partial from rank r (mine at me)
-    stacked[..., d] = -torch.inf
+    stacked[..., d].fill_(-torch.inf)
     stacked[me] = own
     at = 0
     for r in range(n):
         if recv_sizes[r]:
-            stacked[r, index(me, r)] = back[at:at + recv_sizes[r]]
+            stacked[r, index(r)] = back[at:at + recv_sizes[r]]
             at += recv_sizes[r]
     out, _ = backend.merge(stacked[..., :d], stacked[..., d], q.dtype)  # [Lq, H, D]
     if timings is not None:

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import resolve_name
+from cpinfer.attention.backends import backend_for, min_stair, resolve_name
 from cpinfer.attention.local import AttnItem, build_items, mark_first, seq_end_or_default
+from cpinfer.attention.step import HeadLayout, plan_tables
+from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.ring import group_rank_and_size
 from cpinfer.cp.routes import Routes, pair_routes
 
@@ -57,6 +59,8 @@ class CPAttentionPlan:
     backend: str = "auto"  # attention backend name (cpinfer.attention.backends), resolved on the tensors' device
     window: int | None = None  # sliding window: keys with q_pos - kv_pos >= window are invisible
     routes: Routes | None = None  # direct schedule (with a window): per pair of ranks the rows that travel
+    tables: ForwardTables | None = None  # device tables (None: the plan's own, made by `prepare`)
+    table_prefix: tuple = ()  # this plan's keys in shared tables (the engine's forward holds several plans)
 
     @property
     def me(self) -> RankMeta:
@@ -83,11 +87,36 @@ class CPAttentionPlan:
         sl = self.routes.rows[self.source(j)][self.rank] if self.direct else src.send
         return me.q_seq, me.q_pos, src.kv_seq[sl], src.kv_end[sl], src.kv_pos[sl]
 
+    def key(self, *parts) -> tuple:
+        return tuple(self.table_prefix) + parts
+
+    def prepare(self, layout: HeadLayout, device, tables: ForwardTables | None = None) -> ForwardTables:
+        """Put every device table a run reads — each step's kernel tables, the packed K/V rows, the direct
+        schedule's indices — into `tables` (default: the plan's own), before the ring. The caller uploads them
+        (the engine once per forward, with everything else); `run` uploads whatever is still pending."""
+        if tables is not None:
+            self.tables = tables
+        tables = plan_tables(self, device)
+        if self.key("ready") in tables.meta:
+            return tables
+        backend_for(self, device).prepare_plan(self, layout, tables)
+        n, me = self.world, self.rank
+        if self.direct:
+            for j in range(1, n):
+                sel = self.routes.rows[me][(me + j) % n]
+                if len(sel):
+                    tables.put(self.key("direct", (me + j) % n), sel)
+        elif self.strategy != "pass-q" and n > 1:
+            tables.put(self.key("send"), self.me.send)
+        tables.meta[self.key("ready")] = True
+        return tables
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None,
             scale: float | None = None) -> torch.Tensor:
         """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides."""
         from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
 
+        self.prepare(HeadLayout.of(q, k), q.device).upload()  # nothing pending when the caller prepared it
         scale = scale if scale is not None else q.shape[-1] ** -0.5 if self.scale is None else self.scale
         if self.strategy == "pass-q":
             return (pass_q.run_direct if self.direct else pass_q.run)(self, q, k, v, scale, timings)
@@ -130,9 +159,10 @@ def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strateg
     plan = CPAttentionPlan(group, rank, world, strategy, scale, metas, [], max(len(m.q_seq) for m in metas),
                            max(len(m.send) for m in metas), backend, window, routes)
     covered = np.zeros(len(plan.me.q_seq), dtype=bool)
+    stair = min_stair(backend)
     for j in range(world):
         q_seq, q_pos, kv_seq, kv_end, kv_pos = plan.step_vectors(j)
-        items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window)
+        items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window, stair)
         if strategy == "pass-q":  # source's queries against my stationary K/V; one accumulator per source
             plan.steps.append(mark_first(items, len(q_seq)))
         else:  # my queries against my own K/V (read in place) or the source's packed K/V

@@ -13,6 +13,9 @@ over this rank's local ones): each rank gathers, per sequence, only the cached k
 query's window (positions > start - window; `SlotPositions` mirrors every rank's slot positions from the batches)
 plus the new ones, and runs windowed `cp_attention` on them — tiles, ring steps and messages no query can see are
 skipped.
+
+`prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
+tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.attention.backends import get_step_backend, resolve_name
-from cpinfer.attention.local import FULL, AttnItem, build_items, mark_first, new_accumulator
+from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
+from cpinfer.attention.items import FULL, MASK, AttnItem, mark_first, new_accumulator
+from cpinfer.attention.local import build_items
 from cpinfer.attention.merge import merge_partials
+from cpinfer.attention.step import HeadLayout
+from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
@@ -46,6 +52,16 @@ class SlotPositions:
     def record(self, batch: ForwardBatch) -> None:
         for s in batch.seqs:
             self.pos[s.ranks, s.slots] = s.start + np.arange(len(s.slots), dtype=np.int64)
+
+    def recent_runs(self, rank: int, runs: np.ndarray, first_pos: int) -> np.ndarray:
+        """The runs ([R, 2], position order) on `rank` cut to the slots holding positions >= first_pos ([R', 2])."""
+        if not len(runs):
+            return np.zeros((0, 2), dtype=np.int64)
+        last = self.pos[rank, runs[:, 1] - 1]  # the newest position of each run
+        runs = np.array(runs[np.searchsorted(last, first_pos, side="left"):], dtype=np.int64)
+        if len(runs):
+            runs[0, 0] += int(np.searchsorted(self.pos[rank, runs[0, 0]:runs[0, 1]], first_pos, side="left"))
+        return runs
 
     def recent(self, rank: int, runs: np.ndarray, first_pos: int) -> np.ndarray:
         """Slots of `runs` ([R, 2], position order) on `rank` holding positions >= first_pos, in order."""
@@ -84,10 +100,10 @@ def ring_members(batch: ForwardBatch) -> tuple[list[int], list[int]]:
     return ring, [b for b, s in enumerate(batch.seqs) if not s.spread]
 
 
-def _causal_items(q_pos: np.ndarray, k_pos: np.ndarray, q0: int, k0: int) -> list[AttnItem]:
+def _causal_items(q_pos: np.ndarray, k_pos: np.ndarray, q0: int, k0: int, stair: int) -> list[AttnItem]:
     """Queries of one sequence against new keys of the same sequence (kv_pos <= q_pos), offsets applied."""
     zq, zk = np.zeros(len(q_pos), dtype=np.int64), np.zeros(len(k_pos), dtype=np.int64)
-    return _shift(build_items(zq, q_pos, zk, k_pos), q0, k0)
+    return _shift(build_items(zq, q_pos, zk, k_pos, min_stair=stair), q0, k0)
 
 
 class BatchAttention:
@@ -106,9 +122,13 @@ class BatchAttention:
         name = resolve_name(backend, device)  # "auto" / $CPINFER_ATTENTION_BACKEND → a concrete backend
         self.backend_name, self.device = name, device
         self.backend = get_step_backend(name, device)
+        self.stair = min_stair(name)
         self.batch, self.slot_positions = batch, slot_positions
-        self._windowed: dict[int, list] = {}  # window -> [(plan, my gathered slots, my rows)]: ring, then local
-        self._tables: dict = {}  # device tables of the steps, built on first use and reused by every layer
+        self._windowed: dict[int, list] = {}  # window -> [(plan, my rows)]: the ring's, then my local ones'
+        self.tables = ForwardTables(device)  # every device index of the forward, uploaded once (`prepare`)
+        self.prepared = False
+        self.store_rows: int | None = None  # set by `prepare` for backends that read a step in one call
+        self.both: dict = {}  # step ("local" or j) -> its store and new-key items as one list (`_one_source`)
         empty = np.zeros(0, dtype=np.int64)
         self.idx = [[empty] * len(seqs) for _ in range(world)]  # new tokens of b on rank r (ring and mine)
         for b in self.ring:
@@ -186,7 +206,8 @@ class BatchAttention:
                     packed = _merge_runs(np.stack((starts, starts + runs[:, 1] - runs[:, 0]), axis=1))
                     items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in packed]
                 if len(s.token_ids) > 1 and self.counts[src, b]:
-                    items += _causal_items(self.pos[me][b], self.pos[src][b], q0, len(u) + int(self.qoff[src, b]))
+                    items += _causal_items(self.pos[me][b], self.pos[src][b], q0, len(u) + int(self.qoff[src, b]),
+                                           self.stair)
             self.steps.append(mark_first(items, len(covered), covered))
 
     def _plan_pass_q(self, seqs) -> None:
@@ -204,7 +225,8 @@ class BatchAttention:
                 q0 = int(self.qoff[src, b])
                 store_items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in self.full_runs[me][b]]
                 if len(s.token_ids) > 1 and self.counts[me, b]:
-                    new_items += _causal_items(self.pos[src][b], self.pos[me][b], q0, int(self.qoff[me, b]))
+                    new_items += _causal_items(self.pos[src][b], self.pos[me][b], q0, int(self.qoff[me, b]),
+                                               self.stair)
             covered = np.zeros(int(self.nq_ring[src]), dtype=bool)
             self.steps.append((mark_first(store_items, len(covered), covered),
                                mark_first(new_items, len(covered), covered)))
@@ -217,30 +239,94 @@ class BatchAttention:
             nqb = int(self.counts[me, b])
             store_items += [AttnItem(q0, q0 + nqb, int(a), int(e), FULL) for a, e in self.full_runs[me][b]]
             if len(s.token_ids) > 1:
-                new_items += _causal_items(self.pos[me][b], self.pos[me][b], q0, q0)
+                new_items += _causal_items(self.pos[me][b], self.pos[me][b], q0, q0, self.stair)
         covered = np.zeros(int(self.nq[me]), dtype=bool)
         self.local_steps = (mark_first(store_items, len(covered), covered),
                             mark_first(new_items, len(covered), covered))
 
-    def _window_plans(self, window: int) -> list[tuple[CPAttentionPlan, torch.Tensor, slice]]:
+    def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None) -> ForwardTables:
+        """Plan every kind of layer the model has (`windows`: each layer's window, None = full attention) and put
+        every device index the forward reads into `self.tables`: the model's inputs ("input_ids", "positions",
+        "slots"), the kernel tables of every ring step and of my local sequences, the rows each message packs and
+        the windowed gathers. The caller uploads them once, before layer 0; inside the layers nothing else crosses
+        to the device. `store_rows`: the store's size; with it a backend that addresses keys through an index
+        (flash-attn) reads a step's store rows and new rows (already written to the store) in one call."""
+        t = self.tables
+        self.store_rows = store_rows if self.backend.maps_keys(layout) else None
+        for name in ("input_ids", "positions", "slots"):
+            t.put((name,), getattr(self, name).astype(np.int64, copy=False))  # [Lq] each
+        if any(w is None for w in windows):
+            self._plan_full()
+            self._prepare_full(layout)
+        for w in sorted({int(w) for w in windows if w is not None}):
+            self._window_plans(w, layout)
+        self.prepared = True
+        return t
+
+    def _prepare_full(self, layout: HeadLayout) -> None:
+        for j, step in enumerate(self.steps):
+            if isinstance(step, tuple):
+                self._prepare_pair(j, step, layout)
+            else:
+                self.backend.prepare_items(step, None, self.tables, ("full", "kv", j), layout)
+        self._prepare_pair("local", self.local_steps, layout)
+        if self.ring and self.strategy == "pass-kv":
+            self.tables.put(("full", "send"), self.send_slots[self.rank])
+
+    def _prepare_pair(self, j, step, layout: HeadLayout) -> None:
+        """The tables of a (store items, new-key items) step: one call over both when the backend maps keys."""
+        if self.store_rows is not None and not any(it.kind == MASK for it in step[1]):
+            self.both[j] = self._one_source(step)  # one call: the new keys read from the store
+            self.backend.prepare_items(self.both[j], None, self.tables, ("full", "both", j), layout,
+                                       key_map=self._store_row_of)
+        else:
+            self.backend.prepare_items(step[0], None, self.tables, ("full", "store", j), layout)
+            self.backend.prepare_items(step[1], None, self.tables, ("full", "new", j), layout)
+
+    def _one_source(self, step) -> list[AttnItem]:
+        """A pass-Q / local step's store items and new-key items as one list over [store rows ; my new rows]."""
+        store_items, new_items = step
+        return list(store_items) + _shift(new_items, 0, self.store_rows)
+
+    def _store_row_of(self, keys: np.ndarray) -> np.ndarray:
+        """Key index of `_one_source` items → store row (my new tokens' K/V sit in their slots by then)."""
+        new = keys >= self.store_rows
+        return np.where(new, self.slots[np.where(new, keys - self.store_rows, 0)], keys)
+
+    def _attend(self, j, step, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale) -> None:
+        """Step j ("local" or a pass-Q ring step): the queries `q` against my store and my new K/V, merged into
+        (acc_out, acc_lse)."""
+        if j in self.both:
+            self.backend.attend_items(self.both[j], None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
+                                      ("full", "both", j))
+            return
+        store_items, new_items = step
+        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self.tables,
+                                  ("full", "store", j))
+        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self.tables,
+                                  ("full", "new", j))
+
+    def _window_plans(self, window: int, layout: HeadLayout) -> list[tuple[CPAttentionPlan, slice]]:
         """The windowed plans (once per forward and window): the ring's sequences over every rank, my local ones on
         this rank alone; per rank, each sequence's keys that can be in some query's window — cached slots with
-        positions >= start - window + 1, then the new tokens' slots. Each with my gathered slots and my rows."""
+        positions >= start - window + 1, then the new tokens' slots. Each with my rows; my gathered slots go to
+        the tables under the plan's prefix + ("gather",)."""
         if window in self._windowed:
             return self._windowed[window]
         if self.slot_positions is None:
             raise RuntimeError("a sliding-window layer needs the runner's SlotPositions (a bug: none was passed)")
         plans, lr = [], int(self.nq_ring[self.rank])
         if self.ring:
-            plan, mine = self._window_plan(window, self.ring, list(range(self.world)), self.group)
-            plans.append((plan, mine, slice(0, lr)))
+            plan = self._window_plan(window, "ring", self.ring, list(range(self.world)), self.group, layout)
+            plans.append((plan, slice(0, lr)))
         if self.local:
-            plan, mine = self._window_plan(window, self.local, [self.rank], None)
-            plans.append((plan, mine, slice(lr, int(self.nq[self.rank]))))
+            plan = self._window_plan(window, "local", self.local, [self.rank], None, layout)
+            plans.append((plan, slice(lr, int(self.nq[self.rank]))))
         self._windowed[window] = plans
         return plans
 
-    def _window_plan(self, window: int, members: list[int], ranks: list[int], group):
+    def _window_plan(self, window: int, part: str, members: list[int], ranks: list[int], group,
+                     layout: HeadLayout) -> CPAttentionPlan:
         seqs, cat = self.batch.seqs, (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
         q_meta, kv_meta, mine = [], [], None
         for r in ranks:
@@ -261,7 +347,10 @@ class BatchAttention:
         strategy = self.strategy if world > 1 else "pass-kv"
         plan = plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy,
                                   backend=self.backend_name, window=window)
-        return plan, torch.from_numpy(mine).to(self.device)
+        plan.table_prefix = ("win", window, part)
+        plan.prepare(layout, self.device, self.tables)
+        self.tables.put(("win", window, part, "gather"), mine)  # [keys] my store slots the plan's K/V rows come from
+        return plan
 
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
@@ -269,19 +358,17 @@ class BatchAttention:
         """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
         `window`: the layer's sliding window (None: full causal attention). Rows [0, nq_ring) belong to the ring's
         sequences, the rest to my local ones."""
+        if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
+            self.prepare(HeadLayout.of(q, k_new), [window])
+            self.tables.upload()
         if window is not None:
-            out = torch.empty_like(q)
-            for plan, gather, rows in self._window_plans(window):
-                out[rows] = plan.run(q[rows], store_k.index_select(0, gather), store_v.index_select(0, gather),
-                                     timings, scale)
-            return out
+            return self._run_windowed(q, store_k, store_v, scale, timings, window)
         if self.steps is None:
             self._plan_full()
-        if not self._tables:  # device tables of every step, once per forward and before the ring (no host work inside)
-            self._prepare(q, k_new)
+            self._prepare_full(HeadLayout.of(q, k_new))
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
         if self.local:
-            self._run_local(q, k_new, v_new, store_k, store_v, scale, acc_out, acc_lse)
+            self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
         if not self.ring:
             return acc_out.to(q.dtype)
         lr = int(self.nq_ring[self.rank])
@@ -292,19 +379,18 @@ class BatchAttention:
             acc_out[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return acc_out.to(q.dtype)
 
-    def _prepare(self, q, k) -> None:
-        self._tables["prepared"] = True
-        for j, step in enumerate(self.steps):
-            if isinstance(step, tuple):
-                self.backend.prepare_items(step[0], None, q, k, self._tables, ("store", j))
-                self.backend.prepare_items(step[1], None, q, k, self._tables, ("new", j))
-            else:
-                self.backend.prepare_items(step, None, q, k, self._tables, ("kv", j))
-        self.backend.prepare_items(self.local_steps[0], None, q, k, self._tables, ("local-store",))
-        self.backend.prepare_items(self.local_steps[1], None, q, k, self._tables, ("local-new",))
+    def _run_windowed(self, q, store_k, store_v, scale, timings, window: int) -> torch.Tensor:
+        if window not in self._windowed:
+            self._window_plans(window, HeadLayout.of(q, store_k))
+        out = torch.empty_like(q)
+        for plan, rows in self._windowed[window]:
+            gather = self.tables[plan.table_prefix + ("gather",)]
+            out[rows] = plan.run(q[rows], store_k.index_select(0, gather), store_v.index_select(0, gather),
+                                 timings, scale)
+        return out
 
-    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse):
-        u = torch.from_numpy(self.send_slots[self.rank]).to(q.device)
+    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse) -> None:
+        u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         packed = k_new.new_zeros((2, self.max_send) + tuple(k_new.shape[1:]))  # [2, max_send, Hkv, D]
         packed[0, :len(u)] = store_k.index_select(0, u)
         packed[1, :len(u)] = store_v.index_select(0, u)
@@ -313,35 +399,23 @@ class BatchAttention:
 
         def compute(j, block):
             self.backend.attend_items(self.steps[j], None, q, block[0], block[1], acc_out, acc_lse, scale,
-                                      self._tables, ("kv", j))
+                                      self.tables, ("full", "kv", j))
 
         ring_steps(self.group, packed, self.world, compute, timings)
-
-    def _run_local(self, q, k_new, v_new, store_k, store_v, scale, acc_out, acc_lse) -> None:
-        """My local sequences' queries against my store and my new K/V, into the accumulator (no communication)."""
-        store_items, new_items = self.local_steps
-        self.backend.attend_items(store_items, None, q, store_k, store_v, acc_out, acc_lse, scale, self._tables,
-                                  ("local-store",))
-        self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self._tables,
-                                  ("local-new",))
 
     def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
         n, lq, h, d = self.world, q.shape[0], q.shape[1], q.shape[2]
         rows = self.max_q
         partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
-        partials[..., d] = -torch.inf
+        partials[..., d].fill_(-torch.inf)
         cur = q
-        if n > 1 and lq < rows:
+        if lq < rows:
             cur = q.new_zeros((rows, h, d))
             cur[:lq] = q
 
         def compute(j, block):
             part = partials[(self.rank - j) % n]
-            store_items, new_items = self.steps[j]
-            self.backend.attend_items(store_items, None, block, store_k, store_v, part[..., :d], part[..., d],
-                                      scale, self._tables, ("store", j))
-            self.backend.attend_items(new_items, None, block, k_new, v_new, part[..., :d], part[..., d], scale,
-                                      self._tables, ("new", j))
+            self._attend(j, self.steps[j], block, k_new, v_new, store_k, store_v, part[..., :d], part[..., d], scale)
 
         ring_steps(self.group, cur, n, compute, timings)
         clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL

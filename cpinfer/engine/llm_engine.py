@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from cpinfer.attention.backends import NAMES as ATTENTION_BACKENDS
+from cpinfer.attention.backends import _unusable as backend_problem
 from cpinfer.attention.backends import resolve_name
 from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
 from cpinfer.distributed import ParallelConfig
@@ -68,6 +69,9 @@ class EngineConfig:
     placement: str = "auto"  # "auto" (cost model) | "shard" (always 2N-chunk sharding) | "local" (one rank)
     hardware_profile: str | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA: never capture CUDA graphs; decode runs the dynamic eager path
+    static_decode: bool | None = None  # the static-shape decode path: None = exactly when CUDA graphs are on;
+    # True also without graphs (eager; on CPU it needs TRITON_INTERPRET=1: the path's attention is Triton's)
     threads_per_rank: int | None = None
     timeout_s: float = 600.0
     in_process: bool = True  # CP1 x TP1 runs its one rank inside the driver process
@@ -89,6 +93,15 @@ class EngineConfig:
             check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.static_decode not in (None, True, False):
+            raise ValueError(f"static_decode must be None (auto), True or False, got {self.static_decode!r}")
+        if self.static_decode:
+            problem = backend_problem("triton", torch.device(device))
+            if problem:
+                raise ValueError(f"static_decode=True runs decode attention in the Triton kernel, which cannot run "
+                                 f"on {device}: {problem}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(repr(p) for p in PLACEMENTS)}, "
                              f"got {self.placement!r}")
@@ -145,7 +158,8 @@ class LLMEngine:
             capacity = self._default_capacity(a.kv_memory_fraction)
         capacity = None if capacity is None else capacity // BLOCK * BLOCK  # None: measured on the GPUs
         # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
-        self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device))
+        # start; the ranks resolve it again on their devices (torch-flash's probe runs there) and report the result
+        self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device), probe=False)
         self.tokenizer = _load_tokenizer(self.model_path)
         capacity = self._start_ranks(capacity)
         self.disk = None  # the opened disk-tier directory
@@ -213,7 +227,7 @@ class LLMEngine:
         else:
             self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
                                     device=a.device)
-        backend_name = self.attention_backend
+        backend_name = a.attention_backend  # each rank resolves it on its device
         sizing = None if capacity is not None else {
             "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
             "utilization": a.gpu_memory_utilization, "block": BLOCK,
@@ -222,8 +236,9 @@ class LLMEngine:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
-                                   a.tensor_parallel_size, backend_name, sizing)
+                                   a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend))
             self.rank_pids = [i["pid"] for i in infos]
+            self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
             if capacity is None:
                 capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
                 self._pool.run(MR.allocate_kv, capacity)
@@ -266,6 +281,24 @@ class LLMEngine:
         log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
                  f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
         return config
+
+    def decode_config(self, comm: str) -> dict:
+        """The ranks' decode path: {"mode": "graph" (CUDA graphs per batch-size bucket), "eager" (the same static
+        path without capture) or "off" (the dynamic path), "max_rows": the largest bucket}. `comm`: the tensors'
+        torch.distributed backend (a gloo collective cannot be captured in a CUDA graph)."""
+        a = self.args
+        graphs = a.device == "cuda" and not a.enforce_eager
+        static = graphs if a.static_decode is None else a.static_decode
+        if static and backend_problem("triton", torch.device(a.device)):
+            log.warning("CUDA graphs for decode are off: their attention is the Triton kernel, and %s",
+                        backend_problem("triton", torch.device(a.device)))
+            static = False
+        if graphs and static and comm == "gloo" and self.parallel.world_size > 1:
+            log.warning("decode runs without CUDA graphs: its collectives go over gloo (ranks sharing a GPU), which "
+                        "a graph cannot capture")
+            graphs = False
+        mode = "off" if not static else "graph" if graphs else "eager"
+        return {"mode": mode, "max_rows": a.max_num_seqs}
 
     def shutdown(self) -> None:
         if getattr(self, "_pool", None) is not None:

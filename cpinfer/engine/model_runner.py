@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 from cpinfer import timing
-from cpinfer.attention.local import new_accumulator
+from cpinfer.attention.backends import resolve_name
+from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
 from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import FromHost, ForwardBatch, LoadEntry, RankResult, SampleResult
+from cpinfer.engine.decode_graph import StaticDecode
 from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
 from cpinfer.engine.tier_store import RankTiers
@@ -30,12 +33,14 @@ _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
 
 class KVStore:
-    """This rank's K/V tensors: k, v [layers, capacity, Hkv, D], indexed by the slots the driver assigns."""
+    """This rank's K/V tensors: k, v [layers, capacity + 1, Hkv, D], indexed by the slots the driver assigns; row
+    `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there."""
 
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype, device):
-        shape = (num_layers, capacity, n_kv_heads, head_dim)
+        shape = (num_layers, capacity + 1, n_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.sink = capacity
 
     @staticmethod
     def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
@@ -44,7 +49,9 @@ class KVStore:
 
 class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, decode: dict | None = None):
+        """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
+        (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off."""
         self.ctx = ctx
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
         if parallel.tp == 1:
@@ -54,7 +61,9 @@ class ModelRunner:
             self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
-        self.n_kv = self.model.model.layers[0].self_attn.num_kv_heads  # this TP rank's KV heads
+        attn = self.model.model.layers[0].self_attn
+        self.n_kv = attn.num_kv_heads  # this TP rank's KV heads
+        self.layout = HeadLayout(attn.num_heads, self.n_kv, self.config.head_dim, dtype)  # what attention gets
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
@@ -63,6 +72,8 @@ class ModelRunner:
         self._tp_linears = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
         self.store: KVStore | None = None
         self.tiers: RankTiers | None = None  # host pool and disk writer, when the engine has tiers
+        self.decode = dict(decode or {"mode": "off"})
+        self.static: StaticDecode | None = None  # made with the KV store when the decode mode is not "off"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -75,6 +86,8 @@ class ModelRunner:
         # positions of every rank's slots, mirrored from the batches, when some layer has a window
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if any(self.windows) else None
+        if self.decode["mode"] != "off":
+            self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
 
     def profile_forward(self, tokens: int) -> None:
         """A forward of `tokens` new tokens on this rank alone, for its activation peak: every layer's tensors and
@@ -115,14 +128,16 @@ class ModelRunner:
         events = self.apply_cache_ops(batch.cache_ops)
         if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
             self.slot_positions.record(batch)
+        if self.static is not None and self.static.handles(batch):
+            return self._execute_static(batch, t0, events)
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
-        dev = self.ctx.device
-        ids = torch.from_numpy(plan.input_ids).to(dev)
-        pos = torch.from_numpy(plan.positions).to(dev)
-        slots = torch.from_numpy(plan.slots).to(dev)
-        store, steps = self.store, []  # steps: ring timings of every layer, read after the forward
+        store = self.store
+        tables = plan.prepare(self.layout, self.windows, store.k.shape[1])  # every index, planned on the host
+        tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
+        ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
+        steps = []  # ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
@@ -141,6 +156,13 @@ class ModelRunner:
         self.ring_wait_s += wait
         return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events)
 
+    def _execute_static(self, batch: ForwardBatch, t0: float, events: tuple = ()) -> RankResult:
+        """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
+        which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
+        samples = self._draw(batch, which, logits.cpu()) if self.groups.tp_rank == 0 and which else ()
+        # a rank with no token and no ring to serve ran nothing: `which` is empty, `logits` None
+        return RankResult(samples, {}, time.perf_counter() - t0, 0.0, idle=logits is None, tier_events=events)
+
     def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
         """Sample every sequence whose last new token this rank holds (its logits never leave the rank)."""
         rank = self.groups.cp_rank
@@ -152,6 +174,11 @@ class ModelRunner:
         if not rows:
             return ()
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=hidden.device)]).cpu()
+        return self._draw(batch, which, logits)
+
+    @staticmethod
+    def _draw(batch: ForwardBatch, which: list[int], logits: torch.Tensor) -> tuple[SampleResult, ...]:
+        """Sample sequence which[i] from logits[i] ([len(which), vocab] on the host)."""
         out = []
         for b, row_logits in zip(which, logits):
             try:
@@ -196,10 +223,11 @@ class ModelRunner:
 # ---------------------------------------------------------------- functions the driver runs on every rank
 
 def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int = 1, tp: int = 1,
-                attention_backend: str | None = None, sizing: dict | None = None) -> dict:
+                attention_backend: str | None = None, sizing: dict | None = None, decode: dict | None = None) -> dict:
     """Load this rank's model. With a capacity, allocate its KV store now; with None (CUDA), measure instead:
     `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} → the KV tokens this rank could hold
-    (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest."""
+    (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest. `decode`: the
+    static decode path's mode and bucket bound (`ModelRunner`)."""
     probe = None
     if capacity is None:
         probe = MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
@@ -207,9 +235,10 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     old = ctx.state.get("runner")
     if old is not None and old.tiers is not None:  # a pool reused by another engine
         old.tiers.close()
-    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend)
+    backend = resolve_name(attention_backend, ctx.device)  # "auto" on this rank's device (torch-flash's probe)
+    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), backend, decode)
     ctx.state["runner"] = runner
-    info = {"pid": os.getpid()}
+    info = {"pid": os.getpid(), "attention_backend": backend}
     if capacity is not None:
         runner.allocate_kv(capacity)
         return info

@@ -67,7 +67,8 @@ class CalibrationConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < 1:
             raise ValueError("device 'cuda' requested but no CUDA device is visible")
-        resolve_name(self.attention_backend, torch.device(self.device))  # ValueError naming what is allowed
+        resolve_name(self.attention_backend, torch.device(self.device), probe=False)  # ValueError naming what is
+        # allowed (torch-flash's probe runs on the ranks' devices)
         if any(not 0 < r <= 1 for r in self.grid_miss):
             raise ValueError(f"grid miss rates must be in (0, 1], got {self.grid_miss}")
         if not self.cells():

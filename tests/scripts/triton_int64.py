@@ -18,7 +18,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cpinfer.attention import triton_attention  # noqa: E402
-from cpinfer.attention.backends import LocalAttention, TritonBackend  # noqa: E402
+from cpinfer.attention.backends import LocalAttention  # noqa: E402
+from cpinfer.attention.triton_backend import TritonBackend  # noqa: E402
 from cpinfer.attention.local import reference_attention  # noqa: E402
 from cpinfer.attention.merge import merge_partials  # noqa: E402
 from cpinfer.attention.triton_merge import triton_merge  # noqa: E402

@@ -1,0 +1,95 @@
+"""Per-item attention kernels: one FULL / CAUSAL / MASK block of queries against keys → `(out, lse)`.
+
+`cpu-flash` is aten's CPU flash attention (with two batched matmuls for a few queries over many keys: decode);
+`math` is explicit fp32 matmul / softmax on any device, for small blocks. Neither reads anything from the host
+while it runs (no `.item()`, no data-dependent shapes), so both can sit inside a layer loop that must not sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpinfer.attention.items import AttentionBackend
+
+_FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
+_FEW_Q_MIN_KEYS = 1024  # below this many keys the flash kernel is as fast
+
+
+def _few_queries_full(q, k, v, scale: float):
+    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
+    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
+    lq, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
+    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
+    p = torch.exp_(s.sub_(lse[..., None]))
+    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, D]
+    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, h, d).to(q.dtype)
+    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
+
+
+def cpu_flash_backend(q, k, v, causal, mask, scale):
+    """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
+    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead."""
+    if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
+            and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
+        return _few_queries_full(q, k, v, scale)
+    lq, h, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qb = q.view(lq, hkv, g, d).permute(2, 1, 0, 3)  # [G, Hkv, Lq, D], no copy
+    kb = k.permute(1, 0, 2).unsqueeze(0).expand(g, -1, -1, -1)  # [G, Hkv, Lk, D], stride 0 over G
+    vb = v.permute(1, 0, 2).unsqueeze(0).expand(g, -1, -1, -1)
+    attn_mask = None
+    if mask is not None:
+        attn_mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -torch.inf)[None, None]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb, kb, vb, 0.0, causal, attn_mask=attn_mask, scale=scale)
+    out = out.permute(2, 1, 0, 3).reshape(lq, h, d)  # [Lq, H, D]
+    lse = lse.permute(2, 1, 0).reshape(lq, h)  # [Lq, H]
+    if mask is not None:  # the kernel returns lse 0 (not -inf) for a fully masked row; fixed without a host check
+        empty = ~mask.any(dim=1)  # [Lq]
+        lse = lse.masked_fill(empty[:, None], -torch.inf)
+        out = out.masked_fill(empty[:, None, None], 0.0)
+    return out, lse.float()
+
+
+def sdpa_math_backend(q, k, v, causal, mask, scale):
+    """Portable fallback on any device: explicit matmul/softmax in fp32 (small blocks only: it builds the
+    [H, Lq, Lk] scores)."""
+    lq, h, d = q.shape
+    g = h // k.shape[1]
+    kk = k.float().repeat_interleave(g, dim=1)  # [Lk, H, D]
+    vv = v.float().repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale  # [H, Lq, Lk]
+    if causal:
+        mask = torch.ones(lq, k.shape[0], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask[None], -torch.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
+    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    return out.to(q.dtype), lse.transpose(0, 1).contiguous()
+
+
+KERNELS: dict[str, AttentionBackend] = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}
+
+
+def kernel_by_name(name: str | None, device) -> AttentionBackend:
+    """A per-item kernel of this module: None → cpu-flash on CPU, math elsewhere; else one of `KERNELS`.
+    (The names of whole-step backends, "auto" / "triton" / "flash-attn", resolve in `backends.item_kernel`.)"""
+    if name is None:
+        name = "cpu-flash" if torch.device(device).type == "cpu" else "math"
+    if name not in KERNELS:
+        raise ValueError(f"{name!r} is not a per-item kernel ({', '.join(KERNELS)}); use "
+                         "cpinfer.attention.backends.item_kernel or attend_local for the whole-step backends")
+    return KERNELS[name]
+
+
+def register_backend(name: str, fn: AttentionBackend) -> None:
+    """Let a device-specific per-item kernel slot in under a name."""
+    KERNELS[name] = fn
+
+
+__all__ = ["cpu_flash_backend", "sdpa_math_backend", "kernel_by_name", "register_backend", "KERNELS"]

@@ -1,0 +1,253 @@
+"""Decode under CUDA graphs (paper §4.3): the decode forward with static shapes, one per batch-size bucket.
+
+A decode forward's shapes depend only on how many of the ring's tokens the busiest rank holds, so every rank pads
+them to the same bucket (1, 2, 4, 8, then multiples of 8), and its own local sequences' tokens (all their keys on
+this rank, no communication) to a bucket of its own. Static device buffers hold the token ids, positions and KV slots
+(padding rows write a spare slot) and, per ring step and per distinct sliding window, a fixed-size item-mode tile
+table of the Triton step kernel: its loop bounds are read on the device, so the grid never changes (split-KV with
+a fixed number of pieces per row). The host fills a pinned mirror of them and copies it with one non-blocking
+transfer per step. On CUDA the forward — the layers, pass-Q decode's ring, All2All and merge (Alg. 4), the logits
+of the bucket's rows — is captured once per bucket (after an eager warm-up, in a memory pool the buckets share)
+and replayed; with `enforce_eager`, on CPU or over gloo the same static forward runs eagerly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cpinfer import timing
+from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.tiles import TABLE_FIELDS
+from cpinfer.cp.ring import ring_steps
+from cpinfer.engine.attention import _merge_runs
+from cpinfer.engine.batch import ForwardBatch
+from cpinfer.engine.decode_tables import StaticBuffers, bucket_sizes, split_rows
+
+MODES = ("off", "eager", "graph")  # no static path; the static path run eagerly; captured as CUDA graphs
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """The host side of one decode forward on this rank (built from the batch, identical logic on every rank).
+
+    Its rows: first the ring's (sequences whose keys span ranks: every rank pads them to `ring_rows`), then this
+    rank's local ones (all their keys here: padded to `local_rows`, no communication)."""
+
+    ring_rows: int  # the ring's bucket (0: no ring in this forward, no collective)
+    local_rows: int  # this rank's local bucket
+    mine: list[int]  # sequences whose token this rank holds, in row order (ring ones, then local ones)
+    n_ring: int  # how many of `mine` are the ring's
+    tables: dict  # ("ring", step j, window) / ("local", 0, window) -> split rows against my store
+    ranges: int  # a bound on any rank's table ranges (the same on every rank: they resize buckets together)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.ring_rows, self.local_rows
+
+
+class StaticDecode:
+    """The runner's static-shape decode path: `handles(batch)`, then `execute(batch)` → (my sequences in row order,
+    their logits [rows, vocab] fp32 on the device)."""
+
+    def __init__(self, runner, mode: str, max_rows: int, pieces: int | None = None):
+        if mode not in ("eager", "graph"):
+            raise ValueError(f"the static decode path runs 'eager' or 'graph', got {mode!r}")
+        from cpinfer.attention import triton_attention, triton_merge  # the kernels (Triton is optional)
+
+        self.kernels, self.merge = triton_attention, triton_merge.triton_merge
+        self.runner, self.mode, self.max_rows, self.pieces = runner, mode, max_rows, pieces
+        if runner.store.sink >= 2 ** 30:  # slots sit in the kernel's int32 tables
+            raise ValueError(f"the static decode path's int32 tables hold slots below 2^30; this rank has "
+                             f"{runner.store.sink} (use enforce_eager=True or a smaller max_kv_tokens_per_rank)")
+        self.device = runner.ctx.device
+        self.rank, self.world = runner.groups.cp_rank, runner.groups.config.cp
+        self.group = runner.groups.cp_group
+        self.windows = sorted({w for w in runner.windows if w is not None}) + (
+            [None] if any(w is None for w in runner.windows) else [])
+        interp = triton_attention.interpreting()
+        layout = runner.layout
+        self.block_m = triton_attention.block_m_for(layout.heads // layout.kv_heads, 16)  # one row per program
+        self.block_n = 16 if interp else 64
+        self.sizes = bucket_sizes(max_rows)
+        self.buckets: dict[tuple[int, int], dict] = {}  # (ring rows, local rows) -> static buffers, graph
+        self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
+        self.forwards = 0  # decode forwards this path served (diagnostics and tests)
+        self.replays = 0  # ... of which by replaying a captured graph
+
+    # ------------------------------------------------------------------ host side
+    def handles(self, batch: ForwardBatch) -> bool:
+        """A pure decode forward (one sampled token per sequence) whose ring, if any, is pass-Q, fitting a bucket."""
+        if batch.phase != "decode" or (self.world > 1 and batch.strategy not in ("pass-q", "local")):
+            return False
+        if any(len(s.token_ids) != 1 or s.sample is None or s.prompt_logprobs for s in batch.seqs):
+            return False
+        counts = np.bincount([int(s.ranks[0]) for s in batch.seqs], minlength=self.world)
+        return int(counts.max()) <= self.max_rows
+
+    def _spread(self, batch: ForwardBatch) -> list[bool]:
+        """Per sequence: does it take part in the ring (its keys span ranks)? Never with one rank."""
+        if self.world == 1 or batch.strategy == "local":
+            return [False] * len(batch.seqs)
+        return [bool(getattr(s, "spread", True)) for s in batch.seqs]
+
+    def plan(self, batch: ForwardBatch) -> DecodeStep:
+        seqs, me, n = batch.seqs, self.rank, self.world
+        spread = self._spread(batch)
+        ring_of = [[b for b, s in enumerate(seqs) if spread[b] and int(s.ranks[0]) == r] for r in range(n)]
+        local = [b for b, s in enumerate(seqs) if not spread[b] and int(s.ranks[0]) == me]
+        ring_rows = self._size(max(len(x) for x in ring_of))
+        local_rows = self._size(len(local))
+        visible = {}  # sequence -> its key runs on this rank (its cached runs, plus its new token if here)
+        for b in [b for x in ring_of for b in x] + local:
+            s = seqs[b]
+            runs = s.ctx_runs[me]
+            if int(s.ranks[0]) == me:
+                runs = np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]]))
+            visible[b] = _merge_runs(runs)
+        parts = [("ring", j, ring_of[(me - j) % n], ring_rows) for j in range(n if ring_rows else 0)]
+        parts += [("local", 0, local, local_rows)] if local_rows else []
+        tables = {}
+        for part, j, rows_of, rows in parts:
+            for w in self.windows:
+                runs = [visible[b] if w is None else
+                        self.runner.slot_positions.recent_runs(me, visible[b], seqs[b].start - w + 1) for b in rows_of]
+                tables[(part, j, w)] = split_rows(runs, rows, self._pieces(rows))
+        # every rank can bound every rank's tables from the batch: a run per cached run and the new token, and
+        # each run cut at most pieces - 1 more times
+        pieces = max(self._pieces(ring_rows), self._pieces(local_rows))
+        bound = sum(max(len(r) for r in s.ctx_runs) + 1 for s in seqs) + len(seqs) * (pieces - 1)
+        assert all(len(t["k0"]) <= bound for t in tables.values())
+        return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), tables, bound)
+
+    def _size(self, rows: int) -> int:
+        """The bucket of `rows` rows (0 stays 0: that part is absent)."""
+        return 0 if rows == 0 else next(b for b in self.sizes if b >= rows)
+
+    def _pieces(self, rows: int) -> int:
+        if self.pieces is not None:
+            return self.pieces
+        if self.device.type != "cuda" or rows == 0:
+            return 1
+        target = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return int(min(16, max(1, math.ceil(target / (rows * self.runner.layout.kv_heads)))))
+
+    def _bucket(self, step: DecodeStep) -> dict:
+        """The bucket for this step: made on first use, remade (bigger, recaptured) when a table outgrows it."""
+        bucket = self.buckets.get(step.key)
+        if bucket is None or bucket["ranges"] < step.ranges:
+            cap = max(256, 1 << (2 * max(step.ranges, 1) - 1).bit_length())
+            rows = step.ring_rows + step.local_rows
+            fields = [(("ids",), np.int64, rows), (("pos",), np.int64, rows), (("slots",), np.int64, rows)]
+            pieces = {}
+            for key in step.tables:
+                part_rows = step.ring_rows if key[0] == "ring" else step.local_rows
+                pieces[key] = self._pieces(part_rows)
+                programs = part_rows * pieces[key]
+                fields += [(key + ("row0",), np.int32, programs), (key + ("row1",), np.int32, programs),
+                           (key + ("off",), np.int32, programs + 1), (key + ("slot",), np.int32, programs)]
+                fields += [(key + (f,), np.int32, cap) for f in ("k0", "k1", "r0", "r1", "diag")]
+            bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces,
+                      "ring_rows": step.ring_rows, "local_rows": step.local_rows, "graph": None, "logits": None}
+            self.buckets[step.key] = bucket  # a replaced bucket's graph and memory go with the old dict
+        return bucket
+
+    def _fill(self, bucket: dict, batch: ForwardBatch, step: DecodeStep) -> None:
+        buf, seqs = bucket["buffers"], batch.seqs
+        buf.wait()
+        ring = step.mine[:step.n_ring] + [None] * (step.ring_rows - step.n_ring)  # row order, None: padding
+        local = step.mine[step.n_ring:] + [None] * (step.local_rows - len(step.mine) + step.n_ring)
+        rows = ring + local
+        sink = self.runner.store.sink
+        buf.host(("ids",))[:] = [0 if b is None else int(seqs[b].token_ids[0]) for b in rows]
+        buf.host(("pos",))[:] = [0 if b is None else seqs[b].start for b in rows]
+        buf.host(("slots",))[:] = [sink if b is None else int(seqs[b].slots[0]) for b in rows]
+        for key, table in step.tables.items():
+            for f in TABLE_FIELDS + ("slot",):
+                host = buf.host(key + (f,))
+                host[:len(table[f])] = table[f]
+                host[len(table[f]):] = 0
+        buf.upload()
+
+    # ------------------------------------------------------------------ device side
+    def execute(self, batch: ForwardBatch) -> tuple[list[int], torch.Tensor | None]:
+        """→ (my sequences in row order, their logits [len, vocab] fp32 on the device); (`[]`, None) when this rank
+        has nothing to do (no token of its own and no ring to serve)."""
+        step = self.plan(batch)
+        if step.ring_rows + step.local_rows == 0:
+            return [], None
+        bucket = self._bucket(step)
+        self.forwards += 1
+        self._fill(bucket, batch, step)
+        if bucket["graph"] is not None:
+            bucket["graph"].replay()
+            self.replays += 1
+            logits = bucket["logits"]
+        else:
+            logits = self.forward(bucket)  # eager (and, before a capture, the warm-up: this step's result)
+            if self.mode == "graph":
+                self._capture(bucket)
+        nr, nl = step.n_ring, len(step.mine) - step.n_ring  # real rows: ring ones, then local ones after the pad
+        if nr == step.ring_rows or nl == 0:
+            return step.mine, logits[:nr + nl] if nr == step.ring_rows else logits[:nr]
+        return step.mine, torch.cat((logits[:nr], logits[step.ring_rows:step.ring_rows + nl]))
+
+    def _capture(self, bucket: dict) -> None:
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with timing.paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            bucket["logits"] = self.forward(bucket)  # recorded, not run: this step already ran eagerly
+        bucket["graph"] = graph
+
+    def forward(self, bucket: dict) -> torch.Tensor:
+        """The bucket's decode forward from its static buffers → logits [rows, vocab] fp32."""
+        buf, store, r = bucket["buffers"], self.runner.store, self.runner
+
+        def attn(layer: int, q, k, v):  # q [rows, H, D], k/v [rows, Hkv, D]
+            store.k[layer].index_copy_(0, buf[("slots",)], k)
+            store.v[layer].index_copy_(0, buf[("slots",)], v)
+            return self._attention(bucket, q, store.k[layer], store.v[layer], r.windows[layer])
+
+        with torch.inference_mode():
+            hidden = r.model(buf[("ids",)], buf[("pos",)], attn)  # [rows, hidden]
+            return r.model.compute_logits(hidden)  # [rows, vocab] fp32
+
+    def _attention(self, bucket: dict, q, k, v, window) -> torch.Tensor:
+        """q [ring rows + local rows, H, D] → out, same shape: the ring's rows by pass-Q decode over every rank,
+        my local rows against my store alone."""
+        nr = bucket["ring_rows"]
+        outs = []
+        if nr:
+            outs.append(self._ring(bucket, q[:nr], k, v, window))
+        if bucket["local_rows"]:
+            ql = q[nr:]
+            acc_out, acc_lse = new_accumulator(ql.shape[0], ql.shape[1], ql.shape[2], q.device)
+            self._launch(bucket, ("local", 0, window), ql, k, v, acc_out, acc_lse)
+            outs.append(acc_out.to(q.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _ring(self, bucket: dict, q, k, v, window) -> torch.Tensor:
+        """Pass-Q decode (Alg. 4) at fixed shapes: q [ring rows, H, D] around the ring, partials back by All2All."""
+        n, (rows, h, d) = self.world, q.shape
+        partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
+        partials[..., d].fill_(-torch.inf)
+
+        def compute(j, block):  # the queries of rank (rank - j) against my store
+            part = partials[(self.rank - j) % n]
+            self._launch(bucket, ("ring", j, window), block, k, v, part[..., :d], part[..., d])
+
+        ring_steps(self.group, q.contiguous(), n, compute)
+        back = torch.empty_like(partials)
+        dist.all_to_all_single(back, partials, group=self.group)  # back[s]: my queries' partial from rank s
+        out, _ = self.merge(back[..., :d], back[..., d], q.dtype)
+        return out
+
+    def _launch(self, bucket: dict, key, q, k, v, acc_out, acc_lse) -> None:
+        buf, pieces = bucket["buffers"], bucket["pieces"][key]
+        table = tuple(buf[key + (f,)] for f in TABLE_FIELDS)
+        self.kernels.launch_step(q, k, v, acc_out, acc_lse, None, table, self.runner.scale, self.block_m,
+                                 self.block_n, slots=buf[key + ("slot",)] if pieces > 1 else None,
+                                 n_slots=pieces if pieces > 1 else 0)

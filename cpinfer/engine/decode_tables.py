@@ -1,0 +1,94 @@
+"""The host side of the static-shape decode path (`decode_graph.py`): batch-size buckets, the fixed-size Triton tile
+tables of decode rows (each row's keys split into equal parts), and static device buffers with a pinned host
+mirror that one non-blocking copy per step moves.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cpinfer.attention.tiles import NO_DIAG
+
+_ALIGN = 8
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Rows per rank a decode graph is made for: 1, 2, 4, 8, 16, 24, ... (multiples of 8), the last max_rows."""
+    return sorted({min(b, max_rows) for b in [1, 2, 4] + list(range(8, max_rows + 8, 8))})
+
+
+class StaticBuffers:
+    """Device tensors at fixed addresses (a captured graph reads them) and their pinned host mirror.
+
+    fields: (key, numpy dtype, length); `host(key)` is the writable numpy view, `[key]` the device view, and
+    `upload()` moves the whole mirror with one non-blocking copy (on CPU the mirror is the buffer)."""
+
+    def __init__(self, fields, device):
+        self.device = torch.device(device)
+        offsets, total = {}, 0
+        for key, dtype, length in fields:
+            offsets[key] = (total, np.dtype(dtype), length)
+            total += -(-np.dtype(dtype).itemsize * length // _ALIGN) * _ALIGN
+        cuda = self.device.type == "cuda"
+        self._host = torch.zeros(max(total, _ALIGN), dtype=torch.uint8, pin_memory=cuda)  # [bytes]
+        self._dev = self._host if not cuda else torch.zeros_like(self._host, device=self.device)
+        flat = self._host.numpy()
+        torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+        self._views, self._hosts = {}, {}
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the mirror
+        for key, (off, dtype, length) in offsets.items():
+            nbytes = dtype.itemsize * length
+            self._hosts[key] = flat[off:off + nbytes].view(dtype)
+            self._views[key] = self._dev[off:off + nbytes].view(torch_dtype[dtype])
+
+    def host(self, key) -> np.ndarray:
+        """The writable mirror of `key` (call `wait()` first: the previous step's copy may still be reading it)."""
+        return self._hosts[key]
+
+    def wait(self) -> None:
+        """Until the previous upload has left the mirror (a rank that does not sample never syncs otherwise)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self._views[key]
+
+    def upload(self) -> None:
+        if self._dev is not self._host:
+            self._dev.copy_(self._host, non_blocking=True)  # the step's one host→device transfer
+            self._copied.record()
+
+
+def split_rows(row_runs: list[np.ndarray], rows: int, pieces: int) -> dict[str, np.ndarray]:
+    """One item-mode tile table for decode rows: row i sees the key runs row_runs[i] ([R_i, 2], slot ranges) in
+    full; each row's keys are cut into `pieces` parts of equal size (program t = row * pieces + part; parts of a
+    split row write scratch slot `part`). Rows past len(row_runs) get programs that do nothing.
+    Returns the TABLE_FIELDS arrays and "slot" (int64; lengths: programs, programs + 1 and ranges)."""
+    n_real, programs = len(row_runs), rows * pieces
+    lens = np.asarray([len(r) for r in row_runs], dtype=np.int64)
+    runs = np.concatenate(row_runs).astype(np.int64) if lens.sum() else np.zeros((0, 2), dtype=np.int64)
+    row_of = np.repeat(np.arange(n_real), lens)
+    size = runs[:, 1] - runs[:, 0]
+    totals = np.bincount(row_of, weights=size, minlength=n_real).astype(np.int64)  # [n_real] keys per row
+    start = np.cumsum(size) - size - (np.cumsum(totals) - totals)[row_of]  # run start within its row's keys
+    end = start + size
+    bounds = (np.arange(pieces + 1)[None, :] * totals[:, None]) // pieces  # [n_real, pieces + 1]
+    tot = np.maximum(totals[row_of], 1)
+    first = np.clip(((start + 1) * pieces + tot - 1) // tot - 1, 0, pieces - 1)  # part holding the run's first key
+    last = np.clip((end * pieces + tot - 1) // tot - 1, 0, pieces - 1)  # ... and its last key
+    count = last - first + 1
+    run = np.repeat(np.arange(len(runs)), count)
+    part = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    row = row_of[run]
+    lo = np.maximum(start[run], bounds[row, part])
+    hi = np.minimum(end[run], bounds[row, part + 1])
+    keep = hi > lo
+    run, part, row, lo, hi = run[keep], part[keep], row[keep], lo[keep], hi[keep]
+    prog = row * pieces + part  # nondecreasing: runs are in row order, parts increase along them
+    k0 = runs[run, 0] + lo - start[run]
+    owner = np.repeat(np.arange(rows), pieces)
+    real = owner < n_real
+    return {"row0": np.where(real, owner, 0), "row1": np.where(real, owner + 1, 0),
+            "off": np.concatenate(([0], np.cumsum(np.bincount(prog, minlength=programs)))),
+            "k0": k0, "k1": k0 + (hi - lo), "r0": row, "r1": row + 1, "diag": np.full(len(row), NO_DIAG),
+            "slot": np.tile(np.arange(pieces), rows) if pieces > 1 else np.full(programs, -1)}

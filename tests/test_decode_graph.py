@@ -1,0 +1,236 @@
+"""Decode under CUDA graphs (issue 16, Must 5), checked on CPU: the static-shape decode path — what a CUDA graph
+captures per batch-size bucket — run eagerly (its attention in Triton's interpreter) gives token for token the
+output of the dynamic path and log-probs equal within fp32 rounding, at CP1 and CP2, with sliding windows, padded
+buckets, split-KV pieces and prefix sharing; its tile tables cover every visible key exactly once; the
+`enforce_eager` / `--enforce-eager` switch. On a CUDA machine one more test compares graphs with eager decode.
+"""
+import argparse
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the pool spawns: the static path's attention is Triton's
+pytest.importorskip("triton", reason="the static decode path's attention is the Triton kernel")
+
+from cpinfer import LLM, SamplingParams  # noqa: E402
+from cpinfer.engine.decode_tables import bucket_sizes, split_rows  # noqa: E402
+from cpinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from cpinfer.launch import WorkerPool  # noqa: E402
+from pooled_engine import PooledLLM  # noqa: E402
+
+pytest.importorskip("transformers")
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(64) == [1, 2, 4] + list(range(8, 65, 8))
+    assert bucket_sizes(3) == [1, 2, 3] and bucket_sizes(1) == [1] and bucket_sizes(13) == [1, 2, 4, 8, 13]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 6), st.integers(1, 5))
+def test_split_rows_covers_each_row_key_once(seed, rows, pieces):
+    """Every key of a row's runs is visited once, by one of that row's `pieces` programs; padded rows' programs
+    and rows without keys visit nothing; programs are (row, part) in order, each part's keys about equal."""
+    rng = np.random.default_rng(seed)
+    n_real = int(rng.integers(0, rows + 1))
+    row_runs = []
+    for _ in range(n_real):
+        starts = np.sort(rng.choice(200, int(rng.integers(0, 5)), replace=False)) * 3
+        row_runs.append(np.stack((starts, starts + rng.integers(1, 4, len(starts))), axis=1).reshape(-1, 2))
+    t = split_rows(row_runs, rows, pieces)
+    assert len(t["row0"]) == rows * pieces and len(t["off"]) == rows * pieces + 1
+    for prog in range(rows * pieces):
+        i, part = divmod(prog, pieces)
+        a, b = t["off"][prog], t["off"][prog + 1]
+        if i >= n_real:
+            assert a == b and t["row0"][prog] == t["row1"][prog]
+            continue
+        assert (t["row0"][prog], t["row1"][prog]) == (i, i + 1)
+        assert (t["r0"][a:b] == i).all() and (t["r1"][a:b] == i + 1).all() and (t["slot"][prog] == (
+            part if pieces > 1 else -1))
+    for i, runs in enumerate(row_runs):
+        want = np.concatenate([np.arange(x, y) for x, y in runs]) if len(runs) else np.zeros(0, int)
+        progs = range(i * pieces, (i + 1) * pieces)
+        got = [np.arange(t["k0"][r], t["k1"][r]) for p in progs for r in range(t["off"][p], t["off"][p + 1])]
+        got = np.concatenate(got) if got else np.zeros(0, int)
+        assert np.array_equal(got, want)  # in order, once each
+        sizes = [int((t["k1"] - t["k0"])[t["off"][p]:t["off"][p + 1]].sum()) for p in progs]
+        assert max(sizes) - min(sizes) <= 1
+
+
+# ---------------------------------------------------------------- the engine: static (eager) vs dynamic
+
+@pytest.fixture(scope="module")
+def pool():
+    with WorkerPool(2, threads_per_rank=1, timeout_s=120) as p:
+        yield p
+
+
+def _set_pieces(ctx, pieces):
+    ctx.state["runner"].static.pieces = pieces
+
+
+def _static_forwards(ctx):
+    return ctx.state["runner"].static.forwards
+
+
+def _run(path, cp, pool, static: bool, pieces=None, tp=1, placement="shard"):
+    """Three requests (two share a 40-token prefix; different lengths and stop points, so the decode batch shrinks
+    from 3 to 1 and buckets change), greedy with log-probs. `placement` "shard": every request in the ring (ring rows
+    on every rank); "local": each on one rank (local rows; a rank without one is idle)."""
+    kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, max_kv_tokens_per_rank=1024, static_decode=static,
+              placement=placement)
+    llm = LLM(str(path), threads_per_rank=1, **kw) if cp * tp == 1 else PooledLLM(str(path), pool, **kw)
+    with llm:
+        if static and pieces:
+            llm.engine._pool.run(_set_pieces, pieces)
+        rng = np.random.default_rng(cp)
+        doc = rng.integers(3, 256, 40).tolist()
+        prompts = [doc + rng.integers(3, 256, 3).tolist(), doc + rng.integers(3, 256, 21).tolist(),
+                   rng.integers(3, 256, 30).tolist()]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True) for n in (9, 5, 7)]
+        outs = llm.generate(prompts, params)
+        served = llm.engine._pool.run(_static_forwards) if static else [0]
+    return outs, served
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("variant,pieces", [("gqa", None), ("gemma3", 2), ("mistral", 3)])
+def test_static_decode_equals_the_dynamic_path(llama_checkpoint, pool, cp, variant, pieces):
+    """Token for token the same, log-probs within fp32 rounding: full attention (Llama), sliding layers beside full
+    ones (Gemma 3) and every layer sliding (Mistral, window 24 < the contexts), split-KV pieces per row."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
+    dynamic, _ = _run(path, cp, pool, static=False)
+    static, served = _run(path, cp, pool, static=True, pieces=pieces)
+    assert min(served) >= 8  # every decode step after the prefill went through the static path, on every rank
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_static_decode_of_local_requests_at_cp2(llama_checkpoint, pool, variant):
+    """Requests placed on one rank each (issue 18): their decode rows are a rank's local rows (no ring), a rank
+    with no request left is idle; the same tokens as the dynamic path with the same placement."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
+    dynamic, _ = _run(path, 2, pool, static=False, placement="local")
+    static, served = _run(path, 2, pool, static=True, placement="local")
+    assert all(p == "local" for o in static for p in (s["placement"] for s in o.metrics["steps"]))
+    assert min(served) >= 1 and sum(served) >= 8  # both ranks held requests; every decode step went static
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+def _fast_links_profile(path) -> str:
+    """cpu-gloo with 30x faster links: on the tiny test model a ~900-token prompt spreads, short ones stay local."""
+    import dataclasses
+
+    from cpinfer.perf.hardware import load_hardware_profile
+
+    hw, f = load_hardware_profile("cpu-gloo"), 30.0
+    fast = dataclasses.replace(hw, name="cpu-fast-links", inter_latency_us=hw.inter_latency_us / f,
+                               intra_latency_us=hw.intra_latency_us / f, ring_step_us=hw.ring_step_us / f,
+                               inter_gbs=hw.inter_gbs * f, inter_gbs_peak=hw.inter_gbs_peak * f,
+                               intra_gbs=hw.intra_gbs * f)
+    fast.to_json(path)
+    return str(path)
+
+
+def test_static_decode_with_ring_and_local_rows(llama_checkpoint, pool, tmp_path):
+    """Placement "auto" (issue 18): a long request spread over both ranks (ring rows, pass-Q decode) beside short
+    ones each on one rank (local rows) in the same decode forwards: the same tokens and log-probs as the dynamic
+    path, every decode step through the static path on both ranks."""
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    profile = _fast_links_profile(tmp_path / "fast.json")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (900, 12, 30)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True)
+    runs = {}
+    for static in (False, True):
+        with PooledLLM(str(path), pool, context_parallel_size=2, max_kv_tokens_per_rank=2048, static_decode=static,
+                       hardware_profile=profile) as llm:
+            outs = llm.generate(prompts, params)
+            runs[static] = (outs, llm.engine._pool.run(_static_forwards) if static else None)
+    (dynamic, _), (static, served) = runs[False], runs[True]
+    where = [[s["placement"] for s in o.metrics["steps"]] for o in static]
+    assert where[0] == ["spread"] * 5 and where[1] == where[2] == ["local"] * 5, where
+    assert min(served) >= 4  # the decode forwards (4 per request, run together) went static on both ranks
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+def test_static_decode_with_tensor_parallel(llama_checkpoint, pool):
+    """TP2 inside one CP rank: both TP ranks run the static forward (its all-reduces at fixed shapes), rank 0
+    samples; the same tokens as the dynamic path."""
+    path = llama_checkpoint("qwen2", max_position_embeddings=512)  # a sliding layer, biases split by rows
+    dynamic, _ = _run(path, 1, pool, static=False, tp=2)
+    static, served = _run(path, 1, pool, static=True, tp=2)
+    assert min(served) >= 8
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------------------- switches
+
+def _decode_config(**args):
+    fake = types.SimpleNamespace(args=types.SimpleNamespace(**{"enforce_eager": False, "static_decode": None,
+                                                                "max_num_seqs": 16, **args}),
+                                 parallel=types.SimpleNamespace(world_size=args.pop("world", 2)))
+    return LLMEngine.decode_config(fake, args.pop("comm", "nccl"))
+
+
+def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
+    """CUDA: graphs unless enforce_eager; a gloo world (ranks sharing a GPU) cannot capture; CPU: off unless asked."""
+    from cpinfer.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "backend_problem", lambda name, device: "")  # Triton usable everywhere here
+    assert _decode_config(device="cuda")["mode"] == "graph"
+    assert _decode_config(device="cuda", enforce_eager=True)["mode"] == "off"
+    assert _decode_config(device="cuda", enforce_eager=True, static_decode=True)["mode"] == "eager"
+    assert _decode_config(device="cuda", comm="gloo")["mode"] == "eager"
+    assert _decode_config(device="cuda", static_decode=False)["mode"] == "off"
+    assert _decode_config(device="cpu")["mode"] == "off"
+    assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16}
+    monkeypatch.setattr(llm_engine, "backend_problem", lambda name, device: "no triton")
+    assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning
+
+
+def test_enforce_eager_flag_and_bad_values(llama_checkpoint, monkeypatch):
+    from cpinfer.device import add_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert engine_kwargs(parser.parse_args(["--enforce-eager"]))["enforce_eager"] is True
+    assert engine_kwargs(parser.parse_args([]))["enforce_eager"] is False
+    path = str(llama_checkpoint("gqa", max_position_embeddings=512))
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        LLM(path, enforce_eager="yes")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="static_decode=True runs decode attention in the Triton kernel.*"
+                                         "TRITON_INTERPRET=1"):
+        LLM(path, static_decode=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_equal_eager_decode(llama_checkpoint):
+    """On a GPU: decode replayed from CUDA graphs gives the tokens of eager decode (fp32), log-probs within 1e-4."""
+    path = str(llama_checkpoint("gemma3", max_position_embeddings=512))
+    prompts = [list(range(3, 60)), list(range(7, 30)), list(range(11, 20))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        with LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_kv_tokens_per_rank=1024) as llm:
+            outs[eager] = llm.generate(prompts, params)
+            if not eager:
+                static = llm.engine._pool.run(lambda ctx: ctx.state["runner"].static.replays)
+                assert min(static) > 0
+    for a, b in zip(outs[True], outs[False]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
