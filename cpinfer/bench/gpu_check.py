@@ -374,8 +374,10 @@ def part_cp2_one_gpu(out: Path) -> dict:
     from cpinfer.commands.demo import compare_turns, format_turns, run_engine_demo
 
     n_gpus = torch.cuda.device_count()
+    # placement "shard": the document is spread over both ranks, so the ring runs (auto would keep it on one rank)
     results, n_doc = run_engine_demo(2, None, doc_tokens=1500, max_tokens=16, threads_per_rank=2, device="cuda",
-                                     dtype="float32", share_gpus=n_gpus < 2)
+                                     dtype="float32", share_gpus=n_gpus < 2, placement="shard")
+    assert any(r.cp == 2 and r.placement == "spread" for r in results), "CP2 never spread the document"
     ok, lines = compare_turns(results)
     assert ok, "\n".join(lines)
     where = "both ranks on one GPU, gloo" if n_gpus < 2 else "one GPU each, NCCL"
