@@ -6,7 +6,7 @@ SDPA for comparison; every rate
 is also given as a fraction of a bf16 GEMM measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D).
 `--plan-only` (no GPU needed) times the host side of one forward instead: the plan and the Triton tile tables of
 every ring step at CP1 and CP8, which are built once per forward and reused by every layer.
-Nothing here has run on a GPU yet: the first GPU run of scripts/gpu_check.sh records it.
+It ran on an H100 as part (b) of scripts/gpu_check.sh (docs/benchmarks.md, "GPU").
 """
 from __future__ import annotations
 
