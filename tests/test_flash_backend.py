@@ -73,13 +73,14 @@ def _problem(kind: str, seed: int = 0):
     raise ValueError(kind)
 
 
-def _run(kind, dtype=torch.float16, vectors=True, seed=0):
+def _run(kind, dtype=torch.float16, vectors=True, seed=0, backend="flash-attn"):
+    """One local step of problem `kind` through `backend`, and the float64 reference's output and LSE."""
     q_seq, q_pos, kv_seq, kv_pos, kv_end, window = _problem(kind, seed)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(len(q_seq), 8, 16, generator=g).to(dtype)
     k = torch.randn(len(kv_seq), 2, 16, generator=g).to(dtype)
     v = torch.randn(len(kv_seq), 2, 16, generator=g).to(dtype)
-    step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, backend="flash-attn", scale=0.3,
+    step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, backend=backend, scale=0.3,
                           use_vectors=vectors, window=window)
     out, lse = step(q, k, v)
     t = (lambda x: torch.as_tensor(np.asarray(x)))  # noqa: E731

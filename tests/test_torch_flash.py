@@ -18,9 +18,8 @@ pytest.importorskip("triton", reason="the flash backends fall back to Triton for
 import fake_flash_attn  # noqa: E402
 import fake_torch_flash as fake  # noqa: E402
 from cpinfer.attention import torch_flash  # noqa: E402
-from cpinfer.attention.backends import LocalAttention, accelerator_default, get_step_backend, resolve_name  # noqa
-from cpinfer.attention.local import reference_attention  # noqa: E402
-from test_flash_backend import _problem  # noqa: E402
+from cpinfer.attention.backends import accelerator_default, get_step_backend, resolve_name  # noqa: E402
+from test_flash_backend import _run as run_step  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -34,18 +33,7 @@ def tf(monkeypatch, request):
 
 
 def _run(kind, dtype=torch.float16, vectors=True, seed=0):
-    q_seq, q_pos, kv_seq, kv_pos, kv_end, window = _problem(kind, seed)
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(len(q_seq), 8, 16, generator=g).to(dtype)
-    k = torch.randn(len(kv_seq), 2, 16, generator=g).to(dtype)
-    v = torch.randn(len(kv_seq), 2, 16, generator=g).to(dtype)
-    step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, backend="torch-flash", scale=0.3,
-                          use_vectors=vectors, window=window)
-    out, lse = step(q, k, v)
-    t = (lambda x: torch.as_tensor(np.asarray(x)))  # noqa: E731
-    ref_out, ref_lse = reference_attention(q, k, v, t(q_seq), t(q_pos), t(kv_seq), t(kv_pos), scale=0.3,
-                                           kv_seq_end=None if kv_end is None else t(kv_end), window=window)
-    return out, lse, ref_out, ref_lse
+    return run_step(kind, dtype, vectors, seed, backend="torch-flash")
 
 
 @pytest.mark.parametrize("tf", ["hp", "1hp", "padded"], indirect=True)
