@@ -128,6 +128,22 @@ class _PausedKernel:
         return run
 
 
+def _count_uploads(cls, moves) -> None:
+    """Patch cls.upload (once) to record, for each call that moves data (`moves(self)`), whether it came before
+    the layers or inside them."""
+    if getattr(cls.upload, "counted", False):
+        return
+    real = cls.upload
+
+    def upload(self):
+        if moves(self):
+            _GUARD["uploads"].append("inside the layers" if _GUARD["recorder"] is not None else "before")
+        return real(self)
+
+    upload.counted, upload.real = True, real
+    cls.upload = upload
+
+
 def install(ctx) -> None:
     """On a rank (a function for `pool.run`): record host work in every forward of its model runner."""
     from cpinfer.attention.tables import ForwardTables
@@ -140,27 +156,10 @@ def install(ctx) -> None:
     layers = runner.model.model.layers
     layers[0].register_forward_pre_hook(_start)
     layers[-1].register_forward_hook(_stop)
-    if not getattr(ForwardTables.upload, "counted", False):
-        real_upload = ForwardTables.upload
-
-        def upload(self):
-            if self.pending:
-                _GUARD["uploads"].append("inside the layers" if _GUARD["recorder"] is not None else "before")
-            return real_upload(self)
-
-        upload.counted, upload.real = True, real_upload
-        ForwardTables.upload = upload
     from cpinfer.engine.decode_tables import StaticBuffers
 
-    if not getattr(StaticBuffers.upload, "counted", False):
-        real_static = StaticBuffers.upload
-
-        def static_upload(self):
-            _GUARD["uploads"].append("inside the layers" if _GUARD["recorder"] is not None else "before")
-            return real_static(self)
-
-        static_upload.counted, static_upload.real = True, real_static
-        StaticBuffers.upload = static_upload
+    _count_uploads(ForwardTables, lambda tables: bool(tables.pending))  # an upload with nothing pending moves nothing
+    _count_uploads(StaticBuffers, lambda buffers: True)
     if not getattr(ModelRunner.execute, "counted", False):
         real_execute = ModelRunner.execute
 

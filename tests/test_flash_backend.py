@@ -208,24 +208,28 @@ def test_engine_one_varlen_call_per_layer(fa, llama_checkpoint):
     """The engine at CP1 (fp16, the fake flash-attn): prefills, a partial prefill reusing a cached prefix and batched
     decodes each make exactly one varlen call per layer (store and new keys read together), and generate the
     tokens and log-probs the `math` backend gives."""
+    check_one_call_per_layer("flash-attn", fa, llama_checkpoint("gqa", max_position_embeddings=512))
+
+
+def check_one_call_per_layer(backend: str, calls: list, path) -> None:
+    """Engine at CP1 in fp16 with `backend` (whose fake records each varlen call in `calls`) vs `math`: one call per
+    layer and forward, the second prompt reading the shared document from the cache, the same tokens and log-probs."""
     from cpinfer import LLM, SamplingParams
 
-    path = llama_checkpoint("gqa", max_position_embeddings=512)
     rng = np.random.default_rng(0)
     doc = rng.integers(3, 256, 40).tolist()
     prompts = [doc + rng.integers(3, 256, n).tolist() for n in (5, 17)] + [rng.integers(3, 256, 9).tolist()]
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True)
     runs = {}
-    for backend in ("flash-attn", "math"):
-        with LLM(str(path), dtype="float16", attention_backend=backend, max_kv_tokens_per_rank=1024,
+    for name in (backend, "math"):
+        with LLM(str(path), dtype="float16", attention_backend=name, max_kv_tokens_per_rank=1024,
                  threads_per_rank=1) as llm:
-            before = len(fa)
-            first = llm.generate(prompts[:1], params)
-            rest = llm.generate(prompts[1:], params)  # the second prompt reuses the document
+            before = len(calls)
+            outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # the 2nd reuses the doc
             forwards = sum(llm.engine.stats().forwards.values())
-            runs[backend] = (first + rest, len(fa) - before, forwards, llm.config.num_hidden_layers)
-    outs, calls, forwards, layers = runs["flash-attn"]
-    assert calls == forwards * layers and runs["math"][1] == 0
+            runs[name] = (outs, len(calls) - before, forwards, llm.config.num_hidden_layers)
+    outs, n_calls, forwards, layers = runs[backend]
+    assert n_calls == forwards * layers and runs["math"][1] == 0
     assert outs[1].num_cached_tokens >= 40
     for mine, ref in zip(outs, runs["math"][0]):
         assert mine.token_ids == ref.token_ids

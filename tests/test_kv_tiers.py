@@ -17,8 +17,8 @@ from cpinfer.engine.kv_files import Layout
 from cpinfer.engine.kv_manager import BLOCK, KVManager
 from cpinfer.engine.kv_tiers import DiskEntry, TierConfig
 from cpinfer.engine.request import Request, RequestStatus
-from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
+from test_kv_manager import FakeEngine
 
 LAYOUT = Layout("0" * 64, "float32", 2, 2, 4, 1)
 _P, _M = 1_000_003, (1 << 61) - 1
@@ -79,9 +79,9 @@ class FakeRanks:
         return events
 
 
-class TierEngine:
+class TierEngine(FakeEngine):
     """LLMEngine.step's bookkeeping over FakeRanks: schedule → apply the cache operations → write the new tokens'
-    signatures → sample random tokens; finished requests keep their cache."""
+    signatures → sample random tokens; finished requests keep their cache. (`add` is FakeEngine's.)"""
 
     def __init__(self, n, capacity, host_slots, disk_tokens, seed, budget=None, ranks=None):
         disk = disk_tokens > 0
@@ -93,13 +93,6 @@ class TierEngine:
         self.live: dict[str, Request] = {}
         self.done: list[list[int]] = []  # finished conversations (prompt + output)
         self.ids = 0
-
-    def add(self, prompt, max_tokens):
-        rid = f"r{self.ids}"
-        self.ids += 1
-        req = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), seed=0)
-        self.live[rid] = req
-        self.sched.add(req)
 
     def step(self):
         scheduled = self.sched.schedule()

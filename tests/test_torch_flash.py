@@ -8,7 +8,6 @@ Triton; `auto` on an accelerator is flash-attn, else torch-flash, else triton; f
 import os
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ import fake_flash_attn  # noqa: E402
 import fake_torch_flash as fake  # noqa: E402
 from cpinfer.attention import torch_flash  # noqa: E402
 from cpinfer.attention.backends import accelerator_default, get_step_backend, resolve_name  # noqa: E402
-from test_flash_backend import _run as run_step  # noqa: E402
+from test_flash_backend import _run as run_step, check_one_call_per_layer  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -151,25 +150,5 @@ def test_gpu_check_small_varlen_cases_hold_with_a_correct_op(tf):
 def test_engine_one_varlen_call_per_layer(tf, llama_checkpoint):
     """The engine at CP1 (fp16, the fake op): prefills, a partial prefill over a cached prefix and batched decodes
     each make one call per layer, with the tokens and log-probs of the `math` backend."""
-    from cpinfer import LLM, SamplingParams
-
-    path = llama_checkpoint("gqa", max_position_embeddings=512)
-    rng = np.random.default_rng(0)
-    doc = rng.integers(3, 256, 40).tolist()
-    prompts = [doc + rng.integers(3, 256, n).tolist() for n in (5, 17)] + [rng.integers(3, 256, 9).tolist()]
-    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True)
     resolve_name("torch-flash", CPU)  # the probe's calls before counting
-    runs = {}
-    for backend in ("torch-flash", "math"):
-        with LLM(str(path), dtype="float16", attention_backend=backend, max_kv_tokens_per_rank=1024,
-                 threads_per_rank=1) as llm:
-            before = len(tf)
-            outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
-            forwards = sum(llm.engine.stats().forwards.values())
-            runs[backend] = (outs, len(tf) - before, forwards, llm.config.num_hidden_layers)
-    outs, calls, forwards, layers = runs["torch-flash"]
-    assert calls == forwards * layers and runs["math"][1] == 0
-    assert outs[1].num_cached_tokens >= 40
-    for mine, ref in zip(outs, runs["math"][0]):
-        assert mine.token_ids == ref.token_ids
-        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=2e-2)
+    check_one_call_per_layer("torch-flash", tf, llama_checkpoint("gqa", max_position_embeddings=512))
