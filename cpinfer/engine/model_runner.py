@@ -156,7 +156,7 @@ class ModelRunner:
         self.ring_wait_s += wait
         return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events)
 
-    def _execute_static(self, batch: ForwardBatch, t0: float, events: tuple = ()) -> RankResult:
+    def _execute_static(self, batch: ForwardBatch, t0: float, events: tuple) -> RankResult:
         """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
         which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
         samples = self._draw(batch, which, logits.cpu()) if self.groups.tp_rank == 0 and which else ()
