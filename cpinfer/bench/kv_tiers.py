@@ -152,7 +152,8 @@ def format_report(res: dict) -> str:
 
 def command_line(args) -> str:
     return (f"cpinfer bench kv-tiers --cp {args.cp} --sessions {args.sessions} --doc {args.doc} --turns {args.turns} "
-            f"--device-sessions {args.device_sessions} --host-gib {args.host_gib} --restart-doc {args.restart_doc}")
+            f"--question {args.question} --answer {args.answer} --device-sessions {args.device_sessions} "
+            f"--host-gib {args.host_gib} --restart-doc {args.restart_doc}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
