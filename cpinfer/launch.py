@@ -6,6 +6,11 @@ back in rank order. Local ranks rendezvous through a private FileStore and bind 
 A rank that dies is seen at once by a watcher on the process sentinels (`dead_reason`), even between calls; a
 call in which one rank raised while the others are still inside it (stuck in a collective) kills the pool within
 `fail_grace_s` instead of waiting for the collective timeout.
+
+With `driver_rank=True` (gloo on CPU) rank 0 is this process: a call on it runs right here, without the pickle,
+pipe and process wake-ups of a round trip to a rank process (about half a millisecond, a large share of a short
+decode step). Rank 0 then holds torch's default process group, so one such pool at a time per process
+(`driver_can_host_rank`).
 """
 from __future__ import annotations
 
@@ -101,7 +106,8 @@ def _set_parent_death_signal() -> None:
         pass
 
 
-def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox, device_type="cpu"):
+def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox, device_type="cpu",
+                 alarm=None):
     _set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and shuts us down
     os.environ["RANK"] = str(rank)
@@ -130,16 +136,27 @@ def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbo
             break
         if msg is None:
             break
-        fn, args, kwargs = msg
+        fn, args, kwargs, call = msg
         try:
             result = fn(ctx, *args, **kwargs)
             outbox.send((rank, "ok", result))  # pickled here: an unpicklable result is this call's error
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
             outbox.send((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+            if alarm is not None:  # the driver may be inside this call as rank 0: its watcher reads this at once
+                alarm.send_bytes(call.to_bytes(8, "little"))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+_DRIVER_HOSTS = threading.Lock()  # held while a pool's rank 0 lives in this process (torch's default group)
+
+
+def driver_can_host_rank() -> bool:
+    """True when this process may be rank 0 of a new local pool: it holds no process group of its own (torch
+    allows one default group per process) and no other pool's rank 0."""
+    return not dist.is_initialized() and not _DRIVER_HOSTS.locked()
 
 
 class WorkerPool:
@@ -149,10 +166,16 @@ class WorkerPool:
     the ranks and how long the driver waits for a call, so a stuck rank fails the call instead of hanging
     forever; a rank that exits fails the call (and sets `dead_reason`) at once, and when some ranks raised while
     the others have not answered `fail_grace_s` later, those are stuck waiting for them: the pool is killed.
+
+    `driver_rank=True` (gloo on CPU only) makes this process rank 0: its share of a call runs in the calling
+    thread, and a call only on rank 0 needs no message at all. A rank process that raises while rank 0 waits for
+    it in a collective rings an alarm: the watcher kills the rank processes after `fail_grace_s`, which ends rank
+    0's collective at once (gloo sees the closed connections), and the call raises the rank's own error.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", threads_per_rank: int | None = 1,
-                 timeout_s: float = 300.0, fail_grace_s: float = 2.0, device: str | None = None):
+                 timeout_s: float = 300.0, fail_grace_s: float = 2.0, device: str | None = None,
+                 driver_rank: bool = False):
         """device: "cpu" or "cuda" (default: cuda for nccl, cpu for gloo); gloo with "cuda" puts several ranks on
         one GPU (their CUDA tensors go through host memory)."""
         if not isinstance(world_size, int) or world_size < 1:
@@ -162,60 +185,119 @@ class WorkerPool:
         device = device or ("cuda" if backend == "nccl" else "cpu")
         if device not in ("cpu", "cuda") or (backend == "nccl" and device != "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda' (nccl needs 'cuda'), got {device!r} with {backend}")
+        if driver_rank and (backend, device) != ("gloo", "cpu"):
+            raise ValueError(f"driver_rank needs gloo on CPU, got {backend} on {device}")
         if device == "cuda":  # before any process starts: enough GPUs for one per rank unless gloo shares them
             check_gpus(world_size, share_gpus=backend == "gloo")
+        if driver_rank and not (_DRIVER_HOSTS.acquire(blocking=False)):
+            raise RuntimeError("this process already hosts rank 0 of another worker pool (close it first)")
+        if driver_rank and dist.is_initialized():
+            _DRIVER_HOSTS.release()
+            raise RuntimeError("this process already has a torch.distributed process group: it cannot be rank 0 "
+                               "of a worker pool (use driver_rank=False)")
         self.world_size = world_size
+        self.driver_rank = driver_rank
         self.timeout_s, self.fail_grace_s = timeout_s, fail_grace_s
         self.dead_reason: str | None = None  # set by the watcher when a rank exits unasked
         ctx = mp.get_context("spawn")
         self._store_dir = tempfile.mkdtemp(prefix="cpinfer-rdzv-")  # private (0700): the ranks' rendezvous file
         store_path = os.path.join(self._store_dir, "store")
-        # one pipe each way per rank: a message is pickled and written by the thread that sends it (no feeder
-        # thread to wake up), which is most of a decode step's driver <-> rank round trip
-        self._inboxes, self._outboxes = [], []
-        self._procs = []
+        # one pipe each way per rank process: a message is pickled and written by the thread that sends it (no
+        # feeder thread to wake up), which is most of a decode step's driver <-> rank round trip
+        self._inboxes: dict[int, Any] = {}
+        self._outboxes: dict[int, Any] = {}
+        self._alarms: dict[int, Any] = {}  # driver_rank: a rank process that raised writes a byte here
+        self._proc_of: dict[int, Any] = {}
         self._closed = self._closing = False
-        for rank in range(world_size):
+        self._driver_call = 0  # driver_rank: the number of the call rank 0 is inside (0: none)
+        self._calls = 0  # calls sent so far (numbers them from 1)
+        self._alarmed: int | None = None  # the rank whose error made the watcher end the pool
+        first = 1 if driver_rank else 0
+        for rank in range(first, world_size):
             in_recv, in_send = ctx.Pipe(duplex=False)  # driver -> rank
             out_recv, out_send = ctx.Pipe(duplex=False)  # rank -> driver
+            alarm_recv, alarm_send = ctx.Pipe(duplex=False) if driver_rank else (None, None)
             p = ctx.Process(
                 target=_worker_main,
                 args=(rank, world_size, store_path, backend, threads_per_rank, timeout_s, in_recv, out_send,
-                      device),
+                      device, alarm_send),
                 daemon=True,
             )
             p.start()
             in_recv.close()  # the rank's ends live in the rank: a dead rank then reads as EOF here
             out_send.close()
-            self._inboxes.append(in_send)
-            self._outboxes.append(out_recv)
-            self._procs.append(p)
+            if alarm_send is not None:
+                alarm_send.close()
+                self._alarms[rank] = alarm_recv
+            self._inboxes[rank], self._outboxes[rank], self._proc_of[rank] = in_send, out_recv, p
+        self._driver = None
+        if driver_rank:
+            self._driver = _DriverRank(store_path, world_size, threads_per_rank, timeout_s)
         self._watcher = threading.Thread(target=self._watch, name="cpinfer-rank-watcher", daemon=True)
         self._watcher.start()
-        self._collect(what="start-up")
+        try:
+            self._collect(what="start-up")
+            if self._driver is not None:
+                self._driver.wait_joined(self)
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    @property
+    def _procs(self) -> list:
+        """The rank processes (not rank 0 when it is this process)."""
+        return list(self._proc_of.values())
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [os.getpid()] * (self._driver is not None) + [p.pid for p in self._procs]
 
     def _watch(self) -> None:
-        """Wake up as soon as any rank process ends (its sentinel); record why unless the pool is closing."""
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        """Wake up as soon as any rank process ends (its sentinel); record why unless the pool is closing. With
+        rank 0 here, a rank's alarm while rank 0 is inside a call starts the grace period after which the rank
+        processes are killed (rank 0 may be waiting for the failed rank in a collective)."""
+        sentinels = {p.sentinel: r for r, p in self._proc_of.items()}
+        alarms = {conn: r for r, conn in self._alarms.items()}
         while not self._closing:
-            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
-            if ready and not self._closing:
-                rank = sentinels[ready[0]]
-                self._procs[rank].join(timeout=1)
-                self.dead_reason = f"rank {rank} exited ({describe_exit(self._procs[rank].exitcode)})"
-                return
+            ready = multiprocessing.connection.wait([*sentinels, *alarms], timeout=0.5)
+            if not ready or self._closing:
+                continue
+            if ready[0] in alarms:
+                rank = alarms[ready[0]]
+                try:
+                    call = int.from_bytes(ready[0].recv_bytes(), "little")  # the call in which it raised
+                except (EOFError, OSError):  # that rank exited: its sentinel says so
+                    del alarms[ready[0]]
+                    continue
+                deadline = time.monotonic() + self.fail_grace_s
+                while self._driver_call == call and time.monotonic() < deadline and not self._closing:
+                    time.sleep(0.01)
+                if self._driver_call == call and not self._closing:  # rank 0 is stuck waiting for it
+                    self._alarmed = rank
+                    self.dead_reason = f"rank {rank} raised while rank 0 (this process) waited for it"
+                    for p in self._procs:
+                        p.kill()
+                    return
+                continue
+            rank = sentinels[ready[0]]
+            self._proc_of[rank].join(timeout=1)
+            self.dead_reason = f"rank {rank} exited ({describe_exit(self._proc_of[rank].exitcode)})"
+            return
 
-    def _collect(self, what: str, ranks: list[int] | None = None) -> list[Any]:
-        """The answers of `ranks` (default: all) to the call just sent, in rank order."""
-        pending = {self._outboxes[r]: r for r in (range(self.world_size) if ranks is None else ranks)}
+    def _collect(self, what: str, ranks: list[int] | None = None, mine: tuple | None = None) -> list[Any]:
+        """The answers of `ranks` (default: all rank processes) to the call just sent, in rank order; `mine` is
+        rank 0's (status, payload) when it ran here."""
+        pending = {self._outboxes[r]: r for r in (self._proc_of if ranks is None else ranks)}
         results: dict[int, Any] = {}
         errors: dict[int, tuple[str, str, str]] = {}
         deadline = time.monotonic() + self.timeout_s + 30.0
         first_error = None
+        if mine is not None:
+            if mine[0] == "error":
+                errors[0] = mine[1]
+                first_error = time.monotonic()
+            else:
+                results[0] = mine[1]
         while pending:
             if len(pending) == 1:  # one poll syscall (a decode step of a local request waits on one rank)
                 conn = next(iter(pending))
@@ -227,8 +309,10 @@ class WorkerPool:
                 try:
                     rank, status, payload = conn.recv()
                 except (EOFError, OSError):  # the rank exited: the watcher names how
-                    self._procs[r].join(timeout=1)
-                    self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._procs[r].exitcode)})"
+                    if self._alarmed is not None and errors:  # killed by the watcher after its error (read)
+                        continue
+                    self._proc_of[r].join(timeout=1)
+                    self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._proc_of[r].exitcode)})"
                     self._fail(what)
                 if status == "error":
                     errors[rank] = payload
@@ -245,6 +329,11 @@ class WorkerPool:
                 self.dead_reason = (f"rank {min(errors)} raised during {what} while rank(s) "
                                     f"{sorted(pending.values())} were still inside it")
                 raise RemoteError(errors)
+        if self._alarmed is not None:  # rank 0's error came from the processes killed under it: report theirs
+            if len(errors) > 1:
+                del errors[0]
+            self.close(force=True)
+            raise RemoteError(errors or {self._alarmed: ("RuntimeError", self.dead_reason, "")})
         if errors:
             raise RemoteError(errors)
         return [results[r] for r in sorted(results)]
@@ -269,18 +358,34 @@ class WorkerPool:
         """Like `run_each`; a rank whose entry is None is not called at all (its result is None)."""
         if self._closed:
             raise RuntimeError("worker pool is closed")
+        if self.dead_reason is not None:
+            self._fail(getattr(fn, "__name__", "call"))
         if len(args_per_rank) != self.world_size:
             raise ValueError(f"need {self.world_size} argument tuples (or None), got {len(args_per_rank)}")
         called = [r for r, args in enumerate(args_per_rank) if args is not None]
+        remote = [r for r in called if r in self._proc_of]
         what = getattr(fn, "__name__", "call")
-        for r in called:
+        self._calls += 1
+        for r in remote:
             try:
-                self._inboxes[r].send((fn, tuple(args_per_rank[r]), kwargs or {}))
+                self._inboxes[r].send((fn, tuple(args_per_rank[r]), kwargs or {}, self._calls))
             except (BrokenPipeError, EOFError, OSError):  # the rank is gone
-                self._procs[r].join(timeout=1)
-                self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._procs[r].exitcode)})"
+                self._proc_of[r].join(timeout=1)
+                self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._proc_of[r].exitcode)})"
                 self._fail(what)
-        answers = dict(zip(called, self._collect(what, called)))
+        mine = None
+        if self._driver is not None and args_per_rank[0] is not None:
+            self._driver_call = self._calls  # the watcher's cue: rank 0 is inside this call
+            try:
+                mine = ("ok", fn(self._driver.ctx, *args_per_rank[0], **(kwargs or {})))
+            except Exception as exc:  # noqa: BLE001 - the same shape as a rank process's error
+                mine = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
+            except BaseException:  # Ctrl-C here: the ranks may wait for rank 0 in a collective
+                self.close(force=True)
+                raise
+            finally:
+                self._driver_call = 0
+        answers = dict(zip([0] * (mine is not None) + remote, self._collect(what, remote, mine)))
         return [answers.get(r) for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
@@ -288,7 +393,7 @@ class WorkerPool:
             return
         self._closed = self._closing = True
         if not force:
-            for inbox in self._inboxes:
+            for inbox in self._inboxes.values():
                 try:
                     inbox.send(None)
                 except OSError:  # that rank is gone already
@@ -299,8 +404,10 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        for conn in [*self._inboxes, *self._outboxes]:
+        for conn in [*self._inboxes.values(), *self._outboxes.values(), *self._alarms.values()]:
             conn.close()
+        if self._driver is not None:
+            self._driver.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def __enter__(self) -> "WorkerPool":
@@ -314,6 +421,67 @@ class WorkerPool:
             self.close(force=True)
         except Exception:  # noqa: BLE001
             pass
+
+
+class _DriverRank:
+    """Rank 0 of a pool, in this process: it joins the ranks' rendezvous in a background thread (so that a rank
+    process that dies at start-up fails the pool instead of leaving this one waiting for the store's timeout) and
+    holds this process's lock on the default process group until it has left it."""
+
+    def __init__(self, store_path: str, world_size: int, threads: int | None, timeout_s: float):
+        self._threads_before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        self.ctx: RankContext | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # orders the joiner's end against close()
+        self._joined = threading.Event()
+        _bind_to_loopback()
+        self._thread = threading.Thread(target=self._join, args=(store_path, world_size, timeout_s),
+                                        name="cpinfer-rank0-join", daemon=True)
+        self._thread.start()
+
+    def _join(self, store_path: str, world_size: int, timeout_s: float) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=world_size, timeout=timeout)
+            self.ctx = RankContext(0, world_size, dist.group.WORLD, dist.group.WORLD, torch.device("cpu"), {})
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_joined
+            self._error = exc
+        with self._lock:
+            self._joined.set()
+            if self._closed:  # the pool failed while this thread waited: leave and free the process's slot
+                self._leave()
+
+    def wait_joined(self, pool: WorkerPool) -> None:
+        """Once every rank process is ready, rank 0's group is ready too (or failed: raise)."""
+        deadline = time.monotonic() + pool.timeout_s + 30.0
+        while not self._joined.wait(0.1):
+            if pool.dead_reason is not None or time.monotonic() > deadline:
+                pool._fail("start-up")
+        if self._error is not None:
+            raise RuntimeError(f"rank 0 (this process) could not join the ranks: {self._error}") from self._error
+
+    def _leave(self) -> None:
+        if self.ctx is not None:
+            self.ctx.state.clear()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer's connection is gone: nothing left to tear down
+            pass
+        torch.set_num_threads(self._threads_before)
+        _DRIVER_HOSTS.release()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._joined.is_set():  # else the joiner leaves when its wait ends
+                self._leave()
 
 
 class InProcessWorld:

@@ -1,17 +1,21 @@
 """Faults below the server: a rank that raises while its peers wait in a collective fails the call within seconds
 (not the collective timeout), a rank killed while idle is seen through its process sentinel, local ranks listen on
-loopback only, and a request whose own sampling fails ends alone with its KV blocks freed.
+loopback only, and a request whose own sampling fails ends alone with its KV blocks freed. The same faults with rank
+0 in this process (`driver_rank=True`): this process waiting in a collective for a rank that raised or died is
+freed within seconds too.
 """
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from cpinfer.launch import RemoteError, WorkerPool
+from cpinfer.launch import RemoteError, WorkerPool, driver_can_host_rank
 from server_utils import is_loopback, listening_addresses
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,6 +25,24 @@ def _raise_on_last_rank_else_wait(ctx):
     if ctx.rank == ctx.world_size - 1:
         raise ValueError("this rank fails inside the forward")
     dist.barrier(group=ctx.group)  # waits for the failed rank: only killing the pool ends it
+    return ctx.rank
+
+
+def _raise_on_first_rank_else_wait(ctx):
+    if ctx.rank == 0:
+        raise ValueError("rank 0 fails inside the forward")
+    dist.barrier(group=ctx.group)
+
+
+def _sum_of_ranks(ctx):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t, group=ctx.group)
+    return float(t)
+
+
+def _barrier_after(ctx, seconds):
+    time.sleep(seconds if ctx.rank else 0.0)
+    dist.barrier(group=ctx.group)
     return ctx.rank
 
 
@@ -65,6 +87,72 @@ def test_a_rank_killed_while_idle_is_seen_within_two_seconds():
         assert pool.dead_reason == "rank 1 exited (killed by SIGKILL)"
         with pytest.raises(RuntimeError, match="rank 1 exited"):
             pool.run(_pid)
+
+
+def _ended(pool) -> bool:
+    deadline = time.monotonic() + 10
+    while any(p.is_alive() for p in pool._procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(p.is_alive() for p in pool._procs)
+
+
+def test_rank_0_in_this_process_runs_calls_here_and_frees_its_slot_on_close():
+    assert driver_can_host_rank()
+    with WorkerPool(3, timeout_s=60, fail_grace_s=1.0, driver_rank=True) as pool:
+        pids = pool.run(_pid)
+        assert pids[0] == os.getpid() and len(set(pids)) == 3 and pool.pids == pids
+        assert pool.run(_sum_of_ranks) == [3.0, 3.0, 3.0]  # rank 0 joined the ranks' collectives
+        assert pool.run_some(_pid, [(), None, None]) == [os.getpid(), None, None]  # no message to any process
+        assert pool.run_some(_pid, [None, (), ()]) == [None, *pids[1:]]
+        assert not driver_can_host_rank()  # one pool's rank 0 per process (torch's default group)
+        with pytest.raises(RuntimeError, match="already hosts rank 0"):
+            WorkerPool(2, driver_rank=True)
+        with WorkerPool(2, timeout_s=60) as other:  # a pool of rank processes only is fine beside it
+            assert os.getpid() not in other.run(_pid)
+    assert driver_can_host_rank() and not dist.is_initialized()  # closed: the next pool may host rank 0 again
+    with pytest.raises(ValueError, match="gloo on CPU"):
+        WorkerPool(2, backend="nccl", driver_rank=True)
+
+
+@pytest.mark.parametrize("fault", ["rank 2 raises", "rank 0 raises", "rank 1 killed"])
+def test_rank_0_in_this_process_is_never_stuck_in_a_collective(fault):
+    """This process, as rank 0, waits in a barrier for a rank that raised or died: the call fails within seconds
+    with that rank's own error (the collective timeout is 60 s), and every rank process is ended."""
+    pool = WorkerPool(3, timeout_s=60, fail_grace_s=1.0, driver_rank=True)
+    try:
+        pids = pool.run(_pid)
+        t0 = time.monotonic()
+        if fault == "rank 2 raises":
+            with pytest.raises(RemoteError, match="rank 2 raised ValueError: this rank fails inside the forward"):
+                pool.run(_raise_on_last_rank_else_wait)
+            assert pool.dead_reason == "rank 2 raised while rank 0 (this process) waited for it"
+        elif fault == "rank 0 raises":
+            with pytest.raises(RemoteError, match="rank 0 raised ValueError: rank 0 fails"):
+                pool.run(_raise_on_first_rank_else_wait)
+            assert "rank 0 raised" in pool.dead_reason
+        else:
+            threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL)).start()
+            with pytest.raises(RuntimeError, match=r"rank 1 exited \(killed by SIGKILL\)"):
+                pool.run(_barrier_after, 30.0)
+        assert time.monotonic() - t0 < 10
+        assert _ended(pool)
+        with pytest.raises(RuntimeError):
+            pool.run(_pid)
+    finally:
+        pool.close(force=True)
+    assert driver_can_host_rank() and not dist.is_initialized()
+
+
+def test_rank_0_in_this_process_sees_a_rank_killed_while_idle():
+    with WorkerPool(2, timeout_s=60, driver_rank=True) as pool:
+        pids = pool.run(_pid)
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        while pool.dead_reason is None and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert time.monotonic() - t0 < 2.0, pool.dead_reason
+        with pytest.raises(RuntimeError, match="rank 1 exited"):
+            pool.run_some(_pid, [(), None])  # even a call only rank 0 would answer: the pool is broken
 
 
 def test_a_failed_sample_ends_only_its_request_and_frees_its_blocks(llama_checkpoint, monkeypatch):

@@ -19,8 +19,8 @@ from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
 class FakeEngine:
     """The driver's bookkeeping of LLMEngine.step with the forward replaced by random tokens."""
 
-    def __init__(self, n, capacity, budget, seed, max_num_seqs=8, placement="shard"):
-        self.kv = KVManager(n, capacity, placer=make_placer(placement, n))
+    def __init__(self, n, capacity, budget, seed, max_num_seqs=8, placement="shard", preferred_rank=None):
+        self.kv = KVManager(n, capacity, placer=make_placer(placement, n), preferred_rank=preferred_rank)
         self.mode = placement
         self.sched = Scheduler(self.kv, SchedulerConfig(budget, max_num_seqs))
         self.rng = np.random.default_rng(seed)
@@ -143,14 +143,15 @@ def test_random_workloads_keep_the_cache_consistent(ops, n, budget, seed, mode):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(1, 300), min_size=8, max_size=50), n=st.integers(2, 4),
-       mode=st.sampled_from(["local", "auto"]), arrivals=st.integers(1, 6))
-def test_local_placements_keep_ranks_balanced(sizes, n, mode, arrivals):
+       mode=st.sampled_from(["local", "auto"]), arrivals=st.integers(1, 6), preferred=st.sampled_from([None, 0]))
+def test_local_placements_keep_ranks_balanced(sizes, n, mode, arrivals, preferred):
     """Requests kept whole on one rank go to the least-loaded one (KV tokens, the decode tokens its local requests
-    may still add, and this forward's new tokens once more for their compute): per-rank usage stays within twice
-    the largest request (so within one block per request once there are more requests than that has blocks), in
-    tokens and in blocks (each request leaves at most one part-filled block)."""
+    may still add, and this forward's new tokens once more for their compute), or to the preferred rank (the
+    driver's) when nothing local is in flight and that is less than the request ahead: per-rank usage stays within
+    twice the largest request (so within one block per request once there are more requests than that has
+    blocks), in tokens and in blocks (each request leaves at most one part-filled block)."""
     eng = FakeEngine(n, capacity=(2 * sum(sizes) // n + 64 * len(sizes)) // BLOCK * BLOCK, budget=None, seed=3,
-                     max_num_seqs=64, placement=mode)
+                     max_num_seqs=64, placement=mode, preferred_rank=preferred)
     rng = np.random.default_rng(len(sizes))
     largest = 0
     for i, size in enumerate(sizes):
@@ -283,6 +284,43 @@ def test_a_burst_goes_whole_to_both_ranks_and_a_long_prompt_among_it_spreads():
     homes = [s.kv.home for s in shorts]
     assert abs(homes.count(0) - homes.count(1)) <= 2
     eng.check()
+
+
+def test_a_lone_request_goes_to_the_preferred_rank_unless_that_unbalances_the_ranks():
+    """With rank 0 in the driver process preferred: a request arriving while nothing else runs goes there even
+    when earlier requests' cached tokens make it a little more loaded (its decode steps then need no message to
+    another process), but not once rank 0 is as far ahead as the request itself, and not while other requests are
+    in flight (a burst is balanced by least load: rank 0 gains nothing in a forward other ranks work in too)."""
+    eng = FakeEngine(2, capacity=32 * BLOCK, budget=None, seed=0, max_num_seqs=8, placement="local",
+                     preferred_rank=0)
+    homes, ahead = [], []
+    for size in (100, 150, 120, 400, 50):  # one at a time, each finished before the next arrives
+        used = eng.kv.tokens_per_rank()
+        ahead.append(used[0] - used[1])
+        req = eng.add([7000 + size] + list(range(3, 2 + size)), 4)
+        eng.step()
+        homes.append(req.kv.home)
+        while req.request_id in eng.live:
+            eng.step()
+        eng.check()
+    # rank 0 (cached tokens ahead of rank 1 → the request's tokens with its answer): 0 → 104, 103 → 154, then
+    # 256 ≥ 124: rank 1; 133 → 404: rank 0 again; 536 ≥ 54: rank 1
+    assert ahead == [0, 103, 256, 133, 536] and homes == [0, 0, 1, 0, 1], (ahead, homes)
+    fresh = FakeEngine(2, capacity=32 * BLOCK, budget=None, seed=0, max_num_seqs=8, placement="local",
+                       preferred_rank=0)
+    burst = [fresh.add([8000 + i] + list(range(3, 60)), 4) for i in range(4)]  # together: least load decides
+    fresh.step()
+    assert [r.kv.home for r in burst] == [0, 1, 0, 1]
+    while fresh.live:
+        fresh.step()
+    fresh.check()
+    plain = FakeEngine(2, capacity=32 * BLOCK, budget=None, seed=0, placement="local")  # no preference
+    first = plain.add(list(range(3, 103)), 4)
+    while plain.live:
+        plain.step()
+    second = plain.add(list(range(200, 350)), 4)
+    plain.step()
+    assert first.kv is None and second.kv.home == 1  # least loaded, whatever the size
 
 
 def test_eviction_frees_the_rank_that_needs_room():

@@ -6,6 +6,7 @@ forward only the spread sequence's rows travel. The hardware profile is cpu-gloo
 the tiny test model prompts above ~130 tokens spread and short ones stay local (the threshold is the cost model's).
 """
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ def install_spy(ctx) -> None:
     spy = ctx.state.get("spy")
     if spy is None:
         spy = ctx.state["spy"] = {}
+        ctx.state["spy_originals"] = {name: getattr(dist, name) for name in SPIED}
         for name in SPIED:
             setattr(dist, name, _counted(getattr(dist, name), name, spy))
         model = ctx.state["runner"].model
@@ -40,6 +42,13 @@ def install_spy(ctx) -> None:
 
         model.forward = counted_forward
     spy.clear()
+
+
+def remove_spy(ctx) -> None:
+    """Put torch.distributed back (rank 0 runs in the test process: its functions must not stay wrapped)."""
+    for name, fn in ctx.state.pop("spy_originals", {}).items():
+        setattr(dist, name, fn)
+    ctx.state.pop("spy", None)
 
 
 def _counted(fn, name, spy):
@@ -90,6 +99,7 @@ def engine(model, fast_profile):
         return _LLMS[key]
     yield get
     for llm in _LLMS.values():
+        llm.engine._pool.run(remove_spy)
         llm.shutdown()
     _LLMS.clear()
 
@@ -120,6 +130,36 @@ def path_slots(kv, tokens) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------- tests
+
+def _pid(ctx) -> int:
+    return os.getpid()
+
+
+def test_lone_requests_decode_on_rank_0_in_this_process_without_a_message(model, engine):
+    """At CP2 on CPU rank 0 runs inside the driver (this process). A request arriving alone goes there — the second
+    one too, although the first one's cached tokens make rank 0 the more loaded, since it is less ahead than the
+    request's own tokens — and none of their forwards sends rank 1 anything. (First test of the module: it needs
+    the engine fresh.)"""
+    llm = engine(2, max_kv_tokens_per_rank=4096)
+    pool = llm.engine._pool
+    assert pool.driver_rank and pool.run(_pid)[0] == os.getpid()
+    spies(llm)
+    sent = []
+    send = pool._inboxes[1].send
+    pool._inboxes[1].send = lambda msg: (sent.append(getattr(msg[0], "__name__", "?")), send(msg))[1]
+    try:
+        prompts = prompts_for(256, [40, 60], seed=5)
+        outs = [llm.generate([p], SamplingParams(max_tokens=8, **GREEDY))[0] for p in prompts]  # one after the other
+    finally:
+        pool._inboxes[1].send = send
+    check_against_hf(model, outs, prompts, 8, check_prompt_lp=False)
+    assert llm.engine.kv.tokens_per_rank()[1] == 0
+    assert all(s["new_tokens_per_rank"][1] == 0 and s["placement"] == "local" for o in outs for s in o.metrics["steps"])
+    assert sent == [], sent  # not one message to the rank process
+    rank0, rank1 = spies(llm)
+    assert rank0["model_forwards"] == sum(len(o.metrics["steps"]) for o in outs) and collectives(rank0) == 0
+    assert rank1 == {}, rank1
+
 
 def test_local_forwards_issue_no_collective_and_idle_ranks_skip_the_model(model, engine):
     llm = engine(2, max_kv_tokens_per_rank=4096)

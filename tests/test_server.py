@@ -613,7 +613,7 @@ def test_default_model_smoke():
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
     """Last test of the module: it stops the module's server (SIGTERM in the middle of a stream)."""
     ranks = rank_pids(server.proc.pid)
-    assert len(ranks) == 2, server.output()
+    assert len(ranks) == 1, server.output()  # rank 1; rank 0 runs inside the server process
     body = {"model": NAME, "prompt": "finish me before you go", "max_tokens": 40, "temperature": 0,
             "ignore_eos": True, "stream": True}
     events: list[dict] = []

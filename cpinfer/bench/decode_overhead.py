@@ -4,7 +4,8 @@ cores in the same run (`cpinfer bench decode-overhead`).
 At these contexts attention is cheap, so the step time is the engine's host overhead: scheduling, the driver ↔ rank
 messages, per-layer planning and the ring collectives. Batch 1, greedy; every process (HF, each rank) runs
 `--threads` threads (default 1: a decode step is too small for intra-op threads to pay off on a shared machine).
-`--placement` (default auto) is the engine's; with it a short request stays on one rank and decodes without a ring.
+`--placement` (default auto) is the engine's; with it a short request stays on one rank and decodes without a ring,
+and on CPU a lone request goes to rank 0, which runs inside the driver process: its steps send no message at all.
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 from cpinfer.bench import common as C
 
 
 def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, threads: int,
                 hw: dict | None = None, placement: str = "auto") -> tuple[float, str]:
-    """(median decode step, where the request's keys were: "local" | "spread")."""
+    """(median decode step, where the request's keys were: "local (rank r)" | "spread")."""
     from cpinfer import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
@@ -26,7 +29,11 @@ def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, thread
         llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
         out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
     # the first step after the prefill is a warm-up
-    return statistics.median(out.metrics["ttit_s"][1:]), out.metrics["steps"][-1]["placement"]
+    last = out.metrics["steps"][-1]
+    where = last["placement"]
+    if where == "local" and cp > 1:  # rank 0 runs in the driver process: its steps need no message
+        where += f" (rank {int(np.argmax(last['new_tokens_per_rank']))})"
+    return statistics.median(out.metrics["ttit_s"][1:]), where
 
 
 class _TokenClock:

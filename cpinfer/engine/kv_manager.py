@@ -163,8 +163,15 @@ class KVManager:
     """Owner of every rank's blocks and of the prefix tree. Pure bookkeeping: no tensors, no processes."""
 
     def __init__(self, num_ranks: int, capacity_tokens_per_rank: int, enable_prefix_caching: bool = True,
-                 placer: Placer | None = None, tiers=None):
+                 placer: Placer | None = None, tiers=None, preferred_rank: int | None = None):
+        """preferred_rank: the rank a request kept whole goes to when no rank has local work in flight and that
+        leaves it less than the request's own tokens ahead of the least-loaded rank (rank 0 when it runs in the
+        driver process: a forward only it works in needs no message to another process); None: always the
+        least-loaded rank."""
         self.n = num_ranks
+        if preferred_rank is not None and not 0 <= preferred_rank < num_ranks:
+            raise ValueError(f"preferred_rank must be in [0, {num_ranks}), got {preferred_rank}")
+        self.preferred_rank = preferred_rank
         self.placer = placer or Placer("shard", num_ranks)  # who decides each sequence's span
         self.num_blocks = capacity_tokens_per_rank // BLOCK
         if self.num_blocks < 1:
@@ -343,11 +350,20 @@ class KVManager:
             self._floor = None
         return load
 
-    def _load_order(self) -> list[int]:
+    def _load_order(self, slack: int = 0) -> list[int]:
         """Ranks for a local placement, least loaded first: KV tokens stored, plus the decode tokens the local
-        sequences there may still add, plus this forward's new tokens (they cost compute now)."""
+        sequences there may still add, plus this forward's new tokens (they cost compute now). When no local work
+        is in flight (nothing promised, nothing else placed in this forward), the preferred rank comes first while
+        its load is less than `slack` (the request's own tokens) above the least: a lone request then decodes
+        there, and per-rank usage stays within about one request of balanced."""
         load = self.used + self.promised + self._fwd_tokens
-        return sorted(range(self.n), key=lambda r: (load[r], r))
+        order = sorted(range(self.n), key=lambda r: (load[r], r))
+        first = self.preferred_rank
+        idle = not self.promised.any() and not self._fwd_tokens.any()
+        if first is not None and idle and order[0] != first and load[first] - load[order[0]] < slack:
+            order.remove(first)
+            order.insert(0, first)
+        return order
 
     def _promise(self, seq: SeqKV, tokens: int) -> None:
         """Record that seq may still write `tokens` decode tokens on its home (none once it spreads or leaves)."""
@@ -391,7 +407,8 @@ class KVManager:
             ranks = self._spread_ranks(seq, t, decode)
             decision = None if home == SPREAD or decode else Decision(True, -1, "forced")
             return (ranks, decision) if self._fits(seq, ranks) else None
-        candidates = [r for r in ([home] if home >= 0 else self._load_order()) if self._room_for(r, t, seq.leaf)]
+        order = [home] if home >= 0 else self._load_order(t + work.later + work.decode)
+        candidates = [r for r in order if self._room_for(r, t, seq.leaf)]
         if candidates:
             load = self.forward_load() if self.placer.needs_costs else None
             decision = self.placer.decide(work, home, candidates[0], load)

@@ -34,7 +34,8 @@ from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.strategy import choose_for_batch
-from cpinfer.launch import InProcessWorld, JoinedWorld, RemoteError, WorkerPool, joined_world_requested
+from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool, driver_can_host_rank,
+                            joined_world_requested)
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
 from cpinfer.model.resolve import resolve_model
@@ -74,7 +75,8 @@ class EngineConfig:
     # True also without graphs (eager; on CPU it needs TRITON_INTERPRET=1: the path's attention is Triton's)
     threads_per_rank: int | None = None
     timeout_s: float = 600.0
-    in_process: bool = True  # CP1 x TP1 runs its one rank inside the driver process
+    in_process: bool = True  # rank 0 runs inside the driver process (CP1 x TP1; CP>1 or TP>1 on CPU when this
+    # process hosts no other engine's rank 0): what it does alone needs no message to another process
     kv_host_gib: float = 0.0  # host tier: GiB of host memory per rank for K/V evicted from the device (0: none)
     kv_disk_dir: str | None = None  # disk tier: a directory for evicted / finished K/V, kept across restarts
     kv_disk_gib: float | None = None  # its bound (None: half the disk's free space at start)
@@ -166,7 +168,9 @@ class LLMEngine:
         self._last_sync = 0.0
         try:
             tiers = self._start_tiers()
-            self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer(), tiers)
+            driver_rank = getattr(self._pool, "driver_rank", False)  # rank 0 in this process: it takes local work
+            self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer(), tiers,
+                                preferred_rank=0 if driver_rank and self.parallel.tp == 1 else None)
             if self.disk is not None:
                 rebuild_index(self.kv, self.disk, tiers.layout)
         except BaseException:
@@ -224,9 +228,10 @@ class LLMEngine:
             self.parallel.check_world(self._pool.world_size)
         elif world == 1 and a.in_process:  # one rank: run it in this process, no IPC per step
             self._pool = InProcessWorld(a.device, threads, a.timeout_s)
-        else:
+        else:  # on CPU rank 0 runs here too (no IPC for what it does alone), unless this process hosts another
+            driver = a.in_process and (a.device, backend) == ("cpu", "gloo") and driver_can_host_rank()
             self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
-                                    device=a.device)
+                                    device=a.device, driver_rank=driver)
         backend_name = a.attention_backend  # each rank resolves it on its device
         sizing = None if capacity is not None else {
             "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
@@ -484,17 +489,17 @@ class LLMEngine:
 
     def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
         """Every rank runs the batch, except that a local rank with no token and no ring to serve is not even sent
-        it (unless sliding-window layers need every rank to mirror every batch's slot positions). Local ranks
-        receive it pickled once (not once per rank)."""
+        it (unless sliding-window layers need every rank to mirror every batch's slot positions). Rank processes
+        receive it pickled once (not once per rank); rank 0, when it runs in this process, takes it as it is."""
         if isinstance(self._pool, InProcessWorld):
             return self._pool.run(MR.execute_batch, batch)
-        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-        if not isinstance(self._pool, WorkerPool) or self._mirrors_slots:
-            return self._pool.run(MR.execute_batch, blob)
-        active = MR.active_cp_ranks(batch, self.n)
-        tp = self.parallel.tp
-        results = self._pool.run_some(MR.execute_batch, [(blob,) if active[r // tp] else None
-                                                         for r in range(self.parallel.world_size)])
+        if not isinstance(self._pool, WorkerPool):
+            return self._pool.run(MR.execute_batch, pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+        active = np.repeat(MR.active_cp_ranks(batch, self.n) | self._mirrors_slots, self.parallel.tp)
+        here = bool(self._pool.driver_rank and active[0])  # rank 0 is this process: it takes the batch as it is
+        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL) if active[int(here):].any() else None
+        args = [((batch,) if here and r == 0 else (blob,)) if on else None for r, on in enumerate(active)]
+        results = self._pool.run_some(MR.execute_batch, args)
         return [RankResult((), {}, 0.0, 0.0, idle=True) if res is None else res for res in results]
 
     def _check_alive(self) -> None:
