@@ -196,7 +196,6 @@ class WorkerPool:
             raise RuntimeError("this process already has a torch.distributed process group: it cannot be rank 0 "
                                "of a worker pool (use driver_rank=False)")
         self.world_size = world_size
-        self.driver_rank = driver_rank
         self.timeout_s, self.fail_grace_s = timeout_s, fail_grace_s
         self.dead_reason: str | None = None  # set by the watcher when a rank exits unasked
         ctx = mp.get_context("spawn")
@@ -209,7 +208,8 @@ class WorkerPool:
         self._alarms: dict[int, Any] = {}  # driver_rank: a rank process that raised writes a byte here
         self._proc_of: dict[int, Any] = {}
         self._closed = self._closing = False
-        self._driver_call = 0  # driver_rank: the number of the call rank 0 is inside (0: none)
+        self._driver: _DriverRank | None = None  # rank 0, when it is this process
+        self._driver_call = 0  # driver_rank: the number of the call rank 0 is in, from its first send (0: none)
         self._calls = 0  # calls sent so far (numbers them from 1)
         self._alarmed: int | None = None  # the rank whose error made the watcher end the pool
         first = 1 if driver_rank else 0
@@ -230,7 +230,6 @@ class WorkerPool:
                 alarm_send.close()
                 self._alarms[rank] = alarm_recv
             self._inboxes[rank], self._outboxes[rank], self._proc_of[rank] = in_send, out_recv, p
-        self._driver = None
         if driver_rank:
             self._driver = _DriverRank(store_path, world_size, threads_per_rank, timeout_s)
         self._watcher = threading.Thread(target=self._watch, name="cpinfer-rank-watcher", daemon=True)
@@ -243,6 +242,16 @@ class WorkerPool:
             self.close(force=True)
             raise
 
+    def _exited(self, rank: int) -> str:
+        """Why rank process `rank` is gone (it has exited or is exiting)."""
+        self._proc_of[rank].join(timeout=1)
+        return f"rank {rank} exited ({describe_exit(self._proc_of[rank].exitcode)})"
+
+    @property
+    def driver_rank(self) -> bool:
+        """Whether rank 0 is this process."""
+        return self._driver is not None
+
     @property
     def _procs(self) -> list:
         """The rank processes (not rank 0 when it is this process)."""
@@ -250,7 +259,7 @@ class WorkerPool:
 
     @property
     def pids(self) -> list[int]:
-        return [os.getpid()] * (self._driver is not None) + [p.pid for p in self._procs]
+        return [os.getpid()] * self.driver_rank + [p.pid for p in self._procs]
 
     def _watch(self) -> None:
         """Wake up as soon as any rank process ends (its sentinel); record why unless the pool is closing. With
@@ -279,9 +288,7 @@ class WorkerPool:
                         p.kill()
                     return
                 continue
-            rank = sentinels[ready[0]]
-            self._proc_of[rank].join(timeout=1)
-            self.dead_reason = f"rank {rank} exited ({describe_exit(self._proc_of[rank].exitcode)})"
+            self.dead_reason = self._exited(sentinels[ready[0]])
             return
 
     def _collect(self, what: str, ranks: list[int] | None = None, mine: tuple | None = None) -> list[Any]:
@@ -311,8 +318,7 @@ class WorkerPool:
                 except (EOFError, OSError):  # the rank exited: the watcher names how
                     if self._alarmed is not None and errors:  # killed by the watcher after its error (read)
                         continue
-                    self._proc_of[r].join(timeout=1)
-                    self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._proc_of[r].exitcode)})"
+                    self.dead_reason = self.dead_reason or self._exited(r)
                     self._fail(what)
                 if status == "error":
                     errors[rank] = payload
@@ -357,7 +363,7 @@ class WorkerPool:
     def run_some(self, fn: Callable, args_per_rank: list[tuple | None], kwargs: dict | None = None) -> list[Any]:
         """Like `run_each`; a rank whose entry is None is not called at all (its result is None)."""
         if self._closed:
-            raise RuntimeError("worker pool is closed")
+            raise RuntimeError("worker pool is closed" + (f": {self.dead_reason}" if self.dead_reason else ""))
         if self.dead_reason is not None:
             self._fail(getattr(fn, "__name__", "call"))
         if len(args_per_rank) != self.world_size:
@@ -366,25 +372,27 @@ class WorkerPool:
         remote = [r for r in called if r in self._proc_of]
         what = getattr(fn, "__name__", "call")
         self._calls += 1
-        for r in remote:
-            try:
-                self._inboxes[r].send((fn, tuple(args_per_rank[r]), kwargs or {}, self._calls))
-            except (BrokenPipeError, EOFError, OSError):  # the rank is gone
-                self._proc_of[r].join(timeout=1)
-                self.dead_reason = self.dead_reason or f"rank {r} exited ({describe_exit(self._proc_of[r].exitcode)})"
-                self._fail(what)
+        here = self._driver is not None and args_per_rank[0] is not None
+        # the watcher's cue that rank 0 is in this call, set before any rank process can fail in it
+        self._driver_call = self._calls if here else 0
         mine = None
-        if self._driver is not None and args_per_rank[0] is not None:
-            self._driver_call = self._calls  # the watcher's cue: rank 0 is inside this call
-            try:
-                mine = ("ok", fn(self._driver.ctx, *args_per_rank[0], **(kwargs or {})))
-            except Exception as exc:  # noqa: BLE001 - the same shape as a rank process's error
-                mine = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
-            except BaseException:  # Ctrl-C here: the ranks may wait for rank 0 in a collective
-                self.close(force=True)
-                raise
-            finally:
-                self._driver_call = 0
+        try:
+            for r in remote:
+                try:
+                    self._inboxes[r].send((fn, tuple(args_per_rank[r]), kwargs or {}, self._calls))
+                except (BrokenPipeError, EOFError, OSError):  # the rank is gone
+                    self.dead_reason = self.dead_reason or self._exited(r)
+                    self._fail(what)
+            if here:
+                try:
+                    mine = ("ok", fn(self._driver.ctx, *args_per_rank[0], **(kwargs or {})))
+                except Exception as exc:  # noqa: BLE001 - the same shape as a rank process's error
+                    mine = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
+                except BaseException:  # Ctrl-C here: the ranks may wait for rank 0 in a collective
+                    self.close(force=True)
+                    raise
+        finally:
+            self._driver_call = 0
         answers = dict(zip([0] * (mine is not None) + remote, self._collect(what, remote, mine)))
         return [answers.get(r) for r in range(self.world_size)]
 
