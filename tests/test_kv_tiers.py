@@ -256,7 +256,9 @@ def test_a_conversation_comes_back_from_each_tier_and_after_a_restart_at_another
             eng.check()
 
 
-def test_a_full_disk_switches_the_tier_off_once_and_nothing_is_lost(caplog):
+def test_a_full_disk_pauses_writes_logged_once_and_they_resume_when_it_has_room(caplog, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("cpinfer.engine.kv_tiers.time.monotonic", lambda: now[0])
     eng = TierEngine(1, 2 * BLOCK, 0, 10_000, seed=0)
     eng.ranks.fail_errno = errno.ENOSPC
     rng = np.random.default_rng(1)
@@ -265,16 +267,24 @@ def test_a_full_disk_switches_the_tier_off_once_and_nothing_is_lost(caplog):
         while eng.live:
             eng.step()
             eng.check()
+        now[0] += 0.5
     eng.step()
     eng.check()
-    assert not eng.kv.tiers.writable
-    assert sum("goes on without writing to disk" in r.message for r in caplog.records) == 1
+    tiers = eng.kv.tiers
+    assert not tiers.can_write and tiers.writable  # paused, not switched off
+    assert sum("writes are retried with backoff" in r.message for r in caplog.records) == 1
     assert not eng.ranks.kept  # every failed write was forgotten once the driver saw it
-    # the tier is off: evicted segments are dropped, answers are still computed
+    assert tiers.disk_used == 0 and not tiers.entries
+    # the disk has room again: after the backoff the next finished request is written, and accounted
+    eng.ranks.fail_errno = 0
+    now[0] += 120
     eng.add(eng.done[0] + [5], 2)
     while eng.live:
         eng.step()
         eng.check()
+    eng.step()
+    assert tiers.can_write and tiers.entries and tiers.disk_used == sum(e.nbytes for e in tiers.entries.values())
+    assert any("works again" in r.message for r in caplog.records)
 
 
 @pytest.mark.parametrize("bad", [dict(host_slots=-1), dict(token_bytes=0), dict(disk_dir="/x", disk_bytes=0)])

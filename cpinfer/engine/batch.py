@@ -52,6 +52,7 @@ class FromHost:
     host_slots: np.ndarray  # [M]
     slots: np.ndarray  # [M] device slots
     positions: np.ndarray  # [M] the tokens' positions (ranks that mirror slot positions record them)
+    node: int = -1  # the prefix-tree segment being restored (named in a failure)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +132,8 @@ class RankResult:
 
 @dataclasses.dataclass(frozen=True)
 class TierEvent:
-    """What a rank reports about the tiers: kind "saved" (entry, shard, ok, error, errno, nbytes), "restored"
-    (tier, nbytes, seconds) or "load_failed" (node, error)."""
+    """What a rank reports about the tiers: kind "saved" (entry, shard, ok, error, errno, nbytes), "deleted" (entry,
+    shard, ok, error), "restored" (tier, nbytes, seconds) or "load_failed" (node, tier, error)."""
 
     kind: str
     rank: int

@@ -19,6 +19,7 @@ from cpinfer.utils import get_logger
 
 log = get_logger()
 _GIB = float(1 << 30)
+QUARANTINE = ".quarantine"
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ def open_disk_dir(directory: str, gib: float | None) -> DiskDir:
     if not writable:
         log.error("KV disk tier: %s is not writable; its entries are read, none are written", path)
     ours = sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
+    ours += sum(p.stat().st_size for p in (path / QUARANTINE).glob("*") if p.is_file())
     bound = int(gib * (1 << 30)) if gib is not None else int(shutil.disk_usage(path).free // 2 + ours)
     return DiskDir(path, writable, bound, lock)
 
@@ -100,16 +102,28 @@ def rebuild_index(kv, disk: DiskDir, layout: Layout) -> None:
     tiers, n = kv.tiers, kv.n
     found, report = scan(disk.path, layout, remove=disk.writable)
     for name in report.corrupt[:5]:
-        log.warning("KV disk tier: skipping corrupt file %s", name)
+        log.warning("KV disk tier: corrupt file %s %s", name, "removed" if disk.writable else "skipped")
     if len(report.corrupt) > 5:
         log.warning("KV disk tier: ... and %d more corrupt files", len(report.corrupt) - 5)
+    if report.junk:
+        log.warning("KV disk tier: %d file(s) in %s are not KV entries (e.g. %s): %s", len(report.junk), disk.path,
+                    report.junk[0], f"moved to {QUARANTINE}/, deleted first when room is needed" if disk.writable
+                    else "skipped")
     if report.foreign:
-        log.warning("KV disk tier: skipping %d file(s) in %s that are not entries of this model and layout "
-                    "(e.g. %s)", len(report.foreign), disk.path, report.foreign[0])
+        log.warning("KV disk tier: keeping %d entry file(s) of another model or layout in %s (counted against the "
+                    "bound, deleted first when room is needed)", len(report.foreign), disk.path)
     if report.other_tp:
         log.warning("KV disk tier: ignoring %d file(s) written at another tensor-parallel size", len(report.other_tp))
+    for name in report.foreign + report.other_tp:
+        _count_stray(tiers, disk.path / name)
+    if disk.writable:
+        for name in report.junk:
+            _quarantine(tiers, disk.path, name)
     if report.removed:
         log.info("KV disk tier: removed %d half-written or incomplete file(s)", len(report.removed))
+    for p in sorted((disk.path / QUARANTINE).glob("*")):  # quarantined by an earlier start, still counted
+        if p.is_file():
+            _count_stray(tiers, p)
     adopted, replaced, now_wall, now = 0, 0, time.time(), time.monotonic()
     for f in sorted(found, key=lambda f: (f.pos0, -f.mtime)):
         ranks = f.shard.copy() if f.cp == n else _replace(f.shard, n)
@@ -129,6 +143,27 @@ def rebuild_index(kv, disk: DiskDir, layout: Layout) -> None:
     tiers.trim()
     log.info("KV disk tier %s: %d entries adopted (%d kept), %.2f GiB of %.2f GiB", disk.path, adopted,
              len(tiers.entries), tiers.disk_used / _GIB, tiers.config.disk_bytes / _GIB)
+
+
+def _count_stray(tiers, path: Path) -> None:
+    try:
+        nbytes = path.stat().st_size
+    except OSError:
+        return
+    tiers.stray[str(path)] = nbytes
+    tiers.disk_used += nbytes
+
+
+def _quarantine(tiers, directory: Path, name: str) -> None:
+    """Move a file that is no KV entry out of the way (never deleting what someone may want at once); its bytes
+    count against the bound until room is needed."""
+    target = directory / QUARANTINE / name
+    try:
+        target.parent.mkdir(exist_ok=True)
+        os.replace(directory / name, target)
+    except OSError:
+        return
+    _count_stray(tiers, target)
 
 
 def _replace(shard: np.ndarray, n: int) -> np.ndarray:

@@ -245,16 +245,17 @@ class FoundEntry:
 class ScanReport:
     """What a scan saw besides usable entries (the engine logs it)."""
 
-    corrupt: list[str] = dataclasses.field(default_factory=list)
-    foreign: list[str] = dataclasses.field(default_factory=list)  # not this format's name, or another model/layout
+    corrupt: list[str] = dataclasses.field(default_factory=list)  # "name (why)": our name, unreadable or damaged
+    junk: list[str] = dataclasses.field(default_factory=list)  # files whose name is not an entry's
+    foreign: list[str] = dataclasses.field(default_factory=list)  # intact entries of another model or layout
     other_tp: list[str] = dataclasses.field(default_factory=list)
     removed: list[str] = dataclasses.field(default_factory=list)  # half-written or incomplete entries of ours
 
 
 def scan(directory: Path, layout: Layout, remove: bool = True) -> tuple[list[FoundEntry], ScanReport]:
-    """Every usable entry of `layout` in directory, checking each file's header checksum. Temporary files and
-    entries missing a shard (a crash mid-write) are deleted when `remove`; corrupt and foreign files are left
-    alone and listed."""
+    """Every usable entry of `layout` in directory, checking each file's header checksum. Temporary files, corrupt
+    entry files and entries missing a shard (a crash mid-write) are deleted when `remove`; junk and other layouts'
+    entries are listed (the caller counts or quarantines them)."""
     report = ScanReport()
     groups: dict[str, list[tuple[Path, EntryHeader]]] = {}
     for path in sorted(directory.iterdir()):
@@ -266,12 +267,13 @@ def scan(directory: Path, layout: Layout, remove: bool = True) -> tuple[list[Fou
         if name.startswith(".") or not path.is_file():
             continue  # the lock and the checksum cache
         if parse_name(name) is None:
-            report.foreign.append(name)
+            report.junk.append(name)
             continue
         try:
             header = read_header(path)
         except CorruptEntry as exc:
             report.corrupt.append(f"{name} ({exc})")
+            _unlink(path, remove)
             continue
         if header.layout != layout:
             (report.other_tp if header.layout.same_but_tp(layout) else report.foreign).append(name)

@@ -102,6 +102,12 @@ class Node:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_hole(self) -> bool:
+        """A segment whose K/V are nowhere (its lower copy was lost) kept for the copies below it: a request that
+        reaches it recomputes its tokens, which then take its place (`KVManager.fill_hole`)."""
+        return not self.on_device and self.host is None and self.disk is None
+
     def blocks(self, num_blocks: int) -> np.ndarray:
         """Distinct (rank * num_blocks + block) keys of the blocks holding this node's tokens (none off device)."""
         if not self.on_device:
@@ -123,6 +129,8 @@ class SeqKV:
     promised: int = 0  # decode tokens it may still write on its home, counted in the load of rank `promised_on`
     promised_on: int = -1
     hits: dict | None = None  # tier → tokens of the matched prefix found there (device, or restored from host/disk)
+    fill_until: int = -1  # the matched path stops at a hole ending here: compute up to it first (then re-attach)
+    fill_hole: int = -1  # that hole's node id
 
     def runs_array(self, rank: int) -> np.ndarray:
         """[R, 2] int64 snapshot of the runs on one rank."""
@@ -187,7 +195,7 @@ class KVManager:
         self.prefix_hits = 0
         self.tier_hits = dict.fromkeys(TIERS, 0)  # of the hits, where their K/V were when matched
         # host / disk tiers below the device (a TierConfig), or None: evicted segments are dropped
-        self.tiers = Tiers(tiers, num_ranks, self._drop_subtree) if tiers is not None and tiers.enabled else None
+        self.tiers = Tiers(tiers, num_ranks, self._lost) if tiers is not None and tiers.enabled else None
         self.begin_forward()
 
     # ------------------------------------------------------------------ capacity
@@ -203,13 +211,14 @@ class KVManager:
         return ceil_div(ceil_div(num_tokens, self.n) + 2 * self.n, BLOCK) + 1
 
     # ------------------------------------------------------------------ prefix matching
-    def match(self, tokens: np.ndarray, limit: int) -> tuple[Node, int, int]:
-        """Longest cached prefix of tokens[:limit]: (node, tokens matched inside it, total matched)."""
+    def match(self, tokens: np.ndarray, limit: int, through_holes: bool = False) -> tuple[Node, int, int]:
+        """Longest cached prefix of tokens[:limit]: (node, tokens matched inside it, total matched). A hole (K/V
+        nowhere) ends a match unless `through_holes` (adopting disk entries below it)."""
         node, done = self.root, 0
         while done < limit:
             best, best_len = None, 0
             for child in node.children:
-                if len(child) == 0:
+                if len(child) == 0 or (child.is_hole and not through_holes):
                     continue
                 m = min(len(child), limit - done)
                 neq = np.nonzero(child.tokens.view[:m] != tokens[done:done + m])[0]
@@ -259,7 +268,36 @@ class KVManager:
         seq = SeqKV(request_id, leaf, matched, runs, next_rank=int(np.argmin(self.used)),
                     per_rank=np.zeros(self.n, dtype=np.int64), hits=hits)
         seq.add(per_rank)
+        hole = self._hole_after(node, tokens, matched, limit) if usable == len(path) else None
+        if hole is not None:
+            seq.fill_until, seq.fill_hole = matched + len(hole), hole.id
         return seq
+
+    def _hole_after(self, node: Node, tokens: np.ndarray, matched: int, limit: int) -> Node | None:
+        """A hole right below node whose tokens the request's next ones are, with more of the request after it:
+        computing it first (it then replaces the hole) makes the copies below it reachable again."""
+        for child in node.children:
+            end = matched + len(child)
+            if child.is_hole and end < limit and np.array_equal(child.tokens.view, tokens[matched:end]):
+                return child
+        return None
+
+    def fill_hole(self, seq: SeqKV) -> None:
+        """seq computed exactly a hole's tokens in its leaf (num_stored == fill_until): release it keeping them
+        cached, and let the leaf take the hole's place (the segments below the hole hang from it now). The
+        request then attaches again and matches on below."""
+        leaf, hole = seq.leaf, self.nodes.get(seq.fill_hole)
+        self.release(seq, keep=True)
+        if (hole is None or not hole.is_hole or hole.parent is not leaf.parent or leaf.parent is None
+                or not np.array_equal(hole.tokens.view, leaf.tokens.view)):
+            return  # someone else filled it first: this copy stays a plain cached segment
+        for c in hole.children:
+            c.parent = leaf
+            leaf.children.append(c)
+        hole.children = []
+        hole.parent.children.remove(hole)
+        del self.nodes[hole.id]
+        hole.parent = None
 
     def _restore(self, path: list[Node]) -> tuple[int, dict]:
         """Lock the path (root first) and bring its segments that are off the device back into free slots on their
@@ -524,9 +562,33 @@ class KVManager:
         self._free_device(node)
         if self.tiers is not None:
             self.tiers.forget(node)
-        node.parent.children.remove(node)
+        parent = node.parent
+        parent.children.remove(node)
         del self.nodes[node.id]
         node.parent = None
+        if parent is not self.root and parent.is_hole and not parent.children:
+            self._free_node(parent)  # a hole kept only for what was below it
+
+    def _lost(self, node: Node) -> None:
+        """node's last copy is gone. The segments below it that still have a copy keep it as a hole (recomputed
+        by the next request that reaches it, costing that prefix only); with none, it goes with its subtree."""
+        if node.parent is None or not node.is_hole:
+            return
+        if self._copies_below(node):
+            node.count = np.zeros(self.n, dtype=np.int64)
+            node.rank = GrowArray(np.zeros(len(node), dtype=np.int64))
+            return
+        self._drop_subtree(node)
+
+    @staticmethod
+    def _copies_below(node: Node) -> bool:
+        stack = list(node.children)
+        while stack:
+            nd = stack.pop()
+            if not nd.is_hole:
+                return True
+            stack.extend(nd.children)
+        return False
 
     def _drop_subtree(self, node: Node) -> None:
         """Remove an unreferenced segment and everything below it, from every tier."""
@@ -584,27 +646,40 @@ class KVManager:
         if ops:
             self.tiers.ops[:0] = ops
 
-    def discard(self, node_ids) -> None:
-        """Segments whose restore failed (their entry is unreadable): drop them, their subtrees and the entries."""
-        for nid in node_ids:
+    def discard(self, failed: dict[int, str]) -> None:
+        """Segments whose restore failed (node id → the tier it was read from; no request holds them any more):
+        their device slots (unwritten) are freed and the bad copy dropped — a disk entry from the index and the
+        directory. A segment left without a copy becomes a hole when copies below it survive, else it goes."""
+        for nid, tier in failed.items():
             node = self.nodes.get(nid)
             if node is None:
                 continue
-            entry = node.disk.entry if node.disk is not None else None
-            self._drop_subtree(node)
-            if entry is not None:
-                self.tiers.drop_entry(entry)
+            assert node.ref == 0 and node.owner is None, "discarding a segment a request holds (this is a bug)"
+            if node.on_device:
+                self._free_device(node)
+            if tier == "host" and node.host is not None:
+                self.tiers.forget_host(node)
+            elif node.disk is not None:
+                self.tiers.drop_entry(node.disk.entry)  # every segment it holds loses that copy
+            self._lost(node)
 
     def adopt(self, entry: DiskEntry, path: np.ndarray, pos0: int, ranks: np.ndarray, shard: np.ndarray,
               row: np.ndarray, last_access: float) -> bool:
         """Put a disk entry found at start into the tree as an off-device segment: tokens path[pos0:] with, per
         token, its restore rank and (shard, row). Its prefix must be there already (entries are adopted by
         position); tokens another entry covers are skipped. False: nothing of it is usable (orphan or duplicate)."""
-        node, inside, matched = self.match(path, len(path))
-        if matched < pos0 or matched == len(path):
+        node, inside, matched = self.match(path, len(path), through_holes=True)
+        if matched == len(path):
             return False
         if node is not self.root and inside < len(node):
             node = self._split(node, inside)
+        if matched < pos0:  # the entries before it are lost (damaged, deleted): a hole stands for those tokens
+            hole = Node(node, matched, self.n, tokens=path[matched:pos0], rank=np.zeros(pos0 - matched),
+                        slot=np.full(pos0 - matched, -1, dtype=np.int64))
+            hole.on_device, hole.last_access, hole.count = False, last_access, np.zeros(self.n, dtype=np.int64)
+            node.children.append(hole)
+            self.nodes[hole.id] = hole
+            node, matched = hole, pos0
         k = matched - pos0
         seg = Node(node, matched, self.n, tokens=path[matched:], rank=ranks[k:],
                    slot=np.full(len(path) - matched, -1, dtype=np.int64))
@@ -636,6 +711,10 @@ class KVManager:
                 continue
             seen.add(nd.id)
             assert nd.ref >= 0, f"negative ref count on node {nd.id}"
+            if nd.is_hole:
+                assert nd.ref == 0 and nd.owner is None and not nd.count.any(), f"hole {nd.id} is in use"
+                assert self._copies_below(nd), f"hole {nd.id} has no copy below it"
+                continue
             np.testing.assert_array_equal(nd.count, np.bincount(nd.rank.view, minlength=self.n))
             if not nd.on_device:  # off the device: a lower copy, nothing below on the device, nobody using it
                 assert nd.host is not None or nd.disk is not None, f"node {nd.id} is in no tier"

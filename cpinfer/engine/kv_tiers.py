@@ -20,6 +20,7 @@ from cpinfer.utils import get_logger
 
 log = get_logger()
 TIERS = ("device", "host", "disk")
+MAX_BACKOFF_S = 60.0  # the longest pause between retries of a failing disk directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +109,14 @@ class TierStats:
 
 
 class Tiers:
-    """The host and disk tier index of one KV manager. `drop_subtree(node)` is the manager's: it removes a segment
-    that lost its last copy, with everything below it (nothing below can be used without it)."""
+    """The host and disk tier index of one KV manager. `lost(node)` is the manager's: a segment lost its last copy
+    (it becomes a hole when copies below it survive, else it goes with its subtree).
 
-    def __init__(self, config: TierConfig, n: int, drop_subtree):
+    Disk writes that fail for the whole directory (full, read-only, no permission) pause writing, retried with
+    backoff; files in the directory that are not usable entries (another model's or TP size's, quarantined junk,
+    files whose delete failed) are counted in `disk_used` until deleted, first when room is needed."""
+
+    def __init__(self, config: TierConfig, n: int, lost):
         self.config, self.n = config, n
         self.host = HostPool(n, config.host_slots) if config.host_slots else None
         self.host_nodes: dict[int, object] = {}  # node id → Node with a host copy
@@ -119,8 +124,12 @@ class Tiers:
         self.disk_used = 0
         self.disk_on = config.disk_dir is not None
         self.writable = self.disk_on and config.writable
-        self._drop_subtree = drop_subtree
+        self._lost = lost
         self.ops: list[CacheOp] = []
+        self.stray: dict[str, int] = {}  # file path → bytes: counted on disk, not an entry (deleted first)
+        self.deleting: dict[tuple[str, int], int] = {}  # (entry, shard) → bytes of its files, until the ranks ack
+        self._paused_until = 0.0  # disk writes paused after a failure of the directory, until then
+        self._backoff_s = 0.0
         self.stats = {t: TierStats() for t in TIERS}
         self._warned: set[str] = set()
 
@@ -172,14 +181,23 @@ class Tiers:
                 self.host.free(r, mine)
         self.stats["host"].evicted_tokens += len(node)
         if not node.on_device and node.disk is None:
-            self._drop_subtree(node)
+            self._lost(node)
+
+    def forget_host(self, node) -> None:
+        """Drop node's host copy without moving it anywhere (it failed to restore)."""
+        for r in range(self.n):
+            mine = node.host[node.rank.view == r]
+            if len(mine):
+                self.host.free(r, mine)
+        node.host = None
+        del self.host_nodes[node.id]
 
     # ------------------------------------------------------------------ disk writes
     def save(self, node, source: str) -> bool:
         """Write node's shards to disk from its device or host slots (background; readable at once). False when
         the disk tier is off, read-only or cannot hold it."""
         c = self.config
-        if not self.writable or not len(node):
+        if not self.can_write or not len(node):
             return False
         nbytes = len(node) * c.token_bytes
         if nbytes > c.disk_bytes or not self._disk_room(nbytes, node):
@@ -204,9 +222,13 @@ class Tiers:
         self.disk_used += nbytes
         return True
 
+    @property
+    def can_write(self) -> bool:
+        return self.writable and time.monotonic() >= self._paused_until
+
     def write_through(self, path: list) -> None:
         """A finished request's segments (root first) that have no disk copy yet are written in the background."""
-        if self.writable and self.config.write_through:
+        if self.can_write and self.config.write_through:
             for node in path:
                 if node.disk is None and node.on_device and len(node):
                     if not self.save(node, "device"):
@@ -220,6 +242,11 @@ class Tiers:
         while p is not None:
             above.add(p.id)
             p = p.parent
+        while self.disk_used + nbytes > self.config.disk_bytes and self.stray:
+            path = min(self.stray, key=_stray_age)  # files that are no usable entry go first, oldest first
+            if not _remove(path):
+                break
+            self.disk_used -= self.stray.pop(path)
         while self.disk_used + nbytes > self.config.disk_bytes:
             victims = [e for e in self.entries.values()
                        if not any(_pinned(nd) or nd.id in above for nd in e.nodes.values())]
@@ -234,13 +261,14 @@ class Tiers:
 
     def drop_entry(self, entry: DiskEntry) -> None:
         """Forget an entry and delete its files (after their writes, in each writer's order); segments it was the
-        last copy of go, with their subtrees."""
+        last copy of are lost (holes when copies below them survive, else gone with their subtrees)."""
         if self.entries.pop(entry.name, None) is None:
             return
-        self.disk_used -= entry.nbytes
         self.stats["disk"].evicted_tokens += sum(len(nd) for nd in entry.nodes.values())
+        self.disk_used -= entry.nbytes  # a delete that fails is reported back and counted again (a stray file)
         for shard in entry.shards if self.config.writable else ():
             self.ops.append(DeleteEntry(shard % self.n, entry.name, shard))
+            self.deleting[(entry.name, shard)] = entry.nbytes // len(entry.shards)
         orphans = []
         for nd in entry.nodes.values():
             nd.disk = None
@@ -249,7 +277,7 @@ class Tiers:
         entry.nodes = {}
         for nd in orphans:
             if nd.parent is not None:  # not already removed with an earlier orphan's subtree
-                self._drop_subtree(nd)
+                self._lost(nd)
 
     # ------------------------------------------------------------------ restoring
     def restore(self, node) -> str:
@@ -261,7 +289,7 @@ class Tiers:
         for r in np.flatnonzero(np.bincount(ranks, minlength=self.n)).tolist():
             idx = np.flatnonzero(ranks == r)
             if tier == "host":
-                self.ops.append(FromHost(r, node.host[idx].copy(), slots[idx].copy(), positions[idx]))
+                self.ops.append(FromHost(r, node.host[idx].copy(), slots[idx].copy(), positions[idx], node.id))
                 continue
             ref = node.disk
             parts, order = [], []
@@ -309,6 +337,8 @@ class Tiers:
         for ev in events:
             if ev.kind == "saved":
                 self._saved(ev)
+            elif ev.kind == "deleted":
+                self._deleted(ev)
             elif ev.kind == "restored":
                 acc = restored.setdefault(ev.tier, [0, 0.0])
                 acc[0] += ev.nbytes
@@ -323,18 +353,58 @@ class Tiers:
             self.stats["disk"].written_bytes += ev.nbytes
             if entry is not None:
                 entry.unacked -= 1
+            if self._backoff_s:
+                log.info("KV disk tier: writing to %s works again", self.config.disk_dir)
+                self._backoff_s = 0.0
+                self._retry_deletes()
             return
         self.stats["disk"].write_errors += 1
         self.ops.append(ForgetEntry(ev.rank, ev.entry, ev.shard))
-        if ev.errno in TIER_ERRNOS:
-            if self.writable:
-                log.error("KV disk tier: writing to %s failed (%s); serving goes on without writing to disk",
-                          self.config.disk_dir, ev.error)
-            self.writable = False
+        if ev.errno in TIER_ERRNOS:  # the directory (full, read-only): pause writing, try again later
+            if not self._backoff_s or time.monotonic() >= self._paused_until:
+                self._backoff_s = min(2 * self._backoff_s, MAX_BACKOFF_S) if self._backoff_s else 1.0
+                self._paused_until = time.monotonic() + self._backoff_s
+                self.warn_once(f"write-{ev.errno}", f"KV disk tier: writing to {self.config.disk_dir} failed "
+                               f"({ev.error}); serving goes on, writes are retried with backoff (up to "
+                               f"{MAX_BACKOFF_S:.0f} s)")
         else:
             self.warn_once("write", f"KV disk tier: an entry could not be written ({ev.error}); it is dropped")
         if entry is not None:
             self.drop_entry(entry)
+
+    def _deleted(self, ev: TierEvent) -> None:
+        """A rank deleted an entry file (or could not: its bytes stay counted, as a stray file retried later)."""
+        nbytes = self.deleting.pop((ev.entry, ev.shard), 0)
+        if not ev.ok and nbytes:
+            self.stray[f"{ev.entry}\0{ev.shard}"] = nbytes
+            self.disk_used += nbytes
+            self.warn_once("delete", f"KV disk tier: an entry file could not be deleted ({ev.error}); its bytes stay "
+                           "counted and the delete is retried when writing works again")
+
+    def _retry_deletes(self) -> None:
+        for key in [k for k in self.stray if "\0" in k]:
+            name, shard = key.split("\0")
+            nbytes = self.stray.pop(key)
+            self.disk_used -= nbytes
+            self.deleting[(name, int(shard))] = nbytes  # counted again if it fails again
+            self.ops.append(DeleteEntry(int(shard) % self.n, name, int(shard)))
+
+    def save_ancestors(self) -> int:
+        """Before a clean stop: every segment above a disk entry that has no disk copy itself is written (from the
+        device or the host), so that a restart finds each entry's prefix. Returns the segments written."""
+        todo, seen = [], set()
+        for entry in list(self.entries.values()):
+            for nd in list(entry.nodes.values()):
+                p = nd.parent
+                while p is not None and p.parent is not None and p.id not in seen:
+                    seen.add(p.id)
+                    if p.disk is None and (p.on_device or p.host is not None):
+                        todo.append(p)
+                    p = p.parent
+        written = 0
+        for nd in sorted(todo, key=lambda nd: nd.pos0):  # parents before children
+            written += self.save(nd, "device" if nd.on_device else "host")
+        return written
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -363,7 +433,8 @@ class Tiers:
             nbytes, tokens, cap = held[tier]
             out[tier] = dict(dataclasses.asdict(self.stats[tier]), bytes=nbytes, tokens=tokens, capacity_bytes=cap)
         out["disk"]["entries"] = len(self.entries)
-        out["disk"]["writable"] = self.writable
+        out["disk"]["writable"] = self.can_write
+        out["disk"]["stray_bytes"] = sum(self.stray.values())
         return out
 
     def check(self, nodes: dict) -> None:
@@ -387,8 +458,28 @@ class Tiers:
             assert e.nodes, f"entry {e.name} is used by no segment"
             for nid, nd in e.nodes.items():
                 assert nid in nodes and nd.disk is not None and nd.disk.entry is e
-        assert self.disk_used == sum(e.nbytes for e in self.entries.values())
+        assert self.disk_used == sum(e.nbytes for e in self.entries.values()) + sum(self.stray.values())
         assert self.disk_used <= max(self.config.disk_bytes, 0) or not self.disk_on
+
+
+def _stray_age(path: str) -> float:
+    try:
+        return Path(path).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _remove(path: str) -> bool:
+    """Delete a stray file (True when it is gone); an entry file whose delete failed is named "entry\0shard"."""
+    if "\0" in path:
+        return False  # a rank's file: retried when writes work again
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def _pinned(node) -> bool:

@@ -23,7 +23,7 @@ from cpinfer.attention.backends import resolve_name
 from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.batch import ForwardBatch, LoadEntry, RankResult, SeqInput
+from cpinfer.engine.batch import ForwardBatch, FromHost, LoadEntry, RankResult, SeqInput
 from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv_disk import model_layout, open_disk_dir, rebuild_index
 from cpinfer.engine.kv_manager import BLOCK, KVManager
@@ -44,6 +44,7 @@ from cpinfer.perf.models import load_model_spec
 from cpinfer.utils import get_logger
 
 log = get_logger()
+_RESTORE_ROUNDS = 4  # schedule again at once after failed restores, this many times in one step
 
 
 class EngineDeadError(RuntimeError):
@@ -322,6 +323,8 @@ class LLMEngine:
         if tiers is None:
             return
         try:
+            if self.disk is not None and tiers.save_ancestors():  # every entry's prefix on disk too
+                log.info("KV disk tier: wrote the prefixes that entries on disk depend on")
             self.sync_tiers(force=True)
             if self.disk is not None:
                 self._tier_events(self._pool.run(MR.flush_tiers))
@@ -354,18 +357,19 @@ class LLMEngine:
             self.kv.tiers.on_events(events)
         return events
 
-    def _restore_from_disk(self, ops: list, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Apply cache operations that read the disk before the forward, in their own call: a failed read (a corrupt
-        or vanished file) requeues only the requests whose prefix needed it — they recompute it — and its segment
-        and entry are dropped. Returns the scheduled work that can run."""
+    def _restore(self, ops: list, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Apply cache operations that restore K/V (from host or disk) before the forward, in their own call: a
+        failed restore (damaged bytes, a vanished file, an I/O error) requeues only the requests whose prefix needed
+        it, and the bad copy is dropped (a disk entry from the index and the directory). Returns the scheduled
+        work that can run."""
         events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
-        failed = {ev.node for ev in events if ev.kind == "load_failed"}
+        failed = {ev.node: ev.tier for ev in events if ev.kind == "load_failed"}
         if not failed:
             return scheduled
         for ev in events:
             if ev.kind == "load_failed":
-                log.warning("KV disk tier: restoring a cached prefix failed on rank %d (%s); it is recomputed",
-                            ev.rank, ev.error)
+                log.warning("KV %s tier: restoring a cached prefix failed on rank %d (%s); it is recomputed",
+                            ev.tier or "disk", ev.rank, ev.error)
         keep = []
         for s in scheduled:
             p, hit = s.request.kv.leaf, False
@@ -377,6 +381,22 @@ class LLMEngine:
                 keep.append(s)
         self.kv.discard(failed)
         return keep
+
+    def _schedule(self) -> tuple[list[ScheduledSeq], list, bool]:
+        """The next forward's work, its cache operations, and whether a restore failed. Restores run first; when
+        one fails, the requests that needed it are scheduled again at once without it (each failure removes a bad
+        copy; after a few rounds the rest waits for the next step)."""
+        failed = False
+        for _ in range(_RESTORE_ROUNDS):
+            scheduled = self.scheduler.schedule()
+            ops = self.kv.take_ops()  # K/V moving between tiers, decided while scheduling
+            if not any(isinstance(op, (LoadEntry, FromHost)) for op in ops):
+                return scheduled, ops, failed
+            kept = self._on_ranks(self._restore, ops, scheduled)
+            failed |= len(kept) < len(scheduled)
+            if kept or not self.scheduler.waiting:
+                return kept, [], failed
+        return [], [], failed
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt, params: SamplingParams) -> list[int]:
@@ -461,14 +481,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._check_alive()
         outputs = self._apply_aborts()
-        scheduled = self.scheduler.schedule()
-        ops = self.kv.take_ops()  # K/V moving between tiers, decided while scheduling
-        if any(isinstance(op, LoadEntry) for op in ops):
-            scheduled = self._on_ranks(self._restore_from_disk, ops, scheduled)
-            ops = []
+        scheduled, ops, restore_failed = self._schedule()
         if not scheduled:
             self.kv.put_back_ops(ops)  # they go with the next forward
-            if self.scheduler.has_work() and not outputs:
+            if self.scheduler.has_work() and not outputs and not restore_failed:
                 raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
             return outputs
         choice, phase = self._choose(scheduled)
@@ -477,7 +493,12 @@ class LLMEngine:
         self._tier_events(results)
         key = f"{phase}/{choice.strategy}"
         self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
-        return outputs + self._process(scheduled, results, choice, phase)
+        outputs += self._process(scheduled, results, choice, phase)
+        for s in scheduled:  # a hole's tokens recomputed: it is filled, the request matches on below it
+            kv = s.request.kv
+            if kv is not None and kv.fill_until == kv.num_stored:
+                self.scheduler.refill(s.request)
+        return outputs
 
     def _on_ranks(self, fn, *args):
         """fn(*args), which runs something on the ranks: any failure there kills the engine."""

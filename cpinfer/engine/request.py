@@ -31,6 +31,7 @@ class Request:
     prompt_lp: list[float | None] | None = None
     kv: SeqKV | None = None
     num_cached: int = -1  # prompt tokens reused from the prefix cache at first admission (-1: not admitted yet)
+    refilled: int = -1  # it filled a hole of its cached path up to here and waits to match on below (else -1)
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -102,6 +102,13 @@ class Scheduler:
                 self.kv.prefix_queries += len(req.prompt)
                 self.kv.prefix_hits += req.num_cached
                 self.kv.count_tier_hits(req.kv.hits)
+            elif req.refilled >= 0:  # back after filling a hole: what it matched below the hole was cached too
+                hits = dict(req.kv.hits)  # the path down to the filled hole is on the device, counted before
+                hits["device"] = max(0, hits["device"] - req.refilled)
+                req.num_cached += sum(hits.values())
+                self.kv.prefix_hits += sum(hits.values())
+                self.kv.count_tier_hits(hits)
+                req.refilled = -1
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.append(sched)
@@ -114,6 +121,8 @@ class Scheduler:
         start = req.num_stored
         todo = req.num_to_compute
         n = min(todo, budget)
+        if req.kv.fill_until > start:  # a hole in its cached path: compute just it first (then match on below)
+            n = min(n, req.kv.fill_until - start)
         is_decode = not req.is_prefill
         tokens = req.token_slice(start, n)
         ctx = tuple(req.kv.runs_array(r) for r in range(self.kv.n))  # before the new tokens are appended
@@ -180,6 +189,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def refill(self, req: Request) -> None:
+        """req computed a hole of its cached path: the hole is filled with its tokens, and req waits again (first in
+        line) to match on below it — the segments there come back from their tiers instead of being recomputed."""
+        self.running.remove(req)
+        req.refilled = req.kv.num_stored
+        self.kv.fill_hole(req.kv)
+        req.kv = None
+        req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
     def requeue(self, req: Request) -> None:

@@ -109,12 +109,21 @@ class DiskWriter:
     def _delete(self, entry: str, shard: int) -> None:
         with self._cv:
             self._rows.pop((entry, shard), None)
-        try:
-            os.unlink(self.directory / file_name(entry, shard, self.tp_rank))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # a read-only directory: the driver's index no longer names the file
-            log.debug("could not delete KV entry %s: %s", entry, exc)
+        event = delete_file(self.directory, entry, shard, self.tp_rank)
+        with self._cv:
+            self._events.append(event)
+
+
+def delete_file(directory: Path, entry: str, shard: int, tp_rank: int) -> TierEvent:
+    """Delete one entry file; the "deleted" event says whether it is gone (a missing file is gone)."""
+    try:
+        os.unlink(directory / file_name(entry, shard, tp_rank))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the driver counts its bytes again and retries when writing works again
+        return TierEvent("deleted", shard, entry, shard, ok=False, error=f"{type(exc).__name__}: {exc}",
+                         errno=exc.errno or 0)
+    return TierEvent("deleted", shard, entry, shard)
 
 
 class RankTiers:
@@ -147,11 +156,11 @@ class RankTiers:
             if isinstance(op, ToHost):
                 self._to_host(op)
             elif isinstance(op, FromHost):
-                self._timed(timings, "host", self._from_host, op)
+                self._timed(timings, "host", self._restore, op, "host", self._from_host)
             elif isinstance(op, SaveEntry):
                 self._save(op)
             elif isinstance(op, LoadEntry):
-                self._timed(timings, "disk", self._load, op)
+                self._timed(timings, "disk", self._restore, op, "disk", self._load)
             elif isinstance(op, DeleteEntry):
                 self._delete(op)
             elif isinstance(op, ForgetEntry) and self.writer is not None:
@@ -173,9 +182,9 @@ class RankTiers:
             self.writer.close()
 
     # ------------------------------------------------------------------ operations
-    def _timed(self, timings: dict, tier: str, fn, op) -> None:
+    def _timed(self, timings: dict, tier: str, fn, *args) -> None:
         t0 = time.perf_counter()
-        nbytes = fn(op)
+        nbytes = fn(*args)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         acc = timings.setdefault(tier, [0.0, 0.0])
@@ -187,6 +196,16 @@ class RankTiers:
         hs = torch.from_numpy(op.host_slots)
         self.host_k.index_copy_(1, hs, self.store.k.index_select(1, s).cpu())  # [L, M, Hkv, D]
         self.host_v.index_copy_(1, hs, self.store.v.index_select(1, s).cpu())
+
+    def _restore(self, op, tier: str, fn) -> int:
+        """One restore; any failure to read, check or place its rows is reported ("load_failed"), never raised:
+        the driver recomputes what it would have restored."""
+        try:
+            return fn(op)
+        except Exception as exc:  # noqa: BLE001 - damaged bytes, a vanished file, an I/O or host-pool error
+            self._events.append(TierEvent("load_failed", self.cp_rank, node=op.node, tier=tier,
+                                          error=f"{type(exc).__name__}: {exc}"))
+            return 0
 
     def _from_host(self, op: FromHost) -> int:
         s = torch.from_numpy(op.slots).to(self.device)
@@ -223,20 +242,15 @@ class RankTiers:
         self.writer.submit(header, kv, self.cp_rank, ready)
 
     def _load(self, op: LoadEntry) -> int:
-        try:
-            parts = []
-            for entry, shard, rows in op.parts:
-                kv = self.writer.rows(entry, shard, rows) if self.writer is not None else None
-                if kv is None:
-                    kv = read_rows(self.directory / file_name(entry, shard, self.tp_rank), rows)
-                parts.append(kv)
-            kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [K, 2, L, Hkv, D]
-            if tuple(kv.shape[2:]) != (self.store.k.shape[0],) + tuple(self.store.k.shape[2:]):
-                raise CorruptEntry(f"rows of shape {tuple(kv.shape)} do not fit this rank's KV store")
-        except (CorruptEntry, OSError) as exc:
-            self._events.append(TierEvent("load_failed", self.cp_rank, node=op.node,
-                                          error=f"{type(exc).__name__}: {exc}"))
-            return 0
+        parts = []
+        for entry, shard, rows in op.parts:  # every file's checksum is verified before any of its bytes is used
+            kv = self.writer.rows(entry, shard, rows) if self.writer is not None else None
+            if kv is None:
+                kv = read_rows(self.directory / file_name(entry, shard, self.tp_rank), rows)
+            parts.append(kv)
+        kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [K, 2, L, Hkv, D]
+        if tuple(kv.shape[2:]) != (self.store.k.shape[0],) + tuple(self.store.k.shape[2:]):
+            raise CorruptEntry(f"rows of shape {tuple(kv.shape)} do not fit this rank's KV store")
         s = torch.from_numpy(op.slots).to(self.device)
         self.store.k.index_copy_(1, s, kv[:, 0].transpose(0, 1).to(self.device, self.store.k.dtype))
         self.store.v.index_copy_(1, s, kv[:, 1].transpose(0, 1).to(self.device, self.store.v.dtype))
@@ -246,7 +260,4 @@ class RankTiers:
         if self.writer is not None:
             self.writer.delete(op.entry, op.shard)
         elif self.directory is not None:
-            try:
-                os.unlink(self.directory / file_name(op.entry, op.shard, self.tp_rank))
-            except OSError:
-                pass
+            self._events.append(delete_file(self.directory, op.entry, op.shard, self.tp_rank))
