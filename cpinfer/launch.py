@@ -106,10 +106,18 @@ def _set_parent_death_signal() -> None:
         pass
 
 
+def leave_shutdown_to_driver() -> None:
+    """A rank ignores SIGINT and SIGTERM: Ctrl-C, systemd's stop (SIGTERM to the whole control group) and torchrun's
+    agent signal every process, and the driver then finishes in-flight requests and stops the ranks itself (a rank
+    whose driver dies is killed by the parent-death signal, or its world's connections close)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox, device_type="cpu",
                  alarm=None):
     _set_parent_death_signal()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C and shuts us down
+    leave_shutdown_to_driver()
     os.environ["RANK"] = str(rank)
     _bind_to_loopback()
     if threads:
@@ -618,6 +626,7 @@ class JoinedWorld:
 
     def serve_forever(self) -> None:
         """Ranks other than 0: run calls from rank 0 until it shuts down, then exit the process."""
+        leave_shutdown_to_driver()
         while True:
             msg = [None]
             dist.broadcast_object_list(msg, src=0, group=self._control)

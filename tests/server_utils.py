@@ -104,7 +104,7 @@ class ServerProcess:
     """`python -m cpinfer serve ...` on 127.0.0.1:<free port>; its output is kept in a temporary file."""
 
     def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None,
-                 start_timeout: float = 180.0):
+                 start_timeout: float = 180.0, new_session: bool = False):
         self.port = free_port()
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="cpinfer-serve-", suffix=".log", delete=False)
@@ -112,7 +112,8 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                     start_new_session=new_session)  # its own process group (killpg)
         self.url = f"http://127.0.0.1:{self.port}"
         self.wait_ready(start_timeout)
 

@@ -130,7 +130,7 @@ def run(args) -> int:
     config = ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key,
                           max_request_bytes=args.max_request_bytes,
                           allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                          enable_docs=args.enable_docs)
+                          enable_docs=args.enable_docs, stream_stall_timeout_s=args.stream_stall_timeout)
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
@@ -224,6 +224,9 @@ def register(subparsers) -> None:
     parser.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
                         help="when a rank dies or fails, close in-flight responses and exit with code 1 so a "
                              "supervisor restarts the server; --no-exit-on-engine-death keeps answering 503")
+    parser.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="S",
+                        help="a streaming client that takes no data for S seconds (it stopped reading) is "
+                             "disconnected and its request aborted, freeing its KV cache")
     parser.add_argument("--graceful-timeout", type=positive_int, default=30, metavar="S",
                         help="on SIGINT / SIGTERM, seconds in-flight requests get to finish before they are "
                              "aborted")

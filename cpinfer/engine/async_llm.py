@@ -1,5 +1,7 @@
 """`AsyncLLM`: the engine for asyncio callers (the server). The step loop runs in one background thread; each
-request is a stream of cumulative `RequestOutput`s delivered to the event loop as tokens are sampled.
+request is a stream of cumulative `RequestOutput`s delivered to the event loop as tokens are sampled. A stream holds
+at most one output its reader has not taken (a newer cumulative output replaces an untaken one), so a reader that
+falls behind costs one output's memory, not one per token.
 
 Validation happens in the caller (`add_request` raises ValueError before anything is queued); aborting a stream
 (`aclose()`, cancellation, a disconnected client) frees the request's blocks at the engine's next step. A request
@@ -41,11 +43,18 @@ class RequestStream:
 
     def __init__(self, owner: "AsyncLLM", request_id: str):
         self.owner, self.request_id = owner, request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending = None  # the newest output (or error) the reader has not taken yet
+        self._ready = asyncio.Event()
         self._done = False
+        self.coalesced = 0  # outputs replaced by a newer one before the reader took them
 
     def _put(self, item) -> None:  # called on the event loop
-        self._queue.put_nowait(item)
+        if isinstance(self._pending, BaseException) or (self._pending is not None and self._pending.finished):
+            return  # an error or the final output is waiting: nothing replaces it
+        if self._pending is not None:
+            self.coalesced += 1
+        self._pending = item
+        self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -54,10 +63,12 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            await self._ready.wait()
         except asyncio.CancelledError:
             await self.aclose()
             raise
+        item, self._pending = self._pending, None
+        self._ready.clear()
         if isinstance(item, BaseException):
             self._done = True
             self.owner._forget(self.request_id)

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from cpinfer.engine.async_llm import RequestFailedError
@@ -28,6 +28,7 @@ from cpinfer.server.guard import GuardMiddleware
 from cpinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from cpinfer.server.outputs import Progress, chat_logprobs, completion_logprobs, tool_calls, usage
 from cpinfer.server.prompts import PromptEncoder, PromptError
+from cpinfer.server.streaming import GuardedSSE
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -51,6 +52,7 @@ class ServerConfig:
     max_request_bytes: int | None = None  # None: default_max_request_bytes(max_model_len)
     allow_special_tokens_in_content: bool = False
     enable_docs: bool = False
+    stream_stall_timeout_s: float = 60.0  # a streaming client that takes no data this long is disconnected
 
     def __post_init__(self):
         if not self.served_model_name or not self.served_model_name.strip():
@@ -60,6 +62,8 @@ class ServerConfig:
         if self.max_request_bytes is not None and (not isinstance(self.max_request_bytes, int)
                                                    or self.max_request_bytes < 1024):
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s!r}")
 
 
 class OpenAIServer:
@@ -211,6 +215,11 @@ class OpenAIServer:
         self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length") else "stop")
         m = out.metrics or {}
         self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), time.monotonic() - t0)
+
+    def stream_response(self, request_id: str, stream, chunks, usage_chunk, endpoint: str, t0: float) -> GuardedSSE:
+        """The SSE response of a streamed request; a client that stops reading for the stall timeout is cut off."""
+        return GuardedSSE(self.sse(request_id, stream, chunks, usage_chunk, endpoint, t0),
+                          self.config.stream_stall_timeout_s, lambda: self.abort(request_id))
 
     async def sse(self, request_id: str, stream, chunks: Callable[[Any, Progress], list[dict]],
                   usage_chunk: Callable[[Any], dict] | None, endpoint: str, t0: float) -> AsyncIterator[str]:
@@ -389,8 +398,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         def usage_chunk(out) -> dict:
             return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[], usage=usage(out)))
 
-        return StreamingResponse(server.sse(rid, stream, chunks, usage_chunk if req.include_usage else None,
-                                            "completions", t0), media_type="text/event-stream")
+        return server.stream_response(rid, stream, chunks, usage_chunk if req.include_usage else None, "completions", t0)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(P.ChatCompletionRequest))
     async def chat(http_request: Request):
@@ -460,8 +468,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         def usage_chunk(out) -> dict:
             return dump(P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[], usage=usage(out)))
 
-        return StreamingResponse(server.sse(rid, stream, chunks, usage_chunk if req.include_usage else None,
-                                            "chat", t0), media_type="text/event-stream")
+        return server.stream_response(rid, stream, chunks, usage_chunk if req.include_usage else None, "chat", t0)
 
     return app
 

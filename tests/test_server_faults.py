@@ -1,0 +1,127 @@
+"""Operators' bad days against `cpinfer serve` (a tiny random Llama on 127.0.0.1): SIGTERM to the whole process
+group mid-stream (systemd's default stop) lets in-flight requests finish and exits 0 with no process left; a client
+that stops reading a stream is cut off after the stall timeout, its request aborted, and the server's memory stays
+flat meanwhile.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from server_utils import TINY_VOCAB, ServerProcess, descendants, in_thread, is_alive, write_tiny_tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+ARGS = ["--served-model-name", "tiny", "--threads-per-rank", "1", "--max-kv-tokens-per-rank", "16384",
+        "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(llama_checkpoint, tmp_path_factory):
+    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB, max_position_embeddings=16384)
+    dst = tmp_path_factory.mktemp("faults_model")
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    return write_tiny_tokenizer(dst)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _stream(url: str, max_tokens: int) -> dict:
+    """A streamed completion read to its end: chunks, finish reason, whether [DONE] came."""
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    chunks, finish, done = 0, None, False
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                chunks += 1
+                finish = data["choices"][0].get("finish_reason") or finish
+    return {"chunks": chunks, "finish": finish, "done": done}
+
+
+def test_sigterm_to_the_process_group_finishes_requests_and_exits_0(model_dir):
+    srv = ServerProcess(["--model", str(model_dir), "--cp", "2", *ARGS], new_session=True)
+    try:
+        pids = [srv.proc.pid, *descendants(srv.proc.pid)]
+        assert len(pids) >= 2  # the server and its rank process(es)
+        streaming, s_box = in_thread(_stream, srv.url, 400)
+        plain, p_box = in_thread(lambda: httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "abc", "max_tokens": 300, "ignore_eos": True}), )
+        time.sleep(1.0)  # both are running
+        os.killpg(srv.proc.pid, signal.SIGTERM)  # what systemd's KillMode=control-group sends
+        streaming.join(120)
+        plain.join(120)
+        assert srv.proc.wait(timeout=120) == 0, srv.output()[-3000:]
+        assert s_box and not isinstance(s_box[0], BaseException), s_box
+        assert s_box[0] == {"chunks": s_box[0]["chunks"], "finish": "length", "done": True}
+        assert not isinstance(p_box[0], BaseException) and p_box[0].status_code == 200, p_box
+        assert p_box[0].json()["usage"]["completion_tokens"] == 300
+        deadline = time.monotonic() + 10
+        while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(is_alive(p) for p in pids), "a process of the group outlived the server"
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()
+        srv.close()
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_memory_stays_flat(model_dir):
+    srv = ServerProcess(["--model", str(model_dir), "--cp", "1", "--stream-stall-timeout", "3", *ARGS])
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            _stream(srv.url, 8)  # warm up
+            base = _rss_mb(srv.proc.pid)
+            # ~8 MB of events: more than the kernel's socket buffers (up to 4 MB here) hold for a client not reading
+            body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 12000, "stream": True,
+                               "ignore_eos": True, "logprobs": 20, "temperature": 1.0}).encode()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+            sock.connect(("127.0.0.1", srv.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            sock.recv(1024)  # the headers (and a first chunk), then never read again
+            curve, cut = [], None
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 40 and (cut is None or time.monotonic() - t0 < cut + 3):
+                curve.append((round(time.monotonic() - t0, 1), round(_rss_mb(srv.proc.pid) - base, 1)))
+                m = http.get("/metrics").text
+                aborted = sum(float(line.rsplit(" ", 1)[1]) for line in m.splitlines()
+                              if line.startswith("cpinfer_engine_requests_finished_total{") and 'reason="abort"' in line)
+                if cut is None and aborted:
+                    cut = time.monotonic() - t0
+                time.sleep(0.5)
+            print("server RSS growth (s, MB):", curve)
+            assert cut is not None, f"the stalled stream was not aborted ({curve})"
+            assert max(mb for _, mb in curve) < 40, curve
+            try:  # the server closed the connection: reading drains what was buffered, then EOF
+                sock.settimeout(5)
+                while sock.recv(65536):
+                    pass
+            except (ConnectionResetError, socket.timeout) as exc:
+                assert not isinstance(exc, socket.timeout), "the connection was left open"
+            sock.close()
+            assert "took no data for 3 s" in srv.output()
+            assert http.get("/health").status_code == 200
+            assert _stream(srv.url, 8)["finish"] == "length"  # the server goes on
+    finally:
+        srv.close()
