@@ -2,7 +2,8 @@
 
 Column-parallel q/k/v, gate and up projections keep this rank's output rows (and bias entries); row-parallel o
 and down projections keep their input columns, all-reduce their output over the TP group, then add their bias
-once. Norms (incl. Qwen3 / Gemma 3 per-head q/k norms) are replicated. Query heads are split evenly; KV heads are
+once. Norms (incl. Qwen3 / Gemma 3 per-head q/k norms) are replicated; attention sinks (one logit per query
+head, gpt-oss) are split with the query heads. Query heads are split evenly; KV heads are
 split when tp divides them and replicated when tp is a multiple of them (as the paper does for TP16 on 8 KV heads).
 Each rank reads only its slices from the safetensors files.
 """
@@ -85,6 +86,7 @@ def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dt
     if config.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size ({config.intermediate_size})")
     rows, cols = _row_slices(config, tp, tp_rank), _col_slices(config, tp, tp_rank)
+    heads, _ = head_ranges(config, tp, tp_rank)
     model = build_model(config, dtype)
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
@@ -98,8 +100,13 @@ def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dt
                     in_f = cols[name].stop - cols[name].start
                 with torch.device("meta"):
                     setattr(parent, name, nn.Linear(in_f, out_f, bias=lin.bias is not None, dtype=dtype))
+        if layer.self_attn.sinks is not None:  # [H] -> this rank's query heads
+            with torch.device("meta"):
+                layer.self_attn.sinks = nn.Parameter(torch.zeros(len(heads), dtype=dtype))
 
     def slicer(name: str, sl):
+        if name.endswith(".self_attn.sinks"):
+            return sl[heads.start:heads.stop]
         key = name.rsplit(".", 2)[-2] if ".layers." in name else ""
         if key in rows:  # weight rows and bias entries of a column-parallel linear
             return sl[rows[key]]

@@ -7,7 +7,7 @@ the linears from outside. Parameter names are Hugging Face's, for every family.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,17 @@ from torch import Tensor, nn
 from cpinfer.model.config import ModelConfig, RopeConfig
 from cpinfer.model.rope import RotaryEmbedding, apply_rope
 
-# (layer_idx, q [L, H, D], k [L, Hkv, D], v [L, Hkv, D]) -> out [L, H, D]; q and k already carry RoPE.
-# The layer's sliding window and softmax scale are `config.layer_window(layer_idx)` / `config.attention_scale`.
-AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+class AttentionFn(Protocol):
+    """(layer_idx, q [L, H, D], k [L, Hkv, D], v [L, Hkv, D]) -> out [L, H, D]; q and k already carry RoPE.
+
+    The layer's visibility and softmax scale are `config.layer_window(layer_idx)`, `config.layer_chunk(layer_idx)`
+    and `config.attention_scale`. `sinks` [H] (this rank's heads; passed only by layers that have them): a learned
+    logit per head that joins every query's softmax denominator once (exp(sink)), with no value."""
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None = None) -> Tensor:
+        ...
+
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -68,6 +76,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_style)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: one sink logit per query head (TP slices it with the heads)
+        self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads)) if config.attention_sinks else None
 
     @property
     def num_heads(self) -> int:  # from the weights, so a TP-sliced q_proj means fewer local heads
@@ -87,7 +97,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = attn(self.layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)  # [L, H, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.sinks is None:
+            out = attn(self.layer_idx, q, k, v)  # [L, H, D]
+        else:
+            out = attn(self.layer_idx, q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(n, h * d))
 
 
