@@ -2,9 +2,10 @@
 
 Column-parallel q/k/v, gate and up projections keep this rank's output rows (and bias entries); row-parallel o
 and down projections keep their input columns, all-reduce their output over the TP group, then add their bias
-once. Norms (incl. Qwen3 / Gemma 3 per-head q/k norms) are replicated. A sparse MLP block slices each expert's
-intermediate dimension (and its shared expert's) the same way, keeps its router and shared-expert gate whole, and
-all-reduces its output once. Query heads are split evenly; KV heads are
+once. Norms (incl. Qwen3 / Gemma 3 per-head q/k norms) are replicated; attention sinks (one logit per query
+head, gpt-oss) are split with the query heads. A sparse MLP block slices each expert's intermediate dimension (and
+its shared expert's) the same way, keeps its router and shared-expert gate whole, and all-reduces its output once.
+Query heads are split evenly; KV heads are
 split when tp divides them and replicated when tp is a multiple of them (as the paper does for TP16 on 8 KV heads).
 Each rank reads only its slices from the safetensors files.
 """
@@ -172,8 +173,15 @@ def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dt
     model = build_model(config, dtype)
     rows, cols, experts = _plan(model, config, tp, tp_rank)
     _shrink(model, rows, cols, experts, config, tp, dtype)
+    heads, _ = head_ranges(config, tp, tp_rank)
+    for layer in model.model.layers:
+        if layer.self_attn.sinks is not None:  # [H] -> this rank's query heads
+            with torch.device("meta"):
+                layer.self_attn.sinks = nn.Parameter(torch.zeros(len(heads), dtype=dtype))
 
     def slicer(name: str, sl):
+        if name.endswith(".self_attn.sinks"):
+            return sl[heads.start:heads.stop]
         owner, _, leaf = name.rpartition(".")
         if owner in rows:  # weight rows and bias entries of a column-parallel linear
             return sl[rows[owner]]

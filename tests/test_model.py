@@ -225,7 +225,9 @@ def test_family_options_and_windows():
     ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 0}, "sliding_window must be a positive"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "layer_types": ["chunked_attention"] * 2},
-     "unsupported layer type(s) ['chunked_attention']"),
+     "chunked_attention layers but attention_chunk_size is not set"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "layer_types": ["linear_attention"] * 2},
+     "unsupported layer type(s) ['linear_attention']"),
 ])
 def test_config_rejects_unsupported(override, message):
     d = {**random_config_dict(), **override}
@@ -358,3 +360,47 @@ def test_random_checkpoint_is_deterministic(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
     assert 0.015 < a["lm_head.weight"].std() < 0.025
+
+
+def _local_config(**kw):
+    from cpinfer.model import RopeConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, sliding_window=5, attention_chunk_size=8, attention_sinks=True,
+                layer_types=("chunked_attention", "full_attention", "sliding_attention"),
+                rope={"full_attention": RopeConfig(theta=5e5), "sliding_attention": RopeConfig(theta=1e4)})
+    return ModelConfig(**{**base, **kw})
+
+
+def test_chunked_layers_and_sinks_in_the_config():
+    c = _local_config()
+    assert c.chunks == (8, None, None) and c.windows == (None, None, 5) and c.local_attention
+    assert c.layer_rope(0) == c.layer_rope(1) != c.layer_rope(2)  # chunked layers rotate like the global ones
+    assert not _local_config(layer_types=("full_attention",) * 3, sliding_window=None).local_attention
+    sinks = [layer.self_attn.sinks for layer in CausalLM(c).model.layers]
+    assert all(s.shape == (4,) for s in sinks)
+    assert CausalLM(_local_config(attention_sinks=False)).model.layers[0].self_attn.sinks is None
+    with pytest.raises(ValueError, match="chunked_attention layers but attention_chunk_size is not set"):
+        _local_config(attention_chunk_size=None)
+    with pytest.raises(ValueError, match="attention_chunk_size must be a positive"):
+        _local_config(attention_chunk_size=0)
+
+
+def test_reference_attention_takes_chunks_windows_and_sinks():
+    """The model's single-device reference (fp32) against the float64 softmax with the sink column, per layer kind,
+    over two packed sequences."""
+    from cpinfer.attention.local import reference_attention
+
+    c = _local_config()
+    g = torch.Generator().manual_seed(0)
+    seq = torch.tensor([0] * 20 + [1] * 13)
+    pos = torch.cat([torch.arange(20), torch.arange(3, 16)])
+    q, k, v = torch.randn(33, 4, 8, generator=g), torch.randn(33, 2, 8, generator=g), torch.randn(33, 2, 8, generator=g)
+    sinks = torch.randn(4, generator=g)
+    attn = ReferenceAttention(seq, pos, config=c)
+    for layer in range(3):
+        for s in (None, sinks):
+            out = attn(layer, q, k, v) if s is None else attn(layer, q, k, v, sinks=s)
+            ref, _ = reference_attention(q, k, v, seq, pos, seq, pos, scale=c.attention_scale,
+                                         window=c.layer_window(layer), chunk=c.layer_chunk(layer), sinks=s)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

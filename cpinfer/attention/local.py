@@ -2,7 +2,8 @@
 
 Visibility follows the `cp_attention` contract: query i sees key j iff `q_seq[i] >= 0`,
 `kv_seq[j] <= q_seq[i] < kv_seq_end[j]` and `kv_pos[j] <= q_pos[i]` (and, with a sliding `window`,
-`q_pos[i] - kv_pos[j] < window`). `kv_seq_end` defaults to `kv_seq + 1`
+`q_pos[i] - kv_pos[j] < window`; with an attention `chunk` C, `q_pos[i] // C == kv_pos[j] // C`). `kv_seq_end`
+defaults to `kv_seq + 1`
 ("same sequence id"); with prefix-tree segments numbered in DFS preorder a key carries its segment's interval
 [number, end of its subtree) and a query its own leaf segment's number, so a shared prefix is visible to every
 branch below it. Negative key ids are padding and match nothing. A *plan* (`build_items`) turns the metadata into
@@ -10,6 +11,10 @@ a short list of kernel calls — fully visible blocks, top-left causal squares, 
 positions are irregular or along a window's trailing edge — so no dense mask over a long sequence is ever built
 and invisible blocks (incl. keys that fell out of every query's window) are skipped. Items and their execution live
 in `items.py`, the per-item kernels in `kernels.py` (re-exported here); whole-step backends in `backends.py`.
+
+A chunk is a label, not a mask: `chunk_labels` folds each token's chunk index into its sequence label (and each key's
+interval), so tokens of different chunks never match and every planner, route and in-kernel backend below applies
+the chunk rule without knowing it — segments break at chunk boundaries, keys of other chunks are never visited.
 """
 from __future__ import annotations
 
@@ -37,11 +42,35 @@ def seq_end_or_default(kv_seq: np.ndarray, kv_seq_end) -> np.ndarray:
     return np.where(kv_seq < 0, kv_seq + 1, end)
 
 
-def visible(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window: int | None = None) -> np.ndarray:
+def visible(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window: int | None = None,
+            chunk: int | None = None) -> np.ndarray:
     """Dense visibility [Lq, Lkv] bool of the rule (small blocks and tests only); padding keys match nothing."""
     qs, qp, ks = q_seq[:, None], q_pos[:, None], kv_seq[None, :]
     vis = (qs >= 0) & (ks >= 0) & (ks <= qs) & (qs < kv_seq_end[None, :]) & (kv_pos[None, :] <= qp)
+    if chunk is not None:
+        vis &= qp // chunk == kv_pos[None, :] // chunk
     return vis if window is None else vis & (qp - kv_pos[None, :] < window)
+
+
+def chunk_labels(q_meta, kv_meta, chunk: int | None):
+    """Fold the chunk rule into the labels: (q_seq, q_pos) and (kv_seq, kv_pos, kv_seq_end) int64 arrays per rank →
+    the same with labels chunk' * S + seq and intervals [chunk' * S + kv_seq, chunk' * S + kv_seq_end), chunk' the
+    rank of pos // chunk among the chunks present and S above every label and interval end. A query's label then
+    lies in a key's interval iff it did before and both are in one chunk. Padding (negative labels) stays as it is.
+    Labels stay below (#chunks present) x S (int32 kernels). chunk None: the metadata unchanged."""
+    if chunk is None:
+        return q_meta, kv_meta
+    real = [p[s >= 0] // chunk for s, p in q_meta] + [p[s >= 0] // chunk for s, p, _ in kv_meta]
+    present = np.unique(np.concatenate(real)) if real else np.zeros(0, np.int64)
+    tops = [s[s >= 0] + 1 for s, _ in q_meta] + [e[s >= 0] for s, _, e in kv_meta]
+    span = int(max((int(t.max()) for t in tops if len(t)), default=1))
+
+    def base(seq, pos):  # chunk' * S for real entries, 0 for padding
+        return np.where(seq >= 0, np.searchsorted(present, pos // chunk) * span, 0)
+
+    q_out = [(s + base(s, p), p) for s, p in q_meta]
+    kv_out = [(s + base(s, p), p, e + base(s, p)) for s, p, e in kv_meta]
+    return q_out, kv_out
 
 
 def _segments(pos: np.ndarray, *labels: np.ndarray) -> list[tuple[int, int]]:
@@ -180,16 +209,19 @@ def _tile_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, window=None) -> list[AttnI
 
 
 def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None, window: int | None = None,
-                min_stair: int = MIN_STAIR) -> list[AttnItem]:
+                min_stair: int = MIN_STAIR, chunk: int | None = None) -> list[AttnItem]:
     """Plan the kernel calls for queries against keys (metadata as int64 numpy arrays or CPU tensors).
 
     A query segment may pair with several key segments: every one whose [kv_seq, kv_seq_end) holds its label.
     window: a sliding window (keys with q_pos - kv_pos >= window are invisible), or None.
     min_stair: causal runs shorter than this become MASK tiles (cheaper for a per-item kernel such as cpu-flash);
     backends that take CAUSAL squares into a table (triton, flash-attn) plan with 1.
+    chunk: an attention chunk (keys of another chunk of `chunk` positions are invisible), or None; in-kernel
+    backends must then read the vectors of `chunk_labels`, not the raw labels.
     """
     q_seq, q_pos, kv_seq, kv_pos = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
     kv_end = seq_end_or_default(kv_seq, kv_seq_end)
+    [(q_seq, q_pos)], [(kv_seq, kv_pos, kv_end)] = chunk_labels([(q_seq, q_pos)], [(kv_seq, kv_pos, kv_end)], chunk)
     q_segs, kv_segs = _segments(q_pos, q_seq), _segments(kv_pos, kv_seq, kv_end)
     intervals = _intervals(kv_seq, kv_end, kv_segs)
     lo, hi, segs = intervals
@@ -204,11 +236,12 @@ def build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=None, window: int | Non
     return mark_first(items, len(q_seq))
 
 
-def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None, kv_seq_end=None, window=None):
+def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=None, kv_seq_end=None, window=None,
+                    chunk=None):
     """(out [Lq, H, D] fp32, lse [Lq, H] fp32) of q against k/v under the visibility rule; empty rows → 0, -inf.
     backend: a per-item kernel (None, "cpu-flash", "math"); `backends.attend_local` takes every backend name."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window)
+    items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window, chunk=chunk)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     run_items(items, q, k, v, acc_out, acc_lse, scale, kernel_by_name(backend, q.device))
     return acc_out, acc_lse
@@ -218,17 +251,23 @@ def _np(x) -> np.ndarray:
     return x.detach().cpu().numpy().astype(np.int64) if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.int64)
 
 
-def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_seq_end=None, window=None):
-    """Dense float64 reference for tests (small inputs only): (out [Lq, H, D] f64, lse [Lq, H] f64)."""
+def reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, kv_seq_end=None, window=None,
+                        chunk=None, sinks=None):
+    """Dense float64 reference for tests (small inputs only): (out [Lq, H, D] f64, lse [Lq, H] f64).
+    sinks [H]: one more logit per head in every row's softmax, with no value (a row without keys gets zeros)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(g, dim=1)
     vv = v.double().repeat_interleave(g, dim=1)
     kv_seq_np = _np(kv_seq)
     vis = torch.from_numpy(visible(_np(q_seq), _np(q_pos), kv_seq_np, _np(kv_pos),
-                                   seq_end_or_default(kv_seq_np, kv_seq_end), window)).to(q.device)
+                                   seq_end_or_default(kv_seq_np, kv_seq_end), window, chunk)).to(q.device)
     s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
     s = s.masked_fill(~vis[None], -torch.inf)
+    if sinks is not None:  # the sink's column: its logit in the denominator, zero value
+        col = sinks.double().reshape(-1, 1, 1).expand(-1, s.shape[1], 1)
+        s = torch.cat((s, col), dim=-1)
+        vv = torch.cat((vv, vv.new_zeros(1, vv.shape[1], vv.shape[2])))
     lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
     out = torch.einsum("hqk,khd->qhd", p, vv)

@@ -2,7 +2,8 @@
 
 A partial is `(out, lse)` for the same queries over disjoint sets of keys. Merging is done in fp32 with the
 numerically stable sigmoid / log-sigmoid update; an empty partial (lse = -inf) contributes nothing, and rows
-that are empty in every partial come out as zeros with lse = -inf.
+that are empty in every partial come out as zeros with lse = -inf. An attention sink (a learned logit per head,
+gpt-oss) is one more partial with lse = sink and zero output, merged once after all the others (`merge_sink`).
 """
 from __future__ import annotations
 
@@ -71,3 +72,22 @@ def merge_rows_into(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor, 
     has = den > 0
     acc_out.copy_(torch.where(has.unsqueeze(-1), num / torch.where(has, den, 1.0).unsqueeze(-1), 0.0))
     acc_lse.copy_(torch.where(has, safe + torch.log(torch.where(has, den, 1.0)), -torch.inf))
+
+
+def merge_sink(acc_out: Tensor, acc_lse: Tensor, sinks: Tensor) -> None:
+    """In place: merge the sink partial (out 0, lse = sinks[h]) into (acc_out [L, H, D] fp32, acc_lse [L, H] fp32).
+
+    exp(sink) joins each query's softmax denominator exactly once, so call this after every key's partial is in
+    (after the ring, after pass-Q's All2All merge), never per step or per rank. A row with no visible key keeps
+    out = 0 (0 · anything); a head whose sink is -inf is left as it is. sinks: [H] any float dtype."""
+    s = sinks.float().reshape(1, -1).expand_as(acc_lse)  # [L, H]
+    diff = torch.where(torch.isneginf(acc_lse), torch.full_like(acc_lse, -torch.inf), acc_lse - s)
+    acc_out.mul_(torch.sigmoid(diff).unsqueeze(-1))  # weight of the keys: exp(lse) / (exp(lse) + exp(sink))
+    torch.logaddexp(acc_lse, s, out=acc_lse)
+
+
+def finish(acc_out: Tensor, acc_lse: Tensor, sinks: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The merged result in `dtype`, the sink merged first when there is one (acc_* fp32, updated in place)."""
+    if sinks is not None:
+        merge_sink(acc_out, acc_lse, sinks)
+    return acc_out.to(dtype)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for
 from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.merge import finish
 from cpinfer.attention.step import plan_tables
 from cpinfer.cp.ring import direct_steps, ring_steps
 from cpinfer.timing import Stopwatch
@@ -26,8 +27,9 @@ def _pack_kv(plan, k, v) -> torch.Tensor:
     return buf
 
 
-def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D] (the plan's tables prepared and uploaded)."""
+def run(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D] (the plan's tables prepared and uploaded); sinks [H] are
+    merged once, after the last step."""
     backend = backend_for(plan, q.device)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
 
@@ -36,12 +38,12 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
 
     ring_steps(plan.group, _pack_kv(plan, k, v) if plan.world > 1 else None, plan.world, compute, timings)
-    return acc_out.to(q.dtype)
+    return finish(acc_out, acc_lse, sinks, q.dtype)
 
 
-def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
-    """Windowed pass-KV: at step j rank r receives from rank r - j the K/V rows its queries see (`plan.routes`);
-    pairs with no such rows exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+def run_direct(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
+    """Windowed / chunked pass-KV: at step j rank r receives from rank r - j the K/V rows its queries see
+    (`plan.routes`); pairs with no such rows exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
     backend = backend_for(plan, q.device)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
     n, me, rows = plan.world, plan.rank, plan.routes.rows
@@ -63,10 +65,10 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
             backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
 
     direct_steps(plan.group, n, outgoing, incoming, compute, timings, q.device)
-    return acc_out.to(q.dtype)
+    return finish(acc_out, acc_lse, sinks, q.dtype)
 
 
-def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
+def run_all_gather(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
     """Baseline: all-gather every rank's packed K/V first (not overlapped), then attend locally."""
     backend = backend_for(plan, q.device)
     acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
@@ -86,4 +88,4 @@ def run_all_gather(plan, q, k, v, scale, timings=None) -> torch.Tensor:
             backend.attend(plan, j, q, blk[0], blk[1], acc_out, acc_lse, scale)
     if timings is not None:
         timings.append({"step": "all", "compute_s": clock.span(t1, clock.mark()), "wait_s": clock.span(t0, t1)})
-    return acc_out.to(q.dtype)
+    return finish(acc_out, acc_lse, sinks, q.dtype)

@@ -10,13 +10,29 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for
+from cpinfer.attention.merge import merge_sink
 from cpinfer.attention.step import plan_tables
 from cpinfer.cp.ring import direct_steps, ring_steps
 from cpinfer.timing import Stopwatch
 
 
-def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+def _merged(backend, outs, lses, sinks, dtype) -> torch.Tensor:
+    """The source's merge of its queries' partials (outs [S, L, H, D], lses [S, L, H]) → out [L, H, D] in dtype,
+    with the sinks [H] merged once at the end (in fp32) when given."""
+    if outs.shape[0] == 1:  # one partial (CP1, or nothing crossed ranks): already merged
+        if sinks is None:
+            return outs[0].to(dtype)
+        out, lse = outs[0].float(), lses[0].float()  # fp32 views of buffers no one reads afterwards
+    elif sinks is None:
+        return backend.merge(outs, lses, dtype)[0]
+    else:
+        out, lse = backend.merge(outs, lses, torch.float32)
+    merge_sink(out, lse, sinks)
+    return out.to(dtype)
+
+
+def run(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]; sinks [H] merged once, after the All2All's merge."""
     backend = backend_for(plan, q.device)  # the plan's tables are prepared and uploaded
     n, lq, h, d = plan.world, q.shape[0], q.shape[1], q.shape[2]
     rows = plan.max_q if n > 1 else lq
@@ -35,19 +51,19 @@ def run(plan, q, k, v, scale, timings=None) -> torch.Tensor:
 
     ring_steps(plan.group, cur, n, compute, timings)
     if n == 1:
-        return partials[0, :lq, :, :d].to(q.dtype)
+        return _merged(backend, partials[:, :lq, :, :d], partials[:, :lq, :, d], sinks, q.dtype)
     clock = Stopwatch(q.device)  # CUDA events on CUDA: the host does not wait for NCCL
     t0 = clock.mark()
     back = torch.empty_like(partials)
     dist.all_to_all_single(back, partials, group=plan.group)  # back[s] = my queries' partial computed on rank s
-    out, _ = backend.merge(back[:, :lq, :, :d], back[:, :lq, :, d], q.dtype)  # [Lq, H, D]
+    out = _merged(backend, back[:, :lq, :, :d], back[:, :lq, :, d], sinks, q.dtype)  # [Lq, H, D]
     if timings is not None:
         timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
     return out
 
 
-def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
-    """Windowed pass-Q: at step j rank r receives from rank r - j the queries that see some key of r
+def run_direct(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
+    """Windowed / chunked pass-Q: at step j rank r receives from rank r - j the queries that see some key of r
     (`plan.routes`), attends them to its K/V in place, and an All2All with per-pair sizes returns the partials;
     pairs with nothing to move exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
     backend = backend_for(plan, q.device)
@@ -83,8 +99,8 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         parts[(me - j) % n] = part
 
     direct_steps(plan.group, n, outgoing, incoming, compute, timings, q.device)
-    if not any(plan.routes.count(s, r) for s in range(n) for r in range(n)):
-        return own[..., :d].to(q.dtype)  # nothing crossed ranks anywhere: no All2All either
+    if not any(plan.routes.count(s, r) for s in range(n) for r in range(n)):  # nothing crossed ranks: no All2All
+        return _merged(backend, own[None, :, :, :d], own[None, :, :, d], sinks, q.dtype)
     clock = Stopwatch(q.device)
     t0 = clock.mark()
     send_sizes = [len(rows[s][me]) if s != me else 0 for s in range(n)]  # partials back to each source
@@ -100,7 +116,7 @@ def run_direct(plan, q, k, v, scale, timings=None) -> torch.Tensor:
         if recv_sizes[r]:
             stacked[r, index(r)] = back[at:at + recv_sizes[r]]
             at += recv_sizes[r]
-    out, _ = backend.merge(stacked[..., :d], stacked[..., d], q.dtype)  # [Lq, H, D]
+    out = _merged(backend, stacked[..., :d], stacked[..., d], sinks, q.dtype)  # [Lq, H, D]
     if timings is not None:
         timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
     return out

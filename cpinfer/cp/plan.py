@@ -1,8 +1,10 @@
 """The once-per-forward plan of `cp_attention`: validated metadata of every rank and the kernel calls per ring step.
 
-Without a window the steps go around the ring (paper Alg. 2-4). With a sliding window a plan routes each step
-directly from rank r - j to rank r (`Routes`): only rows some query can see travel, pairs with nothing to move
-post no message, and a step that is empty for every rank is skipped by all of them.
+Without a window or chunk the steps go around the ring (paper Alg. 2-4). With a sliding window or an attention
+chunk a plan routes each step directly from rank r - j to rank r (`Routes`): only rows some query can see travel,
+pairs with nothing to move post no message, and a step that is empty for every rank is skipped by all of them. A
+chunk enters as labels (`chunk_labels`): tokens of different chunks never match, so tiles, rows and steps across a
+chunk boundary are skipped like keys out of a window. Sinks are merged once, after every partial (`merge_sink`).
 
 Building a plan costs one small exchange of shapes and metadata (or none, when the caller already knows every
 rank's metadata, as the engine does); running it per layer only moves and multiplies tensors. Bad input is
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for, min_stair, resolve_name
-from cpinfer.attention.local import AttnItem, build_items, mark_first, seq_end_or_default
+from cpinfer.attention.local import AttnItem, build_items, chunk_labels, mark_first, seq_end_or_default
 from cpinfer.attention.step import HeadLayout, plan_tables
 from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.ring import group_rank_and_size
@@ -58,9 +60,10 @@ class CPAttentionPlan:
     max_send: int  # longest packed K/V over ranks (pass-KV / all-gather message rows)
     backend: str = "auto"  # attention backend name (cpinfer.attention.backends), resolved on the tensors' device
     window: int | None = None  # sliding window: keys with q_pos - kv_pos >= window are invisible
-    routes: Routes | None = None  # direct schedule (with a window): per pair of ranks the rows that travel
+    routes: Routes | None = None  # direct schedule (window or chunk): per pair of ranks the rows that travel
     tables: ForwardTables | None = None  # device tables (None: the plan's own, made by `prepare`)
     table_prefix: tuple = ()  # this plan's keys in shared tables (the engine's forward holds several plans)
+    chunk: int | None = None  # attention chunk (already folded into the metas' labels)
 
     @property
     def me(self) -> RankMeta:
@@ -112,17 +115,18 @@ class CPAttentionPlan:
         return tables
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None,
-            scale: float | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides."""
+            scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides;
+        sinks [H]: each head's sink logit, merged once into every query's softmax after the ring."""
         from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
 
         self.prepare(HeadLayout.of(q, k), q.device).upload()  # nothing pending when the caller prepared it
         scale = scale if scale is not None else q.shape[-1] ** -0.5 if self.scale is None else self.scale
         if self.strategy == "pass-q":
-            return (pass_q.run_direct if self.direct else pass_q.run)(self, q, k, v, scale, timings)
+            return (pass_q.run_direct if self.direct else pass_q.run)(self, q, k, v, scale, timings, sinks)
         if self.strategy == "all-gather":
-            return pass_kv.run_all_gather(self, q, k, v, scale, timings)
-        return (pass_kv.run_direct if self.direct else pass_kv.run)(self, q, k, v, scale, timings)
+            return pass_kv.run_all_gather(self, q, k, v, scale, timings, sinks)
+        return (pass_kv.run_direct if self.direct else pass_kv.run)(self, q, k, v, scale, timings, sinks)
 
 
 def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray) -> np.ndarray:
@@ -134,30 +138,32 @@ def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray)
 
 
 def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strategy: str,
-                       scale: float | None = None, backend: str = "auto", window: int | None = None) -> CPAttentionPlan:
+                       scale: float | None = None, backend: str = "auto", window: int | None = None,
+                       chunk: int | None = None) -> CPAttentionPlan:
     """Build a plan from every rank's metadata, known on all ranks: no communication.
 
     q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) or (kv_seq, kv_pos, kv_seq_end) as int64 arrays,
-    for r in range(world); a missing kv_seq_end means kv_seq + 1 (same sequence id). With a sliding `window`
-    pass-KV and pass-Q use the direct schedule (`Routes`): only rows some query can see travel, and a step
-    with nothing to move for any rank sends no message.
+    for r in range(world); a missing kv_seq_end means kv_seq + 1 (same sequence id). With a sliding `window` or an
+    attention `chunk` pass-KV and pass-Q use the direct schedule (`Routes`): only rows some query can see travel,
+    and a step with nothing to move for any rank sends no message.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
-    problem = window_problem(window)
+    problem = window_problem(window) or window_problem(chunk, "chunk")
     if problem:
         raise ValueError(problem)
     q_meta = [(np.asarray(s, dtype=np.int64), np.asarray(p, dtype=np.int64)) for s, p in q_meta]
     kv_meta = [_kv_triple(m) for m in kv_meta]
+    q_meta, kv_meta = chunk_labels(q_meta, kv_meta, chunk)  # the chunk rule as labels, the same on every rank
     labels = np.unique(np.concatenate([s for s, _ in q_meta])) if q_meta else np.zeros(0, np.int64)
     labels = labels[labels >= 0]
     metas = [RankMeta(qs, qp, ks, kp, _relevant_rows(labels, ks, ke), ke)
              for (qs, qp), (ks, kp, ke) in zip(q_meta, kv_meta)]
     routes = None
-    if window is not None and strategy != "all-gather":
+    if (window is not None or chunk is not None) and strategy != "all-gather":
         routes = pair_routes(metas, "q" if strategy == "pass-q" else "kv", window)
     plan = CPAttentionPlan(group, rank, world, strategy, scale, metas, [], max(len(m.q_seq) for m in metas),
-                           max(len(m.send) for m in metas), backend, window, routes)
+                           max(len(m.send) for m in metas), backend, window, routes, chunk=chunk)
     covered = np.zeros(len(plan.me.q_seq), dtype=bool)
     stair = min_stair(backend)
     for j in range(world):
@@ -170,13 +176,28 @@ def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strateg
     return plan
 
 
-def window_problem(window) -> str:
-    """What is wrong with a `window` argument, or '' (None or a positive int is fine)."""
+_RULES = {"window": "keys with q_pos - kv_pos >= window are invisible",
+          "chunk": "keys with kv_pos // chunk != q_pos // chunk are invisible"}
+
+
+def window_problem(window, what: str = "window") -> str:
+    """What is wrong with a `window` (or `chunk`) argument, or '' (None or a positive int is fine)."""
     if window is None:
         return ""
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window <= 0:
-        return f"window must be a positive integer (keys with q_pos - kv_pos >= window are invisible) or None, " \
-               f"got {window!r}"
+        return f"{what} must be a positive integer ({_RULES[what]}) or None, got {window!r}"
+    return ""
+
+
+def sinks_problem(sinks, heads: int) -> str:
+    """What is wrong with a `sinks` argument for `heads` query heads, or ''."""
+    if sinks is None:
+        return ""
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not sinks.is_floating_point():
+        return f"sinks must be a 1-D floating tensor [query heads], got {getattr(sinks, 'dtype', type(sinks))} " \
+               f"{tuple(getattr(sinks, 'shape', ()))}"
+    if sinks.shape[0] != heads:
+        return f"sinks has {sinks.shape[0]} entries but q has {heads} heads; one sink logit per query head"
     return ""
 
 
@@ -190,12 +211,12 @@ def _kv_triple(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- validation and metadata exchange
 
 def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end=None,
-                   backend="auto", window=None) -> str:
+                   backend="auto", window=None, chunk=None, sinks=None) -> str:
     """A description of what is wrong with this rank's inputs, or '' if nothing is."""
     if strategy not in STRATEGIES:
         return f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}"
-    if window_problem(window):
-        return window_problem(window)
+    if window_problem(window) or window_problem(chunk, "chunk"):
+        return window_problem(window) or window_problem(chunk, "chunk")
     if isinstance(q, torch.Tensor):
         try:
             resolve_name(backend, q.device)
@@ -230,7 +251,7 @@ def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_se
         return "kv_seq_end must be > kv_seq for every key with kv_seq >= 0 (an interval [kv_seq, kv_seq_end))"
     if scale is not None and not scale > 0:
         return f"scale must be positive, got {scale}"
-    return ""
+    return sinks_problem(sinks, q.shape[1])
 
 
 def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
@@ -246,7 +267,8 @@ def _all_gather_ints(values: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy, scale=None,
-                      kv_seq_end=None, backend="auto", control_group=None, window=None) -> CPAttentionPlan:
+                      kv_seq_end=None, backend="auto", control_group=None, window=None, chunk=None,
+                      sinks=None) -> CPAttentionPlan:
     """Validate on every rank, agree on errors, all-gather metadata, then build the plan.
 
     control_group: a gloo group over the same ranks for the metadata (default: `group` itself)."""
@@ -255,21 +277,22 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     if group_rank_and_size(group) != (rank, world):
         raise ValueError(f"control_group must hold the same ranks in the same order as group: this rank is "
                          f"{group_rank_and_size(group)} there and {(rank, world)} in group")
-    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend, window)
+    problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend, window,
+                             chunk, sinks)
     ok = not problem
     header = torch.tensor([0 if ok else 1,
                            q.shape[0] if ok else 0, k.shape[0] if ok else 0,
                            q.shape[1] if ok else 0, k.shape[1] if ok else 0, q.shape[2] if ok else 0,
                            _DTYPES.index(q.dtype) if ok else -1, STRATEGIES.index(strategy) if ok else -1,
-                           (window or 0) if ok else -1], dtype=torch.int64)
-    headers = torch.stack(_all_gather_ints(header, group))  # [world, 9]
+                           (window or 0) if ok else -1, (chunk or 0) if ok else -1], dtype=torch.int64)
+    headers = torch.stack(_all_gather_ints(header, group))  # [world, 10]
     if headers[:, 0].any():
         problems = [None] * world
         dist.all_gather_object(problems, problem, group=group)
         bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
         raise ValueError(f"cp_attention: bad input on {bad}")
     for col, what in ((3, "query heads"), (4, "key/value heads"), (5, "head_dim"), (6, "dtype"), (7, "strategy"),
-                      (8, "window")):
+                      (8, "window"), (9, "chunk")):
         if (headers[:, col] != headers[0, col]).any():
             raise ValueError(f"cp_attention: ranks disagree on {what}: {headers[:, col].tolist()}")
     max_q, max_kv = int(headers[:, 1].max()), int(headers[:, 2].max())
@@ -281,4 +304,4 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
     kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy(), g[4, :h[2]].numpy()) for g, h in zip(gathered, headers)]
     return plan_from_metadata(q_meta, kv_meta, group=tensors_group, rank=rank, world=world, strategy=strategy,
-                              scale=scale, backend=backend, window=window)
+                              scale=scale, backend=backend, window=window, chunk=chunk)

@@ -1,6 +1,6 @@
-"""The direct schedule of a windowed `cp_attention` plan: for every ordered pair of ranks, the rows one must send
-the other — K/V rows some query of the receiver sees (pass-KV), or queries that see some key of the receiver
-(pass-Q) — under the sliding-window rule. Every rank derives the same routes from the same metadata, so a pair
+"""The direct schedule of a windowed or chunked `cp_attention` plan: for every ordered pair of ranks, the rows one
+must send the other — K/V rows some query of the receiver sees (pass-KV), or queries that see some key of the
+receiver (pass-Q) — under the sliding-window rule (chunks are already folded into the labels: `chunk_labels`). Every rank derives the same routes from the same metadata, so a pair
 with nothing to move posts no message and a step that is empty for every rank is skipped by all of them.
 """
 from __future__ import annotations
@@ -12,6 +12,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from cpinfer.cp.plan import RankMeta
+
+_NO_WINDOW = 2 ** 62  # above any position difference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +34,10 @@ class Routes:
         return [j for j in range(1, n) if not any(self.count(s, (s + j) % n) for s in range(n))]
 
 
-def pair_routes(metas: list[RankMeta], kind: str, window: int) -> Routes:
+def pair_routes(metas: list[RankMeta], kind: str, window: int | None) -> Routes:
     """For every ordered pair (s, r): K/V rows of s some query of r sees (kind "kv"), or query rows of s that see
-    some key of r (kind "q"). The pair (r, r) is unused (local rows are read in place)."""
+    some key of r (kind "q"). The pair (r, r) is unused (local rows are read in place). window None: no window."""
+    window = _NO_WINDOW if window is None else window
     n = len(metas)
     rows: list[list[np.ndarray]] = [[np.zeros(0, np.int64)] * n for _ in range(n)]
     for s in range(n):

@@ -8,11 +8,13 @@ live, and a forward without such a sequence issues no collective at all. Per lay
 each rank's visible store rows and new rows into one ring message (paper Alg. 2), pass-Q rotates queries and reads
 the store in place, then returns partial outputs with one All2All (Alg. 3, 4).
 
-Sliding-window layers get their own plans, once per forward per distinct window (one over the ring's sequences, one
-over this rank's local ones): each rank gathers, per sequence, only the cached keys that can still be in some
-query's window (positions > start - window; `SlotPositions` mirrors every rank's slot positions from the batches)
-plus the new ones, and runs windowed `cp_attention` on them — tiles, ring steps and messages no query can see are
-skipped.
+Sliding-window and chunked layers get their own plans, once per forward per distinct (window, chunk) (one over the
+ring's sequences, one over this rank's local ones): each rank gathers, per sequence, only the cached keys some query
+can still see — positions > start - window, and >= the start of the chunk of the first new token, (start // C) * C
+(`SlotPositions` mirrors every rank's slot positions from the batches) — plus the new ones, and runs windowed /
+chunked `cp_attention` on them: tiles, ring steps and messages no query can see are skipped.
+
+Attention sinks (one logit per head) are merged once per query, after the ring's partials and the local ones.
 
 `prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
 tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
 from cpinfer.attention.items import FULL, MASK, AttnItem, mark_first, new_accumulator
 from cpinfer.attention.local import build_items
-from cpinfer.attention.merge import merge_partials
+from cpinfer.attention.merge import finish, merge_partials
 from cpinfer.attention.step import HeadLayout
 from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
@@ -93,6 +95,12 @@ def _shift(items: list[AttnItem], dq: int, dk: int) -> list[AttnItem]:
     return [dataclasses.replace(it, q0=it.q0 + dq, q1=it.q1 + dq, k0=it.k0 + dk, k1=it.k1 + dk) for it in items]
 
 
+def first_visible(start: int, window: int | None, chunk: int | None) -> int:
+    """The first position a query at position >= `start` can see under a window and / or a chunk."""
+    first = 0 if window is None else start - window + 1
+    return first if chunk is None else max(first, start // chunk * chunk)
+
+
 def ring_members(batch: ForwardBatch) -> tuple[list[int], list[int]]:
     """(sequences in the ring, sequences attended where they live): a sequence takes part in the ring when its keys
     (cached and new) sit on more than one rank — the KV manager's `spread` — else no other rank needs its tokens."""
@@ -124,7 +132,7 @@ class BatchAttention:
         self.backend = get_step_backend(name, device)
         self.stair = min_stair(name)
         self.batch, self.slot_positions = batch, slot_positions
-        self._windowed: dict[int, list] = {}  # window -> [(plan, my rows)]: the ring's, then my local ones'
+        self._windowed: dict[tuple, list] = {}  # (window, chunk) -> [(plan, my rows)]: the ring's, then my local ones'
         self.tables = ForwardTables(device)  # every device index of the forward, uploaded once (`prepare`)
         self.prepared = False
         self.store_rows: int | None = None  # set by `prepare` for backends that read a step in one call
@@ -244,22 +252,24 @@ class BatchAttention:
         self.local_steps = (mark_first(store_items, len(covered), covered),
                             mark_first(new_items, len(covered), covered))
 
-    def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None) -> ForwardTables:
-        """Plan every kind of layer the model has (`windows`: each layer's window, None = full attention) and put
-        every device index the forward reads into `self.tables`: the model's inputs ("input_ids", "positions",
-        "slots"), the kernel tables of every ring step and of my local sequences, the rows each message packs and
-        the windowed gathers. The caller uploads them once, before layer 0; inside the layers nothing else crosses
-        to the device. `store_rows`: the store's size; with it a backend that addresses keys through an index
-        (flash-attn) reads a step's store rows and new rows (already written to the store) in one call."""
+    def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None, chunks=None) -> ForwardTables:
+        """Plan every kind of layer the model has (`windows`, `chunks`: each layer's window and attention chunk,
+        None = none; both None = full attention) and put every device index the forward reads into `self.tables`:
+        the model's inputs ("input_ids", "positions", "slots"), the kernel tables of every ring step and of my
+        local sequences, the rows each message packs and the windowed / chunked gathers. The caller uploads them
+        once, before layer 0; inside the layers nothing else crosses to the device. `store_rows`: the store's
+        size; with it a backend that addresses keys through an index (flash-attn) reads a step's store rows and
+        new rows (already written to the store) in one call."""
         t = self.tables
         self.store_rows = store_rows if self.backend.maps_keys(layout) else None
         for name in ("input_ids", "positions", "slots"):
             t.put((name,), getattr(self, name).astype(np.int64, copy=False))  # [Lq] each
-        if any(w is None for w in windows):
+        kinds = set(zip(windows, chunks if chunks is not None else [None] * len(windows)))
+        if (None, None) in kinds:
             self._plan_full()
             self._prepare_full(layout)
-        for w in sorted({int(w) for w in windows if w is not None}):
-            self._window_plans(w, layout)
+        for kind in sorted(kinds - {(None, None)}, key=lambda wc: (wc[0] or 0, wc[1] or 0)):
+            self._window_plans(kind, layout)
         self.prepared = True
         return t
 
@@ -306,27 +316,29 @@ class BatchAttention:
         self.backend.attend_items(new_items, None, q, k_new, v_new, acc_out, acc_lse, scale, self.tables,
                                   ("full", "new", j))
 
-    def _window_plans(self, window: int, layout: HeadLayout) -> list[tuple[CPAttentionPlan, slice]]:
-        """The windowed plans (once per forward and window): the ring's sequences over every rank, my local ones on
-        this rank alone; per rank, each sequence's keys that can be in some query's window — cached slots with
-        positions >= start - window + 1, then the new tokens' slots. Each with my rows; my gathered slots go to
-        the tables under the plan's prefix + ("gather",)."""
-        if window in self._windowed:
-            return self._windowed[window]
+    def _window_plans(self, kind: tuple, layout: HeadLayout) -> list[tuple[CPAttentionPlan, slice]]:
+        """The windowed / chunked plans (once per forward and kind = (window, chunk)): the ring's sequences over
+        every rank, my local ones on this rank alone; per rank, each sequence's keys some query can see — cached
+        slots with positions >= `first_visible(start, window, chunk)`, then the new tokens' slots. Each with my
+        rows; my gathered slots go to the tables under the plan's prefix + ("gather",)."""
+        if kind in self._windowed:
+            return self._windowed[kind]
         if self.slot_positions is None:
-            raise RuntimeError("a sliding-window layer needs the runner's SlotPositions (a bug: none was passed)")
+            raise RuntimeError("a sliding-window or chunked layer needs the runner's SlotPositions (a bug: none was "
+                               "passed)")
         plans, lr = [], int(self.nq_ring[self.rank])
         if self.ring:
-            plan = self._window_plan(window, "ring", self.ring, list(range(self.world)), self.group, layout)
+            plan = self._window_plan(kind, "ring", self.ring, list(range(self.world)), self.group, layout)
             plans.append((plan, slice(0, lr)))
         if self.local:
-            plan = self._window_plan(window, "local", self.local, [self.rank], None, layout)
+            plan = self._window_plan(kind, "local", self.local, [self.rank], None, layout)
             plans.append((plan, slice(lr, int(self.nq[self.rank]))))
-        self._windowed[window] = plans
+        self._windowed[kind] = plans
         return plans
 
-    def _window_plan(self, window: int, part: str, members: list[int], ranks: list[int], group,
+    def _window_plan(self, kind: tuple, part: str, members: list[int], ranks: list[int], group,
                      layout: HeadLayout) -> CPAttentionPlan:
+        window, chunk = kind
         seqs, cat = self.batch.seqs, (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
         q_meta, kv_meta, mine = [], [], None
         for r in ranks:
@@ -335,7 +347,7 @@ class BatchAttention:
             slots, seq_ids, pos = [], [], []
             for b in members:
                 s = seqs[b]
-                old = self.slot_positions.recent(r, s.ctx_runs[r], s.start - window + 1)
+                old = self.slot_positions.recent(r, s.ctx_runs[r], first_visible(s.start, window, chunk))
                 new = s.slots[self.idx[r][b]]
                 slots += [old, new]
                 pos += [self.slot_positions.pos[r, old], self.pos[r][b]]
@@ -346,23 +358,24 @@ class BatchAttention:
         world, rank = len(ranks), ranks.index(self.rank)
         strategy = self.strategy if world > 1 else "pass-kv"
         plan = plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy,
-                                  backend=self.backend_name, window=window)
-        plan.table_prefix = ("win", window, part)
+                                  backend=self.backend_name, window=window, chunk=chunk)
+        plan.table_prefix = ("win", window, chunk, part)
         plan.prepare(layout, self.device, self.tables)
-        self.tables.put(("win", window, part, "gather"), mine)  # [keys] my store slots the plan's K/V rows come from
+        self.tables.put(plan.table_prefix + ("gather",), mine)  # [keys] my store slots the plan's K/V rows come from
         return plan
 
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
-            window: int | None = None) -> torch.Tensor:
+            window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
-        `window`: the layer's sliding window (None: full causal attention). Rows [0, nq_ring) belong to the ring's
-        sequences, the rest to my local ones."""
+        `window` / `chunk`: the layer's sliding window / attention chunk (both None: full causal attention);
+        `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
+        to the ring's sequences, the rest to my local ones."""
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
-            self.prepare(HeadLayout.of(q, k_new), [window])
+            self.prepare(HeadLayout.of(q, k_new), [window], chunks=[chunk])
             self.tables.upload()
-        if window is not None:
-            return self._run_windowed(q, store_k, store_v, scale, timings, window)
+        if window is not None or chunk is not None:
+            return self._run_windowed(q, store_k, store_v, scale, timings, (window, chunk), sinks)
         if self.steps is None:
             self._plan_full()
             self._prepare_full(HeadLayout.of(q, k_new))
@@ -370,23 +383,23 @@ class BatchAttention:
         if self.local:
             self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
         if not self.ring:
-            return acc_out.to(q.dtype)
+            return finish(acc_out, acc_lse, sinks, q.dtype)
         lr = int(self.nq_ring[self.rank])
-        q, k_new, v_new = q[:lr], k_new[:lr], v_new[:lr]
+        dtype, q, k_new, v_new = q.dtype, q[:lr], k_new[:lr], v_new[:lr]
         if self.strategy == "pass-kv":
             self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse)
         else:
-            acc_out[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
-        return acc_out.to(q.dtype)
+            acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
+        return finish(acc_out, acc_lse, sinks, dtype)
 
-    def _run_windowed(self, q, store_k, store_v, scale, timings, window: int) -> torch.Tensor:
-        if window not in self._windowed:
-            self._window_plans(window, HeadLayout.of(q, store_k))
+    def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
+        if kind not in self._windowed:
+            self._window_plans(kind, HeadLayout.of(q, store_k))
         out = torch.empty_like(q)
-        for plan, rows in self._windowed[window]:
+        for plan, rows in self._windowed[kind]:
             gather = self.tables[plan.table_prefix + ("gather",)]
             out[rows] = plan.run(q[rows], store_k.index_select(0, gather), store_v.index_select(0, gather),
-                                 timings, scale)
+                                 timings, scale, sinks)
         return out
 
     def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse) -> None:
@@ -422,7 +435,7 @@ class BatchAttention:
         t0 = clock.mark()
         back = torch.empty_like(partials)
         dist.all_to_all_single(back, partials, group=self.group)  # back[s] = my queries' partial from rank s
-        out, _ = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
+        out, lse = merge_partials([back[s, :lq, :, :d] for s in range(n)], [back[s, :lq, :, d] for s in range(n)])
         if timings is not None:
             timings.append({"step": "all2all+merge", "compute_s": 0.0, "wait_s": clock.span(t0, clock.mark())})
-        return out.to(q.dtype)
+        return out, lse  # fp32 [Lq, H, D], [Lq, H]

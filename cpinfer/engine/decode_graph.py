@@ -3,7 +3,7 @@
 A decode forward's shapes depend only on how many of the ring's tokens the busiest rank holds, so every rank pads
 them to the same bucket (1, 2, 4, 8, then multiples of 8), and its own local sequences' tokens (all their keys on
 this rank, no communication) to a bucket of its own. Static device buffers hold the token ids, positions and KV slots
-(padding rows write a spare slot) and, per ring step and per distinct sliding window, a fixed-size item-mode tile
+(padding rows write a spare slot) and, per ring step and per distinct (window, chunk), a fixed-size item-mode tile
 table of the Triton step kernel: its loop bounds are read on the device, so the grid never changes (split-KV with
 a fixed number of pieces per row). The host fills a pinned mirror of them and copies it with one non-blocking
 transfer per step. On CUDA the forward — the layers, pass-Q decode's ring, All2All and merge (Alg. 4), the logits
@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from cpinfer import timing
 from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.merge import finish, merge_sink
 from cpinfer.attention.tiles import TABLE_FIELDS
 from cpinfer.cp.ring import ring_steps
-from cpinfer.engine.attention import _merge_runs
+from cpinfer.engine.attention import _merge_runs, first_visible
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.engine.decode_tables import StaticBuffers, bucket_sizes, split_rows
 
@@ -41,7 +42,7 @@ class DecodeStep:
     local_rows: int  # this rank's local bucket
     mine: list[int]  # sequences whose token this rank holds, in row order (ring ones, then local ones)
     n_ring: int  # how many of `mine` are the ring's
-    tables: dict  # ("ring", step j, window) / ("local", 0, window) -> split rows against my store
+    tables: dict  # ("ring", step j, (window, chunk)) / ("local", 0, (window, chunk)) -> split rows against my store
     ranges: int  # a bound on any rank's table ranges (the same on every rank: they resize buckets together)
 
     @property
@@ -66,8 +67,8 @@ class StaticDecode:
         self.device = runner.ctx.device
         self.rank, self.world = runner.groups.cp_rank, runner.groups.config.cp
         self.group = runner.groups.cp_group
-        self.windows = sorted({w for w in runner.windows if w is not None}) + (
-            [None] if any(w is None for w in runner.windows) else [])
+        # the distinct (window, chunk) of the layers: a decode query sees its keys from first_visible on
+        self.kinds = sorted(set(zip(runner.windows, runner.chunks)), key=lambda wc: (wc[0] or 0, wc[1] or 0))
         interp = triton_attention.interpreting()
         layout = runner.layout
         self.block_m = triton_attention.block_m_for(layout.heads // layout.kv_heads, 16)  # one row per program
@@ -112,10 +113,10 @@ class StaticDecode:
         parts += [("local", 0, local, local_rows)] if local_rows else []
         tables = {}
         for part, j, rows_of, rows in parts:
-            for w in self.windows:
-                runs = [visible[b] if w is None else
-                        self.runner.slot_positions.recent_runs(me, visible[b], seqs[b].start - w + 1) for b in rows_of]
-                tables[(part, j, w)] = split_rows(runs, rows, self._pieces(rows))
+            for kind in self.kinds:
+                runs = [visible[b] if kind == (None, None) else self.runner.slot_positions.recent_runs(
+                    me, visible[b], first_visible(seqs[b].start, *kind)) for b in rows_of]
+                tables[(part, j, kind)] = split_rows(runs, rows, self._pieces(rows))
         # every rank can bound every rank's tables from the batch: a run per cached run and the new token, and
         # each run cut at most pieces - 1 more times
         pieces = max(self._pieces(ring_rows), self._pieces(local_rows))
@@ -206,30 +207,31 @@ class StaticDecode:
         """The bucket's decode forward from its static buffers → logits [rows, vocab] fp32."""
         buf, store, r = bucket["buffers"], self.runner.store, self.runner
 
-        def attn(layer: int, q, k, v):  # q [rows, H, D], k/v [rows, Hkv, D]
+        def attn(layer: int, q, k, v, sinks=None):  # q [rows, H, D], k/v [rows, Hkv, D]; sinks [H]
             store.k[layer].index_copy_(0, buf[("slots",)], k)
             store.v[layer].index_copy_(0, buf[("slots",)], v)
-            return self._attention(bucket, q, store.k[layer], store.v[layer], r.windows[layer])
+            kind = (r.windows[layer], r.chunks[layer])
+            return self._attention(bucket, q, store.k[layer], store.v[layer], kind, sinks)
 
         with torch.inference_mode():
             hidden = r.model(buf[("ids",)], buf[("pos",)], attn)  # [rows, hidden]
             return r.model.compute_logits(hidden)  # [rows, vocab] fp32
 
-    def _attention(self, bucket: dict, q, k, v, window) -> torch.Tensor:
+    def _attention(self, bucket: dict, q, k, v, kind, sinks) -> torch.Tensor:
         """q [ring rows + local rows, H, D] → out, same shape: the ring's rows by pass-Q decode over every rank,
-        my local rows against my store alone."""
+        my local rows against my store alone; the sinks [H] (or None) merged once per row at the end."""
         nr = bucket["ring_rows"]
         outs = []
         if nr:
-            outs.append(self._ring(bucket, q[:nr], k, v, window))
+            outs.append(self._ring(bucket, q[:nr], k, v, kind, sinks))
         if bucket["local_rows"]:
             ql = q[nr:]
             acc_out, acc_lse = new_accumulator(ql.shape[0], ql.shape[1], ql.shape[2], q.device)
-            self._launch(bucket, ("local", 0, window), ql, k, v, acc_out, acc_lse)
-            outs.append(acc_out.to(q.dtype))
+            self._launch(bucket, ("local", 0, kind), ql, k, v, acc_out, acc_lse)
+            outs.append(finish(acc_out, acc_lse, sinks, q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _ring(self, bucket: dict, q, k, v, window) -> torch.Tensor:
+    def _ring(self, bucket: dict, q, k, v, kind, sinks) -> torch.Tensor:
         """Pass-Q decode (Alg. 4) at fixed shapes: q [ring rows, H, D] around the ring, partials back by All2All."""
         n, (rows, h, d) = self.world, q.shape
         partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
@@ -237,13 +239,16 @@ class StaticDecode:
 
         def compute(j, block):  # the queries of rank (rank - j) against my store
             part = partials[(self.rank - j) % n]
-            self._launch(bucket, ("ring", j, window), block, k, v, part[..., :d], part[..., d])
+            self._launch(bucket, ("ring", j, kind), block, k, v, part[..., :d], part[..., d])
 
         ring_steps(self.group, q.contiguous(), n, compute)
         back = torch.empty_like(partials)
         dist.all_to_all_single(back, partials, group=self.group)  # back[s]: my queries' partial from rank s
-        out, _ = self.merge(back[..., :d], back[..., d], q.dtype)
-        return out
+        if sinks is None:
+            return self.merge(back[..., :d], back[..., d], q.dtype)[0]
+        out, lse = self.merge(back[..., :d], back[..., d], torch.float32)
+        merge_sink(out, lse, sinks)
+        return out.to(q.dtype)
 
     def _launch(self, bucket: dict, key, q, k, v, acc_out, acc_lse) -> None:
         buf, pieces = bucket["buffers"], bucket["pieces"][key]

@@ -176,7 +176,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self._mirrors_slots = any(w is not None for w in self.config.windows)  # ranks keep SlotPositions
+        self._mirrors_slots = self.config.local_attention  # windowed / chunked layers: ranks keep SlotPositions
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))

@@ -67,7 +67,8 @@ class ModelRunner:
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
-        self.slot_positions: SlotPositions | None = None  # set with the KV store when some layer has a window
+        self.chunks = self.config.chunks  # per layer: its attention chunk or None
+        self.slot_positions: SlotPositions | None = None  # set with the KV store when a layer has a window / chunk
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
         self._tp_linears = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
         self.store: KVStore | None = None
@@ -83,9 +84,9 @@ class ModelRunner:
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
         self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, c.head_dim, self.dtype, self.ctx.device)
-        # positions of every rank's slots, mirrored from the batches, when some layer has a window
+        # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
-        self.slot_positions = SlotPositions(cp, capacity) if any(self.windows) else None
+        self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
         if self.decode["mode"] != "off":
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
 
@@ -97,7 +98,7 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)  # [L]
         pos = torch.arange(tokens, device=dev)  # [L]
 
-        def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D]
+        def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D]
             acc_out, _ = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
             ring = k.new_empty((2, 2) + tuple(k.shape))  # [2, 2, L, Hkv, D]: the block and its spare
             del ring
@@ -134,15 +135,16 @@ class ModelRunner:
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store = self.store
-        tables = plan.prepare(self.layout, self.windows, store.k.shape[1])  # every index, planned on the host
+        tables = plan.prepare(self.layout, self.windows, store.k.shape[1], self.chunks)  # every index, on the host
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         steps = []  # ring timings of every layer, read after the forward
 
-        def attn(layer: int, q, k, v):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied
+        def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied; sinks [H]
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             store.v[layer].index_copy_(0, slots, v)
-            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer])
+            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
+                            self.chunks[layer], sinks)
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]

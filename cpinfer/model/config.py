@@ -2,9 +2,10 @@
 
 One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, SmolLM3 and the mixtures of
 experts) as options of one decoder: biases, q/k norms, norm style, activation, embedding scale, sandwich norms,
-attention scale, per layer its type (full or sliding-window attention), its RoPE (or none: NoPE) and its MLP
-(dense, or the sparse block a `MoEConfig` describes). The family-specific reading lives in `families.py`; both the
-transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer type) layouts are accepted.
+attention scale, attention sinks, per layer its type (full, sliding-window or chunked attention), its RoPE (or
+none: NoPE) and its MLP (dense, or the sparse block a `MoEConfig` describes). The family-specific reading lives in
+`families.py`; both the transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer
+type) layouts are accepted.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from cpinfer.utils import check_divisible, check_positive
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 NORM_STYLES = ("llama", "gemma")  # weight * x.to(dtype)  |  (x * (1 + weight)).to(dtype)
 SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
@@ -124,6 +125,8 @@ class ModelConfig:
     rope: dict[str, RopeConfig] = field(default_factory=lambda: {"full_attention": RopeConfig()})  # by layer type
     layer_types: tuple[str, ...] = ()  # per layer; () means every layer is full attention
     sliding_window: int | None = None  # keys with q_pos - kv_pos >= window are invisible to sliding layers
+    attention_chunk_size: int | None = None  # chunked layers: keys with kv_pos // C != q_pos // C are invisible
+    attention_sinks: bool = False  # every layer has a learned per-head sink logit (gpt-oss `self_attn.sinks`)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
@@ -168,6 +171,13 @@ class ModelConfig:
             check_positive(self.sliding_window, "sliding_window")
         elif "sliding_attention" in self.layer_types:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.attention_chunk_size is not None:
+            check_positive(self.attention_chunk_size, "attention_chunk_size")
+        elif "chunked_attention" in self.layer_types:
+            raise ValueError("layer_types has chunked_attention layers but attention_chunk_size is not set")
+        if "chunked_attention" in self.layer_types and "chunked_attention" not in self.rope and \
+                "full_attention" in self.rope:  # chunked layers rotate like the global ones unless told otherwise
+            object.__setattr__(self, "rope", {**self.rope, "chunked_attention": self.rope["full_attention"]})
         missing = sorted(set(self.layer_types) - set(self.rope))
         if missing:
             raise ValueError(f"no RoPE parameters for layer type(s) {missing}")
@@ -223,6 +233,21 @@ class ModelConfig:
     @property
     def windows(self) -> tuple[int | None, ...]:
         return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of a layer (None: not chunked): a query sees only keys of its own chunk of C
+        positions, `kv_pos // C == q_pos // C` (Llama 4's local layers)."""
+        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" else None
+
+    @property
+    def chunks(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_chunk(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def local_attention(self) -> bool:
+        """Whether some layer sees only part of the context (a window or a chunk): the engine then mirrors the
+        positions of every rank's KV slots to gather only the keys such a layer can see."""
+        return any(w is not None for w in self.windows) or any(c is not None for c in self.chunks)
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
         """The RoPE of a layer, None on a NoPE layer."""

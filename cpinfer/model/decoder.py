@@ -8,7 +8,7 @@ the linears from outside. Parameter names are Hugging Face's, for every family.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +18,17 @@ from cpinfer.model.config import ModelConfig, RopeConfig
 from cpinfer.model.moe import SparseMoE
 from cpinfer.model.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved
 
-# (layer_idx, q [L, H, D], k [L, Hkv, D], v [L, Hkv, D]) -> out [L, H, D]; q and k already carry RoPE.
-# The layer's sliding window and softmax scale are `config.layer_window(layer_idx)` / `config.attention_scale`.
-AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+class AttentionFn(Protocol):
+    """(layer_idx, q [L, H, D], k [L, Hkv, D], v [L, Hkv, D]) -> out [L, H, D]; q and k already carry RoPE.
+
+    The layer's visibility and softmax scale are `config.layer_window(layer_idx)`, `config.layer_chunk(layer_idx)`
+    and `config.attention_scale`. `sinks` [H] (this rank's heads; passed only by layers that have them): a learned
+    logit per head that joins every query's softmax denominator once (exp(sink)), with no value."""
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, *, sinks: Tensor | None = None) -> Tensor:
+        ...
+
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -85,6 +93,8 @@ class Attention(nn.Module):
         self.rope = apply_rope_interleaved if config.rope_interleaved else apply_rope
         use_rope = layer_idx not in config.nope_layers
         self.l2_eps = config.rms_norm_eps if config.qk_l2_norm and use_rope else None  # after RoPE, RoPE layers
+        # gpt-oss: one sink logit per query head (TP slices it with the heads)
+        self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads)) if config.attention_sinks else None
 
     @property
     def num_heads(self) -> int:  # from the weights, so a TP-sliced q_proj means fewer local heads
@@ -112,7 +122,10 @@ class Attention(nn.Module):
             q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
         if q_scale is not None:
             q = (q * q_scale[:, None, None]).to(q.dtype)
-        out = attn(self.layer_idx, q, k, v)  # [L, H, D]
+        if self.sinks is None:
+            out = attn(self.layer_idx, q, k, v)  # [L, H, D]
+        else:
+            out = attn(self.layer_idx, q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(n, h * d))
 
 

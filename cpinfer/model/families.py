@@ -85,7 +85,7 @@ def _read_gemma3(d: dict, kw: dict) -> None:
     params = d.get("rope_parameters")
     if params and any(t in params for t in LAYER_TYPES):  # 5.x: one RoPE dict per layer type
         theta = {"full_attention": d.get("rope_theta", 1e6), "sliding_attention": d.get("rope_local_base_freq", 1e4)}
-        kw["rope"] = {t: parse_rope(d, params.get(t) or {}, theta[t], nested=True) for t in LAYER_TYPES}
+        kw["rope"] = {t: parse_rope(d, params.get(t) or {}, theta[t], nested=True) for t in theta}
     else:  # 4.x: rope_theta + rope_scaling for global layers, rope_local_base_freq for sliding ones
         kw["rope"] = {"full_attention": parse_rope(d, params, d.get("rope_theta", 1e6)),
                       "sliding_attention": RopeConfig(theta=float(d.get("rope_local_base_freq", 1e4)))}

@@ -1,0 +1,30 @@
+"""A test-only family: Llama as read from config.json, plus the per-layer attention options of the shared decoder
+that the gpt-oss and Llama 4 readers set (`layer_types` with sliding / chunked layers, `sliding_window`,
+`attention_chunk_size`, `attention_sinks`), so the attention core is tested end to end without a MoE checkpoint.
+
+Importing this module registers the family; rank processes import it when they run `register` (pickled by
+reference), so every process of a pool reads the same checkpoints.
+"""
+from __future__ import annotations
+
+from cpinfer.model.families import FAMILIES, Family, parse_rope
+
+MODEL_TYPE = "cpinfer_test_local_attention"
+
+
+def _read(d: dict, kw: dict) -> None:
+    rope = parse_rope(d, d.get("rope_parameters"), d.get("rope_theta", 10000.0))
+    kw["rope"] = {"full_attention": rope, "sliding_attention": rope}  # chunked layers: the global RoPE
+    kw["layer_types"] = tuple(d["layer_types"])
+    kw["sliding_window"] = d.get("sliding_window")
+    kw["attention_chunk_size"] = d.get("attention_chunk_size")
+    kw["attention_sinks"] = bool(d.get("attention_sinks", False))
+
+
+def register(ctx=None) -> None:
+    """Register the family in this process (`pool.run(register)` does it on every rank)."""
+    FAMILIES.setdefault(MODEL_TYPE, Family(MODEL_TYPE, "none (tests only)", "Llama + per-layer attention options",
+                                           _read))
+
+
+register()
