@@ -15,11 +15,15 @@ pytest.importorskip("transformers")
 # family -> tiny variant (cpinfer/model/testing.py): windows on Mistral (every layer), Qwen2 (layer 1), Gemma 3
 # (local layers 0 and 2); Qwen3 with q/k norm, biases, head_dim 16 != 64 / 8 and YaRN. SmolLM3: layer 1 NoPE
 # and sliding; the mixtures of experts: 4 experts of 32, top 2 — Qwen3-MoE with a dense layer between two sparse
-# ones (mlp_only_layers), Qwen2-MoE with its gated shared expert and a window on layer 0, Mixtral windowed.
+# ones (mlp_only_layers), Qwen2-MoE with its gated shared expert and a window on layer 0, Mixtral windowed;
+# gpt-oss with sinks, window 16 on layer 0, YaRN and a SwiGLU clamp the activations reach; Llama 4 with chunks of
+# 16 on layers 0 and 2, NoPE layers 1 and 3 (temperature tuned, floor_scale 8) whose MLPs are sparse.
 FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-                   "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral"}
+                   "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
+                   "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
 WINDOWED = ["mistral", "qwen2", "gemma3"]
-TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral"]
+TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
+       "llama4_text"]
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 DELTAS: dict[tuple[str, int | str], float] = {}  # (family, cp or "tp2") -> max |Δ log-prob| vs transformers
 

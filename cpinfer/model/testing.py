@@ -81,7 +81,10 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "mixtral": {"model_type": "mixtral", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "intermediate_size": 32, "sliding_window": 24},
     "gpt_oss": {"model_type": "gpt_oss", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
-                "intermediate_size": 32, "sliding_window": 16, "swiglu_limit": 1.0},  # a limit the tests reach
+                "intermediate_size": 32, "sliding_window": 16, "swiglu_limit": 1.0,  # a limit the tests reach
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64,
+                                    "rope_theta": 150000.0}},
     "llama4": {"model_type": "llama4_text", "head_dim": 16, "num_hidden_layers": 4, "no_rope_layer_interval": 2,
                "attention_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
                "intermediate_size": 32, "intermediate_size_mlp": 96, "interleave_moe_layer_step": 2,
