@@ -177,3 +177,43 @@ def test_unsupported_architecture_lists_every_family():
     assert all(repr(name) in str(err.value) for name in FAMILIES) and len(FAMILIES) == 11
     with pytest.raises(ValueError, match="model_type 'llama4_text'"):
         ModelConfig.from_dict({"model_type": "llama4", "text_config": {}})
+
+
+def _write(directory, config_dir, tensors):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    shutil.copy(config_dir / "config.json", directory / "config.json")
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_per_expert_and_fused_checkpoints_load_the_same_model(llama_checkpoint, tmp_path):
+    """The Hub's per-expert tensors (what transformers 5 save_pretrained writes for Qwen-MoE) and the fused
+    experts.gate_up_proj / down_proj give the same model; a missing expert tensor is named."""
+    from safetensors.torch import load_file
+
+    from cpinfer.model import ReferenceAttention, load_model
+
+    path = llama_checkpoint("qwen3_moe")
+    sd = load_file(str(path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in sd and "model.layers.1.mlp.gate_proj.weight" in sd
+    fused = {k: v for k, v in sd.items() if ".experts." not in k}
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = torch.stack([torch.cat((sd[f"{p}.{e}.gate_proj.weight"],
+                                                             sd[f"{p}.{e}.up_proj.weight"])) for e in range(4)])
+        fused[f"{p}.down_proj"] = torch.stack([sd[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    ids, pos = torch.randint(3, 256, (40,)), torch.arange(40)
+    logits = []
+    for folder in (path, _write(tmp_path / "fused", path, fused)):
+        cfg, model = load_model(folder)
+        attn = ReferenceAttention(torch.zeros(40, dtype=torch.long), pos, config=cfg)
+        with torch.no_grad():
+            logits.append(model.compute_logits(model(ids, pos, attn)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    missing = {k: v for k, v in sd.items() if k != "model.layers.2.mlp.experts.3.up_proj.weight"}
+    with pytest.raises(ValueError, match="7 of the 8 per-expert tensors of model.layers.2.mlp.experts.gate_up_proj"):
+        load_model(_write(tmp_path / "missing", path, missing))

@@ -132,14 +132,16 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor, use_grouped: bool | None = None) -> Tensor:
         """x [L, H], weights / experts [L, k] -> sum over k of weight * expert(x) [L, H] (Llama 4: expert(weight * x)).
 
-        The L*k (token, expert) pairs are sorted by expert, so each expert runs one GEMM over its tokens."""
+        The L*k (token, expert) pairs are sorted by expert, so each expert runs one GEMM over its tokens; with
+        `torch._grouped_mm` nothing here reads device values on the host (CUDA-graph friendly)."""
         n, k = experts.shape
         flat = experts.reshape(-1)  # [L*k]
         order = torch.argsort(flat, stable=True)  # [L*k] pairs grouped by expert
         token = order // k  # [L*k] the token of each sorted pair
         expert = flat[order]  # [L*k] ascending
         w = weights.reshape(-1)[order][:, None]  # [L*k, 1] fp32
-        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))  # [E] pairs per expert (no host sync, unlike bincount on CUDA)
         xs = x[token]  # [L*k, H]
         if self.weight_input:
             xs = (xs * w).to(x.dtype)
