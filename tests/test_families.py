@@ -13,11 +13,19 @@ from pooled_engine import PooledLLM
 pytest.importorskip("transformers")
 
 # family -> tiny variant (cpinfer/model/testing.py): windows on Mistral (every layer), Qwen2 (layer 1), Gemma 3
-# (local layers 0 and 2); Qwen3 with q/k norm, biases, head_dim 16 != 64 / 8 and YaRN.
-FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+# (local layers 0 and 2); Qwen3 with q/k norm, biases, head_dim 16 != 64 / 8 and YaRN. SmolLM3: layer 1 NoPE
+# and sliding; the mixtures of experts: 4 experts of 32, top 2 — Qwen3-MoE with a dense layer between two sparse
+# ones (mlp_only_layers), Qwen2-MoE with its gated shared expert and a window on layer 0, Mixtral windowed;
+# gpt-oss with sinks, window 16 on layer 0, YaRN and a SwiGLU clamp the activations reach; Llama 4 with chunks of
+# 16 on layers 0 and 2, NoPE layers 1 and 3 (temperature tuned, floor_scale 8) whose MLPs are sparse.
+FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+                   "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
+                   "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
 WINDOWED = ["mistral", "qwen2", "gemma3"]
+TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
+       "llama4_text"]
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
-DELTAS: dict[tuple[str, int], float] = {}  # (family, cp) -> max |Δ log-prob| against transformers
+DELTAS: dict[tuple[str, int | str], float] = {}  # (family, cp or "tp2") -> max |Δ log-prob| vs transformers
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +47,11 @@ def engines():
     for pool in pools.values():
         pool.close()
     if DELTAS:
-        cps = sorted({cp for _, cp in DELTAS})
-        rows = [f"{f:8s} " + " ".join(f"{DELTAS.get((f, cp), float('nan')):9.2e}" for cp in cps)
-                for f in FAMILY_VARIANTS if any((f, cp) in DELTAS for cp in cps)]
-        print("\nmax |Δ log-prob| vs transformers (family x CP " + ", ".join(map(str, cps)) + ")\n" + "\n".join(rows))
+        cols = [1, 2, 3, "tp2"]
+        rows = [f"| {f} | " + " | ".join(f"{DELTAS[(f, c)]:.1e}" if (f, c) in DELTAS else "-" for c in cols) + " |"
+                for f in FAMILY_VARIANTS if any((f, c) in DELTAS for c in cols)]
+        print("\nmax |Δ log-prob| vs transformers\n| family | CP1 | CP2 | CP3 | TP2 |\n|---|---|---|---|---|\n"
+              + "\n".join(rows))
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])
@@ -83,15 +92,16 @@ def test_windowed_prefix_sharing_and_forced_strategies(llama_checkpoint, engines
             check_against_hf(path, rest, questions[1:], 6, check_prompt_lp=False)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3", "mistral"])
+@pytest.mark.parametrize("family", TP2)
 def test_family_tp2_matches_hf(llama_checkpoint, engines, family):
     """TP 2 (4 query heads and 1 KV head per rank): biases split by rows, o_proj bias added once, q/k norms and
-    Gemma's norms replicated."""
+    Gemma's norms replicated; each expert's intermediate dimension split, the router and shared-expert gate
+    replicated, one all-reduce per sparse block."""
     path = llama_checkpoint(FAMILY_VARIANTS[family], max_position_embeddings=2048)
     with engines(path, 1, tp=2, max_num_batched_tokens=48) as llm:
         prompts = prompts_for(llm.config.vocab_size, [23, 70], seed=5)
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, prompt_logprobs=True, **GREEDY))
-        check_against_hf(path, outs, prompts, 8)
+        DELTAS[(family, "tp2")] = check_against_hf(path, outs, prompts, 8)
 
 
 def test_slot_positions_find_the_window_tail_of_slot_runs():

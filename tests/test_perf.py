@@ -383,3 +383,83 @@ def test_cli_bad_input_is_one_clear_line(capsys, argv, msg):
     assert cli_main(["plan"] + argv) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1
+
+
+# --- mixtures of experts and chunked attention -------------------------------------------------------------------
+# name -> (published total, published active); gpt-oss's published active count leaves out the input embedding
+MOE_PUBLISHED = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "qwen3-235b-a22b": (235e9, 22e9), "gpt-oss-20b": (21e9, 3.6e9),
+                 "gpt-oss-120b": (117e9, 5.1e9), "llama-4-scout": (109e9, 17e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_PUBLISHED))
+def test_moe_catalog_matches_published_total_and_active_parameters(name):
+    spec, (total, active) = load_model_spec(name), MOE_PUBLISHED[name]
+    assert spec.source.startswith("published config.json of huggingface.co/") and spec.moe_layers
+    embedding = spec.vocab * spec.hidden if name.startswith("gpt-oss") else 0
+    assert spec.params == pytest.approx(total, rel=0.02)
+    assert spec.active_params - embedding == pytest.approx(active, rel=0.03)
+
+
+def test_moe_memory_from_total_flops_from_active():
+    """Weights in memory are every expert's (TP-sliced); the GEMM FLOPs are those of the k active experts; a decode
+    step reads only the experts its tokens touch."""
+    moe, dense = load_model_spec("qwen3-30b-a3b"), load_model_spec("qwen3-32b")
+    dep = Deployment(moe, HARDWARE["h200"], 2, 2, WEIGHT_FORMATS["bf16"])
+    assert memory_per_gpu(dep, 1000).weights_gb == pytest.approx(moe.params * 2 / 2 / 1e9, rel=0.001)
+    attention_only = dataclasses.replace(moe, n_experts=0, experts_per_tok=0, expert_ffn_dim=0, moe_layers=0,
+                                         ffn_dim=1)
+    gemm_flops = paper_flops(moe, 4096) - paper_flops(attention_only, 4096)
+    assert gemm_flops == pytest.approx(2 * (moe.active_params - attention_only.active_params) * 4096, rel=1e-9)
+    ttit = {m.name: simulate_decode(Deployment(m, HARDWARE["h200"], 1, 1, WEIGHT_FORMATS["bf16"]), 8192)
+            for m in (moe, dense)}
+    assert ttit["qwen3-30b-a3b"].breakdown["gemm"] < 0.2 * ttit["qwen3-32b"].breakdown["gemm"]
+    prefill = simulate_prefill(dep, 32768)
+    assert prefill.detail["tflops_per_gpu"] < 989
+
+
+def test_chunked_layers_of_llama4_scout():
+    """36 of Scout's 48 layers see only their own 8192-token chunk: FLOPs count the pairs exactly, the ring
+    attention is costed as a window of the chunk (an upper bound), both far below full causal at 1M tokens."""
+    from cpinfer.perf.simulator import _chunk_pairs
+
+    scout = load_model_spec("llama-4-scout")
+    assert (scout.local, scout.window, scout.window_layers, scout.full_layers) == ("chunked", 8192, 36, 12)
+    brute = sum((x - 1) % 16 + 1 for x in range(5, 100))
+    assert _chunk_pairs(5, 99, 16) == brute
+    full = dataclasses.replace(scout, window=0, window_layers=0, local="sliding")
+    as_window = dataclasses.replace(scout, local="sliding")
+    assert paper_flops(scout, 1 << 20) < paper_flops(as_window, 1 << 20) < paper_flops(full, 1 << 20)
+    dep = {m: Deployment(spec, HARDWARE["h200"], 8, 8, WEIGHT_FORMATS["bf16"]) for m, spec in
+           (("chunked", scout), ("full", full))}
+    attention = {k: simulate_prefill(d, 1 << 20).breakdown["attention"] for k, d in dep.items()}
+    assert attention["chunked"] < 0.3 * attention["full"]
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+          decoder_sparse_step=2, mlp_only_layers=[3]), (8, 2, 32, 0, 5, 0, "sliding")),
+    (dict(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+          shared_expert_intermediate_size=64), (8, 2, 32, 64, 12, 0, "sliding")),
+    (dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, sliding_window=4096),
+     (8, 2, 128, 0, 12, 12, "sliding")),
+    (dict(model_type="gpt_oss", num_local_experts=32, experts_per_token=4, sliding_window=128,
+          layer_types=["sliding_attention", "full_attention"] * 6), (32, 4, 128, 0, 12, 6, "sliding")),
+    (dict(model_type="llama4_text", num_local_experts=16, num_experts_per_tok=1, intermediate_size_mlp=256,
+          interleave_moe_layer_step=2, attention_chunk_size=8192), (16, 1, 128, 128, 6, 9, "chunked")),
+])
+def test_moe_and_chunked_configs_are_read(extra, expect):
+    spec = model_spec_from_hf_config(BASE_CFG | extra, "m", "test")
+    got = (spec.n_experts, spec.experts_per_tok, spec.expert_ffn_dim, spec.shared_ffn_dim, spec.moe_layers,
+           spec.window_layers, spec.local)
+    assert got == expect
+    assert spec.active_params < spec.params
+
+
+def test_cli_plans_a_mixture_of_experts(capsys):
+    rc, out = _json(capsys, ["plan", "--model", "gpt-oss-120b", "--hardware", "h200", "--cp", "2", "--tp", "2",
+                             "--prompt-tokens", "65536"])
+    assert rc == 0 and out["active_params"] < 0.06 * out["params"]
+    assert (out["window"], out["window_layers"], out["local_attention"]) == (128, 18, "sliding")
+    assert cli_main(["plan", "--model", "llama-4-scout", "--hardware", "h200", "--cp", "4", "--tp", "8",
+                     "--prompt-tokens", "131072"]) == 0
+    assert "17.2B active: 1 of 16 experts on 48 layers" in capsys.readouterr().out

@@ -1,9 +1,11 @@
 """Frozen, self-validating model configuration read from a Hugging Face `config.json` of a supported family.
 
-One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3) as options of one decoder:
-biases, q/k norms, norm style, activation, embedding scale, sandwich norms, attention scale, attention sinks, and per
-layer its type (full, sliding-window or chunked attention) and RoPE. The family-specific reading lives in `families.py`; both the
-transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer type) layouts are accepted.
+One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, SmolLM3 and the mixtures of
+experts) as options of one decoder: biases, q/k norms, norm style, activation, embedding scale, sandwich norms,
+attention scale, attention sinks, per layer its type (full, sliding-window or chunked attention), its RoPE (or
+none: NoPE) and its MLP (dense, or the sparse block a `MoEConfig` describes). The family-specific reading lives in
+`families.py`; both the transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer
+type) layouts are accepted.
 """
 from __future__ import annotations
 
@@ -19,6 +21,50 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 NORM_STYLES = ("llama", "gemma")  # weight * x.to(dtype)  |  (x * (1 + weight)).to(dtype)
+SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
+EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
+MLP_MODULES = ("mlp", "block_sparse_moe", "feed_forward")  # the checkpoint's name of a layer's MLP
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP block (`moe.py`): a router picks `top_k` of `num_experts` gated MLPs per token, optionally
+    beside a shared expert. The layout fields say how the checkpoint stores the experts (parameter names and shapes
+    stay Hugging Face's)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    scoring: str = "softmax"  # scores = softmax / sigmoid of the router logits; top-k of the scores
+    norm_topk_prob: bool = False  # the k weights renormalised to sum to 1
+    router_bias: bool = False  # gpt-oss: logits = x W^T + b
+    router_name: str = "gate"  # "gate" (Qwen, Mixtral) or "router" (gpt-oss, Llama 4)
+    weight_input: bool = False  # Llama 4 scales each expert's input by its weight; the others scale its output
+    expert_bias: bool = False  # gpt-oss: experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]
+    hidden_act: str = "silu"
+    swiglu_alpha: float = 1.702  # swiglu_clamped only
+    swiglu_limit: float = 7.0  # swiglu_clamped only
+    gate_up_interleaved: bool = False  # gpt-oss: gate and up columns alternate; else gate half, then up half
+    transposed: bool = False  # experts stored [E, in, out] (gpt-oss, Llama 4) instead of [E, out, in]
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoints
+    shared_intermediate_size: int = 0  # a shared expert every token goes through (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x w)
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            check_positive(getattr(self, name), f"moe {name}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
+        for name, allowed in (("scoring", SCORING_FUNCS), ("hidden_act", EXPERT_ACTIVATIONS),
+                              ("router_name", ("gate", "router"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unsupported expert {name} {getattr(self, name)!r}: cpinfer supports {allowed}")
+        if self.shared_intermediate_size < 0:
+            raise ValueError(f"shared expert intermediate size must be >= 0, got {self.shared_intermediate_size}")
+        if self.shared_expert_gate and not self.shared_intermediate_size:
+            raise ValueError("a shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        if len(self.expert_proj_names) != 3:
+            raise ValueError(f"expert_proj_names must name (gate, up, down), got {self.expert_proj_names}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +141,13 @@ class ModelConfig:
     sandwich_norm: bool = False  # norms after attention and MLP too (Gemma 3)
     query_pre_attn_scalar: float | None = None  # softmax scale 1/sqrt(this) instead of 1/sqrt(head_dim)
     final_logit_softcapping: float | None = None
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3, Llama 4's global layers)
+    rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i + 1) (Llama 4) instead of (i, i + D/2)
+    qk_l2_norm: bool = False  # weightless RMS norm of q and k after RoPE, on RoPE layers (Llama 4 use_qk_norm)
+    attn_temperature: tuple[float, float] | None = None  # Llama 4 NoPE layers: (attn_scale, floor_scale)
+    moe: MoEConfig | None = None  # the sparse MLP of the layers in `moe_layers`
+    moe_layers: tuple[int, ...] = ()
+    mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -135,6 +188,25 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number, got {value}")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        """The per-layer options (NoPE layers, MoE layers) name existing layers; their companions are set."""
+        n = self.num_hidden_layers
+        for name in ("nope_layers", "moe_layers"):
+            object.__setattr__(self, name, tuple(sorted(set(getattr(self, name)))))
+            bad = [i for i in getattr(self, name) if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"{name} {bad} out of range for {n} layers")
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers are given but no MoEConfig (moe)")
+        if self.mlp_module not in MLP_MODULES:
+            raise ValueError(f"unsupported mlp_module {self.mlp_module!r}: cpinfer supports {MLP_MODULES}")
+        if self.attn_temperature is not None:
+            attn_scale, floor_scale = self.attn_temperature
+            if not (attn_scale >= 0 and floor_scale > 0):
+                raise ValueError(f"attn_temperature needs attn_scale >= 0 and floor_scale > 0, got "
+                                 f"{self.attn_temperature}")
 
     # Derived sizes (unsharded).
     @property
@@ -177,8 +249,12 @@ class ModelConfig:
         positions of every rank's KV slots to gather only the keys such a layer can see."""
         return any(w is not None for w in self.windows) or any(c is not None for c in self.chunks)
 
-    def layer_rope(self, layer: int) -> RopeConfig:
-        return self.rope[self.layer_types[layer]]
+    def layer_rope(self, layer: int) -> RopeConfig | None:
+        """The RoPE of a layer, None on a NoPE layer."""
+        return None if layer in self.nope_layers else self.rope[self.layer_types[layer]]
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     @property
     def rope_theta(self) -> float:

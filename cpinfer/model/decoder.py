@@ -1,5 +1,6 @@
-"""The one decoder every family runs (RMSNorm, GQA attention with RoPE, gated MLP) over packed, token-major
-inputs; the family's options (`ModelConfig`) switch biases, q/k norms, Gemma's norms and scales on or off.
+"""The one decoder every family runs (RMSNorm, GQA attention with RoPE, gated MLP or mixture of experts) over
+packed, token-major inputs; the family's options (`ModelConfig`) switch biases, q/k norms, Gemma's norms and
+scales, NoPE layers (with Llama 4's temperature tuning) and sparse MLP layers (`moe.py`) on or off.
 
 No distributed code: attention is an injected `AttentionFn` (it reads each layer's window and scale from the
 config), and each layer derives its head counts from its projection weights, so tensor parallelism can slice
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig, RopeConfig
-from cpinfer.model.rope import RotaryEmbedding, apply_rope
+from cpinfer.model.moe import SparseMoE
+from cpinfer.model.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved
 
 
 class AttentionFn(Protocol):
@@ -48,6 +50,18 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """Llama 4's weightless q/k norm: x / rms(x) over the last dim, in fp32, back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attn_temperature(positions: Tensor, attn_scale: float, floor_scale: float) -> Tensor:
+    """Llama 4's query scale on NoPE layers from each token's global position: [L] int64 -> [L] fp32
+    (1 + attn_scale * log(1 + floor((pos + 1) / floor_scale))), the same on every CP rank."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)) — SwiGLU (silu) or GeGLU (tanh GELU)."""
 
@@ -76,6 +90,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_style)
         else:
             self.q_norm = self.k_norm = None
+        self.rope = apply_rope_interleaved if config.rope_interleaved else apply_rope
+        use_rope = layer_idx not in config.nope_layers
+        self.l2_eps = config.rms_norm_eps if config.qk_l2_norm and use_rope else None  # after RoPE, RoPE layers
         # gpt-oss: one sink logit per query head (TP slices it with the heads)
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads)) if config.attention_sinks else None
 
@@ -87,8 +104,10 @@ class Attention(nn.Module):
     def num_kv_heads(self) -> int:
         return self.k_proj.weight.shape[0] // self.head_dim
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:
-        """x [L, hidden], cos/sin [L, D/2] -> [L, hidden] (a partial sum when o_proj is TP-sliced)."""
+    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
+                q_scale: Tensor | None = None) -> Tensor:
+        """x [L, hidden], cos/sin [L, D/2] (None: a NoPE layer), q_scale [L] fp32 or None -> [L, hidden] (a
+        partial sum when o_proj is TP-sliced)."""
         n = x.shape[0]
         d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
         h, hkv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
@@ -97,7 +116,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if self.l2_eps is not None:
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+        if q_scale is not None:
+            q = (q * q_scale[:, None, None]).to(q.dtype)
         if self.sinks is None:
             out = attn(self.layer_idx, q, k, v)  # [L, H, D]
         else:
@@ -105,8 +129,19 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, h * d))
 
 
+def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """A layer's MLP: the sparse block on MoE layers (with its shared expert a dense MLP), else the dense MLP."""
+    def dense(size: int) -> MLP:
+        return MLP(config.hidden_size, size, config.hidden_act, config.mlp_bias)
+
+    if config.layer_is_moe(layer_idx):
+        return SparseMoE(config.hidden_size, config.moe, dense)
+    return dense(config.intermediate_size)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block; with `sandwich_norm` (Gemma 3) the attention and MLP outputs are normed too."""
+    """Pre-norm block; with `sandwich_norm` (Gemma 3) the attention and MLP outputs are normed too. The MLP sits
+    under the checkpoint's name (`mlp`, Mixtral's `block_sparse_moe`, Llama 4's `feed_forward`)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -114,18 +149,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, style)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, style)  # Llama: before the MLP
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
+        self.mlp_name = config.mlp_module
+        setattr(self, self.mlp_name, make_mlp(config, layer_idx))
         self.sandwich = config.sandwich_norm
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, style)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, style)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionFn) -> Tensor:  # [L, hidden]
+    @property
+    def ffn(self) -> nn.Module:
+        """The layer's MLP, whatever the checkpoint calls it (replace it with `setattr(layer, layer.mlp_name, m)`)."""
+        return self._modules[self.mlp_name]
+
+    def forward(self, h: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
+                q_scale: Tensor | None = None) -> Tensor:  # [L, hidden]
         if self.sandwich:
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attn))
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale))
+            return h + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale)
+        return h + self.ffn(self.post_attention_layernorm(h))
 
 
 class DecoderModel(nn.Module):
@@ -149,15 +191,16 @@ class CausalLM(nn.Module):
         for rope in config.rope.values():  # one table of frequencies per distinct RoPE (Gemma 3: two)
             if rope not in ropes:
                 ropes[rope] = RotaryEmbedding(config.head_dim, rope, config.max_position_embeddings)
-        self.layer_rotary = [ropes[config.layer_rope(i)] for i in range(config.num_hidden_layers)]
+        self.layer_rotary = [None if config.layer_rope(i) is None else ropes[config.layer_rope(i)]
+                             for i in range(config.num_hidden_layers)]  # None: a NoPE layer
         self.embed_scale = config.hidden_size ** 0.5 if config.embed_scale else None
         if config.tie_word_embeddings:
             self.tie_weights()
 
     @property
     def rotary(self) -> RotaryEmbedding:
-        """The RoPE of layer 0 (every layer of a single-RoPE family)."""
-        return self.layer_rotary[0]
+        """The RoPE of the first RoPE layer (every RoPE layer of a single-RoPE family)."""
+        return next(r for r in self.layer_rotary if r is not None)
 
     def tie_weights(self) -> None:
         """Share the input embedding with the output projection (call again after replacing either)."""
@@ -172,11 +215,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
         """input_ids, positions [L] int64 (any sequences, any order) -> hidden [L, hidden] after the final norm."""
-        tables = {id(r): r for r in self.layer_rotary}
+        tables = {id(r): r for r in self.layer_rotary if r is not None}
         tables = {k: r.cos_sin(positions) for k, r in tables.items()}  # [L, D/2] fp32 each, shared by layers
+        tables[id(None)] = (None, None)                                   # NoPE layers
+        temp = self.config.attn_temperature  # Llama 4: NoPE layers scale queries by their global position
+        q_scale = None if temp is None else attn_temperature(positions, *temp)  # [L] fp32
         h = self.embed(input_ids)                                        # [L, hidden]
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
-            h = layer(h, *tables[id(rotary)], attn)
+            scale = q_scale if rotary is None else None
+            h = layer(h, *tables[id(rotary)], attn, scale)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cpinfer.model.config import LAYER_TYPES, RopeConfig
+from cpinfer.model.config import LAYER_TYPES, MoEConfig, RopeConfig
 from cpinfer.utils import check_divisible
 
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -91,6 +91,150 @@ def _read_gemma3(d: dict, kw: dict) -> None:
                       "sliding_attention": RopeConfig(theta=float(d.get("rope_local_base_freq", 1e4)))}
 
 
+def _rope_all_types(d: dict, theta: float = 10000.0) -> dict[str, RopeConfig]:
+    rope = parse_rope(d, d.get("rope_parameters"), d.get("rope_theta", theta))
+    return {t: rope for t in LAYER_TYPES}
+
+
+def _sparse_layers(d: dict) -> tuple[int, ...]:
+    """Qwen-MoE: layers not in `mlp_only_layers` whose (index + 1) is a multiple of `decoder_sparse_step`."""
+    step, dense = int(d.get("decoder_sparse_step", 1)), set(d.get("mlp_only_layers") or ())
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    if not _num_experts(d):
+        return ()
+    return tuple(i for i in range(d["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def _num_experts(d: dict) -> int:
+    """transformers 5 writes Qwen-MoE's `num_experts` as `num_local_experts`; the Hub's configs say num_experts."""
+    return int(d.get("num_experts") or d.get("num_local_experts") or 0)
+
+
+def _top_k(d: dict) -> int:
+    return int(d.get("num_experts_per_tok") or d.get("experts_per_token") or 0)
+
+
+def _read_qwen3_moe(d: dict, kw: dict) -> None:
+    """Qwen3 attention; `use_sliding_window` makes every layer slide (as transformers' Qwen3MoeModel does)."""
+    kw["qkv_bias"] = kw["o_bias"] = bool(d.get("attention_bias", False))
+    kw["qk_norm"] = True
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    if window is not None:
+        kw.update(sliding_window=int(window), layer_types=("sliding_attention",) * d["num_hidden_layers"])
+    kw["rope"] = _rope_all_types(d)
+    kw["moe_layers"] = _sparse_layers(d)
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d) or 1, top_k=_top_k(d) or 1,
+                          intermediate_size=int(d["moe_intermediate_size"]),
+                          norm_topk_prob=bool(d.get("norm_topk_prob", False)), hidden_act=kw["hidden_act"])
+
+
+def _read_qwen2_moe(d: dict, kw: dict) -> None:
+    """Qwen1.5/2-MoE: q/k/v biases (`qkv_bias`), a shared expert gated by sigmoid(x w) beside the routed ones;
+    without `layer_types`, every even layer below `max_window_layers` slides when `use_sliding_window`."""
+    kw["qkv_bias"] = bool(d.get("qkv_bias", True))
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 and i < d.get("max_window_layers", 28)
+                                     and window else "full_attention" for i in range(n)]
+    if not window:  # transformers: sliding_window 0, every layer full
+        types = ["full_attention"] * n
+    kw.update(layer_types=tuple(types), sliding_window=int(window) if window else None, rope=_rope_all_types(d))
+    kw["moe_layers"] = _sparse_layers(d)
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d) or 1, top_k=_top_k(d) or 1,
+                          intermediate_size=int(d["moe_intermediate_size"]),
+                          norm_topk_prob=bool(d.get("norm_topk_prob", False)), hidden_act=kw["hidden_act"],
+                          shared_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+                          shared_expert_gate=bool(d.get("shared_expert_intermediate_size")))
+
+
+def _read_mixtral(d: dict, kw: dict) -> None:
+    """Mistral's attention (optional window on every layer) over a sparse block `block_sparse_moe` of
+    `num_local_experts` experts (w1 gate, w3 up, w2 down), softmax top-k renormalised."""
+    _read_mistral(d, kw)
+    kw.update(mlp_module="block_sparse_moe", moe_layers=tuple(range(d["num_hidden_layers"])))
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d),
+                          intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
+                          hidden_act=kw["hidden_act"], expert_proj_names=("w1", "w3", "w2"))
+
+
+def _use_rope_flags(d: dict) -> list[bool]:
+    """SmolLM3 / Llama 4 `no_rope_layers`: per layer 1 = RoPE, 0 = NoPE (default: every
+    `no_rope_layer_interval`-th layer is NoPE)."""
+    n = d["num_hidden_layers"]
+    flags = d.get("no_rope_layers") or [int((i + 1) % int(d.get("no_rope_layer_interval", 4)) != 0) for i in range(n)]
+    if len(flags) != n:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries but num_hidden_layers is {n}")
+    return [bool(f) for f in flags]
+
+
+def _read_smollm3(d: dict, kw: dict) -> None:
+    """Llama with NoPE layers; an optional window on the NoPE layers (`use_sliding_window`)."""
+    _read_llama(d, kw)
+    kw["o_bias"] = kw["qkv_bias"]
+    use_rope = _use_rope_flags(d)
+    kw["nope_layers"] = tuple(i for i, r in enumerate(use_rope) if not r)
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    types = d.get("layer_types") or ["sliding_attention" if window and not r else "full_attention" for r in use_rope]
+    if not window:
+        types = ["full_attention"] * len(types)
+    kw.update(layer_types=tuple(types), sliding_window=int(window) if window else None,
+              tie_word_embeddings=bool(d.get("tie_word_embeddings", True)))
+    kw["rope"] = _rope_all_types(d)
+
+
+def _read_gpt_oss(d: dict, kw: dict) -> None:
+    """Attention with biases and a learned sink per head, sliding / full layers alternating, YaRN; every MLP a
+    sparse block of experts with biases and the clamped SwiGLU, stored fused [E, in, out] with gate / up
+    interleaved."""
+    n = d["num_hidden_layers"]
+    kw["qkv_bias"] = kw["o_bias"] = bool(d.get("attention_bias", True))
+    kw["layer_types"] = tuple(d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                       for i in range(n)])
+    kw["sliding_window"] = int(d.get("sliding_window") or 128)
+    params = d.get("rope_parameters") or {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False, "original_max_position_embeddings": 4096}
+    rope = parse_rope(d, params, d.get("rope_theta", 150000.0))
+    kw["rope"] = {t: rope for t in LAYER_TYPES}
+    kw["attention_sinks"] = True
+    kw["hidden_act"] = "silu"  # gpt-oss's experts ignore hidden_act: their activation is the clamped SwiGLU
+    kw["moe_layers"] = tuple(range(n))
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d),
+                          intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True, router_bias=True,
+                          router_name="router", expert_bias=True, hidden_act="swiglu_clamped",
+                          swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+                          swiglu_limit=float(d.get("swiglu_limit", 7.0)), gate_up_interleaved=True, transposed=True)
+
+
+def _read_llama4_text(d: dict, kw: dict) -> None:
+    """Llama 4 text: chunked local attention with RoPE (pairs interleaved, then a weightless q/k norm) on most
+    layers, NoPE global layers with temperature tuning; `feed_forward` is a sparse block (sigmoid top-k over
+    `num_local_experts`, input scaled by its weight, plus a shared expert) every `interleave_moe_layer_step`-th
+    layer (or on `moe_layers`), a dense MLP of `intermediate_size_mlp` elsewhere."""
+    n = d["num_hidden_layers"]
+    kw["qkv_bias"] = kw["o_bias"] = bool(d.get("attention_bias", False))
+    use_rope = _use_rope_flags(d)
+    chunk = d.get("attention_chunk_size")
+    kw["layer_types"] = tuple(d.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention"
+                                                       for r in use_rope])
+    if chunk:
+        kw["attention_chunk_size"] = int(chunk)
+    kw["rope"] = _rope_all_types(d, 500000.0)
+    kw["rope"]["chunked_attention"] = kw["rope"]["full_attention"]
+    kw.update(nope_layers=tuple(i for i, r in enumerate(use_rope) if not r), rope_interleaved=True,
+              qk_l2_norm=bool(d.get("use_qk_norm", True)), mlp_module="feed_forward",
+              intermediate_size=int(d.get("intermediate_size_mlp") or d["intermediate_size"]))
+    if d.get("attn_temperature_tuning", True):
+        kw["attn_temperature"] = (float(d.get("attn_scale", 0.1)), float(d.get("floor_scale", 8192)))
+    step = int(d.get("interleave_moe_layer_step", 1))
+    layers = d.get("moe_layers")
+    kw["moe_layers"] = tuple(layers if layers is not None else range(step - 1, n, step))
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d) or 1,
+                          intermediate_size=int(d["intermediate_size"]), scoring="sigmoid", router_name="router",
+                          weight_input=True, hidden_act=kw["hidden_act"], transposed=True,
+                          shared_intermediate_size=int(d["intermediate_size"]))
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "Llama 2/3/3.1/3.2, SmolLM2: GQA, RoPE (llama3 scaling), SwiGLU",
            _read_llama),
@@ -102,6 +246,19 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            _read_qwen3, default_head_dim=128),
     Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 3 text: 5 local : 1 global layers, RoPE per layer type, "
            "q/k norm, GeGLU, (1 + w) RMSNorm, sandwich norms", _read_gemma3, default_head_dim=256),
+    Family("smollm3", "SmolLM3ForCausalLM", "SmolLM3: Llama with no RoPE on every 4th layer (NoPE)", _read_smollm3),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3 attention, softmax top-k "
+           "experts; decoder_sparse_step / mlp_only_layers", _read_qwen3_moe, default_head_dim=128),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen1.5/2-MoE: Qwen2 attention, top-k experts plus a shared "
+           "expert gated by a sigmoid", _read_qwen2_moe),
+    Family("mixtral", "MixtralForCausalLM", "Mixtral 8x7B / 8x22B: Mistral attention (optional window), top-2 of "
+           "8 experts", _read_mixtral),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt-oss 20b / 120b (unquantized): attention sinks, alternating "
+           "sliding / full layers, YaRN, experts with biases and a clamped SwiGLU", _read_gpt_oss,
+           default_head_dim=64),
+    Family("llama4_text", "Llama4ForCausalLM", "Llama 4 text (Scout, Maverick): chunked attention on RoPE layers, "
+           "NoPE global layers with temperature tuning, L2 q/k norm, sigmoid top-1 experts plus a shared one",
+           _read_llama4_text, default_head_dim=128),
 )}
 
 
@@ -115,6 +272,9 @@ def family_of(d: dict[str, Any]) -> Family:
         hint = ""
         if model_type == "gemma3":
             hint = " (a multimodal Gemma 3 folder: cpinfer runs the text model, model_type 'gemma3_text')"
+        elif model_type == "llama4":
+            hint = (" (a multimodal Llama 4 folder: cpinfer runs a text-only checkpoint, model_type 'llama4_text', "
+                    "with its weights under model.layers)")
         raise ValueError(f"unsupported model_type {model_type!r}{hint}: cpinfer supports {supported()}")
     return FAMILIES[model_type]
 
@@ -125,6 +285,7 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED_KEYS if k not in d]
     if missing:
         raise ValueError(f"config is missing required key(s) {missing}")
+    check_unsupported(d)
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or family.default_head_dim or check_divisible(
         d["hidden_size"], heads, "hidden_size", "num_attention_heads")
@@ -147,6 +308,26 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     )
     family.read(d, kw)
     return kw
+
+
+# Router options cpinfer does not implement (DeepSeek-style routing, issue 28): key -> the values it accepts.
+_ROUTER_DEFAULTS = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1),
+                    "topk_group": (None, 1), "routed_scaling_factor": (None, 1, 1.0),
+                    "moe_router_activation_func": (None, "softmax")}
+
+
+def check_unsupported(d: dict[str, Any]) -> None:
+    """Reject options cpinfer would otherwise ignore: quantized weights (gpt-oss's MXFP4 experts, FP8, ...) and
+    router variants the family's reader does not implement."""
+    quant = d.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantized checkpoints are not supported (quantization_config quant_method {method!r}): "
+                         "cpinfer loads unquantized (bf16 / fp16 / fp32) weights, e.g. a dequantized copy")
+    for key, allowed in _ROUTER_DEFAULTS.items():
+        if d.get(key) not in allowed:
+            raise ValueError(f"unsupported router option {key}={d[key]!r} for model_type {d.get('model_type')!r}: "
+                             f"cpinfer supports {key} in {[a for a in allowed if a is not None]} here")
 
 
 def parse_rope(d: dict[str, Any], params: dict | None, theta: float, nested: bool = False) -> RopeConfig:

@@ -2,6 +2,8 @@
 
 The model is built on the meta device and each parameter is replaced by the loaded tensor. A `WeightSlicer`
 hook lets a tensor-parallel rank read only its slice of each tensor (after resizing the meta model itself).
+Per-expert tensors (`...experts.<e>.gate_proj.weight`, the Hub's Qwen-MoE / Mixtral layout) are stacked into
+the MoE block's fused parameters; fused checkpoints (what transformers 5 holds, gpt-oss, Llama 4) load directly.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.decoder import CausalLM
+from cpinfer.model.moe import PER_EXPERT_NAME, Experts
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,17 +62,21 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
     expected = dict(model.named_parameters())  # tied lm_head.weight is listed once, as embed_tokens.weight
     loaded: set[str] = set()
     unexpected: list[str] = []
+    stacks = _ExpertStacks(model, expected, dtype, device)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name not in expected:
-                    if not _ignorable(name, model):
+                    if stacks.accepts(name):
+                        stacks.add(name, slicer(name, f.get_slice(name)))
+                    elif not _ignorable(name, model):
                         unexpected.append(name)
                     continue
                 tensor = slicer(name, f.get_slice(name))
                 _check_shape(name, tensor, expected[name])
                 _assign(model, name, tensor.to(device=device, dtype=dtype))
                 loaded.add(name)
+    loaded |= stacks.finish(path)
     missing = sorted(set(expected) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {missing}")
@@ -78,6 +85,52 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
     if model.config.tie_word_embeddings:
         model.tie_weights()
     model.eval()
+
+
+class _ExpertStacks:
+    """Stacks per-expert checkpoint tensors into the experts' [E, ...] parameters as they are read."""
+
+    def __init__(self, model: nn.Module, expected: dict, dtype: torch.dtype, device):
+        self.model, self.expected, self.dtype, self.device = model, expected, dtype, device
+        self.buffers: dict[str, Tensor] = {}  # full parameter name -> the stacked tensor being filled
+        self.filled: dict[str, set] = {}  # ... -> the (expert, part) indices written so far
+
+    def accepts(self, name: str) -> bool:
+        m = PER_EXPERT_NAME.match(name)
+        return bool(m) and isinstance(self._experts(m["experts"]), Experts)
+
+    def _experts(self, prefix: str):
+        try:
+            return self.model.get_submodule(prefix)
+        except AttributeError:
+            return None
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        m = PER_EXPERT_NAME.match(name)
+        experts = self._experts(m["experts"])
+        leaf, index = experts.checkpoint_part(int(m["expert"]), m["proj"])
+        full = f"{m['experts']}.{leaf}"
+        if full not in self.buffers:
+            self.buffers[full] = torch.empty(self.expected[full].shape, dtype=self.dtype, device=self.device)
+            self.filled[full] = set()
+        target = self.buffers[full][index]
+        # the per-expert linear is [out, in]; the stacked parameter holds it as is
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in the checkpoint, expected "
+                             f"{tuple(target.shape)} (a slice of {full})")
+        target.copy_(tensor)
+        self.filled[full].add(str(index))
+
+    def finish(self, path: Path) -> set[str]:
+        """Assign every complete stack; a stack missing some expert's tensor is an error."""
+        for full, buf in self.buffers.items():
+            owner, _, leaf = full.rpartition(".")
+            need = self.model.get_submodule(owner).parts_expected(leaf)
+            if len(self.filled[full]) != need:
+                raise ValueError(f"checkpoint {path} holds {len(self.filled[full])} of the {need} per-expert "
+                                 f"tensors of {full}")
+            _assign(self.model, full, buf)
+        return set(self.buffers)
 
 
 def checkpoint_files(path: Path) -> list[Path]:

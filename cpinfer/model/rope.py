@@ -130,3 +130,11 @@ class RotaryEmbedding:
         if dev not in self._on_device:
             self._on_device[dev] = self.inv_freq.to(dev)
         return rope_cos_sin(self._on_device[dev], positions, self.scale)
+
+
+def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE over adjacent pairs (2i, 2i + 1) — Llama 4's complex-multiply form — on x [L, H, D]; fp32 math."""
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]       # [L, H, D/2] each
+    c, s = cos[:, None, :], sin[:, None, :]      # [L, 1, D/2]
+    return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)

@@ -69,7 +69,29 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                "tie_word_embeddings": True, "rope_theta": None,
                "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    # NoPE and mixtures of experts (4 experts of 32, top 2; few layers)
+    "smollm3": {"model_type": "smollm3", "head_dim": 16, "no_rope_layer_interval": 2, "use_sliding_window": True,
+                "sliding_window": 16, "attention_bias": True, "pad_token_id": 0, "tie_word_embeddings": False},
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_hidden_layers": 3, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "mlp_only_layers": [1], "attention_bias": True},
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "use_sliding_window": True,
+                  "sliding_window": 20, "max_window_layers": 2},
+    "mixtral": {"model_type": "mixtral", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 32, "sliding_window": 24},
+    "gpt_oss": {"model_type": "gpt_oss", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 32, "sliding_window": 16, "swiglu_limit": 1.0,  # a limit the tests reach
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64,
+                                    "rope_theta": 150000.0}},
+    "llama4": {"model_type": "llama4_text", "head_dim": 16, "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+               "attention_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
+               "intermediate_size": 32, "intermediate_size_mlp": 96, "interleave_moe_layer_step": 2,
+               "floor_scale": 8, "attn_scale": 0.1, "pad_token_id": 0},
 }
+# Parameters that transformers initialises to zeros or ones (or leaves constant): tests randomise them.
+_RANDOMISED_SUFFIXES = ("norm.weight", ".bias", "_bias", ".sinks")
 
 
 def tiny_config(variant: str = "gqa", **overrides: Any) -> dict[str, Any]:
@@ -97,8 +119,10 @@ def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: in
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(_RANDOMISED_SUFFIXES):
                 p.add_(0.1 * torch.randn_like(p))
+            elif ".experts." in name or name.endswith(("router.weight", "gate.weight")):  # routers, experts
+                p.normal_(0.0, 0.1)
     save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(directory), **save)
     if layout == "hf4":

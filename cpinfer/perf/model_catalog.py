@@ -1,5 +1,6 @@
 """Built-in model shapes for `cpinfer plan`: the paper's Llama3-405B (§4.1, App. A Table 6) and the long-context
-members of the families cpinfer serves (Llama 3.1, Qwen2.5 incl. 1M, Qwen3, Mistral Small 3.1, Gemma 3).
+members of the families cpinfer serves (Llama 3.1, Qwen2.5 incl. 1M, Qwen3, Mistral Small 3.1, Gemma 3, and the
+mixtures of experts Qwen3-MoE, gpt-oss, Llama 4 Scout, Mixtral: total parameters for memory, active for FLOPs).
 
 Every number is the published Hugging Face `config.json` of the checkpoint named in its `source` (text part of the
 multimodal ones); windows follow the config's layer layout (Gemma 3: 5 local layers of 1024 keys per global one).
@@ -53,6 +54,34 @@ _SPECS = (
 
 MODELS = {name: ModelSpec(name, layers, hidden, heads, kv, hd, ffn, vocab, tied, source, window, windowed, ctx)
           for name, layers, hidden, heads, kv, hd, ffn, vocab, tied, window, windowed, ctx, source in _SPECS}
+
+
+def _moe(name: str, layers: int, hidden: int, heads: int, kv: int, head_dim: int, ffn: int, vocab: int, ctx: int,
+         experts: int, k: int, expert_ffn: int, source: str, **extra) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, kv, head_dim, ffn, vocab, max_context=ctx, n_experts=experts,
+                     experts_per_tok=k, expert_ffn_dim=expert_ffn, moe_layers=extra.pop("moe_layers", layers),
+                     source=source, **extra)
+
+
+_GPT_OSS = ("layer_types alternate sliding_attention (window 128) / full_attention; YaRN factor 32 over 4096; "
+            "attention sinks; unquantized weights (the published experts are MXFP4)")
+MOE_MODELS = (
+    _moe("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, 40960, 128, 8, 768,
+         _hf("Qwen/Qwen3-30B-A3B", "moe_intermediate_size 768, 128 experts, top 8, decoder_sparse_step 1; " + _QWEN3)),
+    _moe("qwen3-235b-a22b", 94, 4096, 64, 4, 128, 12288, 151936, 40960, 128, 8, 1536,
+         _hf("Qwen/Qwen3-235B-A22B", "moe_intermediate_size 1536, 128 experts, top 8; " + _QWEN3)),
+    _moe("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, 131072, 32, 4, 2880,
+         _hf("openai/gpt-oss-20b", "32 experts, top 4; " + _GPT_OSS), window=128, window_layers=12),
+    _moe("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, 131072, 128, 4, 2880,
+         _hf("openai/gpt-oss-120b", "128 experts, top 4; " + _GPT_OSS), window=128, window_layers=18),
+    _moe("llama-4-scout", 48, 5120, 40, 8, 128, 16384, 202048, 10485760, 16, 1, 8192,
+         _hf("meta-llama/Llama-4-Scout-17B-16E", "text_config: 16 experts, top 1, plus a shared expert of 8192; "
+             "attention_chunk_size 8192 on the 36 RoPE layers, every 4th layer NoPE and global"),
+         shared_ffn_dim=8192, window=8192, window_layers=36, local="chunked"),
+    _moe("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768, 8, 2, 14336,
+         _hf("mistralai/Mixtral-8x7B-v0.1", "8 experts, top 2; sliding_window null (every layer full)")),
+)
+MODELS.update({m.name: m for m in MOE_MODELS})
 ALIASES = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
-           "mistral-small": "mistral-small-3.1-24b"}
+           "mistral-small": "mistral-small-3.1-24b", "llama-4-scout-17b-16e": "llama-4-scout"}
 MODELS.update({alias: MODELS[name] for alias, name in ALIASES.items()})

@@ -1,8 +1,9 @@
 """Model shapes for the performance model: `ModelSpec`, parameter counts, weight formats (paper §4.1, App. A).
 
-A `ModelSpec` is only the shape of a dense GQA transformer (with the layers that use a sliding window); it knows
-nothing about hardware. Catalog entries (`model_catalog.py`) come from published Hugging Face `config.json` files;
-any other model is read from its own `config.json` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 layouts).
+A `ModelSpec` is only the shape of a GQA transformer (with the layers that see a sliding window or a chunk, and its
+sparse MLP layers: total parameters for memory, active ones for FLOPs); it knows nothing about hardware. Catalog
+entries (`model_catalog.py`) come from published Hugging Face `config.json` files; any other model is read from
+its own `config.json` (the layouts of every family cpinfer runs).
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ class ModelSpec:
     window: int = 0          # sliding window of the windowed layers (a key j visible to query i iff i - j < window)
     window_layers: int = 0   # how many of the n_layers use it (Gemma 3: 5 of every 6; Mistral v0.1: all)
     max_context: int = 0     # max_position_embeddings of the config (0: not stated)
+    local: str = "sliding"   # what `window` is: a "sliding" window, or "chunked" attention (Llama 4: a query sees
+    #                          only keys of its own chunk of `window` positions; costed as a window, an upper bound)
+    n_experts: int = 0       # routed experts of each sparse MLP layer (0: a dense model)
+    experts_per_tok: int = 0  # k: experts each token goes through
+    expert_ffn_dim: int = 0   # gated-MLP intermediate size of one expert
+    shared_ffn_dim: int = 0   # a shared expert every token goes through (Qwen2-MoE, Llama 4; 0: none)
+    moe_layers: int = 0       # how many of the n_layers are sparse (the others are dense MLPs of ffn_dim)
 
     def __post_init__(self) -> None:
         for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
@@ -48,6 +56,24 @@ class ModelSpec:
         if bool(self.window) != bool(self.window_layers):
             raise ValueError(f"model {self.name!r}: a sliding window needs both window ({self.window}) and "
                              f"window_layers ({self.window_layers}) positive, or neither")
+        if self.local not in ("sliding", "chunked"):
+            raise ValueError(f"model {self.name!r}: local must be 'sliding' or 'chunked', got {self.local!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        names = ("n_experts", "experts_per_tok", "expert_ffn_dim", "shared_ffn_dim", "moe_layers")
+        for what in names:
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model {self.name!r}: {what} must be a non-negative integer, got {value!r}")
+        if not self.moe_layers:
+            return
+        if self.moe_layers > self.n_layers:
+            raise ValueError(f"model {self.name!r}: moe_layers ({self.moe_layers}) exceeds n_layers ({self.n_layers})")
+        if not (self.n_experts and self.expert_ffn_dim and 0 < self.experts_per_tok <= self.n_experts):
+            raise ValueError(f"model {self.name!r}: sparse layers need n_experts, expert_ffn_dim and "
+                             f"0 < experts_per_tok <= n_experts (got {self.n_experts}, {self.expert_ffn_dim}, "
+                             f"{self.experts_per_tok})")
 
     @property
     def full_layers(self) -> int:  # layers that attend to the whole context
@@ -60,8 +86,30 @@ class ModelSpec:
             self.n_heads * self.head_dim * self.hidden
 
     @property
-    def ffn_params(self) -> int:  # SwiGLU: gate, up, down
+    def ffn_params(self) -> int:  # SwiGLU: gate, up, down (a dense layer)
         return 3 * self.hidden * self.ffn_dim
+
+    def moe_layer_params(self, experts: int) -> int:
+        """A sparse layer's weights through `experts` routed experts: theirs, the shared expert's and the router."""
+        return 3 * self.hidden * (experts * self.expert_ffn_dim + self.shared_ffn_dim) + self.n_experts * self.hidden
+
+    @property
+    def ffn_params_total(self) -> int:
+        """Every MLP weight of every layer (what memory holds)."""
+        return (self.n_layers - self.moe_layers) * self.ffn_params + self.moe_layers * self.moe_layer_params(
+            self.n_experts)
+
+    @property
+    def ffn_params_active(self) -> int:
+        """The MLP weights one token goes through over all layers (what its FLOPs use)."""
+        return (self.n_layers - self.moe_layers) * self.ffn_params + self.moe_layers * self.moe_layer_params(
+            self.experts_per_tok)
+
+    @property
+    def active_ffn_dim(self) -> float:
+        """The intermediate width one token sees per layer, averaged over layers (elementwise passes)."""
+        sparse = self.experts_per_tok * self.expert_ffn_dim + self.shared_ffn_dim
+        return ((self.n_layers - self.moe_layers) * self.ffn_dim + self.moe_layers * sparse) / self.n_layers
 
     @property
     def embed_params(self) -> int:  # input embedding + LM head (once if tied)
@@ -69,9 +117,14 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """W of the paper: every weight, norms included."""
+        """W of the paper: every weight, norms included (a mixture of experts: all experts, for memory)."""
         norms = (2 * self.n_layers + 1) * self.hidden
-        return self.n_layers * (self.attn_params + self.ffn_params) + self.embed_params + norms
+        return self.n_layers * self.attn_params + self.ffn_params_total + self.embed_params + norms
+
+    @property
+    def active_params(self) -> int:
+        """The weights one token goes through (= params for a dense model; for FLOPs)."""
+        return self.params - self.ffn_params_total + self.ffn_params_active
 
     def kv_heads_per_gpu(self, tp: int) -> int:
         """KV heads a TP rank holds; with tp > N_KV each KV head is replicated (paper §4.2.2)."""
@@ -111,12 +164,20 @@ class WeightFormat:
         kv_rep = model.kv_heads_per_gpu(tp) * tp / model.n_kv_heads  # > 1 when KV heads are replicated
         kv_part = 2 * model.hidden * model.n_kv_heads * model.head_dim * (kv_rep - 1)
         attn = (model.attn_params + kv_part) * self.attn_bytes
-        ffn = model.ffn_params * self.ffn_bytes
-        scales = 4 * ((2 * model.ffn_dim + model.hidden) * self.ffn_fp8 +
+        ffn = model.ffn_params_total * self.ffn_bytes  # every expert: each rank holds its slice of all of them
+        scales = 4 * (_ffn_rows(model) * self.ffn_fp8 + model.n_layers *
                       ((model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.hidden) * self.attn_fp8)
-        per_layer = attn + ffn + scales
         norms = 4 * (2 * model.n_layers + 1) * model.hidden  # replicated, fp32
-        return (model.n_layers * per_layer + model.embed_params * self.embed_bytes) / tp + norms
+        return (model.n_layers * attn + ffn + scales + model.embed_params * self.embed_bytes) / tp + norms
+
+
+def _ffn_rows(model: ModelSpec) -> int:
+    """Output rows of every MLP GEMM of the model (one row-wise FP8 scale each)."""
+    def dense(f: int) -> int:
+        return 2 * f + model.hidden if f else 0
+
+    sparse = model.n_experts * dense(model.expert_ffn_dim) + dense(model.shared_ffn_dim)
+    return (model.n_layers - model.moe_layers) * dense(model.ffn_dim) + model.moe_layers * sparse
 
 
 WEIGHT_FORMATS = {
@@ -161,10 +222,11 @@ GEMMA3 = ("gemma3", "gemma3_text")
 
 
 def model_spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
-    """The shape of a dense decoder from a Hugging Face config dict: Llama / Mistral / Qwen2 / Qwen3 / Gemma 3,
-    a multimodal wrapper's `text_config` included. Sliding-window layers come from `layer_types`, else Gemma 3's
-    `sliding_window_pattern`, else Qwen's `use_sliding_window` + `max_window_layers`, else Mistral's
-    `sliding_window` on every layer."""
+    """The shape of a decoder from a Hugging Face config dict, a multimodal wrapper's `text_config` included.
+    Sliding-window layers come from `layer_types`, else Gemma 3's `sliding_window_pattern`, else Qwen's
+    `use_sliding_window` + `max_window_layers`, else Mistral's `sliding_window` on every layer; chunked layers
+    (Llama 4) from `layer_types` or the RoPE layers when `attention_chunk_size` is set; experts from
+    `num_experts` / `num_local_experts` (see `_experts`)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{source}: config.json must hold a JSON object")
     text = cfg.get("text_config")
@@ -173,30 +235,66 @@ def model_spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
     try:
         hidden, heads, layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
         tied = cfg.get("tie_word_embeddings", TIED_BY_DEFAULT.get(cfg.get("model_type", ""), False))
-        window, window_layers = _windows(cfg, layers, source)
+        window, window_layers, local = _windows(cfg, layers, source)
         return ModelSpec(
             name=name, n_layers=layers, hidden=hidden, n_heads=heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads), ffn_dim=int(cfg["intermediate_size"]),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            ffn_dim=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
             vocab=int(cfg["vocab_size"]), tie_embeddings=bool(tied), source=source, window=window,
-            window_layers=window_layers, max_context=int(cfg.get("max_position_embeddings") or 0))
+            window_layers=window_layers, max_context=int(cfg.get("max_position_embeddings") or 0), local=local,
+            **_experts(cfg, layers))
     except KeyError as exc:
         raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: config.json has a malformed field ({exc})") from None
 
 
-def _windows(cfg: dict, layers: int, source: str) -> tuple[int, int]:
-    """(window, number of windowed layers) as transformers lays the layer types out for this config."""
+def _experts(cfg: dict, layers: int) -> dict:
+    """The sparse-MLP fields of a ModelSpec: experts `num_experts` (Qwen-MoE) or `num_local_experts`, each of
+    `moe_intermediate_size` (else `intermediate_size`), a shared expert of `shared_expert_intermediate_size` (Llama
+    4: `intermediate_size`); sparse layers from `moe_layers`, `interleave_moe_layer_step`, or Qwen's
+    `decoder_sparse_step` / `mlp_only_layers` (default: every layer)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    llama4 = str(cfg.get("model_type", "")).startswith("llama4")
+    if cfg.get("moe_layers") is not None:
+        sparse = len(cfg["moe_layers"])
+    elif cfg.get("interleave_moe_layer_step"):
+        sparse = len(range(int(cfg["interleave_moe_layer_step"]) - 1, layers, int(cfg["interleave_moe_layer_step"])))
+    else:
+        step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+        sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    return dict(n_experts=experts, experts_per_tok=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
+                                                       or 1),
+                expert_ffn_dim=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                shared_ffn_dim=int(cfg.get("shared_expert_intermediate_size")
+                                   or (cfg["intermediate_size"] if llama4 else 0)), moe_layers=sparse)
+
+
+def _windows(cfg: dict, layers: int, source: str) -> tuple[int, int, str]:
+    """(window, number of windowed layers, "sliding" | "chunked") as transformers lays the layer types out."""
     window = int(cfg.get("sliding_window") or 0)
     types = cfg.get("layer_types")
+    chunk = int(cfg.get("attention_chunk_size") or 0)
+    if types is None and chunk and str(cfg.get("model_type", "")).startswith("llama4"):  # chunks on RoPE layers
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+        types = ["chunked_attention" if r else "full_attention" for r in rope]
     if types is not None:
         if len(types) != layers:
             raise ValueError(f"{source}: layer_types has {len(types)} entries for {layers} layers")
-        unknown = set(types) - {"sliding_attention", "full_attention"}
+        unknown = set(types) - {"sliding_attention", "full_attention", "chunked_attention"}
         if unknown:
             raise ValueError(f"{source}: layer_types holds {sorted(unknown)}; the planner knows "
-                             f"'sliding_attention' and 'full_attention'")
+                             f"'sliding_attention', 'chunked_attention' and 'full_attention'")
+        if "chunked_attention" in types:
+            if "sliding_attention" in types:
+                raise ValueError(f"{source}: both sliding and chunked layers; the planner knows one local kind")
+            if not chunk:
+                raise ValueError(f"{source}: chunked_attention layers but no attention_chunk_size")
+            return chunk, sum(t == "chunked_attention" for t in types), "chunked"
         count = sum(t == "sliding_attention" for t in types)
     elif cfg.get("sliding_window_pattern") or cfg.get("model_type") in GEMMA3:  # every pattern-th layer global
         pattern = int(cfg.get("sliding_window_pattern") or 6)  # transformers' Gemma3TextConfig default
@@ -208,7 +306,7 @@ def _windows(cfg: dict, layers: int, source: str) -> tuple[int, int]:
         count = layers if window else 0
     if count and not window:
         raise ValueError(f"{source}: {count} sliding-window layers but no sliding_window length")
-    return (window, count) if count else (0, 0)
+    return (window, count, "sliding") if count else (0, 0, "sliding")
 
 
 def load_weight_format(name) -> WeightFormat:

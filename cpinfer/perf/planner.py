@@ -68,7 +68,8 @@ class Plan:
         out = dict(model=d.model.name, hardware=d.hardware.name, hardware_kind=d.hardware.kind, cp=d.cp, tp=d.tp,
                    gpus=d.gpus, weights=d.weights.name, implementation=d.implementation.name,
                    prompt_tokens=w.prompt_tokens, cached_tokens=w.cached_tokens, batch=w.batch,
-                   window=d.model.window, window_layers=d.model.window_layers, warnings=list(self.warnings))
+                   window=d.model.window, window_layers=d.model.window_layers, local_attention=d.model.local,
+                   params=d.model.params, active_params=d.model.active_params, warnings=list(self.warnings))
         for s in STRATEGIES:
             e = self.ttft[s]
             out[s.replace("-", "_")] = dict(ttft_s=e.seconds, breakdown_s=dict(e.breakdown), **e.detail)

@@ -49,9 +49,13 @@ EXPLAIN = {
 def format_plan(plan: Plan) -> str:
     d, w = plan.deployment, plan.workload
     m, hw = d.model, d.hardware
-    windows = f", {m.window_layers} with a {m.window}-token sliding window" if m.window_layers else ""
+    kind = "chunked attention of" if m.local == "chunked" else "sliding window of"
+    windows = f", {m.window_layers} with {kind} {m.window} tokens" if m.window_layers else ""
+    params = f"{m.params / 1e9:.1f}B params" + (
+        f" ({m.active_params / 1e9:.1f}B active: {m.experts_per_tok} of {m.n_experts} experts on {m.moe_layers} "
+        "layers)" if m.moe_layers else "")
     lines = [
-        f"model     {m.name}: {m.params / 1e9:.1f}B params, {m.n_layers} layers{windows}, {m.n_heads} heads / "
+        f"model     {m.name}: {params}, {m.n_layers} layers{windows}, {m.n_heads} heads / "
         f"{m.n_kv_heads} KV heads x {m.head_dim}; weights {d.weights.name}",
         f"hardware  {hw.name} ({hw.kind}); CP{d.cp} x TP{d.tp} = {d.gpus} devices; {d.implementation.name}'s ring",
         f"workload  batch {w.batch} x ({w.prompt_tokens} new + {w.cached_tokens} cached) tokens; "

@@ -86,24 +86,46 @@ def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy
 
 
 def gemm_layer(dep: Deployment, tokens: int) -> float:
-    """The four GEMM groups of one layer on one TP rank for `tokens` rows (Megatron column/row sharding)."""
+    """The GEMM groups of one layer (averaged over dense and sparse layers) on one TP rank for `tokens` rows
+    (Megatron column/row sharding; each expert's intermediate dimension sliced the same way)."""
     m, w, hw, tp = dep.model, dep.weights, dep.hardware, dep.tp
     shape = dep.attn_shape
     qkv_n = (shape.heads + 2 * shape.kv_heads) * m.head_dim      # KV heads replicated when tp > N_KV
-    o_k, ffn = shape.heads * m.head_dim, m.ffn_dim // tp
+    o_k = shape.heads * m.head_dim
     t = costs.gemm_time(hw, tokens, qkv_n, m.hidden, qkv_n * m.hidden * w.attn_bytes, w.attn_fp8)
     t += costs.gemm_time(hw, tokens, m.hidden, o_k, o_k * m.hidden * w.attn_bytes, w.attn_fp8)
-    t += costs.gemm_time(hw, tokens, 2 * ffn, m.hidden, 2 * ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
-    t += costs.gemm_time(hw, tokens, m.hidden, ffn, ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
-    return t
+    dense = _mlp_time(dep, tokens, m.ffn_dim // tp)
+    if not m.moe_layers:
+        return t + dense
+    return t + ((m.n_layers - m.moe_layers) * dense + m.moe_layers * _moe_time(dep, tokens)) / m.n_layers
+
+
+def _mlp_time(dep: Deployment, rows: int, ffn: int, experts: int = 1) -> float:
+    """A gated MLP of intermediate `ffn` (this rank's share) over `rows` rows whose weights are read `experts`
+    times (the distinct experts a grouped GEMM touches)."""
+    m, w, hw = dep.model, dep.weights, dep.hardware
+    if not ffn:
+        return 0.0
+    t = costs.gemm_time(hw, rows, 2 * ffn, m.hidden, experts * 2 * ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
+    return t + costs.gemm_time(hw, rows, m.hidden, ffn, experts * ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
+
+
+def _moe_time(dep: Deployment, tokens: int) -> float:
+    """A sparse layer: the router, the k routed (token, expert) rows grouped by expert (FLOPs of the active experts,
+    weights of the experts touched: min(E, k x tokens)), and the shared expert."""
+    m, hw = dep.model, dep.hardware
+    rows = tokens * m.experts_per_tok
+    router = costs.gemm_time(hw, tokens, m.n_experts, m.hidden, m.n_experts * m.hidden * dep.weights.ffn_bytes, False)
+    routed = _mlp_time(dep, rows, m.expert_ffn_dim // dep.tp, min(m.n_experts, rows))
+    return router + routed + _mlp_time(dep, tokens, m.shared_ffn_dim // dep.tp)
 
 
 def _dense_layer(dep: Deployment, tokens: int) -> dict:
     """GEMMs, elementwise ops and the two TP all-reduces of one layer on one GPU for `tokens` tokens."""
     m, w, hw, tp = dep.model, dep.weights, dep.hardware, dep.tp
-    passes = (ELEMENTWISE_HIDDEN_PASSES * m.hidden + ELEMENTWISE_FFN_PASSES * m.ffn_dim) / tp
+    passes = (ELEMENTWISE_HIDDEN_PASSES * m.hidden + ELEMENTWISE_FFN_PASSES * m.active_ffn_dim) / tp
     if w.ffn_fp8:  # dynamic row-wise quantization of the two FFN GEMM inputs: read + 1-byte write
-        passes += 1.5 * (m.hidden + m.ffn_dim / tp)
+        passes += 1.5 * (m.hidden + m.active_ffn_dim / tp)
     elementwise = tokens * passes * dep.act_bytes / hw.mem_bytes_per_s
     allreduce = 2 * costs.allreduce_time(hw, tokens * m.hidden * dep.act_bytes, tp)  # = RS + AG, same bytes
     return dict(gemm=gemm_layer(dep, tokens), elementwise=elementwise, allreduce=allreduce)
@@ -208,13 +230,24 @@ def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memo
 
 
 def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1) -> float:
-    """App. A: 2*W*T*B GEMM FLOPs + 4*B*T*(T/2 + P)*D*layers attention FLOPs (causal half for new tokens); a
-    sliding-window layer counts the pairs its window shows, sum over new tokens of min(W, position + 1)."""
+    """App. A: 2*W*T*B GEMM FLOPs (W: the active weights of a mixture of experts) + 4*B*T*(T/2 + P)*D*layers
+    attention FLOPs (causal half for new tokens); a sliding-window layer counts the pairs its window shows, sum
+    over new tokens of min(W, position + 1), a chunked layer those of its chunk, sum of (position mod C) + 1."""
     d = model.n_heads * model.head_dim
     pairs = new * (new / 2 + cached) * model.full_layers
     if model.window_layers:
-        pairs += model.window_layers * _window_pairs(cached + 1, cached + new, model.window)
-    return 2.0 * model.params * new * batch + 4.0 * batch * pairs * d
+        local = _chunk_pairs if model.local == "chunked" else _window_pairs
+        pairs += model.window_layers * local(cached + 1, cached + new, model.window)
+    return 2.0 * model.active_params * new * batch + 4.0 * batch * pairs * d
+
+
+def _chunk_pairs(lo: int, hi: int, chunk: int) -> int:
+    """sum of ((x - 1) mod chunk) + 1 over the integers x in [lo, hi] (keys a chunked query at position x - 1 sees)."""
+    def upto(n: int) -> int:
+        full, rest = divmod(n, chunk)
+        return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+
+    return upto(hi) - upto(lo - 1)
 
 
 def _window_pairs(lo: int, hi: int, window: int) -> int:

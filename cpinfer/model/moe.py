@@ -1,0 +1,208 @@
+"""Mixture of experts as one block of the shared decoder: a router picks k experts per token, the routed tokens are
+grouped by expert (one GEMM per expert over its tokens, `torch._grouped_mm` where it runs), then weighted and
+summed, plus an optional shared expert. Qwen2/3-MoE, Mixtral, gpt-oss and Llama 4 are options of it (`MoEConfig`).
+
+No distributed code: under TP each expert's intermediate dimension is sliced from outside (`tensor_parallel.py`)
+and the block's output is then a partial sum; the router and the shared expert's gate stay whole.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cpinfer.model.config import MoEConfig
+
+# A per-expert checkpoint tensor (transformers 4.x layout, the Hub's Qwen-MoE and Mixtral files):
+# "<prefix>.experts.<e>.<proj>.weight", stacked here into the block's [E, ...] parameters.
+PER_EXPERT_NAME = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+class Router(nn.Module):
+    """Expert choice per token: scores = softmax or sigmoid of x W^T (+ b), the top k of them, renormalised to
+    sum 1 when `norm_topk_prob`. Covers Qwen/Mixtral (softmax), gpt-oss (softmax of the top-k logits equals the
+    renormalised top-k softmax) and Llama 4 (sigmoid of the top-k logits, not renormalised).
+
+    DeepSeek-style options slot into `forward` as separate steps: a selection-only bias added to the scores before
+    `topk` (e_score_correction_bias), a group-limited `_select` (n_group / topk_group), a final scale
+    (routed_scaling_factor).
+    """
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+        self.top_k, self.scoring, self.normalize = cfg.top_k, cfg.scoring, cfg.norm_topk_prob
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [L, hidden] -> (weights [L, k] fp32, experts [L, k] int64)."""
+        logits = F.linear(x, self.weight, self.bias).float()  # [L, E]
+        scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
+        weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [L, k] each
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, experts
+
+
+def swiglu_clamped(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's activation: gate clamped above at `limit`, up to [-limit, limit]; (up + 1) * gate * σ(α gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> torch._grouped_mm runs there
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` exists and runs for this device type and dtype (probed once, tiny)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a, b = torch.ones(4, 16, device=device, dtype=dtype), torch.ones(2, 16, 16, device=device, dtype=dtype)
+                torch._grouped_mm(a, b, offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_OK[key] = ok
+    return _GROUPED_MM_OK[key]
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, use_grouped: bool | None = None) -> Tensor:
+    """x [N, K] (rows sorted by group), w [G, K, M] (any strides), counts [G] rows per group -> [N, M].
+
+    One `torch._grouped_mm` where it runs and the strides suit it (16-byte aligned rows), else one matmul per
+    group (a host read of `counts`)."""
+    if use_grouped is None:
+        es = x.element_size()
+        use_grouped = (x.shape[1] * es % 16 == 0 and w.shape[2] * es % 16 == 0
+                       and _grouped_mm_runs(x.device, x.dtype))
+    if use_grouped:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [G] end row of each group
+        return torch._grouped_mm(x.contiguous(), w, offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[2])
+    start = 0
+    for g, n in enumerate(counts.tolist()):
+        if n:
+            torch.mm(x[start:start + n], w[g], out=out[start:start + n])
+        start += n
+    return out
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked: gate_up_proj [E, 2I, H] and down_proj [E, H, I] (or [E, H, 2I] / [E, I, H]
+    when `transposed`), with gpt-oss's biases [E, 2I] / [E, H]. `down_bias_here` is False on the TP ranks that
+    must not add the down bias (it is added once, before the block's all-reduce)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        e, i = cfg.num_experts, cfg.intermediate_size
+        self.transposed, self.interleaved = cfg.transposed, cfg.gate_up_interleaved
+        self.gate_up_proj = nn.Parameter(torch.empty((e, hidden, 2 * i) if cfg.transposed else (e, 2 * i, hidden)))
+        self.down_proj = nn.Parameter(torch.empty((e, i, hidden) if cfg.transposed else (e, hidden, i)))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, hidden)) if cfg.expert_bias else None
+        self.down_bias_here = True
+        self.weight_input = cfg.weight_input
+        self.names = dict(zip(cfg.expert_proj_names, ("gate", "up", "down")))
+        if cfg.hidden_act == "swiglu_clamped":
+            alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
+            self.glu = lambda g, u: swiglu_clamped(g, u, alpha, limit)
+        else:
+            act = _ACTS[cfg.hidden_act]
+            self.glu = lambda g, u: act(g) * u
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    @property
+    def intermediate(self) -> int:  # this rank's intermediate size per expert (TP-sliced)
+        return self.down_proj.shape[1] if self.transposed else self.down_proj.shape[2]
+
+    def _weights(self) -> tuple[Tensor, Tensor]:
+        """(gate_up [E, H, 2I], down [E, I, H]) as views for x @ w."""
+        if self.transposed:
+            return self.gate_up_proj, self.down_proj
+        return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor, use_grouped: bool | None = None) -> Tensor:
+        """x [L, H], weights / experts [L, k] -> sum over k of weight * expert(x) [L, H] (Llama 4: expert(weight * x)).
+
+        The L*k (token, expert) pairs are sorted by expert, so each expert runs one GEMM over its tokens; with
+        `torch._grouped_mm` nothing here reads device values on the host (CUDA-graph friendly)."""
+        n, k = experts.shape
+        flat = experts.reshape(-1)  # [L*k]
+        order = torch.argsort(flat, stable=True)  # [L*k] pairs grouped by expert
+        token = order // k  # [L*k] the token of each sorted pair
+        expert = flat[order]  # [L*k] ascending
+        w = weights.reshape(-1)[order][:, None]  # [L*k, 1] fp32
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))  # [E] pairs per expert (no host sync, unlike bincount on CUDA)
+        xs = x[token]  # [L*k, H]
+        if self.weight_input:
+            xs = (xs * w).to(x.dtype)
+        gate_up_w, down_w = self._weights()
+        h = grouped_mm(xs, gate_up_w, counts, use_grouped)  # [L*k, 2I]
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[expert]
+        if self.interleaved:
+            gate, up = h[:, 0::2], h[:, 1::2]  # [L*k, I] each
+        else:
+            gate, up = h.chunk(2, dim=-1)
+        y = grouped_mm(self.glu(gate, up), down_w, counts, use_grouped)  # [L*k, H]
+        if self.down_proj_bias is not None and self.down_bias_here:
+            y = y + self.down_proj_bias[expert]
+        if not self.weight_input:
+            y = (y * w).to(x.dtype)
+        return x.new_zeros(n, x.shape[1]).index_add_(0, token, y)  # [L, H]
+
+    def checkpoint_part(self, expert: int, proj: str) -> tuple[str, tuple]:
+        """Where a per-expert checkpoint tensor `experts.<expert>.<proj>.weight` goes: (parameter name, index)."""
+        if self.transposed:
+            raise ValueError(f"per-expert tensors ({proj}) for an experts layout stored [E, in, out]: this family's "
+                             "checkpoints store fused experts.gate_up_proj / experts.down_proj")
+        if proj not in self.names:
+            raise ValueError(f"unknown expert projection {proj!r}: expected one of {sorted(self.names)}")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert index {expert} out of range for {self.num_experts} experts")
+        i, part = self.intermediate, self.names[proj]
+        if part == "down":
+            return "down_proj", (expert,)
+        return "gate_up_proj", (expert, slice(0, i) if part == "gate" else slice(i, 2 * i))
+
+    def parts_expected(self, param: str) -> int:
+        """How many per-expert tensors fill one stacked parameter."""
+        return self.num_experts * (2 if param == "gate_up_proj" else 1)
+
+
+class SparseMoE(nn.Module):
+    """Router → top-k experts grouped by expert → weighted sum, plus an optional shared expert (Qwen2-MoE gates it
+    with sigmoid(x w); Llama 4 adds it as is). The router sits under the checkpoint's name (`gate` or `router`)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, mlp_factory):
+        super().__init__()
+        self.router_name = cfg.router_name
+        setattr(self, cfg.router_name, Router(hidden, cfg))
+        self.experts = Experts(hidden, cfg)
+        self.shared_expert = mlp_factory(cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if cfg.shared_expert_gate else None
+
+    @property
+    def route(self) -> Router:
+        """The router, whatever the checkpoint calls it."""
+        return self._modules[self.router_name]
+
+    def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
+        weights, experts = self.route(x)  # [L, k] each
+        out = self.experts(x, weights, experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)  # [L, hidden]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
