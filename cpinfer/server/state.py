@@ -20,6 +20,8 @@ from cpinfer.server.errors import APIError, error_body, validation_message
 from cpinfer.server.metrics import ServerMetrics
 from cpinfer.server.outputs import Progress
 from cpinfer.server.prompts import PromptEncoder, PromptError
+from cpinfer.server.reasoning import reasoning_parser_for
+from cpinfer.server.tool_parsers import tool_parser_for
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -43,6 +45,8 @@ class ServerConfig:
     max_request_bytes: int | None = None  # None: default_max_request_bytes(max_model_len)
     allow_special_tokens_in_content: bool = False
     enable_docs: bool = False
+    tool_call_parser: str | None = None  # vLLM's names (tool_parsers.py); None: recognised in the chat template
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3" (reasoning.py); None: no reasoning split
 
     def __post_init__(self):
         if not self.served_model_name or not self.served_model_name.strip():
@@ -52,6 +56,8 @@ class ServerConfig:
         if self.max_request_bytes is not None and (not isinstance(self.max_request_bytes, int)
                                                    or self.max_request_bytes < 1024):
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        tool_parser_for(self.tool_call_parser, None)  # ValueError naming the choices
+        reasoning_parser_for(self.reasoning_parser)
 
 
 class OpenAIServer:
@@ -65,6 +71,9 @@ class OpenAIServer:
         self.max_model_len = int(engine.max_model_len)
         self.max_request_bytes = config.max_request_bytes or default_max_request_bytes(self.max_model_len)
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, config.allow_special_tokens_in_content)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = tool_parser_for(config.tool_call_parser, template if isinstance(template, str) else None)
+        self.reasoning = config.reasoning_parser  # a parser is made per choice (reasoning_parser_for)
         self.metrics = ServerMetrics(config.served_model_name, engine.stats, lambda: bool(engine.errored))
 
     # ------------------------------------------------------------------ checks
@@ -116,8 +125,10 @@ class OpenAIServer:
                            param="logit_bias", code="invalid_parameter")
         try:
             return SamplingParams(**req.sampling_kwargs(max_tokens, top_logprobs, logprobs), grammar=grammar)
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_parameter") from None
+        except ValueError as exc:  # SamplingParams names the field first: "min_tokens must be ..."
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=field if field.isidentifier() else None,
+                           code="invalid_parameter") from None
 
     async def grammar(self, schema: dict | None, param: str) -> str | None:
         """The llguidance grammar for an output schema, validated against the tokenizer (in the pool)."""
@@ -135,14 +146,6 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc)[:600], param=param, code="invalid_schema") from None
 
-    async def add_request(self, request_id: str, prompt, params, param: str):
-        self.check_alive()
-        try:
-            ids = await self.prompts.run(self.engine.validate, prompt, params)  # tokens, checked against limits
-            return self.engine.add_request(request_id, ids, params)
-        except ValueError as exc:  # empty / over-long prompt, bad token ids: the engine names the numbers
-            raise APIError(400, str(exc), param=getattr(exc, "param", param), code="invalid_prompt") from None
-
     async def encode(self, fn: Callable, *args, param: str):
         try:
             return await self.prompts.run(fn, *args)
@@ -150,10 +153,30 @@ class OpenAIServer:
             raise APIError(400, str(exc), param=exc.param, code="invalid_prompt") from None
 
     # ------------------------------------------------------------------ running a request
-    async def collect(self, request_id: str, stream, http_request: Request, endpoint: str, t0: float):
-        """Drain a stream to its final output; abort it if the client goes away first."""
+    async def add_requests(self, rid: str, prompts: list, params: list, param: str) -> tuple[list[str], list]:
+        """One engine request per choice (`rid-i`), all validated before any is queued; aborted again if a later
+        one fails to queue."""
+        self.check_alive()
+        try:
+            checked = [await self.prompts.run(self.engine.validate, p, sp) for p, sp in zip(prompts, params)]
+        except ValueError as exc:  # empty / over-long prompt, bad token ids: the engine names the numbers
+            raise APIError(400, str(exc), param=getattr(exc, "param", param), code="invalid_prompt") from None
+        rids = [rid] if len(checked) == 1 else [f"{rid}-{i}" for i in range(len(checked))]
+        streams = []
+        try:
+            for r, ids, sp in zip(rids, checked, params):
+                streams.append(self.engine.add_request(r, ids, sp))
+        except ValueError as exc:
+            for r in rids[:len(streams)]:
+                self.abort(r)
+            raise APIError(400, str(exc), param=param, code="invalid_prompt") from None
+        return rids, streams
 
-        async def drain():
+    async def collect(self, rids: list[str], streams: list, http_request: Request, endpoint: str, t0: float):
+        """Drain every stream to its final output (a list, in order); abort them all if the client goes away first
+        (None) or one fails (raised as an APIError)."""
+
+        async def drain(stream):
             last = None
             async for out in stream:
                 last = out
@@ -165,25 +188,30 @@ class OpenAIServer:
                 if message["type"] == "http.disconnect":
                     return
 
-        work, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(disconnected())
+        works = [asyncio.ensure_future(drain(s)) for s in streams]
+        everything, watch = asyncio.ensure_future(asyncio.gather(*works)), asyncio.ensure_future(disconnected())
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                out = work.result()  # raises what the stream raised
-                self.finished(out, endpoint, t0)
-                return out
+            done, _ = await asyncio.wait({everything, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if everything in done:
+                outs = everything.result()  # raises what a stream raised
+                for out in outs:
+                    self.finished(out, endpoint, t0)
+                return outs
             self.metrics.outcome(endpoint, "abort")
             return None
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - a dead rank, this request's own failure, or a bug
-            raise self.failure(exc, request_id) from None
+            raise self.failure(exc, rids[0]) from None
         finally:
             watch.cancel()
-            if not work.done():
-                work.cancel()
-                self.abort(request_id)
-                await self._close(stream)
+            if not everything.done():
+                everything.cancel()
+            for rid, work, stream in zip(rids, works, streams):
+                if not work.done():
+                    work.cancel()
+                    self.abort(rid)
+                    await self._close(stream)
 
     def abort(self, request_id: str) -> None:
         try:
@@ -205,40 +233,82 @@ class OpenAIServer:
         m = out.metrics or {}
         self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), time.monotonic() - t0)
 
-    async def sse(self, request_id: str, stream, chunks: Callable[[Any, Progress], list[dict]],
-                  usage_chunk: Callable[[Any], dict] | None, endpoint: str, t0: float) -> AsyncIterator[str]:
-        """Server-sent events: one `data:` line per chunk, an error event if the request fails, then [DONE]."""
-        progress = Progress()
+    async def sse(self, rids: list[str], streams: list, chunks: Callable[[int, Any, Progress], list[dict]],
+                  usage_chunk: Callable[[list], dict] | None, endpoint: str, t0: float) -> AsyncIterator[str]:
+        """Server-sent events: one `data:` line per chunk of any choice (chunks(i, out, progress) for choice i), an
+        error event if a request fails, the usage of all choices, then [DONE]."""
+        progress = [Progress() for _ in streams]
         complete = False
         try:
-            for first in chunks(None, progress):
-                yield f"data: {json.dumps(first)}\n\n"
-            async for out in stream:
-                for chunk in chunks(out, progress):
+            for i, p in enumerate(progress):
+                for first in chunks(i, None, p):
+                    yield f"data: {json.dumps(first)}\n\n"
+            async for i, out in _merged(streams):
+                for chunk in chunks(i, out, progress[i]):
                     yield f"data: {json.dumps(chunk)}\n\n"
             complete = True
-            if progress.last is not None:
-                self.finished(progress.last, endpoint, t0)
+            lasts = [p.last for p in progress]
+            if all(last is not None for last in lasts):
+                for last in lasts:
+                    self.finished(last, endpoint, t0)
                 if usage_chunk is not None:
-                    yield f"data: {json.dumps(usage_chunk(progress.last))}\n\n"
+                    yield f"data: {json.dumps(usage_chunk(lasts))}\n\n"
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in the stream, then end it
             complete = True
             self.metrics.outcome(endpoint, "error")
-            err = self.failure(exc, request_id)
+            err = self.failure(exc, rids[0])
             yield f"data: {json.dumps(error_body(err.status, err.message, code=err.code))}\n\n"
+            for rid in rids:  # the other choices stop too
+                self.abort(rid)
         finally:
             if not complete:  # the client disconnected (we were cancelled) or the server is stopping
-                self.abort(request_id)
+                for rid, stream in zip(rids, streams):
+                    self.abort(rid)
+                    await self._close(stream)
                 self.metrics.outcome(endpoint, "abort")
-                await self._close(stream)
         yield "data: [DONE]\n\n"
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from several request streams as they come; the first failure is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                inbox.put_nowait((i, out, None))
+            inbox.put_nowait((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            inbox.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, out, exc = await inbox.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                left -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def dump(model) -> dict:
     body = model.model_dump()
     for choice in body.get("choices") or []:  # OpenAI leaves tool_calls out of a plain message
-        if isinstance(choice.get("message"), dict) and choice["message"].get("tool_calls") is None:
-            choice["message"].pop("tool_calls", None)
+        message = choice.get("message")
+        if isinstance(message, dict):
+            for key in ("tool_calls", "reasoning_content"):
+                if message.get(key) is None:
+                    message.pop(key, None)
     return body
 
 
