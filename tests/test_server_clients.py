@@ -233,12 +233,18 @@ def test_lm_eval_local_completions_agrees_with_its_hf_backend(server, model_dir,
                           "max_length": MAX_LEN}, 4, tmp_path)
     mc_api, mc_ref = _per_sample(api, "cpinfer_tiny_mc"), _per_sample(ref, "cpinfer_tiny_mc")
     assert len(mc_api) == len(mc_ref) == 12
+    worst = 0.0
     for a, b in zip(mc_api, mc_ref):  # per sample: each choice's (log-likelihood, is_greedy)
-        torch.testing.assert_close(torch.tensor([x[0][0] for x in a]), torch.tensor([x[0][0] for x in b]),
-                                   atol=2e-4, rtol=0)
+        lla, llb = torch.tensor([x[0][0] for x in a]), torch.tensor([x[0][0] for x in b])
+        torch.testing.assert_close(lla, llb, atol=2e-4, rtol=0)
         assert [x[0][1] for x in a] == [x[0][1] for x in b]
+        worst = max(worst, float((lla - llb).abs().max()))
     assert api["results"]["cpinfer_tiny_mc"]["acc,none"] == ref["results"]["cpinfer_tiny_mc"]["acc,none"]
     gen_api, gen_ref = _per_sample(api, "cpinfer_tiny_gen"), _per_sample(ref, "cpinfer_tiny_gen")
     assert len(gen_api) == 8 and gen_api == gen_ref
     assert (api["results"]["cpinfer_tiny_gen"]["exact_match,none"]
             == ref["results"]["cpinfer_tiny_gen"]["exact_match,none"])
+    print(f"lm-eval: {len(mc_api)} mc samples x 3 choices, max |dLL| {worst:.2e}, acc "
+          f"{api['results']['cpinfer_tiny_mc']['acc,none']:.4f} (cpinfer) = "
+          f"{ref['results']['cpinfer_tiny_mc']['acc,none']:.4f} (hf); {len(gen_api)} generations equal: "
+          f"{[g[0][0] for g in gen_api]}")
