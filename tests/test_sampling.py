@@ -3,6 +3,7 @@ mask give an allowed token with a non-NaN log-probability; only a mask that allo
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -81,7 +82,104 @@ def test_a_mask_that_allows_nothing_is_this_requests_error():
 
 
 @pytest.mark.parametrize("bad", [{"temperature": math.nan}, {"temperature": math.inf}, {"top_p": math.nan},
-                                 {"seed": 2 ** 64}, {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)}])
+                                 {"seed": 2 ** 64}, {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)},
+                                 {"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
+                                 {"repetition_penalty": math.inf}, {"min_p": 1.5}, {"min_tokens": 17},
+                                 {"min_tokens": -1}])
 def test_invalid_params_are_value_errors(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+# ---------------------------------------------------------------- vLLM's penalties, min_p and min_tokens
+def _reference_scores(logits: list[float], spec: SampleSpec) -> list[float]:
+    """A plain, loop-by-token statement of vLLM's order: suppressed stop tokens → -inf, then per token the
+    repetition penalty (if in prompt or output: positive / r, else * r), minus frequency × count, minus presence."""
+    out = list(spec.output) if spec.output is not None else []
+    prompt = set(spec.prompt.tolist()) if spec.prompt is not None else set()
+    scores = []
+    for t, x in enumerate(logits):
+        if t in spec.suppress:
+            x = -math.inf
+        count = out.count(t)
+        if t in prompt or count:
+            x = x / spec.repetition if x > 0 else x * spec.repetition
+        x -= spec.frequency * count
+        x -= spec.presence * (1.0 if count else 0.0)
+        scores.append(x)
+    return scores
+
+
+def _reference_probs(scores: list[float], spec: SampleSpec) -> list[float]:
+    """Temperature, then min_p against the most likely token's probability, then top-k and top-p, renormalized."""
+    m = max(scores)
+    probs = [math.exp((x - m) / spec.temperature) for x in scores]
+    total = sum(probs)
+    probs = [p / total for p in probs]
+    keep = [p >= spec.min_p * max(probs) for p in probs]
+    if spec.top_k:
+        kth = sorted((p for p, k in zip(probs, keep) if k), reverse=True)[min(spec.top_k, sum(keep)) - 1]
+        keep = [k and p >= kth for p, k in zip(probs, keep)]
+    if spec.top_p < 1:
+        kept = sorted(((p, t) for t, (p, k) in enumerate(zip(probs, keep)) if k), reverse=True)
+        norm = sum(p for p, _ in kept)
+        acc, nucleus = 0.0, set()
+        for p, t in kept:
+            if acc >= spec.top_p and nucleus:
+                break
+            nucleus.add(t)
+            acc += p / norm
+        keep = [t in nucleus for t in range(len(probs))]
+    z = sum(p for p, k in zip(probs, keep) if k)
+    return [p / z if k else 0.0 for p, k in zip(probs, keep)]
+
+
+@st.composite
+def penalty_cases(draw):
+    vocab = draw(st.integers(2, 40))
+    logits = draw(st.lists(st.floats(-8, 8), min_size=vocab, max_size=vocab, unique=True))
+    output = np.array(draw(st.lists(st.integers(0, vocab - 1), max_size=12)), dtype=np.int64)
+    prompt = np.unique(np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12)), dtype=np.int64))
+    repetition = draw(st.sampled_from([1.0, 0.5, 1.3, 2.0]))
+    suppress = tuple(draw(st.lists(st.integers(0, vocab - 1), max_size=2, unique=True)))
+    spec = SampleSpec(draw(st.sampled_from([0.0, 0.7, 1.0, 1.5])), draw(st.sampled_from([1.0, 0.9, 0.5])),
+                      draw(st.integers(0, 5)), draw(st.integers(0, 2 ** 40)), draw(st.integers(0, 50)), 0,
+                      min_p=draw(st.sampled_from([0.0, 0.05, 0.3])), suppress=suppress,
+                      presence=draw(st.floats(-2, 2)), frequency=draw(st.floats(-2, 2)), repetition=repetition,
+                      output=output, prompt=prompt if repetition != 1.0 else None)
+    return logits, spec
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(penalty_cases())
+def test_penalties_min_p_and_min_tokens_match_the_reference(case):
+    """The sampler's token: the argmax of the reference scores when greedy, else the draw that the seeded generator
+    makes from the reference distribution (the same generator as the sampler's)."""
+    logits, spec = case
+    assume = len([x for t, x in enumerate(logits) if t not in spec.suppress])
+    if not assume:
+        return
+    scores = _reference_scores(logits, spec)
+    token, lp, _ = sample(torch.tensor(logits), spec)
+    assert token not in spec.suppress
+    torch.testing.assert_close(lp, float(torch.log_softmax(torch.tensor(logits), -1)[token]))  # the model's own
+    if spec.temperature == 0:
+        assert scores[token] == max(scores)
+        return
+    probs = _reference_probs(scores, spec)
+    gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2 ** 63))
+    ref = int(torch.multinomial(torch.tensor(probs, dtype=torch.float32), 1, generator=gen))
+    assert token == ref and probs[token] > 0
+
+
+def test_penalties_by_hand():
+    """Numbers worked by hand: output [1, 1, 2], prompt {3}; r=2, frequency 0.5, presence 1."""
+    logits = torch.tensor([1.0, 4.0, -2.0, 3.0, 0.5])
+    spec = SampleSpec(0.0, 1.0, 0, 0, 0, 0, frequency=0.5, presence=1.0, repetition=2.0,
+                      output=np.array([1, 1, 2]), prompt=np.array([3]))
+    from cpinfer.engine.sampling import penalize
+    expect = torch.tensor([1.0, 4.0 / 2 - 1.0 - 1.0, -2.0 * 2 - 0.5 - 1.0, 3.0 / 2, 0.5])
+    torch.testing.assert_close(penalize(logits.clone(), spec), expect)
+    assert sample(logits, spec)[0] == 3  # 1.5 beats 1.0 (token 0); token 1 fell to 0.0
+    # min_tokens: the stop token (here 3) is suppressed, the next best (token 0) comes
+    assert sample(logits, dataclasses.replace(spec, suppress=(3,)))[0] == 0

@@ -256,7 +256,15 @@ def test_sampling_seed_stop_and_top_logprobs(server, client, offline):
 # ---------------------------------------------------------------------------------------------- errors
 LONG = "x" * (MAX_LEN + 10)  # one token per byte with the tiny tokenizer
 BAD_REQUESTS = [
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
+    ("/v1/completions", {"prompt": ["hi"] * 20, "n": 16}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": ["hi", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -285,7 +293,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(TINY_VOCAB + 1): 1}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

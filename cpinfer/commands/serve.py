@@ -17,6 +17,8 @@ from cpinfer.bench.attention import positive_int
 from cpinfer.device import add_arguments as add_device_arguments
 from cpinfer.device import check_arguments as check_device_arguments
 from cpinfer.device import engine_kwargs as device_kwargs
+from cpinfer.server.reasoning import REASONING_PARSERS
+from cpinfer.server.tool_parsers import TOOL_PARSERS
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -130,7 +132,8 @@ def run(args) -> int:
     config = ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key,
                           max_request_bytes=args.max_request_bytes,
                           allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                          enable_docs=args.enable_docs, stream_stall_timeout_s=args.stream_stall_timeout)
+                          enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser, stream_stall_timeout_s=args.stream_stall_timeout)
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
@@ -219,6 +222,11 @@ def register(subparsers) -> None:
     parser.add_argument("--allow-special-tokens-in-content", action="store_true",
                         help="let special-token text in chat message content ('<|im_end|>') become special tokens "
                              "(by default it is tokenized as plain text, so users cannot forge turns)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the model's tool-call format, parsed for tool_choice 'auto' (vLLM's names; default: "
+                             "recognised in the chat template)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="split <think> reasoning into reasoning_content (vLLM's names)")
     parser.add_argument("--enable-docs", action="store_true",
                         help="serve the OpenAPI schema at /openapi.json (off by default; no docs UI is served)")
     parser.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,

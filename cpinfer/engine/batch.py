@@ -28,6 +28,7 @@ class SeqInput:
     prompt_logprobs: bool = False  # return log p(next token) for each new token held on a rank
     spread: bool = True  # its keys (cached and new) sit on more than one rank: it takes part in the ring; else all
     # of them, old and new, are on ranks[0] and no other rank needs them
+    prompt_top: int = 0  # with prompt_logprobs: also the k most likely tokens at each of those positions
 
 
 # ---------------------------------------------------------------- cache operations between tiers (kv_tiers.py)
@@ -123,7 +124,8 @@ class SampleResult:
 @dataclasses.dataclass(frozen=True)
 class RankResult:
     samples: tuple[SampleResult, ...]
-    prompt_lp: dict[int, tuple[np.ndarray, np.ndarray]]  # seq → (offsets within its new tokens, log p(next))
+    prompt_lp: dict[int, tuple]  # seq → (offsets within its new tokens [M], log p(next) [M]) and, when its
+    # prompt_top is k > 0, (top ids [M, k], top log-probabilities [M, k])
     forward_s: float
     ring_wait_s: float
     idle: bool = False  # this rank had no token and no ring to serve: it skipped the model

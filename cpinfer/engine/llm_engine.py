@@ -552,13 +552,26 @@ class LLMEngine:
 
     def _seq_input(self, s: ScheduledSeq) -> SeqInput:
         req = s.request
-        spec = SampleSpec.of(req.params, req.seed, len(req.out), self._allowed(req)) if s.sample else None
+        spec = self._sample_spec(req) if s.sample else None
         end = s.start + len(s.tokens)
         known = len(req.prompt) + len(req.out)
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
-                        want_lp, s.placement.spread)
+                        want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0)
+
+    def _sample_spec(self, req: Request) -> SampleSpec:
+        """What the sampling rank needs: the stop tokens held back until min_tokens, and the tokens so far when a
+        penalty reads them (the output, and the prompt's distinct tokens for the repetition penalty)."""
+        p = req.params
+        suppress: tuple[int, ...] = ()
+        if len(req.out) < p.min_tokens:
+            suppress = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.config.eos_token_ids))
+        output = prompt = None
+        if p.penalized:
+            output = np.asarray(req.out, dtype=np.int64)
+            prompt = req.prompt_set() if p.repetition_penalty != 1.0 else None
+        return SampleSpec.of(p, req.seed, len(req.out), self._allowed(req), suppress, output, prompt)
 
     def _allowed(self, req: Request):
         """The grammar's bitmask of allowed next tokens (None: unconstrained, or its grammar failed: it ends)."""
@@ -621,15 +634,21 @@ class LLMEngine:
         return out
 
     def _collect_prompt_lp(self, req: Request, s: ScheduledSeq, b: int, results) -> None:
+        """Each rank's log-probabilities of the prompt positions it held (and their top-k, when asked)."""
         if req.prompt_lp is None:
             req.prompt_lp = [None] * len(req.prompt)
+            if req.params.top_logprobs:
+                req.prompt_top_lp = [None] * len(req.prompt)
         for res in results:
-            if b in res.prompt_lp:
-                offsets, values = res.prompt_lp[b]
-                for o, v in zip(offsets.tolist(), values.tolist()):
-                    target = s.start + o + 1
-                    if target < len(req.prompt):
-                        req.prompt_lp[target] = v
+            if b not in res.prompt_lp:
+                continue
+            offsets, values, *top = res.prompt_lp[b]
+            for i, (o, v) in enumerate(zip(offsets.tolist(), values.tolist())):
+                target = s.start + o + 1
+                if target < len(req.prompt):
+                    req.prompt_lp[target] = v
+                    if top and req.prompt_top_lp is not None:
+                        req.prompt_top_lp[target] = dict(zip(top[0][i].tolist(), top[1][i].tolist()))
 
     def _take_token(self, req: Request, res, now: float) -> None:
         token = res.token
@@ -649,8 +668,10 @@ class LLMEngine:
         self._counters["generation_tokens"] += 1
         p = req.params
         if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.out, skip_special_tokens=True)
-        if not p.ignore_eos and token in self.config.eos_token_ids:
+            req.text = self._decode(req, token)
+        if len(req.out) < p.min_tokens:  # nothing but the length ends it yet (vLLM's min_tokens)
+            pass
+        elif not p.ignore_eos and token in self.config.eos_token_ids:
             req.finish_reason = "stop"
         elif token in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", token
@@ -665,6 +686,15 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             self._matchers.pop(req.request_id, None)
             self._count_finish(req)
+
+    def _decode(self, req: Request, token: int) -> str:
+        """The output text. With skip_special_tokens off (a tool-call parser reading special markers), the token
+        that ends the output (EOS, a stop token) is still left out."""
+        p = req.params
+        if p.skip_special_tokens:
+            return self.tokenizer.decode(req.out, skip_special_tokens=True)
+        ends = token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids)
+        return self.tokenizer.decode(req.out[:-1] if ends else req.out, skip_special_tokens=False)
 
     @staticmethod
     def _hit_stop_string(req: Request) -> bool:
@@ -687,7 +717,7 @@ class LLMEngine:
             req.request_id, req.prompt, list(req.out), req.text if self.tokenizer is not None else None,
             list(req.logprobs) if req.params.logprobs else None, req.prompt_lp, max(req.num_cached, 0),
             req.finish_reason, req.metrics, list(req.top_logprobs) if req.params.top_logprobs else None,
-            finished, req.stop_reason)
+            finished, req.stop_reason, prompt_top_logprobs=req.prompt_top_lp)
 
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict:

@@ -192,12 +192,13 @@ class ModelRunner:
         return tuple(out)
 
     def _prompt_logprobs(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> dict:
-        """log p(next token) for each new token of a prompt-log-probs sequence held here, by offset in the chunk.
+        """log p(next token) for each new token of a prompt-log-probs sequence held here, by offset in the chunk
+        (and the top-k of each position's distribution for a sequence that asks).
 
-        Logits and their log-sum-exp stay on the device, chunk by chunk; only the chosen values cross to the host,
-        in one copy per forward."""
+        Logits and their log-sum-exp stay on the device, chunk by chunk; only the chosen values (and top-k) cross
+        to the host, in one copy per forward (two more with top-k)."""
         rank, dev = self.groups.cp_rank, hidden.device
-        wanted, parts = [], []
+        wanted, parts, tops = [], [], []
         for b, s in enumerate(batch.seqs):
             if not s.prompt_logprobs or not plan.counts[rank, b]:
                 continue
@@ -209,15 +210,25 @@ class ModelRunner:
             targets = torch.from_numpy(targets_all[offsets]).to(dev)  # [M] the next token of each
             for a in range(0, len(offsets), _LOGIT_CHUNK):
                 logits = self.model.compute_logits(hidden[rows[a:a + _LOGIT_CHUNK]])  # [m, vocab] fp32
-                chosen = logits.gather(1, targets[a:a + _LOGIT_CHUNK, None]).squeeze(1)  # [m]
-                parts.append(chosen - torch.logsumexp(logits, dim=-1))
-            wanted.append((b, offsets))
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [m, 1]
+                chosen = logits.gather(1, targets[a:a + _LOGIT_CHUNK, None])  # [m, 1]
+                parts.append((chosen - lse).squeeze(1))
+                if s.prompt_top:
+                    vals, ids = torch.topk(logits, min(s.prompt_top, logits.shape[1]), dim=-1)  # [m, k]
+                    tops.append((ids, vals - lse))
+            wanted.append((b, offsets, s.prompt_top))
         if not wanted:
             return {}
         values = torch.cat(parts).cpu().numpy() if parts else np.zeros(0, dtype=np.float32)  # the one host copy
-        result, at = {}, 0
-        for b, offsets in wanted:
+        result, at, t = {}, 0, 0
+        for b, offsets, k in wanted:
             result[b] = (offsets, values[at:at + len(offsets)])
+            if k and len(offsets):
+                n_chunks = -(-len(offsets) // _LOGIT_CHUNK)
+                chunk = tops[t:t + n_chunks]
+                t += n_chunks
+                result[b] += (torch.cat([i for i, _ in chunk]).cpu().numpy(),
+                              torch.cat([v for _, v in chunk]).cpu().numpy())
             at += len(offsets)
         return result
 

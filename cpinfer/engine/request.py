@@ -29,6 +29,7 @@ class Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     prompt_lp: list[float | None] | None = None
+    prompt_top_lp: list[dict[int, float] | None] | None = None  # with prompt_lp when top_logprobs is set
     kv: SeqKV | None = None
     num_cached: int = -1  # prompt tokens reused from the prefix cache at first admission (-1: not admitted yet)
     refilled: int = -1  # it filled a hole of its cached path up to here and waits to match on below (else -1)
@@ -38,6 +39,7 @@ class Request:
     text: str = ""
     metrics: dict = dataclasses.field(default_factory=lambda: {"steps": [], "ttit_s": []})
     t_last: float = 0.0
+    _prompt_set: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     @property
     def known(self) -> list[int]:
@@ -67,6 +69,12 @@ class Request:
     def known_array(self) -> np.ndarray:
         return np.asarray(self.known, dtype=np.int64)
 
+    def prompt_set(self) -> np.ndarray:
+        """[u] int64: the prompt's distinct tokens (what the repetition penalty reads), computed once."""
+        if self._prompt_set is None:
+            self._prompt_set = np.unique(np.asarray(self.prompt, dtype=np.int64))
+        return self._prompt_set
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -85,6 +93,7 @@ class RequestOutput:
     finished: bool = False
     stop_reason: str | int | None = None
     error: str | None = None  # finish_reason "error": why this request alone failed (for the log, not clients)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, when asked (first None)
 
 
 @dataclasses.dataclass

@@ -2,6 +2,10 @@
 
 Sampling is reproducible whatever the CP size or batch: the random draw of output token k of a request uses a
 generator seeded from (request seed, k), so any rank can take it and a preempted request resamples identically.
+Penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`), `min_p` and `min_tokens` follow vLLM's
+semantics and order: grammar mask, logit bias and the `min_tokens` stop-token mask, then the penalties on the
+logits, then greedy argmax, or temperature → min_p → top-k → top-p → the draw.
+
 The sampler is total: any logits (NaN, ±inf included) and any valid parameters give a token, unless the request's
 own constraints (its grammar mask, its logit bias) leave no token allowed; that is a `SamplingError` for that
 request alone, never for the forward.
@@ -35,9 +39,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # log-probability of each chosen token
     top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs)
-    prompt_logprobs: bool = False  # log-probability of each prompt token (first is None); disables prefix reuse
+    prompt_logprobs: bool = False  # log-probability of each prompt token (first is None), and its `top_logprobs`
+    # most likely tokens when that is set; the prompt is recomputed, never taken from the prefix cache
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: str | None = None  # an llguidance grammar (JSON) the output must follow (docs/serving.md)
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every token already output
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output so far
+    repetition_penalty: float = 1.0  # > 0: logits of prompt and output tokens divided (if > 0) or multiplied by it
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely (after temperature)
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
+    skip_special_tokens: bool = True  # special tokens are left out of the output text
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -67,6 +78,26 @@ class SamplingParams:
             raise ValueError("grammar must be an llguidance grammar as a JSON string")
         if self.top_logprobs:
             object.__setattr__(self, "logprobs", True)
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {m!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling reads the tokens so far (the output; the prompt too for the repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -85,11 +116,21 @@ class SampleSpec:
     top_logprobs: int  # 0: only the chosen token's log-probability
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed: np.ndarray | None = None  # [ceil(V/32)] int32 bitmask of the tokens the request's grammar allows
+    min_p: float = 0.0
+    suppress: tuple[int, ...] = ()  # tokens that may not come yet (stop tokens before min_tokens)
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    output: np.ndarray | None = None  # [k] int64 output tokens so far (penalized requests only)
+    prompt: np.ndarray | None = None  # [u] int64 distinct prompt tokens (repetition penalty only)
 
     @classmethod
-    def of(cls, params: SamplingParams, seed: int, step: int, allowed: np.ndarray | None = None) -> "SampleSpec":
+    def of(cls, params: SamplingParams, seed: int, step: int, allowed: np.ndarray | None = None,
+           suppress: tuple[int, ...] = (), output: np.ndarray | None = None,
+           prompt: np.ndarray | None = None) -> "SampleSpec":
         return cls(params.temperature, params.top_p, params.top_k, seed, step, params.top_logprobs,
-                   params.logit_bias, allowed)
+                   params.logit_bias, allowed, params.min_p, suppress, params.presence_penalty,
+                   params.frequency_penalty, params.repetition_penalty, output, prompt)
 
 
 def allowed_mask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
@@ -116,14 +157,42 @@ def _processed(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         scores = scores.masked_fill(~ok, _NEG)
     else:
         ok = None
+    if spec.suppress:
+        scores[torch.tensor([t for t in spec.suppress if t < vocab], dtype=torch.long)] = _NEG
+    scores = penalize(scores, spec)
     if bool(torch.isneginf(scores).all()):  # nothing finite: every allowed token is equally likely
         scores = torch.zeros_like(scores) if ok is None else torch.zeros_like(scores).masked_fill(~ok, _NEG)
     return scores
 
 
+def penalize(scores: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+    """vLLM's penalties on [vocab] scores: the repetition penalty on every token of the prompt or the output so far
+    (a positive score divided by it, a negative one multiplied), then frequency × count and presence × seen
+    subtracted for the output's tokens."""
+    if spec.output is None and spec.prompt is None:
+        return scores
+    vocab = scores.numel()
+    out = torch.as_tensor(spec.output if spec.output is not None else np.zeros(0, np.int64), dtype=torch.long)
+    counts = torch.bincount(out[out < vocab], minlength=vocab).float()  # [vocab]
+    if spec.repetition != 1.0:
+        seen = counts > 0
+        if spec.prompt is not None:
+            prompt = torch.as_tensor(spec.prompt, dtype=torch.long)
+            seen[prompt[prompt < vocab]] = True
+        scaled = torch.where(scores > 0, scores / spec.repetition, scores * spec.repetition)
+        scores = torch.where(seen, scaled, scores)
+    if spec.frequency:
+        scores = scores - spec.frequency * counts
+    if spec.presence:
+        scores = scores - spec.presence * (counts > 0).float()
+    return scores
+
+
 def _draw(scores: torch.Tensor, spec: SampleSpec) -> int:
-    """Temperature, top-k, top-p, then one draw from the seeded generator (scores have a finite maximum)."""
+    """Temperature, min-p, top-k, top-p, then one draw from the seeded generator (scores have a finite maximum)."""
     scores = (scores - scores.max()) / spec.temperature  # every score <= 0: no overflow whatever the temperature
+    if spec.min_p > 0:  # the most likely token has score 0: keep p >= min_p * p_max, i.e. score >= log(min_p)
+        scores = scores.masked_fill(scores < math.log(spec.min_p), _NEG)
     if spec.top_k:
         kth = torch.topk(scores, min(spec.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, _NEG)

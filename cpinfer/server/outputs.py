@@ -1,5 +1,6 @@
 """From the engine's cumulative `RequestOutput` to OpenAI response pieces: usage, log-probabilities (completions and
-chat shapes), tool calls of a constrained output, and the text / token deltas a stream sends.
+chat shapes; with `echo`, the prompt's own first), tool calls of a constrained output, and the text / token deltas a
+stream sends.
 """
 from __future__ import annotations
 
@@ -71,6 +72,19 @@ def usage(out) -> P.Usage:
     return P.Usage.of(len(out.prompt_token_ids), len(out.token_ids), int(out.num_cached_tokens or 0))
 
 
+def usage_of(outs: list, n: int, completion_tokens: bool = True) -> P.Usage:
+    """Usage of a request's choices (prompt-major, n per prompt): each prompt's tokens and cached tokens counted
+    once (its first sample's: the one that prefilled it), every choice's completion tokens."""
+    firsts = outs[::n]
+    done = sum(len(o.token_ids) for o in outs) if completion_tokens else 0
+    return P.Usage.of(sum(len(o.prompt_token_ids) for o in firsts), done,
+                      sum(int(o.num_cached_tokens or 0) for o in firsts))
+
+
+def _top(tokenizer, top: dict | None) -> dict | None:
+    return None if top is None else {token_str(tokenizer, t): finite(lp) for t, lp in top.items()}
+
+
 def completion_logprobs(tokenizer, out, idx: range, start_offset: int) -> P.CompletionLogprobs:
     tokens, lps, tops, offsets = [], [], [], []
     offset = start_offset
@@ -81,9 +95,33 @@ def completion_logprobs(tokenizer, out, idx: range, start_offset: int) -> P.Comp
         offset += len(tok)
         lps.append(finite(out.logprobs[i]) if out.logprobs else None)
         if out.top_logprobs:
-            tops.append({token_str(tokenizer, t): finite(lp) for t, lp in out.top_logprobs[i].items()})
+            tops.append(_top(tokenizer, out.top_logprobs[i]))
     return P.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops if out.top_logprobs else None,
                                 text_offset=offsets)
+
+
+def echo_logprobs(tokenizer, out, top: int, with_output: bool) -> P.CompletionLogprobs:
+    """`echo` with `logprobs`: every prompt token (the first has no log-probability: null, as OpenAI and vLLM send
+    it), then the output's tokens unless the request scored the prompt only (max_tokens 0)."""
+    tokens = [token_str(tokenizer, t) for t in out.prompt_token_ids]
+    offsets = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        offsets[i] = offsets[i - 1] + len(tokens[i - 1])
+    lps = [finite(lp) for lp in (out.prompt_logprobs or [None] * len(tokens))]
+    tops = None
+    if top:
+        prompt_tops = out.prompt_top_logprobs or [None] * len(tokens)
+        tops = [_top(tokenizer, t) for t in prompt_tops]
+    lp = P.CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets)
+    if with_output and out.token_ids:
+        end = offsets[-1] + len(tokens[-1]) if tokens else 0
+        rest = completion_logprobs(tokenizer, out, range(len(out.token_ids)), end)
+        lp.tokens += rest.tokens
+        lp.token_logprobs += rest.token_logprobs
+        lp.text_offset += rest.text_offset
+        if tops is not None:
+            lp.top_logprobs += rest.top_logprobs or [None] * len(rest.tokens)
+    return lp
 
 
 def chat_logprobs(tokenizer, out, idx: range) -> P.ChatLogprobs:

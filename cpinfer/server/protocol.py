@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI API (completions, chat, models, errors) as pydantic models, plus the
-vLLM extras cpinfer accepts (`top_k`, `ignore_eos`, `stop_token_ids`, `add_generation_prompt`, `/tokenize`,
-`/detokenize`).
+vLLM extras cpinfer accepts (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
+`add_generation_prompt`, `skip_special_tokens`, `/tokenize`, `/detokenize`).
 
 Requests are strict: an int is a JSON integer and a bool a JSON boolean (no "5" or "yes"), floats are finite, and
 a field cpinfer does not implement is a 400 naming it, never accepted and ignored (docs/serving.md lists them).
@@ -20,6 +20,8 @@ MAX_STOP, MAX_STOP_CHARS = 16, 1000
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_TOOLS = 128
+MAX_N = 16  # samples per prompt (`n`)
+MAX_CHOICES = 256  # prompts × n in one request
 _INT64 = 2 ** 63
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -73,17 +75,21 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, le=100)  # vLLM extra: 1 = off
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)  # vLLM extra
+    min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM extra
+    skip_special_tokens: Optional[bool] = None  # vLLM extra (default true)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[ResponseFormat] = None
     user: Optional[str] = Field(default=None, max_length=256)  # written to the server log with the request id
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got n={n}")
+    def _choices(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}] (samples of one prompt), got n={n}")
         return n
 
     @field_validator("stop")
@@ -104,13 +110,6 @@ class _SamplingRequest(_Strict):
         if ids is not None and any(i < 0 for i in ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return ids
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value):
-        if value not in (None, 0, 0.0):
-            raise ValueError("presence/frequency penalties are not supported; send 0 or leave them out")
-        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -146,6 +145,12 @@ class _SamplingRequest(_Strict):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "logit_bias": tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            "presence_penalty": float(self.presence_penalty or 0.0),
+            "frequency_penalty": float(self.frequency_penalty or 0.0),
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            "min_p": float(self.min_p or 0.0),
+            "min_tokens": int(self.min_tokens or 0),
+            "skip_special_tokens": self.skip_special_tokens is not False,
         }
         if stops:
             kwargs["stop"] = tuple(stops)
@@ -160,47 +165,46 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0: with echo, score the prompt only
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, suffix):
-        if suffix:
-            raise ValueError("suffix is not supported")
+        if suffix is not None:
+            raise ValueError("suffix (fill-in-the-middle) is not supported; leave it out")
         return suffix
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, best_of):
-        if best_of not in (None, 1):
-            raise ValueError(f"only best_of=1 is supported, got {best_of}")
-        return best_of
+    @model_validator(mode="after")
+    def _choices_and_echo(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only null or equal to n ({self.n}) is supported (cpinfer returns every "
+                             f"sample; it does not rank extra candidates), got {self.best_of}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (score the prompt); send at least 1")
+        if self.echo and self.stream:
+            raise ValueError("echo: not supported with stream (send stream: false to score a prompt)")
+        if self.echo and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("echo: cannot be combined with a response_format")
+        return self
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt of this request (a list of one prompt is unwrapped); several → ValueError."""
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of this request, in order (one string, one token list, or a list of either)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError(f"batched prompts are not supported: send one prompt per request (got {len(p)})")
-            p = p[0]
-        if isinstance(p, str) and not p:
-            raise ValueError("prompt is empty")
-        if isinstance(p, list):
-            if not p:
-                raise ValueError("prompt is empty")
-            if not all(isinstance(t, int) for t in p):
-                raise ValueError("a token-id prompt must be a list of integers")
-        return p
+        prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(prompts)} prompts × n={self.n} = {len(prompts) * self.n} choices; at most "
+                             f"{MAX_CHOICES} per request")
+        for i, one in enumerate(prompts):
+            where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+            if not one:
+                raise ValueError(f"{where} is empty")
+            if isinstance(one, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+                raise ValueError(f"{where}: a token-id prompt must be a list of integers")
+        return prompts
 
 
 class TextPart(_Strict):
@@ -225,11 +229,19 @@ class ChatMessage(_Strict):
     name: Optional[str] = Field(default=None, max_length=256)
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an earlier reply's thought, handed to the chat template
+    # what the openai SDK sends back with an earlier reply (`messages.append(reply.message)`): accepted when empty
+    refusal: Optional[str] = None
+    annotations: Optional[list[Any]] = Field(default=None, max_length=0)
+    audio: Optional[None] = None
+    function_call: Optional[None] = None
 
     @model_validator(mode="after")
     def _role_fields(self):
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.refusal:
+            raise ValueError("refusal: only an empty refusal is accepted in a message")
+        if (self.tool_calls is not None or self.reasoning_content is not None) and self.role != "assistant":
+            raise ValueError("tool_calls / reasoning_content are only allowed on assistant messages")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id is only allowed on tool messages")
         return self
@@ -250,6 +262,8 @@ class ChatMessage(_Strict):
             m["name"] = self.name
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            m["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             calls = []
             for c in self.tool_calls:
@@ -314,10 +328,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
         choice = self.tool_choice
-        if self.tools and choice in (None, "auto"):
-            raise ValueError("tool_choice: 'auto' (the default when tools are given) needs a tool-call parser, "
-                             "which cpinfer does not have; send 'required', 'none' or "
-                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
         if choice is not None and choice != "none" and not self.tools:
             raise ValueError("tool_choice: a tool call needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
@@ -327,6 +337,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.parallel_tool_calls is not None and not self.tools:
             raise ValueError("parallel_tool_calls: only allowed with tools")
         return self
+
+    @property
+    def auto_tools(self) -> bool:
+        """Tools with tool_choice "auto" (the default): the model decides; its own call format is parsed."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def tool_mode(self) -> str | None:
@@ -428,6 +443,7 @@ class ResponseToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # vLLM's field, with --reasoning-parser
     tool_calls: Optional[list[ResponseToolCall]] = None
 
 
@@ -455,6 +471,7 @@ class DeltaToolCall(ResponseToolCall):
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

@@ -1,0 +1,102 @@
+"""`POST /v1/completions`: prompts (text or token ids, one or a list) → one choice per prompt and sample (`n`),
+whole or streamed as server-sent events, as evaluation harnesses use it: `echo` returns the prompt's text and, with
+`logprobs`, its tokens' log-probabilities (recomputed, never read from the prefix cache: a cached prefix has no
+logits); `max_tokens: 0` with `echo` scores the prompt only.
+
+Choice `index` is prompt-major: prompt i's sample j is choice i·n + j. The samples of one prompt are independent
+requests with seeds seed+j; the engine prefills their shared prompt once and the others reuse its K/V from the
+prefix tree (all but the last token, whose logits each needs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from cpinfer.server import protocol as P
+from cpinfer.server.errors import APIError
+from cpinfer.server.outputs import Progress, completion_logprobs, echo_logprobs, usage_of
+from cpinfer.server.state import DEFAULT_COMPLETION_TOKENS, OpenAIServer, dump, log_request, request_id
+
+
+def choice_params(params, n: int, seed: int | None) -> list:
+    """n copies of a request's SamplingParams; with a seed, sample j gets seed + j (independent, reproducible)."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if seed is None else (seed + j) % (2 ** 63)) for j in range(n)]
+
+
+async def create_completion(server: OpenAIServer, http_request: Request):
+    t0 = time.monotonic()
+    req = await server.parse(http_request, P.CompletionRequest)
+    server.check_model(req.model)
+    server.check_alive()
+    try:
+        prompts = req.prompts()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
+    encoded = [await server.encode(server.prompts.encode_text, p, True, param="prompt") if isinstance(p, str) else p
+               for p in prompts]
+    schema = req.response_format.output_schema() if req.response_format is not None else None
+    grammar = await server.grammar(schema, "response_format")
+    score_only = req.max_tokens == 0  # echo of the prompt alone: the one sampled token is dropped
+    max_tokens = 1 if score_only else req.max_tokens or DEFAULT_COMPLETION_TOKENS
+    top = int(req.logprobs or 0)
+    params = server.sampling_params(req, max_tokens, top, req.logprobs is not None, grammar)
+    if req.echo and req.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=True)
+    per_choice = [(ids, p) for ids in encoded for p in choice_params(params, req.n, req.seed)]
+    rid, created = f"cmpl-{request_id(http_request)}", int(time.time())
+    log_request(rid, req)
+    rids, streams = await server.add_requests(rid, [c[0] for c in per_choice], [c[1] for c in per_choice], "prompt")
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    if not req.stream:
+        outs = await server.collect(rids, streams, http_request, "completions", t0)
+        if outs is None:
+            return Response(status_code=499)
+        choices = [_choice(server, req, i, out, texts[i // req.n], score_only) for i, out in enumerate(outs)]
+        return dump(P.CompletionResponse(id=rid, created=created, model=server.name, choices=choices,
+                                         usage=usage_of(outs, req.n, not score_only)))
+    return server.stream_response(rids, _stream(server, req, rid, created, rids, streams, t0))
+
+
+def _choice(server: OpenAIServer, req: P.CompletionRequest, index: int, out, prompt_text: str | None,
+            score_only: bool) -> P.CompletionChoice:
+    tok = server.tokenizer
+    text = "" if score_only else out.text or ""
+    if req.echo:
+        if prompt_text is None:
+            prompt_text = tok.decode(out.prompt_token_ids) if tok is not None else ""
+        text = prompt_text + text
+        lp = echo_logprobs(tok, out, int(req.logprobs or 0), not score_only) if req.logprobs is not None else None
+    else:
+        lp = completion_logprobs(tok, out, range(len(out.token_ids)), 0) if req.logprobs is not None else None
+    return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=out.finish_reason,
+                              stop_reason=out.stop_reason)
+
+
+def _stream(server: OpenAIServer, req: P.CompletionRequest, rid: str, created: int, rids: list, streams: list,
+            t0: float):
+    tok, name = server.tokenizer, server.name
+
+    def chunks(i: int, out, progress: Progress) -> list[dict]:
+        if out is None:
+            return []
+        start = progress.chars
+        delta, new = progress.advance(out)
+        if not delta and not len(new) and not out.finished:
+            return []
+        lp = completion_logprobs(tok, out, new, start) if req.logprobs is not None else None
+        choice = P.CompletionChoice(index=i, text=delta, logprobs=lp, finish_reason=out.finish_reason
+                                    if out.finished else None, stop_reason=out.stop_reason if out.finished else None)
+        body = dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice]))
+        if not req.include_usage:
+            body.pop("usage")
+        return [body]
+
+    def usage_chunk(outs: list) -> dict:
+        return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[], usage=usage_of(outs, req.n)))
+
+    return server.sse(rids, streams, chunks, usage_chunk if req.include_usage else None, "completions", t0)

@@ -1,0 +1,339 @@
+"""What every route of `cpinfer serve` shares, kept on `app.state.server`: the engine, the server's configuration,
+the prompt encoder (its thread pool), the metrics, and the helpers that parse bodies, check them, run a request
+and stream it as server-sent events (docs/serving.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from fastapi import Request
+from pydantic import ValidationError
+
+from cpinfer.engine.async_llm import RequestFailedError
+from cpinfer.server import protocol as P
+from cpinfer.server.errors import APIError, error_body, validation_message
+from cpinfer.server.metrics import ServerMetrics
+from cpinfer.server.outputs import Progress
+from cpinfer.server.prompts import PromptEncoder, PromptError
+from cpinfer.server.reasoning import reasoning_parser_for
+from cpinfer.server.streaming import GuardedSSE
+from cpinfer.server.tool_parsers import tool_parser_for
+from cpinfer.utils import get_logger
+
+log = get_logger()
+DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI completions default for max_tokens
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+DEAD_MESSAGE = "the engine is not running (a rank failed); the server must be restarted"
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """Room for a max_model_len prompt of plain text, JSON-escaped: 32 bytes per token, at least 1 MiB."""
+    return max(1 << 20, 32 * max_model_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """What the routes need besides the engine: the public model name, the API key and the request limits."""
+
+    served_model_name: str
+    model_path: str | None = None  # for the log only: never sent to clients
+    api_key: str | None = None
+    max_request_bytes: int | None = None  # None: default_max_request_bytes(max_model_len)
+    allow_special_tokens_in_content: bool = False
+    enable_docs: bool = False
+    tool_call_parser: str | None = None  # vLLM's names (tool_parsers.py); None: recognised in the chat template
+    reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3" (reasoning.py); None: no reasoning split
+    stream_stall_timeout_s: float = 60.0  # a streaming client that takes no data this long is disconnected
+
+    def __post_init__(self):
+        if not self.served_model_name or not self.served_model_name.strip():
+            raise ValueError("served_model_name must be a non-empty string")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be non-empty when given (leave it out to disable authentication)")
+        if self.max_request_bytes is not None and (not isinstance(self.max_request_bytes, int)
+                                                   or self.max_request_bytes < 1024):
+            raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        if not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s!r}")
+        tool_parser_for(self.tool_call_parser, None)  # ValueError naming the choices
+        reasoning_parser_for(self.reasoning_parser)
+
+
+class OpenAIServer:
+    """Routes and helpers bound to one engine. `engine` follows the `AsyncLLM` API of docs/engine.md."""
+
+    def __init__(self, engine: Any, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self.name = config.served_model_name
+        self.max_model_len = int(engine.max_model_len)
+        self.max_request_bytes = config.max_request_bytes or default_max_request_bytes(self.max_model_len)
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, config.allow_special_tokens_in_content)
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = tool_parser_for(config.tool_call_parser, template if isinstance(template, str) else None)
+        self.reasoning = config.reasoning_parser  # a parser is made per choice (reasoning_parser_for)
+        self.metrics = ServerMetrics(config.served_model_name, engine.stats, lambda: bool(engine.errored))
+
+    # ------------------------------------------------------------------ checks
+    def count_error(self, request: Request, status: int) -> None:
+        """Error responses of the generation routes count as `rejected` (4xx) or `error` (5xx)."""
+        endpoint = _ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            self.metrics.outcome(endpoint, "rejected" if status < 500 else "error")
+
+    async def parse(self, request: Request, model: type):
+        """The body as `model`, validated strictly in the tokenizer pool (a large body never blocks the loop)."""
+        body = await request.body()
+        try:
+            return await self.prompts.run(model.model_validate_json, body)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise APIError(400, message, param, "invalid_parameter") from None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(400, f"the model '{name}' does not exist; this server serves "
+                                f"'{self.config.served_model_name}'", param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        if self.engine.errored:
+            raise APIError(503, DEAD_MESSAGE, code="engine_dead")
+
+    def failure(self, exc: BaseException, request_id: str) -> APIError:
+        """What a client learns of a failure: a generic message and the request id; the log gets the details."""
+        if isinstance(exc, APIError):
+            return exc
+        if self.engine.errored:
+            return APIError(503, f"{DEAD_MESSAGE} (request id {request_id})", code="engine_dead")
+        if isinstance(exc, RequestFailedError):
+            log.error("request %s failed: %s", request_id, exc.reason)
+        else:
+            log.exception("request %s failed", request_id, exc_info=exc)
+        return APIError(500, f"the request failed on the server; the server log has the details under request id "
+                             f"{request_id}", code="request_failed")
+
+    def sampling_params(self, req: P._SamplingRequest, max_tokens: int, top_logprobs: int, logprobs: bool,
+                        grammar: str | None):
+        from cpinfer import SamplingParams
+
+        vocab = int(self.engine.config.vocab_size)
+        bad = [k for k in (req.logit_bias or {}) if int(k) >= vocab]
+        if bad:
+            raise APIError(400, f"logit_bias: token ids must be below the vocabulary size {vocab}, got {bad[:5]}",
+                           param="logit_bias", code="invalid_parameter")
+        try:
+            return SamplingParams(**req.sampling_kwargs(max_tokens, top_logprobs, logprobs), grammar=grammar)
+        except ValueError as exc:  # SamplingParams names the field first: "min_tokens must be ..."
+            field = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=field if field.isidentifier() else None,
+                           code="invalid_parameter") from None
+
+    async def grammar(self, schema: dict | None, param: str) -> str | None:
+        """The llguidance grammar for an output schema, validated against the tokenizer (in the pool)."""
+        if schema is None:
+            return None
+        from cpinfer.engine.structured import json_schema_grammar
+
+        def build() -> str:
+            grammar = json_schema_grammar(schema)
+            self.engine.validate_grammar(grammar)
+            return grammar
+
+        try:
+            return await self.prompts.run(build)
+        except ValueError as exc:
+            raise APIError(400, str(exc)[:600], param=param, code="invalid_schema") from None
+
+    async def encode(self, fn: Callable, *args, param: str):
+        try:
+            return await self.prompts.run(fn, *args)
+        except PromptError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_prompt") from None
+
+    # ------------------------------------------------------------------ running a request
+    async def add_requests(self, rid: str, prompts: list, params: list, param: str) -> tuple[list[str], list]:
+        """One engine request per choice (`rid-i`), all validated before any is queued; aborted again if a later
+        one fails to queue."""
+        self.check_alive()
+        try:
+            checked = [await self.prompts.run(self.engine.validate, p, sp) for p, sp in zip(prompts, params)]
+        except ValueError as exc:  # empty / over-long prompt, bad token ids: the engine names the numbers
+            raise APIError(400, str(exc), param=getattr(exc, "param", param), code="invalid_prompt") from None
+        rids = [rid] if len(checked) == 1 else [f"{rid}-{i}" for i in range(len(checked))]
+        streams = []
+        try:
+            for r, ids, sp in zip(rids, checked, params):
+                streams.append(self.engine.add_request(r, ids, sp))
+        except ValueError as exc:
+            for r in rids[:len(streams)]:
+                self.abort(r)
+            raise APIError(400, str(exc), param=param, code="invalid_prompt") from None
+        return rids, streams
+
+    async def collect(self, rids: list[str], streams: list, http_request: Request, endpoint: str, t0: float):
+        """Drain every stream to its final output (a list, in order); abort them all if the client goes away first
+        (None) or one fails (raised as an APIError)."""
+
+        async def drain(stream):
+            last = None
+            async for out in stream:
+                last = out
+            return last
+
+        async def disconnected():
+            while True:
+                message = await http_request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        works = [asyncio.ensure_future(drain(s)) for s in streams]
+        everything, watch = asyncio.ensure_future(asyncio.gather(*works)), asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({everything, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if everything in done:
+                outs = everything.result()  # raises what a stream raised
+                for out in outs:
+                    self.finished(out, endpoint, t0)
+                return outs
+            self.metrics.outcome(endpoint, "abort")
+            return None
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a dead rank, this request's own failure, or a bug
+            raise self.failure(exc, rids[0]) from None
+        finally:
+            watch.cancel()
+            if not everything.done():
+                everything.cancel()
+            for rid, work, stream in zip(rids, works, streams):
+                if not work.done():
+                    work.cancel()
+                    self.abort(rid)
+                    await self._close(stream)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except (ValueError, KeyError):  # it finished (or failed) meanwhile: nothing left to abort
+            pass
+        except Exception as exc:  # noqa: BLE001 - a dead engine cannot abort; the request is gone with it
+            log.debug("abort of %s failed: %s", request_id, exc)
+
+    async def _close(self, stream) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await stream.aclose()
+            except Exception:  # noqa: BLE001 - closing an aborted or failed stream may raise; nothing to save
+                pass
+
+    def finished(self, out, endpoint: str, t0: float) -> None:
+        self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length") else "stop")
+        m = out.metrics or {}
+        self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), time.monotonic() - t0)
+
+    def stream_response(self, rids: list[str], events) -> GuardedSSE:
+        """The SSE response of streamed requests; a client that stops reading for the stall timeout is cut off and
+        its requests aborted."""
+        def abort() -> None:
+            for rid in rids:
+                self.abort(rid)
+        return GuardedSSE(events, self.config.stream_stall_timeout_s, abort)
+
+    async def sse(self, rids: list[str], streams: list, chunks: Callable[[int, Any, Progress], list[dict]],
+                  usage_chunk: Callable[[list], dict] | None, endpoint: str, t0: float) -> AsyncIterator[str]:
+        """Server-sent events: one `data:` line per chunk of any choice (chunks(i, out, progress) for choice i), an
+        error event if a request fails, the usage of all choices, then [DONE]."""
+        progress = [Progress() for _ in streams]
+        complete = False
+        try:
+            for i, p in enumerate(progress):
+                for first in chunks(i, None, p):
+                    yield f"data: {json.dumps(first)}\n\n"
+            async for i, out in _merged(streams):
+                for chunk in chunks(i, out, progress[i]):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            complete = True
+            lasts = [p.last for p in progress]
+            if all(last is not None for last in lasts):
+                for last in lasts:
+                    self.finished(last, endpoint, t0)
+                if usage_chunk is not None:
+                    yield f"data: {json.dumps(usage_chunk(lasts))}\n\n"
+        except Exception as exc:  # noqa: BLE001 - headers are sent: report in the stream, then end it
+            complete = True
+            self.metrics.outcome(endpoint, "error")
+            err = self.failure(exc, rids[0])
+            yield f"data: {json.dumps(error_body(err.status, err.message, code=err.code))}\n\n"
+            for rid in rids:  # the other choices stop too
+                self.abort(rid)
+        finally:
+            if not complete:  # the client disconnected (we were cancelled) or the server is stopping
+                for rid, stream in zip(rids, streams):
+                    self.abort(rid)
+                    await self._close(stream)
+                self.metrics.outcome(endpoint, "abort")
+        yield "data: [DONE]\n\n"
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) from several request streams as they come; the first failure is raised."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                inbox.put_nowait((i, out, None))
+            inbox.put_nowait((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            inbox.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, out, exc = await inbox.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                left -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def dump(model) -> dict:
+    body = model.model_dump()
+    for choice in body.get("choices") or []:  # OpenAI leaves tool_calls out of a plain message
+        message = choice.get("message")
+        if isinstance(message, dict):
+            for key in ("tool_calls", "reasoning_content"):
+                if message.get(key) is None:
+                    message.pop(key, None)
+    return body
+
+
+def request_id(http_request: Request) -> str:
+    """The guard's id of this HTTP request (its X-Request-Id header); the response id and the log use it too."""
+    return http_request.scope.get("state", {}).get("request_id") or P.new_id("req")
+
+
+def log_request(rid: str, req) -> None:
+    """The OpenAI `user` field is recorded in the server log with the request id."""
+    if req.user:
+        log.info("request %s from user %r", rid, req.user)
+
+
+def server_of(request: Request) -> OpenAIServer:
+    return request.app.state.server
