@@ -125,3 +125,55 @@ def test_a_client_that_stops_reading_is_cut_off_and_memory_stays_flat(model_dir)
             assert _stream(srv.url, 8)["finish"] == "length"  # the server goes on
     finally:
         srv.close()
+
+
+def _chat(srv: ServerProcess, messages: list) -> str:
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def _damage_kv(f) -> None:
+    raw = bytearray(f.read_bytes())
+    mid = len(raw) - 1024
+    raw[mid:mid + 64] = bytes(b ^ 0x5A for b in raw[mid:mid + 64])
+    f.write_bytes(bytes(raw))
+
+
+def test_a_damaged_disk_tier_never_takes_the_server_down(model_dir, tmp_path):
+    """The reported crash loop, at CP2 through the HTTP API: a chat's entry damaged between two runs, then (live) a
+    chat pushed to disk whose file is damaged and then deleted, with a junk file in the directory. Every answer
+    equals the first, tier-less answer to the same messages, no 5xx, /health 200, the server exits 0 and junk is
+    quarantined (tests/test_tier_faults.py: the next start meets no entry found bad)."""
+    d = tmp_path / "kv"
+    args = ["--model", str(model_dir), "--cp", "2", "--kv-disk-dir", str(d), *ARGS, "--max-kv-tokens-per-rank",
+            "1024", "--log-level", "info"]
+    chats = [[{"role": "user", "content": f"chat {i}: " + "tell me about the sharded cache. " * 8}] for i in range(4)]
+    s1 = ServerProcess(args)
+    try:
+        first = [_chat(s1, c) for c in chats]  # chats 0.. are pushed to disk by the later ones
+    finally:
+        assert s1.stop() == 0
+        s1.close()
+    entries = sorted(d.glob("*.safetensors"))
+    assert entries
+    for f in entries[:2]:
+        _damage_kv(f)
+    (d / "notes.txt").write_text("not an entry")
+    s2 = ServerProcess(args)
+    try:
+        assert [_chat(s2, c) for c in chats] == first  # damaged ones recomputed, the others restored
+        assert httpx.get(s2.url + "/health").status_code == 200
+        for f in sorted(d.glob("*.safetensors")):  # live: damage every entry now on disk, delete one
+            _damage_kv(f)
+        next(iter(sorted(d.glob("*.safetensors"))), d / "none").unlink(missing_ok=True)
+        assert [_chat(s2, c) for c in chats[::-1]] == first[::-1]
+        assert httpx.get(s2.url + "/health").status_code == 200
+        text = s2.output()
+        assert "is recomputed" in text
+        assert "scheduler stalled" not in text and "engine loop stopped" not in text and "Traceback" not in text
+    finally:
+        assert s2.stop() == 0
+        s2.close()
+    assert not (d / "notes.txt").exists() and (d / ".quarantine" / "notes.txt").exists()
