@@ -82,8 +82,8 @@ class RingShape:
 
     def step_pairs(self, step: int) -> float:
         """Pairs of the slowest rank at ring step `step` (every rank computes one block per step)."""
-        if not self.window and not self.attention_chunk:  # closed form: 2c^2 new pairs off the diagonal step, 2c^2 + c on it
-            c = self.chunk
+        if not self.window and not self.attention_chunk:
+            c = self.chunk  # closed form: 2c^2 new pairs off the diagonal step, 2c^2 + c on it
             return 2 * c * c + (c if step == 0 else 0) + self.q_tokens * ceil_div(self.cached, self.n)
         return _windowed_step_pairs(self, step)
 
