@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any pool spawns: the st
 from cpinfer import LLM, SamplingParams  # noqa: E402
 from cpinfer.launch import WorkerPool  # noqa: E402
 from cpinfer.model import ReferenceAttention, load_model  # noqa: E402
-from local_attention_family import register, write_checkpoint  # noqa: E402
+from local_attention_family import register, unregister, write_checkpoint  # noqa: E402
 from pooled_engine import PooledLLM  # noqa: E402
 
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
@@ -26,7 +26,9 @@ MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("local_attention"), seed=3, **MODEL)
+    register()  # in this process for the module's tests only (rank pools: `engines`)
+    yield write_checkpoint(tmp_path_factory.mktemp("local_attention"), seed=3, **MODEL)
+    unregister()
 
 
 @pytest.fixture(scope="module")
