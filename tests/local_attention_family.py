@@ -28,3 +28,22 @@ def register(ctx=None) -> None:
 
 
 register()
+
+
+def write_checkpoint(directory, seed: int = 0, std: float = 0.1, **overrides):
+    """A random checkpoint of this family (weights ~N(0, std), sinks ~N(0, 1)) in `directory`; returns it."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from cpinfer.model import ModelConfig
+    from cpinfer.model.random_checkpoint import random_config_dict, random_state_dict
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    d = random_config_dict(model_type=MODEL_TYPE, **overrides)
+    save_file(random_state_dict(ModelConfig.from_dict(d), seed=seed, std=std), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(d, indent=2))
+    return directory

@@ -26,9 +26,9 @@ def pools():
 
 
 def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None,
-                   backend="auto", window=None):
+                   backend="auto", window=None, chunk=None, sinks=None):
     return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale,
-                        kv_seq_end=kv_seq_end, backend=backend, window=window)
+                        kv_seq_end=kv_seq_end, backend=backend, window=window, chunk=chunk, sinks=sinks)
 
 
 def rank_attention_catching(ctx, *args, **kwargs):
@@ -53,6 +53,8 @@ class Problem:
         self.kv_pos = torch.zeros(n_kv, dtype=torch.long)
         self.kv_end = None  # [n_kv] prefix-tree interval ends, or None for "same sequence id"
         self.window = None  # sliding window, or None
+        self.chunk = None  # attention chunk, or None
+        self.sinks = None  # [H] sink logits, or None
 
     def solve(self, pool, q_idx, kv_idx, strategy):
         """q_idx[r], kv_idx[r]: index arrays of rank r's queries / keys (-1 = padding). Returns out [n_q, H, D]."""
@@ -64,7 +66,8 @@ class Problem:
             args.append((self.q[qc], self.k[kc], self.v[kc],
                          self.q_seq[qc].masked_fill(qp, -1), self.q_pos[qc].masked_fill(qp, 0),
                          self.kv_seq[kc].masked_fill(kp, -1), self.kv_pos[kc].masked_fill(kp, 0), strategy, None,
-                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0), "auto", self.window))
+                         None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0), "auto", self.window,
+                         self.chunk, self.sinks))
         outs = pool.run_each(rank_attention, args)
         full = torch.full_like(self.q, float("nan"))
         for qi, out in zip(q_idx, outs):
@@ -74,10 +77,13 @@ class Problem:
             full[qi[qi >= 0]] = out[qi >= 0]
         return full
 
-    def check(self, out):
-        ref, _ = reference_attention(self.q, self.k, self.v, self.q_seq, self.q_pos, self.kv_seq, self.kv_pos,
-                                     kv_seq_end=self.kv_end, window=self.window)
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    def check(self, out, rows=None):
+        """out against the float64 reference (of the query rows `rows` only, when given)."""
+        rows = slice(None) if rows is None else rows
+        ref, _ = reference_attention(self.q[rows], self.k, self.v, self.q_seq[rows], self.q_pos[rows], self.kv_seq,
+                                     self.kv_pos, kv_seq_end=self.kv_end, window=self.window, chunk=self.chunk,
+                                     sinks=self.sinks)
+        torch.testing.assert_close(out[rows].double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def prefill_problem(seed, new_lens, cached_lens, n, hkv=2, h=8):
@@ -325,6 +331,91 @@ def test_window_skips_pairs_steps_rows_and_tiles():
             assert area < 0.45 * full_area  # 2W tokens x W keys per query chunk, not a causal triangle over 8W
 
 
+# (chunk, window, sinks?): sinks alone, chunks alone and with sinks, a chunk with a window (and sinks)
+LOCAL_KINDS = [(None, None, True), (8, None, False), (13, None, True), (16, 5, True)]
+
+
+def _local_kind(p, chunk, window, sinks, seed):
+    p.chunk, p.window = chunk, window
+    p.sinks = torch.randn(p.q.shape[1], generator=torch.Generator().manual_seed(seed)) * 2 if sinks else None
+    return p
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_chunks_and_sinks(pools, n, strategy):
+    """Chunks of 8-16 positions (much shorter than the sequences) and sinks, alone and together, and a chunk with a
+    window: full and partial prefills in one batch, and a prefix tree (2N-sharded for one kind, random placement for
+    the next), against the float64 softmax whose rows carry the sink's logit."""
+    for i, (chunk, window, sinks) in enumerate(LOCAL_KINDS):
+        p, q_idx, kv_idx = prefill_problem(n + i, [1, 5, 40, 1, 17, 97], [0, 33, 9, 120, 1, 0], n)
+        _local_kind(p, chunk, window, sinks, i).check(p.solve(pools(n), q_idx, kv_idx, strategy))
+        placement, new_lens = (("sharded", [5, 13, 1, 30]), ("random", [9, 4, 1, 17]))[i % 2]
+        p, q_idx, kv_idx = tree_problem(n + i, n, new_lens, placement)
+        _local_kind(p, chunk, window, sinks, i).check(p.solve(pools(n), q_idx, kv_idx, strategy))
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_chunks_and_sinks_decode_round_robin(pools, n):
+    """Decode queries (one per sequence, on different ranks) with every key placed round-robin: chunk 8 cuts each
+    context to its last chunk (a query first in its chunk sees only itself); sinks join once whatever the CP size."""
+    lens = [40, 9, 70, 23]
+    p = Problem(n, len(lens), sum(lens))
+    p.q_seq[:], p.q_pos[:] = torch.arange(4), torch.tensor(lens) - 1
+    p.kv_seq[:] = torch.repeat_interleave(torch.arange(4), torch.tensor(lens))
+    p.kv_pos[:] = torch.cat([torch.arange(m) for m in lens])
+    kv_idx = [np.arange(r, sum(lens), n) for r in range(n)]
+    q_idx = [np.arange(r, 4, n) for r in range(n)]
+    for i, (chunk, window, sinks) in enumerate(LOCAL_KINDS):
+        _local_kind(p, chunk, window, sinks, i)
+        for strategy in STRATEGIES:
+            p.check(p.solve(pools(n), q_idx, kv_idx, strategy))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_sinks_give_zeros_to_queries_without_keys(pools, n):
+    """A query with no visible key — another sequence's, before its first key, or alone in a chunk with no key of
+    its own — gets exactly zeros with sinks (0 · anything, never NaN); the others match the reference."""
+    p = Problem(7, 6, 8)
+    p.q_seq[:] = torch.tensor([0, 1, 2, 0, 0, 1])
+    p.q_pos[:] = torch.tensor([0, 0, 0, 17, 2, 21])  # pos 17: chunk [16, 24) holds no key of sequence 0
+    p.kv_seq[:] = torch.tensor([0, 0, 0, 1, 1, 9, 9, 9])
+    p.kv_pos[:] = torch.tensor([1, 2, 3, 5, 6, 0, 1, 2])
+    p.chunk, p.sinks = 8, torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -3.0, 0.2, 4.0])
+    q_idx = [np.arange(r, 6, n) for r in range(n)]
+    kv_idx = [np.arange(r, 8, n) for r in range(n)]
+    for strategy in STRATEGIES:
+        out = p.solve(pools(n), q_idx, kv_idx, strategy)
+        assert torch.equal(out[:4], torch.zeros_like(out[:4]))
+        p.check(out)
+
+
+def test_chunk_skips_pairs_steps_rows_and_tiles():
+    """One 2N-sharded sequence of 8 shards of W tokens at CP4 with chunk 2W: rank r holds shards r and 7 - r, and
+    chunk c is shards 2c, 2c + 1, so the ranks pair up (0, 1) and (2, 3): step 2 is empty for every rank (no
+    message), only the pairs within a couple move rows (one shard: W keys or W queries each), and the kernel calls
+    cover 3 W x W blocks per rank (a causal square for the chunk's first shard, a full block and a causal square
+    for its second) instead of the causal band of the whole sequence."""
+    w, n = 64, 4
+    plan = shard_prefill([8 * w], n)
+    q_meta = [(sh.seq[sh.valid], sh.pos[sh.valid]) for sh in plan.shards]
+    full = [plan_from_metadata(q_meta, q_meta, group=None, rank=r, world=n, strategy="pass-kv") for r in range(n)]
+    pairs = {(0, 1), (1, 0), (2, 3), (3, 2)}
+    for strategy in ("pass-kv", "pass-q"):
+        plans = [plan_from_metadata(q_meta, q_meta, group=None, rank=r, world=n, strategy=strategy, chunk=2 * w)
+                 for r in range(n)]
+        routes = plans[0].routes
+        assert routes.empty_steps() == [2]
+        for s in range(n):
+            for r in range(n):
+                assert routes.count(s, r) == (w if (s, r) in pairs else 0), (strategy, s, r)
+        for r in range(n):
+            assert not plans[r].steps[2]
+            area = sum((it.q1 - it.q0) * (it.k1 - it.k0) for step in plans[r].steps for it in step)
+            full_area = sum((it.q1 - it.q0) * (it.k1 - it.k0) for step in full[r].steps for it in step)
+            assert (area, full_area) == (3 * w * w, 10 * w * w), r  # full: 2W queries of the 8W causal band
+
+
 def _bad_inputs(n):
     """(description, per-rank argument tuples, expected message fragment) — only the last rank is wrong."""
     good = lambda: [torch.randn(4, 8, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16),
@@ -355,6 +446,12 @@ def _bad_inputs(n):
     args = [tuple(good()) + ("pass-q", None, None, "auto", 8) for _ in range(n)]
     args[-1] = args[-1][:-1] + (0,)
     cases.append(("window not positive", args, "window must be a positive integer"))
+    args = [tuple(good()) + ("pass-kv", None, None, "auto", None, 8) for _ in range(n)]
+    args[-1] = args[-1][:-1] + (-8,)
+    cases.append(("chunk not positive", args, "chunk must be a positive integer"))
+    args = [tuple(good()) + ("pass-q", None, None, "auto", None, None, torch.zeros(8)) for _ in range(n)]
+    args[-1] = args[-1][:-1] + (torch.zeros(2),)
+    cases.append(("a sink per KV head", args, "sinks has 2 entries but q has 8 heads"))
     return cases
 
 

@@ -67,31 +67,42 @@ def _problem(kind: str, seed: int = 0):
         q_seq, kv_seq = np.repeat([0, 1], [40, 25]), np.repeat([0, 1], [40, 25])
         pos = np.concatenate([np.arange(40), np.arange(25)])
         return q_seq, pos, kv_seq, pos, None, 9
+    if kind in ("chunk", "chunk_window"):  # chunks (CHUNKS): a prefill, a partial prefill, a decode row
+        q_seq = np.repeat([0, 1, 2], [40, 30, 1])
+        q_pos = np.concatenate([np.arange(40), np.arange(40, 70), [33]])
+        kv_seq = np.repeat([0, 1, 2], [40, 70, 34])
+        kv_pos = np.concatenate([np.arange(40), np.arange(70), np.arange(34)])
+        return q_seq, q_pos, kv_seq, kv_pos, None, 5 if kind == "chunk_window" else None
     if kind == "random":  # fragmented metadata: fixed tiles, many MASK tiles
         return (rng.integers(-1, 3, 37), rng.integers(0, 40, 37), rng.integers(-1, 3, 90), rng.integers(0, 40, 90),
                 None, None)
     raise ValueError(kind)
 
 
+CHUNKS = {"chunk": 16, "chunk_window": 12}  # the attention chunk of a problem kind (else none)
+
+
 def _run(kind, dtype=torch.float16, vectors=True, seed=0, backend="flash-attn"):
     """One local step of problem `kind` through `backend`, and the float64 reference's output and LSE."""
     q_seq, q_pos, kv_seq, kv_pos, kv_end, window = _problem(kind, seed)
+    chunk = CHUNKS.get(kind)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(len(q_seq), 8, 16, generator=g).to(dtype)
     k = torch.randn(len(kv_seq), 2, 16, generator=g).to(dtype)
     v = torch.randn(len(kv_seq), 2, 16, generator=g).to(dtype)
     step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, backend=backend, scale=0.3,
-                          use_vectors=vectors, window=window)
+                          use_vectors=vectors, window=window, chunk=chunk)
     out, lse = step(q, k, v)
     t = (lambda x: torch.as_tensor(np.asarray(x)))  # noqa: E731
     ref_out, ref_lse = reference_attention(q, k, v, t(q_seq), t(q_pos), t(kv_seq), t(kv_pos), scale=0.3,
-                                           kv_seq_end=None if kv_end is None else t(kv_end), window=window)
+                                           kv_seq_end=None if kv_end is None else t(kv_end), window=window,
+                                           chunk=chunk)
     return out, lse, ref_out, ref_lse
 
 
 @pytest.mark.parametrize("fa", [False, True], indirect=True, ids=["fa2", "fa3"])
 @pytest.mark.parametrize("kind,calls", [("causal", 1), ("partial", 1), ("decode", 1), ("prefix", 1), ("older", 1),
-                                        ("mixed", 2), ("window", 1)])
+                                        ("mixed", 2), ("window", 1), ("chunk", 1), ("chunk_window", 1)])
 def test_varlen_packing_is_exact(fa, kind, calls):
     """Every step shape as varlen calls of the fake: equal to the float64 reference (fp16 rounding of the output
     only), empty rows zero with lse -inf, and one call per step unless causal squares meet FULL blocks of several
@@ -169,19 +180,19 @@ def pool():
         yield p
 
 
-def _rank_fake_fa(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, window):
+def _rank_fake_fa(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, window, chunk=None, sinks=None):
     fake.install()
     fake.CALLS.clear()
     out = cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, kv_seq_end=kv_end,
-                       backend="flash-attn", window=window)
+                       backend="flash-attn", window=window, chunk=chunk, sinks=sinks)
     return out, len(fake.CALLS)
 
 
 @pytest.mark.parametrize("strategy", ["pass-kv", "pass-q", "all-gather"])
-@pytest.mark.parametrize("window", [None, 6])
-def test_cp2_with_flash_attn_is_exact(pool, strategy, window):
-    """CP2, a prefix tree split over both ranks, with and without a window: at most one varlen call per ring step
-    per rank, the result equal to the float64 reference."""
+@pytest.mark.parametrize("window,chunk", [(None, None), (6, None), (None, 10)])
+def test_cp2_with_flash_attn_is_exact(pool, strategy, window, chunk):
+    """CP2, a prefix tree split over both ranks, with and without a window, chunked with sinks: at most one varlen
+    call per ring step per rank, the result equal to the float64 reference."""
     kv_seq = np.repeat([0, 1, 2], [24, 11, 9])
     kv_pos = np.concatenate([np.arange(24), np.arange(24, 35), np.arange(24, 33)])
     kv_end = np.repeat([3, 2, 3], [24, 11, 9])
@@ -189,18 +200,20 @@ def test_cp2_with_flash_attn_is_exact(pool, strategy, window):
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(44, 2, 16, generator=g).half() for _ in range(2))
     q = torch.randn(44, 8, 16, generator=g).half()[q_rows]
+    sinks = None if chunk is None else torch.randn(8, generator=g)
     t = (lambda x: torch.as_tensor(np.asarray(x)))  # noqa: E731
     q_seq, q_pos = t(kv_seq[q_rows]), t(kv_pos[q_rows])
     ranks_q = [np.arange(0, 20, 2), np.arange(1, 20, 2)]  # interleaved: every step has work
     ranks_kv = [np.arange(0, 44, 2), np.arange(1, 44, 2)]
-    args = [(q[a], k[b], v[b], q_seq[a], q_pos[a], t(kv_seq[b]), t(kv_pos[b]), t(kv_end[b]), strategy, window)
-            for a, b in zip(ranks_q, ranks_kv)]
+    args = [(q[a], k[b], v[b], q_seq[a], q_pos[a], t(kv_seq[b]), t(kv_pos[b]), t(kv_end[b]), strategy, window, chunk,
+             sinks) for a, b in zip(ranks_q, ranks_kv)]
     res = pool.run_each(_rank_fake_fa, args)
     out = torch.zeros(20, 8, 16, dtype=torch.float64)
     for a, (o, calls) in zip(ranks_q, res):
         out[a] = o.double()
         assert 1 <= calls <= 2  # a call per ring step with work (2 steps), never one per item
-    ref, _ = reference_attention(q, k, v, q_seq, q_pos, t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end), window=window)
+    ref, _ = reference_attention(q, k, v, q_seq, q_pos, t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end), window=window,
+                                 chunk=chunk, sinks=sinks)
     torch.testing.assert_close(out, ref, rtol=0, atol=3e-3)
 
 

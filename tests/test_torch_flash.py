@@ -37,7 +37,7 @@ def _run(kind, dtype=torch.float16, vectors=True, seed=0):
 
 @pytest.mark.parametrize("tf", ["hp", "1hp", "padded"], indirect=True)
 @pytest.mark.parametrize("kind,calls", [("causal", 1), ("partial", 1), ("decode", 1), ("prefix", 1), ("older", 1),
-                                        ("mixed", 2), ("window", 1)])
+                                        ("mixed", 2), ("window", 1), ("chunk", 1), ("chunk_window", 1)])
 def test_varlen_packing_is_exact(tf, kind, calls):
     """Every step shape through the op: equal to the float64 reference (fp16 rounding of the output only), empty
     rows zero with lse -inf, one call per step (two when causal squares meet FULL blocks of several rows), whatever

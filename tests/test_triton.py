@@ -34,7 +34,7 @@ def _tensors(lq, lk, h, hkv, d, dtype, seed):
 
 
 def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=torch.float32, seed=0, split=None,
-           mode="vectors", window=None):
+           mode="vectors", window=None, chunk=None):
     """Triton (optionally as two launches over a split of the keys, merged in-kernel) vs the f64 reference.
 
     mode "vectors": visibility from the metadata vectors in the kernel; "items": from the plan's items alone."""
@@ -42,7 +42,7 @@ def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=to
                                     for x in (q_seq, q_pos, kv_seq, kv_pos))
     kv_end = None if kv_end is None else torch.as_tensor(np.asarray(kv_end), dtype=torch.int64)
     q, k, v = _tensors(len(q_seq), len(kv_seq), h, hkv, d, dtype, seed)
-    kw = dict(backend="triton", use_vectors=mode == "vectors", window=window)
+    kw = dict(backend="triton", use_vectors=mode == "vectors", window=window, chunk=chunk)
     if split is None:
         out, lse = attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end, **kw)
     else:  # a ring step after another: the second launch merges into the first's running (out, lse)
@@ -51,7 +51,7 @@ def _check(q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=4, hkv=2, d=16, dtype=to
         acc = attend_local(q, k[a], v[a], q_seq, q_pos, kv_seq[a], kv_pos[a], kv_seq_end=end(a), **kw)
         out, lse = attend_local(q, k[b], v[b], q_seq, q_pos, kv_seq[b], kv_pos[b], kv_seq_end=end(b), acc=acc, **kw)
     ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_end,
-                                           window=window)
+                                           window=window, chunk=chunk)
     out, lse = out.cpu(), lse.cpu()
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert not torch.isnan(out).any()
@@ -138,6 +138,33 @@ def test_sliding_window(dtype, mode):
            split=41, mode=mode, dtype=dtype, window=8)
 
 
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "vectors"), (torch.bfloat16, "vectors"),
+                                        (torch.float32, "items")])
+def test_chunked_attention(dtype, mode):
+    """Chunks (8, 13) much shorter than the sequences, alone and with a window: prefill, a partial prefill split over
+    two launches (a chunk straddling the split), decode in a chunk's first and middle positions, shared-prefix
+    intervals and shuffled metadata; the chunk rule reaches the kernel as labels (`chunk_labels`)."""
+    n = 45
+    for c, w in ((8, None), (13, None), (13, 5)):
+        _check([0] * n, range(n), [0] * n, range(n), dtype=dtype, mode=mode, chunk=c, window=w)
+    lens, cached = [7, 40, 5], [0, 20, 3]
+    q_seq = np.repeat(np.arange(3), lens)
+    q_pos = np.concatenate([np.arange(c, c + t) for c, t in zip(cached, lens)])
+    kv_seq = np.repeat(np.arange(3), np.add(lens, cached))
+    kv_pos = np.concatenate([np.arange(c + t) for c, t in zip(cached, lens)])
+    _check(q_seq, q_pos, kv_seq, kv_pos, split=30, mode=mode, dtype=dtype, chunk=8)
+    dec = [3, 41, 17]  # decode at positions 2 (mid-chunk), 40 and 16 (each the first of its chunk of 8: sees itself)
+    _check(np.arange(3), np.array(dec) - 1, np.repeat(np.arange(3), dec), np.concatenate([np.arange(m) for m in dec]),
+           h=8, hkv=2, mode=mode, dtype=dtype, chunk=8)
+    kv_seq, kv_end = np.repeat([0, 1, 2], [12, 9, 6]), np.repeat([3, 2, 3], [12, 9, 6])
+    kv_pos = np.concatenate([np.arange(12), np.arange(12, 21), np.arange(12, 18)])
+    q_seq, q_pos = np.repeat([1, 2], [4, 3]), np.concatenate([np.arange(17, 21), np.arange(15, 18)])
+    _check(q_seq, q_pos, kv_seq, kv_pos, kv_end, mode=mode, dtype=dtype, chunk=10)
+    rng = np.random.default_rng(7)
+    _check(rng.integers(-1, 3, 37), rng.integers(0, 40, 37), rng.integers(-1, 3, 90), rng.integers(0, 40, 90),
+           split=41, mode=mode, dtype=dtype, chunk=6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_per_item_adapter_for_item_loops(causal):
     """backends.item_kernel("triton"): one item per launch, for code that loops over items (run_items)."""
@@ -221,16 +248,18 @@ def test_merge_kernel_matches_merge_partials():
     assert torch.equal(out[7].float().cpu(), torch.zeros(4, 17)) and torch.isneginf(lse[7]).all()
 
 
-def _rank_cp(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, backend, window=None):
+def _rank_cp(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end, strategy, backend, window=None, chunk=None,
+             sinks=None):
     args = [x.to(ctx.device) for x in (q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_end)]  # cuda:rank under NCCL
     out = cp_attention(*args[:7], group=ctx.group, strategy=strategy, kv_seq_end=args[7], backend=backend,
-                       control_group=ctx.cpu_group, window=window)
+                       control_group=ctx.cpu_group, window=window, chunk=chunk,
+                       sinks=None if sinks is None else sinks.to(ctx.device))
     return out.cpu()
 
 
 def test_cp_attention_cp2_triton_equals_cpu_backend():
-    """cp_attention at CP2, every strategy, with and without a sliding window: the Triton backend equals the CPU
-    backend (a prefix tree, bf16)."""
+    """cp_attention at CP2, every strategy, with and without a sliding window, and chunked with sinks: the Triton
+    backend equals the CPU backend (a prefix tree, bf16)."""
     kv_lens, kv_end = [24, 11, 9], [3, 2, 3]  # root 0 shared by leaves 1 and 2
     starts = [0, 24, 24]
     new = [5, 4]  # new tokens of leaves 1 and 2 (their last tokens)
@@ -251,15 +280,18 @@ def test_cp_attention_cp2_triton_equals_cpu_backend():
     two_gpus = ON_GPU and torch.cuda.device_count() >= 2  # one GPU: both ranks on it, tensors over gloo
     with WorkerPool(2, backend="nccl" if two_gpus else "gloo", device="cuda" if ON_GPU else "cpu",
                     timeout_s=300) as pool:
-        for strategy, window in [(s, w) for s in STRATEGIES for w in (None, 7)]:
-            outs = {}
+        sinks = torch.randn(6, generator=g)
+        for strategy, window, chunk in [(s, w, None) for s in STRATEGIES for w in (None, 7)] + \
+                [(s, None, 16) for s in STRATEGIES]:
+            outs, sk = {}, None if chunk is None else sinks
             for backend in ("triton", "math" if ON_GPU else "cpu-flash"):
                 args = [(q[qi], k[ki], v[ki], q_seq[qi], q_pos[qi], kv_seq[ki], kv_pos[ki], kv_e[ki], strategy, backend,
-                         window) for qi, ki in zip(q_idx, kv_idx)]
+                         window, chunk, sk) for qi, ki in zip(q_idx, kv_idx)]
                 outs[backend] = torch.cat(pool.run_each(_rank_cp, args))
             a, b = outs.values()
             assert a.dtype == torch.bfloat16
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-            ref, _ = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_e, window=window)
+            ref, _ = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_e, window=window,
+                                         chunk=chunk, sinks=sk)
             order = torch.cat(q_idx)
             torch.testing.assert_close(a.double(), ref[order], rtol=2e-2, atol=2e-2)

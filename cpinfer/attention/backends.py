@@ -19,7 +19,7 @@ import torch
 
 from cpinfer.attention.items import CAUSAL, FULL, AttnItem, mark_first, new_accumulator
 from cpinfer.attention.kernels import cpu_flash_backend, sdpa_math_backend
-from cpinfer.attention.local import MIN_STAIR, _np, build_items, seq_end_or_default
+from cpinfer.attention.local import MIN_STAIR, _np, build_items, chunk_labels, seq_end_or_default
 from cpinfer.attention.step import (HeadLayout, ItemBackend, StepBackend, plan_key, plan_tables,  # noqa: F401
                                     step_vectors)
 
@@ -158,13 +158,15 @@ class LocalAttention:
 
     Metadata [Lq] / [Lk] int64 (numpy or tensors); `__call__(q [Lq, H, D], k/v [Lk, Hkv, D], acc=None)` →
     (out [Lq, H, D] fp32, lse [Lq, H] fp32), merged into `acc` = (out, lse) when given (a later ring step).
-    The device tables are built on the first call, in one upload.
+    The device tables are built on the first call, in one upload. `chunk`: an attention chunk, folded into the
+    labels (`chunk_labels`) that the items and the in-kernel vectors are built from.
     """
 
     def __init__(self, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, backend="auto", device="cpu",
-                 scale=None, use_vectors: bool = True, window: int | None = None):
+                 scale=None, use_vectors: bool = True, window: int | None = None, chunk: int | None = None):
         qs, qp, ks, kp = (_np(x) for x in (q_seq, q_pos, kv_seq, kv_pos))
         ke = seq_end_or_default(ks, kv_seq_end)
+        [(qs, qp)], [(ks, kp, ke)] = chunk_labels([(qs, qp)], [(ks, kp, ke)], chunk)
         name = resolve_name(backend, device)
         items = build_items(qs, qp, ks, kp, ke, window, min_stair(name))
         vectors = (qs, qp, ks, ke, kp) if use_vectors else None  # without: in-kernel backends use item mode
@@ -186,8 +188,8 @@ class LocalAttention:
 
 
 def attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, kv_seq_end=None, scale=None, backend="auto",
-                 acc=None, use_vectors=True, window=None):
+                 acc=None, use_vectors=True, window=None, chunk=None):
     """One-shot `LocalAttention`: q [Lq, H, D] against k/v [Lk, Hkv, D] → (out fp32, lse fp32), merged into acc."""
     step = LocalAttention(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end, backend=backend, device=q.device,
-                          scale=scale, use_vectors=use_vectors, window=window)
+                          scale=scale, use_vectors=use_vectors, window=window, chunk=chunk)
     return step(q, k, v, acc)
