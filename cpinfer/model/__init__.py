@@ -27,6 +27,6 @@ __all__ = [
     "DEFAULT_MODEL_NAME", "FAMILIES", "MLP", "Attention", "AttentionFn", "CausalLM", "DecoderLayer", "DecoderModel",
     "Family", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "ModelConfig",
     "MoEConfig", "RMSNorm", "ReferenceAttention", "RopeConfig", "RotaryEmbedding", "SparseMoE", "WeightSlicer",
-    "apply_rope", "build_model", "checkpoint_files", "full_tensor", "load_model", "load_weights", "resolve_model", "rope_cos_sin",
-    "rope_inv_freq", "write_random_checkpoint",
+    "apply_rope", "build_model", "checkpoint_files", "full_tensor", "load_model", "load_weights", "resolve_model",
+    "rope_cos_sin", "rope_inv_freq", "write_random_checkpoint",
 ]
