@@ -26,8 +26,8 @@ class Router(nn.Module):
     renormalised top-k softmax) and Llama 4 (sigmoid of the top-k logits, not renormalised).
 
     DeepSeek-style options slot into `forward` as separate steps: a selection-only bias added to the scores before
-    `topk` (e_score_correction_bias), a group-limited `_select` (n_group / topk_group), a final scale
-    (routed_scaling_factor).
+    `topk` (e_score_correction_bias, the weights still gathered from the unbiased scores), a group-limited
+    selection in place of the plain `topk` (n_group / topk_group), a final scale (routed_scaling_factor).
     """
 
     def __init__(self, hidden: int, cfg: MoEConfig):
@@ -79,11 +79,11 @@ def grouped_mm_mode(x: Tensor, w: Tensor) -> str:
     rows); else, while a CUDA graph is being captured (no host reads allowed), one batched matmul over each row's
     own expert matrix; else one matmul per expert."""
     es = x.element_size()
-    if x.shape[1] * es % 16 == 0 and w.shape[2] * es % 16 == 0 and _grouped_mm_runs(x.device, x.dtype):
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # no probe then: eager forwards ran it
+    if x.shape[1] * es % 16 == 0 and w.shape[2] * es % 16 == 0 and (
+            _GROUPED_MM_OK.get((x.device.type, x.dtype), False) if capturing else _grouped_mm_runs(x.device, x.dtype)):
         return "grouped"
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return "gather"
-    return "per_expert"
+    return "gather" if capturing else "per_expert"
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, groups: Tensor, mode: str | None = None) -> Tensor:
