@@ -193,6 +193,11 @@ def test_penalties_min_p_min_tokens_through_the_sdk(offline, client):
         ref = offline.generate([prompt], SamplingParams(temperature=t, **extra, **kw))[0]
         assert r.choices[0].text == ref.text and len(ref.token_ids) >= 4
     assert stream == got[0.8].choices[0].text
+    # min_tokens holds EOS back: with EOS (id 2) biased to win, the output ends right after min_tokens
+    for min_tokens, n_out in ((0, 1), (3, 4)):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logit_bias={"2": 100},
+                                      extra_body={"min_tokens": min_tokens})
+        assert r.usage.completion_tokens == n_out and r.choices[0].finish_reason == "stop"
     assert got[0.0].choices[0].text != plain.choices[0].text
 
 
