@@ -108,6 +108,21 @@ def test_echo_prompt_logprobs_match_transformers_cp2(server, client, hf):
     c = again.choices[0]
     assert c.text == texts[0] and again.usage.completion_tokens == 0
     assert c.logprobs.token_logprobs[1:] == pytest.approx(r.choices[0].logprobs.token_logprobs[1:-1], abs=1e-5)
+    # streamed, echo sends the prompt (and its log-probabilities) first, then the completion as usual
+    for max_tokens in (0, 3):
+        whole = client.completions.create(model=NAME, prompt=texts, max_tokens=max_tokens, logprobs=2, echo=True,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        parts = {0: [], 1: []}
+        for chunk in client.completions.create(model=NAME, prompt=texts, max_tokens=max_tokens, logprobs=2,
+                                               echo=True, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            parts[chunk.choices[0].index].append(chunk.choices[0])
+        for i, want in enumerate(whole.choices):
+            got = parts[i]
+            assert "".join(c.text for c in got) == want.text and got[-1].finish_reason == want.finish_reason
+            assert sum((c.logprobs.tokens for c in got), []) == want.logprobs.tokens
+            assert sum((c.logprobs.token_logprobs for c in got), []) == want.logprobs.token_logprobs
+            assert sum((c.logprobs.text_offset for c in got), []) == want.logprobs.text_offset
     # a cached prefix has no logits: a second scoring of the same prompt is recomputed and equal
     third = client.completions.create(model=NAME, prompt=texts[0], max_tokens=0, logprobs=1, echo=True)
     assert third.choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
