@@ -260,7 +260,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["hi"] * 20, "n": 16}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "response_format": {"type": "json_object"}}, "echo"),
     ("/v1/completions", {"prompt": ["hi", ""]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
