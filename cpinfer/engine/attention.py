@@ -379,7 +379,7 @@ class BatchAttention:
         if self.steps is None:
             self._plan_full()
             self._prepare_full(HeadLayout.of(q, k_new))
-        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v_new.shape[-1], q.device)
         if self.local:
             self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
         if not self.ring:

@@ -99,7 +99,7 @@ class ModelRunner:
         pos = torch.arange(tokens, device=dev)  # [L]
 
         def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D]
-            acc_out, _ = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+            acc_out, _ = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
             ring = k.new_empty((2, 2) + tuple(k.shape))  # [2, 2, L, Hkv, D]: the block and its spare
             del ring
             return acc_out.to(q.dtype)
