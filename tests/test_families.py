@@ -17,13 +17,17 @@ pytest.importorskip("transformers")
 # and sliding; the mixtures of experts: 4 experts of 32, top 2 — Qwen3-MoE with a dense layer between two sparse
 # ones (mlp_only_layers), Qwen2-MoE with its gated shared expert and a window on layer 0, Mixtral windowed;
 # gpt-oss with sinks, window 16 on layer 0, YaRN and a SwiGLU clamp the activations reach; Llama 4 with chunks of
-# 16 on layers 0 and 2, NoPE layers 1 and 3 (temperature tuned, floor_scale 8) whose MLPs are sparse.
+# 16 on layers 0 and 2, NoPE layers 1 and 3 (temperature tuned, floor_scale 8) whose MLPs are sparse. DeepSeek-V3
+# / V2: multi-head latent attention (the cache and the ring carry the 16 + 8 latent), with / without low-rank
+# queries, YaRN's softmax mscale (V3), group-limited routing over 8 experts in 4 groups with a correction bias (V3)
+# or softmax group_limited_greedy (V2), shared experts, layer 0 dense; TP 2 splits the heads, the latent replicated.
 FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                    "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
-                   "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+                   "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v3": "deepseek_v3",
+                   "deepseek_v2": "deepseek_v2"}
 WINDOWED = ["mistral", "qwen2", "gemma3"]
 TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
-       "llama4_text"]
+       "llama4_text", "deepseek_v3", "deepseek_v2"]
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 DELTAS: dict[tuple[str, int | str], float] = {}  # (family, cp or "tp2") -> max |Δ log-prob| vs transformers
 

@@ -172,9 +172,9 @@ def test_unsupported_moe_options_are_named(bad, message):
 def test_unsupported_architecture_lists_every_family():
     from cpinfer.model.families import FAMILIES
 
-    with pytest.raises(ValueError, match="unsupported model_type 'deepseek_v3'") as err:
-        ModelConfig.from_dict({"model_type": "deepseek_v3"})
-    assert all(repr(name) in str(err.value) for name in FAMILIES) and len(FAMILIES) == 11
+    with pytest.raises(ValueError, match="unsupported model_type 'rwkv'") as err:
+        ModelConfig.from_dict({"model_type": "rwkv"})
+    assert all(repr(name) in str(err.value) for name in FAMILIES) and len(FAMILIES) == 14
     with pytest.raises(ValueError, match="model_type 'llama4_text'"):
         ModelConfig.from_dict({"model_type": "llama4", "text_config": {}})
 

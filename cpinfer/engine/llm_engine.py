@@ -191,7 +191,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ set-up
     def _default_capacity(self, fraction: float) -> int:
         c = self.config
-        per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+        per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, MR.KVWidths.of(c),
                                                self.elem_bytes)
         return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
