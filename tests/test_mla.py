@@ -132,3 +132,45 @@ def test_multi_token_prediction_layers_are_skipped_at_load(tmp_path):
     save_file(tensors, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected tensor"):
         load_model(str(path))
+
+
+GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+LATENT_ROW = 3 * (16 + 8) * 4  # deepseek_v3 tiny: 3 layers x (latent 16 + rotary 8) fp32 per token, one KV head
+
+
+def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, tmp_path):
+    """CP2 with a device cache of about one conversation: histories go to the host pool and to disk as latent rows
+    ([tokens, 1, layers, 1, 24]: keys only, the values inside them), come back exact; the tiers count 288 bytes a
+    token; a CP1 engine restarted on the same directory reads them (re-placed) and answers as transformers."""
+    from safetensors import safe_open
+
+    from cpinfer import LLM, SamplingParams
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
+    kv_dir = tmp_path / "kv"
+    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_num_batched_tokens=96)
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=4))]
+    with LLM(str(path), context_parallel_size=2, max_kv_tokens_per_rank=192,
+             kv_host_gib=128 * LATENT_ROW / (1 << 30), **kw) as llm:
+        first = []
+        for d in docs:  # one at a time: each pushes the one before down a tier
+            first += llm.generate([d], SamplingParams(max_tokens=6, **GREEDY))
+        check_against_hf(path, first, docs, 6, check_prompt_lp=False)
+        turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
+        outs = [llm.generate([t], SamplingParams(max_tokens=6, **GREEDY))[0] for t in turn2[::-1]]
+        check_against_hf(path, outs, turn2[::-1], 6, check_prompt_lp=False)
+        assert [o.num_cached_tokens for o in outs] == [len(d) + 5 for d in docs[::-1]]
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] > 0 and t["disk"]["hit_tokens"] > 0, t
+        assert t["device"]["bytes"] == t["device"]["tokens"] * LATENT_ROW
+        assert t["host"]["capacity_bytes"] == 2 * 128 * LATENT_ROW
+        llm.engine.kv.check_invariants()
+    files = sorted(p for p in kv_dir.iterdir() if p.suffix == ".safetensors")
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert tuple(f.get_slice("kv").get_shape()[1:]) == (1, 3, 1, 24)
+        assert "latent16+rope8" in f.metadata()["layout"]
+    with LLM(str(path), context_parallel_size=1, max_kv_tokens_per_rank=2048, **kw) as llm:
+        out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **GREEDY))
+        check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
+        assert out[0].num_cached_tokens >= len(docs[0]) + 5

@@ -312,6 +312,13 @@ class ModelConfig:
         return self.mla is not None
 
     @property
+    def kv_row(self) -> str:
+        """What a cached row is, for tier keys: "" (a key and a value of head_dim per KV head) or MLA's latent."""
+        if self.mla is None:
+            return ""
+        return f"latent{self.mla.kv_lora_rank}+rope{self.mla.qk_rope_head_dim}"
+
+    @property
     def cached_kv_heads(self) -> int:
         """KV heads the cache holds per token (unsharded): MLA's one latent head, else num_key_value_heads."""
         return 1 if self.mla is not None else self.num_key_value_heads
