@@ -174,3 +174,12 @@ def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpo
         out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **GREEDY))
         check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
         assert out[0].num_cached_tokens >= len(docs[0]) + 5
+
+
+def test_bench_measures_the_ring_message_of_the_latent():
+    """`cpinfer bench mla`'s probe packs pass-KV's real message: 576 values a token for MLA, H x (192 + 128) for the
+    per-head layout of the same layer."""
+    from cpinfer.bench.mla import message_bytes_per_token
+
+    cfg = dict(num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    assert message_bytes_per_token(cfg, 64) == {"mla": 576 * 4, "per_head": 16 * 320 * 4}
