@@ -484,6 +484,14 @@ def test_bad_input_raises_same_value_error_on_every_rank(pools, n):
                 torch.arange(2), torch.zeros(2, dtype=torch.long), torch.arange(2), "pass-kv", None, None, "auto")
         msgs = pool.run_each(rank_attention_catching, [good + (16 if r else None,) for r in range(n)])
         assert all("disagree on window" in m for m in msgs)
+        args = [good[:2] + (torch.randn(2, 4, 8 if r else 6),) + good[3:] for r in range(n)]
+        msgs = pool.run_each(rank_attention_catching, args)
+        assert all("disagree on value head size" in m for m in msgs)
+        # rank 0 passes its own v of 6 channels, the others the view k[..., :6]
+        args = [good[:2] + (torch.randn(2, 4, 6),) + good[3:] + (None, None, None, 6 if r else None) for r in range(n)]
+        msgs = pool.run_each(rank_attention_catching, args)
+        assert all("disagree on whether v is the view" in m for m in msgs)
+
     # the group still works after the errors
     p, q_idx, kv_idx = prefill_problem(3, [11], [0], n)
     p.check(p.solve(pool, q_idx, kv_idx, "pass-kv"))

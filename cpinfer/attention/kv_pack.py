@@ -68,10 +68,13 @@ def attend_same_head_size(attend, q, k, v, acc_out: Tensor, acc_lse: Tensor) -> 
     acc_out [Lq, H, Dv] fp32 in place: the inputs padded by `same_head_size` and a wider accumulator whose first Dv
     channels are copied in and back (every channel merges independently, so the extra ones change nothing)."""
     q2, k2, v2 = same_head_size(q, k, v)
-    if v2 is v:
+    if k.shape[-1] == v.shape[-1]:
         attend(q, k, v, acc_out, acc_lse)
         return
-    wide = acc_out.new_zeros(acc_out.shape[:-1] + (v2.shape[-1],))  # [Lq, H, max(Dk, Dv)]
+    if v2.shape[-1] == acc_out.shape[-1]:  # Dv > Dk: q and k padded, the accumulator as it is
+        attend(q2, k2, v2, acc_out, acc_lse)
+        return
+    wide = acc_out.new_zeros(acc_out.shape[:-1] + (v2.shape[-1],))  # [Lq, H, Dk]
     wide[..., :acc_out.shape[-1]] = acc_out
     attend(q2, k2, v2, wide, acc_lse)
     acc_out.copy_(wide[..., :acc_out.shape[-1]])
