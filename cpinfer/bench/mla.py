@@ -88,8 +88,8 @@ def measure(args) -> dict:
 
 def shape_text(cfg: dict, hw: dict) -> str:
     return (f"DeepSeek-V3-shaped: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-            f"{cfg['num_attention_heads']} heads, kv_lora_rank {cfg['kv_lora_rank']} + qk_rope {cfg['qk_rope_head_dim']}"
-            f", qk_nope {cfg['qk_nope_head_dim']}, v {cfg['v_head_dim']}, q_lora_rank {cfg['q_lora_rank']}, dense "
+            f"{cfg['num_attention_heads']} heads, kv_lora_rank {cfg['kv_lora_rank']} + qk_rope "
+            f"{cfg['qk_rope_head_dim']}, qk_nope {cfg['qk_nope_head_dim']}, v {cfg['v_head_dim']}, q_lora_rank {cfg['q_lora_rank']}, dense "
             f"ffn {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, {C.hardware_text(hw)}")
 
 
