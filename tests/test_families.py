@@ -78,10 +78,11 @@ def test_family_matches_hf_with_chunked_prefill_and_prefix_reuse(llama_checkpoin
 
 
 @pytest.mark.parametrize("cp", [2, 3])
-@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("family", WINDOWED + ["deepseek_v3"])
 def test_windowed_prefix_sharing_and_forced_strategies(llama_checkpoint, engines, family, cp):
-    """Requests sharing a 100-token document (window 16-24) arrive one after another and read it from the cache;
-    every strategy (pass-KV and pass-Q for prefill, chunks and decode) stays exact."""
+    """Requests sharing a 100-token document (window 16-24; MLA's latent cache for deepseek_v3) arrive one after
+    another and read it from the cache; every strategy (pass-KV and pass-Q for prefill, chunks and decode) stays
+    exact."""
     path = llama_checkpoint(FAMILY_VARIANTS[family], max_position_embeddings=2048)
     rng = np.random.default_rng(cp)
     doc = rng.integers(3, 256, 100).tolist()
