@@ -2,8 +2,9 @@
 that the gpt-oss and Llama 4 readers set (`layer_types` with sliding / chunked layers, `sliding_window`,
 `attention_chunk_size`, `attention_sinks`), so the attention core is tested end to end without a MoE checkpoint.
 
-Importing this module registers the family; rank processes import it when they run `register` (pickled by
-reference), so every process of a pool reads the same checkpoints.
+`register()` adds the family to this process's registry and `unregister()` takes it out again (so other tests'
+lists of supported model types stay as they are); `pool.run(register)` registers it on every rank (rank processes
+import this module to run it).
 """
 from __future__ import annotations
 
@@ -27,4 +28,24 @@ def register(ctx=None) -> None:
                                            _read))
 
 
-register()
+def unregister(ctx=None) -> None:
+    FAMILIES.pop(MODEL_TYPE, None)
+
+
+def write_checkpoint(directory, seed: int = 0, std: float = 0.1, **overrides):
+    """A random checkpoint of this family (weights ~N(0, std), sinks ~N(0, 1)) in `directory`; returns it."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from cpinfer.model import ModelConfig
+    from cpinfer.model.random_checkpoint import random_config_dict, random_state_dict
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    d = random_config_dict(model_type=MODEL_TYPE, **overrides)
+    save_file(random_state_dict(ModelConfig.from_dict(d), seed=seed, std=std), str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(d, indent=2))
+    return directory

@@ -8,15 +8,17 @@ from cpinfer.attention.local import CAUSAL, FULL, build_items, local_attention, 
 from cpinfer.attention.merge import merge_into, merge_partials
 
 
-def _check_local(q_seq, q_pos, kv_seq, kv_pos, h=8, hkv=2, d=16, seed=0, kv_seq_end=None):
+def _check_local(q_seq, q_pos, kv_seq, kv_pos, h=8, hkv=2, d=16, seed=0, kv_seq_end=None, window=None, chunk=None):
     g = torch.Generator().manual_seed(seed)
     q_seq, q_pos, kv_seq, kv_pos = (torch.as_tensor(np.asarray(x), dtype=torch.int64)
                                     for x in (q_seq, q_pos, kv_seq, kv_pos))
     q = torch.randn(len(q_seq), h, d, generator=g)
     k = torch.randn(len(kv_seq), hkv, d, generator=g)
     v = torch.randn(len(kv_seq), hkv, d, generator=g)
-    out, lse = local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end)
-    ref_out, ref_lse = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end)
+    out, lse = local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end, window=window,
+                               chunk=chunk)
+    ref_out, ref_lse = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, kv_seq_end=kv_seq_end,
+                                           window=window, chunk=chunk)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(ref_lse)
@@ -143,6 +145,34 @@ def test_prefix_tree_intervals_match_reference(seed, n_segs, lq, order):
         on_path[i] = np.isin(kv_seq, list(path)) & (kv_pos <= p)
     assert np.array_equal(visible(q_seq, q_pos, kv_seq, kv_pos, kv_end), on_path)
     _check_local(q_seq, q_pos, kv_seq, kv_pos, seed=seed % 1000, kv_seq_end=kv_end)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(0, 80), st.sampled_from([1, 3, 8, 25]),
+       st.sampled_from([None, 5]), st.booleans())
+def test_chunk_labels_are_the_chunk_rule(seed, n_segs, lq, chunk, window, shuffled):
+    """Folding the chunk into the labels (`chunk_labels`) gives exactly the chunk rule on top of a random prefix
+    tree, a window and padding, and local attention planned from it matches the float64 reference."""
+    from cpinfer.attention.local import chunk_labels
+
+    rng = np.random.default_rng(seed)
+    parent, start, lens, end = _random_tree(rng, n_segs)
+    kv_seq = np.repeat(np.arange(n_segs), lens)
+    kv_pos = np.concatenate([np.arange(a, a + n) for a, n in zip(start, lens)])
+    kv_end = end[kv_seq]
+    q_seq = np.where(rng.random(lq) < 0.1, -1, rng.integers(0, n_segs, lq))  # some padding
+    q_pos = start[np.maximum(q_seq, 0)] + rng.integers(0, lens[np.maximum(q_seq, 0)] + 3)
+    if shuffled:
+        o = rng.permutation(len(kv_seq))
+        kv_seq, kv_pos, kv_end = kv_seq[o], kv_pos[o], kv_end[o]
+    else:
+        o = np.lexsort((q_pos, q_seq))
+        q_seq, q_pos = q_seq[o], q_pos[o]
+    [(qs, qp)], [(ks, kp, ke)] = chunk_labels([(q_seq, q_pos)], [(kv_seq, kv_pos, kv_end)], chunk)
+    assert np.array_equal(visible(qs, qp, ks, kp, ke, window),
+                          visible(q_seq, q_pos, kv_seq, kv_pos, kv_end, window, chunk))
+    assert (qs < 0).sum() == (q_seq < 0).sum() and max(qs.max(initial=0), ke.max(initial=0)) < 2 ** 30
+    _check_local(q_seq, q_pos, kv_seq, kv_pos, seed=seed % 1000, kv_seq_end=kv_end, window=window, chunk=chunk)
 
 
 def test_query_pairs_with_every_ancestor_segment():

@@ -48,6 +48,27 @@ def test_bench_attention_json_last_line():
     assert all(p[s] > 0 for p in data["partial"] for s in ("pass-kv", "pass-q", "all-gather"))
 
 
+def test_bench_attention_chunk_counts_what_the_plans_skip():
+    """`bench attention --chunk`: the skipped shares come from the plans (no ranks): 1024 tokens at CP4 with chunk
+    256 pair the ranks (0, 1) and (2, 3), so step 2 and 8 of 12 messages go, 5/6 of the bytes and 3/4 of the tiles;
+    the command line records --chunk; all-gather is refused before any rank starts."""
+    import argparse
+
+    from cpinfer.bench.attention import add_arguments, command_line, prefill_layout, run, window_stats
+
+    st = window_stats(prefill_layout([1024], [0], 4), None, "pass-kv", 2, 1, 16, chunk=256)
+    assert (st["steps_skipped"], st["messages_skipped"], st["messages"]) == (1, 8, 12)
+    assert st["bytes_skipped_share"] == pytest.approx(5 / 6)
+    assert st["tiles_skipped_share"] == pytest.approx(0.75, abs=2e-3)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--cp", "2,4", "--tokens", "1024", "--chunk", "256", "--window", "64"])
+    assert command_line(args).endswith("--tokens 1024 --heads 8 --kv-heads 2 --head-dim 128 --repeat 3 --chunk 256 "
+                                       "--window 64")
+    with pytest.raises(ValueError, match="--window / --chunk compare the ring strategies"):
+        run(parser.parse_args(["--chunk", "256", "--strategy", "all-gather"]))
+
+
 def test_attention_demo_matches_single_device():
     turns = (("full", (70, 33, 5), (0, 0, 0)), ("partial", (9, 1, 16), (70, 33, 5)))
     rows = run_attention_demo(2, turns=turns, head_dim=16)

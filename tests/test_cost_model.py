@@ -30,8 +30,8 @@ def _new_positions(ring: RingShape, rank: int) -> np.ndarray:
 
 
 def _brute_pairs(ring: RingShape, q_rank: int, kv_rank: int) -> float:
-    """Pairs by the rule (key j visible to query i iff j <= i and, windowed, i - j < W); positions relative to P,
-    cached keys at -P..-1 of which kv_rank holds its share."""
+    """Pairs by the rule (key j visible to query i iff j <= i, windowed i - j < W, chunked (i + P) // C ==
+    (j + P) // C); positions relative to P, cached keys at -P..-1 of which kv_rank holds its share."""
     qi = _new_positions(ring, q_rank)[:, None]
     kj = _new_positions(ring, kv_rank)[None, :]
     visible = kj <= qi
@@ -40,14 +40,19 @@ def _brute_pairs(ring: RingShape, q_rank: int, kv_rank: int) -> float:
     if ring.window:
         visible &= qi - kj < ring.window
         seen = qi - cached < ring.window
+    if ring.attention_chunk:
+        block = (lambda x: (x + ring.cached) // ring.attention_chunk)  # noqa: E731
+        visible &= block(qi) == block(kj)
+        seen &= block(qi) == block(cached)
     share = ring.cached_on(kv_rank) / ring.cached if ring.cached else 0.0
     return int(visible.sum()) + int(seen.sum()) * share
 
 
 @settings(max_examples=80, deadline=None)
-@given(n=st.integers(1, 6), t=st.integers(1, 200), p=st.integers(0, 300), w=st.integers(0, 150))
-def test_pairs_follow_the_visibility_rule(n, t, p, w):
-    ring = RingShape(n, t, p, w)
+@given(n=st.integers(1, 6), t=st.integers(1, 200), p=st.integers(0, 300), w=st.integers(0, 150),
+       c=st.sampled_from([0, 0, 1, 7, 16, 64, 1000]))
+def test_pairs_follow_the_visibility_rule(n, t, p, w, c):
+    ring = RingShape(n, t, p, w, c)
     for q in range(n):
         for k in range(n):
             assert ring.visible_pairs(q, k) == pytest.approx(_brute_pairs(ring, q, k), rel=1e-12, abs=1e-9)
@@ -126,6 +131,21 @@ def test_windowed_layer_computes_only_what_its_window_shows():
     assert win.sendrecv_exposed > full.sendrecv_exposed  # nothing left to hide the K/V transfers under
 
 
+def test_chunked_layer_computes_only_its_chunks():
+    """32K tokens 2N-sharded at CP4 with chunk 8K (Llama 4's local layers): each query sees its own chunk only, so
+    the pairs are 4 triangles of 8K instead of one of 32K, step 2 pairs nothing, and mixing layers sums them."""
+    ring = RingShape(4, 32768, 0, attention_chunk=8192)
+    assert ring.total_pairs() == 4 * 8192 * 8193 // 2
+    assert ring.step_pairs(2) == 0 and ring.step_pairs(1) > 0 and ring.step_pairs(3) > 0
+    assert RingShape(2, 32768, 0, attention_chunk=8192).step_pairs(1) == 0  # CP2: no key crosses ranks
+    full = ring_cost(GTT, SHAPE, RingShape(4, 32768, 0), "pass-kv", tp=8)
+    chunked = ring_cost(GTT, SHAPE, ring, "pass-kv", tp=8)
+    assert chunked.attention < full.attention / 2  # 3 of 4 steps, each about half a full step
+    got = predict_attention(GTT, SHAPE, new=32768, cached=0, ranks=4, tp=8, layers=4, chunk=8192, chunk_layers=3,
+                            strategy="pass-kv")
+    assert got.seconds == pytest.approx(full.total + 3 * chunked.total)
+
+
 # --- the per-forward API ---------------------------------------------------------------------------------------
 def test_predict_attention_picks_the_faster_and_sums_the_layers():
     got = predict_attention(GTT, SHAPE, new=3200, cached=124800, ranks=4, tp=8, layers=126)
@@ -167,6 +187,7 @@ def test_predict_attention_is_cheap_enough_to_call_per_forward():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(window_layers=3, layers=2), "window_layers"), (dict(window_layers=1), "positive window"),
+    (dict(chunk_layers=1), "positive chunk"), (dict(window=8, window_layers=1, chunk=8, chunk_layers=1), "layers=1"),
     (dict(strategy="ring"), "strategy"),
 ])
 def test_predict_attention_rejects_bad_input(kw, msg):

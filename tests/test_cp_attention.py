@@ -356,14 +356,14 @@ def _local_kind(p, chunk, window, sinks, seed):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_chunks_and_sinks(pools, n, strategy):
     """Chunks of 8-16 positions (much shorter than the sequences) and sinks, alone and together, and a chunk with a
-    window: full and partial prefills in one batch, and a prefix tree (2N-sharded for one kind, random placement for
-    the next), against the float64 softmax whose rows carry the sink's logit."""
+    window: full and partial prefills in one batch, and a prefix tree (a chunk alone 2N-sharded; a chunk, a window
+    and sinks with random placement), against the float64 softmax whose rows carry the sink's logit."""
     for i, (chunk, window, sinks) in enumerate(LOCAL_KINDS):
         p, q_idx, kv_idx = prefill_problem(n + i, [1, 5, 40, 1, 17, 97], [0, 33, 9, 120, 1, 0], n)
         _local_kind(p, chunk, window, sinks, i).check(p.solve(pools(n), q_idx, kv_idx, strategy))
-        placement, new_lens = (("sharded", [5, 13, 1, 30]), ("random", [9, 4, 1, 17]))[i % 2]
+    for i, (placement, new_lens) in ((1, ("sharded", [5, 13, 1, 30])), (3, ("random", [9, 4, 1, 17]))):
         p, q_idx, kv_idx = tree_problem(n + i, n, new_lens, placement)
-        _local_kind(p, chunk, window, sinks, i).check(p.solve(pools(n), q_idx, kv_idx, strategy))
+        _local_kind(p, *LOCAL_KINDS[i], i).check(p.solve(pools(n), q_idx, kv_idx, strategy))
 
 
 @pytest.mark.parametrize("n", WORLDS)

@@ -137,7 +137,7 @@ def _reference_probs(scores: list[float], spec: SampleSpec) -> list[float]:
 @st.composite
 def penalty_cases(draw):
     vocab = draw(st.integers(2, 40))
-    logits = draw(st.lists(st.floats(-8, 8), min_size=vocab, max_size=vocab, unique=True))
+    logits = draw(st.lists(st.floats(-8, 8, width=32), min_size=vocab, max_size=vocab, unique=True))  # fp32 as the sampler
     output = np.array(draw(st.lists(st.integers(0, vocab - 1), max_size=12)), dtype=np.int64)
     prompt = np.unique(np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12)), dtype=np.int64))
     repetition = draw(st.sampled_from([1.0, 0.5, 1.3, 2.0]))
@@ -163,8 +163,8 @@ def test_penalties_min_p_and_min_tokens_match_the_reference(case):
     token, lp, _ = sample(torch.tensor(logits), spec)
     assert token not in spec.suppress
     torch.testing.assert_close(lp, float(torch.log_softmax(torch.tensor(logits), -1)[token]))  # the model's own
-    if spec.temperature == 0:
-        assert scores[token] == max(scores)
+    if spec.temperature == 0:  # the argmax, or a tie with it after the penalties' float32 rounding
+        assert scores[token] >= max(scores) - 1e-5 * max(1.0, abs(max(scores)))
         return
     probs = _reference_probs(scores, spec)
     gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2 ** 63))

@@ -48,6 +48,16 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
+def offline(model_dir):
+    """The same checkpoint through `LLM` offline on one rank (CP1)."""
+    from cpinfer import LLM
+
+    llm = LLM(str(model_dir), context_parallel_size=1, max_model_len=MAX_LEN, threads_per_rank=1)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
 def hf(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,23 +108,34 @@ def test_echo_prompt_logprobs_match_transformers_cp2(server, client, hf):
     c = again.choices[0]
     assert c.text == texts[0] and again.usage.completion_tokens == 0
     assert c.logprobs.token_logprobs[1:] == pytest.approx(r.choices[0].logprobs.token_logprobs[1:-1], abs=1e-5)
+    # streamed, echo sends the prompt (and its log-probabilities) first, then the completion as usual
+    for max_tokens in (0, 3):
+        whole = client.completions.create(model=NAME, prompt=texts, max_tokens=max_tokens, logprobs=2, echo=True,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        parts = {0: [], 1: []}
+        for chunk in client.completions.create(model=NAME, prompt=texts, max_tokens=max_tokens, logprobs=2,
+                                               echo=True, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            parts[chunk.choices[0].index].append(chunk.choices[0])
+        for i, want in enumerate(whole.choices):
+            got = parts[i]
+            assert "".join(c.text for c in got) == want.text and got[-1].finish_reason == want.finish_reason
+            assert sum((c.logprobs.tokens for c in got), []) == want.logprobs.tokens
+            assert sum((c.logprobs.token_logprobs for c in got), []) == want.logprobs.token_logprobs
+            assert sum((c.logprobs.text_offset for c in got), []) == want.logprobs.text_offset
     # a cached prefix has no logits: a second scoring of the same prompt is recomputed and equal
     third = client.completions.create(model=NAME, prompt=texts[0], max_tokens=0, logprobs=1, echo=True)
     assert third.choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
 
 
-def test_prompt_top_logprobs_match_transformers_cp1(model_dir, hf):
+def test_prompt_top_logprobs_match_transformers_cp1(offline, hf):
     """The engine's prompt log-probs with top-k at CP1 (offline), the same numbers the server returns at CP2."""
-    from cpinfer import LLM, SamplingParams
+    from cpinfer import SamplingParams
 
     _, tok = hf
     ids = tok.encode("A prompt scored offline on one rank, with its top tokens.")
-    llm = LLM(str(model_dir), context_parallel_size=1, max_model_len=MAX_LEN, threads_per_rank=1)
-    try:
-        out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True,
+    out = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True,
                                                  top_logprobs=4))[0]
-    finally:
-        llm.shutdown()
     chosen, (top_vals, top_ids) = _hf_prompt_logprobs(hf, ids, 4)
     assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), chosen, atol=1e-4, rtol=0)
@@ -157,12 +178,22 @@ def test_n_samples_share_the_prefilled_prompt(server, client, hf):
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], n=2,
                                           max_tokens=4, seed=5, extra_body={"ignore_eos": True})
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], n=2,
+                                                max_tokens=4, seed=5, stream=True, extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]
+    # tools with tool_choice "auto" on a model whose format cpinfer cannot tell: a 400 naming the flag
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
 
 
-def test_penalties_min_p_min_tokens_through_the_sdk(model_dir, client):
+def test_penalties_min_p_min_tokens_through_the_sdk(offline, client):
     """The server's outputs equal the offline engine's with the same parameters (the sampler itself is checked
     against a reference in test_sampling.py); the penalties change a greedy output."""
-    from cpinfer import LLM, SamplingParams
+    from cpinfer import SamplingParams
 
     prompt = "repeat repeat repeat repeat"
     extra = {"repetition_penalty": 1.8, "min_p": 0.05, "min_tokens": 4}
@@ -173,14 +204,15 @@ def test_penalties_min_p_min_tokens_through_the_sdk(model_dir, client):
                                       extra_body={"ignore_eos": True})
     stream = "".join(c.choices[0].text for c in client.completions.create(
         model=NAME, prompt=prompt, temperature=0.8, stream=True, extra_body=extra, **kw))
-    llm = LLM(str(model_dir), context_parallel_size=1, max_model_len=MAX_LEN, threads_per_rank=1)
-    try:
-        for t, r in got.items():
-            ref = llm.generate([prompt], SamplingParams(temperature=t, **extra, **kw))[0]
-            assert r.choices[0].text == ref.text and len(ref.token_ids) >= 4
-        assert stream == got[0.8].choices[0].text
-    finally:
-        llm.shutdown()
+    for t, r in got.items():
+        ref = offline.generate([prompt], SamplingParams(temperature=t, **extra, **kw))[0]
+        assert r.choices[0].text == ref.text and len(ref.token_ids) >= 4
+    assert stream == got[0.8].choices[0].text
+    # min_tokens holds EOS back: with EOS (id 2) biased to win, the output ends right after min_tokens
+    for min_tokens, n_out in ((0, 1), (3, 4)):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logit_bias={"2": 100},
+                                      extra_body={"min_tokens": min_tokens})
+        assert r.usage.completion_tokens == n_out and r.choices[0].finish_reason == "stop"
     assert got[0.0].choices[0].text != plain.choices[0].text
 
 
@@ -188,8 +220,9 @@ def test_penalties_min_p_min_tokens_through_the_sdk(model_dir, client):
 def test_vllm_bench_serve_request_shape(server, hf):
     """What `vllm bench serve` (openai-completions backend) sends: a streamed completion with ignore_eos, a token
     budget and usage in the last chunk."""
-    body = {"model": NAME, "prompt": "benchmark prompt " * 4, "temperature": 0.0, "max_tokens": 12,
-            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {"model": NAME, "prompt": "benchmark prompt " * 4, "temperature": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": 12, "logprobs": None, "best_of": 1, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
     events = []
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200

@@ -125,9 +125,12 @@ def test_multi_turn_agent_session_with_auto_tool_calls(client):
         assert calls[0].id.startswith("call_") and calls[0].type == "function"
         cached.append(usage.prompt_tokens_details.cached_tokens)
         turns.append((usage.prompt_tokens, usage.completion_tokens))
-        messages.append({"role": "assistant", "content": "", "tool_calls": [
-            {"id": calls[0].id, "type": "function",
-             "function": {"name": calls[0].function.name, "arguments": calls[0].function.arguments}}]})
+        if turn % 2 == 0:  # the reply object itself, as SDK agent loops append it (with its extra fields)
+            messages.append(msg)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": calls[0].id, "type": "function",
+                 "function": {"name": calls[0].function.name, "arguments": calls[0].function.arguments}}]})
         messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": f"turn {turn}: light rain, 14 C"})
     assert all(b > a for a, b in zip(cached, cached[1:])), cached  # each turn reuses the one before
     assert all(c >= prev_prompt - 1 for c, (prev_prompt, _) in zip(cached[1:], turns)), (cached, turns)

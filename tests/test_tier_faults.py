@@ -3,6 +3,7 @@ a damaged header, truncated, deleted and junk files, a shared prefix's entry los
 the engine never stalls or dies, every answer equals transformers', the bad entry leaves the index and the
 directory, and only the lost prefix is recomputed. One pool of ranks serves the module.
 """
+import json
 import logging
 
 import numpy as np
@@ -184,3 +185,25 @@ def test_a_clean_stop_leaves_every_entry_adoptable(ckpt, engines, tmp_path):
     with engines(ckpt, 1, **kw) as llm:
         out = _turn(llm, [turn3], ckpt)[0]
         assert out.num_cached_tokens == len(turn2) + OUT - 1
+
+
+def test_a_failing_host_restore_is_a_cache_miss(ckpt, engines, tmp_path, monkeypatch, caplog):
+    """CP1 (the rank runs in this process): a host-pool restore raises; the request is recomputed exactly, the bad
+    host copy is dropped (the index and the pool agree), and the engine goes on."""
+    from cpinfer.engine.tier_store import RankTiers
+
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 150], seed=31))]
+    c = json.loads((ckpt / "config.json").read_text())
+    token_bytes = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (
+        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]) * 4
+    with engines(ckpt, 1, max_kv_tokens_per_rank=320, kv_host_gib=192 * token_bytes / (1 << 30)) as llm:
+        first = [_turn(llm, [d], ckpt)[0] for d in docs]  # doc 0 goes to the host pool
+        real = RankTiers._from_host
+        monkeypatch.setattr(RankTiers, "_from_host", lambda self, op: (_ for _ in ()).throw(MemoryError("pool")))
+        caplog.set_level(logging.WARNING, logger="cpinfer")
+        out = _turn(llm, [docs[0] + first[0].token_ids + [5]], ckpt)[0]
+        assert out.num_cached_tokens == 0 and "KV host tier: restoring a cached prefix failed" in caplog.text
+        monkeypatch.setattr(RankTiers, "_from_host", real)
+        llm.engine.kv.check_invariants()
+        assert llm.engine.dead_error is None
+        _turn(llm, [docs[1] + first[1].token_ids + [6]], ckpt)

@@ -142,3 +142,11 @@ def test_registry_flag_and_template_detection():
         reasoning_parser_for("gpt_oss")
     ids = [MistralParser().new_id() for _ in range(20)]
     assert all(len(i) == 9 and i.isalnum() for i in ids)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = HERMES[2][0]  # two calls
+    reply = ReplyParser(None, HermesParser(), max_calls=1)
+    assert _calls(reply.parse(text, final=True)[2]) == [("a", {})]
+    for pieces in _splits(text, 5):
+        assert _calls(_stream(ReplyParser(None, HermesParser(), max_calls=1), pieces)[2]) == [("a", {})]

@@ -3,8 +3,9 @@
 Full prefill of one sequence, sharded load-balanced (paper §3.5.1) over N ranks of one thread each; reports the
 parallel efficiency T_1 / (N * T_N) and, per ring step, compute vs exposed communication (§3.5.2). A second table
 times the three strategies at partial-prefill points (T new tokens on P cached ones, §3.5.3 / §3.4). With
-`--window W` it instead compares a sliding window of W keys against full causal attention at each CP size: time,
-and the share of ring steps, pair messages, bytes and attention tiles the windowed plan skips.
+`--window W` and / or `--chunk C` it instead compares a sliding window of W keys, chunked attention of C positions
+(Llama 4's local layers), or both, against full causal attention at each CP size: time, and the share of ring
+steps, pair messages, bytes and attention tiles the local plan skips.
 """
 from __future__ import annotations
 
@@ -72,15 +73,17 @@ def prefill_layout(new_lens, cached_lens, num_ranks: int) -> list[RankLayout]:
     return layouts
 
 
-def _plan(ctx, layouts: list[RankLayout], strategy: str, window: int | None = None):
+def _plan(ctx, layouts: list[RankLayout], strategy: str, window: int | None = None, chunk: int | None = None):
     return plan_from_metadata([(lay.q_seq, lay.q_pos) for lay in layouts],
                               [(lay.kv_seq, lay.kv_pos) for lay in layouts],
-                              group=ctx.group, rank=ctx.rank, world=ctx.world_size, strategy=strategy, window=window)
+                              group=ctx.group, rank=ctx.rank, world=ctx.world_size, strategy=strategy, window=window,
+                              chunk=chunk)
 
 
 # ---------------------------------------------------------------- rank side (module level: sent to the pool)
 
-def rank_time_attention(ctx, layouts, heads, kv_heads, head_dim, strategies, repeat, seed=0, window=None):
+def rank_time_attention(ctx, layouts, heads, kv_heads, head_dim, strategies, repeat, seed=0, window=None,
+                        chunk=None):
     """Time `plan.run` on this rank's random shard: one warm-up, then `repeat` runs, each after a barrier.
 
     Returns {strategy: [{"time_s", "cpu_share", "steps": [{"step", "compute_s", "wait_s"}, ...]}, ...]}, where
@@ -94,7 +97,7 @@ def rank_time_attention(ctx, layouts, heads, kv_heads, head_dim, strategies, rep
     v = torch.randn(len(lay.kv_seq), kv_heads, head_dim, generator=gen)
     results = {}
     for strategy in strategies:
-        plan = _plan(ctx, layouts, strategy, window)
+        plan = _plan(ctx, layouts, strategy, window, chunk)
         plan.run(q, k, v)
         runs = []
         for _ in range(repeat):
@@ -149,19 +152,20 @@ def _area(it) -> int:
     return h * (h + 1) // 2 if it.kind == CAUSAL else h * w
 
 
-def window_stats(layouts: list[RankLayout], window: int, strategy: str, heads: int, kv_heads: int,
-                 head_dim: int, elem_bytes: int = 4) -> dict:
-    """What the windowed plan skips against the full causal one (host-side plans, no ranks needed): transfer
-    steps with no message for any rank, point-to-point messages, bytes moved, attention tiles (query-key pairs)."""
+def window_stats(layouts: list[RankLayout], window: int | None, strategy: str, heads: int, kv_heads: int,
+                 head_dim: int, elem_bytes: int = 4, chunk: int | None = None) -> dict:
+    """What the windowed / chunked plan skips against the full causal one (host-side plans, no ranks needed):
+    transfer steps with no message for any rank, point-to-point messages, bytes moved, attention tiles (query-key
+    pairs)."""
     n = len(layouts)
     q_meta = [(lay.q_seq, lay.q_pos) for lay in layouts]
     kv_meta = [(lay.kv_seq, lay.kv_pos) for lay in layouts]
 
-    def plans(w):
-        return [plan_from_metadata(q_meta, kv_meta, group=None, rank=r, world=n, strategy=strategy, window=w)
-                for r in range(n)]
+    def plans(w, c):
+        return [plan_from_metadata(q_meta, kv_meta, group=None, rank=r, world=n, strategy=strategy, window=w,
+                                   chunk=c) for r in range(n)]
 
-    full, win = plans(None), plans(window)
+    full, win = plans(None, None), plans(window, chunk)
     if strategy == "pass-q":  # queries out, partials (out | lse, fp32) back
         row_bytes = heads * head_dim * elem_bytes + heads * (head_dim + 1) * 4
         full_rows = n * (n - 1) * full[0].max_q
@@ -181,8 +185,10 @@ def window_stats(layouts: list[RankLayout], window: int, strategy: str, heads: i
 
 
 def measure_window(args) -> dict:
-    """Full causal vs sliding window over the same load-balanced prefill, one pool per CP size."""
+    """Full causal vs a sliding window and / or chunked attention over the same load-balanced prefill, one pool per
+    CP size."""
     shape = (args.heads, args.kv_heads, args.head_dim)
+    window, chunk = args.window, getattr(args, "chunk", None)
     rows = []
     for n in args.cp:
         layouts = prefill_layout([args.tokens], [0], n)
@@ -191,19 +197,29 @@ def measure_window(args) -> dict:
                               pool.run(rank_time_attention, layouts, *shape, [args.strategy], args.repeat)])
             win = summarize([r[args.strategy] for r in
                              pool.run(rank_time_attention, layouts, *shape, [args.strategy], args.repeat, 0,
-                                      args.window)])
+                                      window, chunk)])
         rows.append({"cp": n, "full_s": full["time_s"], "window_s": win["time_s"],
                      "full_runs_s": full["runs_s"], "window_runs_s": win["runs_s"],
                      "cpu_share": min(full["cpu_share"], win["cpu_share"]),
-                     **window_stats(layouts, args.window, args.strategy, *shape)})
-    return {"bench": "attention-window", "command": command_line(args), "tokens": args.tokens,
-            "window": args.window, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-            "dtype": "float32", "strategy": args.strategy, "repeat": args.repeat, "rows": rows}
+                     **window_stats(layouts, window, args.strategy, *shape, chunk=chunk)})
+    return {"bench": "attention-window" if chunk is None else "attention-chunk", "command": command_line(args),
+            "tokens": args.tokens, "window": window, "chunk": chunk, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "dtype": "float32", "strategy": args.strategy, "repeat": args.repeat,
+            "rows": rows}
+
+
+def local_kind(res: dict) -> str:
+    """"window W", "chunk C" or "chunk C + window W": what the local plan restricts."""
+    parts = ([f"chunk {res['chunk']}"] if res.get("chunk") else []) + (
+        [f"window {res['window']}"] if res.get("window") else [])
+    return " + ".join(parts)
 
 
 def format_window_report(res: dict) -> str:
     shape = f"H={res['heads']}, Hkv={res['kv_heads']}, D={res['head_dim']}, fp32, 1 thread per rank"
-    out = [f"Sliding window of {res['window']} keys vs full causal attention: full prefill of {res['tokens']} "
+    what = [f"a sliding window of {res['window']} keys"] if res.get("window") else []
+    what = ([f"chunked attention of {res['chunk']} positions"] if res.get("chunk") else []) + what
+    out = [f"{' with '.join(what).capitalize()} vs full causal attention: full prefill of {res['tokens']} "
            f"tokens, {res['strategy']} ({shape}); median of {res['repeat']}, slowest rank. Skipped shares are "
            "of the full causal plan's transfer steps, point-to-point messages, bytes and attention tiles "
            "(query-key pairs visited).", ""]
@@ -212,7 +228,7 @@ def format_window_report(res: dict) -> str:
              f"{100 * r['bytes_skipped_share']:.1f}% ({r['bytes_window'] / 2**20:.1f} of "
              f"{r['bytes_full'] / 2**20:.1f} MiB)", f"{100 * r['tiles_skipped_share']:.1f}%",
              f"{r['cpu_share']:.2f}"] for r in res["rows"]]
-    out.append(_fmt_table(["CP", "full causal (s)", f"window {res['window']} (s)", "speed-up", "steps skipped",
+    out.append(_fmt_table(["CP", "full causal (s)", f"{local_kind(res)} (s)", "speed-up", "steps skipped",
                            "messages skipped", "bytes skipped", "tiles skipped", "CPU share (min rank)"], rows))
     return "\n".join(out)
 
@@ -330,8 +346,12 @@ def command_line(args) -> str:
            f"--heads {args.heads} --kv-heads {args.kv_heads} --head-dim {args.head_dim} --repeat {args.repeat}")
     if args.strategy != "pass-kv":
         cmd += f" --strategy {args.strategy}"
+    if getattr(args, "chunk", None):
+        cmd += f" --chunk {args.chunk}"
     if getattr(args, "window", None):
-        return cmd + f" --window {args.window}"
+        cmd += f" --window {args.window}"
+    if getattr(args, "chunk", None) or getattr(args, "window", None):
+        return cmd
     if args.no_partial:
         cmd += " --no-partial"
     elif args.partial_cp != 2:
@@ -360,7 +380,8 @@ def machine_line(machine: dict) -> str:
 
 def window_doc_body(res: dict) -> str:
     cps = ", ".join(str(r["cp"]) for r in res["rows"])
-    return "\n".join([f"### Sliding-window attention, {res['tokens']} tokens, window {res['window']}, CP {cps}", "",
+    title = "Chunked attention" if res.get("chunk") else "Sliding-window attention"
+    return "\n".join([f"### {title}, {res['tokens']} tokens, {local_kind(res)}, CP {cps}", "",
                       "```", res["command"], "```", "", machine_line(res["machine"]), "",
                       format_window_report(res), ""])
 
@@ -407,6 +428,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int, metavar="W",
                         help="instead of the tables above: a sliding window of W keys vs full causal attention at "
                              "each --cp size (time, and the ring steps, messages, bytes and tiles skipped)")
+    parser.add_argument("--chunk", type=positive_int, metavar="C",
+                        help="like --window, for chunked attention of C positions (a query sees only keys of its own "
+                             "chunk, Llama 4); with --window, both rules")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object on the last line")
     parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     parser.add_argument("--write-doc", nargs="?", const=DOC_PATH, type=Path, metavar="FILE",
@@ -416,21 +440,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.heads % args.kv_heads:
         raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    if args.window and args.strategy == "all-gather":
-        raise ValueError("--window compares the ring strategies: use --strategy pass-kv or pass-q")
+    local = bool(args.window or getattr(args, "chunk", None))
+    if local and args.strategy == "all-gather":
+        raise ValueError("--window / --chunk compare the ring strategies: use --strategy pass-kv or pass-q")
     before = [round(x, 2) for x in os.getloadavg()]
     with ForeignCPU() as foreign:
-        res = measure_window(args) if args.window else measure(args)
+        res = measure_window(args) if local else measure(args)
     res["machine"] = machine = machine_info()
     machine["load_avg_before"] = before
     machine["foreign_cpu_share"] = foreign.share
-    print(format_window_report(res) if args.window else format_report(res))
+    print(format_window_report(res) if local else format_report(res))
     print(f"\n{machine_line(machine)}")
     if foreign.share is not None and foreign.share > 0.05:
         print(f"warning: other processes used {100 * foreign.share:.0f}% of the machine during the run; "
               "the timings are disturbed", file=sys.stderr)
-    if args.write_doc and args.window:
-        write_doc_section(args.write_doc, f"attention-window-{args.tokens}-{args.window}", window_doc_body(res))
+    if args.write_doc and local:
+        key = f"attention-window-{args.tokens}-{args.window}" if not res["chunk"] else \
+            f"attention-chunk-{args.tokens}-{res['chunk']}" + (f"-window-{args.window}" if args.window else "")
+        write_doc_section(args.write_doc, key, window_doc_body(res))
     elif args.write_doc:
         write_doc_section(args.write_doc, f"attention-{args.tokens}", doc_body(res))
     if args.out:

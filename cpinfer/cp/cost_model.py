@@ -193,26 +193,33 @@ def ring_cost(hw: Rates, shape: AttnShape, ring: RingShape, strategy: str, *, ba
 class AttentionPrediction:
     seconds: float   # attention + ring of the whole forward (every layer), the chosen strategy
     strategy: str    # "pass-kv" | "pass-q" (ranks == 1: "local")
-    per_layer: dict  # strategy -> {"full": RingCost, "window": RingCost | None}
+    per_layer: dict  # strategy -> {"full": RingCost, "window": RingCost | None, "chunk": RingCost | None}
 
 
 def predict_attention(hw: Rates, shape: AttnShape, *, new: int, cached: int, ranks: int, tp: int = 1,
                       layers: int = 1, window: int = 0, window_layers: int = 0, batch: int = 1,
-                      strategy: str = "best") -> AttentionPrediction:
+                      strategy: str = "best", chunk: int = 0, chunk_layers: int = 0) -> AttentionPrediction:
     """Attention + ring time of one forward: `batch` sequences of `new` tokens after `cached` ones, spread over
-    `ranks` CP ranks (load-balanced, §3.5.1), `layers` layers of which `window_layers` use a sliding `window`.
-    strategy "best" takes the faster of pass-KV / pass-Q (what an ideal heuristic would pick)."""
-    if not 0 <= window_layers <= layers:
-        raise ValueError(f"window_layers must be in [0, layers={layers}], got {window_layers}")
+    `ranks` CP ranks (load-balanced, §3.5.1), `layers` layers of which `window_layers` use a sliding `window` and
+    `chunk_layers` chunked attention of `chunk` positions (Llama 4). strategy "best" takes the faster of pass-KV /
+    pass-Q (what an ideal heuristic would pick)."""
+    if not 0 <= window_layers + chunk_layers <= layers or min(window_layers, chunk_layers) < 0:
+        raise ValueError(f"window_layers + chunk_layers must be in [0, layers={layers}], got {window_layers} + "
+                         f"{chunk_layers}")
     if window_layers and window <= 0:
         raise ValueError("window_layers > 0 needs a positive window")
+    if chunk_layers and chunk <= 0:
+        raise ValueError("chunk_layers > 0 needs a positive chunk")
     choices = STRATEGIES if strategy == "best" else (strategy,)
     per_layer, totals = {}, {}
     for s in choices:
         full = ring_cost(hw, shape, RingShape(ranks, new, cached), s, batch=batch, tp=tp)
         win = ring_cost(hw, shape, RingShape(ranks, new, cached, window), s, batch=batch, tp=tp) \
             if window_layers else None
-        per_layer[s] = {"full": full, "window": win}
-        totals[s] = (layers - window_layers) * full.total + (window_layers * win.total if win else 0.0)
+        chk = ring_cost(hw, shape, RingShape(ranks, new, cached, attention_chunk=chunk), s, batch=batch, tp=tp) \
+            if chunk_layers else None
+        per_layer[s] = {"full": full, "window": win, "chunk": chk}
+        totals[s] = ((layers - window_layers - chunk_layers) * full.total + (window_layers * win.total if win else 0.0)
+                     + (chunk_layers * chk.total if chk else 0.0))
     best = min(choices, key=lambda s: (totals[s], s != "pass-kv"))  # pass-KV on ties
     return AttentionPrediction(totals[best], "local" if ranks == 1 else best, per_layer)

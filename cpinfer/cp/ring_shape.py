@@ -1,5 +1,6 @@
 """Where the (query, key) pairs of one sequence's ring attention fall under load-balanced sharding (§3.5.1-§3.5.3),
-per ring step and rank, with an optional sliding window: the geometry `cost_model.py` prices.
+per ring step and rank, with an optional sliding window and / or attention chunk: the geometry `cost_model.py`
+prices.
 
 T new tokens after P cached ones are padded to 2N chunks of c = ceil(T / 2N); rank i holds new chunks i and 2N-1-i
 and about P/N cached tokens spread evenly over the cached positions (earlier turns were sharded the same way).
@@ -20,11 +21,12 @@ class RingShape:
     new: int         # T, new tokens of the sequence
     cached: int      # P, cached tokens of the sequence
     window: int = 0  # sliding window W (key j visible to query i only if i - j < W); 0: none
+    attention_chunk: int = 0  # chunked attention C (key j visible to query i only if i // C == j // C); 0: none
 
     def __post_init__(self) -> None:
         check_positive(self.n, "CP size")
         check_positive(self.new, "new tokens")
-        for what in ("cached", "window"):
+        for what in ("cached", "window", "attention_chunk"):
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{what} tokens must be a non-negative integer, got {value!r}")
@@ -57,8 +59,11 @@ class RingShape:
 
     def visible_pairs(self, q_rank: int, kv_rank: int) -> float:
         """(query, key) pairs computed when q_rank's queries meet kv_rank's keys (padding rows included, as the
-        kernels compute them); fractional only for the cached part of a windowed layer (an even spread)."""
+        kernels compute them); fractional only for the cached part of a windowed or chunked layer (an even
+        spread)."""
         c, w = self.chunk, self.window
+        if self.attention_chunk:
+            return self._chunked_pairs(q_rank, kv_rank)
         new = sum(_band_pairs(a * c, c, b * c, c, w) for a in self.chunks_of(q_rank) for b in self.chunks_of(kv_rank))
         if not w:
             return new + self.q_tokens * self.cached_on(kv_rank)
@@ -67,10 +72,18 @@ class RingShape:
         seen = sum(_clamp_sum(w - (a + 1) * c, w - 1 - a * c, self.cached) for a in self.chunks_of(q_rank))
         return new + (seen * self.cached_on(kv_rank) / self.cached if self.cached else 0)
 
+    def _chunked_pairs(self, q_rank: int, kv_rank: int) -> float:
+        """visible_pairs under an attention chunk, at absolute positions (new token t sits at P + t)."""
+        c, w, big_c, p = self.chunk, self.window, self.attention_chunk, self.cached
+        new = sum(_chunk_band_pairs(p + a * c, c, p + b * c, c, w, big_c)
+                  for a in self.chunks_of(q_rank) for b in self.chunks_of(kv_rank))
+        seen = sum(_cached_seen(p + a * c, c, p, w, big_c) for a in self.chunks_of(q_rank))
+        return new + (seen * self.cached_on(kv_rank) / p if p else 0)
+
     def step_pairs(self, step: int) -> float:
         """Pairs of the slowest rank at ring step `step` (every rank computes one block per step)."""
-        if not self.window:  # closed form: 2c^2 new pairs off the diagonal step, 2c^2 + c on it
-            c = self.chunk
+        if not self.window and not self.attention_chunk:
+            c = self.chunk  # closed form: 2c^2 new pairs off the diagonal step, 2c^2 + c on it
             return 2 * c * c + (c if step == 0 else 0) + self.q_tokens * ceil_div(self.cached, self.n)
         return _windowed_step_pairs(self, step)
 
@@ -90,6 +103,40 @@ def _band_pairs(q0: int, nq: int, k0: int, nk: int, window: int) -> int:
     future = _at_most(q0, nq, k0, nk, -1)           # pairs with j > i
     upto = nq * nk if not window else _at_most(q0, nq, k0, nk, window - 1)
     return upto - future
+
+
+def _chunk_pieces(q0: int, nq: int, chunk: int):
+    """[lo, hi) pieces of the positions [q0, q0 + nq) cut at multiples of `chunk`."""
+    lo = q0
+    while lo < q0 + nq:
+        hi = min(q0 + nq, (lo // chunk + 1) * chunk)
+        yield lo, hi
+        lo = hi
+
+
+def _chunk_band_pairs(q0: int, nq: int, k0: int, nk: int, window: int, chunk: int) -> int:
+    """_band_pairs restricted to pairs in one chunk: each query piece against the keys of its own chunk."""
+    total = 0
+    for lo, hi in _chunk_pieces(q0, nq, chunk):
+        start = lo // chunk * chunk
+        ka, kb = max(k0, start), min(k0 + nk, start + chunk)
+        total += _band_pairs(lo, hi - lo, ka, kb - ka, window)
+    return total
+
+
+def _cached_seen(q0: int, nq: int, cached: int, window: int, chunk: int) -> int:
+    """Cached keys (positions [0, cached)) the queries at positions [q0, q0 + nq) >= cached see under the chunk (and
+    the window): per query min(cached - chunk start, window - 1 - (query - cached)), clamped at 0."""
+    total = 0
+    for lo, hi in _chunk_pieces(q0, nq, chunk):
+        room = cached - lo // chunk * chunk  # cached keys in the query's chunk
+        if room <= 0:
+            continue
+        if not window:
+            total += room * (hi - lo)
+        else:  # query p sees clamp(cached + window - 1 - p, 0, room)
+            total += _clamp_sum(cached + window - hi, cached + window - 1 - lo, room)
+    return total
 
 
 def _at_most(q0: int, nq: int, k0: int, nk: int, d: int) -> int:

@@ -1,7 +1,8 @@
 """The direct schedule of a windowed or chunked `cp_attention` plan: for every ordered pair of ranks, the rows one
 must send the other — K/V rows some query of the receiver sees (pass-KV), or queries that see some key of the
-receiver (pass-Q) — under the sliding-window rule (chunks are already folded into the labels: `chunk_labels`). Every rank derives the same routes from the same metadata, so a pair
-with nothing to move posts no message and a step that is empty for every rank is skipped by all of them.
+receiver (pass-Q) — under the sliding-window rule (chunks are already folded into the labels: `chunk_labels`).
+Every rank derives the same routes from the same metadata, so a pair with nothing to move posts no message and a
+step that is empty for every rank is skipped by all of them.
 """
 from __future__ import annotations
 

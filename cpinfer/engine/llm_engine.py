@@ -670,9 +670,18 @@ class LLMEngine:
         p = req.params
         if self.tokenizer is not None:
             req.text = self._decode(req, token)
-        if len(req.out) < p.min_tokens:  # nothing but the length ends it yet (vLLM's min_tokens)
-            pass
-        elif not p.ignore_eos and token in self.config.eos_token_ids:
+        if len(req.out) >= p.min_tokens:  # before min_tokens (vLLM) nothing ends it: min_tokens <= max_tokens
+            self._check_end(req, token, matcher)
+        if req.finish_reason is not None:
+            self.scheduler.finish(req, keep_cache=True)
+            self.requests.pop(req.request_id, None)
+            self._matchers.pop(req.request_id, None)
+            self._count_finish(req)
+
+    def _check_end(self, req: Request, token: int, matcher) -> None:
+        """Set the finish (and stop) reason when this token ends the output."""
+        p = req.params
+        if not p.ignore_eos and token in self.config.eos_token_ids:
             req.finish_reason = "stop"
         elif token in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", token
@@ -682,11 +691,6 @@ class LLMEngine:
             req.finish_reason = "stop"
         elif len(req.out) >= p.max_tokens:
             req.finish_reason = "length"
-        if req.finish_reason is not None:
-            self.scheduler.finish(req, keep_cache=True)
-            self.requests.pop(req.request_id, None)
-            self._matchers.pop(req.request_id, None)
-            self._count_finish(req)
 
     def _decode(self, req: Request, token: int) -> str:
         """The output text. With skip_special_tokens off (a tool-call parser reading special markers), the token

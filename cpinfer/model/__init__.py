@@ -1,6 +1,6 @@
-"""Model families (Llama, Mistral, Qwen2/3, Gemma 3) as one decoder with options; no distributed code (attention
-is injected)."""
-from cpinfer.model.config import ModelConfig, RopeConfig
+"""Model families (Llama, Mistral, Qwen2/3, Gemma 3, SmolLM3, and the mixtures of experts Qwen-MoE, Mixtral,
+gpt-oss, Llama 4) as one decoder with options; no distributed code (attention is injected)."""
+from cpinfer.model.config import ModelConfig, MoEConfig, RopeConfig
 from cpinfer.model.decoder import (
     MLP,
     Attention,
@@ -17,6 +17,7 @@ from cpinfer.model.decoder import (
 )
 from cpinfer.model.families import FAMILIES, Family
 from cpinfer.model.loader import WeightSlicer, build_model, checkpoint_files, full_tensor, load_model, load_weights
+from cpinfer.model.moe import SparseMoE
 from cpinfer.model.random_checkpoint import write_random_checkpoint
 from cpinfer.model.reference import ReferenceAttention
 from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
@@ -25,7 +26,7 @@ from cpinfer.model.rope import RotaryEmbedding, apply_rope, rope_cos_sin, rope_i
 __all__ = [
     "DEFAULT_MODEL_NAME", "FAMILIES", "MLP", "Attention", "AttentionFn", "CausalLM", "DecoderLayer", "DecoderModel",
     "Family", "LlamaAttention", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "ModelConfig",
-    "RMSNorm", "ReferenceAttention", "RopeConfig", "RotaryEmbedding", "WeightSlicer", "apply_rope", "build_model",
-    "checkpoint_files", "full_tensor", "load_model", "load_weights", "resolve_model", "rope_cos_sin",
-    "rope_inv_freq", "write_random_checkpoint",
+    "MoEConfig", "RMSNorm", "ReferenceAttention", "RopeConfig", "RotaryEmbedding", "SparseMoE", "WeightSlicer",
+    "apply_rope", "build_model", "checkpoint_files", "full_tensor", "load_model", "load_weights", "resolve_model",
+    "rope_cos_sin", "rope_inv_freq", "write_random_checkpoint",
 ]

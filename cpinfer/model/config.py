@@ -20,7 +20,8 @@ from cpinfer.utils import check_divisible, check_positive
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
-NORM_STYLES = ("llama", "gemma")  # weight * x.to(dtype)  |  (x * (1 + weight)).to(dtype)
+# weight * x.to(dtype)  |  (x * (1 + weight)).to(dtype)  |  (weight * x).to(dtype) (gpt-oss)
+NORM_STYLES = ("llama", "gemma", "fp32")
 SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
 EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
 MLP_MODULES = ("mlp", "block_sparse_moe", "feed_forward")  # the checkpoint's name of a layer's MLP

@@ -36,11 +36,12 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim; `style` "llama": weight * x̂ cast first, "gemma": (x̂ * (1 + weight)) in fp32."""
+    """RMSNorm over the last dim; `style` "llama": weight * x̂ cast first, "gemma": (x̂ * (1 + weight)) in fp32,
+    "fp32": weight * x̂ in fp32, then cast (gpt-oss)."""
 
     def __init__(self, dim: int, eps: float, style: str = "llama"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) if style == "llama" else torch.zeros(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if style == "gemma" else torch.ones(dim))
         self.eps, self.style = eps, style
 
     def forward(self, x: Tensor) -> Tensor:
@@ -49,6 +50,8 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.style == "gemma":
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if self.style == "fp32":  # gpt-oss: the weight applied before the cast
+            return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

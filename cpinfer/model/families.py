@@ -200,6 +200,7 @@ def _read_gpt_oss(d: dict, kw: dict) -> None:
     rope = parse_rope(d, params, d.get("rope_theta", 150000.0))
     kw["rope"] = {t: rope for t in LAYER_TYPES}
     kw["attention_sinks"] = True
+    kw["norm_style"] = "fp32"  # GptOssRMSNorm: (weight * x̂).to(dtype)
     kw["hidden_act"] = "silu"  # gpt-oss's experts ignore hidden_act: their activation is the clamped SwiGLU
     kw["moe_layers"] = tuple(range(n))
     kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d),

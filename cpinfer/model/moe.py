@@ -93,18 +93,34 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_MM_OK[key]
 
 
-def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, use_grouped: bool | None = None) -> Tensor:
-    """x [N, K] (rows sorted by group), w [G, K, M] (any strides), counts [G] rows per group -> [N, M].
+GROUPED_MM_MODES = ("grouped", "per_expert", "gather")
 
-    One `torch._grouped_mm` where it runs and the strides suit it (16-byte aligned rows), else one matmul per
-    group (a host read of `counts`)."""
-    if use_grouped is None:
-        es = x.element_size()
-        use_grouped = (x.shape[1] * es % 16 == 0 and w.shape[2] * es % 16 == 0
-                       and _grouped_mm_runs(x.device, x.dtype))
-    if use_grouped:
+
+def grouped_mm_mode(x: Tensor, w: Tensor) -> str:
+    """How `grouped_mm` runs here: one `torch._grouped_mm` where it runs and the strides suit it (16-byte aligned
+    rows); else, while a CUDA graph is being captured (no host reads allowed), one batched matmul over each row's
+    own expert matrix; else one matmul per expert."""
+    es = x.element_size()
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()  # no probe then: eager forwards ran it
+    if x.shape[1] * es % 16 == 0 and w.shape[2] * es % 16 == 0 and (
+            _GROUPED_MM_OK.get((x.device.type, x.dtype), False) if capturing else _grouped_mm_runs(x.device, x.dtype)):
+        return "grouped"
+    return "gather" if capturing else "per_expert"
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, groups: Tensor, mode: str | None = None) -> Tensor:
+    """x [N, K] (rows sorted by group), w [G, K, M] (any strides), counts [G] rows per group, groups [N] each
+    row's group (ascending) -> [N, M]. `mode` (default `grouped_mm_mode`): "grouped" (torch._grouped_mm over
+    per-group offsets), "per_expert" (a host read of `counts`, one matmul per non-empty group) or "gather" (each
+    row times its group's matrix, [N, K, M] gathered: small N only, no host read)."""
+    mode = mode or grouped_mm_mode(x, w)
+    if mode == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [G] end row of each group
         return torch._grouped_mm(x.contiguous(), w, offs=offs)
+    if mode == "gather":
+        return torch.bmm(x[:, None, :], w[groups]).squeeze(1)  # [N, 1, K] @ [N, K, M]
+    if mode != "per_expert":
+        raise ValueError(f"unknown grouped_mm mode {mode!r}: expected one of {GROUPED_MM_MODES}")
     out = x.new_empty(x.shape[0], w.shape[2])
     start = 0
     for g, n in enumerate(counts.tolist()):
@@ -151,11 +167,11 @@ class Experts(nn.Module):
             return self.gate_up_proj, self.down_proj
         return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
 
-    def forward(self, x: Tensor, weights: Tensor, experts: Tensor, use_grouped: bool | None = None) -> Tensor:
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor, mode: str | None = None) -> Tensor:
         """x [L, H], weights / experts [L, k] -> sum over k of weight * expert(x) [L, H] (Llama 4: expert(weight * x)).
 
-        The L*k (token, expert) pairs are sorted by expert, so each expert runs one GEMM over its tokens; with
-        `torch._grouped_mm` nothing here reads device values on the host (CUDA-graph friendly)."""
+        The L*k (token, expert) pairs are sorted by expert, so each expert runs one GEMM over its tokens (`mode`:
+        see `grouped_mm`); with `torch._grouped_mm` nothing here reads device values on the host."""
         n, k = experts.shape
         flat = experts.reshape(-1)  # [L*k]
         order = torch.argsort(flat, stable=True)  # [L*k] pairs grouped by expert
@@ -168,14 +184,14 @@ class Experts(nn.Module):
         if self.weight_input:
             xs = (xs * w).to(x.dtype)
         gate_up_w, down_w = self._weights()
-        h = grouped_mm(xs, gate_up_w, counts, use_grouped)  # [L*k, 2I]
+        h = grouped_mm(xs, gate_up_w, counts, expert, mode)  # [L*k, 2I]
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[expert]
         if self.interleaved:
             gate, up = h[:, 0::2], h[:, 1::2]  # [L*k, I] each
         else:
             gate, up = h.chunk(2, dim=-1)
-        y = grouped_mm(self.glu(gate, up), down_w, counts, use_grouped)  # [L*k, H]
+        y = grouped_mm(self.glu(gate, up), down_w, counts, expert, mode)  # [L*k, H]
         if self.down_proj_bias is not None and self.down_bias_here:
             y = y + self.down_proj_bias[expert]
         if not self.weight_input:

@@ -54,7 +54,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
     from cpinfer.model.loader import build_model  # late: the loader imports this package
 
     gen = torch.Generator().manual_seed(seed)
-    identity = 1.0 if config.norm_style == "llama" else 0.0  # gemma norms scale by (1 + weight)
+    identity = 0.0 if config.norm_style == "gemma" else 1.0  # gemma norms scale by (1 + weight)
     sd = {}
     for name, p in build_model(config).named_parameters():  # meta model: names and shapes only
         noise = torch.randn(*p.shape, generator=gen)

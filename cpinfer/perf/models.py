@@ -33,7 +33,7 @@ class ModelSpec:
     window_layers: int = 0   # how many of the n_layers use it (Gemma 3: 5 of every 6; Mistral v0.1: all)
     max_context: int = 0     # max_position_embeddings of the config (0: not stated)
     local: str = "sliding"   # what `window` is: a "sliding" window, or "chunked" attention (Llama 4: a query sees
-    #                          only keys of its own chunk of `window` positions; costed as a window, an upper bound)
+    #                          only keys of its own chunk of `window` positions)
     n_experts: int = 0       # routed experts of each sparse MLP layer (0: a dense model)
     experts_per_tok: int = 0  # k: experts each token goes through
     expert_ffn_dim: int = 0   # gated-MLP intermediate size of one expert

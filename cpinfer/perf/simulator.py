@@ -77,8 +77,9 @@ def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy
     m, shape = dep.model, dep.attn_shape
     full = cost_model.ring_cost(dep.hardware, shape, ring, strategy, batch=batch, tp=dep.tp)
     total = {k: m.full_layers * getattr(full, k) for k in RING_KEYS}
-    if m.window_layers:
-        windowed = RingShape(ring.n, ring.new, ring.cached, m.window)
+    if m.window_layers:  # sliding layers, or Llama 4's chunked ones (the chunk geometry of RingShape)
+        windowed = RingShape(ring.n, ring.new, ring.cached, m.window) if m.local == "sliding" else \
+            RingShape(ring.n, ring.new, ring.cached, attention_chunk=m.window)
         win = cost_model.ring_cost(dep.hardware, shape, windowed, strategy, batch=batch, tp=dep.tp)
         total = {k: total[k] + m.window_layers * getattr(win, k) for k in RING_KEYS}
     return total, dict(step_sendrecv=full.step_sendrecv, step_attention_max=full.step_attention_max,
@@ -163,12 +164,14 @@ def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, win
 
     q = ceil(B/N) queries on the fullest rank, padded or not (the ring's critical path holds that many at every
     step either way; padding adds work on the other ranks, not time). N steps of flash-decoding over this rank's
-    ~context/N keys (~min(window, context)/N in a windowed layer), each with the next Q block's SendRecv beside it
+    ~context/N keys (~min(window, context)/N in a windowed layer, (context mod C + 1)/N in a chunked one), each with the next Q block's SendRecv beside it
     (overlapped) or after it (the paper's decode, §4.3); then All2All of the partial outputs, permute and merge.
     """
     hw, shape, n = dep.hardware, dep.attn_shape, dep.cp
     q = ceil_div(batch, n)
-    keys = min(window, context_tokens) if window else context_tokens
+    keys = context_tokens
+    if window:  # a sliding window's last `window` keys, or the keys of the query's own chunk so far
+        keys = min(window, context_tokens) if dep.model.local == "sliding" else context_tokens % window + 1
     op = costs.decode_attention_time(hw, shape, q, ceil_div(keys, n))
     comm = cost_model.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
     hidden = hw.comm_overlap * op if dep.implementation.overlap_decode_ring else 0.0

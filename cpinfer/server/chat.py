@@ -26,8 +26,8 @@ from cpinfer.server.tool_parsers import TOOL_PARSERS, ToolParser
 class ReplyParser:
     """One choice's text → (reasoning, content, calls), and the deltas a stream has not sent yet."""
 
-    def __init__(self, reasoning, tools: ToolParser | None):
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning, tools: ToolParser | None, max_calls: int | None = None):
+        self.reasoning, self.tools, self.max_calls = reasoning, tools, max_calls
         self.sent = [0, 0, 0]  # reasoning chars, content chars, calls
 
     def parse(self, text: str, final: bool) -> tuple[str, str, list]:
@@ -35,7 +35,7 @@ class ReplyParser:
             text = text.rstrip("\ufffd")  # a partial UTF-8 character waits for its next token
         reasoning, rest = self.reasoning.split(text, final) if self.reasoning is not None else ("", text)
         content, calls = self.tools.extract(rest, final) if self.tools is not None else (rest, [])
-        return reasoning, content, calls
+        return reasoning, content, calls[:self.max_calls]
 
     def delta(self, text: str, final: bool) -> tuple[str, str, list]:
         reasoning, content, calls = self.parse(text, final)
@@ -65,7 +65,8 @@ async def create_chat_completion(server: OpenAIServer, http_request: Request):
     per_choice = choice_params(params, req.n, req.seed)
     rids, streams = await server.add_requests(rid, [ids] * req.n, per_choice, "messages")
     reasoning = reasoning_parser_for(server.reasoning) if req.tool_mode is None else None
-    parsers = [ReplyParser(reasoning, tool_parser() if tool_parser else None) for _ in rids]
+    one = 1 if req.parallel_tool_calls is False else None  # the model's first call only
+    parsers = [ReplyParser(reasoning, tool_parser() if tool_parser else None, one) for _ in rids]
     if not req.stream:
         outs = await server.collect(rids, streams, http_request, "chat", t0)
         if outs is None:

@@ -59,7 +59,14 @@ async def create_completion(server: OpenAIServer, http_request: Request):
         choices = [_choice(server, req, i, out, texts[i // req.n], score_only) for i, out in enumerate(outs)]
         return dump(P.CompletionResponse(id=rid, created=created, model=server.name, choices=choices,
                                          usage=usage_of(outs, req.n, not score_only)))
-    return server.stream_response(rids, _stream(server, req, rid, created, rids, streams, t0))
+    return server.stream_response(rids, _stream(server, req, rid, created, rids, streams, texts, score_only, t0))
+
+
+def _prompt_text(server: OpenAIServer, out, given: str | None) -> str:
+    """What `echo` returns: the prompt as sent, or a token-id prompt decoded."""
+    if given is not None:
+        return given
+    return server.tokenizer.decode(out.prompt_token_ids) if server.tokenizer is not None else ""
 
 
 def _choice(server: OpenAIServer, req: P.CompletionRequest, index: int, out, prompt_text: str | None,
@@ -67,9 +74,7 @@ def _choice(server: OpenAIServer, req: P.CompletionRequest, index: int, out, pro
     tok = server.tokenizer
     text = "" if score_only else out.text or ""
     if req.echo:
-        if prompt_text is None:
-            prompt_text = tok.decode(out.prompt_token_ids) if tok is not None else ""
-        text = prompt_text + text
+        text = _prompt_text(server, out, prompt_text) + text
         lp = echo_logprobs(tok, out, int(req.logprobs or 0), not score_only) if req.logprobs is not None else None
     else:
         lp = completion_logprobs(tok, out, range(len(out.token_ids)), 0) if req.logprobs is not None else None
@@ -78,25 +83,45 @@ def _choice(server: OpenAIServer, req: P.CompletionRequest, index: int, out, pro
 
 
 def _stream(server: OpenAIServer, req: P.CompletionRequest, rid: str, created: int, rids: list, streams: list,
-            t0: float):
+            texts: list, score_only: bool, t0: float):
+    """SSE chunks per choice; with `echo` the first carries the prompt (and its log-probabilities), and a score-only
+    request sends that one chunk with its finish reason."""
     tok, name = server.tokenizer, server.name
+    offsets = [0] * len(rids)  # the next token's text_offset: token strings so far (as the whole response counts)
+    echoed = [False] * len(rids)
+
+    def body(i: int, text: str, lp, out, last: bool) -> dict:
+        choice = P.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason if last else None,
+                                    stop_reason=out.stop_reason if last else None)
+        chunk = dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice]))
+        if not req.include_usage:
+            chunk.pop("usage")
+        return chunk
+
+    def echo(i: int, out) -> dict:
+        lp = echo_logprobs(tok, out, int(req.logprobs or 0), False) if req.logprobs is not None else None
+        if lp is not None and lp.tokens:
+            offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+        return body(i, _prompt_text(server, out, texts[i // req.n]), lp, out, score_only and out.finished)
 
     def chunks(i: int, out, progress: Progress) -> list[dict]:
         if out is None:
             return []
-        start = progress.chars
+        sent = []
+        if req.echo and not echoed[i] and (out.finished or not score_only):
+            echoed[i] = True
+            sent.append(echo(i, out))
         delta, new = progress.advance(out)
-        if not delta and not len(new) and not out.finished:
-            return []
-        lp = completion_logprobs(tok, out, new, start) if req.logprobs is not None else None
-        choice = P.CompletionChoice(index=i, text=delta, logprobs=lp, finish_reason=out.finish_reason
-                                    if out.finished else None, stop_reason=out.stop_reason if out.finished else None)
-        body = dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice]))
-        if not req.include_usage:
-            body.pop("usage")
-        return [body]
+        if score_only or (not delta and not len(new) and not out.finished):
+            return sent
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(tok, out, new, offsets[i])
+            offsets[i] += sum(len(t) for t in lp.tokens)
+        return sent + [body(i, delta, lp, out, out.finished)]
 
     def usage_chunk(outs: list) -> dict:
-        return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[], usage=usage_of(outs, req.n)))
+        return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[],
+                                         usage=usage_of(outs, req.n, not score_only)))
 
     return server.sse(rids, streams, chunks, usage_chunk if req.include_usage else None, "completions", t0)

@@ -185,8 +185,6 @@ class CompletionRequest(_SamplingRequest):
                              f"sample; it does not rank extra candidates), got {self.best_of}")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo (score the prompt); send at least 1")
-        if self.echo and self.stream:
-            raise ValueError("echo: not supported with stream (send stream: false to score a prompt)")
         if self.echo and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("echo: cannot be combined with a response_format")
         return self
