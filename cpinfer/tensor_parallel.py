@@ -101,6 +101,17 @@ def _dense_slices(prefix: str, size: int, tp: int, tp_rank: int, rows: dict, col
     cols[f"{prefix}.down_proj"] = part
 
 
+def _mla_slices(attn: str, mla, heads: range, rows: dict, cols: dict) -> None:
+    """MLA under TP: this rank's query heads of q_proj / q_b_proj and kv_b_proj (per head: the no-RoPE key part
+    and the value of the latent) and their o_proj columns; the latent path (q_a_proj, kv_a_proj_with_mqa and
+    their norms) stays whole, so every rank holds the same latent cache."""
+    q_name = "q_proj" if mla.q_lora_rank is None else "q_b_proj"
+    rows[f"{attn}.{q_name}"] = slice(heads.start * mla.qk_head_dim, heads.stop * mla.qk_head_dim)
+    per = mla.qk_nope_head_dim + mla.v_head_dim
+    rows[f"{attn}.kv_b_proj"] = slice(heads.start * per, heads.stop * per)
+    cols[f"{attn}.o_proj"] = slice(heads.start * mla.v_head_dim, heads.stop * mla.v_head_dim)
+
+
 def _plan(model, config: ModelConfig, tp: int, tp_rank: int) -> tuple[dict, dict, dict]:
     """(rows, cols, experts): module path -> the output rows / input columns this rank keeps of a linear, and
     experts-module path -> its slice of each expert's intermediate dimension."""
@@ -111,16 +122,20 @@ def _plan(model, config: ModelConfig, tp: int, tp_rank: int) -> tuple[dict, dict
     experts: dict[str, slice] = {}
     for i, layer in enumerate(model.model.layers):
         attn, ffn = f"model.layers.{i}.self_attn", f"model.layers.{i}.{layer.mlp_name}"
-        rows[f"{attn}.q_proj"] = slice(q.start * d, q.stop * d)
-        rows[f"{attn}.k_proj"] = rows[f"{attn}.v_proj"] = slice(kv.start * d, kv.stop * d)
-        cols[f"{attn}.o_proj"] = slice(q.start * d, q.stop * d)
+        if config.mla is not None:
+            _mla_slices(attn, config.mla, q, rows, cols)
+        else:
+            rows[f"{attn}.q_proj"] = slice(q.start * d, q.stop * d)
+            rows[f"{attn}.k_proj"] = rows[f"{attn}.v_proj"] = slice(kv.start * d, kv.stop * d)
+            cols[f"{attn}.o_proj"] = slice(q.start * d, q.stop * d)
         if not isinstance(layer.ffn, SparseMoE):
             _dense_slices(ffn, config.intermediate_size, tp, tp_rank, rows, cols)
             continue
         f = config.moe.intermediate_size // tp
         experts[f"{ffn}.experts"] = slice(tp_rank * f, (tp_rank + 1) * f)
         if layer.ffn.shared_expert is not None:
-            _dense_slices(f"{ffn}.shared_expert", config.moe.shared_intermediate_size, tp, tp_rank, rows, cols)
+            _dense_slices(f"{ffn}.{layer.ffn.shared_name}", config.moe.shared_intermediate_size, tp, tp_rank, rows,
+                          cols)
     return rows, cols, experts
 
 

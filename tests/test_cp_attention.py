@@ -26,7 +26,9 @@ def pools():
 
 
 def rank_attention(ctx, q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale=None, kv_seq_end=None,
-                   backend="auto", window=None, chunk=None, sinks=None):
+                   backend="auto", window=None, chunk=None, sinks=None, value_view=None):
+    if value_view is not None:  # v is the view k[..., :Dv] (MLA's latent), made here: views do not survive pickling
+        v = k[..., :value_view]
     return cp_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, group=ctx.group, strategy=strategy, scale=scale,
                         kv_seq_end=kv_seq_end, backend=backend, window=window, chunk=chunk, sinks=sinks)
 
@@ -55,6 +57,15 @@ class Problem:
         self.window = None  # sliding window, or None
         self.chunk = None  # attention chunk, or None
         self.sinks = None  # [H] sink logits, or None
+        self.value_view = None  # Dv when v is the view k[..., :Dv] (MLA), else None
+
+    def with_values(self, dv: int, in_keys: bool) -> "Problem":
+        """Values of head size dv: the first dv channels of the keys (MLA's latent) or their own random tensor."""
+        if in_keys:
+            self.v, self.value_view = self.k[..., :dv], dv
+        else:
+            self.v, self.value_view = torch.randn(self.k.shape[:2] + (dv,), generator=self.g), None
+        return self
 
     def solve(self, pool, q_idx, kv_idx, strategy):
         """q_idx[r], kv_idx[r]: index arrays of rank r's queries / keys (-1 = padding). Returns out [n_q, H, D]."""
@@ -63,16 +74,16 @@ class Problem:
             qi, ki = torch.as_tensor(np.asarray(qi), dtype=torch.long), torch.as_tensor(np.asarray(ki), dtype=torch.long)
             qp, kp = qi < 0, ki < 0
             qc, kc = qi.clamp(min=0), ki.clamp(min=0)
-            args.append((self.q[qc], self.k[kc], self.v[kc],
+            args.append((self.q[qc], self.k[kc], None if self.value_view else self.v[kc],
                          self.q_seq[qc].masked_fill(qp, -1), self.q_pos[qc].masked_fill(qp, 0),
                          self.kv_seq[kc].masked_fill(kp, -1), self.kv_pos[kc].masked_fill(kp, 0), strategy, None,
                          None if self.kv_end is None else self.kv_end[kc].masked_fill(kp, 0), "auto", self.window,
-                         self.chunk, self.sinks))
+                         self.chunk, self.sinks, self.value_view))
         outs = pool.run_each(rank_attention, args)
-        full = torch.full_like(self.q, float("nan"))
+        full = self.q.new_full(self.q.shape[:2] + self.v.shape[2:], float("nan"))  # [n_q, H, Dv]
         for qi, out in zip(q_idx, outs):
             qi = torch.as_tensor(np.asarray(qi), dtype=torch.long)
-            assert out.shape == (len(qi),) + self.q.shape[1:]
+            assert out.shape == (len(qi),) + full.shape[1:]
             assert not torch.isnan(out).any()
             full[qi[qi >= 0]] = out[qi >= 0]
         return full
@@ -473,6 +484,14 @@ def test_bad_input_raises_same_value_error_on_every_rank(pools, n):
                 torch.arange(2), torch.zeros(2, dtype=torch.long), torch.arange(2), "pass-kv", None, None, "auto")
         msgs = pool.run_each(rank_attention_catching, [good + (16 if r else None,) for r in range(n)])
         assert all("disagree on window" in m for m in msgs)
+        args = [good[:2] + (torch.randn(2, 4, 8 if r else 6),) + good[3:] for r in range(n)]
+        msgs = pool.run_each(rank_attention_catching, args)
+        assert all("disagree on value head size" in m for m in msgs)
+        # rank 0 passes its own v of 6 channels, the others the view k[..., :6]
+        args = [good[:2] + (torch.randn(2, 4, 6),) + good[3:] + (None, None, None, 6 if r else None) for r in range(n)]
+        msgs = pool.run_each(rank_attention_catching, args)
+        assert all("disagree on whether v is the view" in m for m in msgs)
+
     # the group still works after the errors
     p, q_idx, kv_idx = prefill_problem(3, [11], [0], n)
     p.check(p.solve(pool, q_idx, kv_idx, "pass-kv"))
@@ -484,3 +503,49 @@ def test_remote_error_reports_rank():
             pool.run(rank_attention, torch.randn(2, 4, 8), torch.randn(2, 3, 8), torch.randn(2, 3, 8),
                      torch.zeros(2, dtype=torch.long), torch.arange(2), torch.zeros(2, dtype=torch.long),
                      torch.arange(2), "pass-kv")
+
+
+# value head size != key head size: (h, hkv, Dv, v is k[..., :Dv]) — MLA's shape (one KV head of latent + rotary
+# key, the latent also the value), a separate narrower value, a wider one
+VALUE_KINDS = [(8, 1, 12, True), (8, 2, 8, False), (4, 2, 24, False)]
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_value_head_size_differs(pools, n):
+    """Dv != Dk under every strategy: full + partial prefill, a prefix tree (sharded and random placement), chunks
+    with sinks, a window, and round-robin decode; with v = k[..., :Dv] the K/V messages carry the keys alone."""
+    for i, (h, hkv, dv, in_keys) in enumerate(VALUE_KINDS):
+        for strategy in STRATEGIES:
+            p, q_idx, kv_idx = prefill_problem(50 + n + i, [1, 5, 40, 17], [0, 33, 9, 1], n, hkv=hkv, h=h)
+            p.with_values(dv, in_keys).check(p.solve(pools(n), q_idx, kv_idx, strategy))
+            chunk, window, sinks = LOCAL_KINDS[(i + STRATEGIES.index(strategy)) % len(LOCAL_KINDS)]
+            _local_kind(p, chunk, window, sinks, i).check(p.solve(pools(n), q_idx, kv_idx, strategy))
+            p, q_idx, kv_idx = tree_problem(60 + n + i, n, [5, 13, 1, 30], ("sharded", "random")[i % 2])
+            p.with_values(dv, in_keys).check(p.solve(pools(n), q_idx, kv_idx, strategy))
+        p = Problem(70 + i, 3, 40, h=h, hkv=hkv).with_values(dv, in_keys)  # decode: one query per sequence
+        p.q_seq[:], p.q_pos[:] = torch.arange(3), torch.tensor([12, 7, 20])
+        p.kv_seq[:] = torch.arange(40) % 3
+        p.kv_pos[:] = torch.arange(40) // 3
+        q_idx = [np.arange(r, 3, n) for r in range(n)]
+        kv_idx = [np.arange(r, 40, n) for r in range(n)]
+        for strategy in STRATEGIES:
+            p.check(p.solve(pools(n), q_idx, kv_idx, strategy))
+
+
+def test_values_in_keys_messages_carry_keys_once():
+    """The packed K/V row of v = k[..., :Dv] is the key alone; a separate v adds its Dv channels."""
+    from cpinfer.attention.kv_pack import pack_rows, row_width, same_head_size, unpack_rows, values_in_keys
+
+    k = torch.randn(5, 1, 24)
+    v = k[..., :16]
+    assert values_in_keys(k, v) and not values_in_keys(k, v.clone()) and values_in_keys(k[:0], v[:0]) is None
+    assert row_width(24, 16, True) == 24 and row_width(24, 16, False) == 40
+    rows = pack_rows(k, v, True, idx=torch.tensor([4, 1]))
+    assert rows.shape == (2, 1, 24)
+    k2, v2 = unpack_rows(rows, 24, 16)
+    torch.testing.assert_close(v2, k[[4, 1], :, :16])
+    v_own = torch.randn(5, 1, 16)
+    k3, v3 = unpack_rows(pack_rows(k, v_own, False), 24, 16)
+    assert torch.equal(k3, k) and torch.equal(v3, v_own)
+    q = torch.randn(3, 4, 24)
+    assert same_head_size(q, k, v)[2] is k  # the keys serve as values; the output's first Dv channels are P·v

@@ -17,13 +17,17 @@ pytest.importorskip("transformers")
 # and sliding; the mixtures of experts: 4 experts of 32, top 2 — Qwen3-MoE with a dense layer between two sparse
 # ones (mlp_only_layers), Qwen2-MoE with its gated shared expert and a window on layer 0, Mixtral windowed;
 # gpt-oss with sinks, window 16 on layer 0, YaRN and a SwiGLU clamp the activations reach; Llama 4 with chunks of
-# 16 on layers 0 and 2, NoPE layers 1 and 3 (temperature tuned, floor_scale 8) whose MLPs are sparse.
+# 16 on layers 0 and 2, NoPE layers 1 and 3 (temperature tuned, floor_scale 8) whose MLPs are sparse. DeepSeek-V3
+# / V2: multi-head latent attention (the cache and the ring carry the 16 + 8 latent), with / without low-rank
+# queries, YaRN's softmax mscale (V3), group-limited routing over 8 experts in 4 groups with a correction bias (V3)
+# or softmax group_limited_greedy (V2), shared experts, layer 0 dense; TP 2 splits the heads, the latent replicated.
 FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                    "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
-                   "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+                   "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v3": "deepseek_v3",
+                   "deepseek_v2": "deepseek_v2"}
 WINDOWED = ["mistral", "qwen2", "gemma3"]
 TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
-       "llama4_text"]
+       "llama4_text", "deepseek_v3", "deepseek_v2"]
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 DELTAS: dict[tuple[str, int | str], float] = {}  # (family, cp or "tp2") -> max |Δ log-prob| vs transformers
 
@@ -74,10 +78,11 @@ def test_family_matches_hf_with_chunked_prefill_and_prefix_reuse(llama_checkpoin
 
 
 @pytest.mark.parametrize("cp", [2, 3])
-@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("family", WINDOWED + ["deepseek_v3"])
 def test_windowed_prefix_sharing_and_forced_strategies(llama_checkpoint, engines, family, cp):
-    """Requests sharing a 100-token document (window 16-24) arrive one after another and read it from the cache;
-    every strategy (pass-KV and pass-Q for prefill, chunks and decode) stays exact."""
+    """Requests sharing a 100-token document (window 16-24; MLA's latent cache for deepseek_v3) arrive one after
+    another and read it from the cache; every strategy (pass-KV and pass-Q for prefill, chunks and decode) stays
+    exact."""
     path = llama_checkpoint(FAMILY_VARIANTS[family], max_position_embeddings=2048)
     rng = np.random.default_rng(cp)
     doc = rng.integers(3, 256, 100).tolist()

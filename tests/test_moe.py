@@ -178,11 +178,11 @@ def test_unsupported_moe_options_are_named(bad, message):
 def test_unsupported_architecture_lists_every_family():
     from cpinfer.model.families import FAMILIES
 
-    with pytest.raises(ValueError, match="unsupported model_type 'deepseek_v3'") as err:
-        ModelConfig.from_dict({"model_type": "deepseek_v3"})
+    with pytest.raises(ValueError, match="unsupported model_type 'rwkv'") as err:
+        ModelConfig.from_dict({"model_type": "rwkv"})
     assert all(repr(name) in str(err.value) for name in FAMILIES)  # (a test-only family may be registered too)
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral",
-            "gpt_oss", "llama4_text"} <= set(FAMILIES)
+            "gpt_oss", "llama4_text", "deepseek_v3", "kimi_k2", "deepseek_v2"} <= set(FAMILIES)
     with pytest.raises(ValueError, match="model_type 'llama4_text'"):
         ModelConfig.from_dict({"model_type": "llama4", "text_config": {}})
 

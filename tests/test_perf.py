@@ -466,3 +466,34 @@ def test_cli_plans_a_mixture_of_experts(capsys):
     assert cli_main(["plan", "--model", "llama-4-scout", "--hardware", "h200", "--cp", "4", "--tp", "8",
                      "--prompt-tokens", "131072"]) == 0
     assert "17.2B active: 1 of 16 experts on 48 layers" in capsys.readouterr().out
+
+
+# --- multi-head latent attention ---------------------------------------------------------------------------------
+MLA_PUBLISHED = {"deepseek-v3": (671e9, 37e9), "kimi-k2": (1.04e12, 32e9)}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_PUBLISHED))
+def test_mla_catalog_matches_published_parameters_and_caches_the_latent(name):
+    """DeepSeek-V3 / Kimi K2: total and active parameters as published; the KV cache holds 512 + 64 values per token
+    and layer once — the same on every TP rank (the latent is replicated) — against H x (192 + 128) per head."""
+    spec, (total, active) = load_model_spec(name), MLA_PUBLISHED[name]
+    assert spec.mla and spec.n_kv_heads == 1 and spec.head_dim == 576 and spec.kv_parts == 1
+    assert spec.params == pytest.approx(total, rel=0.02)
+    assert spec.active_params == pytest.approx(active, rel=0.03)
+    for tp in (1, 8):
+        assert spec.kv_bytes_per_token(tp, 2) == 61 * 576 * 2
+    assert spec.kv_bytes_per_head_layout(2) == 61 * spec.n_heads * 320 * 2
+    shape = Deployment(spec, HARDWARE["h200"], 2, 8, WEIGHT_FORMATS["fp8"]).attn_shape
+    assert shape.kv_bytes(1) == 576 * 2  # a ring message carries the latent rows alone
+
+
+def test_mla_config_is_read_and_planned(capsys):
+    cfg = BASE_CFG | dict(model_type="deepseek_v3", kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                          v_head_dim=32, q_lora_rank=96, n_routed_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
+    spec = model_spec_from_hf_config(cfg, "m", "test")
+    assert (spec.n_kv_heads, spec.head_dim, spec.kv_lora_rank, spec.q_lora_rank) == (1, 80, 64, 96)
+    assert (spec.n_experts, spec.experts_per_tok, spec.shared_ffn_dim, spec.moe_layers) == (8, 2, 32, 11)
+    rc, out = _json(capsys, ["plan", "--model", "deepseek-v3", "--hardware", "h200", "--cp", "2", "--tp", "8",
+                             "--prompt-tokens", "131072", "--weights", "fp8"])
+    assert rc == 0 and out["active_params"] < 0.06 * out["params"]

@@ -295,3 +295,26 @@ def test_cp_attention_cp2_triton_equals_cpu_backend():
                                          chunk=chunk, sinks=sk)
             order = torch.cat(q_idx)
             torch.testing.assert_close(a.double(), ref[order], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("in_keys,dv", [(True, 16), (False, 8), (False, 40)])
+def test_value_head_size_differs(in_keys, dv):
+    """Dv != Dk through the Triton step kernel (which takes one head size: run padded, exactly): MLA's values as the
+    keys' first channels (the keys serve as values), a narrower and a wider value; varlen with cached keys, split
+    over two launches."""
+    g = torch.Generator().manual_seed(5)
+    lens, cached = [9, 21], [0, 12]
+    q_seq = torch.as_tensor(np.repeat(np.arange(2), lens))
+    q_pos = torch.as_tensor(np.concatenate([np.arange(c, c + t) for c, t in zip(cached, lens)]))
+    kv_seq = torch.as_tensor(np.repeat(np.arange(2), np.add(lens, cached)))
+    kv_pos = torch.as_tensor(np.concatenate([np.arange(c + t) for c, t in zip(cached, lens)]))
+    q = torch.randn(len(q_seq), 8, 24, generator=g).to(DEV)
+    k = torch.randn(len(kv_seq), 1, 24, generator=g).to(DEV)
+    v = k[..., :dv] if in_keys else torch.randn(len(kv_seq), 1, dv, generator=g).to(DEV)
+    a, b = slice(0, 20), slice(20, None)
+    acc = attend_local(q, k[a], v[a], q_seq, q_pos, kv_seq[a], kv_pos[a], backend="triton")
+    out, lse = attend_local(q, k[b], v[b], q_seq, q_pos, kv_seq[b], kv_pos[b], backend="triton", acc=acc)
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), q_seq, q_pos, kv_seq, kv_pos)
+    assert out.shape == (len(q_seq), 8, dv)
+    torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)

@@ -127,7 +127,7 @@ def item_kernel(name: str | None, device):
     def one_item(q, k, v, causal, mask, scale):
         if mask is not None:  # an irregular tile: the portable kernel
             return sdpa_math_backend(q, k, v, causal, mask, scale)
-        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
         item = AttnItem(0, q.shape[0], 0, k.shape[0], CAUSAL if causal else FULL)
         backend.attend_items([item], None, q, k, v, acc_out, acc_lse, scale)
         return acc_out, acc_lse
@@ -182,7 +182,7 @@ class LocalAttention:
             plan.tables = plan_tables(self, q.device)  # both plans share one set of tables
             self.backend.prepare_plan(plan, HeadLayout.of(q, k), plan.tables)
             plan.tables.upload()
-        acc_out, acc_lse = acc if acc is not None else new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        acc_out, acc_lse = acc if acc is not None else new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
         self.backend.attend(plan, 0, q, k, v, acc_out, acc_lse, scale)
         return acc_out, acc_lse
 

@@ -24,6 +24,7 @@ import torch
 
 from cpinfer.attention.items import CAUSAL, MASK, run_items
 from cpinfer.attention.kernels import sdpa_math_backend
+from cpinfer.attention.kv_pack import attend_same_head_size
 from cpinfer.attention.merge import merge_rows_into
 from cpinfer.attention.step import HeadLayout, StepBackend, ensure_prepared, with_device_masks
 from cpinfer.attention.tables import ForwardTables
@@ -213,6 +214,11 @@ class FlashAttnBackend(StepBackend):
                             "masked_mode": "tiled" if masked and vectors is not None else "math", "masked_items": None}
 
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
+        """The kernel takes one head size: a value head size Dv != Dk runs padded (`kv_pack`, exact)."""
+        attend_same_head_size(lambda q_, k_, v_, out_, lse_: self._attend_items(
+            items, vectors, q_, k_, v_, out_, lse_, scale, tables, key, window), q, k, v, acc_out, acc_lse)
+
+    def _attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
         tables, key = ensure_prepared(self, items, vectors, q, k, tables, key)
         meta = tables.meta[key]
         if meta["delegate"]:

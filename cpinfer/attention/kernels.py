@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from cpinfer.attention.items import AttentionBackend
+from cpinfer.attention.kv_pack import same_head_size
 
 _FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
 _FEW_Q_MIN_KEYS = 1024  # below this many keys the flash kernel is as fast
@@ -18,23 +19,29 @@ def _few_queries_full(q, k, v, scale: float):
     """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
     matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
     lq, h, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv = k.shape[1], v.shape[-1]
     g = h // hkv
     qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
     s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
     lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
     p = torch.exp_(s.sub_(lse[..., None]))
-    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, D]
-    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, h, d).to(q.dtype)
+    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, Dv]
+    out = out.view(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, h, dv).to(q.dtype)
     return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
 
 
 def cpu_flash_backend(q, k, v, causal, mask, scale):
     """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
-    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead."""
+    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead. aten's kernel
+    takes one head size for q, k and v: a value head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact) and
+    returns out [Lq, H, Dv]."""
     if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
             and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
         return _few_queries_full(q, k, v, scale)
+    if v.shape[-1] != k.shape[-1]:
+        dv = v.shape[-1]
+        out, lse = cpu_flash_backend(*same_head_size(q, k, v), causal, mask, scale)
+        return out[..., :dv], lse
     lq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -61,7 +68,7 @@ def sdpa_math_backend(q, k, v, causal, mask, scale):
     lq, h, d = q.shape
     g = h // k.shape[1]
     kk = k.float().repeat_interleave(g, dim=1)  # [Lk, H, D]
-    vv = v.float().repeat_interleave(g, dim=1)
+    vv = v.float().repeat_interleave(g, dim=1)  # [Lk, H, Dv]
     s = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale  # [H, Lq, Lk]
     if causal:
         mask = torch.ones(lq, k.shape[0], dtype=torch.bool, device=q.device).tril()

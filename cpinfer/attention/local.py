@@ -242,7 +242,7 @@ def local_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=None, backend=N
     backend: a per-item kernel (None, "cpu-flash", "math"); `backends.attend_local` takes every backend name."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     items = build_items(q_seq, q_pos, kv_seq, kv_pos, kv_seq_end, window, chunk=chunk)
-    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
     run_items(items, q, k, v, acc_out, acc_lse, scale, kernel_by_name(backend, q.device))
     return acc_out, acc_lse
 

@@ -11,6 +11,7 @@ import torch
 from cpinfer.attention import triton_attention
 from cpinfer.attention.items import MASK, AttnItem, run_items
 from cpinfer.attention.kernels import sdpa_math_backend
+from cpinfer.attention.kv_pack import attend_same_head_size
 from cpinfer.attention.step import HeadLayout, StepBackend, ensure_prepared, no_key_map, with_device_masks
 from cpinfer.attention.tables import ForwardTables
 from cpinfer.attention.tiles import TABLE_FIELDS, item_table, split_table, tile_table
@@ -62,6 +63,11 @@ class TritonBackend(StepBackend):
         tables.meta[key]["block_m"] = block_m
 
     def attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
+        """The kernel takes one head size: a value head size Dv != Dk runs padded (`kv_pack`, exact)."""
+        attend_same_head_size(lambda q_, k_, v_, out_, lse_: self._attend_items(
+            items, vectors, q_, k_, v_, out_, lse_, scale, tables, key, window), q, k, v, acc_out, acc_lse)
+
+    def _attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
         tables, key = ensure_prepared(self, items, vectors, q, k, tables, key)
         meta = tables.meta[key]
         table = tuple(tables[key + (f,)] for f in TABLE_FIELDS)

@@ -31,7 +31,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch
                  scale: float | None = None, kv_seq_end: torch.Tensor | None = None,
                  backend: str = "auto", control_group=None, window: int | None = None, chunk: int | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact attention over the whole CP group. q [Lq, H, D], k/v [Lkv, Hkv, D], metadata int64 → out [Lq, H, D].
+    """Exact attention over the whole CP group. q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv], metadata int64 →
+    out [Lq, H, Dv]. The value head size Dv may differ from D; v may be the view k[..., :Dv] (MLA: the latent is the
+    key's first part and the value), and then K/V messages carry the keys alone. The softmax scale defaults to
+    1/sqrt(D).
 
     strategy: "pass-kv" (ring K/V, Alg. 2), "pass-q" (ring Q + All2All, Alg. 3/4) or "all-gather" (baseline).
     kv_seq_end [Lkv] (default kv_seq + 1): key j is visible to labels in [kv_seq[j], kv_seq_end[j]).

@@ -74,9 +74,10 @@ class AttnShape:
     head_dim: int
     elem_bytes: int         # Q, K, V, O activations
     partial_bytes: int = 4  # partial outputs in pass-Q's All2All and the merge
+    kv_parts: int = 2       # K and V per KV head; 1 when the values are the keys' first channels (MLA's latent)
 
     def __post_init__(self) -> None:
-        for name in ("heads", "kv_heads", "head_dim", "elem_bytes", "partial_bytes"):
+        for name in ("heads", "kv_heads", "head_dim", "elem_bytes", "partial_bytes", "kv_parts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"attention shape: {name} must be a positive integer, got {value!r}")
@@ -87,8 +88,8 @@ class AttnShape:
     def q_bytes(self, tokens: float) -> float:       # Q (or O) of `tokens` queries
         return tokens * self.heads * self.head_dim * self.elem_bytes
 
-    def kv_bytes(self, tokens: float) -> float:      # K and V of `tokens` keys
-        return 2 * tokens * self.kv_heads * self.head_dim * self.elem_bytes
+    def kv_bytes(self, tokens: float) -> float:      # K and V of `tokens` keys (MLA: the latent rows alone)
+        return self.kv_parts * tokens * self.kv_heads * self.head_dim * self.elem_bytes
 
     def partial_out_bytes(self, tokens: float) -> float:  # a partial output plus its LSE (App. C: (D + 1) per head)
         return tokens * self.heads * (self.head_dim * self.partial_bytes + LSE_BYTES)

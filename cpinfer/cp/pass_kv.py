@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for
 from cpinfer.attention.items import new_accumulator
+from cpinfer.attention.kv_pack import pack_rows, row_width, unpack_rows
 from cpinfer.attention.merge import finish
 from cpinfer.attention.step import plan_tables
 from cpinfer.cp.ring import direct_steps, ring_steps
@@ -19,22 +20,21 @@ from cpinfer.timing import Stopwatch
 
 
 def _pack_kv(plan, k, v) -> torch.Tensor:
-    """This rank's relevant K/V as one message [2, max_send, Hkv, D] (rows past its own count are padding)."""
+    """This rank's relevant K/V as one message [max_send, Hkv, W] (`kv_pack`: keys then values, or the keys alone
+    when the values are in them; rows past its own count are padding)."""
     idx = plan_tables(plan, k.device)[plan.key("send")]  # [sent rows] int64, uploaded before the ring
-    buf = k.new_zeros((2, plan.max_send) + tuple(k.shape[1:]))
-    buf[0, :len(idx)] = k.index_select(0, idx)
-    buf[1, :len(idx)] = v.index_select(0, idx)
-    return buf
+    buf = k.new_zeros((plan.max_send, k.shape[1], row_width(k.shape[-1], v.shape[-1], plan.values_in_keys)))
+    return pack_rows(k, v, plan.values_in_keys, buf, idx)
 
 
 def run(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D] (the plan's tables prepared and uploaded); sinks [H] are
-    merged once, after the last step."""
+    """q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] → out [Lq, H, Dv] (the plan's tables prepared and uploaded);
+    sinks [H] are merged once, after the last step."""
     backend = backend_for(plan, q.device)
-    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
 
     def compute(j, block):  # step 0 reads my K/V in place; later steps the block received from rank - j
-        kj, vj = (k, v) if j == 0 else (block[0], block[1])
+        kj, vj = (k, v) if j == 0 else unpack_rows(block, k.shape[-1], v.shape[-1])
         backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
 
     ring_steps(plan.group, _pack_kv(plan, k, v) if plan.world > 1 else None, plan.world, compute, timings)
@@ -43,25 +43,27 @@ def run(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
 
 def run_direct(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
     """Windowed / chunked pass-KV: at step j rank r receives from rank r - j the K/V rows its queries see
-    (`plan.routes`); pairs with no such rows exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    (`plan.routes`); pairs with no such rows exchange nothing. q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] →
+    out [Lq, H, Dv]."""
     backend = backend_for(plan, q.device)
-    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
     n, me, rows = plan.world, plan.rank, plan.routes.rows
     tables = plan_tables(plan, q.device)
 
-    def outgoing(j):  # my rows the rank j ahead of me needs, packed [2, rows, Hkv, D]
+    width = row_width(k.shape[-1], v.shape[-1], plan.values_in_keys)
+
+    def outgoing(j):  # my rows the rank j ahead of me needs, packed [rows, Hkv, W]
         if not len(rows[me][(me + j) % n]):
             return None
-        idx = tables[plan.key("direct", (me + j) % n)]
-        return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+        return pack_rows(k, v, plan.values_in_keys, idx=tables[plan.key("direct", (me + j) % n)])
 
     def incoming(j):
         count = len(rows[(me - j) % n][me])
-        return k.new_empty((2, count) + tuple(k.shape[1:])) if count else None
+        return k.new_empty((count, k.shape[1], width)) if count else None
 
     def compute(j, block):
         if plan.steps[j]:
-            kj, vj = (k, v) if j == 0 else (block[0], block[1])
+            kj, vj = (k, v) if j == 0 else unpack_rows(block, k.shape[-1], v.shape[-1])
             backend.attend(plan, j, q, kj, vj, acc_out, acc_lse, scale)
 
     direct_steps(plan.group, n, outgoing, incoming, compute, timings, q.device)
@@ -71,7 +73,7 @@ def run_direct(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
 def run_all_gather(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
     """Baseline: all-gather every rank's packed K/V first (not overlapped), then attend locally."""
     backend = backend_for(plan, q.device)
-    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+    acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
     clock = Stopwatch(q.device)
     t0 = clock.mark()
     blocks = [k, v]
@@ -84,8 +86,8 @@ def run_all_gather(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tens
         if j == 0:
             backend.attend(plan, 0, q, k, v, acc_out, acc_lse, scale)
         else:
-            blk = blocks[plan.source(j)]
-            backend.attend(plan, j, q, blk[0], blk[1], acc_out, acc_lse, scale)
+            backend.attend(plan, j, q, *unpack_rows(blocks[plan.source(j)], k.shape[-1], v.shape[-1]), acc_out,
+                           acc_lse, scale)
     if timings is not None:
         timings.append({"step": "all", "compute_s": clock.span(t1, clock.mark()), "wait_s": clock.span(t0, t1)})
     return finish(acc_out, acc_lse, sinks, q.dtype)

@@ -32,16 +32,17 @@ def _merged(backend, outs, lses, sinks, dtype) -> torch.Tensor:
 
 
 def run(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]; sinks [H] merged once, after the All2All's merge."""
+    """q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] → out [Lq, H, Dv]; sinks [H] merged once, after the All2All's
+    merge."""
     backend = backend_for(plan, q.device)  # the plan's tables are prepared and uploaded
-    n, lq, h, d = plan.world, q.shape[0], q.shape[1], q.shape[2]
+    n, lq, h, d = plan.world, q.shape[0], q.shape[1], v.shape[-1]
     rows = plan.max_q if n > 1 else lq
-    # partials[s] = (out, lse) of source s's queries against my K/V, packed as [N, rows, H, D+1] for the All2All
+    # partials[s] = (out, lse) of source s's queries against my K/V, packed as [N, rows, H, Dv+1] for the All2All
     partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)
     partials[..., d].fill_(-torch.inf)
     cur = q
     if n > 1:  # queries travel padded to the longest rank's count
-        cur = q.new_zeros((rows, h, d))
+        cur = q.new_zeros((rows, h, q.shape[2]))
         cur[:lq] = q
 
     def compute(j, block):  # block holds the queries that started on rank (rank - j)
@@ -65,10 +66,10 @@ def run(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
 def run_direct(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
     """Windowed / chunked pass-Q: at step j rank r receives from rank r - j the queries that see some key of r
     (`plan.routes`), attends them to its K/V in place, and an All2All with per-pair sizes returns the partials;
-    pairs with nothing to move exchange nothing. q [Lq, H, D], k/v [Lkv, Hkv, D] → out [Lq, H, D]."""
+    pairs with nothing to move exchange nothing. q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] → out [Lq, H, Dv]."""
     backend = backend_for(plan, q.device)
     n, me, rows = plan.world, plan.rank, plan.routes.rows
-    lq, h, d = q.shape
+    (lq, h, dq), d = q.shape, v.shape[-1]
     tables = plan_tables(plan, q.device)
     own = torch.zeros(lq, h, d + 1, dtype=torch.float32, device=q.device)  # my queries against my K/V
     own[..., d].fill_(-torch.inf)
@@ -83,7 +84,7 @@ def run_direct(plan, q, k, v, scale, timings=None, sinks=None) -> torch.Tensor:
 
     def incoming(j):
         count = len(rows[(me - j) % n][me])
-        return q.new_empty((count, h, d)) if count else None
+        return q.new_empty((count, h, dq)) if count else None
 
     def compute(j, block):
         if j == 0:

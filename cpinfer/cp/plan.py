@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import backend_for, min_stair, resolve_name
+from cpinfer.attention.kv_pack import values_in_keys
 from cpinfer.attention.local import AttnItem, build_items, chunk_labels, mark_first, seq_end_or_default
 from cpinfer.attention.step import HeadLayout, plan_tables
 from cpinfer.attention.tables import ForwardTables
@@ -64,6 +65,7 @@ class CPAttentionPlan:
     tables: ForwardTables | None = None  # device tables (None: the plan's own, made by `prepare`)
     table_prefix: tuple = ()  # this plan's keys in shared tables (the engine's forward holds several plans)
     chunk: int | None = None  # attention chunk (already folded into the metas' labels)
+    values_in_keys: bool = False  # v is k[..., :Dv] (MLA's latent): K/V messages carry the keys alone (`kv_pack`)
 
     @property
     def me(self) -> RankMeta:
@@ -116,7 +118,8 @@ class CPAttentionPlan:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, timings: list | None = None,
             scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k/v [Lkv, Hkv, D] (this rank's) → out [Lq, H, D] in q's dtype; `scale` overrides;
+        """q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] (this rank's) → out [Lq, H, Dv] in q's dtype; `scale`
+        overrides;
         sinks [H]: each head's sink logit, merged once into every query's softmax after the ring."""
         from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
 
@@ -139,13 +142,14 @@ def _relevant_rows(q_labels: np.ndarray, kv_seq: np.ndarray, kv_end: np.ndarray)
 
 def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strategy: str,
                        scale: float | None = None, backend: str = "auto", window: int | None = None,
-                       chunk: int | None = None) -> CPAttentionPlan:
+                       chunk: int | None = None, values_in_keys: bool = False) -> CPAttentionPlan:
     """Build a plan from every rank's metadata, known on all ranks: no communication.
 
     q_meta[r] = (q_seq, q_pos) and kv_meta[r] = (kv_seq, kv_pos) or (kv_seq, kv_pos, kv_seq_end) as int64 arrays,
     for r in range(world); a missing kv_seq_end means kv_seq + 1 (same sequence id). With a sliding `window` or an
     attention `chunk` pass-KV and pass-Q use the direct schedule (`Routes`): only rows some query can see travel,
-    and a step with nothing to move for any rank sends no message.
+    and a step with nothing to move for any rank sends no message. `values_in_keys`: every rank's v is the view
+    k[..., :Dv] (MLA), so K/V messages carry the keys alone.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGIES)}")
@@ -163,7 +167,8 @@ def plan_from_metadata(q_meta, kv_meta, *, group, rank: int, world: int, strateg
     if (window is not None or chunk is not None) and strategy != "all-gather":
         routes = pair_routes(metas, "q" if strategy == "pass-q" else "kv", window)
     plan = CPAttentionPlan(group, rank, world, strategy, scale, metas, [], max(len(m.q_seq) for m in metas),
-                           max(len(m.send) for m in metas), backend, window, routes, chunk=chunk)
+                           max(len(m.send) for m in metas), backend, window, routes, chunk=chunk,
+                           values_in_keys=bool(values_in_keys))
     covered = np.zeros(len(plan.me.q_seq), dtype=bool)
     stair = min_stair(backend)
     for j in range(world):
@@ -227,8 +232,9 @@ def _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_se
             return f"{name} must be a 3-D tensor [tokens, heads, head_dim], got {getattr(t, 'shape', type(t))}"
         if t.dtype not in _DTYPES:
             return f"{name} must be a floating tensor ({', '.join(map(str, _DTYPES))}), got {t.dtype}"
-    if k.shape != v.shape:
-        return f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if k.shape[:2] != v.shape[:2] or v.shape[2] == 0:
+        return (f"k and v must have the same tokens and heads (the value head size may differ), got {tuple(k.shape)} "
+                f"and {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[2] != k.shape[2]:
@@ -280,21 +286,27 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     problem = _local_problem(q, k, v, q_seq, q_pos, kv_seq, kv_pos, strategy, scale, kv_seq_end, backend, window,
                              chunk, sinks)
     ok = not problem
+    shared = values_in_keys(k, v) if ok else None
     header = torch.tensor([0 if ok else 1,
                            q.shape[0] if ok else 0, k.shape[0] if ok else 0,
                            q.shape[1] if ok else 0, k.shape[1] if ok else 0, q.shape[2] if ok else 0,
                            _DTYPES.index(q.dtype) if ok else -1, STRATEGIES.index(strategy) if ok else -1,
-                           (window or 0) if ok else -1, (chunk or 0) if ok else -1], dtype=torch.int64)
-    headers = torch.stack(_all_gather_ints(header, group))  # [world, 10]
+                           (window or 0) if ok else -1, (chunk or 0) if ok else -1, v.shape[2] if ok else 0,
+                           -1 if shared is None else int(shared)], dtype=torch.int64)
+    headers = torch.stack(_all_gather_ints(header, group))  # [world, 12]
     if headers[:, 0].any():
         problems = [None] * world
         dist.all_gather_object(problems, problem, group=group)
         bad = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
         raise ValueError(f"cp_attention: bad input on {bad}")
     for col, what in ((3, "query heads"), (4, "key/value heads"), (5, "head_dim"), (6, "dtype"), (7, "strategy"),
-                      (8, "window"), (9, "chunk")):
+                      (8, "window"), (9, "chunk"), (10, "value head size")):
         if (headers[:, col] != headers[0, col]).any():
             raise ValueError(f"cp_attention: ranks disagree on {what}: {headers[:, col].tolist()}")
+    known = headers[:, 11][headers[:, 11] >= 0]
+    if len(known) and (known != known[0]).any():
+        raise ValueError(f"cp_attention: ranks disagree on whether v is the view k[..., :Dv] (1) or its own tensor "
+                         f"(0): {headers[:, 11].tolist()}")
     max_q, max_kv = int(headers[:, 1].max()), int(headers[:, 2].max())
     mine = torch.full((5, max(max_q, max_kv)), -1, dtype=torch.int64)
     mine[0, :q.shape[0]], mine[1, :q.shape[0]] = q_seq.cpu(), q_pos.cpu()
@@ -304,4 +316,5 @@ def exchange_and_plan(q, k, v, q_seq, q_pos, kv_seq, kv_pos, *, group, strategy,
     q_meta = [(g[0, :h[1]].numpy(), g[1, :h[1]].numpy()) for g, h in zip(gathered, headers)]
     kv_meta = [(g[2, :h[2]].numpy(), g[3, :h[2]].numpy(), g[4, :h[2]].numpy()) for g, h in zip(gathered, headers)]
     return plan_from_metadata(q_meta, kv_meta, group=tensors_group, rank=rank, world=world, strategy=strategy,
-                              scale=scale, backend=backend, window=window, chunk=chunk)
+                              scale=scale, backend=backend, window=window, chunk=chunk,
+                              values_in_keys=bool(len(known) and known[0] == 1))

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
 from cpinfer.attention.items import FULL, MASK, AttnItem, mark_first, new_accumulator
+from cpinfer.attention.kv_pack import pack_rows, row_width, unpack_rows, values_in_keys
 from cpinfer.attention.local import build_items
 from cpinfer.attention.merge import finish, merge_partials
 from cpinfer.attention.step import HeadLayout
@@ -163,6 +164,7 @@ class BatchAttention:
         for b, r in self._members():
             self.pos[r][b] = seqs[b].start + self.idx[r][b]
         self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
+        self.values_in_keys = False  # the store's v is its k's first channels (MLA): messages carry keys alone
 
     def _members(self) -> list[tuple[int, int]]:
         """(sequence, rank) pairs this rank's plans read: the ring's sequences on every rank, mine on mine."""
@@ -252,15 +254,18 @@ class BatchAttention:
         self.local_steps = (mark_first(store_items, len(covered), covered),
                             mark_first(new_items, len(covered), covered))
 
-    def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None, chunks=None) -> ForwardTables:
+    def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None, chunks=None,
+                values_in_keys: bool = False) -> ForwardTables:
         """Plan every kind of layer the model has (`windows`, `chunks`: each layer's window and attention chunk,
         None = none; both None = full attention) and put every device index the forward reads into `self.tables`:
         the model's inputs ("input_ids", "positions", "slots"), the kernel tables of every ring step and of my
         local sequences, the rows each message packs and the windowed / chunked gathers. The caller uploads them
         once, before layer 0; inside the layers nothing else crosses to the device. `store_rows`: the store's
         size; with it a backend that addresses keys through an index (flash-attn) reads a step's store rows and
-        new rows (already written to the store) in one call."""
+        new rows (already written to the store) in one call. `values_in_keys`: the store's v is the view of its k's
+        first channels (MLA)."""
         t = self.tables
+        self.values_in_keys = values_in_keys
         self.store_rows = store_rows if self.backend.maps_keys(layout) else None
         for name in ("input_ids", "positions", "slots"):
             t.put((name,), getattr(self, name).astype(np.int64, copy=False))  # [Lq] each
@@ -358,7 +363,8 @@ class BatchAttention:
         world, rank = len(ranks), ranks.index(self.rank)
         strategy = self.strategy if world > 1 else "pass-kv"
         plan = plan_from_metadata(q_meta, kv_meta, group=group, rank=rank, world=world, strategy=strategy,
-                                  backend=self.backend_name, window=window, chunk=chunk)
+                                  backend=self.backend_name, window=window, chunk=chunk,
+                                  values_in_keys=self.values_in_keys)
         plan.table_prefix = ("win", window, chunk, part)
         plan.prepare(layout, self.device, self.tables)
         self.tables.put(plan.table_prefix + ("gather",), mine)  # [keys] my store slots the plan's K/V rows come from
@@ -367,19 +373,22 @@ class BatchAttention:
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
             window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
+        """q [Lq, H, D], k_new [Lq, Hkv, D] / v_new [Lq, Hkv, Dv] (already written to the store), store_k / store_v
+        [capacity, Hkv, D / Dv] (store_v may be the view store_k[..., :Dv]: MLA's latent; messages then carry keys
+        alone) → out [Lq, H, Dv];
         `window` / `chunk`: the layer's sliding window / attention chunk (both None: full causal attention);
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
         to the ring's sequences, the rest to my local ones."""
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
-            self.prepare(HeadLayout.of(q, k_new), [window], chunks=[chunk])
+            self.prepare(HeadLayout.of(q, k_new), [window], chunks=[chunk],
+                         values_in_keys=bool(values_in_keys(store_k, store_v)))  # (the store has rows: not None)
             self.tables.upload()
         if window is not None or chunk is not None:
             return self._run_windowed(q, store_k, store_v, scale, timings, (window, chunk), sinks)
         if self.steps is None:
             self._plan_full()
             self._prepare_full(HeadLayout.of(q, k_new))
-        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v_new.shape[-1], q.device)
         if self.local:
             self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
         if not self.ring:
@@ -395,35 +404,35 @@ class BatchAttention:
     def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
         if kind not in self._windowed:
             self._window_plans(kind, HeadLayout.of(q, store_k))
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[:2] + store_v.shape[-1:])  # [Lq, H, Dv]
         for plan, rows in self._windowed[kind]:
             gather = self.tables[plan.table_prefix + ("gather",)]
-            out[rows] = plan.run(q[rows], store_k.index_select(0, gather), store_v.index_select(0, gather),
-                                 timings, scale, sinks)
+            k = store_k.index_select(0, gather)
+            v = k[..., :store_v.shape[-1]] if plan.values_in_keys else store_v.index_select(0, gather)
+            out[rows] = plan.run(q[rows], k, v, timings, scale, sinks)
         return out
 
     def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse) -> None:
         u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
-        packed = k_new.new_zeros((2, self.max_send) + tuple(k_new.shape[1:]))  # [2, max_send, Hkv, D]
-        packed[0, :len(u)] = store_k.index_select(0, u)
-        packed[1, :len(u)] = store_v.index_select(0, u)
-        packed[0, len(u):len(u) + len(k_new)] = k_new
-        packed[1, len(u):len(u) + len(k_new)] = v_new
+        shared, dk, dv = self.values_in_keys, k_new.shape[-1], v_new.shape[-1]
+        packed = k_new.new_zeros((self.max_send, k_new.shape[1], row_width(dk, dv, shared)))  # [max_send, Hkv, W]
+        pack_rows(store_k, store_v, shared, packed, u)
+        pack_rows(k_new, v_new, shared, packed[len(u):])
 
         def compute(j, block):
-            self.backend.attend_items(self.steps[j], None, q, block[0], block[1], acc_out, acc_lse, scale,
+            self.backend.attend_items(self.steps[j], None, q, *unpack_rows(block, dk, dv), acc_out, acc_lse, scale,
                                       self.tables, ("full", "kv", j))
 
         ring_steps(self.group, packed, self.world, compute, timings)
 
     def _run_pass_q(self, q, k_new, v_new, store_k, store_v, scale, timings):
-        n, lq, h, d = self.world, q.shape[0], q.shape[1], q.shape[2]
+        n, lq, h, d = self.world, q.shape[0], q.shape[1], v_new.shape[-1]
         rows = self.max_q
         partials = torch.zeros(n, rows, h, d + 1, dtype=torch.float32, device=q.device)  # out | lse per source
         partials[..., d].fill_(-torch.inf)
         cur = q
         if lq < rows:
-            cur = q.new_zeros((rows, h, d))
+            cur = q.new_zeros((rows, h, q.shape[2]))
             cur[:lq] = q
 
         def compute(j, block):

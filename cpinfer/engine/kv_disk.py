@@ -86,14 +86,14 @@ def _probe_write(path: Path) -> bool:
 
 
 def model_layout(model_dir: str, weight_files: list[Path], disk: DiskDir, dtype: str, layers: int, kv_heads: int,
-                 head_dim: int, tp: int) -> Layout:
+                 head_dim: int, tp: int, kv_row: str = "") -> Layout:
     """The layout entries are keyed by; the weights' checksum is remembered in the directory."""
     t0 = time.perf_counter()
     files = list(weight_files) + [p for p in [Path(model_dir) / "config.json"] if p.exists()]
     cache = disk.path / ".model-checksums.json" if disk.writable else None
     digest = model_checksum(files, cache)
     log.debug("model checksum %s in %.2fs", digest[:12], time.perf_counter() - t0)
-    return Layout(digest, dtype, layers, kv_heads, head_dim, tp)
+    return Layout(digest, dtype, layers, kv_heads, head_dim, tp, kv_row)
 
 
 def rebuild_index(kv, disk: DiskDir, layout: Layout) -> None:

@@ -39,13 +39,15 @@ class Layout:
     model: str  # sha256 of the checkpoint's weights and config.json
     dtype: str
     layers: int
-    kv_heads: int  # of the whole model
-    head_dim: int
+    kv_heads: int  # of the whole model (MLA: 1, the latent)
+    head_dim: int  # channels of a cached key per KV head (MLA: kv_lora_rank + qk_rope_head_dim)
     tp: int
+    kv_row: str = ""  # "" keys and values of head_dim each; MLA: "latent<rank>+rope<dims>" (values in the keys)
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:32]
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "kv_row" or v}  # (old keys unchanged)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
     def same_but_tp(self, other: "Layout") -> bool:
         return dataclasses.replace(self, tp=other.tp) == other
@@ -101,7 +103,8 @@ class EntryHeader:
 
 
 def write_entry(directory: Path, header: EntryHeader, kv: torch.Tensor, delay_s: float = 0.0) -> int:
-    """Write one file: kv [M, 2, layers, Hkv, D] (CPU) with header.positions [M]. Temporary name, fsync, rename,
+    """Write one file: kv [M, P, layers, Hkv, D] (CPU; P = 2 keys and values, 1 keys holding the values: MLA) with
+    header.positions [M]. Temporary name, fsync, rename,
     fsync of the directory. Returns the bytes written. delay_s: a pause between chunks (tests kill a writer
     mid-file with it)."""
     positions = torch.from_numpy(np.ascontiguousarray(header.positions, dtype=np.int64))

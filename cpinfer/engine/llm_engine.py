@@ -191,7 +191,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ set-up
     def _default_capacity(self, fraction: float) -> int:
         c = self.config
-        per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+        per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, MR.KVWidths.of(c),
                                                self.elem_bytes)
         return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
@@ -278,7 +278,8 @@ class LLMEngine:
             self.disk = open_disk_dir(a.kv_disk_dir, a.kv_disk_gib)
             c = self.config
             layout = model_layout(self.model_path, checkpoint_files(Path(self.model_path)), self.disk, a.dtype,
-                                  c.num_hidden_layers, c.num_key_value_heads, c.head_dim, a.tensor_parallel_size)
+                                  c.num_hidden_layers, c.cached_kv_heads, c.kv_key_width, a.tensor_parallel_size,
+                                  c.kv_row)
             disk_dir, disk_bytes = str(self.disk.path), self.disk.bound
         writable = self.disk is not None and self.disk.writable
         self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n)

@@ -32,19 +32,48 @@ from cpinfer.tensor_parallel import RowParallelLinear, load_tp_model
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
 
-class KVStore:
-    """This rank's K/V tensors: k, v [layers, capacity + 1, Hkv, D], indexed by the slots the driver assigns; row
-    `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there."""
+@dataclasses.dataclass(frozen=True)
+class KVWidths:
+    """What one cached token holds per layer and KV head: a key of `key` channels and a value of `value` channels,
+    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels."""
 
-    def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, head_dim: int, dtype, device):
-        shape = (num_layers, capacity + 1, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    key: int
+    value: int
+    values_in_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.key <= 0 or self.value <= 0:
+            raise ValueError(f"KV widths must be positive, got key {self.key}, value {self.value}")
+        if self.values_in_keys and self.value > self.key:
+            raise ValueError(f"values in the keys need value width <= key width, got {self.value} > {self.key}")
+
+    @classmethod
+    def of(cls, config) -> "KVWidths":
+        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys)
+
+    @property
+    def stored(self) -> int:
+        """Channels stored per KV head and token: the key's, plus the value's unless it sits in the key."""
+        return self.key if self.values_in_keys else self.key + self.value
+
+
+class KVStore:
+    """This rank's K/V tensors: k [layers, capacity + 1, Hkv, Dk] and v [layers, capacity + 1, Hkv, Dv] (with
+    `values_in_keys` a view of k's first Dv channels: nothing stored twice), indexed by the slots the driver
+    assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there."""
+
+    def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device):
+        self.widths = widths
+        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key), dtype=dtype, device=device)
+        if widths.values_in_keys:
+            self.v = self.k[..., :widths.value]
+        else:
+            self.v = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.value), dtype=dtype, device=device)
         self.sink = capacity
 
     @staticmethod
-    def bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
-        return 2 * num_layers * n_kv_heads * head_dim * elem_bytes
+    def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int) -> int:
+        return num_layers * n_kv_heads * widths.stored * elem_bytes
 
 
 class ModelRunner:
@@ -62,8 +91,9 @@ class ModelRunner:
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
         attn = self.model.model.layers[0].self_attn
-        self.n_kv = attn.num_kv_heads  # this TP rank's KV heads
-        self.layout = HeadLayout(attn.num_heads, self.n_kv, self.config.head_dim, dtype)  # what attention gets
+        self.n_kv = attn.num_kv_heads  # this TP rank's KV heads (MLA: the one latent head, on every TP rank)
+        self.widths = KVWidths.of(self.config)
+        self.layout = HeadLayout(attn.num_heads, self.n_kv, self.widths.key, dtype)  # what attention gets
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
@@ -79,15 +109,18 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, c.head_dim, self.dtype.itemsize)
+        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, self.widths, self.dtype.itemsize)
 
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
-        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, c.head_dim, self.dtype, self.ctx.device)
+        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device)
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
         if self.decode["mode"] != "off":
+            if self.widths.key != self.widths.value:
+                raise ValueError("the static decode path (decode mode 'eager' / 'graph') takes one head size for "
+                                 "keys and values; this model's differ (MLA): use decode mode 'off'")
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
 
     def profile_forward(self, tokens: int) -> None:
@@ -99,8 +132,8 @@ class ModelRunner:
         pos = torch.arange(tokens, device=dev)  # [L]
 
         def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D]
-            acc_out, _ = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-            ring = k.new_empty((2, 2) + tuple(k.shape))  # [2, 2, L, Hkv, D]: the block and its spare
+            acc_out, _ = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
+            ring = k.new_empty((2, k.shape[0], k.shape[1], self.widths.stored))  # [2, L, Hkv, W]: block and spare
             del ring
             return acc_out.to(q.dtype)
 
@@ -135,14 +168,16 @@ class ModelRunner:
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store = self.store
-        tables = plan.prepare(self.layout, self.windows, store.k.shape[1], self.chunks)  # every index, on the host
+        tables = plan.prepare(self.layout, self.windows, store.k.shape[1], self.chunks,  # every index, on the host
+                              store.widths.values_in_keys)
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         steps = []  # ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied; sinks [H]
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
-            store.v[layer].index_copy_(0, slots, v)
+            if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
+                store.v[layer].index_copy_(0, slots, v)
             return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
                             self.chunks[layer], sinks)
 

@@ -58,7 +58,7 @@ class CostModel:
     @functools.cached_property
     def shape(self) -> AttnShape:
         return AttnShape(self.spec.n_heads // self.tp, self.spec.kv_heads_per_gpu(self.tp), self.spec.head_dim,
-                         self.elem_bytes)
+                         self.elem_bytes, kv_parts=self.spec.kv_parts)
 
     @functools.cached_property
     def deployment(self) -> Deployment:

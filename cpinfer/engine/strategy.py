@@ -32,6 +32,7 @@ def choose_for_batch(engine, t: int, p: int, phase: str, ring: bool = True) -> S
     c = engine.config
     method = "empirical" if engine.hardware.empirical is not None else "alg5"
     tp = engine.parallel.tp  # the heads one device holds
+    kv_heads = c.cached_kv_heads if c.mla is not None else max(1, c.num_key_value_heads // tp)  # MLA: the latent
     return choose_strategy(t, p, engine.n, n_heads=c.num_attention_heads // tp,
-                           n_kv_heads=max(1, c.num_key_value_heads // tp), head_dim=c.head_dim,
+                           n_kv_heads=kv_heads, head_dim=c.kv_key_width,
                            elem_bytes=engine.elem_bytes, hardware=engine.hardware, method=method, tp=tp)

@@ -126,6 +126,17 @@ def delete_file(directory: Path, entry: str, shard: int, tp_rank: int) -> TierEv
     return TierEvent("deleted", shard, entry, shard)
 
 
+def _parts(store) -> int:
+    """2: keys and values stored apart, of one head size (the tier entries' [M, 2, L, Hkv, D]); 1: the values are
+    the keys' first channels (MLA's latent), so the keys alone are the token's rows."""
+    if getattr(store, "widths", None) is not None and store.widths.values_in_keys:
+        return 1
+    if store.v.shape != store.k.shape:
+        raise ValueError(f"KV tiers keep keys and values of one head size (or values inside the keys); got keys "
+                         f"{tuple(store.k.shape)} and values {tuple(store.v.shape)}")
+    return 2
+
+
 class RankTiers:
     """This rank's host pool and disk writer; `apply` runs the driver's cache operations for this CP rank."""
 
@@ -133,19 +144,22 @@ class RankTiers:
                  layout: Layout | None, cp: int, device: torch.device, max_pending_bytes: int = 2 << 30):
         self.store, self.cp_rank, self.tp_rank, self.cp = store, cp_rank, tp_rank, cp
         self.layout, self.device = layout, device
-        k = store.k
-        shape = (k.shape[0], host_slots, k.shape[2], k.shape[3])  # [layers, host slots, Hkv, D]
+        k, v = store.k, store.v
+        self.parts = _parts(store)  # K/V tensors a token's rows are kept as: (k, v), or (k,) when v is in k (MLA)
         pin = device.type == "cuda"
-        self.host_k = torch.empty(shape, dtype=k.dtype, pin_memory=pin) if host_slots else None
-        self.host_v = torch.empty(shape, dtype=k.dtype, pin_memory=pin) if host_slots else None
+        self.host_k = torch.empty((k.shape[0], host_slots) + k.shape[2:], dtype=k.dtype, pin_memory=pin) \
+            if host_slots else None  # [layers, host slots, Hkv, Dk]
+        self.host_v = torch.empty((v.shape[0], host_slots) + v.shape[2:], dtype=v.dtype, pin_memory=pin) \
+            if host_slots and self.parts == 2 else None
         self.directory = Path(disk_dir) if disk_dir else None
         self.writer = DiskWriter(self.directory, tp_rank, max_pending_bytes) if disk_dir and writable else None
         self._events: list[TierEvent] = []
 
     @property
     def token_bytes(self) -> int:
-        k = self.store.k
-        return 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+        k, v = self.store.k, self.store.v
+        values = 0 if self.parts == 1 else v.shape[3]
+        return k.shape[0] * k.shape[2] * (k.shape[3] + values) * k.element_size()
 
     def apply(self, ops: tuple[CacheOp, ...]) -> None:
         """Run this rank's operations in order (a failed disk read is reported as a "load_failed" event)."""
@@ -195,7 +209,8 @@ class RankTiers:
         s = torch.from_numpy(op.slots).to(self.device)
         hs = torch.from_numpy(op.host_slots)
         self.host_k.index_copy_(1, hs, self.store.k.index_select(1, s).cpu())  # [L, M, Hkv, D]
-        self.host_v.index_copy_(1, hs, self.store.v.index_select(1, s).cpu())
+        if self.parts == 2:
+            self.host_v.index_copy_(1, hs, self.store.v.index_select(1, s).cpu())
 
     def _restore(self, op, tier: str, fn) -> int:
         """One restore; any failure to read, check or place its rows is reported ("load_failed"), never raised:
@@ -211,20 +226,24 @@ class RankTiers:
         s = torch.from_numpy(op.slots).to(self.device)
         hs = torch.from_numpy(op.host_slots)
         k = self.host_k.index_select(1, hs)  # [L, M, Hkv, D]
-        v = self.host_v.index_select(1, hs)
         self.store.k.index_copy_(1, s, k.to(self.device, non_blocking=True))
+        if self.parts == 1:
+            return k.numel() * k.element_size()
+        v = self.host_v.index_select(1, hs)
         self.store.v.index_copy_(1, s, v.to(self.device, non_blocking=True))
-        return 2 * k.numel() * k.element_size()
+        return k.numel() * k.element_size() + v.numel() * v.element_size()
 
     def _gather(self, op: SaveEntry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The rows to write, [M, 2, L, Hkv, D] in host memory, copied now (the slots may be reused next)."""
+        """The rows to write, [M, P, L, Hkv, D] in host memory (P = 2: keys, values; P = 1: the keys holding the
+        values, MLA's latent), copied now (the slots may be reused next)."""
         if op.source == "host":
             hs = torch.from_numpy(op.slots)
-            k, v = self.host_k.index_select(1, hs), self.host_v.index_select(1, hs)
+            parts = (self.host_k, self.host_v)[:self.parts]
+            kv = [t.index_select(1, hs) for t in parts]
         else:
             s = torch.from_numpy(op.slots).to(self.device)
-            k, v = self.store.k.index_select(1, s), self.store.v.index_select(1, s)
-        kv = torch.stack((k, v), 0).permute(2, 0, 1, 3, 4)  # [M, 2, L, Hkv, D]
+            kv = [t.index_select(1, s) for t in (self.store.k, self.store.v)[:self.parts]]
+        kv = torch.stack(kv, 0).permute(2, 0, 1, 3, 4)  # [M, P, L, Hkv, D]
         if kv.device.type != "cuda":
             return kv.contiguous(), None
         out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
@@ -248,12 +267,14 @@ class RankTiers:
             if kv is None:
                 kv = read_rows(self.directory / file_name(entry, shard, self.tp_rank), rows)
             parts.append(kv)
-        kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [K, 2, L, Hkv, D]
-        if tuple(kv.shape[2:]) != (self.store.k.shape[0],) + tuple(self.store.k.shape[2:]):
+        kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [K, P, L, Hkv, D]
+        fits = (self.parts,) + (self.store.k.shape[0],) + tuple(self.store.k.shape[2:])  # (P, L, Hkv, D)
+        if tuple(kv.shape[1:]) != fits:
             raise CorruptEntry(f"rows of shape {tuple(kv.shape)} do not fit this rank's KV store")
         s = torch.from_numpy(op.slots).to(self.device)
         self.store.k.index_copy_(1, s, kv[:, 0].transpose(0, 1).to(self.device, self.store.k.dtype))
-        self.store.v.index_copy_(1, s, kv[:, 1].transpose(0, 1).to(self.device, self.store.v.dtype))
+        if self.parts == 2:
+            self.store.v.index_copy_(1, s, kv[:, 1].transpose(0, 1).to(self.device, self.store.v.dtype))
         return kv.numel() * kv.element_size()
 
     def _delete(self, op: DeleteEntry) -> None:

@@ -50,6 +50,15 @@ class MoEConfig:
     expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoints
     shared_intermediate_size: int = 0  # a shared expert every token goes through (0: none)
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x w)
+    shared_name: str = "shared_expert"  # the checkpoint's name of the shared expert (DeepSeek: "shared_experts")
+    # DeepSeek routing: experts in n_group groups, only the topk_group best groups eligible (a group's score: the
+    # sum of its top 2 choice scores, "top2_sum" (V3), or its best, "max" (V2)); a selection-only bias
+    # (e_score_correction_bias) on the choice scores; the k weights times routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -66,6 +75,63 @@ class MoEConfig:
             raise ValueError("a shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
         if len(self.expert_proj_names) != 3:
             raise ValueError(f"expert_proj_names must name (gate, up, down), got {self.expert_proj_names}")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        check_positive(self.n_group, "moe n_group")
+        check_divisible(self.num_experts, self.n_group, "the number of routed experts", "n_group")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group = {self.n_group}], got {self.topk_group}")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"unsupported group score {self.group_score!r}: cpinfer supports 'top2_sum', 'max'")
+        if self.n_group > 1 and self.group_score == "top2_sum" and self.num_experts // self.n_group < 2:
+            raise ValueError("group-limited routing scores a group by its top 2 experts: each of the n_group "
+                             f"groups needs >= 2 experts, got {self.num_experts // self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
+                             f"({self.topk_group}) eligible groups ({self.num_experts // self.n_group} each)")
+        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
+            raise ValueError(f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor}")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2 §2.1): per token one latent c (kv_lora_rank, normed) and one rotary
+    key (qk_rope_head_dim) shared by every head; per head a no-RoPE query / key part (qk_nope_head_dim) and a value
+    (v_head_dim) up-projected from c by kv_b_proj; queries through a low-rank q_a / q_b pair when q_lora_rank is set.
+    Attention runs in the absorbed form (`mla.py`): one KV head of width key_width whose first value_width channels
+    are the values."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    softmax_scale: float = 0.0  # the original head's 1/sqrt(nope + rope) times YaRN's mscale^2 (0: without mscale)
+    rope_interleaved: bool = True  # the rotary part rotates pairs (2i, 2i + 1) (V2, V3 rope_interleave)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_positive(getattr(self, name), name)
+        if self.q_lora_rank is not None:
+            check_positive(self.q_lora_rank, "q_lora_rank")
+        check_divisible(self.qk_rope_head_dim, 2, "qk_rope_head_dim", "2 (RoPE rotates pairs)")
+        if not self.softmax_scale:
+            object.__setattr__(self, "softmax_scale", self.qk_head_dim ** -0.5)
+        if not (self.softmax_scale > 0 and math.isfinite(self.softmax_scale)):
+            raise ValueError(f"MLA softmax_scale must be a positive number, got {self.softmax_scale}")
+
+    @property
+    def qk_head_dim(self) -> int:  # a query / key head of the original (non-absorbed) form
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def key_width(self) -> int:  # the one cached KV head per token: [latent c ; rotary key]
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def value_width(self) -> int:  # the values are the latent: the key's first kv_lora_rank channels
+        return self.kv_lora_rank
 
 
 @dataclass(frozen=True)
@@ -149,6 +215,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the sparse MLP of the layers in `moe_layers`
     moe_layers: tuple[int, ...] = ()
     mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2) instead of GQA
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -224,8 +291,38 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """The softmax scale of every layer: 1/sqrt(query_pre_attn_scalar) (Gemma) or 1/sqrt(head_dim)."""
+        """The softmax scale of every layer: 1/sqrt(query_pre_attn_scalar) (Gemma) or 1/sqrt(head_dim); MLA's own
+        (the original head's, with YaRN's mscale^2)."""
+        if self.mla is not None:
+            return self.mla.softmax_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_key_width(self) -> int:
+        """Channels per cached KV head and token of the keys (MLA: latent + rotary key, one head)."""
+        return self.mla.key_width if self.mla is not None else self.head_dim
+
+    @property
+    def kv_value_width(self) -> int:
+        """Channels per KV head of the values; with MLA they are the keys' first channels (no storage of their own)."""
+        return self.mla.value_width if self.mla is not None else self.head_dim
+
+    @property
+    def values_in_keys(self) -> bool:
+        """Whether the values are the keys' first kv_value_width channels (MLA): the cache stores keys only."""
+        return self.mla is not None
+
+    @property
+    def kv_row(self) -> str:
+        """What a cached row is, for tier keys: "" (a key and a value of head_dim per KV head) or MLA's latent."""
+        if self.mla is None:
+            return ""
+        return f"latent{self.mla.kv_lora_rank}+rope{self.mla.qk_rope_head_dim}"
+
+    @property
+    def cached_kv_heads(self) -> int:
+        """KV heads the cache holds per token (unsharded): MLA's one latent head, else num_key_value_heads."""
+        return 1 if self.mla is not None else self.num_key_value_heads
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: full causal attention)."""

@@ -1,6 +1,7 @@
 """The one decoder every family runs (RMSNorm, GQA attention with RoPE, gated MLP or mixture of experts) over
 packed, token-major inputs; the family's options (`ModelConfig`) switch biases, q/k norms, Gemma's norms and
-scales, NoPE layers (with Llama 4's temperature tuning) and sparse MLP layers (`moe.py`) on or off.
+scales, NoPE layers (with Llama 4's temperature tuning) and sparse MLP layers (`moe.py`) on or off; DeepSeek's
+multi-head latent attention (`mla.py`) replaces the GQA attention.
 
 No distributed code: attention is an injected `AttentionFn` (it reads each layer's window and scale from the
 config), and each layer derives its head counts from its projection weights, so tensor parallelism can slice
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig, RopeConfig
+from cpinfer.model.mla import MLAttention
 from cpinfer.model.moe import SparseMoE
 from cpinfer.model.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved
 
@@ -107,6 +109,12 @@ class Attention(nn.Module):
     def num_kv_heads(self) -> int:
         return self.k_proj.weight.shape[0] // self.head_dim
 
+    @property
+    def key_width(self) -> int:  # channels per KV head of a key (and of a value): head_dim
+        return self.head_dim
+
+    value_width = key_width
+
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
                 q_scale: Tensor | None = None) -> Tensor:
         """x [L, hidden], cos/sin [L, D/2] (None: a NoPE layer), q_scale [L] fp32 or None -> [L, hidden] (a
@@ -150,7 +158,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, style = config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(config.hidden_size, eps, style)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = MLAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, style)  # Llama: before the MLP
         self.mlp_name = config.mlp_module
         setattr(self, self.mlp_name, make_mlp(config, layer_idx))

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cpinfer.model.config import LAYER_TYPES, MoEConfig, RopeConfig
+import math
+
+from cpinfer.model.config import LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
 from cpinfer.utils import check_divisible
 
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -22,6 +24,7 @@ class Family:
     summary: str
     read: Callable[[dict[str, Any], dict[str, Any]], None]  # (config.json, kwargs so far) -> fills kwargs
     default_head_dim: int | None = None  # transformers' default when config.json has no head_dim
+    own_routing: bool = False  # the reader takes DeepSeek's router keys (n_group, topk_method, ...) itself
 
 
 def _read_llama(d: dict, kw: dict) -> None:
@@ -236,6 +239,81 @@ def _read_llama4_text(d: dict, kw: dict) -> None:
                           shared_intermediate_size=int(d["intermediate_size"]))
 
 
+def _deepseek_scale(d: dict, qk_head_dim: int) -> float:
+    """MLA's softmax scale as transformers computes it: 1/sqrt(qk_nope + qk_rope), times mscale^2 with
+    mscale = 0.1 mscale_all_dim ln(factor) + 1 when a RoPE scaling (not default) sets mscale_all_dim."""
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    scale = qk_head_dim ** -0.5
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" and params.get("mscale_all_dim"):
+        factor = float(params["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def _deepseek_choice(d: dict, key: str, allowed: tuple, default):
+    """A DeepSeek routing option (key in config.json) that must be one of `allowed` (None: absent → default)."""
+    value = d.get(key)
+    if value not in allowed:
+        raise ValueError(f"unsupported {key}={value!r} for model_type {d.get('model_type')!r}: cpinfer supports "
+                         f"{[a for a in allowed if a is not None]}")
+    return default if value is None else value
+
+
+def _read_deepseek(d: dict, kw: dict, v3: bool) -> None:
+    """DeepSeek-V2/V3 (Kimi K2, Moonlight): MLA on every layer; dense MLPs on the first `first_k_dense_replace`
+    layers, then a sparse block of `n_routed_experts` plus `n_shared_experts` shared ones. V3 routes by sigmoid
+    scores with a selection-only `e_score_correction_bias` over the best `topk_group` of `n_group` groups (a group's
+    top-2 sum), renormalised when `norm_topk_prob`; V2 by softmax scores, `topk_method` greedy or
+    group_limited_greedy (a group's best score); both scale the weights by `routed_scaling_factor`.
+    `ep_size` (expert parallelism of the reference code) does not change the math and is ignored."""
+    n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+    bias = bool(d.get("attention_bias", False))
+    nope, rope_dim = int(d.get("qk_nope_head_dim", 128)), int(d.get("qk_rope_head_dim", 64))
+    kw.update(qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)) and not v3,
+              head_dim=rope_dim, num_key_value_heads=heads, rope=_rope_all_types(d))
+    kw["mla"] = MLAConfig(kv_lora_rank=int(d.get("kv_lora_rank", 512)), qk_nope_head_dim=nope,
+                          qk_rope_head_dim=rope_dim, v_head_dim=int(d.get("v_head_dim") or 128),
+                          q_lora_rank=d.get("q_lora_rank"), softmax_scale=_deepseek_scale(d, nope + rope_dim),
+                          rope_interleaved=bool(d.get("rope_interleave", True)) if v3 else True)
+    if int(d.get("moe_layer_freq", 1)) != 1:
+        raise ValueError(f"moe_layer_freq={d['moe_layer_freq']} is not supported: cpinfer (like transformers) makes "
+                         "every layer from first_k_dense_replace on sparse (moe_layer_freq 1)")
+    experts = int(d.get("n_routed_experts") or 0)
+    if not experts:
+        return
+    if v3:
+        _deepseek_choice(d, "scoring_func", (None, "sigmoid"), "sigmoid")
+        _deepseek_choice(d, "topk_method", (None, "noaux_tc"), "noaux_tc")
+        groups, top_groups = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    else:
+        _deepseek_choice(d, "scoring_func", (None, "softmax"), "softmax")
+        method = _deepseek_choice(d, "topk_method", (None, "greedy", "group_limited_greedy"), "greedy")
+        if d.get("norm_topk_prob"):
+            raise ValueError("norm_topk_prob=true is not supported for model_type 'deepseek_v2': transformers' "
+                             "DeepseekV2 ignores it while DeepSeek's reference code renormalises; set it false")
+        grouped = method == "group_limited_greedy"
+        groups, top_groups = (int(d.get("n_group") or 1), int(d.get("topk_group") or 1)) if grouped else (1, 1)
+    kw["moe_layers"] = tuple(range(int(d.get("first_k_dense_replace") or 0), n))
+    inter = int(d["moe_intermediate_size"])
+    kw["moe"] = MoEConfig(num_experts=experts, top_k=_top_k(d) or 1, intermediate_size=inter,
+                          scoring="sigmoid" if v3 else "softmax", norm_topk_prob=bool(d.get("norm_topk_prob")),
+                          hidden_act=kw["hidden_act"], shared_intermediate_size=inter * int(d.get("n_shared_experts")
+                                                                                              or 0),
+                          shared_name="shared_experts", n_group=groups, topk_group=top_groups,
+                          group_score="top2_sum" if v3 else "max", score_correction_bias=v3,
+                          routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
+
+
+def _read_deepseek_v3(d: dict, kw: dict) -> None:
+    _read_deepseek(d, kw, v3=True)
+
+
+def _read_deepseek_v2(d: dict, kw: dict) -> None:
+    _read_deepseek(d, kw, v3=False)
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "Llama 2/3/3.1/3.2, SmolLM2: GQA, RoPE (llama3 scaling), SwiGLU",
            _read_llama),
@@ -260,6 +338,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama4_text", "Llama4ForCausalLM", "Llama 4 text (Scout, Maverick): chunked attention on RoPE layers, "
            "NoPE global layers with temperature tuning, L2 q/k norm, sigmoid top-1 experts plus a shared one",
            _read_llama4_text, default_head_dim=128),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3 / R1, Kimi K2, Moonlight: multi-head latent attention "
+           "(latent KV cache), sigmoid group-limited routing with a correction bias, shared experts",
+           _read_deepseek_v3, default_head_dim=64, own_routing=True),
+    Family("kimi_k2", "DeepseekV3ForCausalLM", "Kimi K2 (its own model_type, DeepSeek-V3's architecture and keys)",
+           _read_deepseek_v3, default_head_dim=64, own_routing=True),
+    Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V2 / V2-Lite / V2.5: multi-head latent attention, "
+           "softmax greedy or group-limited routing, shared experts", _read_deepseek_v2, default_head_dim=64,
+           own_routing=True),
 )}
 
 
@@ -286,7 +372,7 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED_KEYS if k not in d]
     if missing:
         raise ValueError(f"config is missing required key(s) {missing}")
-    check_unsupported(d)
+    check_unsupported(d, routing=not family.own_routing)
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or family.default_head_dim or check_divisible(
         d["hidden_size"], heads, "hidden_size", "num_attention_heads")
@@ -317,15 +403,15 @@ _ROUTER_DEFAULTS = {"scoring_func": (None, "softmax"), "topk_method": (None, "gr
                     "moe_router_activation_func": (None, "softmax")}
 
 
-def check_unsupported(d: dict[str, Any]) -> None:
+def check_unsupported(d: dict[str, Any], routing: bool = True) -> None:
     """Reject options cpinfer would otherwise ignore: quantized weights (gpt-oss's MXFP4 experts, FP8, ...) and
-    router variants the family's reader does not implement."""
+    (`routing`) router variants the family's reader does not implement."""
     quant = d.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(f"quantized checkpoints are not supported (quantization_config quant_method {method!r}): "
                          "cpinfer loads unquantized (bf16 / fp16 / fp32) weights, e.g. a dequantized copy")
-    for key, allowed in _ROUTER_DEFAULTS.items():
+    for key, allowed in _ROUTER_DEFAULTS.items() if routing else ():
         if d.get(key) not in allowed:
             raise ValueError(f"unsupported router option {key}={d[key]!r} for model_type {d.get('model_type')!r}: "
                              f"cpinfer supports {key} in {[a for a in allowed if a is not None]} here")

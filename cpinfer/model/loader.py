@@ -8,6 +8,7 @@ the MoE block's fused parameters; fused checkpoints (what transformers 5 holds, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -21,6 +22,7 @@ from cpinfer.model.moe import PER_EXPERT_NAME, Experts
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class SafeSlice(Protocol):
@@ -157,9 +159,12 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def _ignorable(name: str, model: CausalLM) -> bool:
-    """Non-parameters HF may store, and an lm_head a tied checkpoint may still carry."""
+    """Non-parameters HF may store, an lm_head a tied checkpoint may still carry, and DeepSeek-V3's multi-token
+    prediction layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
     tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
-    return tied_head or name.endswith(_IGNORED_SUFFIXES)
+    mtp = _LAYER.match(name)
+    extra_layer = model.config.mla is not None and mtp is not None and int(mtp[1]) >= model.config.num_hidden_layers
+    return tied_head or extra_layer or name.endswith(_IGNORED_SUFFIXES)
 
 
 def _check_shape(name: str, tensor: Tensor, param: nn.Parameter) -> None:

@@ -25,25 +25,47 @@ class Router(nn.Module):
     sum 1 when `norm_topk_prob`. Covers Qwen/Mixtral (softmax), gpt-oss (softmax of the top-k logits equals the
     renormalised top-k softmax) and Llama 4 (sigmoid of the top-k logits, not renormalised).
 
-    DeepSeek-style options slot into `forward` as separate steps: a selection-only bias added to the scores before
-    `topk` (e_score_correction_bias, the weights still gathered from the unbiased scores), a group-limited
-    selection in place of the plain `topk` (n_group / topk_group), a final scale (routed_scaling_factor).
+    DeepSeek's options are separate steps: a selection-only bias added to the scores before `topk`
+    (e_score_correction_bias, V3), group-limited selection (`_eligible`: n_group / topk_group), a final scale
+    (routed_scaling_factor). The weights are always the unbiased scores of the chosen experts.
     """
 
     def __init__(self, hidden: int, cfg: MoEConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.score_correction_bias \
+            else None
         self.top_k, self.scoring, self.normalize = cfg.top_k, cfg.scoring, cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.group_score = cfg.n_group, cfg.topk_group, cfg.group_score
+        self.scaling = cfg.routed_scaling_factor
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [L, hidden] -> (weights [L, k] fp32, experts [L, k] int64)."""
         logits = F.linear(x, self.weight, self.bias).float()  # [L, E]
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
-        weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [L, k] each
+        if self.e_score_correction_bias is None and self.n_group == 1:
+            weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [L, k] each
+        else:
+            choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+            experts = torch.topk(self._eligible(choice), self.top_k, dim=-1).indices  # [L, k]
+            weights = scores.gather(1, experts)  # [L, k]: the bias only chooses
         if self.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, experts
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * self.scaling if self.scaling != 1.0 else weights), experts
+
+    def _eligible(self, choice: Tensor) -> Tensor:
+        """choice [L, E] with the experts outside each token's topk_group best groups set to -inf."""
+        if self.n_group == 1:
+            return choice
+        groups = choice.view(choice.shape[0], self.n_group, choice.shape[1] // self.n_group)  # [L, G, E/G]
+        if self.group_score == "top2_sum":
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)  # [L, G]
+        else:
+            group_scores = groups.amax(-1)
+        best = torch.topk(group_scores, self.topk_group, dim=-1).indices  # [L, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [L, G]
+        return groups.masked_fill(~keep[..., None], -torch.inf).view_as(choice)
 
 
 def swiglu_clamped(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
@@ -204,13 +226,21 @@ class SparseMoE(nn.Module):
         self.router_name = cfg.router_name
         setattr(self, cfg.router_name, Router(hidden, cfg))
         self.experts = Experts(hidden, cfg)
-        self.shared_expert = mlp_factory(cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+        self.shared_name = cfg.shared_name
+        # registered under the checkpoint's name, read through the `shared_expert` property (hence not setattr)
+        self._modules[cfg.shared_name] = mlp_factory(cfg.shared_intermediate_size) if cfg.shared_intermediate_size \
+            else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if cfg.shared_expert_gate else None
 
     @property
     def route(self) -> Router:
         """The router, whatever the checkpoint calls it."""
         return self._modules[self.router_name]
+
+    @property
+    def shared_expert(self) -> nn.Module | None:
+        """The shared expert, whatever the checkpoint calls it (`shared_expert`, DeepSeek's `shared_experts`)."""
+        return self._modules.get(self.shared_name)
 
     def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
         weights, experts = self.route(x)  # [L, k] each

@@ -89,6 +89,22 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                "attention_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
                "intermediate_size": 32, "intermediate_size_mlp": 96, "interleave_moe_layer_step": 2,
                "floor_scale": 8, "attn_scale": 0.1, "pad_token_id": 0},
+    # MLA (latent 16 + rotary 8 per token; per head nope 8, value 12) over DeepSeek's MoE: 8 experts of 32 in 4
+    # groups, 2 groups eligible, top 3, one or two shared experts, layer 0 dense. V3: low-rank queries, attention
+    # biases, YaRN with mscale != mscale_all_dim (the softmax correction shows); V2: full-rank queries, softmax
+    # group_limited_greedy
+    "deepseek_v3": {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_key_value_heads": 8,
+                    "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                    "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+                    "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "attention_bias": True,
+                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                        "mscale": 0.9, "mscale_all_dim": 0.7, "rope_theta": 10000.0}},
+    "deepseek_v2": {"model_type": "deepseek_v2", "num_hidden_layers": 3, "num_key_value_heads": 8,
+                    "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                    "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+                    "topk_method": "group_limited_greedy", "moe_intermediate_size": 32, "n_shared_experts": 2,
+                    "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": False},
 }
 # Parameters that transformers initialises to zeros or ones (or leaves constant): tests randomise them.
 _RANDOMISED_SUFFIXES = ("norm.weight", ".bias", "_bias", ".sinks")
@@ -99,7 +115,7 @@ def tiny_config(variant: str = "gqa", **overrides: Any) -> dict[str, Any]:
     if variant not in TINY_VARIANTS:
         raise ValueError(f"unknown tiny variant {variant!r}; choose from {sorted(TINY_VARIANTS)}")
     d = {**TINY_BASE, **TINY_VARIANTS[variant], **overrides}
-    return {k: v for k, v in d.items() if v is not None}
+    return {k: v for k, v in d.items() if v is not None or k == "q_lora_rank"}  # (None: full-rank MLA queries)
 
 
 def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: int = 0,
@@ -123,6 +139,9 @@ def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: in
                 p.add_(0.1 * torch.randn_like(p))
             elif ".experts." in name or name.endswith(("router.weight", "gate.weight")):  # routers, experts
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's selection-only router bias (a buffer there)
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(directory), **save)
     if layout == "hf4":

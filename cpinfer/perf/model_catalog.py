@@ -1,6 +1,7 @@
 """Built-in model shapes for `cpinfer plan`: the paper's Llama3-405B (§4.1, App. A Table 6) and the long-context
 members of the families cpinfer serves (Llama 3.1, Qwen2.5 incl. 1M, Qwen3, Mistral Small 3.1, Gemma 3, and the
-mixtures of experts Qwen3-MoE, gpt-oss, Llama 4 Scout, Mixtral: total parameters for memory, active for FLOPs).
+mixtures of experts Qwen3-MoE, gpt-oss, Llama 4 Scout, Mixtral: total parameters for memory, active for FLOPs;
+DeepSeek-V3 and Kimi K2 with multi-head latent attention: a 576-value latent per token in the KV cache).
 
 Every number is the published Hugging Face `config.json` of the checkpoint named in its `source` (text part of the
 multimodal ones); windows follow the config's layer layout (Gemma 3: 5 local layers of 1024 keys per global one).
@@ -81,7 +82,21 @@ MOE_MODELS = (
     _moe("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768, 8, 2, 14336,
          _hf("mistralai/Mixtral-8x7B-v0.1", "8 experts, top 2; sliding_window null (every layer full)")),
 )
-MODELS.update({m.name: m for m in MOE_MODELS})
+_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536)
+_MLA_NOTE = ("MLA: kv_lora_rank 512 + qk_rope_head_dim 64 cached once per token (one latent KV head), q_lora_rank "
+             "1536, qk_nope_head_dim 128, v_head_dim 128")
+MLA_MODELS = (  # head_dim 576: the absorbed attention's width (latent + rotary key); 1 KV head
+    _moe("deepseek-v3", 61, 7168, 128, 1, 576, 18432, 129280, 163840, 256, 8, 2048,
+         _hf("deepseek-ai/DeepSeek-V3", _MLA_NOTE + "; 256 routed experts of 2048, top 8, 1 shared, first 3 layers "
+             "dense; YaRN factor 40 over 4096 (the MTP layer is not counted)"),
+         moe_layers=58, shared_ffn_dim=2048, **_MLA),
+    _moe("kimi-k2", 61, 7168, 64, 1, 576, 18432, 163840, 131072, 384, 8, 2048,
+         _hf("moonshotai/Kimi-K2-Instruct", _MLA_NOTE + "; 64 heads; 384 routed experts of 2048, top 8, 1 shared, "
+             "first layer dense"),
+         moe_layers=60, shared_ffn_dim=2048, **_MLA),
+)
+MODELS.update({m.name: m for m in MOE_MODELS + MLA_MODELS})
 ALIASES = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
-           "mistral-small": "mistral-small-3.1-24b", "llama-4-scout-17b-16e": "llama-4-scout"}
+           "mistral-small": "mistral-small-3.1-24b", "llama-4-scout-17b-16e": "llama-4-scout",
+           "deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2"}
 MODELS.update({alias: MODELS[name] for alias, name in ALIASES.items()})

@@ -39,6 +39,13 @@ class ModelSpec:
     expert_ffn_dim: int = 0   # gated-MLP intermediate size of one expert
     shared_ffn_dim: int = 0   # a shared expert every token goes through (Qwen2-MoE, Llama 4; 0: none)
     moe_layers: int = 0       # how many of the n_layers are sparse (the others are dense MLPs of ffn_dim)
+    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2; 0: GQA): one cached KV head of kv_lora_rank +
+    # qk_rope_head_dim per token, the same on every TP rank; attention runs absorbed (head_dim is that width)
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0      # 0: full-rank queries
 
     def __post_init__(self) -> None:
         for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
@@ -59,6 +66,23 @@ class ModelSpec:
         if self.local not in ("sliding", "chunked"):
             raise ValueError(f"model {self.name!r}: local must be 'sliding' or 'chunked', got {self.local!r}")
         self._check_experts()
+        mla = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        if self.kv_lora_rank and not all(getattr(self, w) > 0 for w in mla):
+            raise ValueError(f"model {self.name!r}: MLA needs {', '.join(mla)} all positive")
+        if self.kv_lora_rank and (self.n_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim):
+            raise ValueError(f"model {self.name!r}: MLA attends over one KV head of kv_lora_rank + qk_rope_head_dim "
+                             f"(n_kv_heads 1, head_dim {self.kv_lora_rank + self.qk_rope_head_dim})")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def attn_replicated_params(self) -> int:
+        """Attention weights every TP rank holds whole: MLA's latent path (q_a_proj, kv_a_proj_with_mqa); else 0."""
+        if not self.mla:
+            return 0
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
 
     def _check_experts(self) -> None:
         names = ("n_experts", "experts_per_tok", "expert_ffn_dim", "shared_ffn_dim", "moe_layers")
@@ -81,7 +105,12 @@ class ModelSpec:
 
     # Parameter counts (elements), per layer unless stated.
     @property
-    def attn_params(self) -> int:  # Wq, Wk, Wv, Wo
+    def attn_params(self) -> int:  # Wq, Wk, Wv, Wo (MLA: q_a / q_b or q_proj, kv_a, kv_b, o_proj)
+        if self.mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (self.q_lora_rank or self.hidden) * self.n_heads * qk
+            kv_b = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            return self.attn_replicated_params + q + kv_b + self.n_heads * self.v_head_dim * self.hidden
         return self.hidden * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + \
             self.n_heads * self.head_dim * self.hidden
 
@@ -131,6 +160,8 @@ class ModelSpec:
         check_positive(tp, "tp")
         if self.n_heads % tp:
             raise ValueError(f"model {self.name!r}: n_heads ({self.n_heads}) must be divisible by tp ({tp})")
+        if self.mla:  # the one latent head, on every TP rank
+            return 1
         if self.n_kv_heads % tp == 0:
             return self.n_kv_heads // tp
         if tp % self.n_kv_heads == 0:
@@ -139,8 +170,21 @@ class ModelSpec:
                          f"or be a multiple of it")
 
     def kv_bytes_per_token(self, tp: int, kv_bytes: int) -> int:
-        """KV cache bytes per token per GPU over all layers (K and V)."""
-        return 2 * self.n_layers * self.kv_heads_per_gpu(tp) * self.head_dim * kv_bytes
+        """KV cache bytes per token per GPU over all layers (K and V; MLA: the latent and rotary key, once)."""
+        return self.kv_parts * self.n_layers * self.kv_heads_per_gpu(tp) * self.head_dim * kv_bytes
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors a cached token is per KV head: 2 (K and V of head_dim) or 1 (MLA: the values are in the keys)."""
+        return 1 if self.mla else 2
+
+    def kv_bytes_per_head_layout(self, kv_bytes: int) -> int:
+        """What the same model's cache would hold per token with per-head K/V (MLA expanded: H x (nope + rope) keys
+        and H x v values per layer); = kv_bytes_per_token(1, .) for GQA."""
+        if not self.mla:
+            return self.kv_bytes_per_token(1, kv_bytes)
+        per_layer = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return self.n_layers * per_layer * kv_bytes
 
 
 @dataclass(frozen=True)
@@ -162,7 +206,8 @@ class WeightFormat:
     def weight_bytes_per_gpu(self, model: ModelSpec, tp: int) -> float:
         """Weights + row-wise FP8 scales (one fp32 per output row) on one TP rank, in bytes."""
         kv_rep = model.kv_heads_per_gpu(tp) * tp / model.n_kv_heads  # > 1 when KV heads are replicated
-        kv_part = 2 * model.hidden * model.n_kv_heads * model.head_dim * (kv_rep - 1)
+        kv_part = 0 if model.mla else 2 * model.hidden * model.n_kv_heads * model.head_dim * (kv_rep - 1)
+        kv_part += model.attn_replicated_params * (tp - 1)  # MLA's latent path: whole on every rank
         attn = (model.attn_params + kv_part) * self.attn_bytes
         ffn = model.ffn_params_total * self.ffn_bytes  # every expert: each rank holds its slice of all of them
         scales = 4 * (_ffn_rows(model) * self.ffn_fp8 + model.n_layers *
@@ -236,18 +281,29 @@ def model_spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
         hidden, heads, layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
         tied = cfg.get("tie_word_embeddings", TIED_BY_DEFAULT.get(cfg.get("model_type", ""), False))
         window, window_layers, local = _windows(cfg, layers, source)
+        mla = _mla(cfg)
         return ModelSpec(
             name=name, n_layers=layers, hidden=hidden, n_heads=heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            n_kv_heads=1 if mla else int(cfg.get("num_key_value_heads") or heads),
+            head_dim=mla["kv_lora_rank"] + mla["qk_rope_head_dim"] if mla else int(cfg.get("head_dim")
+                                                                                  or hidden // heads),
             ffn_dim=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
             vocab=int(cfg["vocab_size"]), tie_embeddings=bool(tied), source=source, window=window,
             window_layers=window_layers, max_context=int(cfg.get("max_position_embeddings") or 0), local=local,
-            **_experts(cfg, layers))
+            **_experts(cfg, layers), **mla)
     except KeyError as exc:
         raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: config.json has a malformed field ({exc})") from None
+
+
+def _mla(cfg: dict) -> dict:
+    """MLA fields of a ModelSpec from a DeepSeek-V2/V3 or Kimi K2 config (`kv_lora_rank` set), else {}."""
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+                qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)), v_head_dim=int(cfg.get("v_head_dim") or 128),
+                q_lora_rank=int(cfg.get("q_lora_rank") or 0))
 
 
 def _experts(cfg: dict, layers: int) -> dict:
@@ -255,9 +311,14 @@ def _experts(cfg: dict, layers: int) -> dict:
     `moe_intermediate_size` (else `intermediate_size`), a shared expert of `shared_expert_intermediate_size` (Llama
     4: `intermediate_size`); sparse layers from `moe_layers`, `interleave_moe_layer_step`, or Qwen's
     `decoder_sparse_step` / `mlp_only_layers` (default: every layer)."""
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
     if not experts:
         return {}
+    if cfg.get("n_routed_experts"):  # DeepSeek: sparse from first_k_dense_replace on, n_shared_experts beside
+        inter = int(cfg["moe_intermediate_size"])
+        return dict(n_experts=experts, experts_per_tok=int(cfg.get("num_experts_per_tok") or 1), expert_ffn_dim=inter,
+                    shared_ffn_dim=inter * int(cfg.get("n_shared_experts") or 0),
+                    moe_layers=layers - int(cfg.get("first_k_dense_replace") or 0))
     llama4 = str(cfg.get("model_type", "")).startswith("llama4")
     if cfg.get("moe_layers") is not None:
         sparse = len(cfg["moe_layers"])

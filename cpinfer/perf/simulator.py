@@ -56,7 +56,7 @@ class Deployment:
     def attn_shape(self) -> AttnShape:
         m = self.model
         return AttnShape(m.n_heads // self.tp, m.kv_heads_per_gpu(self.tp), m.head_dim, self.act_bytes,
-                         self.implementation.partial_bytes)
+                         self.implementation.partial_bytes, m.kv_parts)
 
     @property
     def link(self) -> cost_model.Link:
