@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -148,6 +149,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the sparse MLP of the layers in `moe_layers`
     moe_layers: tuple[int, ...] = ()
     mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
+    quantization: QuantMethod | None = None  # FP8 checkpoints: the linear method of `quantization_config`
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
