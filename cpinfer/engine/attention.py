@@ -16,6 +16,9 @@ chunked `cp_attention` on them: tiles, ring steps and messages no query can see 
 
 Attention sinks (one logit per head) are merged once per query, after the ring's partials and the local ones.
 
+FP8 KV cache (`kv_fp8`): K/V rows arrive packed (e4m3 + a scale per token and head, `kv_quant.py`); `run` dequantizes
+the new rows and the store rows it reads, and pass-KV ring messages carry the packed rows (dequantized per step).
+
 `prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
 tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
 """
@@ -35,6 +38,7 @@ from cpinfer.attention.step import HeadLayout
 from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
+from cpinfer.engine import kv_quant
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.timing import Stopwatch
 
@@ -118,8 +122,9 @@ class BatchAttention:
     """One rank's attention plan for a forward; `run` is called once per layer."""
 
     def __init__(self, batch: ForwardBatch, rank: int, world: int, group, backend: str | None = None,
-                 device=torch.device("cpu"), slot_positions: SlotPositions | None = None):
+                 device=torch.device("cpu"), slot_positions: SlotPositions | None = None, kv_fp8: bool = False):
         self.rank, self.world, self.group = rank, world, group
+        self.kv_fp8 = kv_fp8
         self.strategy = batch.strategy
         seqs = batch.seqs
         self.ring, local = ring_members(batch) if world > 1 else ([], list(range(len(seqs))))
@@ -366,11 +371,15 @@ class BatchAttention:
 
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
-            window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+            window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
+            store_used: int | None = None) -> torch.Tensor:
         """q [Lq, H, D], k_new/v_new [Lq, Hkv, D] (already written to the store), store_k/v [capacity, Hkv, D];
         `window` / `chunk`: the layer's sliding window / attention chunk (both None: full causal attention);
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
-        to the ring's sequences, the rest to my local ones."""
+        to the ring's sequences, the rest to my local ones. With `kv_fp8` the K/V tensors are packed uint8 rows
+        [..., D + 4]; `store_used`: the store rows ever written (those dequantized for steps that read the store)."""
+        if self.kv_fp8:
+            return self._run_fp8(q, k_new, v_new, store_k, store_v, scale, timings, window, chunk, sinks, store_used)
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
             self.prepare(HeadLayout.of(q, k_new), [window], chunks=[chunk])
             self.tables.upload()
@@ -392,6 +401,35 @@ class BatchAttention:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return finish(acc_out, acc_lse, sinks, dtype)
 
+    def _run_fp8(self, q, k_new, v_new, store_k, store_v, scale, timings, window, chunk, sinks, used):
+        """`run` over packed FP8 rows: the steps that read the store in place get it dequantized (rows [0, used));
+        a pass-KV-only forward dequantizes nothing here: its messages carry the packed rows."""
+        dt, n = q.dtype, store_k.shape[0] if used is None else used
+        deq = (lambda p: kv_quant.decode(p, dt))
+        reads_store = window is not None or chunk is not None or bool(self.local) or self.strategy != "pass-kv"
+        sk, sv = (deq(store_k[:n]), deq(store_v[:n])) if reads_store else (None, None)
+        kn, vn = deq(k_new), deq(v_new)
+        if not self.prepared:
+            self.prepare(HeadLayout.of(q, kn), [window], chunks=[chunk])
+            self.tables.upload()
+        if window is not None or chunk is not None:
+            return self._run_windowed(q, sk, sv, scale, timings, (window, chunk), sinks)
+        if self.steps is None:
+            self._plan_full()
+            self._prepare_full(HeadLayout.of(q, kn))
+        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
+        if self.local:
+            self._attend("local", self.local_steps, q, kn, vn, sk, sv, acc_out, acc_lse, scale)
+        if not self.ring:
+            return finish(acc_out, acc_lse, sinks, dt)
+        lr = int(self.nq_ring[self.rank])
+        if self.strategy == "pass-kv":  # the message: packed store rows and packed new rows
+            self._run_pass_kv(q[:lr], k_new[:lr], v_new[:lr], store_k, store_v, scale, timings, acc_out, acc_lse,
+                              deq)
+        else:
+            acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q[:lr], kn[:lr], vn[:lr], sk, sv, scale, timings)
+        return finish(acc_out, acc_lse, sinks, dt)
+
     def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
         if kind not in self._windowed:
             self._window_plans(kind, HeadLayout.of(q, store_k))
@@ -402,7 +440,8 @@ class BatchAttention:
                                  timings, scale, sinks)
         return out
 
-    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse) -> None:
+    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse, decode=None) -> None:
+        """`decode`: FP8 KV, the rows packed here are uint8 and each received block is dequantized by it."""
         u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         packed = k_new.new_zeros((2, self.max_send) + tuple(k_new.shape[1:]))  # [2, max_send, Hkv, D]
         packed[0, :len(u)] = store_k.index_select(0, u)
@@ -411,8 +450,9 @@ class BatchAttention:
         packed[1, len(u):len(u) + len(k_new)] = v_new
 
         def compute(j, block):
-            self.backend.attend_items(self.steps[j], None, q, block[0], block[1], acc_out, acc_lse, scale,
-                                      self.tables, ("full", "kv", j))
+            k, v = (block[0], block[1]) if decode is None else (decode(block[0]), decode(block[1]))
+            self.backend.attend_items(self.steps[j], None, q, k, v, acc_out, acc_lse, scale, self.tables,
+                                      ("full", "kv", j))
 
         ring_steps(self.group, packed, self.world, compute, timings)
 
