@@ -193,3 +193,27 @@ def test_fp8_checkpoint_on_the_engine_matches_transformers(llama_checkpoint, eng
         prompts = prompts_for(llm.config.vocab_size, [5, 70], seed=3)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, prompt_logprobs=True, **GREEDY))
     check_against_hf(tmp_path / "deq", outs, prompts, 6)
+
+
+def test_plan_models_fp8_kv_memory_and_ring_bytes():
+    """`cpinfer plan --kv-cache-dtype fp8`: KV memory and each pass-KV message are (D + 4) / 2D of bf16's."""
+    from cpinfer.perf import planner
+    from cpinfer.perf.simulator import memory_per_gpu
+
+    deps = {k: planner.build_deployment("llama3-405b", "h100-gtt", 4, 8, "fp8-ffn", "bf16", k) for k in ("bf16", "fp8")}
+    ratio = (128 + 4) / (2 * 128)
+    mem = {k: memory_per_gpu(d, 128000).kv_gb for k, d in deps.items()}
+    assert mem["fp8"] == pytest.approx(ratio * mem["bf16"])
+    msg = {k: d.attn_shape.kv_bytes(1000) for k, d in deps.items()}
+    assert msg["fp8"] == pytest.approx(ratio * msg["bf16"])
+
+
+def test_cli_flag_reaches_the_engine():
+    import argparse
+
+    from cpinfer.device import add_arguments, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert engine_kwargs(p.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
