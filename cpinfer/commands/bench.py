@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 BENCHES = ["attention", "prefill", "decode", "decode-overhead", "shared-prefix", "chunked-prefill", "partial",
-           "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output", "placement", "kv-tiers"]
+           "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output", "placement", "kv-tiers", "kv-fp8"]
 
 
 def _load(name: str):
