@@ -71,8 +71,8 @@ def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict
     half = _FILLER * max(1, (tokens - 120) // (2 * per))
     text = (f"There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n{half}"
             f"The pass key is {key}. Remember it. {key} is the pass key.\n{half}\nWhat is the pass key?")
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    ids = tok(chat, add_special_tokens=False)["input_ids"]
     ids += tok("The pass key is", add_special_tokens=False)["input_ids"]
     t0 = time.perf_counter()
     with _engine(model_dir, cp, kvd, len(ids) // cp + 1024, hw) as llm:
@@ -114,7 +114,7 @@ def measure(args) -> dict:
            "SmolLM2-135M-Instruct (embedded)"), "doc_tokens": len(prompt), "capacity": capacity_rows(model_dir)}
     res["accuracy"] = accuracy_and_time(model_dir, prompt, sorted({1, args.cp}), args.max_tokens, hw)
     if args.passkey_tokens:
-        res["passkey"] = [passkey(model_dir, args.passkey_tokens, args.cp, hw, kvd) for kvd in ("fp8", "auto")]
+        res["passkey"] = [passkey(model_dir, args.passkey_tokens, args.cp, hw, "fp8")]
     return res
 
 
