@@ -110,6 +110,30 @@ def test_fp8_kv_tp2_equals_cp_1(llama_checkpoint, engines):
         _same(_scenario(llm), _reference(engines, path, "gqa"))
 
 
+def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines):
+    """CP 2 with FP8 KV, prefilled in 48-token chunks, equals the model run alone with each K/V row quantized and
+    dequantized (encode / decode) before a dense reference attention: the error against full precision is the
+    format's, nothing else."""
+    from cpinfer.model import ReferenceAttention, load_model
+
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    cfg, model = load_model(path)
+    prompt = prompts_for(cfg.vocab_size, [90], seed=11)[0]
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    ref = ReferenceAttention(torch.zeros(len(prompt), dtype=torch.long), pos, config=cfg)
+
+    def fake_quant(layer, q, k, v, sinks=None):
+        k, v = kv_quant.decode(kv_quant.encode(k), k.dtype), kv_quant.decode(kv_quant.encode(v), v.dtype)
+        return ref(layer, q, k, v, sinks=sinks)
+
+    with torch.no_grad():
+        lp = model.compute_logits(model(ids, pos, fake_quant)).log_softmax(-1)
+    want = lp[torch.arange(len(prompt) - 1), ids[1:]]
+    with engines(path, 2, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0.0))[0]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), want, rtol=0, atol=1e-4)
+
+
 def test_fp8_kv_error_against_the_unquantized_cache(llama_checkpoint, engines):
     """Measured, not exact: turn 1's prompt log-probs (teacher-forced, so comparable position by position) and
     first tokens with a full-precision cache. (A random tiny model's near-flat distributions make later greedy

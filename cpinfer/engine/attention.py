@@ -378,8 +378,10 @@ class BatchAttention:
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
         to the ring's sequences, the rest to my local ones. With `kv_fp8` the K/V tensors are packed uint8 rows
         [..., D + 4]; `store_used`: the store rows ever written (those dequantized for steps that read the store)."""
-        if self.kv_fp8:
-            return self._run_fp8(q, k_new, v_new, store_k, store_v, scale, timings, window, chunk, sinks, store_used)
+        packed = None
+        if self.kv_fp8:  # attention reads the rows dequantized; pass-KV messages carry them packed
+            packed = (k_new, v_new, store_k, store_v)
+            k_new, v_new, store_k, store_v = self._dequantize(q.dtype, packed, window, chunk, store_used)
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
             self.prepare(HeadLayout.of(q, k_new), [window], chunks=[chunk])
             self.tables.upload()
@@ -395,40 +397,26 @@ class BatchAttention:
             return finish(acc_out, acc_lse, sinks, q.dtype)
         lr = int(self.nq_ring[self.rank])
         dtype, q, k_new, v_new = q.dtype, q[:lr], k_new[:lr], v_new[:lr]
-        if self.strategy == "pass-kv":
+        if self.strategy == "pass-kv" and packed is not None:  # the message: packed store rows and new rows
+            decode = (lambda p: kv_quant.decode(p, dtype))
+            self._run_pass_kv(q, packed[0][:lr], packed[1][:lr], packed[2], packed[3], scale, timings, acc_out,
+                              acc_lse, decode)
+        elif self.strategy == "pass-kv":
             self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse)
         else:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return finish(acc_out, acc_lse, sinks, dtype)
 
-    def _run_fp8(self, q, k_new, v_new, store_k, store_v, scale, timings, window, chunk, sinks, used):
-        """`run` over packed FP8 rows: the steps that read the store in place get it dequantized (rows [0, used));
-        a pass-KV-only forward dequantizes nothing here: its messages carry the packed rows."""
-        dt, n = q.dtype, store_k.shape[0] if used is None else used
-        deq = (lambda p: kv_quant.decode(p, dt))
+    def _dequantize(self, dtype, packed: tuple, window, chunk, used: int | None) -> tuple:
+        """(k_new, v_new, store_k, store_v) of packed FP8 rows -> the same dequantized to `dtype`; the store only
+        rows [0, used), and not at all when no step of this layer reads it in place (a pass-KV-only forward)."""
+        k_new, v_new, store_k, store_v = packed
+        n = store_k.shape[0] if used is None else used
         reads_store = window is not None or chunk is not None or bool(self.local) or self.strategy != "pass-kv"
-        sk, sv = (deq(store_k[:n]), deq(store_v[:n])) if reads_store else (None, None)
-        kn, vn = deq(k_new), deq(v_new)
-        if not self.prepared:
-            self.prepare(HeadLayout.of(q, kn), [window], chunks=[chunk])
-            self.tables.upload()
-        if window is not None or chunk is not None:
-            return self._run_windowed(q, sk, sv, scale, timings, (window, chunk), sinks)
-        if self.steps is None:
-            self._plan_full()
-            self._prepare_full(HeadLayout.of(q, kn))
-        acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], q.shape[2], q.device)
-        if self.local:
-            self._attend("local", self.local_steps, q, kn, vn, sk, sv, acc_out, acc_lse, scale)
-        if not self.ring:
-            return finish(acc_out, acc_lse, sinks, dt)
-        lr = int(self.nq_ring[self.rank])
-        if self.strategy == "pass-kv":  # the message: packed store rows and packed new rows
-            self._run_pass_kv(q[:lr], k_new[:lr], v_new[:lr], store_k, store_v, scale, timings, acc_out, acc_lse,
-                              deq)
-        else:
-            acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q[:lr], kn[:lr], vn[:lr], sk, sv, scale, timings)
-        return finish(acc_out, acc_lse, sinks, dt)
+        kn, vn = kv_quant.decode(k_new, dtype), kv_quant.decode(v_new, dtype)
+        if not reads_store:
+            return kn, vn, None, None
+        return kn, vn, kv_quant.decode(store_k[:n], dtype), kv_quant.decode(store_v[:n], dtype)
 
     def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
         if kind not in self._windowed:
