@@ -346,7 +346,8 @@ def native_candidates(model: nn.Module, method: QuantMethod | None, device: torc
     on = force if force is not None else (device.type == "cuda" and method is not None and scaled_mm_runs(device))
     if not on or method is None or not method.native_ok():
         return None
-    return {f"{n}.weight" for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"}
+    return {f"{n}.weight" for n, m in model.named_modules()  # FP8 GEMMs want both dims multiples of 16
+            if type(m) is nn.Linear and n != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0}
 
 
 def process_weights(model: nn.Module, native: set[str], rows: dict[str, Tensor], method: QuantMethod) -> None:
