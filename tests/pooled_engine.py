@@ -25,7 +25,7 @@ class _PooledEngine(LLMEngine):
         self._pool = self._shared_pool
         infos = self._pool.run(MR.init_runner, self.model_path, self.args.dtype, capacity, self.n,
                                self.args.tensor_parallel_size, self.attention_backend, None,
-                               self.decode_config("gloo"))
+                               self.decode_config("gloo"), self.args.kv_cache_dtype)
         self.rank_pids = [i["pid"] for i in infos]
         return capacity
 

@@ -160,7 +160,7 @@ def test_moe_layers_from_config():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantized checkpoints are not supported"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method 'mxfp4' is not supported"),
     ({"scoring_func": "sigmoid"}, "scoring_func"),
     ({"n_group": 8, "topk_group": 4}, "n_group"),
     ({"routed_scaling_factor": 2.5}, "routed_scaling_factor"),

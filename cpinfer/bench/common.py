@@ -123,7 +123,8 @@ def hardware_text(hw: dict) -> str:
         where = f"cuda ({torch.cuda.get_device_name()})"
     backend = "" if hw.get("attention_backend", "auto") == "auto" else f", {hw['attention_backend']} attention"
     eager = ", no CUDA graphs" if hw.get("enforce_eager") and where != "cpu" else ""
-    return f"{where}, {hw['dtype']}{backend}{eager}"
+    kv = ", FP8 KV cache" if hw.get("kv_cache_dtype", "auto") != "auto" else ""
+    return f"{where}, {hw['dtype']}{kv}{backend}{eager}"
 
 
 def hardware_flags(hw: dict) -> str:
@@ -135,6 +136,8 @@ def hardware_flags(hw: dict) -> str:
         flags += f" --attention-backend {hw['attention_backend']}"
     if hw.get("enforce_eager"):
         flags += " --enforce-eager"
+    if hw.get("kv_cache_dtype", "auto") != "auto":
+        flags += f" --kv-cache-dtype {hw['kv_cache_dtype']}"
     return flags
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import importlib
 
 BENCHES = ["attention", "prefill", "decode", "decode-overhead", "shared-prefix", "chunked-prefill", "partial",
-           "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output", "placement", "kv-tiers", "mla"]
+           "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output", "placement", "kv-tiers", "mla",
+           "kv-fp8"]
 
 
 def _load(name: str):

@@ -135,7 +135,8 @@ def run_engine_demo(cp: int = 2, model=None, doc_tokens: int = 3000, max_tokens:
                     document_paths: list[Path] | None = None, threads_per_rank: int | None = None,
                     placement: str = "auto", **hardware) -> tuple[list[TurnResult], int]:
     """The conversation at CP=1 and, if cp > 1, at CP=cp, each on a fresh `LLM` (by default with the same cores:
-    cores / N threads per rank). `hardware`: device, dtype, attention_backend, share_gpus, enforce_eager (`LLM` arguments).
+    cores / N threads per rank). `hardware`: device, dtype, attention_backend, share_gpus, enforce_eager,
+    kv_cache_dtype (`LLM` arguments).
     Returns (turns of CP=1 then of CP=cp, document tokens)."""
     from transformers import AutoTokenizer
 
@@ -308,7 +309,7 @@ def run(args) -> int:
     results, _ = run_engine_demo(args.cp, args.model, args.doc_tokens, args.max_tokens, args.document,
                                  args.threads_per_rank, args.placement, device=device, dtype=dtype,
                                  attention_backend=args.attention_backend, share_gpus=args.share_gpus,
-                                 enforce_eager=args.enforce_eager)
+                                 enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
     print(format_answers(results))
     print(format_turns(results))
     print(format_placements(results))

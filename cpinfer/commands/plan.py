@@ -57,8 +57,10 @@ def register(subparsers) -> None:
                         "row-wise FP8 FFN)")
     p.add_argument("--act-dtype", metavar="DTYPE", default="bf16",
                    help=f"activation and Q/K/V message dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
-    p.add_argument("--kv-dtype", metavar="DTYPE", default="bf16",
-                   help=f"KV cache dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", metavar="DTYPE", default="auto",
+                   help=f"KV cache dtype: auto (= --act-dtype), {', '.join(DTYPE_BYTES)}; fp8 is cpinfer's FP8 KV "
+                        "cache (e4m3 + one fp32 scale per token and KV head): its bytes in memory, in every pass-KV "
+                        "ring message and in the attention reads (default auto)")
     p.add_argument("--method", metavar="METHOD", default="alg5", choices=METHODS,
                    help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), both "
                         "with the profile's achieved attention rate and SendRecv bandwidth as C and BW; empirical "
@@ -86,7 +88,8 @@ def run(args) -> int:
         if args.ttft_target is None:
             raise ValueError("--sweep needs --ttft-target SECONDS")
         base = planner.build_deployment(args.model, args.hardware, 1, args.tp, args.weights, args.act_dtype,
-                                        args.kv_dtype, args.implementation)
+                                        args.act_dtype if args.kv_dtype == "auto" else args.kv_dtype,
+                                        args.implementation)
         rows, plan = planner.sweep_cp(base, work, args.ttft_target, args.max_cp, args.method)
         if args.json:
             out = plan.to_dict() if plan else {}
@@ -103,7 +106,8 @@ def run(args) -> int:
     if args.cp is None:
         raise ValueError("--cp is required (or use --sweep with --ttft-target)")
     dep = planner.build_deployment(args.model, args.hardware, args.cp, args.tp, args.weights, args.act_dtype,
-                                   args.kv_dtype, args.implementation)
+                                   args.act_dtype if args.kv_dtype == "auto" else args.kv_dtype,
+                                        args.implementation)
     plan = planner.make_plan(dep, work, args.method)
     if args.json:
         out = plan.to_dict()

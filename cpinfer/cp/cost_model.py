@@ -75,6 +75,7 @@ class AttnShape:
     elem_bytes: int         # Q, K, V, O activations
     partial_bytes: int = 4  # partial outputs in pass-Q's All2All and the merge
     kv_parts: int = 2       # K and V per KV head; 1 when the values are the keys' first channels (MLA's latent)
+    kv_row_bytes: int = 0   # one K or V row of one head as cached and sent (FP8 KV: D + 4); 0: D * elem_bytes
 
     def __post_init__(self) -> None:
         for name in ("heads", "kv_heads", "head_dim", "elem_bytes", "partial_bytes", "kv_parts"):
@@ -89,7 +90,7 @@ class AttnShape:
         return tokens * self.heads * self.head_dim * self.elem_bytes
 
     def kv_bytes(self, tokens: float) -> float:      # K and V of `tokens` keys (MLA: the latent rows alone)
-        return self.kv_parts * tokens * self.kv_heads * self.head_dim * self.elem_bytes
+        return self.kv_parts * tokens * self.kv_heads * (self.kv_row_bytes or self.head_dim * self.elem_bytes)
 
     def partial_out_bytes(self, tokens: float) -> float:  # a partial output plus its LSE (App. C: (D + 1) per head)
         return tokens * self.heads * (self.head_dim * self.partial_bytes + LSE_BYTES)

@@ -26,6 +26,7 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, FromHost, LoadEntry, RankResult, SeqInput
 from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv_disk import model_layout, open_disk_dir, rebuild_index
+from cpinfer.engine.kv_quant import check_kv_cache_dtype, layout_dtype
 from cpinfer.engine.kv_manager import BLOCK, KVManager
 from cpinfer.engine.kv_tiers import TierConfig
 from cpinfer.engine.placement import PLACEMENTS, CostModel, Placer
@@ -59,6 +60,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda"; resolved here
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "fp8" (e4m3 + a scale per token and KV head)
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
@@ -90,6 +92,10 @@ class EngineConfig:
         device = resolve_device(self.device)  # ValueError naming CUDA when it was asked for and is missing
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
+        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
+        if self.kv_cache_dtype == "fp8" and self.static_decode:
+            raise ValueError("static_decode=True and kv_cache_dtype='fp8' cannot be combined: the static decode path "
+                             "reads a full-precision KV cache (use static_decode=None or False)")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if device == "cuda":  # more ranks than GPUs on this node fails now, naming both numbers
@@ -140,6 +146,9 @@ class LLMEngine:
         a = self.args
         self.model_path = str(resolve_model(model))  # None → the embedded default; .gguf → converted once
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
+        if self.args.kv_cache_dtype == "fp8" and self.config.values_in_keys:
+            raise ValueError(f"kv_cache_dtype='fp8' is not supported for {self.config.model_type} (multi-head latent "
+                             "attention: its cache holds one shared latent) yet; use kv_cache_dtype='auto'")
         checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
         self.n = a.context_parallel_size
         self.parallel = a.parallel
@@ -192,7 +201,7 @@ class LLMEngine:
     def _default_capacity(self, fraction: float) -> int:
         c = self.config
         per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, MR.KVWidths.of(c),
-                                               self.elem_bytes)
+                                               self.elem_bytes, self.args.kv_cache_dtype)
         return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
     def _threads_per_rank(self) -> int:
@@ -242,7 +251,8 @@ class LLMEngine:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
-                                   a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend))
+                                   a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend),
+                                   a.kv_cache_dtype)
             self.rank_pids = [i["pid"] for i in infos]
             self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
             if capacity is None:
@@ -277,9 +287,9 @@ class LLMEngine:
         if a.kv_disk_dir is not None:
             self.disk = open_disk_dir(a.kv_disk_dir, a.kv_disk_gib)
             c = self.config
-            layout = model_layout(self.model_path, checkpoint_files(Path(self.model_path)), self.disk, a.dtype,
-                                  c.num_hidden_layers, c.cached_kv_heads, c.kv_key_width, a.tensor_parallel_size,
-                                  c.kv_row)
+            layout = model_layout(self.model_path, checkpoint_files(Path(self.model_path)), self.disk,
+                                  layout_dtype(a.dtype, a.kv_cache_dtype), c.num_hidden_layers, c.cached_kv_heads,
+                                  c.kv_key_width, a.tensor_parallel_size, c.kv_row)
             disk_dir, disk_bytes = str(self.disk.path), self.disk.bound
         writable = self.disk is not None and self.disk.writable
         self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n)
@@ -304,6 +314,10 @@ class LLMEngine:
             log.warning("decode runs without CUDA graphs: its collectives go over gloo (ranks sharing a GPU), which "
                         "a graph cannot capture")
             graphs = False
+        if static and a.kv_cache_dtype == "fp8":
+            log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
+                        "kv_cache_dtype is fp8")
+            static = False
         mode = "off" if not static else "graph" if graphs else "eager"
         return {"mode": mode, "max_rows": a.max_num_seqs}
 
@@ -727,8 +741,16 @@ class LLMEngine:
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict:
         return {"kv_tokens_per_rank": self.kv.tokens_per_rank(), "kv_capacity_per_rank": self.kv.capacity_per_rank,
+                "kv_cache_dtype": self.args.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
                 "tiers": self.tier_stats()}
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's K/V bytes on one CP rank (every layer, every KV head: its TP ranks together)."""
+        c = self.config
+        return MR.KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, MR.KVWidths.of(c), self.elem_bytes,
+                                          self.args.kv_cache_dtype)
 
     def tier_stats(self) -> dict:
         """Per tier (device, host, disk): hit tokens, bytes and tokens held, capacity, restores (tokens, bytes,

@@ -20,6 +20,7 @@ from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.items import new_accumulator
 from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
+from cpinfer.engine import kv_quant
 from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import FromHost, ForwardBatch, LoadEntry, RankResult, SampleResult
 from cpinfer.engine.decode_graph import StaticDecode
@@ -60,28 +61,49 @@ class KVWidths:
 class KVStore:
     """This rank's K/V tensors: k [layers, capacity + 1, Hkv, Dk] and v [layers, capacity + 1, Hkv, Dv] (with
     `values_in_keys` a view of k's first Dv channels: nothing stored twice), indexed by the slots the driver
-    assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there."""
+    assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
+    FP8 KV cache each row is packed uint8 [D + 4] (e4m3 values and their scale, `kv_quant.py`). `used`: rows ever
+    written (1 + the largest slot), what the FP8 attention step dequantizes."""
 
-    def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device):
+    def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
+                 kv_cache_dtype: str = "auto"):
         self.widths = widths
-        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key), dtype=dtype, device=device)
+        self.fp8 = kv_quant.is_fp8(kv_cache_dtype)
+        if self.fp8 and widths.values_in_keys:
+            raise ValueError("kv_cache_dtype='fp8' is not supported for multi-head latent attention (MLA) models "
+                             "yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
+        extra, store_dtype = (kv_quant.SCALE_BYTES, torch.uint8) if self.fp8 else (0, dtype)
+        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + extra), dtype=store_dtype,
+                             device=device)
         if widths.values_in_keys:
             self.v = self.k[..., :widths.value]
         else:
-            self.v = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.value), dtype=dtype, device=device)
+            self.v = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.value + extra), dtype=store_dtype,
+                                 device=device)
         self.sink = capacity
+        self.used = 0
+
+    def note_written(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.used = max(self.used, int(slots.max()) + 1)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int) -> int:
+    def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int,
+                        kv_cache_dtype: str = "auto") -> int:
+        if kv_quant.is_fp8(kv_cache_dtype):
+            return num_layers * n_kv_heads * sum(kv_quant.row_bytes(w, elem_bytes, kv_cache_dtype)
+                                                 for w in (widths.key, widths.value))
         return num_layers * n_kv_heads * widths.stored * elem_bytes
 
 
 class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
-                 attention_backend: str | None = None, decode: dict | None = None):
+                 attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto"):
         """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
-        (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off."""
+        (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off. kv_cache_dtype: "auto" (the
+        compute dtype) or "fp8" (`kv_quant.py`)."""
         self.ctx = ctx
+        self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
         if parallel.tp == 1:
             self.config, self.model = load_model(model_path, dtype=dtype, device=ctx.device)
@@ -109,11 +131,13 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, self.widths, self.dtype.itemsize)
+        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, self.widths, self.dtype.itemsize,
+                                       self.kv_cache_dtype)
 
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
-        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device)
+        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device,
+                             self.kv_cache_dtype)
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
@@ -154,6 +178,9 @@ class ModelRunner:
                 for op in ops:
                     if isinstance(op, (FromHost, LoadEntry)):
                         self.slot_positions.pos[op.rank, op.slots] = op.positions
+            for op in ops:
+                if isinstance(op, (FromHost, LoadEntry)) and op.rank == self.groups.cp_rank:
+                    self.store.note_written(op.slots)
         return self.tiers.events() if self.tiers is not None else ()
 
     def execute(self, batch: ForwardBatch) -> RankResult:
@@ -164,10 +191,12 @@ class ModelRunner:
             self.slot_positions.record(batch)
         if self.static is not None and self.static.handles(batch):
             return self._execute_static(batch, t0, events)
-        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
+        store = self.store
+        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions,
+                              kv_fp8=store.fp8)
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
-        store = self.store
+        store.note_written(plan.slots)
         tables = plan.prepare(self.layout, self.windows, store.k.shape[1], self.chunks,  # every index, on the host
                               store.widths.values_in_keys)
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
@@ -175,11 +204,13 @@ class ModelRunner:
         steps = []  # ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied; sinks [H]
+            if store.fp8:  # packed e4m3 rows with their scales [L, Hkv, D + 4]
+                k, v = kv_quant.encode(k), kv_quant.encode(v)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[layer].index_copy_(0, slots, v)
             return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
-                            self.chunks[layer], sinks)
+                            self.chunks[layer], sinks, store_used=store.used)
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]
@@ -271,7 +302,8 @@ class ModelRunner:
 # ---------------------------------------------------------------- functions the driver runs on every rank
 
 def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int = 1, tp: int = 1,
-                attention_backend: str | None = None, sizing: dict | None = None, decode: dict | None = None) -> dict:
+                attention_backend: str | None = None, sizing: dict | None = None, decode: dict | None = None,
+                kv_cache_dtype: str = "auto") -> dict:
     """Load this rank's model. With a capacity, allocate its KV store now; with None (CUDA), measure instead:
     `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} → the KV tokens this rank could hold
     (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest. `decode`: the
@@ -284,7 +316,8 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     if old is not None and old.tiers is not None:  # a pool reused by another engine
         old.tiers.close()
     backend = resolve_name(attention_backend, ctx.device)  # "auto" on this rank's device (torch-flash's probe)
-    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), backend, decode)
+    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), backend, decode,
+                         kv_cache_dtype)
     ctx.state["runner"] = runner
     info = {"pid": os.getpid(), "attention_backend": backend}
     if capacity is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -216,6 +217,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2) instead of GQA
+    quantization: QuantMethod | None = None  # FP8 checkpoints: the linear method of `quantization_config`
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

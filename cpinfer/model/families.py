@@ -10,6 +10,7 @@ from typing import Any, Callable
 import math
 
 from cpinfer.model.config import LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.quant import parse_quantization
 from cpinfer.utils import check_divisible
 
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -373,6 +374,11 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"config is missing required key(s) {missing}")
     check_unsupported(d, routing=not family.own_routing)
+    quantization = parse_quantization(d.get("quantization_config"))
+    if quantization is not None and family.own_routing:
+        raise ValueError(f"quantized {family.model_type} checkpoints (quantization_config quant_method "
+                         f"{d['quantization_config'].get('quant_method')!r}) are not supported yet: multi-head latent "
+                         "attention folds kv_b_proj into the queries, untested on quantized weights; use a bf16 copy")
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or family.default_head_dim or check_divisible(
         d["hidden_size"], heads, "hidden_size", "num_attention_heads")
@@ -392,6 +398,7 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
         hidden_act=d.get("hidden_act", "silu"),
+        quantization=quantization,
     )
     family.read(d, kw)
     return kw
@@ -404,13 +411,9 @@ _ROUTER_DEFAULTS = {"scoring_func": (None, "softmax"), "topk_method": (None, "gr
 
 
 def check_unsupported(d: dict[str, Any], routing: bool = True) -> None:
-    """Reject options cpinfer would otherwise ignore: quantized weights (gpt-oss's MXFP4 experts, FP8, ...) and
-    (`routing`) router variants the family's reader does not implement."""
-    quant = d.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise ValueError(f"quantized checkpoints are not supported (quantization_config quant_method {method!r}): "
-                         "cpinfer loads unquantized (bf16 / fp16 / fp32) weights, e.g. a dequantized copy")
+    """Reject options cpinfer would otherwise ignore: (`routing`) router variants the family's reader does not
+    implement. (Quantized weights are checked by `parse_quantization`: FP8 formats load, others are named and
+    refused.)"""
     for key, allowed in _ROUTER_DEFAULTS.items() if routing else ():
         if d.get(key) not in allowed:
             raise ValueError(f"unsupported router option {key}={d[key]!r} for model_type {d.get('model_type')!r}: "

@@ -169,9 +169,10 @@ class ModelSpec:
         raise ValueError(f"model {self.name!r}: tp ({tp}) must divide n_kv_heads ({self.n_kv_heads}) "
                          f"or be a multiple of it")
 
-    def kv_bytes_per_token(self, tp: int, kv_bytes: int) -> int:
-        """KV cache bytes per token per GPU over all layers (K and V; MLA: the latent and rotary key, once)."""
-        return self.kv_parts * self.n_layers * self.kv_heads_per_gpu(tp) * self.head_dim * kv_bytes
+    def kv_bytes_per_token(self, tp: int, kv_bytes: int, scale_bytes: int = 0) -> int:
+        """KV cache bytes per token per GPU over all layers (K and V; MLA: the latent and rotary key, once;
+        `scale_bytes` per row: FP8 KV's scale)."""
+        return self.kv_parts * self.n_layers * self.kv_heads_per_gpu(tp) * (self.head_dim * kv_bytes + scale_bytes)
 
     @property
     def kv_parts(self) -> int:

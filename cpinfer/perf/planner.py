@@ -86,7 +86,12 @@ def build_deployment(model, hardware, cp: int, tp: int, weights="bf16", act_dtyp
     """Resolve catalog names / paths (or objects) into a validated Deployment."""
     return Deployment(load_model_spec(model), load_hardware_profile(hardware), cp, tp, load_weight_format(weights),
                       act_bytes=dtype_bytes(act_dtype), kv_bytes=dtype_bytes(kv_dtype),
-                      implementation=load_implementation(implementation))
+                      implementation=load_implementation(implementation), kv_scale_bytes=kv_scale_bytes(kv_dtype))
+
+
+def kv_scale_bytes(kv_dtype: str) -> int:
+    """cpinfer's FP8 KV cache keeps one fp32 scale per K or V row (token, KV head): 4 bytes beside D values."""
+    return 4 if str(kv_dtype).strip().lower() == "fp8" else 0
 
 
 def choose(dep: Deployment, work: Workload, method: str = "alg5") -> StrategyChoice:

@@ -42,6 +42,7 @@ class Deployment:
     act_bytes: int = 2       # e, activations and the Q/K/V messages
     kv_bytes: int = 2        # KV cache element size
     implementation: Implementation = field(default=CPINFER)
+    kv_scale_bytes: int = 0  # per cached K or V row (token, KV head): cpinfer's FP8 KV keeps one fp32 scale
 
     def __post_init__(self) -> None:
         check_positive(self.cp, "cp")
@@ -56,7 +57,7 @@ class Deployment:
     def attn_shape(self) -> AttnShape:
         m = self.model
         return AttnShape(m.n_heads // self.tp, m.kv_heads_per_gpu(self.tp), m.head_dim, self.act_bytes,
-                         self.implementation.partial_bytes, m.kv_parts)
+                         self.implementation.partial_bytes, m.kv_parts, m.head_dim * self.kv_bytes + self.kv_scale_bytes)
 
     @property
     def link(self) -> cost_model.Link:
@@ -228,7 +229,7 @@ def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memo
     keep every token's K/V too (cpinfer's KV cache does not trim what a window no longer sees)."""
     weights = dep.weights.weight_bytes_per_gpu(dep.model, dep.tp)
     kv_tokens = batch * 2 * dep.cp * ceil_div(tokens_per_seq, 2 * dep.cp) / dep.cp
-    kv = kv_tokens * dep.model.kv_bytes_per_token(dep.tp, dep.kv_bytes)
+    kv = kv_tokens * dep.model.kv_bytes_per_token(dep.tp, dep.kv_bytes, dep.kv_scale_bytes)
     return Memory(weights / 1e9, kv / 1e9, dep.hardware.mem_gb)
 
 

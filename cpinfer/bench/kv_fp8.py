@@ -1,0 +1,165 @@
+"""FP8 KV cache against the full-precision one on a real model (`cpinfer bench kv-fp8`): error, capacity, time.
+
+On the embedded SmolLM2 (or `--model`): a document of the project's docs as the prompt, greedy answer, at CP 1 with
+`kv_cache_dtype` auto and fp8 — the max |Δ log-prob| teacher-forced over the prompt and the full-precision answer,
+and the greedy tokens' agreement; prefill time and decode step time of both (and at `--cp`); bytes per token, KV
+tokens per GiB and bytes per pass-KV ring step per token; and a pass key hidden in the middle of a ~`--passkey-tokens`
+haystack, asked for at CP `--cp` with the FP8 cache.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import numpy as np
+
+from cpinfer.bench import common as C
+
+_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+
+
+def _engine(model_dir, cp: int, kvd: str, capacity: int, hw: dict):
+    from cpinfer import LLM
+
+    kw = {k: v for k, v in hw.items() if k != "kv_cache_dtype"}
+    return LLM(str(model_dir), context_parallel_size=cp, kv_cache_dtype=kvd, placement="shard",
+               max_kv_tokens_per_rank=C.kv_capacity(capacity), max_num_batched_tokens=2048, **kw)
+
+
+def accuracy_and_time(model_dir, prompt: list[int], cps: list[int], max_tokens: int, hw: dict) -> dict:
+    """Greedy answers of both caches at each CP size, then the FP8 cache teacher-forced on the full-precision
+    answer (prompt log-probs over prompt + answer)."""
+    from cpinfer import SamplingParams
+
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
+    runs, forced = {}, {}
+    for cp in cps:
+        for kvd in ("auto", "fp8"):
+            with _engine(model_dir, cp, kvd, len(prompt) // cp + 2 * max_tokens + 1024, hw) as llm:
+                llm.generate([prompt[:64]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+                out = llm.generate([prompt], greedy)[0]
+                stats = llm.engine.cache_stats()
+                if cp == cps[0]:
+                    full = prompt + (runs[(cp, "auto")]["tokens"] if kvd == "fp8" else out.token_ids)[:-1]
+                    o = llm.generate([full], SamplingParams(max_tokens=1, prompt_logprobs=True, top_logprobs=1,
+                                                            temperature=0.0))[0]
+                    top = [max(d, key=d.get) for d in o.prompt_top_logprobs[1:]]
+                    forced[kvd] = (o.prompt_logprobs[1:], top)
+            runs[(cp, kvd)] = {"tokens": out.token_ids, "prefill_s": out.metrics["ttft_s"],
+                               "ttit_s": statistics.median(out.metrics["ttit_s"][1:]),
+                               "bytes_per_token": stats["kv_bytes_per_token"]}
+    a, b = np.asarray(forced["auto"][0]), np.asarray(forced["fp8"][0])
+    top1 = float(np.mean(np.asarray(forced["auto"][1]) == np.asarray(forced["fp8"][1])))
+    delta = np.abs(a - b)
+    answer = delta[len(prompt) - 1:]
+    ta, tb = runs[(cps[0], "auto")]["tokens"], runs[(cps[0], "fp8")]["tokens"]
+    diverge = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+    return {"max_dlogprob": float(delta.max()), "mean_dlogprob": float(delta.mean()),
+            "max_dlogprob_answer": float(answer.max()) if len(answer) else 0.0,
+            "top1_agreement": top1, "greedy_agreement": float(np.mean([x == y for x, y in zip(ta, tb)])), "first_divergence": diverge,
+            "runs": {f"{cp}/{kvd}": r for (cp, kvd), r in runs.items()}}
+
+
+def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict:
+    """A 5-digit key in the middle of ~`tokens` tokens of filler; the chat asks for it; greedy 12 tokens."""
+    from transformers import AutoTokenizer
+
+    from cpinfer import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    key = str(random.Random(tokens).randint(10000, 99999))
+    per = len(tok(_FILLER, add_special_tokens=False)["input_ids"])
+    half = _FILLER * max(1, (tokens - 120) // (2 * per))
+    text = (f"There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n{half}"
+            f"The pass key is {key}. Remember it. {key} is the pass key.\n{half}\nWhat is the pass key?")
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    ids = tok(chat, add_special_tokens=False)["input_ids"]
+    ids += tok("The pass key is", add_special_tokens=False)["input_ids"]
+    t0 = time.perf_counter()
+    with _engine(model_dir, cp, kvd, len(ids) // cp + 1024, hw) as llm:
+        out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    answer = tok.decode(out.token_ids)
+    return {"tokens": len(ids), "cp": cp, "kv_cache_dtype": kvd, "key": key, "answer": answer,
+            "found": key in answer, "seconds": time.perf_counter() - t0, "prefill_s": out.metrics["ttft_s"]}
+
+
+def capacity_rows(model_dir) -> list[list]:
+    """Per token: bytes (all layers, K and V), tokens per GiB, and bytes one token adds to a pass-KV message per
+    layer — for fp32, bf16 and FP8 rows."""
+    from cpinfer.engine import kv_quant
+    from cpinfer.model import ModelConfig
+
+    c = ModelConfig.from_pretrained(model_dir)
+    rows = []
+    for name, elem, kvd in (("float32", 4, "auto"), ("bfloat16", 2, "auto"), ("fp8 (e4m3 + scale)", 1, "fp8")):
+        row = kv_quant.row_bytes(c.head_dim, elem, kvd)
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * row
+        rows.append([name, per_token, f"{(1 << 30) // per_token:,}", 2 * c.num_key_value_heads * row])
+    for r in rows:
+        r.append(f"{rows[1][1] / r[1]:.2f}")
+    return rows
+
+
+def measure(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from cpinfer.commands.demo import build_document
+    from cpinfer.model.resolve import resolve_model
+
+    model_dir = resolve_model(args.model)
+    hw = C.hardware(args)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text, _ = build_document(tok, args.doc_tokens)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    res = {"bench": "kv-fp8", "command": command_line(args) + C.hardware_flags(hw), "model": str(args.model or
+           "SmolLM2-135M-Instruct (embedded)"), "doc_tokens": len(prompt), "capacity": capacity_rows(model_dir)}
+    res["accuracy"] = accuracy_and_time(model_dir, prompt, sorted({1, args.cp}), args.max_tokens, hw)
+    if args.passkey_tokens:
+        res["passkey"] = [passkey(model_dir, args.passkey_tokens, args.cp, hw, "fp8")]
+    return res
+
+
+def format_report(res: dict) -> str:
+    acc = res["accuracy"]
+    out = [f"{res['model']}, a {res['doc_tokens']}-token document of the project's docs, greedy answer:", "",
+           C.fmt_table(["FP8 KV vs full precision", "value"], [
+               ["max \\|Δ log-prob\\|, teacher-forced (prompt + answer)", f"{acc['max_dlogprob']:.3f}"],
+               ["mean \\|Δ log-prob\\|", f"{acc['mean_dlogprob']:.4f}"],
+               ["max \\|Δ log-prob\\| over the answer", f"{acc['max_dlogprob_answer']:.3f}"],
+               ["greedy (top-1) token agreement, teacher-forced", f"{acc['top1_agreement']:.3f}"],
+               ["free-running greedy tokens equal (position by position)", f"{acc['greedy_agreement']:.3f}"],
+               ["first differing free-running greedy token", str(acc["first_divergence"])]]), "",
+           "KV cache per token and per pass-KV ring step (bytes; one token, every KV head):", "",
+           C.fmt_table(["KV dtype", "bytes / token (all layers)", "tokens / GiB", "ring bytes / token / layer",
+                        "tokens vs bf16"], res["capacity"]), "",
+           "Time on this machine (prefill = TTFT of the document; decode = median step):", "",
+           C.fmt_table(["CP / KV", "prefill (s)", "decode step (ms)", "bytes / token"],
+                       [[k, f"{r['prefill_s']:.2f}", f"{1000 * r['ttit_s']:.1f}", r["bytes_per_token"]]
+                        for k, r in acc["runs"].items()])]
+    for p in res.get("passkey", []):
+        out += ["", f"pass key at {p['tokens']} tokens, CP {p['cp']}, KV {p['kv_cache_dtype']}: "
+                    f"{'found' if p['found'] else 'NOT found'} (key {p['key']}, answer {p['answer']!r}; "
+                    f"{p['seconds']:.0f} s with start-up, prefill {p['prefill_s']:.0f} s)"]
+    return "\n".join(out)
+
+
+def command_line(args) -> str:
+    cmd = (f"cpinfer bench kv-fp8 --cp {args.cp} --doc-tokens {args.doc_tokens} --max-tokens {args.max_tokens} "
+           f"--passkey-tokens {args.passkey_tokens}")
+    return cmd + (f" --model {args.model}" if args.model else "")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--cp", type=C.positive_int, default=2, help="CP size beside CP 1 (default: 2)")
+    parser.add_argument("--doc-tokens", type=C.positive_int, default=2000, help="document tokens (default: 2000)")
+    parser.add_argument("--max-tokens", type=C.positive_int, default=48, help="greedy answer tokens (default: 48)")
+    parser.add_argument("--passkey-tokens", type=int, default=8000,
+                        help="haystack tokens of the pass-key check at --cp (0: skip; default: 8000)")
+    C.add_common_arguments(parser)
+
+
+def run(args) -> int:
+    return C.run_measured(args, measure, format_report, "kv-fp8", "FP8 KV cache vs full precision (SmolLM2)")

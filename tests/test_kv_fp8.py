@@ -1,0 +1,243 @@
+"""FP8 KV cache (cpinfer/engine/kv_quant.py) on the engine: CP 2 and 3 (pass-KV, pass-Q, auto) and TP 2 equal CP 1
+with FP8 KV — same quantization whatever the sharding — under chunked (partial) prefill, prefix reuse and sharing,
+sliding windows, and KV tiers (entries written at CP 2 restored at CP 3; never read back by a full-precision
+engine); the error against the unquantized cache is measured and bounded; capacity and bytes per token; FP8
+checkpoints on CP 2 and TP 2 engines against transformers on their dequantized weights. One pool of ranks per world
+size serves the module."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cpinfer import LLM, SamplingParams
+from cpinfer.engine import kv_quant
+from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram
+from cpinfer.launch import WorkerPool
+from fp8_checkpoint import write_fp8_pair
+from hf_oracle import check_against_hf, prompts_for
+from pooled_engine import PooledLLM
+
+pytest.importorskip("transformers")
+
+GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+TIGHT = dict(rtol=0, atol=1e-5)  # CP N vs CP 1: fp32 rounding of the same quantized K/V
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """`engines(path, cp, tp=1, **kw)`: an engine on a pool of cp x tp ranks shared by the module (CP1 in the
+    driver process)."""
+    pools: dict[int, WorkerPool] = {}
+
+    def get(path, cp, tp=1, **kw):
+        kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, placement="shard", threads_per_rank=1, **kw)
+        kw.setdefault("max_kv_tokens_per_rank", 2048)
+        if cp * tp == 1:
+            return LLM(str(path), **kw)
+        if cp * tp not in pools:
+            pools[cp * tp] = WorkerPool(cp * tp, threads_per_rank=1, timeout_s=120)
+        return PooledLLM(str(path), pools[cp * tp], **kw)
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+def test_rows_are_quantized_alone():
+    """A row's bytes depend on that row only (so on no sharding); decode inverts encode within e4m3's precision;
+    zero rows stay zero; the error is bounded by half an e4m3 step of the row's scale."""
+    x = torch.randn(50, 3, 16) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[7] = 0.0
+    p = kv_quant.encode(x)  # [50, 3, 20] uint8
+    assert p.dtype == torch.uint8 and p.shape == (50, 3, 20)
+    assert torch.equal(kv_quant.encode(x[10:13]), p[10:13]) and torch.equal(kv_quant.encode(x[:, 1:2]), p[:, 1:2])
+    y = kv_quant.decode(p, torch.float32)
+    assert torch.equal(y[7], torch.zeros(3, 16))
+    amax = x.abs().amax(-1, keepdim=True)
+    assert bool(((y - x).abs() <= amax / 16 + 1e-30).all())  # e4m3: 3 mantissa bits, relative step <= 1/8
+    torch.testing.assert_close(kv_quant.decode(kv_quant.encode(y), torch.float32), y, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"):
+        kv_quant.check_kv_cache_dtype("int8")
+
+
+def _scenario(llm):
+    """Turn 1: prompts of 1, 37 and 130 tokens (chunked prefill of 48-token steps), with prompt log-probs; turn 2:
+    each conversation continued from the prefix cache, and two requests sharing the first 100 tokens of one."""
+    vocab = llm.config.vocab_size
+    prompts = prompts_for(vocab, [1, 37, 130], seed=5)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, prompt_logprobs=True, **GREEDY))
+    turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
+    turn2 += [prompts[2][:100] + [9, 10], prompts[2][:100] + [4]]
+    outs2 = llm.generate(turn2, SamplingParams(max_tokens=8, **GREEDY))
+    assert [o.num_cached_tokens for o in outs2][:3] == [len(p) + 7 for p in prompts]
+    assert all(o.num_cached_tokens >= 64 for o in outs2[3:])  # the shared prefix, in 64-token blocks
+    return outs + outs2
+
+
+def _same(outs, ref):
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), **TIGHT)
+        if r.prompt_logprobs is not None:
+            torch.testing.assert_close(torch.tensor(o.prompt_logprobs[1:]), torch.tensor(r.prompt_logprobs[1:]),
+                                       **TIGHT)
+
+
+_REF: dict = {}
+
+
+def _reference(engines, path, variant):
+    if variant not in _REF:
+        with engines(path, 1, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
+            _REF[variant] = _scenario(llm)
+    return _REF[variant]
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mistral"])
+@pytest.mark.parametrize("cp, strategy", [(2, "auto"), (2, "pass-kv"), (2, "pass-q"), (3, "auto"), (3, "pass-q")])
+def test_fp8_kv_cp_n_equals_cp_1(llama_checkpoint, engines, variant, cp, strategy):
+    """Every strategy at CP 2 and 3, chunked prefill, prefix reuse and sharing; Mistral slides a 24-token window."""
+    path = llama_checkpoint(variant, max_position_embeddings=2048)
+    ref = _reference(engines, path, variant)
+    with engines(path, cp, kv_cache_dtype="fp8", strategy=strategy, max_num_batched_tokens=48) as llm:
+        _same(_scenario(llm), ref)
+
+
+def test_fp8_kv_tp2_equals_cp_1(llama_checkpoint, engines):
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    with engines(path, 1, tp=2, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
+        _same(_scenario(llm), _reference(engines, path, "gqa"))
+
+
+def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines):
+    """CP 2 with FP8 KV, prefilled in 48-token chunks, equals the model run alone with each K/V row quantized and
+    dequantized (encode / decode) before a dense reference attention: the error against full precision is the
+    format's, nothing else."""
+    from cpinfer.model import ReferenceAttention, load_model
+
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    cfg, model = load_model(path)
+    prompt = prompts_for(cfg.vocab_size, [90], seed=11)[0]
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    ref = ReferenceAttention(torch.zeros(len(prompt), dtype=torch.long), pos, config=cfg)
+
+    def fake_quant(layer, q, k, v, sinks=None):
+        k, v = kv_quant.decode(kv_quant.encode(k), k.dtype), kv_quant.decode(kv_quant.encode(v), v.dtype)
+        return ref(layer, q, k, v, sinks=sinks)
+
+    with torch.no_grad():
+        lp = model.compute_logits(model(ids, pos, fake_quant)).log_softmax(-1)
+    want = lp[torch.arange(len(prompt) - 1), ids[1:]]
+    with engines(path, 2, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0.0))[0]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), want, rtol=0, atol=1e-4)
+
+
+def test_fp8_kv_error_against_the_unquantized_cache(llama_checkpoint, engines):
+    """Measured, not exact: turn 1's prompt log-probs (teacher-forced, so comparable position by position) and
+    first tokens with a full-precision cache. (A random tiny model's near-flat distributions make later greedy
+    tokens diverge once one differs; the embedded model's figures are in docs/quantization.md.)"""
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    with engines(path, 2, max_num_batched_tokens=48) as llm:
+        full = _scenario(llm)
+    fp8 = _reference(engines, path, "gqa")
+    deltas = [np.abs(np.subtract(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) for a, b in zip(fp8[:3], full[:3])]
+    worst = max(float(d.max()) for d in deltas if len(d))
+    first = np.mean([a.token_ids[0] == b.token_ids[0] for a, b in zip(fp8, full)])
+    print(f"\nFP8 KV vs fp32 KV (tiny gqa, CP2): max |Δ prompt log-prob| {worst:.2e}, first tokens agree {first:.2f}")
+    assert 0 < worst < 0.5
+
+
+def _chats(llm, turn2_only=False):
+    """Three 140-150-token chats one at a time, then each one's turn 2, newest first (on a small device cache the
+    older histories come back from the host pool or the disk)."""
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(llm.config.vocab_size, [150, 140, 150], seed=7))]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = [llm.generate([d], params)[0] for d in docs] if not turn2_only else _CHATS[:3]
+    turn2 = [d + o.token_ids + [5, 6, 7] for d, o in zip(docs, first)]
+    return first + [llm.generate([turn2[i]], params)[0] for i in (2, 1, 0)]
+
+
+_CHATS: list = []
+
+
+def test_fp8_kv_tiers_restore_across_cp_sizes(llama_checkpoint, engines, tmp_path):
+    """At CP 2 on a device cache of about one chat per rank, with a host pool and a disk: histories evicted and
+    restored give CP 1's answers; entries written at CP 2 restore at CP 3 after a restart; an engine with a
+    full-precision cache on the same directory reuses none of them (the layout names the KV dtype)."""
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    with engines(path, 1, kv_cache_dtype="fp8", max_num_batched_tokens=96) as llm:
+        _CHATS[:] = _chats(llm)
+    kv_dir = tmp_path / "kv"
+    token_bytes = 2 * 2 * 2 * (8 + kv_quant.SCALE_BYTES)  # K and V, 2 layers, 2 KV heads, packed rows of 8 + 4
+    tiers = dict(kv_cache_dtype="fp8", max_num_batched_tokens=96, kv_disk_dir=kv_dir)
+    with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=64 * token_bytes / (1 << 30), **tiers) as llm:
+        _same(_chats(llm), _CHATS)
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] + t["disk"]["hit_tokens"] > 0, t
+    with engines(path, 3, **tiers) as llm:  # a restart at CP 3: the histories come from disk
+        outs = _chats(llm, turn2_only=True)
+        _same(outs, _CHATS)
+        assert all(o.num_cached_tokens > 140 for o in outs[3:])
+    with engines(path, 1, max_num_batched_tokens=96, kv_disk_dir=kv_dir) as llm:  # fp32 KV: nothing matches
+        doc = [3] + prompts_for(llm.config.vocab_size, [150, 140, 150], seed=7)[0]  # chat 0, stored at CP 2 and 3
+        assert llm.generate([doc], SamplingParams(max_tokens=2, **GREEDY))[0].num_cached_tokens == 0
+
+
+def test_capacity_and_bytes_per_token(llama_checkpoint):
+    """cache_stats: bytes per token (D + 4) / 4D of fp32 and the tokens per rank the same host-RAM share holds."""
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fraction = 512 * 256 / total  # about 512 fp32 tokens (256 bytes each) on one rank
+    stats = {}
+    for kvd in ("auto", "fp8"):
+        with LLM(str(path), kv_cache_dtype=kvd, kv_memory_fraction=fraction, threads_per_rank=1) as llm:
+            stats[kvd] = llm.cache_stats()
+    assert stats["auto"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 and stats["fp8"]["kv_bytes_per_token"] == 96
+    assert stats["fp8"]["kv_cache_dtype"] == "fp8" and stats["auto"]["kv_cache_dtype"] == "auto"
+    for kvd in ("auto", "fp8"):
+        want = kv_tokens_from_host_ram(fraction, 1, stats[kvd]["kv_bytes_per_token"], 64, 2048)
+        assert stats[kvd]["kv_capacity_per_rank"] == want
+    assert stats["fp8"]["kv_capacity_per_rank"] >= 2.5 * stats["auto"]["kv_capacity_per_rank"]
+    with pytest.raises(ValueError, match="static_decode=True and kv_cache_dtype='fp8'"):
+        LLM(str(path), kv_cache_dtype="fp8", static_decode=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        LLM(str(path), kv_cache_dtype="fp16")
+
+
+@pytest.mark.parametrize("variant, fmt, cp, tp", [("gqa", "fbgemm_fp8", 2, 1), ("qwen3_moe", "fp8_block", 1, 2),
+                                                   ("qwen3_moe", "ct_channel_dynamic", 2, 1)])
+def test_fp8_checkpoint_on_the_engine_matches_transformers(llama_checkpoint, engines, tmp_path, variant, fmt, cp, tp):
+    """FP8 checkpoints through the ranks' loader (TP 2 slices the dequantized tensors and experts) against
+    transformers on the dequantized weights, greedy and prompt log-probs within 1e-4."""
+    src = llama_checkpoint(variant, max_position_embeddings=2048)
+    write_fp8_pair(src, tmp_path / "fp8", tmp_path / "deq", fmt)
+    with engines(tmp_path / "fp8", cp, tp, max_num_batched_tokens=48) as llm:
+        prompts = prompts_for(llm.config.vocab_size, [5, 70], seed=3)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, prompt_logprobs=True, **GREEDY))
+    check_against_hf(tmp_path / "deq", outs, prompts, 6)
+
+
+def test_plan_models_fp8_kv_memory_and_ring_bytes():
+    """`cpinfer plan --kv-cache-dtype fp8`: KV memory and each pass-KV message are (D + 4) / 2D of bf16's."""
+    from cpinfer.perf import planner
+    from cpinfer.perf.simulator import memory_per_gpu
+
+    deps = {k: planner.build_deployment("llama3-405b", "h100-gtt", 4, 8, "fp8-ffn", "bf16", k) for k in ("bf16", "fp8")}
+    ratio = (128 + 4) / (2 * 128)
+    mem = {k: memory_per_gpu(d, 128000).kv_gb for k, d in deps.items()}
+    assert mem["fp8"] == pytest.approx(ratio * mem["bf16"])
+    msg = {k: d.attn_shape.kv_bytes(1000) for k, d in deps.items()}
+    assert msg["fp8"] == pytest.approx(ratio * msg["bf16"])
+
+
+def test_cli_flag_reaches_the_engine():
+    import argparse
+
+    from cpinfer.device import add_arguments, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert engine_kwargs(p.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
