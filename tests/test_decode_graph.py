@@ -181,7 +181,8 @@ def test_static_decode_with_tensor_parallel(llama_checkpoint, pool):
 
 def _decode_config(**args):
     fake = types.SimpleNamespace(args=types.SimpleNamespace(**{"enforce_eager": False, "static_decode": None,
-                                                                "max_num_seqs": 16, **args}),
+                                                                "max_num_seqs": 16, "kv_cache_dtype": "auto",
+                                                                **args}),
                                  parallel=types.SimpleNamespace(world_size=args.pop("world", 2)))
     return LLMEngine.decode_config(fake, args.pop("comm", "nccl"))
 

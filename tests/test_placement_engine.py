@@ -202,7 +202,7 @@ def test_mixed_forward_rings_only_the_spread_sequence(model, engine):
     layers, heads, kv_heads, d = 2, 8, 2, 8
     for spy in spies(llm):  # every message carries the long sequence's rows only (the short ones' never travel)
         assert spy["batch_isend_irecv"] == layers * 6 and spy["all_to_all_single"] == layers * 5
-        assert set(spy["ring_shapes"]) == {(2, rows_long, kv_heads, d), (1, heads, d)}  # prefill K/V, decode Q
+        assert set(spy["ring_shapes"]) == {(rows_long, kv_heads, 2 * d), (1, heads, d)}  # prefill K|V, decode Q
         assert set(spy["all2all_shapes"]) == {(2, 1, heads, d + 1)}  # one decode query's partial per rank
         assert collectives(spy) == spy["batch_isend_irecv"] + spy["all_to_all_single"]
     llm.engine.kv.check_invariants()
