@@ -44,3 +44,25 @@ class PooledLLM(LLM):
     def __init__(self, model, pool, **kwargs):
         self.engine = _PooledEngine(model, pool, **kwargs)
         self._ids = itertools.count()
+
+
+def shard_engines():
+    """A module fixture's body: yields `get(path, cp, **kw)`, an engine with placement "shard" and one thread per
+    rank — CP1 in the driver, CP > 1 on a pool of that size shared by the module (closed at the end)."""
+    from cpinfer.launch import WorkerPool
+
+    pools: dict[int, WorkerPool] = {}
+
+    def get(path, cp, **kw):
+        kw = dict(context_parallel_size=cp, placement="shard", threads_per_rank=1, **kw)
+        if cp == 1:
+            return LLM(str(path), **kw)
+        if cp not in pools:
+            pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
+        return PooledLLM(str(path), pools[cp], **kw)
+
+    try:
+        yield get
+    finally:
+        for pool in pools.values():
+            pool.close()

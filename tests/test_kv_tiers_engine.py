@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from cpinfer import LLM, SamplingParams
+from cpinfer import SamplingParams
 from cpinfer.engine import tier_store
 from cpinfer.engine.kv_files import (CorruptEntry, EntryHeader, Layout, file_name, read_header, read_rows, scan,
                                      write_entry)
-from cpinfer.launch import WorkerPool
 from hf_oracle import check_against_hf, prompts_for
-from pooled_engine import PooledLLM
+from pooled_engine import shard_engines
 
 pytest.importorskip("transformers")
 
@@ -35,19 +34,7 @@ def ckpt(llama_checkpoint):
 @pytest.fixture(scope="module")
 def engines():
     """`engines(path, cp, **kw)`: an engine on a pool of cp ranks shared by the module (CP1 in the driver)."""
-    pools: dict[int, WorkerPool] = {}
-
-    def get(path, cp, **kw):
-        kw = dict(context_parallel_size=cp, placement="shard", threads_per_rank=1, **kw)
-        if cp == 1:
-            return LLM(str(path), **kw)
-        if cp not in pools:
-            pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
-        return PooledLLM(str(path), pools[cp], **kw)
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+    yield from shard_engines()
 
 
 def _token_bytes(path) -> int:

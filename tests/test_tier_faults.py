@@ -9,11 +9,10 @@ import logging
 import numpy as np
 import pytest
 
-from cpinfer import LLM, SamplingParams
+from cpinfer import SamplingParams
 from cpinfer.engine.kv_files import read_header
-from cpinfer.launch import WorkerPool
 from hf_oracle import check_against_hf, prompts_for
-from pooled_engine import PooledLLM
+from pooled_engine import shard_engines
 
 pytest.importorskip("transformers")
 
@@ -28,19 +27,8 @@ def ckpt(llama_checkpoint):
 
 @pytest.fixture(scope="module")
 def engines():
-    pools: dict[int, WorkerPool] = {}
-
-    def get(path, cp, **kw):
-        kw = dict(context_parallel_size=cp, placement="shard", threads_per_rank=1, **kw)
-        if cp == 1:
-            return LLM(str(path), **kw)
-        if cp not in pools:
-            pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
-        return PooledLLM(str(path), pools[cp], **kw)
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+    """`engines(path, cp, **kw)`: an engine on a pool of cp ranks shared by the module (CP1 in the driver)."""
+    yield from shard_engines()
 
 
 def _turn(llm, prompts, path, steps=OUT):

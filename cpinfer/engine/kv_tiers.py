@@ -318,12 +318,7 @@ class Tiers:
     def forget(self, node) -> None:
         """node leaves the tree: free its host slots; an entry no segment uses any more is deleted."""
         if node.host is not None:
-            for r in range(self.n):
-                mine = node.host[node.rank.view == r]
-                if len(mine):
-                    self.host.free(r, mine)
-            node.host = None
-            del self.host_nodes[node.id]
+            self.forget_host(node)
         if node.disk is not None:
             entry = node.disk.entry
             entry.nodes.pop(node.id, None)
