@@ -183,3 +183,31 @@ def test_bench_measures_the_ring_message_of_the_latent():
 
     cfg = dict(num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     assert message_bytes_per_token(cfg, 64) == {"mla": 576 * 4, "per_head": 16 * 320 * 4}
+
+
+def test_tp2_writes_the_latent_once_and_any_tp_size_reads_it(llama_checkpoint, tmp_path):
+    """Under TP every rank caches the same latent: only TP rank 0 writes it (one file per CP shard, its bytes
+    counted once); an engine at TP1, then one at TP2 again, restore it and answer as transformers."""
+    from cpinfer import LLM, SamplingParams
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
+    kv_dir = tmp_path / "kv"
+    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_kv_tokens_per_rank=2048)
+    doc = [3] + prompts_for(256, [150], seed=8)[0]
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        first = llm.generate([doc], SamplingParams(max_tokens=6, **GREEDY))
+        check_against_hf(path, first, [doc], 6, check_prompt_lp=False)
+        llm.engine.sync_tiers(force=True)
+        llm.engine.flush_tiers()
+        t = llm.cache_stats()["tiers"]["disk"]
+        assert t["bytes"] == t["tokens"] * LATENT_ROW  # once, not once per TP rank
+    files = sorted(p.name for p in kv_dir.iterdir() if p.suffix == ".safetensors")
+    assert files and all(".t0." in f for f in files), files
+    turn2 = doc + first[0].token_ids + [5]
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, **kw) as llm:
+            out = llm.generate([turn2], SamplingParams(max_tokens=6, **GREEDY))
+            check_against_hf(path, out, [turn2], 6, check_prompt_lp=False)
+            assert out[0].num_cached_tokens == (len(doc) + 5 if tp == 1 else len(turn2) - 1)  # (TP1 wrote turn 2)
+            assert llm.cache_stats()["tiers"]["disk"]["hit_tokens"] == out[0].num_cached_tokens

@@ -52,6 +52,12 @@ class Layout:
     def same_but_tp(self, other: "Layout") -> bool:
         return dataclasses.replace(self, tp=other.tp) == other
 
+    @property
+    def tp_shared(self) -> bool:
+        """Every TP rank caches the same rows (MLA's latent): one file per CP shard (TP rank 0's), read by every TP
+        rank, at any TP size."""
+        return bool(self.kv_row)
+
 
 def entry_name(layout: Layout, path: np.ndarray, pos0: int) -> str:
     """The entry of a segment: tokens pos0 ... of the token path `path` (every token from the root through the
@@ -278,13 +284,14 @@ def scan(directory: Path, layout: Layout, remove: bool = True) -> tuple[list[Fou
             report.corrupt.append(f"{name} ({exc})")
             _unlink(path, remove)
             continue
-        if header.layout != layout:
+        if header.layout != layout and not (layout.tp_shared and header.layout.same_but_tp(layout)
+                                             and header.tp_rank == 0):
             (report.other_tp if header.layout.same_but_tp(layout) else report.foreign).append(name)
             continue
         groups.setdefault(header.entry, []).append((path, header))
     found = []
     for entry, files in groups.items():
-        got = _assemble(entry, [h for _, h in files], layout.tp)
+        got = _assemble(entry, [h for _, h in files], 1 if layout.tp_shared else layout.tp)
         if got is None:
             report.removed.extend(p.name for p, _ in files)
             for p, _ in files:

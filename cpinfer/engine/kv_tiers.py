@@ -35,6 +35,7 @@ class TierConfig:
     layout: Layout | None = None
     tp: int = 1
     write_through: bool = True  # a finished request's segments are written to disk in the background at once
+    disk_token_bytes: int = 0  # one token in a disk entry, when not token_bytes (MLA: its latent once, not per TP rank)
     writable: bool = True  # False: a read-only directory (its entries are read, nothing is written or deleted)
 
     def __post_init__(self):
@@ -199,7 +200,7 @@ class Tiers:
         c = self.config
         if not self.can_write or not len(node):
             return False
-        nbytes = len(node) * c.token_bytes
+        nbytes = len(node) * (c.disk_token_bytes or c.token_bytes)
         if nbytes > c.disk_bytes or not self._disk_room(nbytes, node):
             return False
         path = path_tokens(node)
@@ -207,7 +208,8 @@ class Tiers:
         ranks = node.rank.view
         counts = np.bincount(ranks, minlength=self.n)
         shards = tuple(np.flatnonzero(counts).tolist())
-        entry = DiskEntry(name, self.n, shards, nbytes, time.monotonic(), unacked=len(shards) * c.tp)
+        writers = 1 if c.layout.tp_shared else c.tp  # MLA's latent: TP rank 0 writes it, the others hold it
+        entry = DiskEntry(name, self.n, shards, nbytes, time.monotonic(), unacked=len(shards) * writers)
         slots = node.slot.view if source == "device" else node.host
         rows = np.empty(len(node), dtype=np.int64)
         positions = node.pos0 + np.arange(len(node), dtype=np.int64)
@@ -348,6 +350,8 @@ class Tiers:
             self.stats["disk"].written_bytes += ev.nbytes
             if entry is not None:
                 entry.unacked -= 1
+            if self.config.layout.tp_shared and self.config.tp > 1:  # the other TP ranks let go of their rows
+                self.ops.append(ForgetEntry(ev.rank, ev.entry, ev.shard))
             if self._backoff_s:
                 log.info("KV disk tier: writing to %s works again", self.config.disk_dir)
                 self._backoff_s = 0.0

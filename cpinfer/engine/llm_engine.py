@@ -294,7 +294,7 @@ class LLMEngine:
         writable = self.disk is not None and self.disk.writable
         self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n)
         config = TierConfig(host_slots, disk_dir, disk_bytes, token_bytes, layout, a.tensor_parallel_size,
-                            writable=writable)
+                            writable=writable, disk_token_bytes=per_rank[0] if layout and layout.tp_shared else 0)
         log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
                  f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
         return config

@@ -48,6 +48,12 @@ class DiskWriter:
             self._waiting += nbytes
         self._queue.put(("save", header, kv, rank, ready, nbytes))
 
+    def hold(self, entry: str, shard: int, kv: torch.Tensor) -> None:
+        """Keep rows readable from memory without writing them (another TP rank writes the same rows) until
+        `forget` or a delete."""
+        with self._cv:
+            self._rows[(entry, shard)] = kv
+
     def delete(self, entry: str, shard: int) -> None:
         self._queue.put(("delete", entry, shard))
 
@@ -256,6 +262,11 @@ class RankTiers:
         if self.writer is None:
             return
         kv, ready = self._gather(op)
+        if self.layout.tp_shared and self.tp_rank:  # TP rank 0 writes the same rows: keep them until it has
+            if ready is not None:
+                ready.synchronize()
+            self.writer.hold(op.entry, self.cp_rank, kv)
+            return
         header = EntryHeader(self.layout, op.entry, self.cp_rank, self.cp, self.tp_rank, op.pos0, op.count,
                              op.path, op.positions, 0)
         self.writer.submit(header, kv, self.cp_rank, ready)
@@ -265,7 +276,8 @@ class RankTiers:
         for entry, shard, rows in op.parts:  # every file's checksum is verified before any of its bytes is used
             kv = self.writer.rows(entry, shard, rows) if self.writer is not None else None
             if kv is None:
-                kv = read_rows(self.directory / file_name(entry, shard, self.tp_rank), rows)
+                tp = 0 if self.layout.tp_shared else self.tp_rank  # MLA: one file, TP rank 0's
+                kv = read_rows(self.directory / file_name(entry, shard, tp), rows)
             parts.append(kv)
         kv = torch.cat(parts) if len(parts) > 1 else parts[0]  # [K, P, L, Hkv, D]
         fits = (self.parts,) + (self.store.k.shape[0],) + tuple(self.store.k.shape[2:])  # (P, L, Hkv, D)
