@@ -287,6 +287,33 @@ def test_a_full_disk_pauses_writes_logged_once_and_they_resume_when_it_has_room(
     assert any("works again" in r.message for r in caplog.records)
 
 
+def test_a_failed_delete_stays_counted_and_is_retried_when_writing_works_again(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("cpinfer.engine.kv_tiers.time.monotonic", lambda: now[0])
+    eng = TierEngine(1, 4 * BLOCK, 0, 10_000, seed=0)
+    eng.add(np.random.default_rng(2).integers(3, 40, 80).tolist(), 2)
+    while eng.live:
+        eng.step()
+    eng.step()
+    tiers = eng.kv.tiers
+    entry = next(iter(tiers.entries.values()))
+    nbytes = tiers.disk_used
+    tiers.drop_entry(entry)
+    assert [type(op) for op in tiers.take_ops()] == [DeleteEntry] and tiers.disk_used == 0
+    tiers.on_events([TierEvent("deleted", 0, entry.name, 0, ok=False, error="EACCES")])
+    assert tiers.disk_used == nbytes and tiers.snapshot(0)["disk"]["stray_bytes"] == nbytes
+    eng.kv.check_invariants()
+    # writing fails (full), then works again: the delete is sent once more, and its success clears the count
+    tiers.on_events([TierEvent("saved", 0, "x", 0, ok=False, error="full", errno=errno.ENOSPC)])
+    now[0] += 120
+    tiers.on_events([TierEvent("saved", 0, "y", 0, nbytes=1)])
+    retry = [op for op in tiers.take_ops() if isinstance(op, DeleteEntry)]
+    assert [(op.entry, op.shard) for op in retry] == [(entry.name, 0)] and tiers.disk_used == 0
+    tiers.on_events([TierEvent("deleted", 0, entry.name, 0)])
+    assert tiers.disk_used == 0 and not tiers.undeleted and not tiers.deleting
+    eng.kv.check_invariants()
+
+
 @pytest.mark.parametrize("bad", [dict(host_slots=-1), dict(token_bytes=0), dict(disk_dir="/x", disk_bytes=0)])
 def test_bad_tier_configs_are_refused(bad):
     with pytest.raises(ValueError):

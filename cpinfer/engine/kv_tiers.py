@@ -129,6 +129,7 @@ class Tiers:
         self.ops: list[CacheOp] = []
         self.stray: dict[str, int] = {}  # file path → bytes: counted on disk, not an entry (deleted first)
         self.deleting: dict[tuple[str, int], int] = {}  # (entry, shard) → bytes of its files, until the ranks ack
+        self.undeleted: dict[tuple[str, int], int] = {}  # (entry, shard) whose delete failed → bytes, still counted
         self._paused_until = 0.0  # disk writes paused after a failure of the directory, until then
         self._backoff_s = 0.0
         self.stats = {t: TierStats() for t in TIERS}
@@ -244,11 +245,11 @@ class Tiers:
         while p is not None:
             above.add(p.id)
             p = p.parent
-        while self.disk_used + nbytes > self.config.disk_bytes and self.stray:
-            path = min(self.stray, key=_stray_age)  # files that are no usable entry go first, oldest first
-            if not _remove(path):
+        for path in sorted(self.stray, key=_stray_age):  # files that are no usable entry go first, oldest first
+            if self.disk_used + nbytes <= self.config.disk_bytes:
                 break
-            self.disk_used -= self.stray.pop(path)
+            if _remove(path):  # (one that cannot be deleted stays counted)
+                self.disk_used -= self.stray.pop(path)
         while self.disk_used + nbytes > self.config.disk_bytes:
             victims = [e for e in self.entries.values()
                        if not any(_pinned(nd) or nd.id in above for nd in e.nodes.values())]
@@ -267,7 +268,7 @@ class Tiers:
         if self.entries.pop(entry.name, None) is None:
             return
         self.stats["disk"].evicted_tokens += sum(len(nd) for nd in entry.nodes.values())
-        self.disk_used -= entry.nbytes  # a delete that fails is reported back and counted again (a stray file)
+        self.disk_used -= entry.nbytes  # a delete that fails is reported back and counted again
         for shard in entry.shards if self.config.writable else ():
             self.ops.append(DeleteEntry(shard % self.n, entry.name, shard))
             self.deleting[(entry.name, shard)] = entry.nbytes // len(entry.shards)
@@ -372,21 +373,20 @@ class Tiers:
             self.drop_entry(entry)
 
     def _deleted(self, ev: TierEvent) -> None:
-        """A rank deleted an entry file (or could not: its bytes stay counted, as a stray file retried later)."""
+        """A rank deleted an entry file (or could not: its bytes are counted again until a retry deletes it)."""
         nbytes = self.deleting.pop((ev.entry, ev.shard), 0)
         if not ev.ok and nbytes:
-            self.stray[f"{ev.entry}\0{ev.shard}"] = nbytes
+            self.undeleted[(ev.entry, ev.shard)] = nbytes
             self.disk_used += nbytes
             self.warn_once("delete", f"KV disk tier: an entry file could not be deleted ({ev.error}); its bytes stay "
                            "counted and the delete is retried when writing works again")
 
     def _retry_deletes(self) -> None:
-        for key in [k for k in self.stray if "\0" in k]:
-            name, shard = key.split("\0")
-            nbytes = self.stray.pop(key)
+        for (name, shard), nbytes in self.undeleted.items():
             self.disk_used -= nbytes
-            self.deleting[(name, int(shard))] = nbytes  # counted again if it fails again
-            self.ops.append(DeleteEntry(int(shard) % self.n, name, int(shard)))
+            self.deleting[(name, shard)] = nbytes  # counted again if it fails again
+            self.ops.append(DeleteEntry(shard % self.n, name, shard))
+        self.undeleted.clear()
 
     def save_ancestors(self) -> int:
         """Before a clean stop: every segment above a disk entry that has no disk copy itself is written (from the
@@ -433,7 +433,7 @@ class Tiers:
             out[tier] = dict(dataclasses.asdict(self.stats[tier]), bytes=nbytes, tokens=tokens, capacity_bytes=cap)
         out["disk"]["entries"] = len(self.entries)
         out["disk"]["writable"] = self.can_write
-        out["disk"]["stray_bytes"] = sum(self.stray.values())
+        out["disk"]["stray_bytes"] = sum(self.stray.values()) + sum(self.undeleted.values())
         return out
 
     def check(self, nodes: dict) -> None:
@@ -457,7 +457,8 @@ class Tiers:
             assert e.nodes, f"entry {e.name} is used by no segment"
             for nid, nd in e.nodes.items():
                 assert nid in nodes and nd.disk is not None and nd.disk.entry is e
-        assert self.disk_used == sum(e.nbytes for e in self.entries.values()) + sum(self.stray.values())
+        assert self.disk_used == (sum(e.nbytes for e in self.entries.values()) + sum(self.stray.values())
+                                  + sum(self.undeleted.values()))
         assert self.disk_used <= max(self.config.disk_bytes, 0) or not self.disk_on
 
 
@@ -469,9 +470,7 @@ def _stray_age(path: str) -> float:
 
 
 def _remove(path: str) -> bool:
-    """Delete a stray file (True when it is gone); an entry file whose delete failed is named "entry\0shard"."""
-    if "\0" in path:
-        return False  # a rank's file: retried when writes work again
+    """Delete a stray file (True when it is gone)."""
     try:
         Path(path).unlink()
     except FileNotFoundError:
