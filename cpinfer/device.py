@@ -102,15 +102,19 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                   memory: bool = True) -> None:
     """--device, --dtype, --kv-cache-dtype, --attention-backend, --share-gpus, --enforce-eager and (with `memory`)
     --gpu-memory-utilization."""
+    from cpinfer.engine.kv_quant import KV_CACHE_DTYPES  # (cpinfer.engine imports this module)
+
     g = parser.add_argument_group("hardware")
     g.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the ranks run: auto = CUDA when a GPU is visible, else CPU (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default=dtype_default,
                    help=dtype_help or "weights, activations and KV cache: auto = bfloat16 on CUDA, float32 on CPU "
                    "(default: %(default)s)")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
-                   help="KV cache: auto = the --dtype; fp8 = e4m3 with one scale per token and KV head (half the "
-                        "bytes of bf16 per token, in the cache, the ring messages and the tiers) (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache: auto = the --dtype; fp8 (= fp8_e4m3) = e4m3 with a static scale per layer and KV "
+                        "head (the checkpoint's k_scale / v_scale, else 1.0): half the bytes of bf16 per token, in "
+                        "the cache, the ring messages and the tiers; fp8_per_token = e4m3 with a scale per token and "
+                        "KV head (4 bytes more per row, never saturates) (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto = cpu-flash on CPU; on CUDA flash-attn when installed, else "
                         "torch-flash (PyTorch's own FlashAttention-2 varlen op, after a probe on the GPU), else "

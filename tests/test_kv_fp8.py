@@ -1,9 +1,10 @@
-"""FP8 KV cache (cpinfer/engine/kv_quant.py) on the engine: CP 2 and 3 (pass-KV, pass-Q, auto) and TP 2 equal CP 1
-with FP8 KV — same quantization whatever the sharding — under chunked (partial) prefill, prefix reuse and sharing,
-sliding windows, and KV tiers (entries written at CP 2 restored at CP 3; never read back by a full-precision
-engine); the error against the unquantized cache is measured and bounded; capacity and bytes per token; FP8
-checkpoints on CP 2 and TP 2 engines against transformers on their dequantized weights. One pool of ranks per world
-size serves the module."""
+"""FP8 KV cache (cpinfer/engine/kv_quant.py) on the engine, in both formats (static scales per layer and KV head;
+a scale per token and head): CP 2 and 3 (pass-KV, pass-Q, auto) and TP 2 equal CP 1 with FP8 KV — same
+quantization whatever the sharding — under chunked (partial) prefill, prefix reuse and sharing, sliding windows, and
+KV tiers (entries written at CP 2 restored at CP 3; never read back by a full-precision engine); a checkpoint's
+static k_scale / v_scale are used; the error against the unquantized cache is measured and bounded; capacity and
+bytes per token; FP8 checkpoints on CP 2 and TP 2 engines against transformers on their dequantized weights. One
+pool of ranks per world size serves the module."""
 import os
 
 import numpy as np
@@ -57,8 +58,66 @@ def test_rows_are_quantized_alone():
     amax = x.abs().amax(-1, keepdim=True)
     assert bool(((y - x).abs() <= amax / 16 + 1e-30).all())  # e4m3: 3 mantissa bits, relative step <= 1/8
     torch.testing.assert_close(kv_quant.decode(kv_quant.encode(y), torch.float32), y, rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_per_token, got "
+                                         "'int8'"):
         kv_quant.check_kv_cache_dtype("int8")
+
+
+def test_static_scales_per_layer_and_head():
+    """The static format: D bytes a row, each KV head scaled by its own fixed scale, rows independent of each
+    other; within half an e4m3 step in the normal range, saturating at 448 x scale."""
+    scale = torch.tensor([1.0, 0.25, 4.0])
+    codec = kv_quant.RowCodec(scale)
+    x = torch.randn(40, 3, 16) * torch.tensor([1.0, 0.25, 4.0])[:, None]
+    x[3, 2, 5] = 5000.0  # beyond 448 x 4: saturates
+    p = codec.encode(x)
+    assert p.dtype == torch.uint8 and p.shape == (40, 3, 16)
+    assert torch.equal(codec.encode(x[5:9]), p[5:9])
+    y = codec.decode(p, torch.float32)
+    assert y[3, 2, 5] == 448 * 4.0
+    normal = x.abs() >= 2 ** -6 * scale[:, None]  # e4m3's normal range, per head
+    normal[3, 2, 5] = False
+    assert bool(((y - x).abs() <= x.abs() / 16 + 1e-30)[normal].all())
+    assert bool(((y - x).abs() <= 2 ** -10 * scale[:, None])[~normal & (x.abs() < 1)].all())  # subnormal steps
+    assert kv_quant.row_bytes(16, 2, "fp8") == 16 and kv_quant.row_bytes(16, 2, "fp8_per_token") == 20
+    assert kv_quant.check_kv_cache_dtype("fp8_e4m3") == "fp8"
+    codecs = kv_quant.layer_codecs("fp8", None, 2, 3, "cpu")
+    assert len(codecs) == 2 and torch.equal(codecs[1][1].scale, torch.ones(3))
+    assert kv_quant.layer_codecs("fp8_per_token", None, 2, 3, "cpu")[0][0].scale is None
+    assert kv_quant.layer_codecs("auto", None, 2, 3, "cpu") is None
+
+
+def _with_kv_scales(src, dst, k: list, v: list):
+    """A copy of checkpoint `src` carrying static KV scales `self_attn.k_scale` / `v_scale` (one per layer, or one
+    per KV head)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (f,) = sorted(dst.glob("*.safetensors"))
+    tensors = load_file(f)
+    for i, (ks, vs) in enumerate(zip(k, v)):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(ks, dtype=torch.float32)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(vs, dtype=torch.float32)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_checkpoint_kv_scales(llama_checkpoint, tmp_path):
+    """Scales per layer (broadcast over the KV heads) or per KV head (sliced for a TP rank's heads); a checkpoint
+    missing one or with a non-positive one is refused, naming the tensor."""
+    src = llama_checkpoint("gqa", max_position_embeddings=2048)  # 2 layers, 2 KV heads
+    path = _with_kv_scales(src, tmp_path / "a", [0.5, [0.25, 2.0]], [3.0, [1.0, 0.125]])
+    k, v = kv_quant.checkpoint_kv_scales(path, 2, 2)
+    torch.testing.assert_close(k, torch.tensor([[0.5, 0.5], [0.25, 2.0]]))
+    torch.testing.assert_close(v, torch.tensor([[3.0, 3.0], [1.0, 0.125]]))
+    k, v = kv_quant.checkpoint_kv_scales(path, 2, 1, slice(1, 2))
+    torch.testing.assert_close(k, torch.tensor([[0.5], [2.0]]))
+    assert kv_quant.checkpoint_kv_scales(src, 2, 2) is None
+    bad = _with_kv_scales(src, tmp_path / "b", [1.0, 0.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_scale must be positive"):
+        kv_quant.checkpoint_kv_scales(bad, 2, 2)
 
 
 def _scenario(llm):
@@ -87,49 +146,66 @@ def _same(outs, ref):
 _REF: dict = {}
 
 
-def _reference(engines, path, variant):
-    if variant not in _REF:
-        with engines(path, 1, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
-            _REF[variant] = _scenario(llm)
-    return _REF[variant]
+def _reference(engines, path, variant, kvd="fp8"):
+    if (variant, kvd) not in _REF:
+        with engines(path, 1, kv_cache_dtype=kvd, max_num_batched_tokens=48) as llm:
+            _REF[(variant, kvd)] = _scenario(llm)
+    return _REF[(variant, kvd)]
 
 
-@pytest.mark.parametrize("variant", ["gqa", "mistral"])
-@pytest.mark.parametrize("cp, strategy", [(2, "auto"), (2, "pass-kv"), (2, "pass-q"), (3, "auto"), (3, "pass-q")])
-def test_fp8_kv_cp_n_equals_cp_1(llama_checkpoint, engines, variant, cp, strategy):
+_CASES = [(2, "auto"), (2, "pass-kv"), (2, "pass-q"), (3, "auto"), (3, "pass-q")]
+
+
+@pytest.mark.parametrize("variant, kvd, cp, strategy", [(v, "fp8", cp, st) for v in ("gqa", "mistral")
+                                                         for cp, st in _CASES]
+                         + [("gqa", "fp8_per_token", 2, "pass-kv"), ("gqa", "fp8_per_token", 3, "pass-q"),
+                            ("mistral", "fp8_per_token", 3, "auto")])
+def test_fp8_kv_cp_n_equals_cp_1(llama_checkpoint, engines, variant, kvd, cp, strategy):
     """Every strategy at CP 2 and 3, chunked prefill, prefix reuse and sharing; Mistral slides a 24-token window."""
     path = llama_checkpoint(variant, max_position_embeddings=2048)
-    ref = _reference(engines, path, variant)
-    with engines(path, cp, kv_cache_dtype="fp8", strategy=strategy, max_num_batched_tokens=48) as llm:
+    ref = _reference(engines, path, variant, kvd)
+    with engines(path, cp, kv_cache_dtype=kvd, strategy=strategy, max_num_batched_tokens=48) as llm:
         _same(_scenario(llm), ref)
 
 
-def test_fp8_kv_tp2_equals_cp_1(llama_checkpoint, engines):
+@pytest.mark.parametrize("kvd", ["fp8", "fp8_per_token"])
+def test_fp8_kv_tp2_equals_cp_1(llama_checkpoint, engines, kvd):
     path = llama_checkpoint("gqa", max_position_embeddings=2048)
-    with engines(path, 1, tp=2, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
-        _same(_scenario(llm), _reference(engines, path, "gqa"))
+    with engines(path, 1, tp=2, kv_cache_dtype=kvd, max_num_batched_tokens=48) as llm:
+        _same(_scenario(llm), _reference(engines, path, "gqa", kvd))
 
 
-def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines):
-    """CP 2 with FP8 KV, prefilled in 48-token chunks, equals the model run alone with each K/V row quantized and
-    dequantized (encode / decode) before a dense reference attention: the error against full precision is the
+@pytest.mark.parametrize("kvd, cp, tp", [("fp8", 2, 1), ("fp8", 1, 2), ("fp8_per_token", 2, 1)])
+def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines, tmp_path, kvd, cp, tp):
+    """CP 2 (or TP 2) with FP8 KV, prefilled in 48-token chunks, equals the model run alone with each K/V row
+    quantized and dequantized (encode / decode; static: by the checkpoint's per-layer / per-head k_scale and v_scale,
+    per-head ones sliced by TP) before a dense reference attention: the error against full precision is the
     format's, nothing else."""
     from cpinfer.model import ReferenceAttention, load_model
 
     path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    if kvd == "fp8":
+        path = _with_kv_scales(path, tmp_path / "scaled", [0.02, [0.05, 0.01]], [[0.004, 0.03], 0.008])
+    codecs = kv_quant.layer_codecs(kvd, kv_quant.checkpoint_kv_scales(path, 2, 2), 2, 2, "cpu")
     cfg, model = load_model(path)
     prompt = prompts_for(cfg.vocab_size, [90], seed=11)[0]
     ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
     ref = ReferenceAttention(torch.zeros(len(prompt), dtype=torch.long), pos, config=cfg)
 
     def fake_quant(layer, q, k, v, sinks=None):
-        k, v = kv_quant.decode(kv_quant.encode(k), k.dtype), kv_quant.decode(kv_quant.encode(v), v.dtype)
+        ck, cv = codecs[layer]
+        k, v = ck.decode(ck.encode(k), k.dtype), cv.decode(cv.encode(v), v.dtype)
+        return ref(layer, q, k, v, sinks=sinks)
+
+    def unquantized(layer, q, k, v, sinks=None):
         return ref(layer, q, k, v, sinks=sinks)
 
     with torch.no_grad():
         lp = model.compute_logits(model(ids, pos, fake_quant)).log_softmax(-1)
+        full = model.compute_logits(model(ids, pos, unquantized)).log_softmax(-1)
     want = lp[torch.arange(len(prompt) - 1), ids[1:]]
-    with engines(path, 2, kv_cache_dtype="fp8", max_num_batched_tokens=48) as llm:
+    assert not torch.allclose(want, full[torch.arange(len(prompt) - 1), ids[1:]], atol=1e-4)  # the scales matter
+    with engines(path, cp, tp=tp, kv_cache_dtype=kvd, max_num_batched_tokens=48) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0.0))[0]
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), want, rtol=0, atol=1e-4)
 
@@ -141,12 +217,14 @@ def test_fp8_kv_error_against_the_unquantized_cache(llama_checkpoint, engines):
     path = llama_checkpoint("gqa", max_position_embeddings=2048)
     with engines(path, 2, max_num_batched_tokens=48) as llm:
         full = _scenario(llm)
-    fp8 = _reference(engines, path, "gqa")
-    deltas = [np.abs(np.subtract(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) for a, b in zip(fp8[:3], full[:3])]
-    worst = max(float(d.max()) for d in deltas if len(d))
-    first = np.mean([a.token_ids[0] == b.token_ids[0] for a, b in zip(fp8, full)])
-    print(f"\nFP8 KV vs fp32 KV (tiny gqa, CP2): max |Δ prompt log-prob| {worst:.2e}, first tokens agree {first:.2f}")
-    assert 0 < worst < 0.5
+    for kvd in ("fp8", "fp8_per_token"):
+        fp8 = _reference(engines, path, "gqa", kvd)
+        deltas = [np.abs(np.subtract(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) for a, b in zip(fp8[:3], full[:3])]
+        worst = max(float(d.max()) for d in deltas if len(d))
+        first = np.mean([a.token_ids[0] == b.token_ids[0] for a, b in zip(fp8, full)])
+        print(f"\n{kvd} KV vs fp32 KV (tiny gqa, CP2): max |Δ prompt log-prob| {worst:.2e}, first tokens agree "
+              f"{first:.2f}")
+        assert 0 < worst < 0.5
 
 
 def _chats(llm, turn2_only=False):
@@ -170,7 +248,7 @@ def test_fp8_kv_tiers_restore_across_cp_sizes(llama_checkpoint, engines, tmp_pat
     with engines(path, 1, kv_cache_dtype="fp8", max_num_batched_tokens=96) as llm:
         _CHATS[:] = _chats(llm)
     kv_dir = tmp_path / "kv"
-    token_bytes = 2 * 2 * 2 * (8 + kv_quant.SCALE_BYTES)  # K and V, 2 layers, 2 KV heads, packed rows of 8 + 4
+    token_bytes = 2 * 2 * 2 * 8  # K and V, 2 layers, 2 KV heads, rows of 8 e4m3 bytes (static scales)
     tiers = dict(kv_cache_dtype="fp8", max_num_batched_tokens=96, kv_disk_dir=kv_dir)
     with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=64 * token_bytes / (1 << 30), **tiers) as llm:
         _same(_chats(llm), _CHATS)
@@ -180,30 +258,41 @@ def test_fp8_kv_tiers_restore_across_cp_sizes(llama_checkpoint, engines, tmp_pat
         outs = _chats(llm, turn2_only=True)
         _same(outs, _CHATS)
         assert all(o.num_cached_tokens > 140 for o in outs[3:])
-    with engines(path, 1, max_num_batched_tokens=96, kv_disk_dir=kv_dir) as llm:  # fp32 KV: nothing matches
-        doc = [3] + prompts_for(llm.config.vocab_size, [150, 140, 150], seed=7)[0]  # chat 0, stored at CP 2 and 3
-        assert llm.generate([doc], SamplingParams(max_tokens=2, **GREEDY))[0].num_cached_tokens == 0
+    for kvd in ("auto", "fp8_per_token"):  # fp32 KV or the other FP8 format: nothing matches
+        with engines(path, 1, max_num_batched_tokens=96, kv_disk_dir=kv_dir, kv_cache_dtype=kvd) as llm:
+            doc = [3] + prompts_for(llm.config.vocab_size, [150, 140, 150], seed=7)[0]  # chat 0, stored at CP 2, 3
+            assert llm.generate([doc], SamplingParams(max_tokens=2, **GREEDY))[0].num_cached_tokens == 0
 
 
 def test_capacity_and_bytes_per_token(llama_checkpoint):
-    """cache_stats: bytes per token (D + 4) / 4D of fp32 and the tokens per rank the same host-RAM share holds."""
+    """cache_stats: bytes per token — fp32 4D, bf16 2D, fp8 D (static scales), fp8_per_token D + 4 — and the tokens
+    per rank the same host-RAM share holds: fp8 exactly twice bf16's and four times fp32's."""
     path = llama_checkpoint("gqa", max_position_embeddings=2048)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fraction = 512 * 256 / total  # about 512 fp32 tokens (256 bytes each) on one rank
     stats = {}
-    for kvd in ("auto", "fp8"):
-        with LLM(str(path), kv_cache_dtype=kvd, kv_memory_fraction=fraction, threads_per_rank=1) as llm:
-            stats[kvd] = llm.cache_stats()
-    assert stats["auto"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 and stats["fp8"]["kv_bytes_per_token"] == 96
-    assert stats["fp8"]["kv_cache_dtype"] == "fp8" and stats["auto"]["kv_cache_dtype"] == "auto"
-    for kvd in ("auto", "fp8"):
-        want = kv_tokens_from_host_ram(fraction, 1, stats[kvd]["kv_bytes_per_token"], 64, 2048)
-        assert stats[kvd]["kv_capacity_per_rank"] == want
-    assert stats["fp8"]["kv_capacity_per_rank"] >= 2.5 * stats["auto"]["kv_capacity_per_rank"]
-    with pytest.raises(ValueError, match="static_decode=True and kv_cache_dtype='fp8'"):
-        LLM(str(path), kv_cache_dtype="fp8", static_decode=True)
+    for name, dtype, kvd in (("fp32", "float32", "auto"), ("bf16", "bfloat16", "auto"), ("fp8", "float32", "fp8"),
+                             ("fp8_per_token", "float32", "fp8_per_token")):
+        with LLM(str(path), dtype=dtype, kv_cache_dtype=kvd, kv_memory_fraction=fraction, threads_per_rank=1) as llm:
+            stats[name] = llm.cache_stats()
+    per_token = {k: v["kv_bytes_per_token"] for k, v in stats.items()}
+    assert per_token == {"fp32": 2 * 2 * 2 * 8 * 4, "bf16": 2 * 2 * 2 * 8 * 2, "fp8": 2 * 2 * 2 * 8,
+                         "fp8_per_token": 2 * 2 * 2 * (8 + 4)}
+    assert stats["fp8"]["kv_cache_dtype"] == "fp8" and stats["fp32"]["kv_cache_dtype"] == "auto"
+    for k, v in stats.items():
+        want = kv_tokens_from_host_ram(fraction, 1, per_token[k], 64, 2048)
+        assert v["kv_capacity_per_rank"] == want
+    cap = {k: v["kv_capacity_per_rank"] for k, v in stats.items()}
+    assert cap["fp8"] == 2 * cap["bf16"] == 4 * cap["fp32"]
+    assert cap["fp8_per_token"] >= 2.5 * cap["fp32"]
+    for kvd in ("fp8", "fp8_per_token"):
+        with pytest.raises(ValueError, match=f"static_decode=True and kv_cache_dtype='{kvd}'"):
+            LLM(str(path), kv_cache_dtype=kvd, static_decode=True)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(str(path), kv_cache_dtype="fp16")
+    mla = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for deepseek_v3"):
+        LLM(str(mla), kv_cache_dtype="fp8_e4m3")
 
 
 @pytest.mark.parametrize("variant, fmt, cp, tp", [("gqa", "fbgemm_fp8", 2, 1), ("qwen3_moe", "fp8_block", 1, 2),
@@ -220,16 +309,18 @@ def test_fp8_checkpoint_on_the_engine_matches_transformers(llama_checkpoint, eng
 
 
 def test_plan_models_fp8_kv_memory_and_ring_bytes():
-    """`cpinfer plan --kv-cache-dtype fp8`: KV memory and each pass-KV message are (D + 4) / 2D of bf16's."""
+    """`cpinfer plan --kv-cache-dtype fp8`: KV memory and each pass-KV message are half of bf16's; fp8_per_token's
+    (D + 4) / 2D of them."""
     from cpinfer.perf import planner
     from cpinfer.perf.simulator import memory_per_gpu
 
-    deps = {k: planner.build_deployment("llama3-405b", "h100-gtt", 4, 8, "fp8-ffn", "bf16", k) for k in ("bf16", "fp8")}
-    ratio = (128 + 4) / (2 * 128)
+    kinds = ("bf16", "fp8", "fp8_e4m3", "fp8_per_token")
+    deps = {k: planner.build_deployment("llama3-405b", "h100-gtt", 4, 8, "fp8-ffn", "bf16", k) for k in kinds}
     mem = {k: memory_per_gpu(d, 128000).kv_gb for k, d in deps.items()}
-    assert mem["fp8"] == pytest.approx(ratio * mem["bf16"])
     msg = {k: d.attn_shape.kv_bytes(1000) for k, d in deps.items()}
-    assert msg["fp8"] == pytest.approx(ratio * msg["bf16"])
+    for got in (mem, msg):
+        assert got["fp8"] == pytest.approx(0.5 * got["bf16"]) and got["fp8_e4m3"] == got["fp8"]
+        assert got["fp8_per_token"] == pytest.approx((128 + 4) / (2 * 128) * got["bf16"])
 
 
 def test_cli_flag_reaches_the_engine():
@@ -241,3 +332,4 @@ def test_cli_flag_reaches_the_engine():
     add_arguments(p)
     assert engine_kwargs(p.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
     assert engine_kwargs(p.parse_args([]))["kv_cache_dtype"] == "auto"
+    assert engine_kwargs(p.parse_args(["--kv-cache-dtype", "fp8_per_token"]))["kv_cache_dtype"] == "fp8_per_token"

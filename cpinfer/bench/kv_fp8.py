@@ -1,10 +1,11 @@
 """FP8 KV cache against the full-precision one on a real model (`cpinfer bench kv-fp8`): error, capacity, time.
 
 On the embedded SmolLM2 (or `--model`): a document of the project's docs as the prompt, greedy answer, at CP 1 with
-`kv_cache_dtype` auto and fp8 — the max |Δ log-prob| teacher-forced over the prompt and the full-precision answer,
-and the greedy tokens' agreement; prefill time and decode step time of both (and at `--cp`); bytes per token, KV
-tokens per GiB and bytes per pass-KV ring step per token; and a pass key hidden in the middle of a ~`--passkey-tokens`
-haystack, asked for at CP `--cp` with the FP8 cache.
+`kv_cache_dtype` auto, fp8 (static scales) and fp8_per_token — the max |Δ log-prob| teacher-forced over the prompt and
+the full-precision answer, and the greedy tokens' agreement; prefill time and decode step time of each (and at
+`--cp`); bytes per token, KV tokens per GiB and bytes per pass-KV ring step per token, and the capacity engines report
+in `cache_stats()` on the same memory; and a pass key hidden in the middle of a ~`--passkey-tokens` haystack, asked
+for at CP `--cp` with the fp8 cache.
 """
 from __future__ import annotations
 
@@ -28,38 +29,45 @@ def _engine(model_dir, cp: int, kvd: str, capacity: int, hw: dict):
                max_kv_tokens_per_rank=C.kv_capacity(capacity), max_num_batched_tokens=2048, **kw)
 
 
+FP8_MODES = ("fp8", "fp8_per_token")
+
+
 def accuracy_and_time(model_dir, prompt: list[int], cps: list[int], max_tokens: int, hw: dict) -> dict:
-    """Greedy answers of both caches at each CP size, then the FP8 cache teacher-forced on the full-precision
-    answer (prompt log-probs over prompt + answer)."""
+    """Greedy answers of the full-precision cache and each FP8 format at each CP size, then each FP8 cache
+    teacher-forced on the full-precision answer (prompt log-probs over prompt + answer)."""
     from cpinfer import SamplingParams
 
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
     runs, forced = {}, {}
     for cp in cps:
-        for kvd in ("auto", "fp8"):
+        for kvd in ("auto",) + FP8_MODES:
             with _engine(model_dir, cp, kvd, len(prompt) // cp + 2 * max_tokens + 1024, hw) as llm:
                 llm.generate([prompt[:64]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
                 out = llm.generate([prompt], greedy)[0]
                 stats = llm.engine.cache_stats()
                 if cp == cps[0]:
-                    full = prompt + (runs[(cp, "auto")]["tokens"] if kvd == "fp8" else out.token_ids)[:-1]
+                    full = prompt + (runs[(cp, "auto")]["tokens"] if kvd != "auto" else out.token_ids)[:-1]
                     o = llm.generate([full], SamplingParams(max_tokens=1, prompt_logprobs=True, top_logprobs=1,
                                                             temperature=0.0))[0]
                     top = [max(d, key=d.get) for d in o.prompt_top_logprobs[1:]]
                     forced[kvd] = (o.prompt_logprobs[1:], top)
             runs[(cp, kvd)] = {"tokens": out.token_ids, "prefill_s": out.metrics["ttft_s"],
                                "ttit_s": statistics.median(out.metrics["ttit_s"][1:]),
-                               "bytes_per_token": stats["kv_bytes_per_token"]}
-    a, b = np.asarray(forced["auto"][0]), np.asarray(forced["fp8"][0])
-    top1 = float(np.mean(np.asarray(forced["auto"][1]) == np.asarray(forced["fp8"][1])))
-    delta = np.abs(a - b)
-    answer = delta[len(prompt) - 1:]
-    ta, tb = runs[(cps[0], "auto")]["tokens"], runs[(cps[0], "fp8")]["tokens"]
-    diverge = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-    return {"max_dlogprob": float(delta.max()), "mean_dlogprob": float(delta.mean()),
+                               "bytes_per_token": stats["kv_bytes_per_token"],
+                               "capacity_per_rank": stats["kv_capacity_per_rank"]}
+    errors = {}
+    for kvd in FP8_MODES:
+        a, b = np.asarray(forced["auto"][0]), np.asarray(forced[kvd][0])
+        delta = np.abs(a - b)
+        answer = delta[len(prompt) - 1:]
+        ta, tb = runs[(cps[0], "auto")]["tokens"], runs[(cps[0], kvd)]["tokens"]
+        errors[kvd] = {
+            "max_dlogprob": float(delta.max()), "mean_dlogprob": float(delta.mean()),
             "max_dlogprob_answer": float(answer.max()) if len(answer) else 0.0,
-            "top1_agreement": top1, "greedy_agreement": float(np.mean([x == y for x, y in zip(ta, tb)])), "first_divergence": diverge,
-            "runs": {f"{cp}/{kvd}": r for (cp, kvd), r in runs.items()}}
+            "top1_agreement": float(np.mean(np.asarray(forced["auto"][1]) == np.asarray(forced[kvd][1]))),
+            "greedy_agreement": float(np.mean([x == y for x, y in zip(ta, tb)])),
+            "first_divergence": next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))}
+    return {"errors": errors, "runs": {f"{cp}/{kvd}": r for (cp, kvd), r in runs.items()}}
 
 
 def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict:
@@ -87,18 +95,44 @@ def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict
 
 def capacity_rows(model_dir) -> list[list]:
     """Per token: bytes (all layers, K and V), tokens per GiB, and bytes one token adds to a pass-KV message per
-    layer — for fp32, bf16 and FP8 rows."""
+    layer — for fp32, bf16 and both FP8 formats."""
     from cpinfer.engine import kv_quant
     from cpinfer.model import ModelConfig
 
     c = ModelConfig.from_pretrained(model_dir)
     rows = []
-    for name, elem, kvd in (("float32", 4, "auto"), ("bfloat16", 2, "auto"), ("fp8 (e4m3 + scale)", 1, "fp8")):
+    for name, elem, kvd in (("float32", 4, "auto"), ("bfloat16", 2, "auto"), ("fp8 (e4m3, static scales)", 1, "fp8"),
+                            ("fp8_per_token (e4m3 + fp32 scale a row)", 1, "fp8_per_token")):
         row = kv_quant.row_bytes(c.head_dim, elem, kvd)
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * row
         rows.append([name, per_token, f"{(1 << 30) // per_token:,}", 2 * c.num_key_value_heads * row])
     for r in rows:
         r.append(f"{rows[1][1] / r[1]:.2f}")
+    return rows
+
+
+def capacity_from_memory(model_dir, tokens_fp32: int = 4096) -> list[list]:
+    """What `cache_stats()` reports when the capacity comes from memory: one CP-1 engine per KV format on the same
+    share of host RAM (`kv_memory_fraction`, enough for `tokens_fp32` fp32 tokens), nothing generated."""
+    import os
+
+    from cpinfer import LLM
+    from cpinfer.engine import kv_quant
+    from cpinfer.model import ModelConfig
+
+    c = ModelConfig.from_pretrained(model_dir)
+    fp32_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * kv_quant.row_bytes(c.head_dim, 4)
+    fraction = tokens_fp32 * fp32_bytes / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    rows = []
+    for dtype, kvd in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("float32", "fp8_per_token")):
+        with LLM(str(model_dir), dtype=dtype, kv_cache_dtype=kvd, kv_memory_fraction=fraction,
+                 threads_per_rank=1) as llm:
+            st = llm.cache_stats()
+        rows.append([f"{dtype} / {kvd}", st["kv_bytes_per_token"], f"{st['kv_capacity_per_rank']:,}",
+                     st["kv_capacity_per_rank"]])
+    bf16 = rows[1][3]
+    for r in rows:
+        r[3] = f"{r[3] / bf16:.2f}"
     return rows
 
 
@@ -114,7 +148,8 @@ def measure(args) -> dict:
     text, _ = build_document(tok, args.doc_tokens)
     prompt = tok(text, add_special_tokens=False)["input_ids"]
     res = {"bench": "kv-fp8", "command": command_line(args) + C.hardware_flags(hw), "model": str(args.model or
-           "SmolLM2-135M-Instruct (embedded)"), "doc_tokens": len(prompt), "capacity": capacity_rows(model_dir)}
+           "SmolLM2-135M-Instruct (embedded)"), "doc_tokens": len(prompt), "capacity": capacity_rows(model_dir),
+           "cache_stats": capacity_from_memory(model_dir)}
     res["accuracy"] = accuracy_and_time(model_dir, prompt, sorted({1, args.cp}), args.max_tokens, hw)
     if args.passkey_tokens:
         res["passkey"] = [passkey(model_dir, args.passkey_tokens, args.cp, hw, "fp8")]
@@ -122,22 +157,32 @@ def measure(args) -> dict:
 
 
 def format_report(res: dict) -> str:
-    acc = res["accuracy"]
+    acc, modes = res["accuracy"], list(res["accuracy"]["errors"])
+    err = acc["errors"]
+
+    def row(label, key, fmt):
+        return [label] + [fmt.format(err[m][key]) for m in modes]
+
     out = [f"{res['model']}, a {res['doc_tokens']}-token document of the project's docs, greedy answer:", "",
-           C.fmt_table(["FP8 KV vs full precision", "value"], [
-               ["max \\|Δ log-prob\\|, teacher-forced (prompt + answer)", f"{acc['max_dlogprob']:.3f}"],
-               ["mean \\|Δ log-prob\\|", f"{acc['mean_dlogprob']:.4f}"],
-               ["max \\|Δ log-prob\\| over the answer", f"{acc['max_dlogprob_answer']:.3f}"],
-               ["greedy (top-1) token agreement, teacher-forced", f"{acc['top1_agreement']:.3f}"],
-               ["free-running greedy tokens equal (position by position)", f"{acc['greedy_agreement']:.3f}"],
-               ["first differing free-running greedy token", str(acc["first_divergence"])]]), "",
+           C.fmt_table(["FP8 KV vs full precision"] + modes, [
+               row("max \\|Δ log-prob\\|, teacher-forced (prompt + answer)", "max_dlogprob", "{:.3f}"),
+               row("mean \\|Δ log-prob\\|", "mean_dlogprob", "{:.4f}"),
+               row("max \\|Δ log-prob\\| over the answer", "max_dlogprob_answer", "{:.3f}"),
+               row("greedy (top-1) token agreement, teacher-forced", "top1_agreement", "{:.3f}"),
+               row("free-running greedy tokens equal (position by position)", "greedy_agreement", "{:.3f}"),
+               row("first differing free-running greedy token", "first_divergence", "{}")]), "",
            "KV cache per token and per pass-KV ring step (bytes; one token, every KV head):", "",
            C.fmt_table(["KV dtype", "bytes / token (all layers)", "tokens / GiB", "ring bytes / token / layer",
                         "tokens vs bf16"], res["capacity"]), "",
-           "Time on this machine (prefill = TTFT of the document; decode = median step):", "",
-           C.fmt_table(["CP / KV", "prefill (s)", "decode step (ms)", "bytes / token"],
-                       [[k, f"{r['prefill_s']:.2f}", f"{1000 * r['ttit_s']:.1f}", r["bytes_per_token"]]
-                        for k, r in acc["runs"].items()])]
+           "`cache_stats()` of CP-1 engines given the same share of host RAM (`kv_memory_fraction`), one per "
+           "dtype / KV format:", "",
+           C.fmt_table(["dtype / kv_cache_dtype", "kv_bytes_per_token", "kv_capacity_per_rank", "vs bf16"],
+                       res["cache_stats"]), "",
+           "Time on this machine (prefill = TTFT of the document; decode = median step), and the engine's own "
+           "`cache_stats()`:", "",
+           C.fmt_table(["CP / KV", "prefill (s)", "decode step (ms)", "bytes / token", "KV tokens / rank"],
+                       [[k, f"{r['prefill_s']:.2f}", f"{1000 * r['ttit_s']:.1f}", r["bytes_per_token"],
+                         f"{r['capacity_per_rank']:,}"] for k, r in acc["runs"].items()])]
     for p in res.get("passkey", []):
         out += ["", f"pass key at {p['tokens']} tokens, CP {p['cp']}, KV {p['kv_cache_dtype']}: "
                     f"{'found' if p['found'] else 'NOT found'} (key {p['key']}, answer {p['answer']!r}; "

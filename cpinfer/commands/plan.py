@@ -58,9 +58,10 @@ def register(subparsers) -> None:
     p.add_argument("--act-dtype", metavar="DTYPE", default="bf16",
                    help=f"activation and Q/K/V message dtype: {', '.join(DTYPE_BYTES)} (default bf16)")
     p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", metavar="DTYPE", default="auto",
-                   help=f"KV cache dtype: auto (= --act-dtype), {', '.join(DTYPE_BYTES)}; fp8 is cpinfer's FP8 KV "
-                        "cache (e4m3 + one fp32 scale per token and KV head): its bytes in memory, in every pass-KV "
-                        "ring message and in the attention reads (default auto)")
+                   help=f"KV cache dtype: auto (= --act-dtype), {', '.join(DTYPE_BYTES)}, fp8_e4m3 or "
+                        "fp8_per_token: cpinfer's FP8 KV caches (fp8 = fp8_e4m3: e4m3 with a static scale per layer "
+                        "and KV head; fp8_per_token: + one fp32 scale per token and KV head): their bytes in memory, "
+                        "in every pass-KV ring message and in the attention reads (default auto)")
     p.add_argument("--method", metavar="METHOD", default="alg5", choices=METHODS,
                    help="pass-KV/pass-Q heuristic: alg1 (Eq. 1-2), alg5 (App. C, with All2All; default), both "
                         "with the profile's achieved attention rate and SendRecv bandwidth as C and BW; empirical "

@@ -16,8 +16,9 @@ chunked `cp_attention` on them: tiles, ring steps and messages no query can see 
 
 Attention sinks (one logit per head) are merged once per query, after the ring's partials and the local ones.
 
-FP8 KV cache (`kv_fp8`): K/V rows arrive packed (e4m3 + a scale per token and head, `kv_quant.py`); `run` dequantizes
-the new rows and the store rows it reads, and pass-KV ring messages carry the packed rows (dequantized per step).
+FP8 KV cache (`kv_fp8`): K/V rows arrive as uint8 (e4m3 with a static scale per layer and KV head, or packed with a
+scale per token and head, `kv_quant.py`); `run` dequantizes the new rows and the store rows it reads with the layer's
+codecs, and pass-KV ring messages carry the FP8 rows (dequantized per step).
 
 `prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
 tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
@@ -39,7 +40,6 @@ from cpinfer.attention.step import HeadLayout
 from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
-from cpinfer.engine import kv_quant
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.timing import Stopwatch
 
@@ -378,18 +378,21 @@ class BatchAttention:
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
             window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
-            store_used: int | None = None) -> torch.Tensor:
+            store_used: int | None = None, codecs: tuple | None = None) -> torch.Tensor:
         """q [Lq, H, D], k_new [Lq, Hkv, D] / v_new [Lq, Hkv, Dv] (already written to the store), store_k / store_v
         [capacity, Hkv, D / Dv] (store_v may be the view store_k[..., :Dv]: MLA's latent; messages then carry keys
         alone) → out [Lq, H, Dv];
         `window` / `chunk`: the layer's sliding window / attention chunk (both None: full causal attention);
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
-        to the ring's sequences, the rest to my local ones. With `kv_fp8` the K/V tensors are packed uint8 rows
-        [..., D + 4]; `store_used`: the store rows ever written (those dequantized for steps that read the store)."""
+        to the ring's sequences, the rest to my local ones. With `kv_fp8` the K/V tensors are uint8 FP8 rows and
+        `codecs` = the layer's (K, V) `kv_quant.RowCodec`s; `store_used`: the store rows ever written (those
+        dequantized for steps that read the store)."""
         packed = None
-        if self.kv_fp8:  # attention reads the rows dequantized; pass-KV messages carry them packed
+        if self.kv_fp8:  # attention reads the rows dequantized; pass-KV messages carry them as stored
+            if codecs is None:
+                raise ValueError("an FP8 KV cache needs the layer's codecs")
             packed = (k_new, v_new, store_k, store_v)
-            k_new, v_new, store_k, store_v = self._dequantize(q.dtype, packed, window, chunk, store_used)
+            k_new, v_new, store_k, store_v = self._dequantize(q.dtype, packed, window, chunk, store_used, codecs)
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)
             self.prepare(HeadLayout.of(q, k_new), [window], chunks=[chunk],
                          values_in_keys=bool(values_in_keys(store_k, store_v)))  # (the store has rows: not None)
@@ -407,7 +410,7 @@ class BatchAttention:
         lr = int(self.nq_ring[self.rank])
         dtype, q, k_new, v_new = q.dtype, q[:lr], k_new[:lr], v_new[:lr]
         if self.strategy == "pass-kv" and packed is not None:  # the message: packed store rows and new rows
-            decode = (lambda p: kv_quant.decode(p, dtype))
+            decode = (lambda p: codecs[0].decode(p, dtype), lambda p: codecs[1].decode(p, dtype))
             self._run_pass_kv(q, packed[0][:lr], packed[1][:lr], packed[2], packed[3], scale, timings, acc_out,
                               acc_lse, decode)
         elif self.strategy == "pass-kv":
@@ -416,16 +419,18 @@ class BatchAttention:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return finish(acc_out, acc_lse, sinks, dtype)
 
-    def _dequantize(self, dtype, packed: tuple, window, chunk, used: int | None) -> tuple:
-        """(k_new, v_new, store_k, store_v) of packed FP8 rows -> the same dequantized to `dtype`; the store only
-        rows [0, used), and not at all when no step of this layer reads it in place (a pass-KV-only forward)."""
+    def _dequantize(self, dtype, packed: tuple, window, chunk, used: int | None, codecs: tuple) -> tuple:
+        """(k_new, v_new, store_k, store_v) of FP8 rows -> the same dequantized to `dtype` by the layer's (K, V)
+        codecs; the store only rows [0, used), and not at all when no step of this layer reads it in place (a
+        pass-KV-only forward)."""
         k_new, v_new, store_k, store_v = packed
+        ck, cv = codecs
         n = store_k.shape[0] if used is None else used
         reads_store = window is not None or chunk is not None or bool(self.local) or self.strategy != "pass-kv"
-        kn, vn = kv_quant.decode(k_new, dtype), kv_quant.decode(v_new, dtype)
+        kn, vn = ck.decode(k_new, dtype), cv.decode(v_new, dtype)
         if not reads_store:
             return kn, vn, None, None
-        return kn, vn, kv_quant.decode(store_k[:n], dtype), kv_quant.decode(store_v[:n], dtype)
+        return kn, vn, ck.decode(store_k[:n], dtype), cv.decode(store_v[:n], dtype)
 
     def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
         if kind not in self._windowed:
@@ -439,7 +444,8 @@ class BatchAttention:
         return out
 
     def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse, decode=None) -> None:
-        """`decode`: FP8 KV, the rows packed here are uint8 and each received block is dequantized by it."""
+        """`decode`: FP8 KV, (K, V) dequantizers: the rows packed here are uint8 and each received block's keys and
+        values are dequantized by them."""
         u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         shared, dk, dv = self.values_in_keys, k_new.shape[-1], v_new.shape[-1]
         packed = k_new.new_zeros((self.max_send, k_new.shape[1], row_width(dk, dv, shared)))  # [max_send, Hkv, W]
@@ -449,7 +455,7 @@ class BatchAttention:
         def compute(j, block):
             k, v = unpack_rows(block, dk, dv)
             if decode is not None:
-                k, v = decode(k.contiguous()), decode(v.contiguous())
+                k, v = decode[0](k.contiguous()), decode[1](v.contiguous())
             self.backend.attend_items(self.steps[j], None, q, k, v, acc_out, acc_lse, scale, self.tables,
                                       ("full", "kv", j))
 

@@ -1,51 +1,74 @@
-"""FP8 KV cache (`kv_cache_dtype="fp8"`): every K or V row — one token, one KV head — is stored as e4m3 values with
-its own fp32 scale (amax / 448), packed into one uint8 row [width + 4]: values, then the scale's 4 bytes.
+"""FP8 KV cache: K and V stored as e4m3 bytes, in one of two formats (`kv_cache_dtype`, vLLM's names plus one):
 
-Why per token and head: the scale depends on that row alone, so a token's stored bytes are the same whatever rank
-holds it, however the prompt was chunked and whatever the CP size — CP N equals CP 1 exactly, and a tier entry
-written at one CP size restores at another. (A static per-layer scale from a first prefill would depend on which
-tokens that rank saw.) The cost is 4 bytes per row: (D + 4) / 2D of bf16, 0.52 at D = 128.
+- `"fp8"` (= `"fp8_e4m3"`): one static scale per layer and KV head, for K and for V — the checkpoint's
+  `self_attn.k_scale` / `v_scale` when it has them, else 1.0 (vLLM's default). A row is its D e4m3 bytes and
+  nothing else: exactly half of bf16, a quarter of fp32. Values beyond 448 x scale saturate, and values below
+  2^-6 x scale lose relative precision (e4m3 subnormals); on the embedded SmolLM2 with scale 1.0 the error is in
+  docs/quantization.md.
+- `"fp8_per_token"`: every row (one token, one KV head) has its own fp32 scale, amax / 448, packed after its
+  values: [D + 4] bytes, (D + 4) / 2D of bf16 (0.52 at D = 128). It never saturates and keeps every row's relative
+  precision, at 4 bytes per row.
 
-The store, the pass-KV ring messages and the tier entries carry packed rows; the attention step dequantizes them
-(`decode`) to the compute dtype, new tokens included, so every query sees the same K/V whichever step reads it.
-Nothing here knows the row width: keys and values may differ in width (MLA).
+Both are the same whatever the sharding: a static scale is fixed before any token is seen, a per-token scale
+depends on its row alone — so CP N equals CP 1 exactly, and a tier entry written at one CP size restores at another.
+(A scale calibrated on a first prefill would depend on which tokens each rank saw.)
+
+The store, the pass-KV ring messages and the tier entries carry the stored rows; the attention step dequantizes them
+(`RowCodec.decode`) to the compute dtype, new tokens included, so every query sees the same K/V whichever step
+reads it. Nothing here knows the row width: keys and values may differ in width.
 """
 from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" means e4m3
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_per_token")  # vLLM's names ("fp8" means e4m3) + per token
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-SCALE_BYTES = 4  # one fp32 scale per row
+SCALE_BYTES = 4  # one fp32 scale per row (per-token format)
+_CANONICAL = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_per_token": "fp8_per_token"}
 
 
 def check_kv_cache_dtype(name: str) -> str:
-    """The canonical name ("auto" or "fp8"); anything else is a ValueError naming the allowed values."""
-    if name not in KV_CACHE_DTYPES:
+    """The canonical name ("auto", "fp8" or "fp8_per_token"); anything else is a ValueError naming the allowed
+    values."""
+    if name not in _CANONICAL:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return "auto" if name == "auto" else "fp8"
+    return _CANONICAL[name]
 
 
 def is_fp8(kv_cache_dtype: str) -> bool:
-    return check_kv_cache_dtype(kv_cache_dtype) == "fp8"
+    return check_kv_cache_dtype(kv_cache_dtype) != "auto"
+
+
+def per_token(kv_cache_dtype: str) -> bool:
+    return check_kv_cache_dtype(kv_cache_dtype) == "fp8_per_token"
 
 
 def row_bytes(width: int, elem_bytes: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one stored K or V row of `width` values: width x element size, or width + 4 in FP8."""
-    return width + SCALE_BYTES if is_fp8(kv_cache_dtype) else width * elem_bytes
+    """Bytes of one stored K or V row of `width` values: width x element size; width in FP8 (+ 4 per token)."""
+    if not is_fp8(kv_cache_dtype):
+        return width * elem_bytes
+    return width + SCALE_BYTES if per_token(kv_cache_dtype) else width
 
 
 def layout_dtype(dtype: str, kv_cache_dtype: str) -> str:
     """The dtype a KV-tier entry is keyed by: the compute dtype, or the FP8 row format (so an FP8 entry is never
-    read back as full precision, nor the reverse)."""
-    return "fp8_e4m3+scale_f32_per_token_head" if is_fp8(kv_cache_dtype) else dtype
+    read back as full precision, nor in the other FP8 format). Static scales come with the checkpoint, which the
+    entry's key names already."""
+    kvd = check_kv_cache_dtype(kv_cache_dtype)
+    if kvd == "auto":
+        return dtype
+    return "fp8_e4m3+scale_f32_per_token_head" if kvd == "fp8_per_token" else "fp8_e4m3+static_scale_per_layer_head"
 
 
 def encode(x: Tensor) -> Tensor:
-    """x [..., W] (any float dtype) -> packed uint8 [..., W + 4]: e4m3(x / s) then s = amax(|x|) / 448 as fp32
-    bytes; an all-zero row gets s = 0 (and decodes to zeros)."""
+    """Per-token format: x [..., W] (any float dtype) -> packed uint8 [..., W + 4]: e4m3(x / s) then
+    s = amax(|x|) / 448 as fp32 bytes; an all-zero row gets s = 0 (and decodes to zeros)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX  # [..., 1]
     q = (xf / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -53,12 +76,90 @@ def encode(x: Tensor) -> Tensor:
 
 
 def decode(p: Tensor, dtype: torch.dtype) -> Tensor:
-    """packed uint8 [..., W + 4] -> [..., W] in `dtype` (computed as e4m3 value x scale in fp32)."""
+    """Per-token format: packed uint8 [..., W + 4] -> [..., W] in `dtype` (e4m3 value x scale in fp32)."""
     w = p.shape[-1] - SCALE_BYTES
     scale = p[..., w:].contiguous().view(torch.float32)  # [..., 1]
     return (p[..., :w].view(FP8).float() * scale).to(dtype)
 
 
-def width(p: Tensor) -> int:
-    """The number of values in a packed row."""
-    return p.shape[-1] - SCALE_BYTES
+def encode_static(x: Tensor, scale: Tensor) -> Tensor:
+    """Static format: x [..., Hkv, W] with scale [Hkv] fp32 -> uint8 [..., Hkv, W], e4m3(x / scale) saturated at
+    +-448."""
+    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(torch.uint8)
+
+
+def decode_static(p: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """Static format: uint8 [..., Hkv, W] -> [..., Hkv, W] in `dtype` (e4m3 value x its head's scale in fp32)."""
+    return (p.view(FP8).float() * scale[:, None]).to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCodec:
+    """How one layer's K (or V) rows are stored in FP8: `scale` [Hkv] fp32 (static format) or None (per token)."""
+
+    scale: Tensor | None = None
+
+    def encode(self, x: Tensor) -> Tensor:  # [..., Hkv, W] -> uint8 [..., Hkv, W (+ 4)]
+        return encode(x) if self.scale is None else encode_static(x, self.scale)
+
+    def decode(self, p: Tensor, dtype: torch.dtype) -> Tensor:  # uint8 [..., Hkv, W (+ 4)] -> [..., Hkv, W]
+        return decode(p, dtype) if self.scale is None else decode_static(p, self.scale, dtype)
+
+
+def layer_codecs(kv_cache_dtype: str, scales: tuple[Tensor, Tensor] | None, num_layers: int, n_kv_heads: int,
+                 device) -> list[tuple[RowCodec, RowCodec]] | None:
+    """Per layer (K codec, V codec); None without an FP8 cache. `scales`: (k [layers, Hkv], v [layers, Hkv]) static
+    scales (default all 1.0); ignored in the per-token format."""
+    kvd = check_kv_cache_dtype(kv_cache_dtype)
+    if kvd == "auto":
+        return None
+    if kvd == "fp8_per_token":
+        return [(RowCodec(), RowCodec())] * num_layers
+    if scales is None:
+        scales = (torch.ones(num_layers, n_kv_heads), torch.ones(num_layers, n_kv_heads))
+    k, v = (s.to(device=device, dtype=torch.float32) for s in scales)
+    if k.shape != (num_layers, n_kv_heads) or v.shape != (num_layers, n_kv_heads):
+        raise ValueError(f"static KV scales must be [{num_layers}, {n_kv_heads}], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    return [(RowCodec(k[i]), RowCodec(v[i])) for i in range(num_layers)]
+
+
+_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def checkpoint_kv_scales(model_path: str | Path, num_layers: int, n_kv_heads: int, head_slice: slice | None = None
+                         ) -> tuple[Tensor, Tensor] | None:
+    """The static KV scales a safetensors checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`: one
+    per layer, or one per KV head), as (k [layers, Hkv], v [layers, Hkv]) fp32 for this rank's KV heads
+    (`head_slice` under TP); None when it carries none (then every scale is 1.0). A checkpoint with some scales
+    missing, non-positive, or of another shape is a ValueError naming the tensor."""
+    from safetensors import safe_open
+
+    path = Path(model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    found: dict[tuple[int, str], Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                m = _SCALE_NAME.match(name)
+                if m and int(m.group(1)) < num_layers:
+                    found[(int(m.group(1)), m.group(2))] = f.get_tensor(name).float().reshape(-1)
+    if not found:
+        return None
+    out = {"k": torch.ones(num_layers, n_kv_heads), "v": torch.ones(num_layers, n_kv_heads)}
+    for layer in range(num_layers):
+        for kind in ("k", "v"):
+            name = f"model.layers.{layer}.self_attn.{kind}_scale"
+            if (layer, kind) not in found:
+                raise ValueError(f"the checkpoint has static KV scales for some layers but not {name}")
+            s = found[(layer, kind)]
+            if s.numel() != 1 and head_slice is not None:
+                s = s[head_slice]
+            if s.numel() not in (1, n_kv_heads):
+                raise ValueError(f"{name} has {s.numel()} values; expected 1 or one per KV head ({n_kv_heads})")
+            if not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
+                raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
+            out[kind][layer] = s
+    return out["k"], out["v"]
+

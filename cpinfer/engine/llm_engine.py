@@ -60,7 +60,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda"; resolved here
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
-    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "fp8" (e4m3 + a scale per token and KV head)
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "fp8" (e4m3, static scales) or "fp8_per_token"
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
@@ -93,9 +93,9 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
         object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
-        if self.kv_cache_dtype == "fp8" and self.static_decode:
-            raise ValueError("static_decode=True and kv_cache_dtype='fp8' cannot be combined: the static decode path "
-                             "reads a full-precision KV cache (use static_decode=None or False)")
+        if self.kv_cache_dtype != "auto" and self.static_decode:
+            raise ValueError(f"static_decode=True and kv_cache_dtype={self.kv_cache_dtype!r} cannot be combined: the "
+                             "static decode path reads a full-precision KV cache (use static_decode=None or False)")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if device == "cuda":  # more ranks than GPUs on this node fails now, naming both numbers
@@ -146,8 +146,8 @@ class LLMEngine:
         a = self.args
         self.model_path = str(resolve_model(model))  # None → the embedded default; .gguf → converted once
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
-        if self.args.kv_cache_dtype == "fp8" and self.config.values_in_keys:
-            raise ValueError(f"kv_cache_dtype='fp8' is not supported for {self.config.model_type} (multi-head latent "
+        if self.args.kv_cache_dtype != "auto" and self.config.values_in_keys:
+            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} (multi-head latent "
                              "attention: its cache holds one shared latent) yet; use kv_cache_dtype='auto'")
         checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
         self.n = a.context_parallel_size
@@ -314,9 +314,9 @@ class LLMEngine:
             log.warning("decode runs without CUDA graphs: its collectives go over gloo (ranks sharing a GPU), which "
                         "a graph cannot capture")
             graphs = False
-        if static and a.kv_cache_dtype == "fp8":
+        if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
-                        "kv_cache_dtype is fp8")
+                        "kv_cache_dtype is %s", a.kv_cache_dtype)
             static = False
         mode = "off" if not static else "graph" if graphs else "eager"
         return {"mode": mode, "max_rows": a.max_num_seqs}

@@ -28,7 +28,7 @@ from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
 from cpinfer.engine.tier_store import RankTiers
 from cpinfer.model import ModelConfig, load_model
-from cpinfer.tensor_parallel import RowParallelLinear, load_tp_model
+from cpinfer.tensor_parallel import RowParallelLinear, head_ranges, load_tp_model
 
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
@@ -62,17 +62,20 @@ class KVStore:
     """This rank's K/V tensors: k [layers, capacity + 1, Hkv, Dk] and v [layers, capacity + 1, Hkv, Dv] (with
     `values_in_keys` a view of k's first Dv channels: nothing stored twice), indexed by the slots the driver
     assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
-    FP8 KV cache each row is packed uint8 [D + 4] (e4m3 values and their scale, `kv_quant.py`). `used`: rows ever
-    written (1 + the largest slot), what the FP8 attention step dequantizes."""
+    FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head, or [D + 4] with its own
+    scale in the per-token format (`kv_quant.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
+    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes."""
 
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
         self.widths = widths
         self.fp8 = kv_quant.is_fp8(kv_cache_dtype)
         if self.fp8 and widths.values_in_keys:
-            raise ValueError("kv_cache_dtype='fp8' is not supported for multi-head latent attention (MLA) models "
-                             "yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
-        extra, store_dtype = (kv_quant.SCALE_BYTES, torch.uint8) if self.fp8 else (0, dtype)
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for multi-head latent attention "
+                             "(MLA) models yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
+        self.codecs = kv_quant.layer_codecs(kv_cache_dtype, kv_scales, num_layers, n_kv_heads, device)
+        extra = kv_quant.SCALE_BYTES if kv_quant.per_token(kv_cache_dtype) else 0
+        store_dtype = torch.uint8 if self.fp8 else dtype
         self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + extra), dtype=store_dtype,
                              device=device)
         if widths.values_in_keys:
@@ -90,10 +93,10 @@ class KVStore:
     @staticmethod
     def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int,
                         kv_cache_dtype: str = "auto") -> int:
-        if kv_quant.is_fp8(kv_cache_dtype):
-            return num_layers * n_kv_heads * sum(kv_quant.row_bytes(w, elem_bytes, kv_cache_dtype)
-                                                 for w in (widths.key, widths.value))
-        return num_layers * n_kv_heads * widths.stored * elem_bytes
+        if widths.values_in_keys:
+            return num_layers * n_kv_heads * widths.stored * elem_bytes
+        return num_layers * n_kv_heads * sum(kv_quant.row_bytes(w, elem_bytes, kv_cache_dtype)
+                                             for w in (widths.key, widths.value))
 
 
 class ModelRunner:
@@ -104,6 +107,7 @@ class ModelRunner:
         compute dtype) or "fp8" (`kv_quant.py`)."""
         self.ctx = ctx
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.model_path = model_path
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
         if parallel.tp == 1:
             self.config, self.model = load_model(model_path, dtype=dtype, device=ctx.device)
@@ -134,10 +138,19 @@ class ModelRunner:
         return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, self.widths, self.dtype.itemsize,
                                        self.kv_cache_dtype)
 
+    def _kv_scales(self):
+        """The checkpoint's static FP8 KV scales for this TP rank's KV heads (None: all 1.0, or not static FP8)."""
+        if self.kv_cache_dtype != "fp8":
+            return None
+        c, tp = self.config, self.groups.config.tp
+        kv_heads = head_ranges(c, tp, self.groups.tp_rank)[1]
+        heads = slice(kv_heads.start, kv_heads.stop)
+        return kv_quant.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads)
+
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
         self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device,
-                             self.kv_cache_dtype)
+                             self.kv_cache_dtype, self._kv_scales())
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
@@ -194,6 +207,7 @@ class ModelRunner:
         store = self.store
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions,
                               kv_fp8=store.fp8)
+        codecs = store.codecs
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store.note_written(plan.slots)
@@ -204,13 +218,14 @@ class ModelRunner:
         steps = []  # ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied; sinks [H]
-            if store.fp8:  # packed e4m3 rows with their scales [L, Hkv, D + 4]
-                k, v = kv_quant.encode(k), kv_quant.encode(v)
+            if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)]
+                k, v = codecs[layer][0].encode(k), codecs[layer][1].encode(v)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[layer].index_copy_(0, slots, v)
             return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
-                            self.chunks[layer], sinks, store_used=store.used)
+                            self.chunks[layer], sinks, store_used=store.used,
+                            codecs=None if codecs is None else codecs[layer])
 
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]

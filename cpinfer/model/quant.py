@@ -19,9 +19,10 @@ from torch import Tensor, nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _FP8_FILE_DTYPES = {"F8_E4M3": "e4m3"}  # safetensors dtype names cpinfer dequantizes
-# tensors that hold no weight: static activation scales and static KV-cache scales (cpinfer quantizes activations
-# dynamically on CUDA and not at all on CPU, and scales its FP8 KV cache per token: see docs/quantization.md)
-_AUX_SUFFIXES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale", "_input_scale")
+# tensors that hold no weight: static activation scales (cpinfer quantizes activations dynamically on CUDA and not
+# at all on CPU) and static KV-cache scales (read by the FP8 KV cache, `engine/kv_quant.py`, not by the model)
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+_AUX_SUFFIXES = (".input_scale", ".input_scale_ub", "_input_scale") + _KV_SCALE_SUFFIXES
 SUPPORTED = ("fbgemm_fp8", "fp8", "compressed-tensors")
 
 
@@ -271,7 +272,8 @@ def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: set[st
         scales.add(s)
     kept = set()
     for name, f in handles.items():
-        if name in scales or (method is not None and name.endswith(_AUX_SUFFIXES)):
+        aux = name.endswith(_AUX_SUFFIXES if method is not None else _KV_SCALE_SUFFIXES)
+        if name in scales or aux:
             continue
         if name in fp8:
             w, s = f.get_slice(name)[:], handles[schemes[name].scale_name(name)].get_slice(

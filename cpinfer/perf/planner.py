@@ -85,13 +85,20 @@ def build_deployment(model, hardware, cp: int, tp: int, weights="bf16", act_dtyp
                      kv_dtype: str = "bf16", implementation="cpinfer") -> Deployment:
     """Resolve catalog names / paths (or objects) into a validated Deployment."""
     return Deployment(load_model_spec(model), load_hardware_profile(hardware), cp, tp, load_weight_format(weights),
-                      act_bytes=dtype_bytes(act_dtype), kv_bytes=dtype_bytes(kv_dtype),
+                      act_bytes=dtype_bytes(act_dtype), kv_bytes=dtype_bytes(kv_elem_dtype(kv_dtype)),
                       implementation=load_implementation(implementation), kv_scale_bytes=kv_scale_bytes(kv_dtype))
 
 
+def kv_elem_dtype(kv_dtype: str) -> str:
+    """The element dtype of a KV cache dtype: cpinfer's FP8 formats (fp8, fp8_e4m3, fp8_per_token) store fp8."""
+    key = str(kv_dtype).strip().lower()
+    return "fp8" if key in ("fp8_e4m3", "fp8_per_token") else key
+
+
 def kv_scale_bytes(kv_dtype: str) -> int:
-    """cpinfer's FP8 KV cache keeps one fp32 scale per K or V row (token, KV head): 4 bytes beside D values."""
-    return 4 if str(kv_dtype).strip().lower() == "fp8" else 0
+    """Scale bytes beside each K or V row's D values: 4 (one fp32 per token and KV head) in cpinfer's per-token FP8
+    format; none in the static one (fp8 = fp8_e4m3: one scale per layer and KV head) or without FP8."""
+    return 4 if str(kv_dtype).strip().lower() == "fp8_per_token" else 0
 
 
 def choose(dep: Deployment, work: Workload, method: str = "alg5") -> StrategyChoice:
