@@ -4,8 +4,9 @@ On the embedded SmolLM2 (or `--model`): a document of the project's docs as the 
 `kv_cache_dtype` auto, fp8 (static scales) and fp8_per_token — the max |Δ log-prob| teacher-forced over the prompt and
 the full-precision answer, and the greedy tokens' agreement; prefill time and decode step time of each (and at
 `--cp`); bytes per token, KV tokens per GiB and bytes per pass-KV ring step per token, and the capacity engines report
-in `cache_stats()` on the same memory; and a pass key hidden in the middle of a ~`--passkey-tokens` haystack, asked
-for at CP `--cp` with the fp8 cache.
+in `cache_stats()` on the same memory; and a pass key hidden in the middle of a haystack of each `--passkey-tokens`
+length, asked for at CP `--cp` with the full-precision cache and each FP8 format (whether FP8 still finds what full
+precision finds).
 """
 from __future__ import annotations
 
@@ -151,8 +152,8 @@ def measure(args) -> dict:
            "SmolLM2-135M-Instruct (embedded)"), "doc_tokens": len(prompt), "capacity": capacity_rows(model_dir),
            "cache_stats": capacity_from_memory(model_dir)}
     res["accuracy"] = accuracy_and_time(model_dir, prompt, sorted({1, args.cp}), args.max_tokens, hw)
-    if args.passkey_tokens:
-        res["passkey"] = [passkey(model_dir, args.passkey_tokens, args.cp, hw, "fp8")]
+    res["passkey"] = [passkey(model_dir, n, args.cp, hw, kvd) for n in args.passkey_tokens
+                      for kvd in ("auto",) + FP8_MODES]
     return res
 
 
@@ -183,17 +184,31 @@ def format_report(res: dict) -> str:
            C.fmt_table(["CP / KV", "prefill (s)", "decode step (ms)", "bytes / token", "KV tokens / rank"],
                        [[k, f"{r['prefill_s']:.2f}", f"{1000 * r['ttit_s']:.1f}", r["bytes_per_token"],
                          f"{r['capacity_per_rank']:,}"] for k, r in acc["runs"].items()])]
-    for p in res.get("passkey", []):
-        out += ["", f"pass key at {p['tokens']} tokens, CP {p['cp']}, KV {p['kv_cache_dtype']}: "
-                    f"{'found' if p['found'] else 'NOT found'} (key {p['key']}, answer {p['answer']!r}; "
-                    f"{p['seconds']:.0f} s with start-up, prefill {p['prefill_s']:.0f} s)"]
+    if res.get("passkey"):
+        out += ["", "A pass key in the middle of a haystack, asked for at CP "
+                    f"{res['passkey'][0]['cp']} (greedy, 12 tokens):", "",
+                C.fmt_table(["prompt tokens", "KV", "key", "found", "answer", "prefill (s)"],
+                            [[p["tokens"], p["kv_cache_dtype"], p["key"], "yes" if p["found"] else "**no**",
+                              repr(p["answer"]).replace("|", "\\|"), f"{p['prefill_s']:.0f}"]
+                             for p in res["passkey"]])]
     return "\n".join(out)
 
 
 def command_line(args) -> str:
     cmd = (f"cpinfer bench kv-fp8 --cp {args.cp} --doc-tokens {args.doc_tokens} --max-tokens {args.max_tokens} "
-           f"--passkey-tokens {args.passkey_tokens}")
+           f"--passkey-tokens {','.join(map(str, args.passkey_tokens)) or 0}")
     return cmd + (f" --model {args.model}" if args.model else "")
+
+
+def _lengths(text: str) -> list[int]:
+    """"7000,8000" -> [7000, 8000]; "0" -> [] (no pass-key check)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"token counts must be >= 0, got {text!r}")
+    return [v for v in values if v > 0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,8 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=C.positive_int, default=2, help="CP size beside CP 1 (default: 2)")
     parser.add_argument("--doc-tokens", type=C.positive_int, default=2000, help="document tokens (default: 2000)")
     parser.add_argument("--max-tokens", type=C.positive_int, default=48, help="greedy answer tokens (default: 48)")
-    parser.add_argument("--passkey-tokens", type=int, default=8000,
-                        help="haystack tokens of the pass-key check at --cp (0: skip; default: 8000)")
+    parser.add_argument("--passkey-tokens", type=_lengths, default=[7000, 8000],
+                        help="comma-separated haystack lengths of the pass-key check at --cp, each run with the "
+                             "full-precision cache and both FP8 formats (0: skip; default: 7000,8000)")
     C.add_common_arguments(parser)
 
 
