@@ -64,8 +64,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
                  device: str | torch.device = "cpu", slicer: WeightSlicer = full_tensor,
                  fp8_native: bool | None = None) -> None:
     """Replace every parameter of `model` by its tensor from the safetensors files in `path`. FP8 weights are
-    dequantized to `dtype`, except linears that may stay FP8 (`quant.native_candidates`: CUDA with `_scaled_mm`, or
-    `fp8_native` True; never under a TP slicer, which would need to slice the scales too)."""
+    dequantized to `dtype`, except linears that may stay FP8 (`quant.native_candidates`: on CUDA, or with
+    `fp8_native` True, where their kernel runs; never under a TP slicer, which would need to slice the scales too)."""
     path = _check_dir(path)
     expected = dict(model.named_parameters())  # tied lm_head.weight is listed once, as embed_tokens.weight
     loaded: set[str] = set()
@@ -73,13 +73,13 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
     stacks = _ExpertStacks(model, expected, dtype, device)
     method = model.config.quantization
     native = native_candidates(model, method, torch.device(device), fp8_native) if slicer is full_tensor else None
-    rows = {}  # FP8 weight name -> its [out] scale, for the linears that stay FP8
+    kept = {}  # FP8 weight name -> its scale, for the linears that stay FP8
     with ExitStack() as files:
         handles = {}
         for file in checkpoint_files(path):
             f = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(f.keys(), f))
-        for name, sl, row in checkpoint_tensors(handles, method, native):
+        for name, sl, scale in checkpoint_tensors(handles, method, native):
             if name not in expected:
                 if stacks.accepts(name):
                     stacks.add(name, slicer(name, sl))
@@ -88,8 +88,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
                 continue
             tensor = slicer(name, sl)
             _check_shape(name, tensor, expected[name])
-            if row is not None:  # stays FP8; `process_weights` makes its linear an Fp8Linear
-                rows[name] = row.to(device)
+            if scale is not None:  # stays FP8; `process_weights` makes its linear an Fp8Linear / BlockFp8Linear
+                kept[name] = scale.to(device)
                 _assign(model, name, tensor.to(device=device))
             else:
                 _assign(model, name, tensor.to(device=device, dtype=dtype))
@@ -102,8 +102,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
         raise ValueError(f"checkpoint {path} has unexpected tensor(s): {sorted(unexpected)}")
     if model.config.tie_word_embeddings:
         model.tie_weights()
-    if rows:
-        process_weights(model, set(rows), rows, method)
+    if kept:
+        process_weights(model, kept, method)
     model.eval()
 
 
