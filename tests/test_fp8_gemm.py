@@ -1,11 +1,13 @@
 """Block-scaled FP8 weights that stay FP8 (cpinfer/model/fp8_gemm.py, `quant.BlockFp8Linear`), run in Triton's
 interpreter: the GEMM equals x @ dequant(W)^T in fp32 for decode and prefill shapes, partial scale blocks and both
 weight reads (float8e4nv converts, uint8 bits decoded); every e4m3 code decodes exactly; whole tiny models loaded
-with `fp8_native=True` run every block-FP8 linear through it and match the dequantized model; the kernel compiles
-for sm_90 (wgmma) and sm_80 (bit decoding) ahead of time."""
+with `fp8_native=True` run every block-FP8 linear through it and match the dequantized model; at TP 2 the cuts keep
+FP8 (block and row-wise) with their scales sliced alike, exactly the dequantized slices, and two TP ranks match the
+dequantized model; the kernel compiles for sm_90 (wgmma) and sm_80 (bit decoding) ahead of time."""
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,9 @@ import triton.language as tl  # noqa: E402
 from cpinfer.model import ModelConfig, ReferenceAttention, build_model, load_model, load_weights  # noqa: E402
 from cpinfer.model.fp8_gemm import (GemmConfig, _e4m3_bits_to_f32, block_fp8_linear, block_k_for,  # noqa: E402
                                     interpreting, pick_config)
-from cpinfer.model.quant import BlockFp8Linear, NativePlan, native_candidates, parse_quantization  # noqa: E402
+from cpinfer.model.quant import (BlockFp8Linear, Fp8Linear, NativePlan, native_candidates,  # noqa: E402
+                                 parse_quantization, scaled_mm_runs)
+from cpinfer.tensor_parallel import load_tp_model  # noqa: E402
 from fp8_checkpoint import write_fp8_pair  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="TRITON_INTERPRET was set to 0 before this module")
@@ -176,3 +180,96 @@ def test_kernel_compiles_for_hopper_and_ampere(tmp_path):
     res = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split("\n")[:2] == ["90 True True True", "80 True False False"], res.stdout
+
+
+def _dequantized(module) -> torch.Tensor:
+    if isinstance(module, BlockFp8Linear):
+        return _dequantize(module.weight, module.weight_scale_inv, module.block)
+    if isinstance(module, Fp8Linear):
+        return module.weight.float() * module.weight_scale.reshape(-1, 1)
+    return module.weight
+
+
+def _linears(model) -> dict:
+    """name -> the linear module (a row-parallel wrapper's inner one under its own name)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Linear, Fp8Linear, BlockFp8Linear)):
+            out[name.removesuffix(".linear")] = m
+    return out
+
+
+@pytest.mark.parametrize("fmt, kind", [("fp8_block", BlockFp8Linear), ("ct_channel_dynamic", Fp8Linear)])
+def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, fmt, kind):
+    """TP 2 (tiny llama: q / MLP rows and o / down columns cut at multiples of 32): every sliced linear whose cut
+    keeps its scale stays FP8, and its weight x scale equals the same slice of the dequantized checkpoint exactly;
+    k / v (8 rows per rank) keep FP8 only where the cut allows — block: rank 0 (rows 0-7, on a block edge), not
+    rank 1 (rows 8-15 split a 32-row block); row-wise: neither (8 rows: `_scaled_mm` wants multiples of 16) —
+    and are dequantized otherwise."""
+    if kind is Fp8Linear and not scaled_mm_runs(torch.device("cpu")):
+        pytest.skip("this PyTorch has no CPU torch._scaled_mm")
+    write_fp8_pair(llama_checkpoint("gqa"), tmp_path / "fp8", tmp_path / "deq", fmt)
+    cfg = ModelConfig.from_pretrained(tmp_path / "fp8")
+    plain_cfg = ModelConfig.from_pretrained(tmp_path / "deq")
+    for rank in (0, 1):
+        fp8 = _linears(load_tp_model(tmp_path / "fp8", cfg, 2, rank, None, fp8_native=True))
+        plain = _linears(load_tp_model(tmp_path / "deq", plain_cfg, 2, rank, None))
+        assert fp8.keys() == plain.keys()
+        for name, m in fp8.items():
+            torch.testing.assert_close(_dequantized(m), plain[name].weight, rtol=0, atol=0, msg=name)
+        kept = {n for n, m in fp8.items() if isinstance(m, kind)}
+        attn = "model.layers.0.self_attn."
+        assert {attn + "q_proj", attn + "o_proj", "model.layers.1.mlp.down_proj"} <= kept
+        assert (attn + "k_proj" in kept) == (kind is BlockFp8Linear and rank == 0)
+        assert "lm_head" not in kept
+
+
+class _ThreadAllReduce:
+    """`dist.all_reduce` for TP ranks run as threads of this process: every rank gets the same sum (rank order)."""
+
+    def __init__(self, n: int):
+        self.rank = threading.local()
+        self.parts: list = [None] * n
+        self.barrier = threading.Barrier(n)
+
+    def __call__(self, y, group=None):
+        self.parts[self.rank.r] = y.clone()
+        self.barrier.wait()
+        total = sum(self.parts[1:], self.parts[0])
+        self.barrier.wait()
+        y.copy_(total)
+
+
+def test_tp2_block_fp8_model_matches_the_dequantized_model(llama_checkpoint, tmp_path, monkeypatch):
+    """Two TP ranks (threads; their all-reduce sums in rank order) run the tiny llama with block-FP8 linears kept
+    FP8 where the cuts allow: each rank's logits equal the TP 1 dequantized model's within 1e-4 log-prob."""
+    write_fp8_pair(llama_checkpoint("gqa"), tmp_path / "fp8", tmp_path / "deq", "fp8_block")
+    cfg = ModelConfig.from_pretrained(tmp_path / "fp8")
+    ranks = [load_tp_model(tmp_path / "fp8", cfg, 2, r, None, fp8_native=True) for r in (0, 1)]
+    assert all(any(isinstance(m, BlockFp8Linear) for m in model.modules()) for model in ranks)
+    reduce = _ThreadAllReduce(2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", reduce)
+    lock = threading.Lock()  # the interpreter patches triton.language while a kernel runs: one kernel at a time
+    product = BlockFp8Linear.product
+
+    def locked(self, x, bias=False):
+        with lock:
+            return product(self, x, bias)
+
+    monkeypatch.setattr(BlockFp8Linear, "product", locked)
+    ids = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(4))
+    out: list = [None, None]
+
+    def run(r):
+        reduce.rank.r = r
+        out[r] = _logprobs(ranks[r], cfg, ids)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    _, plain = load_model(tmp_path / "deq")
+    want = _logprobs(plain, cfg, ids)
+    for lp in out:
+        torch.testing.assert_close(lp, want, rtol=0, atol=1e-4)

@@ -113,6 +113,49 @@ class NativeScale:
     def to(self, device) -> "NativeScale":
         return dataclasses.replace(self, scale=self.scale.to(device))
 
+    def cut(self, dim: int, start: int, stop: int) -> "NativeScale | None":
+        """The scale of the weight's rows (dim 0) or columns (dim 1) [start, stop): row scales follow the rows and
+        ignore columns; block scales follow both when `start` is on a block edge (the slice's last block may be
+        partial, as at the weight's end); None when the slice would split a block."""
+        if self.block is None:
+            return dataclasses.replace(self, scale=self.scale[start:stop]) if dim == 0 else self
+        b = self.block[dim]
+        if start % b:
+            return None
+        blocks = slice(start // b, -(-stop // b))
+        return dataclasses.replace(self, scale=(self.scale[blocks] if dim == 0 else self.scale[:, blocks])
+                                   .contiguous())
+
+
+class Fp8Slice(TensorSlice):
+    """An FP8 weight that may stay FP8, behind the slice interface: the index a `WeightSlicer` takes (all of it, a
+    run of output rows, or `[:, run of input columns]` — TP's column- and row-parallel slices) slices the weight
+    and its scale together, and `kept` holds that scale; any other index, a slice splitting a scale block, or a
+    row-wise slice `_scaled_mm` cannot take (dims not multiples of 16) gives the dequantized slice (`kept` None)."""
+
+    def __init__(self, tensor: Tensor, native: NativeScale, dequantize):
+        super().__init__(tensor)
+        self.native, self.dequantize = native, dequantize  # dequantize() -> the whole weight in fp32
+        self.kept: NativeScale | None = None
+
+    def __getitem__(self, index) -> Tensor:
+        cut = _cut_of(index, self.tensor.shape)
+        kept = None if cut is None else self.native if cut == () else self.native.cut(*cut)
+        part = self.tensor[index]
+        if kept is not None and kept.block is None and (part.shape[0] % 16 or part.shape[1] % 16):
+            kept = None
+        self.kept = kept
+        return part.contiguous() if kept is not None else self.dequantize()[index]
+
+
+def _cut_of(index, shape) -> tuple | None:
+    """A 2-D index as () (all), (dim, start, stop) (a unit-step run along one dim), or None (anything else)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > 2 or not all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+        return None
+    runs = [(d, *i.indices(shape[d])[:2]) for d, i in enumerate(index) if i.indices(shape[d])[:2] != (0, shape[d])]
+    return () if not runs else runs[0] if len(runs) == 1 else None
+
 
 def _expect(name: str, s: Tensor, shapes: list[tuple]) -> Tensor:
     if tuple(s.shape) not in [tuple(x) for x in shapes]:
@@ -281,10 +324,10 @@ class NativePlan:
 
 
 def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: NativePlan | None = None,
-                       ) -> Iterator[tuple[str, Any, NativeScale | None]]:
-    """Every weight of a checkpoint as (name, lazy slice, native scale or None): FP8 weights come dequantized to
-    fp32 (their scales consumed), or, for `native`'s names whose scheme one of its kernels runs, still FP8 with
-    the scale that kernel takes. `handles`: tensor name -> the open safetensors file holding it."""
+                       ) -> Iterator[tuple[str, Any]]:
+    """Every weight of a checkpoint as (name, lazy slice): FP8 weights come dequantized to fp32 (their scales
+    consumed), or, for `native`'s names whose scheme one of its kernels runs, as an `Fp8Slice` that may stay FP8
+    (its `kept` scale, once sliced). `handles`: tensor name -> the open safetensors file holding it."""
     fp8 = {n for n, f in handles.items() if f.get_slice(n).get_dtype().startswith("F8")}
     if fp8 and method is None:
         raise ValueError(f"checkpoint tensor {sorted(fp8)[0]!r} is FP8 but config.json has no quantization_config")
@@ -305,16 +348,17 @@ def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: Native
         if name in fp8:
             w, s = f.get_slice(name)[:], handles[schemes[name].scale_name(name)].get_slice(
                 schemes[name].scale_name(name))[:]
-            keep = schemes[name].native_scale(name, w, s, native.kernels) \
+            scheme = schemes[name]
+            keep = scheme.native_scale(name, w, s, native.kernels) \
                 if native is not None and name in native.names else None
             if keep is not None:
-                yield name, TensorSlice(w), keep
+                yield name, Fp8Slice(w, keep, lambda n=name, w=w, s=s, sc=scheme: sc.dequantize(n, w, s))
             else:
-                yield name, TensorSlice(schemes[name].dequantize(name, w, s)), None
+                yield name, TensorSlice(scheme.dequantize(name, w, s))
             continue
         if method is not None and name.endswith(("_scale", "_scale_inv")):
             raise ValueError(f"checkpoint tensor {name!r} looks like an FP8 scale but no FP8 weight uses it")
-        yield name, f.get_slice(name), None
+        yield name, f.get_slice(name)
 
 
 # ---------------------------------------------------------------- FP8 linears that stay FP8 (CUDA)
@@ -344,13 +388,15 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out] in x's dtype
+    def product(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out] in x's dtype, x W^T without the bias
         lead = x.shape[:-1]
         xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]), self.ub)  # [M, in] e4m3, [M, 1]
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
         return y.reshape(lead + (self.out_features,))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.product(x)
+        return y if self.bias is None else y + self.bias
 
 
 def scaled_mm_runs(device: torch.device) -> bool:
@@ -367,13 +413,15 @@ def scaled_mm_runs(device: torch.device) -> bool:
 
 
 def triton_gemm_runs(device: torch.device) -> bool:
-    """Whether the block FP8 Triton GEMM can run on `device`: Triton installed, and a CUDA GPU or Triton's CPU
-    interpreter (TRITON_INTERPRET=1, tests)."""
+    """Whether the block FP8 Triton GEMM can run on `device`: Triton installed, and a CUDA GPU with 16-bit tensor
+    cores (compute capability 8.0+) or Triton's CPU interpreter (TRITON_INTERPRET=1, tests)."""
     try:
         from cpinfer.model import fp8_gemm
     except ImportError:
         return False
-    return device.type == "cuda" or fp8_gemm.interpreting()
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return fp8_gemm.interpreting()
 
 
 def _block_k_for(qk: int) -> int | None:
@@ -417,10 +465,21 @@ class BlockFp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out] in x's dtype
+    def product(self, x: Tensor, bias: bool = False) -> Tensor:  # [..., in] -> [..., out] in x's dtype
         from cpinfer.model.fp8_gemm import block_fp8_linear
 
-        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias if bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.product(x, bias=True)  # the bias added in the kernel
+
+
+def product_without_bias(linear: nn.Module, x: Tensor) -> Tensor:
+    """x W^T of an `nn.Linear`, `Fp8Linear` or `BlockFp8Linear`, its bias left out (a row-parallel linear adds it
+    once, after the all-reduce)."""
+    if isinstance(linear, (Fp8Linear, BlockFp8Linear)):
+        return linear.product(x)
+    return torch.nn.functional.linear(x, linear.weight)
 
 
 def process_weights(model: nn.Module, scales: dict[str, NativeScale], method: QuantMethod) -> None:
