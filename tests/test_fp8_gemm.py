@@ -273,3 +273,22 @@ def test_tp2_block_fp8_model_matches_the_dequantized_model(llama_checkpoint, tmp
     want = _logprobs(plain, cfg, ids)
     for lp in out:
         torch.testing.assert_close(lp, want, rtol=0, atol=1e-4)
+
+
+def test_bench_runs_every_kernel_and_checks_it(capsys):
+    """`cpinfer bench fp8-gemm` on CPU (interpreter): every kernel runs, its error vs the fp32 product is in
+    bounds, the table has a row per (shape, M, kernel); a wrong result would make it return 1."""
+    import argparse
+
+    from cpinfer.bench import fp8_gemm as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--shapes", "128x256,200x128", "--tokens", "1,20", "--dtype", "fp32", "--repeat", "1"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    kernels = 3 if scaled_mm_runs(torch.device("cpu")) else 2  # 200 rows: no _scaled_mm (not a multiple of 16)
+    assert out.count("| 128 x 256 |") == 2 * kernels and out.count("| 200 x 128 |") == 2 * 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tokens", "0"])
+    assert "expected positive integers" in capsys.readouterr().err

@@ -11,6 +11,7 @@ tests verify them. Tile configs are chosen for Hopper by shape alone (no autotun
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -103,6 +104,7 @@ def block_k_for(qk: int, most: int = 128) -> int | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)  # called per linear per step: the choice is a pure function of the shape
 def pick_config(m: int, n: int, qk: int, x_dtype: torch.dtype, sms: int = 132) -> GemmConfig:
     """Tiles for an [m, K] x [K, n] product on a Hopper-class GPU (`sms` multiprocessors), chosen by shape only.
 
@@ -127,7 +129,14 @@ def pick_config(m: int, n: int, qk: int, x_dtype: torch.dtype, sms: int = 132) -
 
 def native_fp8_convert(device: torch.device) -> bool:
     """Whether the GPU converts float8e4nv in hardware (compute capability 8.9+); else the kernel decodes bits."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _cuda_traits(device.index)[0] >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_traits(index: int | None) -> tuple[tuple[int, int], int]:
+    """(compute capability, multiprocessor count) of a CUDA device, read once."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -152,7 +161,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         decode_bits = not native_fp8_convert(x.device)
     w = weight.view(torch.uint8) if decode_bits else weight.view(FP8)
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        sms = _cuda_traits(x.device.index)[1] if x.is_cuda else 132
         config = pick_config(x2.shape[0], n, qk, x.dtype, sms)
     if qk % config.block_k:
         raise ValueError(f"GemmConfig.block_k {config.block_k} must divide the scale block's K size {qk}")
