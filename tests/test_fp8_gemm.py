@@ -117,9 +117,9 @@ def _logprobs(model, cfg, ids):
 
 
 # (tiny variant, format): dense every linear block-wise (fp8 and compressed-tensors), a MoE with a shared expert
-# (its linears stay FP8, the routed experts are dequantized). (Quantized MLA checkpoints are refused at config
+# (its linears stay FP8, the routed experts are dequantized), q/k/v biases (added in the kernel). (Quantized MLA checkpoints are refused at config
 # time, families.py; `native_candidates` leaves kv_b_proj out for when they are not.)
-MODELS = [("gqa", "fp8_block"), ("gqa", "ct_block"), ("qwen2_moe", "fp8_block")]
+MODELS = [("gqa", "fp8_block"), ("gqa", "ct_block"), ("qwen2_moe", "fp8_block"), ("qwen2", "fp8_block")]
 
 
 @pytest.mark.parametrize("variant, fmt", MODELS)
@@ -241,9 +241,10 @@ class _ThreadAllReduce:
 
 
 def test_tp2_block_fp8_model_matches_the_dequantized_model(llama_checkpoint, tmp_path, monkeypatch):
-    """Two TP ranks (threads; their all-reduce sums in rank order) run the tiny llama with block-FP8 linears kept
-    FP8 where the cuts allow: each rank's logits equal the TP 1 dequantized model's within 1e-4 log-prob."""
-    write_fp8_pair(llama_checkpoint("gqa"), tmp_path / "fp8", tmp_path / "deq", "fp8_block")
+    """Two TP ranks (threads; their all-reduce sums in rank order) run the tiny llama with attention and MLP biases
+    and block-FP8 linears kept FP8 where the cuts allow (column-parallel biases added in the kernel, row-parallel
+    ones once after the all-reduce): each rank's logits equal the TP 1 dequantized model's within 1e-4."""
+    write_fp8_pair(llama_checkpoint("llama_bias"), tmp_path / "fp8", tmp_path / "deq", "fp8_block")
     cfg = ModelConfig.from_pretrained(tmp_path / "fp8")
     ranks = [load_tp_model(tmp_path / "fp8", cfg, 2, r, None, fp8_native=True) for r in (0, 1)]
     assert all(any(isinstance(m, BlockFp8Linear) for m in model.modules()) for model in ranks)
