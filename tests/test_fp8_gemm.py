@@ -3,7 +3,8 @@ interpreter: the GEMM equals x @ dequant(W)^T in fp32 for decode and prefill sha
 weight reads (float8e4nv converts, uint8 bits decoded); every e4m3 code decodes exactly; whole tiny models loaded
 with `fp8_native=True` run every block-FP8 linear through it and match the dequantized model; at TP 2 the cuts keep
 FP8 (block and row-wise) with their scales sliced alike, exactly the dequantized slices, and two TP ranks match the
-dequantized model; the kernel compiles for sm_90 (wgmma) and sm_80 (bit decoding) ahead of time."""
+dequantized model; row-wise scales run through it where `_scaled_mm` cannot; the kernel compiles for sm_90 (wgmma)
+and sm_80 (bit decoding) ahead of time; `cpinfer bench fp8-gemm` runs."""
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ import triton.language as tl  # noqa: E402
 from cpinfer.model import ModelConfig, ReferenceAttention, build_model, load_model, load_weights  # noqa: E402
 from cpinfer.model.fp8_gemm import (GemmConfig, _e4m3_bits_to_f32, block_fp8_linear, block_k_for,  # noqa: E402
                                     interpreting, pick_config)
-from cpinfer.model.quant import (BlockFp8Linear, Fp8Linear, NativePlan, native_candidates,  # noqa: E402
+from cpinfer.model import quant  # noqa: E402
+from cpinfer.model.quant import (ROW_BLOCK, BlockFp8Linear, Fp8Linear, NativePlan, native_candidates,  # noqa: E402
                                  parse_quantization, scaled_mm_runs)
 from cpinfer.tensor_parallel import load_tp_model  # noqa: E402
 from fp8_checkpoint import write_fp8_pair  # noqa: E402
@@ -32,7 +34,8 @@ NAN_CODES = (0x7F, 0xFF)
 
 def _dequantize(w: torch.Tensor, s: torch.Tensor, block) -> torch.Tensor:
     n, k = w.shape
-    return w.float() * s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    bo, bi = min(block[0], n), min(block[1], k)  # ROW_BLOCK's 2^30 columns: one block covers all k
+    return w.float() * s.repeat_interleave(bo, 0)[:n].repeat_interleave(bi, 1)[:, :k]
 
 
 def _random_fp8(n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -147,6 +150,25 @@ def test_block_fp8_model_runs_through_the_triton_gemm(llama_checkpoint, tmp_path
     print(f"\n{variant} {fmt}: {len(fp8)} BlockFp8Linear, max |Δ log-prob| {float((lp - want).abs().max()):.1e}")
 
 
+def test_row_wise_without_scaled_mm_runs_through_the_triton_gemm(llama_checkpoint, tmp_path, monkeypatch):
+    """Where `_scaled_mm` cannot serve (Ampere; here: its probe patched to fail), row-wise FP8 linears stay FP8 as
+    `BlockFp8Linear`s with one block per row ([out, 1] scales): activations are not quantized, so the logits
+    equal the dequantized model's within 1e-4 log-prob, as for block scales. (Per-tensor scales take the same
+    path: test_tp2_slices_keep_fp8_with_their_scales[fp8_tensor-*].)"""
+    monkeypatch.setattr(quant, "scaled_mm_runs", lambda device: False)
+    write_fp8_pair(llama_checkpoint("gqa"), tmp_path / "fp8", tmp_path / "deq", "ct_channel_dynamic")
+    cfg = ModelConfig.from_pretrained(tmp_path / "fp8")
+    native = build_model(cfg)
+    load_weights(native, tmp_path / "fp8", fp8_native=True)
+    fp8 = [m for m in native.modules() if isinstance(m, BlockFp8Linear)]
+    assert len(fp8) == 14 and all(m.block == ROW_BLOCK for m in fp8)
+    lin = native.model.layers[0].mlp.down_proj
+    assert lin in fp8 and lin.weight_scale_inv.shape == (lin.weight.shape[0], 1)
+    ids = torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(5))
+    _, plain = load_model(tmp_path / "deq")
+    torch.testing.assert_close(_logprobs(native, cfg, ids), _logprobs(plain, cfg, ids), rtol=0, atol=1e-4)
+
+
 def test_native_plan_by_device_and_format(llama_checkpoint):
     """On CPU nothing stays FP8 unless forced; forced, the interpreter runs the block GEMM and `_scaled_mm`
     (where this PyTorch runs it on CPU) the row-wise one; lm_head and MLA's kv_b_proj are never candidates."""
@@ -199,15 +221,20 @@ def _linears(model) -> dict:
     return out
 
 
-@pytest.mark.parametrize("fmt, kind", [("fp8_block", BlockFp8Linear), ("ct_channel_dynamic", Fp8Linear)])
-def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, fmt, kind):
+@pytest.mark.parametrize("fmt, kind, kv_kept", [
+    ("fp8_block", BlockFp8Linear, (True, False)), ("ct_channel_dynamic", Fp8Linear, (False, False)),
+    ("ct_channel_dynamic", BlockFp8Linear, (True, True)), ("fp8_tensor", BlockFp8Linear, (True, True))])
+def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, monkeypatch, fmt, kind, kv_kept):
     """TP 2 (tiny llama: q / MLP rows and o / down columns cut at multiples of 32): every sliced linear whose cut
     keeps its scale stays FP8, and its weight x scale equals the same slice of the dequantized checkpoint exactly;
     k / v (8 rows per rank) keep FP8 only where the cut allows — block: rank 0 (rows 0-7, on a block edge), not
-    rank 1 (rows 8-15 split a 32-row block); row-wise: neither (8 rows: `_scaled_mm` wants multiples of 16) —
-    and are dequantized otherwise."""
+    rank 1 (rows 8-15 split a 32-row block); row-wise through `_scaled_mm`: neither (it wants multiples of 16);
+    row-wise or per-tensor through the Triton GEMM (no `_scaled_mm`, as on Ampere): both — and are dequantized
+    otherwise."""
     if kind is Fp8Linear and not scaled_mm_runs(torch.device("cpu")):
         pytest.skip("this PyTorch has no CPU torch._scaled_mm")
+    if kind is BlockFp8Linear and fmt != "fp8_block":
+        monkeypatch.setattr(quant, "scaled_mm_runs", lambda device: False)
     write_fp8_pair(llama_checkpoint("gqa"), tmp_path / "fp8", tmp_path / "deq", fmt)
     cfg = ModelConfig.from_pretrained(tmp_path / "fp8")
     plain_cfg = ModelConfig.from_pretrained(tmp_path / "deq")
@@ -220,7 +247,7 @@ def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, fmt, 
         kept = {n for n, m in fp8.items() if isinstance(m, kind)}
         attn = "model.layers.0.self_attn."
         assert {attn + "q_proj", attn + "o_proj", "model.layers.1.mlp.down_proj"} <= kept
-        assert (attn + "k_proj" in kept) == (kind is BlockFp8Linear and rank == 0)
+        assert (attn + "k_proj" in kept) == kv_kept[rank]
         assert "lm_head" not in kept
 
 

@@ -81,9 +81,10 @@ class WeightScheme:
         return w.float() * s  # [..., out, in]
 
     def native_scale(self, name: str, w: Tensor, scale: Tensor, kernels: frozenset[str]) -> "NativeScale | None":
-        """The scale a 2-D weight stays FP8 with, if one of `kernels` runs its scheme: [out] per row for
-        `Fp8Linear` ("scaled_mm": both dims multiples of 16), the block grid for `BlockFp8Linear` ("triton_block":
-        a block K size divisible by 16); None: dequantize."""
+        """The scale a 2-D weight stays FP8 with, if one of `kernels` runs its scheme: row-wise / per-tensor: [out]
+        per row for `Fp8Linear` ("scaled_mm": both dims multiples of 16), else as blocks of one row by all columns
+        ([out, 1], `ROW_BLOCK`) for `BlockFp8Linear`; block-wise: the block grid for `BlockFp8Linear`
+        ("triton_block": a block K size divisible by 16). None: dequantize."""
         if w.dim() != 2:
             return None
         out, inp = w.shape
@@ -92,14 +93,20 @@ class WeightScheme:
                 return None
             s = _expect(name, scale.float(), [(-(-out // self.block[0]), -(-inp // self.block[1]))])
             return NativeScale(s.contiguous(), self.block)
-        if "scaled_mm" not in kernels or out % 16 or inp % 16:
-            return None
         s = scale.float()
         if self.strategy == "row":
             s = _expect(name, s, [(out, 1), (out,)]).reshape(out)
         else:
             s = _expect(name, s, [(), (1,)]).reshape(1).expand(out)
-        return NativeScale(s.contiguous())
+        if "scaled_mm" in kernels and out % 16 == 0 and inp % 16 == 0:
+            return NativeScale(s.contiguous())
+        if "triton_block" in kernels:  # Ampere, or no row-wise _scaled_mm: the Triton GEMM, activations unquantized
+            return NativeScale(s.reshape(out, 1).contiguous(), ROW_BLOCK)
+        return None
+
+
+# a row-wise scale as a block scale: one block per output row spanning every input column (any K up to 2^30)
+ROW_BLOCK = (1, 1 << 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +126,8 @@ class NativeScale:
         partial, as at the weight's end); None when the slice would split a block."""
         if self.block is None:
             return dataclasses.replace(self, scale=self.scale[start:stop]) if dim == 0 else self
+        if dim == 1 and self.scale.shape[1] == 1:  # one block spans all the columns: any column cut stays in it
+            return self
         b = self.block[dim]
         if start % b:
             return None
@@ -189,7 +198,6 @@ class QuantMethod:
             raise ValueError(f"checkpoint tensor {weight_name!r} is FP8 but quantization_config ({self.name}) leaves "
                              f"module {module!r} unquantized")
         return self.scheme_for(module)
-
 
 
 @dataclasses.dataclass(frozen=True)
