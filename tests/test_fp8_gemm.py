@@ -221,16 +221,18 @@ def _linears(model) -> dict:
     return out
 
 
-@pytest.mark.parametrize("fmt, kind, kv_kept", [
-    ("fp8_block", BlockFp8Linear, (True, False)), ("ct_channel_dynamic", Fp8Linear, (False, False)),
-    ("ct_channel_dynamic", BlockFp8Linear, (True, True)), ("fp8_tensor", BlockFp8Linear, (True, True))])
-def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, monkeypatch, fmt, kind, kv_kept):
+@pytest.mark.parametrize("fmt, kind, kv_kinds", [
+    ("fp8_block", BlockFp8Linear, (BlockFp8Linear, torch.nn.Linear)),
+    ("ct_channel_dynamic", Fp8Linear, (BlockFp8Linear, BlockFp8Linear)),
+    ("ct_channel_dynamic", BlockFp8Linear, (BlockFp8Linear, BlockFp8Linear)),
+    ("fp8_tensor", BlockFp8Linear, (BlockFp8Linear, BlockFp8Linear))])
+def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, monkeypatch, fmt, kind, kv_kinds):
     """TP 2 (tiny llama: q / MLP rows and o / down columns cut at multiples of 32): every sliced linear whose cut
-    keeps its scale stays FP8, and its weight x scale equals the same slice of the dequantized checkpoint exactly;
-    k / v (8 rows per rank) keep FP8 only where the cut allows — block: rank 0 (rows 0-7, on a block edge), not
-    rank 1 (rows 8-15 split a 32-row block); row-wise through `_scaled_mm`: neither (it wants multiples of 16);
-    row-wise or per-tensor through the Triton GEMM (no `_scaled_mm`, as on Ampere): both — and are dequantized
-    otherwise."""
+    keeps its scale stays FP8 (`kind`), and its weight x scale equals the same slice of the dequantized checkpoint
+    exactly; k / v (8 rows per rank) as the cut allows — block: FP8 on rank 0 (rows 0-7, on a block edge),
+    dequantized on rank 1 (rows 8-15 split a 32-row block); row-wise or per-tensor: 8 rows are no shape for
+    `_scaled_mm`, so the Triton GEMM takes them as row blocks on both ranks (the only kernel where `_scaled_mm`
+    does not run, as on Ampere)."""
     if kind is Fp8Linear and not scaled_mm_runs(torch.device("cpu")):
         pytest.skip("this PyTorch has no CPU torch._scaled_mm")
     if kind is BlockFp8Linear and fmt != "fp8_block":
@@ -247,7 +249,7 @@ def test_tp2_slices_keep_fp8_with_their_scales(llama_checkpoint, tmp_path, monke
         kept = {n for n, m in fp8.items() if isinstance(m, kind)}
         attn = "model.layers.0.self_attn."
         assert {attn + "q_proj", attn + "o_proj", "model.layers.1.mlp.down_proj"} <= kept
-        assert (attn + "k_proj" in kept) == kv_kept[rank]
+        assert type(fp8[attn + "k_proj"]) is kv_kinds[rank] and type(fp8[attn + "v_proj"]) is kv_kinds[rank]
         assert "lm_head" not in kept
 
 

@@ -101,7 +101,7 @@ class WeightScheme:
         if "scaled_mm" in kernels and out % 16 == 0 and inp % 16 == 0:
             return NativeScale(s.contiguous())
         if "triton_block" in kernels:  # Ampere, or no row-wise _scaled_mm: the Triton GEMM, activations unquantized
-            return NativeScale(s.reshape(out, 1).contiguous(), ROW_BLOCK)
+            return NativeScale(s).as_row_blocks()
         return None
 
 
@@ -135,16 +135,22 @@ class NativeScale:
         return dataclasses.replace(self, scale=(self.scale[blocks] if dim == 0 else self.scale[:, blocks])
                                    .contiguous())
 
+    def as_row_blocks(self) -> "NativeScale":
+        """Row scales [out] as the Triton GEMM's [out, 1] blocks (`ROW_BLOCK`)."""
+        return NativeScale(self.scale.reshape(-1, 1).contiguous(), ROW_BLOCK)
+
 
 class Fp8Slice(TensorSlice):
     """An FP8 weight that may stay FP8, behind the slice interface: the index a `WeightSlicer` takes (all of it, a
     run of output rows, or `[:, run of input columns]` — TP's column- and row-parallel slices) slices the weight
-    and its scale together, and `kept` holds that scale; any other index, a slice splitting a scale block, or a
-    row-wise slice `_scaled_mm` cannot take (dims not multiples of 16) gives the dequantized slice (`kept` None)."""
+    and its scale together, and `kept` holds that scale. A row-wise slice `_scaled_mm` cannot take (dims not
+    multiples of 16) goes to the Triton GEMM as row blocks where `row_blocks` allows; any other index, a slice
+    splitting a scale block, or such a row-wise slice without it gives the dequantized slice (`kept` None)."""
 
-    def __init__(self, tensor: Tensor, native: NativeScale, dequantize):
+    def __init__(self, tensor: Tensor, native: NativeScale, dequantize, row_blocks: bool):
         super().__init__(tensor)
         self.native, self.dequantize = native, dequantize  # dequantize() -> the whole weight in fp32
+        self.row_blocks = row_blocks
         self.kept: NativeScale | None = None
 
     def __getitem__(self, index) -> Tensor:
@@ -152,7 +158,7 @@ class Fp8Slice(TensorSlice):
         kept = None if cut is None else self.native if cut == () else self.native.cut(*cut)
         part = self.tensor[index]
         if kept is not None and kept.block is None and (part.shape[0] % 16 or part.shape[1] % 16):
-            kept = None
+            kept = kept.as_row_blocks() if self.row_blocks else None
         self.kept = kept
         return part.contiguous() if kept is not None else self.dequantize()[index]
 
@@ -360,7 +366,8 @@ def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: Native
             keep = scheme.native_scale(name, w, s, native.kernels) \
                 if native is not None and name in native.names else None
             if keep is not None:
-                yield name, Fp8Slice(w, keep, lambda n=name, w=w, s=s, sc=scheme: sc.dequantize(n, w, s))
+                yield name, Fp8Slice(w, keep, lambda n=name, w=w, s=s, sc=scheme: sc.dequantize(n, w, s),
+                                     "triton_block" in native.kernels)
             else:
                 yield name, TensorSlice(scheme.dequantize(name, w, s))
             continue
