@@ -46,26 +46,30 @@ def _random_fp8(n: int, k: int, g: torch.Generator) -> torch.Tensor:
 
 
 def test_gemm_equals_the_dequantized_product():
-    """M = 1 (decode), 7, 33; N, K = 128, 200 (a partial scale block), 320 (2.5 blocks); 128x128 blocks and a
-    narrow 32x64 one; both weight reads; bias; fp32 exact up to summation order, bf16 up to its output rounding."""
+    """M = 1 (decode), 7, 33; N, K = 128, 200 (a partial scale block), 320 (2.5 blocks); 128x128 blocks and
+    narrow 32x64 / 64x32 ones; both weight reads; K split in 3 (decode); bias; fp32 exact up to summation order,
+    bf16 up to its output rounding."""
     g = torch.Generator().manual_seed(0)
     cases = [(m, n, k, (128, 128)) for m in (1, 7, 33) for n, k in ((128, 128), (200, 200), (320, 320))]
     cases += [(5, 96, 200, (32, 64)), (17, 200, 96, (64, 32))]
+    split = GemmConfig(16, 32, 32, 4, 2, split_k=3)  # K split in 3 ranges of whole 32-wide tiles (K=200: 4 + 3 ...)
     for i, (m, n, k, block) in enumerate(cases):
         w = _random_fp8(n, k, g)
         s = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 0.01 + 1e-3  # [N/bo, K/bi]
         x = torch.randn(m, k, generator=g)
         bias = torch.randn(n, generator=g) if i % 2 else None
         want = x.double() @ _dequantize(w, s, block).double().t() + (0 if bias is None else bias.double())
-        for bits in (False, True):
-            y = block_fp8_linear(x, w, s, block, bias, decode_bits=bits)
+        for bits, config in ((False, None), (True, None), (bool(i % 2), split if m <= 16 else None)):
+            y = block_fp8_linear(x, w, s, block, bias, decode_bits=bits, config=config)
             assert y.dtype == torch.float32 and y.shape == (m, n)
             torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     xb = torch.randn(2, 3, 200, generator=g).to(torch.bfloat16)  # [..., K] leading dims, 16-bit activations
     w, s = _random_fp8(320, 200, g), torch.rand(3, 2, generator=g) * 0.01
-    y = block_fp8_linear(xb, w, s, (128, 128))
-    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 320)
-    torch.testing.assert_close(y, (xb.float() @ _dequantize(w, s, (128, 128)).t()).to(torch.bfloat16))
+    want = (xb.float() @ _dequantize(w, s, (128, 128)).t()).to(torch.bfloat16)
+    for config in (None, GemmConfig(16, 32, 64, 4, 2, split_k=2)):
+        y = block_fp8_linear(xb, w, s, (128, 128), config=config)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 320)
+        torch.testing.assert_close(y, want)
 
 
 @triton.jit
@@ -96,15 +100,20 @@ def test_tile_configs():
     """K tiles divide the scale block (one scale per column per tile); decode gets a 16-row tile and enough N
     tiles for the SMs; an unusable block K size is refused by name."""
     assert [block_k_for(q) for q in (128, 64, 32, 16, 96, 48, 200, 24)] == [128, 64, 32, 16, 32, 16, None, None]
-    dec = pick_config(1, 4096, 128, torch.bfloat16, sms=132)
-    assert (dec.block_m, dec.block_k) == (16, 128) and 4096 // dec.block_n >= 128
-    pre = pick_config(8192, 4096, 128, torch.bfloat16, sms=132)
-    assert (pre.block_m, pre.block_n, pre.num_warps) == (128, 128, 8)
-    assert pick_config(33, 4096, 96, torch.float32).block_k == 32
+    dec = pick_config(1, 8192, 8192, 128, torch.bfloat16, sms=132)
+    assert (dec.block_m, dec.block_n, dec.block_k, dec.split_k) == (16, 32, 128, 1)  # 256 N tiles: no split
+    tp8 = pick_config(1, 1024, 8192, 128, torch.bfloat16, sms=132)  # a TP 8 slice: 32 N tiles
+    assert (tp8.block_n, tp8.split_k) == (32, 5)  # 160 programs, each over 13 K tiles
+    assert pick_config(1, 1024, 512, 128, torch.bfloat16).split_k == 1  # K too short to split
+    pre = pick_config(8192, 4096, 4096, 128, torch.bfloat16, sms=132)
+    assert (pre.block_m, pre.block_n, pre.num_warps, pre.split_k) == (128, 128, 8, 1)
+    assert pick_config(33, 4096, 4096, 96, torch.float32).block_k == 32
     with pytest.raises(ValueError, match="block K size divisible by 16, got 24"):
-        pick_config(1, 64, 24, torch.bfloat16)
+        pick_config(1, 64, 64, 24, torch.bfloat16)
     with pytest.raises(ValueError, match="power of two >= 16"):
         GemmConfig(8, 64, 64, 4, 2)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        GemmConfig(16, 64, 64, 4, 2, split_k=0)
     with pytest.raises(ValueError, match="must divide the scale block's K size 32"):
         block_fp8_linear(torch.randn(1, 64), _random_fp8(32, 64, torch.Generator()), torch.ones(1, 2), (32, 32),
                          config=GemmConfig(16, 32, 64, 4, 2))

@@ -33,12 +33,15 @@ def _e4m3_bits_to_f32(b):
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(X, W, S, BIAS, Y, M, N, K, sxm, sxk, swn, swk, ssn, ssk, sym, syn,
+def _block_fp8_gemm_kernel(X, W, S, BIAS, Y, M, N, K, K_SPLIT, sxm, sxk, swn, swk, ssn, ssk, sym, syn, sys,
                            QN: tl.constexpr, QK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
                            DECODE_BITS: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    # program -> (m tile, n tile), GROUP_M m tiles side by side so their programs share W tiles in L2
+    # program (p, split) -> (m tile, n tile) of the K range [split * K_SPLIT, +K_SPLIT) (a multiple of BLOCK_K; one
+    # split: all of K); GROUP_M m tiles side by side so their programs share W tiles in L2
     pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     grid_m = (M + BLOCK_M - 1) // BLOCK_M  # (not tl.cdiv: a jit helper the interpreter may not have patched)
     grid_n = (N + BLOCK_N - 1) // BLOCK_N
     group = GROUP_M * grid_n
@@ -50,12 +53,12 @@ def _block_fp8_gemm_kernel(X, W, S, BIAS, Y, M, N, K, sxm, sxk, swn, swk, ssn, s
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     m_ok, n_ok = m < M, n < N
-    x_ptr = X + m.to(tl.int64)[:, None] * sxm + k[None, :] * sxk  # [BLOCK_M, BLOCK_K]
-    w_ptr = W + n.to(tl.int64)[None, :] * swn + k[:, None] * swk  # [BLOCK_K, BLOCK_N]: W^T's tile
+    x_ptr = X + m.to(tl.int64)[:, None] * sxm + (k_lo + k)[None, :] * sxk  # [BLOCK_M, BLOCK_K]
+    w_ptr = W + n.to(tl.int64)[None, :] * swn + (k_lo + k)[:, None] * swk  # [BLOCK_K, BLOCK_N]: W^T's tile
     s_ptr = S + (n // QN) * ssn  # [BLOCK_N]: each column's scale row; the K block is added per tile
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = k < K - k0
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k < k_hi - k0
         x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & n_ok[None, :]
         s = tl.load(s_ptr + (k0 // QK) * ssk, mask=n_ok, other=0.0)  # [BLOCK_N] fp32
@@ -72,7 +75,7 @@ def _block_fp8_gemm_kernel(X, W, S, BIAS, Y, M, N, K, sxm, sxk, swn, swk, ssn, s
         w_ptr += BLOCK_K * swk
     if HAS_BIAS:
         acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptr = Y + m.to(tl.int64)[:, None] * sym + n[None, :] * syn
+    y_ptr = Y + tl.program_id(1).to(tl.int64) * sys + m.to(tl.int64)[:, None] * sym + n[None, :] * syn
     tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -86,12 +89,15 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    split_k: int = 1  # K ranges summed afterwards in a fixed order (deterministic), for decode on few N tiles
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"GemmConfig.split_k must be >= 1, got {self.split_k}")
 
 
 def block_k_for(qk: int, most: int = 128) -> int | None:
@@ -105,12 +111,13 @@ def block_k_for(qk: int, most: int = 128) -> int | None:
 
 
 @functools.lru_cache(maxsize=4096)  # called per linear per step: the choice is a pure function of the shape
-def pick_config(m: int, n: int, qk: int, x_dtype: torch.dtype, sms: int = 132) -> GemmConfig:
-    """Tiles for an [m, K] x [K, n] product on a Hopper-class GPU (`sms` multiprocessors), chosen by shape only.
+def pick_config(m: int, n: int, k: int, qk: int, x_dtype: torch.dtype, sms: int = 132) -> GemmConfig:
+    """Tiles for an [m, k] x [k, n] product on a Hopper-class GPU (`sms` multiprocessors), chosen by shape only.
 
     Decode (m <= 16) is bound by reading W: one 16-row tile, narrow N tiles so that about every SM streams its own
-    columns, a deep pipeline of weight loads. Prefill is bound by the tensor cores: 128 x 128 tiles, 8 warps,
-    3 stages (48 KB of shared memory per stage for bf16 x and 128-wide K). Unmeasured: no GPU ran these."""
+    columns, a deep pipeline of weight loads, and when even 32-wide N tiles leave SMs idle (a TP slice: N = 1024)
+    K split into up to 8 ranges of at least 4 tiles. Prefill is bound by the tensor cores: 128 x 128 tiles,
+    8 warps, 3 stages (48 KB of shared memory per stage for bf16 x and 128-wide K). Unmeasured: no GPU ran these."""
     block_k = block_k_for(qk)
     if block_k is None:
         raise ValueError(f"block FP8 GEMM needs a scale block K size divisible by 16, got {qk}")
@@ -124,7 +131,9 @@ def pick_config(m: int, n: int, qk: int, x_dtype: torch.dtype, sms: int = 132) -
     bn = 128
     while bn > 32 and triton.cdiv(m, bm) * triton.cdiv(n, bn) < sms:
         bn //= 2
-    return GemmConfig(bm, bn, block_k, warps, max(2, stages - 1) if wide else stages)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = min(8, triton.cdiv(sms, tiles), k // (4 * block_k)) if m <= 16 and tiles < sms else 1
+    return GemmConfig(bm, bn, block_k, warps, max(2, stages - 1) if wide else stages, split_k=max(1, split))
 
 
 def native_fp8_convert(device: torch.device) -> bool:
@@ -154,26 +163,33 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"{weight.dtype} and {tuple(scale.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, kdim)  # [M, K]
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)  # [M, N]
     if x2.shape[0] == 0:
-        return y.reshape(lead + (n,))
+        return x.new_empty(lead + (n,))
     if decode_bits is None:
         decode_bits = not native_fp8_convert(x.device)
     w = weight.view(torch.uint8) if decode_bits else weight.view(FP8)
     if config is None:
         sms = _cuda_traits(x.device.index)[1] if x.is_cuda else 132
-        config = pick_config(x2.shape[0], n, qk, x.dtype, sms)
+        config = pick_config(x2.shape[0], n, kdim, qk, x.dtype, sms)
     if qk % config.block_k:
         raise ValueError(f"GemmConfig.block_k {config.block_k} must divide the scale block's K size {qk}")
-    grid = (triton.cdiv(x2.shape[0], config.block_m) * triton.cdiv(n, config.block_n),)
-    interp = interpreting()
+    k_split = triton.cdiv(triton.cdiv(kdim, config.split_k), config.block_k) * config.block_k  # whole K tiles
+    splits = triton.cdiv(kdim, k_split)
+    # [splits, M, N] fp32 partials when K is split (summed below in split order), else y itself
+    y = torch.empty((splits,) * (splits > 1) + (x2.shape[0], n), dtype=torch.float32 if splits > 1 else x.dtype,
+                    device=x.device)
+    grid = (triton.cdiv(x2.shape[0], config.block_m) * triton.cdiv(n, config.block_n), splits)
     _block_fp8_gemm_kernel[grid](
-        x2, w, scale, bias if bias is not None else scale, y, x2.shape[0], n, kdim,
+        x2, w, scale, bias if bias is not None else scale, y, x2.shape[0], n, kdim, k_split,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1),
-        y.stride(0), y.stride(1), QN=qn, QK=qk, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, GROUP_M=config.group_m, HAS_BIAS=bias is not None, DECODE_BITS=decode_bits,
-        DOT_F32=x.dtype == torch.float32 or interp, PRECISION="ieee",
+        y.stride(-2), y.stride(-1), y.stride(0) if splits > 1 else 0, QN=qn, QK=qk, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        HAS_BIAS=bias is not None and splits == 1, DECODE_BITS=decode_bits,
+        DOT_F32=x.dtype == torch.float32 or interpreting(), PRECISION="ieee",
         num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        y = y.sum(0) if bias is None else y.sum(0) + bias.float()  # [M, N] fp32
+        y = y.to(x.dtype)
     return y.reshape(lead + (n,))
 
 
@@ -194,10 +210,10 @@ def compile_for(arch: int, m: int, n: int, qk: int = 128, x_dtype: str = "bf16",
     from triton.compiler import ASTSource
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    cfg = pick_config(m, n, qk, dtypes[x_dtype])
+    cfg = pick_config(m, n, 4096, qk, dtypes[x_dtype])
     sig = {"X": f"*{x_dtype}", "W": "*u8" if decode_bits else "*fp8e4nv", "S": "*fp32", "BIAS": "*fp32",
-           "Y": f"*{x_dtype}", "M": "i32", "N": "i32", "K": "i32"}
-    sig.update({s: "i32" for s in ("sxm", "sxk", "swn", "swk", "ssn", "ssk", "sym", "syn")})
+           "Y": f"*{x_dtype}", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32"}
+    sig.update({s: "i32" for s in ("sxm", "sxk", "swn", "swk", "ssn", "ssk", "sym", "syn", "sys")})
     consts = dict(QN=128, QK=qk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, HAS_BIAS=False, DECODE_BITS=decode_bits, DOT_F32=x_dtype == "fp32",
                   PRECISION="ieee")
