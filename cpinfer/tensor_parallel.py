@@ -15,11 +15,11 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from cpinfer.model import ModelConfig, build_model, load_weights
 from cpinfer.model.moe import PER_EXPERT_NAME, Experts, SparseMoE
+from cpinfer.model.quant import product_without_bias
 from cpinfer.timing import Stopwatch
 
 
@@ -65,7 +65,7 @@ class RowParallelLinear(AllReduceSum):
         return self.linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [L, in/tp] → [L, out]
-        y = self._reduce(F.linear(x, self.linear.weight))
+        y = self._reduce(product_without_bias(self.linear, x))  # FP8 linears too
         return y if self.linear.bias is None else y + self.linear.bias  # the bias once, not once per rank
 
 
@@ -181,9 +181,11 @@ def _expert_slice(experts_mod: Experts, leaf: str, sl, part: slice, full_i: int)
     return torch.cat((sl[lead + (part,)], sl[lead + (up,)]), dim=axis)
 
 
-def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dtype=torch.float32, device="cpu"):
-    """Build on meta, shrink the sharded linears and experts, load only this rank's slices, wrap the row-parallel
-    linears and the sparse blocks (their output is all-reduced once)."""
+def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dtype=torch.float32, device="cpu",
+                  fp8_native: bool | None = None):
+    """Build on meta, shrink the sharded linears and experts, load only this rank's slices (FP8 weights may stay
+    FP8 with their scales sliced alike: `load_weights`' `fp8_native`), wrap the row-parallel linears and the sparse
+    blocks (their output is all-reduced once)."""
     _check_sizes(config, tp)
     model = build_model(config, dtype)
     rows, cols, experts = _plan(model, config, tp, tp_rank)
@@ -210,7 +212,7 @@ def load_tp_model(path, config: ModelConfig, tp: int, tp_rank: int, tp_group, dt
             return sl[:, part] if model.get_submodule(m["experts"]).names.get(m["proj"]) == "down" else sl[part]
         return sl[:]
 
-    load_weights(model, path, dtype=dtype, device=device, slicer=slicer)
+    load_weights(model, path, dtype=dtype, device=device, slicer=slicer, fp8_native=fp8_native)
     _wrap(model, tp_rank, tp_group)
     return model
 

@@ -3,8 +3,9 @@
 The model is built on the meta device and each parameter is replaced by the loaded tensor. A `WeightSlicer`
 hook lets a tensor-parallel rank read only its slice of each tensor (after resizing the meta model itself).
 Per-expert tensors (`...experts.<e>.gate_proj.weight`, the Hub's Qwen-MoE / Mixtral layout) are stacked into
-the MoE block's fused parameters; fused checkpoints (what transformers 5 holds, gpt-oss, Llama 4) load directly. FP8 checkpoints reach this loop
-as ordinary tensors through their `quantization_config`'s method (`quant.py`): dequantized, or kept FP8 on CUDA.
+the MoE block's fused parameters; fused checkpoints (what transformers 5 holds, gpt-oss, Llama 4) load directly.
+FP8 checkpoints reach this loop as ordinary tensors through their `quantization_config`'s method (`quant.py`):
+dequantized, or kept FP8 on CUDA.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.decoder import CausalLM
 from cpinfer.model.moe import PER_EXPERT_NAME, Experts
-from cpinfer.model.quant import checkpoint_tensors, native_candidates, process_weights
+from cpinfer.model.quant import Fp8Slice, checkpoint_tensors, native_candidates, process_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -64,22 +65,22 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
                  device: str | torch.device = "cpu", slicer: WeightSlicer = full_tensor,
                  fp8_native: bool | None = None) -> None:
     """Replace every parameter of `model` by its tensor from the safetensors files in `path`. FP8 weights are
-    dequantized to `dtype`, except linears that may stay FP8 (`quant.native_candidates`: CUDA with `_scaled_mm`, or
-    `fp8_native` True; never under a TP slicer, which would need to slice the scales too)."""
+    dequantized to `dtype`, except linears that may stay FP8 (`quant.native_candidates`: on CUDA, or with
+    `fp8_native` True, where their kernel runs; a TP slicer's slice takes its scale along, `quant.Fp8Slice`)."""
     path = _check_dir(path)
     expected = dict(model.named_parameters())  # tied lm_head.weight is listed once, as embed_tokens.weight
     loaded: set[str] = set()
     unexpected: list[str] = []
     stacks = _ExpertStacks(model, expected, dtype, device)
     method = model.config.quantization
-    native = native_candidates(model, method, torch.device(device), fp8_native) if slicer is full_tensor else None
-    rows = {}  # FP8 weight name -> its [out] scale, for the linears that stay FP8
+    native = native_candidates(model, method, torch.device(device), fp8_native)
+    kept = {}  # FP8 weight name -> its scale, for the linears that stay FP8
     with ExitStack() as files:
         handles = {}
         for file in checkpoint_files(path):
             f = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(f.keys(), f))
-        for name, sl, row in checkpoint_tensors(handles, method, native):
+        for name, sl in checkpoint_tensors(handles, method, native):
             if name not in expected:
                 if stacks.accepts(name):
                     stacks.add(name, slicer(name, sl))
@@ -88,8 +89,9 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
                 continue
             tensor = slicer(name, sl)
             _check_shape(name, tensor, expected[name])
-            if row is not None:  # stays FP8; `process_weights` makes its linear an Fp8Linear
-                rows[name] = row.to(device)
+            scale = sl.kept if isinstance(sl, Fp8Slice) else None
+            if scale is not None:  # stays FP8; `process_weights` makes its linear an Fp8Linear / BlockFp8Linear
+                kept[name] = scale.to(device)
                 _assign(model, name, tensor.to(device=device))
             else:
                 _assign(model, name, tensor.to(device=device, dtype=dtype))
@@ -102,8 +104,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
         raise ValueError(f"checkpoint {path} has unexpected tensor(s): {sorted(unexpected)}")
     if model.config.tie_word_embeddings:
         model.tie_weights()
-    if rows:
-        process_weights(model, set(rows), rows, method)
+    if kept:
+        process_weights(model, kept, method)
     model.eval()
 
 

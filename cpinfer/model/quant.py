@@ -5,7 +5,8 @@ activations). Every other format is refused at config time, naming it.
 
 A method says which scale tensors belong to an FP8 weight and how to dequantize it; the loader (`loader.py`) asks
 `checkpoint_tensors` for ordinary tensors, so the decoder, the MoE stacks and TP slicing never see a scale. On CUDA
-a row-wise / per-tensor FP8 linear may instead stay FP8 (`Fp8Linear`, `torch._scaled_mm`; see `process_weights`).
+an FP8 linear may instead stay FP8 (`process_weights`): row-wise / per-tensor as `Fp8Linear` (`torch._scaled_mm`),
+block-wise as `BlockFp8Linear` (the Triton GEMM of `fp8_gemm.py`).
 """
 from __future__ import annotations
 
@@ -79,12 +80,96 @@ class WeightScheme:
             s = s.repeat_interleave(bo, dim=-2)[..., :out, :].repeat_interleave(bi, dim=-1)[..., :inp]
         return w.float() * s  # [..., out, in]
 
-    def row_scale(self, w: Tensor, scale: Tensor) -> Tensor | None:
-        """The [out] fp32 scale `Fp8Linear` runs with (row and per-tensor schemes of a 2-D weight), else None."""
-        if w.dim() != 2 or self.strategy == "block":
+    def native_scale(self, name: str, w: Tensor, scale: Tensor, kernels: frozenset[str]) -> "NativeScale | None":
+        """The scale a 2-D weight stays FP8 with, if one of `kernels` runs its scheme: row-wise / per-tensor: [out]
+        per row for `Fp8Linear` ("scaled_mm": both dims multiples of 16), else as blocks of one row by all columns
+        ([out, 1], `ROW_BLOCK`) for `BlockFp8Linear`; block-wise: the block grid for `BlockFp8Linear`
+        ("triton_block": a block K size divisible by 16). None: dequantize."""
+        if w.dim() != 2:
             return None
-        return scale.float().reshape(-1).expand(w.shape[0]).contiguous() if scale.numel() == 1 \
-            else scale.float().reshape(w.shape[0])
+        out, inp = w.shape
+        if self.strategy == "block":
+            if "triton_block" not in kernels or _block_k_for(self.block[1]) is None:
+                return None
+            s = _expect(name, scale.float(), [(-(-out // self.block[0]), -(-inp // self.block[1]))])
+            return NativeScale(s.contiguous(), self.block)
+        s = scale.float()
+        if self.strategy == "row":
+            s = _expect(name, s, [(out, 1), (out,)]).reshape(out)
+        else:
+            s = _expect(name, s, [(), (1,)]).reshape(1).expand(out)
+        if "scaled_mm" in kernels and out % 16 == 0 and inp % 16 == 0:
+            return NativeScale(s.contiguous())
+        if "triton_block" in kernels:  # Ampere, or no row-wise _scaled_mm: the Triton GEMM, activations unquantized
+            return NativeScale(s).as_row_blocks()
+        return None
+
+
+# a row-wise scale as a block scale: one block per output row spanning every input column (any K up to 2^30)
+ROW_BLOCK = (1, 1 << 30)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeScale:
+    """The scale of a weight that stays FP8: [out] fp32 per output row (`Fp8Linear`), or with `block` = (bo, bi)
+    the [ceil(out/bo), ceil(in/bi)] fp32 block grid (`BlockFp8Linear`)."""
+
+    scale: Tensor
+    block: tuple[int, int] | None = None
+
+    def to(self, device) -> "NativeScale":
+        return dataclasses.replace(self, scale=self.scale.to(device))
+
+    def cut(self, dim: int, start: int, stop: int) -> "NativeScale | None":
+        """The scale of the weight's rows (dim 0) or columns (dim 1) [start, stop): row scales follow the rows and
+        ignore columns; block scales follow both when `start` is on a block edge (the slice's last block may be
+        partial, as at the weight's end); None when the slice would split a block."""
+        if self.block is None:
+            return dataclasses.replace(self, scale=self.scale[start:stop]) if dim == 0 else self
+        if dim == 1 and self.scale.shape[1] == 1:  # one block spans all the columns: any column cut stays in it
+            return self
+        b = self.block[dim]
+        if start % b:
+            return None
+        blocks = slice(start // b, -(-stop // b))
+        return dataclasses.replace(self, scale=(self.scale[blocks] if dim == 0 else self.scale[:, blocks])
+                                   .contiguous())
+
+    def as_row_blocks(self) -> "NativeScale":
+        """Row scales [out] as the Triton GEMM's [out, 1] blocks (`ROW_BLOCK`)."""
+        return NativeScale(self.scale.reshape(-1, 1).contiguous(), ROW_BLOCK)
+
+
+class Fp8Slice(TensorSlice):
+    """An FP8 weight that may stay FP8, behind the slice interface: the index a `WeightSlicer` takes (all of it, a
+    run of output rows, or `[:, run of input columns]` — TP's column- and row-parallel slices) slices the weight
+    and its scale together, and `kept` holds that scale. A row-wise slice `_scaled_mm` cannot take (dims not
+    multiples of 16) goes to the Triton GEMM as row blocks where `row_blocks` allows; any other index, a slice
+    splitting a scale block, or such a row-wise slice without it gives the dequantized slice (`kept` None)."""
+
+    def __init__(self, tensor: Tensor, native: NativeScale, dequantize, row_blocks: bool):
+        super().__init__(tensor)
+        self.native, self.dequantize = native, dequantize  # dequantize() -> the whole weight in fp32
+        self.row_blocks = row_blocks
+        self.kept: NativeScale | None = None
+
+    def __getitem__(self, index) -> Tensor:
+        cut = _cut_of(index, self.tensor.shape)
+        kept = None if cut is None else self.native if cut == () else self.native.cut(*cut)
+        part = self.tensor[index]
+        if kept is not None and kept.block is None and (part.shape[0] % 16 or part.shape[1] % 16):
+            kept = kept.as_row_blocks() if self.row_blocks else None
+        self.kept = kept
+        return part.contiguous() if kept is not None else self.dequantize()[index]
+
+
+def _cut_of(index, shape) -> tuple | None:
+    """A 2-D index as () (all), (dim, start, stop) (a unit-step run along one dim), or None (anything else)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > 2 or not all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+        return None
+    runs = [(d, *i.indices(shape[d])[:2]) for d, i in enumerate(index) if i.indices(shape[d])[:2] != (0, shape[d])]
+    return () if not runs else runs[0] if len(runs) == 1 else None
 
 
 def _expect(name: str, s: Tensor, shapes: list[tuple]) -> Tensor:
@@ -119,10 +204,6 @@ class QuantMethod:
             raise ValueError(f"checkpoint tensor {weight_name!r} is FP8 but quantization_config ({self.name}) leaves "
                              f"module {module!r} unquantized")
         return self.scheme_for(module)
-
-    def native_ok(self) -> bool:
-        """Whether FP8 linears of this format can run as `Fp8Linear` (row-wise scales for `torch._scaled_mm`)."""
-        return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +249,6 @@ class BlockFp8Method(QuantMethod):
         if self.block is None:
             return WeightScheme("tensor")
         return WeightScheme("block", "weight_scale_inv", self.block)
-
-    def native_ok(self) -> bool:
-        return self.block is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,13 +328,20 @@ def _module_of(weight_name: str) -> str:
     return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name.rpartition(".")[0]
 
 
-def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: set[str] | None = None,
-                       ) -> Iterator[tuple[str, Any, Tensor | None]]:
-    """Every weight of a checkpoint as (name, lazy slice, row scale or None): FP8 weights come dequantized to fp32
-    (their scales consumed), or, for names in `native`'s candidates, still FP8 with their [out] scale.
+@dataclasses.dataclass(frozen=True)
+class NativePlan:
+    """Which FP8 weights may stay FP8 at load: `names` (`nn.Linear` weights the model calls as modules) and the
+    `kernels` that run on the device ("scaled_mm": `Fp8Linear`; "triton_block": `BlockFp8Linear`)."""
 
-    `handles`: tensor name -> the open safetensors file holding it. `native`: parameter names that may stay FP8
-    (filled in with those that do)."""
+    names: frozenset[str]
+    kernels: frozenset[str]
+
+
+def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: NativePlan | None = None,
+                       ) -> Iterator[tuple[str, Any]]:
+    """Every weight of a checkpoint as (name, lazy slice): FP8 weights come dequantized to fp32 (their scales
+    consumed), or, for `native`'s names whose scheme one of its kernels runs, as an `Fp8Slice` that may stay FP8
+    (its `kept` scale, once sliced). `handles`: tensor name -> the open safetensors file holding it."""
     fp8 = {n for n, f in handles.items() if f.get_slice(n).get_dtype().startswith("F8")}
     if fp8 and method is None:
         raise ValueError(f"checkpoint tensor {sorted(fp8)[0]!r} is FP8 but config.json has no quantization_config")
@@ -270,7 +355,6 @@ def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: set[st
         if s not in handles:
             raise ValueError(f"FP8 weight {n!r} has no scale tensor {s!r} in the checkpoint")
         scales.add(s)
-    kept = set()
     for name, f in handles.items():
         aux = name.endswith(_AUX_SUFFIXES if method is not None else _KV_SCALE_SUFFIXES)
         if name in scales or aux:
@@ -278,18 +362,18 @@ def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: set[st
         if name in fp8:
             w, s = f.get_slice(name)[:], handles[schemes[name].scale_name(name)].get_slice(
                 schemes[name].scale_name(name))[:]
-            row = schemes[name].row_scale(w, s) if native is not None and name in native else None
-            if row is not None:
-                kept.add(name)
-                yield name, TensorSlice(w), row
+            scheme = schemes[name]
+            keep = scheme.native_scale(name, w, s, native.kernels) \
+                if native is not None and name in native.names else None
+            if keep is not None:
+                yield name, Fp8Slice(w, keep, lambda n=name, w=w, s=s, sc=scheme: sc.dequantize(n, w, s),
+                                     "triton_block" in native.kernels)
             else:
-                yield name, TensorSlice(schemes[name].dequantize(name, w, s)), None
+                yield name, TensorSlice(scheme.dequantize(name, w, s))
             continue
         if method is not None and name.endswith(("_scale", "_scale_inv")):
             raise ValueError(f"checkpoint tensor {name!r} looks like an FP8 scale but no FP8 weight uses it")
-        yield name, f.get_slice(name), None
-    if native is not None:
-        native.intersection_update(kept)
+        yield name, f.get_slice(name)
 
 
 # ---------------------------------------------------------------- FP8 linears that stay FP8 (CUDA)
@@ -319,13 +403,15 @@ class Fp8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out] in x's dtype
+    def product(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out] in x's dtype, x W^T without the bias
         lead = x.shape[:-1]
         xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]), self.ub)  # [M, in] e4m3, [M, 1]
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
         return y.reshape(lead + (self.out_features,))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.product(x)
+        return y if self.bias is None else y + self.bias
 
 
 def scaled_mm_runs(device: torch.device) -> bool:
@@ -341,23 +427,85 @@ def scaled_mm_runs(device: torch.device) -> bool:
         return False
 
 
+def triton_gemm_runs(device: torch.device) -> bool:
+    """Whether the block FP8 Triton GEMM can run on `device`: Triton installed, and a CUDA GPU with 16-bit tensor
+    cores (compute capability 8.0+) or Triton's CPU interpreter (TRITON_INTERPRET=1, tests)."""
+    try:
+        from cpinfer.model import fp8_gemm
+    except ImportError:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return fp8_gemm.interpreting()
+
+
+def _block_k_for(qk: int) -> int | None:
+    from cpinfer.model.fp8_gemm import block_k_for  # imports triton: only for block formats
+
+    return block_k_for(qk)
+
+
+# linears whose weight the model reads as a tensor instead of calling the module: MLA folds kv_b_proj into the
+# queries and the output (mla.py), so it is dequantized whatever the format
+_READ_AS_TENSOR = ("lm_head", "kv_b_proj")
+
+
 def native_candidates(model: nn.Module, method: QuantMethod | None, device: torch.device,
-                      force: bool | None = None) -> set[str] | None:
-    """The `nn.Linear` weights that may stay FP8: with `force` None, on CUDA where `_scaled_mm` runs and the
-    format has row-wise / per-tensor scales; True / False force it on / off (tests). None: dequantize all."""
-    on = force if force is not None else (device.type == "cuda" and method is not None and scaled_mm_runs(device))
-    if not on or method is None or not method.native_ok():
+                      force: bool | None = None) -> NativePlan | None:
+    """Which FP8 linears may stay FP8, and through which kernels: with `force` None, on CUDA (`_scaled_mm` for
+    row-wise / per-tensor scales where its probe runs, the Triton GEMM for block scales); True / False force it
+    on / off (tests: then on any device where the kernels run). None: dequantize all."""
+    on = force if force is not None else device.type == "cuda"
+    if not on or method is None:
         return None
-    return {f"{n}.weight" for n, m in model.named_modules()  # FP8 GEMMs want both dims multiples of 16
-            if type(m) is nn.Linear and n != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    kernels = frozenset(k for k, runs in (("scaled_mm", scaled_mm_runs), ("triton_block", triton_gemm_runs))
+                        if runs(device))
+    names = frozenset(f"{n}.weight" for n, m in model.named_modules()
+                      if type(m) is nn.Linear and n.rpartition(".")[2] not in _READ_AS_TENSOR)
+    return NativePlan(names, kernels) if kernels else None
 
 
-def process_weights(model: nn.Module, native: set[str], rows: dict[str, Tensor], method: QuantMethod) -> None:
-    """After load: each linear whose weight stayed FP8 becomes an `Fp8Linear` over the same tensors."""
+class BlockFp8Linear(nn.Module):
+    """y = x W^T (+ b) with W kept e4m3 [out, in] and its block scales [ceil(out/bo), ceil(in/bi)]: the Triton GEMM
+    (`fp8_gemm.py`) dequantizes each weight tile in registers; activations are not quantized."""
+
+    def __init__(self, weight: Tensor, scale: Tensor, block: tuple[int, int], bias: Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in] e4m3
+        self.weight_scale_inv = nn.Parameter(scale.float(), requires_grad=False)  # [ceil(out/bo), ceil(in/bi)]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.block = block
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def product(self, x: Tensor, bias: bool = False) -> Tensor:  # [..., in] -> [..., out] in x's dtype
+        from cpinfer.model.fp8_gemm import block_fp8_linear
+
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias if bias else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.product(x, bias=True)  # the bias added in the kernel
+
+
+def product_without_bias(linear: nn.Module, x: Tensor) -> Tensor:
+    """x W^T of an `nn.Linear`, `Fp8Linear` or `BlockFp8Linear`, its bias left out (a row-parallel linear adds it
+    once, after the all-reduce)."""
+    if isinstance(linear, (Fp8Linear, BlockFp8Linear)):
+        return linear.product(x)
+    return torch.nn.functional.linear(x, linear.weight)
+
+
+def process_weights(model: nn.Module, scales: dict[str, NativeScale], method: QuantMethod) -> None:
+    """After load: each linear whose weight stayed FP8 becomes an `Fp8Linear` (row scales) or a `BlockFp8Linear`
+    (block scales) over the same tensors."""
     ub = getattr(method, "activation_scale_ub", None)
-    for name in native:
+    for name, ns in scales.items():
         owner = name[: -len(".weight")]
         parent, _, leaf = owner.rpartition(".")
         lin = model.get_submodule(owner)
-        setattr(model.get_submodule(parent), leaf, Fp8Linear(lin.weight.data, rows[name],
-                                                             None if lin.bias is None else lin.bias.data, ub))
+        bias = None if lin.bias is None else lin.bias.data
+        fp8 = Fp8Linear(lin.weight.data, ns.scale, bias, ub) if ns.block is None else \
+            BlockFp8Linear(lin.weight.data, ns.scale, ns.block, bias)
+        setattr(model.get_submodule(parent), leaf, fp8)
