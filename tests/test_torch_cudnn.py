@@ -93,6 +93,12 @@ def test_calls_group_items_by_shape():
     [call] = torch_cudnn.cudnn_calls(many, ragged=True)
     assert call.ragged and call.cu_k.tolist() == np.cumsum([0] + [3 + i for i in range(len(many))]).tolist()
     assert len(torch_cudnn.cudnn_calls(many, ragged=False)) == len(many)
+    fresh = [AttnItem(0, 4, 0, 3, FULL, first=True), AttnItem(0, 4, 3, 7, CAUSAL), AttnItem(4, 8, 0, 4, CAUSAL,
+                                                                                         first=True)]
+    calls = torch_cudnn.cudnn_calls(fresh, ragged=False)  # squares first: rows 0-3 merge, rows 4-7 are stored
+    assert [c.q_rows.tolist() for c in calls] == [list(range(8)), list(range(4))]
+    assert torch_cudnn.mark_stores(calls, 8) == [False, False]
+    assert torch_cudnn.mark_stores(torch_cudnn.cudnn_calls(fresh[2:], ragged=False), 8) == [True]
     with pytest.raises(ValueError, match="top-left square"):
         torch_cudnn.cudnn_calls([AttnItem(0, 4, 0, 6, CAUSAL)], ragged=True)
 
@@ -134,6 +140,17 @@ def test_the_fakes_have_the_real_schemas():
         assert [p.name for p in params] == [a.name for a in schema]
         assert [p.kind == p.KEYWORD_ONLY for p in params] == [a.kwarg_only for a in schema]
         assert [p.default is not p.empty for p in params] == [a.has_default_value() for a in schema]
+
+
+def test_the_real_dense_op_on_meta_tensors():
+    """This torch's dense op takes our call (BSHD-strided views, GQA, scale by keyword) and its log-sum-exp layout
+    ([B, H, Lq] or [B, H, Lq, 1]) is one we read: the adapter returns [B, Lq, H, D] and [B, Lq, H] fp32."""
+    api = torch_cudnn.CudnnAPI(torch.ops.aten._scaled_dot_product_cudnn_attention)
+    q = torch.empty(2, 5, 8, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 5, 2, 64, device="meta", dtype=torch.bfloat16)
+    for causal in (True, False):
+        out, lse = api.dense(q, k, k, 0.125, causal)
+        assert out.shape == (2, 5, 8, 64) and lse.shape == (2, 5, 8) and lse.dtype == torch.float32
 
 
 def test_probe_passes_correct_ops_and_auto_takes_cudnn_before_torch_flash(cu):

@@ -292,6 +292,19 @@ class CudnnCall:
     lk: int  # dense: keys per item; ragged: max_k
     cu_q: np.ndarray | None = None  # ragged: [G + 1] int32
     cu_k: np.ndarray | None = None
+    first: bool = False  # every item is its rows' first (`AttnItem.first`): nothing in the accumulator yet
+
+
+def mark_stores(calls: list[CudnnCall], n_rows: int) -> list[bool]:
+    """Per call in execution order: whether its result may be stored into the accumulator instead of merged — its
+    items are their rows' first in the plan, its rows are distinct, and no earlier call touched them."""
+    covered = np.zeros(n_rows, dtype=bool)
+    stores = []
+    for call in calls:
+        rows = call.q_rows
+        stores.append(bool(call.first and len(np.unique(rows)) == len(rows) and not covered[rows].any()))
+        covered[rows] = True
+    return stores
 
 
 def cudnn_calls(items, ragged: bool) -> list[CudnnCall]:
@@ -323,7 +336,7 @@ def _rows(ranges) -> np.ndarray:
 def _dense_call(group, causal: bool) -> CudnnCall:
     it = group[0]
     return CudnnCall(False, causal, _rows((i.q0, i.q1) for i in group), _rows((i.k0, i.k1) for i in group),
-                     len(group), it.q1 - it.q0, it.k1 - it.k0)
+                     len(group), it.q1 - it.q0, it.k1 - it.k0, first=all(i.first for i in group))
 
 
 def _ragged_call(group) -> CudnnCall:
@@ -331,7 +344,7 @@ def _ragged_call(group) -> CudnnCall:
     lk = np.asarray([i.k1 - i.k0 for i in group], dtype=np.int64)
     cu = (lambda n: np.concatenate(([0], np.cumsum(n))).astype(np.int32))  # noqa: E731
     return CudnnCall(True, False, _rows((i.q0, i.q1) for i in group), _rows((i.k0, i.k1) for i in group),
-                     len(group), int(lq.max()), int(lk.max()), cu(lq), cu(lk))
+                     len(group), int(lq.max()), int(lk.max()), cu(lq), cu(lk), all(i.first for i in group))
 
 
 def _start(rows: np.ndarray) -> int:
@@ -364,6 +377,8 @@ class CudnnBackend(FlashAttnBackend):
         if key_map is not None:
             calls = [dataclasses.replace(c, k_rows=np.asarray(key_map(c.k_rows), dtype=np.int64)) for c in calls]
         specs = []
+        n_rows = 1 + max([int(call.q_rows.max()) for call in calls] + [it.q1 - 1 for it in items] + [0])
+        stores = mark_stores(calls, n_rows)
         for c, call in enumerate(calls):
             q_start, k_start = _start(call.q_rows), _start(call.k_rows)
             fields = ["cu_q", "cu_k"] if call.ragged else []
@@ -372,7 +387,8 @@ class CudnnBackend(FlashAttnBackend):
             for field in fields:
                 tables.put(key + (c, field), getattr(call, field))
             specs.append((call.ragged, call.causal, call.batch, call.lq, call.lk, len(call.q_rows),
-                          len(call.k_rows), q_start, k_start, len(np.unique(call.q_rows)) == len(call.q_rows)))
+                          len(call.k_rows), q_start, k_start, len(np.unique(call.q_rows)) == len(call.q_rows),
+                          stores[c]))
         masked = [it for it in items if it.kind == MASK]
         if masked and vectors is not None:  # window edges / irregular tiles: Triton in vector mode, exact
             self.tiled.prepare_items(masked, vectors, tables, key + ("masked",), layout)
@@ -390,16 +406,23 @@ class CudnnBackend(FlashAttnBackend):
             return
         for c, spec in enumerate(meta["cudnn"]):
             out, lse = self._call(c, spec, q, k, v, scale, tables, key)  # [P, H, Dv], [P, H]
-            n_q, q_start, unique = spec[5], spec[7], spec[9]
-            if q_start >= 0:  # one contiguous range of rows: merged in place through views
+            n_q, q_start, unique, store = spec[5], spec[7], spec[9], spec[10]
+            if q_start >= 0 and store:  # fresh rows (zeros, -inf): the partial is stored, not merged
+                acc_out[q_start:q_start + n_q].copy_(out)
+                acc_lse[q_start:q_start + n_q].copy_(lse)
+            elif q_start >= 0:  # one contiguous range of rows: merged in place through views
                 merge_into(acc_out[q_start:q_start + n_q], acc_lse[q_start:q_start + n_q], out, lse)
+            elif store:
+                rows = tables[key + (c, "q_rows")]
+                acc_out.index_copy_(0, rows, out.float())
+                acc_lse.index_copy_(0, rows, lse)
             else:
                 merge_rows_into(acc_out, acc_lse, out, lse, tables[key + (c, "q_rows")], unique)
         if meta["masked"]:
             self._masked(meta, vectors, q, k, v, acc_out, acc_lse, scale, tables, key, window)
 
     def _call(self, c: int, spec, q, k, v, scale, tables, key):
-        ragged, causal, batch, lq, lk, n_q, n_k, q_start, k_start, _ = spec
+        ragged, causal, batch, lq, lk, n_q, n_k, q_start, k_start = spec[:9]
         qq = q[q_start:q_start + n_q] if q_start >= 0 else q.index_select(0, tables[key + (c, "q_rows")])
         if k_start >= 0:
             kk, vv = k[k_start:k_start + n_k], v[k_start:k_start + n_k]
