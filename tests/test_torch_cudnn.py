@@ -315,3 +315,37 @@ def test_cp2_ring_steps_are_exact(pool, strategy):
         assert n > 0 and all(not c["causal"] or c["rows"] == c["keys"] for c in calls)
     ref, _ = reference_attention(q, k, v, q_seq, q_pos, t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end))
     torch.testing.assert_close(out, ref, rtol=0, atol=3e-3)
+
+
+# ---------------------------------------------------------------- gpu_check part (b)'s pieces that need no GPU
+
+@pytest.mark.parametrize("cu", ["dense", "ragged"], indirect=True)
+def test_gpu_check_small_varlen_cases_hold_with_correct_ops(cu):
+    """gpu_check part (b)'s torch-cudnn cases through the fakes: each passes its own assertions (rows that see no
+    key zero with lse -inf, out and lse within tolerance)."""
+    from cpinfer.bench import gpu_check
+
+    resolve_name("torch-cudnn", CPU)
+    for name, case in gpu_check.SMALL_VARLEN.items():
+        cu.clear()
+        err_out, err_lse = gpu_check.small_varlen_check(*case, device="cpu", backend="torch-cudnn")
+        assert cu and err_out < 2e-2 and err_lse < 1e-3, (name, err_out, err_lse)
+
+
+def test_bench_reports_the_cudnn_ratio():
+    """`cpinfer bench gpu`'s report: torch-cudnn's rate over dense cuDNN SDPA's per length (where both ran), every
+    output's distance from SDPA's, and kernels that could not run named with the reason."""
+    from cpinfer.bench import gpu
+
+    row = (lambda t, k, tf, err=None: {"tokens": t, "kernel": k, "seconds": None if tf is None else 1.0,  # noqa: E731
+                                       "tflops": tf, "of_matmul": None if tf is None else tf / 800,
+                                       "vs_sdpa": None if tf is None else 4e-3, "error": err})
+    rows = [row(8192, "torch-cudnn", 450.0), row(8192, "sdpa-cudnn", 500.0), row(8192, "torch-sdpa", 520.0),
+            row(16384, "torch-cudnn", 600.0), row(16384, "sdpa-cudnn", None, "RuntimeError: no cuDNN")]
+    ratios = gpu.cudnn_ratios(rows)
+    assert ratios == {8192: 0.9}
+    text = gpu.format_report({"device": "H100", "dtype": "bf16", "heads": 32, "kv_heads": 8, "head_dim": 128,
+                              "matmul_tflops": 800.0, "rows": rows, "cudnn_vs_sdpa": ratios})
+    assert "| 8192 | torch-cudnn | 1000.00 | 450.0 | 0.56 | 4.0e-03 |" in text
+    assert "| 16384 | sdpa-cudnn | RuntimeError: no cuDNN | - | - | - |" in text
+    assert text.endswith("torch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): 8192: 0.90")
