@@ -223,6 +223,30 @@ def test_unusable_without_cuda_or_op(monkeypatch):
     assert "no aten._scaled_dot_product_cudnn_attention" in torch_cudnn.unusable(CPU)
 
 
+def test_engine_matches_math(cu, llama_checkpoint):
+    """The engine at CP1 (fp16, the fakes): prefills, a partial prefill reading a cached prefix through the store
+    (keys gathered by index) and batched decodes give the tokens and log-probs of the `math` backend."""
+    from cpinfer import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    doc = rng.integers(3, 256, 40).tolist()
+    prompts = [doc + rng.integers(3, 256, n).tolist() for n in (5, 17)] + [rng.integers(3, 256, 9).tolist()]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, ignore_eos=True)
+    path = llama_checkpoint("gqa", max_position_embeddings=512)
+    resolve_name("torch-cudnn", CPU)  # the probe's calls before counting
+    runs = {}
+    for name in ("torch-cudnn", "math"):
+        with LLM(str(path), dtype="float16", attention_backend=name, max_kv_tokens_per_rank=1024,
+                 threads_per_rank=1) as llm:
+            before = len(cu)
+            runs[name] = (llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params), len(cu) - before)
+    assert runs["torch-cudnn"][1] > 0 and runs["math"][1] == 0
+    assert runs["torch-cudnn"][0][1].num_cached_tokens >= 40
+    for mine, ref in zip(runs["torch-cudnn"][0], runs["math"][0]):
+        assert mine.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=2e-2)
+
+
 # ---------------------------------------------------------------- auto: the fastest by a short timing
 
 def test_auto_times_usable_backends_once_per_shape_class(cu, caplog, monkeypatch):
