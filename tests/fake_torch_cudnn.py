@@ -5,7 +5,8 @@ varlen front end requires), and float64 results with cuDNN's semantics: a TOP-LE
 log-sum-exp [B, H, Lq] (dense) / [total_q, H, 1] (ragged). Faults a probe must catch: `lse_base2` (a base-2
 log-sum-exp), `gqa_wrong` (query head h read KV head h % Hkv), `fail` (raises like an unsupported GPU),
 `ragged_offset_bug` (each sequence's log-sum-exp written at offset cum_seq_q instead of cum_seq_q x H, as older
-PyTorch builds did). Every call is recorded in `CALLS`.
+PyTorch builds did), `packed_only` (wrong results unless the BSHD views are of packed tensors). Every call is
+recorded in `CALLS`.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _attend(q, k, v, scale, causal, gqa_wrong=False):
     return torch.einsum("hqk,hkd->hqd", p, vv), lse
 
 
-def make_ops(lse_base2: bool = False, gqa_wrong: bool = False, fail: bool = False, ragged_offset_bug: bool = False):
+def make_ops(lse_base2: bool = False, gqa_wrong: bool = False, fail: bool = False, ragged_offset_bug: bool = False,
+             packed_only: bool = False):
     """(dense, ragged) fakes with the options above."""
 
     def _scaled_dot_product_cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -58,6 +60,8 @@ def make_ops(lse_base2: bool = False, gqa_wrong: bool = False, fail: bool = Fals
             out[i], lse[i] = _attend(query[i], key[i], value[i], scale, is_causal, gqa_wrong)
         if lse_base2:
             lse = lse / math.log(2)
+        if packed_only and not all(t.transpose(1, 2).is_contiguous() for t in (query, key, value)):
+            out = out * 0.5  # a kernel that misreads a token stride
         empty = torch.empty(0)
         return (out.to(query.dtype), lse.float(), empty, empty, lq, key.shape[2], torch.zeros((), dtype=torch.long),
                 torch.zeros((), dtype=torch.long), empty)

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="the cuDNN backend falls back to Triton for
 import fake_flash_attn  # noqa: E402
 import fake_torch_cudnn as fake  # noqa: E402
 from cpinfer.attention import autoselect, backends, torch_cudnn  # noqa: E402
-from cpinfer.attention.backends import accelerator_default, get_step_backend, resolve_name  # noqa: E402
+from cpinfer.attention.backends import accelerator_default, attend_local, get_step_backend, resolve_name  # noqa: E402
 from cpinfer.attention.items import CAUSAL, FULL, AttnItem  # noqa: E402
 from cpinfer.attention.local import reference_attention  # noqa: E402
 from cpinfer.attention.step import HeadLayout  # noqa: E402
@@ -196,6 +196,27 @@ def test_wrong_native_gqa_repeats_kv_heads(monkeypatch, caplog):
         fake.CALLS.clear()
         _check(kind)
         assert all(c["heads"] == c["kv_heads"] for c in fake.CALLS)
+
+
+def test_strided_views_packed_when_the_op_misreads_them(monkeypatch, caplog):
+    """An op that misreads queries strided like a fused QKV projection's: no warning, dense inputs are packed first
+    (logged), and the steps are exact — also with queries that are such a view."""
+    fake_flash_attn.uninstall()
+    fake.install(monkeypatch, packed_only=True)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="cpinfer.attention.torch_cudnn"):
+        warnings.simplefilter("error")
+        assert torch_cudnn.unusable(CPU) == ""
+    assert torch_cudnn.api(CPU).packed and "packed first" in caplog.text
+    for kind in ("causal", "partial", "decode"):
+        _check(kind)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(20, 12, 16, generator=g).half()  # a fused projection: 8 query heads, then K and V heads
+    q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    seq, pos = torch.zeros(20, dtype=torch.long), torch.arange(20)
+    out, lse = attend_local(q, k, v, seq, pos, seq, pos, backend="torch-cudnn", scale=0.25)
+    ref_out, ref_lse = reference_attention(q, k, v, seq, pos, seq, pos, scale=0.25)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=3e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_ragged_probe_failure_warns_once_and_runs_dense(monkeypatch):

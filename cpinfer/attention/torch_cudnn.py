@@ -24,9 +24,11 @@ tiles through Triton). What the ops do (read from PyTorch's `attention.cu` / `cu
   a view that is not is copied first (`aligned`).
 
 The first use on each device runs a probe (fp16, GQA) against a float32 reference: dense causal squares (batch of
-two), dense FULL blocks with Lq != Lk, a one-row decode block, then the ragged op over three sequences of unequal
-lengths. The dense calls failing → one warning naming what failed, `auto` skips torch-cudnn; the ragged call
-failing → one warning, FULL blocks of many shapes run as dense calls grouped by shape instead.
+two), dense FULL blocks with Lq != Lk, a one-row decode block (failing: once more with K/V heads repeated), causal
+squares on strided views as a fused QKV projection gives them (failing: dense inputs are packed first), then the
+ragged op over three sequences of unequal lengths. The dense calls failing → one warning naming what failed,
+`auto` skips torch-cudnn; the ragged call failing → one warning, FULL blocks of many shapes run as dense calls
+grouped by shape instead.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     *lead, n, h, d = q.shape
     g = h // kv_heads
     x = q.reshape(*lead, n, kv_heads, g, d).transpose(-3, -2)  # [..., L, G, Hkv, D]
-    return x.reshape(*lead, n * g, kv_heads, d)
+    return x.reshape(*lead, n * g, kv_heads, d).contiguous()  # (a view when L == 1: packed here, always)
 
 
 def unfold_heads(out: torch.Tensor, lse: torch.Tensor, g: int):
@@ -125,11 +127,12 @@ def _finite_or_empty(lse: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class CudnnAPI:
     """PyTorch's cuDNN attention ops as cpinfer calls them (`dense`, `ragged`); what the probe found decides
-    `ragged_op` (None: unused) and `expand_gqa`."""
+    `ragged_op` (None: unused), `expand_gqa` and `packed`."""
 
     dense_op: object  # aten._scaled_dot_product_cudnn_attention, or a test's stand-in with its schema
     ragged_op: object | None = None  # aten._cudnn_attention_forward when its probe passed
     expand_gqa: bool = False  # causal squares with K/V heads repeated (the op disagreed with fewer KV heads)
+    packed: bool = False  # dense inputs copied to packed [B, L, H, D] first (the op disagreed on strided views)
     name: str = "torch-cudnn (aten._scaled_dot_product_cudnn_attention)"
 
     def dense(self, q, k, v, scale: float, causal: bool):
@@ -145,6 +148,8 @@ class CudnnAPI:
 
     def _dense(self, q, k, v, scale: float, causal: bool):
         b, lq, h, _ = q.shape
+        if self.packed:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         qh, kh, vh = (aligned(x.transpose(1, 2)) for x in (q, k, v))  # [B, H, L, D] views (BSHD strides)
         res = self.dense_op(qh, kh, vh, None, True, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
@@ -227,6 +232,10 @@ def detect(device: torch.device) -> tuple[str, CudnnAPI | None]:
             return problem, None
         log.info("torch-cudnn on %s: causal squares repeat K/V heads (with fewer KV heads: %s)", device, problem)
         chosen = expanded
+    strided = probe(chosen, device, STRIDED_CALLS)
+    if strided:  # e.g. queries read from a fused QKV projection: copied to packed tensors first
+        log.info("torch-cudnn on %s: dense inputs are packed first (on strided views: %s)", device, strided)
+        chosen = dataclasses.replace(chosen, packed=True)
     if ragged_op is not None:
         with_ragged = dataclasses.replace(chosen, ragged_op=ragged_op)
         ragged_problem = probe(with_ragged, device, RAGGED_CALLS)
@@ -244,6 +253,9 @@ DENSE_CALLS = (  # (what it checks, "dense" / "ragged", causal, query lengths, k
     ("dense FULL blocks with Lq != Lk (GQA folded into rows)", "dense", False, (3, 3), (7, 7)),
     ("one-row dense FULL block (decode, GQA folded)", "dense", False, (1,), (6,)),
 )
+STRIDED_CALLS = (  # the queries a view of a wider tensor (a fused QKV projection's output), keys a gathered block
+    ("dense causal squares on strided views", "dense", True, (6,), (6,)),
+)
 RAGGED_CALLS = (
     ("ragged FULL call over sequences of unequal lengths (GQA folded)", "ragged", False, (3, 1, 4), (7, 5, 2)),
 )
@@ -255,7 +267,8 @@ def probe(api_: CudnnAPI, device: torch.device, calls, heads: int = 4, kv_heads:
     g = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     for what, op, causal, lq, lk in calls:
-        q = torch.randn(sum(lq), heads, head_dim, generator=g).to(device, torch.float16)  # [P, H, D]
+        wide = 2 * heads if calls is STRIDED_CALLS else heads  # strided: q [P, H, D] with token stride 2·H·D
+        q = torch.randn(sum(lq), wide, head_dim, generator=g).to(device, torch.float16)[:, wide - heads:]
         k = torch.randn(sum(lk), kv_heads, head_dim, generator=g).to(device, torch.float16)  # [K, Hkv, D]
         v = torch.randn(sum(lk), kv_heads, head_dim, generator=g).to(device, torch.float16)
         try:  # (the comparison too: a kernel's error may surface at the first sync)
