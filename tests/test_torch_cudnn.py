@@ -394,3 +394,24 @@ def test_bench_reports_the_cudnn_ratio():
     assert "| 8192 | torch-cudnn | 1000.00 | 450.0 | 0.56 | 4.0e-03 |" in text
     assert "| 16384 | sdpa-cudnn | RuntimeError: no cuDNN | - | - | - |" in text
     assert text.endswith("torch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): 8192: 0.90")
+
+
+def test_a_refused_step_runs_triton_with_one_warning(cu, monkeypatch):
+    """A shape the op refuses at run time (cuDNN has no engine for it): one warning, that step (and later ones) run
+    the Triton kernel, exact; nothing half-merged."""
+    backend = get_step_backend("torch-cudnn", CPU)
+    monkeypatch.setattr(backend, "_warned", False)
+    dense = torch_cudnn.api(CPU).dense_op
+
+    def picky(q, *args, **kwargs):
+        if q.shape[2] > 40:
+            raise RuntimeError("cuDNN Frontend error: No execution plans support the graph.")
+        return dense(q, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "api", torch_cudnn.dataclasses.replace(backend.api, dense_op=picky))
+    with pytest.warns(RuntimeWarning, match="torch-cudnn refused a step on cpu .*No execution plans"):
+        _check("causal")  # a 70-row square
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check("partial")  # 30 rows: cuDNN again
+        _check("causal")

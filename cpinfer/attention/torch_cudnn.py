@@ -375,6 +375,7 @@ class CudnnBackend(FlashAttnBackend):
 
     def __init__(self, api_: CudnnAPI, tiled=None, name: str = "torch-cudnn"):
         super().__init__(api_, tiled, name)
+        self._warned = False  # a step was refused at run time (`_refused`)
 
     @staticmethod
     def handles(layout: HeadLayout) -> bool:
@@ -408,7 +409,7 @@ class CudnnBackend(FlashAttnBackend):
         elif masked:
             for i, it in enumerate(masked):
                 tables.put(key + ("mask", i), it.mask.numpy())
-        tables.meta[key] = {"delegate": False, "cudnn": specs, "masked": masked,
+        tables.meta[key] = {"delegate": False, "cudnn": specs, "masked": masked, "key_map": key_map is not None,
                             "masked_mode": "tiled" if masked and vectors is not None else "math", "masked_items": None}
 
     def _attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
@@ -417,8 +418,15 @@ class CudnnBackend(FlashAttnBackend):
         if meta["delegate"]:
             self.tiled.attend_items(items, vectors, q, k, v, acc_out, acc_lse, scale, tables, key + ("tiled",), window)
             return
-        for c, spec in enumerate(meta["cudnn"]):
-            out, lse = self._call(c, spec, q, k, v, scale, tables, key)  # [P, H, Dv], [P, H]
+        try:  # every call first: a shape cuDNN refuses leaves the accumulator untouched
+            parts = [self._call(c, spec, q, k, v, scale, tables, key) for c, spec in enumerate(meta["cudnn"])]
+        except RuntimeError as exc:
+            if meta["key_map"]:  # keys addressed through the engine's index: Triton cannot read them so
+                raise
+            self._refused(exc, q.device)
+            self.tiled.attend_items(items, vectors, q, k, v, acc_out, acc_lse, scale, None, None, window)
+            return
+        for c, (spec, (out, lse)) in enumerate(zip(meta["cudnn"], parts)):  # [P, H, Dv], [P, H]
             n_q, q_start, unique, store = spec[5], spec[7], spec[9], spec[10]
             if q_start >= 0 and store:  # fresh rows (zeros, -inf): the partial is stored, not merged
                 acc_out[q_start:q_start + n_q].copy_(out)
@@ -433,6 +441,14 @@ class CudnnBackend(FlashAttnBackend):
                 merge_rows_into(acc_out, acc_lse, out, lse, tables[key + (c, "q_rows")], unique)
         if meta["masked"]:
             self._masked(meta, vectors, q, k, v, acc_out, acc_lse, scale, tables, key, window)
+
+    def _refused(self, exc: Exception, device) -> None:
+        """A call the probe did not cover failed (e.g. no cuDNN engine for a shape): warned once per backend; that
+        step runs the Triton kernel (tables built now)."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"torch-cudnn refused a step on {device} ({type(exc).__name__}: {exc}); such steps run the "
+                          f"Triton kernel", RuntimeWarning, stacklevel=4)
 
     def _call(self, c: int, spec, q, k, v, scale, tables, key):
         ragged, causal, batch, lq, lk, n_q, n_k, q_start, k_start = spec[:9]
