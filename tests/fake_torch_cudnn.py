@@ -52,6 +52,7 @@ def make_ops(lse_base2: bool = False, gqa_wrong: bool = False, fail: bool = Fals
         b, h, lq, d = query.shape
         assert key.shape[0] == b and key.shape[:3] == value.shape[:3] and key.shape[3] == d and h % key.shape[1] == 0
         assert all(_aligned(t) for t in (query, key, value)), "cuDNN needs 16-byte aligned bases and strides"
+        assert key.shape[2] > 1, "cudnn SDPA does not support key/value sequence length 1"
         CALLS.append({"op": "dense", "causal": is_causal, "batch": b, "heads": h, "kv_heads": key.shape[1],
                       "rows": lq, "keys": key.shape[2]})
         out = torch.empty(b, h, lq, value.shape[-1], dtype=torch.float64)
@@ -82,6 +83,7 @@ def make_ops(lse_base2: bool = False, gqa_wrong: bool = False, fail: bool = Fals
             assert int(cu[0]) == 0 and bool((cu[1:] >= cu[:-1]).all()) and int(cu[-1]) == total
             assert isinstance(mx, int) and mx >= int((cu[1:] - cu[:-1]).max())
         assert len(cum_seq_q) == len(cum_seq_k)
+        assert bool((cum_seq_k[1:] - cum_seq_k[:-1] > 1).all()), "cpinfer sends no one-key sequence"
         CALLS.append({"op": "ragged", "causal": False, "batch": len(cum_seq_q) - 1, "heads": query.shape[1],
                       "kv_heads": key.shape[1], "rows": query.shape[0], "keys": key.shape[0]})
         h = query.shape[1]

@@ -81,14 +81,18 @@ def test_one_long_causal_sequence_is_one_dense_causal_call(cu):
 
 
 def test_calls_group_items_by_shape():
-    """Squares of one side share a dense causal call, one-row squares are FULL, FULL blocks share a call per shape;
-    past DENSE_GROUPS_MAX shapes (with the ragged op) they form one ragged call."""
+    """Squares of one side share a dense causal call, FULL blocks share a call per shape; past DENSE_GROUPS_MAX
+    shapes (with the ragged op) they form one ragged call; one-row squares and FULL blocks of one key (which cuDNN
+    refuses) form one call computed without the op."""
     items = [AttnItem(0, 4, 0, 4, CAUSAL), AttnItem(4, 8, 10, 14, CAUSAL), AttnItem(8, 9, 20, 21, CAUSAL),
-             AttnItem(9, 10, 0, 7, FULL), AttnItem(0, 4, 30, 37, FULL), AttnItem(4, 8, 40, 47, FULL)]
+             AttnItem(9, 10, 0, 7, FULL), AttnItem(0, 4, 30, 37, FULL), AttnItem(4, 8, 40, 47, FULL),
+             AttnItem(10, 13, 5, 6, FULL)]
     calls = torch_cudnn.cudnn_calls(items, ragged=True)
-    assert [(c.ragged, c.causal, c.batch, c.lq, c.lk) for c in calls] == [
-        (False, True, 2, 4, 4), (False, False, 1, 1, 1), (False, False, 1, 1, 7), (False, False, 2, 4, 7)]
+    assert [(c.ragged, c.causal, c.batch, c.lq, c.lk, c.one_key) for c in calls] == [
+        (False, True, 2, 4, 4, False), (False, False, 1, 1, 7, False), (False, False, 2, 4, 7, False),
+        (False, False, 2, 0, 1, True)]
     assert calls[0].q_rows.tolist() == list(range(8)) and calls[0].k_rows.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert calls[-1].q_rows.tolist() == [8, 10, 11, 12] and calls[-1].k_rows.tolist() == [20, 5, 5, 5]
     many = [AttnItem(i, i + 1, 0, 3 + i, FULL) for i in range(torch_cudnn.DENSE_GROUPS_MAX + 1)]
     [call] = torch_cudnn.cudnn_calls(many, ragged=True)
     assert call.ragged and call.cu_k.tolist() == np.cumsum([0] + [3 + i for i in range(len(many))]).tolist()
@@ -101,6 +105,36 @@ def test_calls_group_items_by_shape():
     assert torch_cudnn.mark_stores(torch_cudnn.cudnn_calls(fresh[2:], ragged=False), 8) == [True]
     with pytest.raises(ValueError, match="top-left square"):
         torch_cudnn.cudnn_calls([AttnItem(0, 4, 0, 6, CAUSAL)], ragged=True)
+
+
+def test_one_key_rows_are_exact():
+    """A step whose rows see one key each (a one-row square, a FULL block of one key beside a causal square): the
+    value itself with the scaled score as lse, equal to the reference; the op never gets a key length of 1."""
+    q = torch.randn(5, 8, 16).half()
+    k, v = torch.randn(5, 2, 16).half(), torch.randn(5, 2, 16).half()
+    seq = torch.tensor([0, 1, 1, 2, 2])
+    pos = torch.tensor([0, 0, 1, 0, 1])
+    out, lse = torch_cudnn.one_key(q[:1], k[:1], v[:1], 0.3)
+    ref_out, ref_lse = reference_attention(q[:1], k[:1], v[:1], seq[:1], pos[:1], seq[:1], pos[:1], scale=0.3)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0, 5], v[0, 1])
+
+
+@pytest.mark.parametrize("cu", ["dense", "ragged"], indirect=True)
+def test_steps_with_one_key_blocks_are_exact(cu):
+    """Short sequences (every row of a 2-token prompt; a row with one older key) through the backend: exact, and
+    no op call with a key length of 1 (the fakes assert it)."""
+    resolve_name("torch-cudnn", CPU)
+    g = torch.Generator().manual_seed(5)
+    q_seq, q_pos = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([0, 1, 0, 1, 2, 3])
+    kv_seq, kv_pos = torch.tensor([0, 0, 1, 2, 2, 2, 2]), torch.tensor([0, 1, 0, 0, 1, 2, 3])
+    q = torch.randn(6, 8, 16, generator=g).half()
+    k, v = torch.randn(7, 2, 16, generator=g).half(), torch.randn(7, 2, 16, generator=g).half()
+    out, lse = attend_local(q, k, v, q_seq, q_pos, kv_seq, kv_pos, backend="torch-cudnn", scale=0.3)
+    ref_out, ref_lse = reference_attention(q, k, v, q_seq, q_pos, kv_seq, kv_pos, scale=0.3)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=3e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_fold_heads_round_trip_and_alignment():

@@ -21,7 +21,9 @@ tiles through Triton). What the ops do (read from PyTorch's `attention.cu` / `cu
   call cpinfer makes sees no key (FULL blocks have keys; a top-left square's row i sees key 0), so no empty-row
   convention is relied on; +inf / NaN would still read as -inf.
 - Alignment: cuDNN wants 16-byte aligned bases and strides (multiples of 8 bf16 elements) with a unit last stride;
-  a view that is not is copied first (`aligned`).
+  a view that is not is copied first (`aligned`). PyTorch's SDPA dispatch refuses cuDNN for a key length of 1
+  (`check_cudnn_tensor_shapes`): blocks of one key (a one-row square, a FULL block of one key) are computed
+  without the op — the value itself, the scaled score as log-sum-exp (`one_key`).
 
 The first use on each device runs a probe (fp16, GQA) against a float32 reference: dense causal squares (batch of
 two), dense FULL blocks with Lq != Lk, a one-row decode block (failing: once more with K/V heads repeated), causal
@@ -306,6 +308,7 @@ class CudnnCall:
     cu_q: np.ndarray | None = None  # ragged: [G + 1] int32
     cu_k: np.ndarray | None = None
     first: bool = False  # every item is its rows' first (`AttnItem.first`): nothing in the accumulator yet
+    one_key: bool = False  # blocks of one key each (k_rows: one per packed row), computed without the op
 
 
 def mark_stores(calls: list[CudnnCall], n_rows: int) -> list[bool]:
@@ -322,24 +325,42 @@ def mark_stores(calls: list[CudnnCall], n_rows: int) -> list[bool]:
 
 def cudnn_calls(items, ragged: bool) -> list[CudnnCall]:
     """The FULL / CAUSAL items of a step as op calls: causal squares grouped by side (one-row squares are FULL),
-    FULL blocks grouped by shape — or, past `DENSE_GROUPS_MAX` shapes with `ragged`, one ragged call."""
+    FULL blocks grouped by shape — or, past `DENSE_GROUPS_MAX` shapes with `ragged`, one ragged call. Blocks of
+    ONE key (cuDNN refuses a key length of 1) form one call computed without the op (`one_key`)."""
     regular = [it for it in items if it.kind != MASK and it.q1 > it.q0 and it.k1 > it.k0]
     squares: dict[int, list] = defaultdict(list)
     fulls: dict[tuple, list] = defaultdict(list)
+    single = []
     for it in regular:
         n = it.q1 - it.q0
         if it.kind == CAUSAL and n > 1:
             if it.k1 - it.k0 != n:
                 raise ValueError(f"a CAUSAL item must be a top-left square, got {n} rows x {it.k1 - it.k0} keys")
             squares[n].append(it)
-        else:  # FULL, or a one-row square (one key: the same thing)
+        elif it.k1 - it.k0 == 1:  # FULL over one key, or a one-row square (the same thing)
+            single.append(it)
+        else:
             fulls[(n, it.k1 - it.k0)].append(it)
     calls = [_dense_call(group, True) for _, group in sorted(squares.items())]
     if ragged and len(fulls) > DENSE_GROUPS_MAX:
         calls.append(_ragged_call([it for group in fulls.values() for it in group]))
     else:
         calls += [_dense_call(group, False) for _, group in sorted(fulls.items())]
+    if single:  # k_rows: the one key of each packed row
+        calls.append(CudnnCall(False, False, _rows((i.q0, i.q1) for i in single),
+                               np.concatenate([np.full(i.q1 - i.q0, i.k0, dtype=np.int64) for i in single]),
+                               len(single), 0, 1, first=all(i.first for i in single), one_key=True))
     return calls
+
+
+def one_key(q, k, v, scale: float):
+    """Rows that each see ONE key: q [P, H, D], k [P, Hkv, D] / v [P, Hkv, Dv] (row p's key) → (out [P, H, Dv] =
+    its value exactly, lse [P, H] fp32 = its scaled score)."""
+    p, h, d = q.shape
+    hkv = k.shape[1]
+    s = torch.einsum("pkgd,pkd->pkg", q.reshape(p, hkv, h // hkv, d).float(), k.float()) * scale  # [P, Hkv, G]
+    out = v.unsqueeze(2).expand(p, hkv, h // hkv, v.shape[-1]).reshape(p, h, v.shape[-1])  # [P, H, Dv]
+    return out.to(q.dtype), s.reshape(p, h)
 
 
 def _rows(ranges) -> np.ndarray:
@@ -402,7 +423,7 @@ class CudnnBackend(FlashAttnBackend):
                 tables.put(key + (c, field), getattr(call, field))
             specs.append((call.ragged, call.causal, call.batch, call.lq, call.lk, len(call.q_rows),
                           len(call.k_rows), q_start, k_start, len(np.unique(call.q_rows)) == len(call.q_rows),
-                          stores[c]))
+                          stores[c], call.one_key))
         masked = [it for it in items if it.kind == MASK]
         if masked and vectors is not None:  # window edges / irregular tiles: Triton in vector mode, exact
             self.tiled.prepare_items(masked, vectors, tables, key + ("masked",), layout)
@@ -458,6 +479,8 @@ class CudnnBackend(FlashAttnBackend):
         else:
             idx = tables[key + (c, "k_rows")]
             kk, vv = k.index_select(0, idx), v.index_select(0, idx)  # [K, Hkv, D]
+        if spec[11]:  # one key per row
+            return one_key(qq, kk, vv, scale)
         if ragged:
             return self.api.ragged(qq, kk, vv, tables[key + (c, "cu_q")], tables[key + (c, "cu_k")], lq, lk, scale)
         h, hkv = q.shape[1], k.shape[1]
