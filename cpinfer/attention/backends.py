@@ -15,6 +15,7 @@ Device tables are planned from the plan's `steps` and `step_vectors(j)` and uplo
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import time
 
@@ -27,6 +28,7 @@ from cpinfer.attention.local import MIN_STAIR, _np, build_items, chunk_labels, s
 from cpinfer.attention.step import (HeadLayout, ItemBackend, StepBackend, plan_key, plan_tables,  # noqa: F401
                                     step_vectors)
 
+log = logging.getLogger(__name__)
 ENV_VAR = "CPINFER_ATTENTION_BACKEND"
 NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "torch-cudnn", "torch-flash", "math")
 IN_KERNEL = ("triton", "flash-attn", "torch-cudnn", "torch-flash")  # take CAUSAL squares of any length in a call
@@ -66,6 +68,8 @@ def accelerator_default(device: torch.device, probe: bool = True, layout: HeadLa
     from cpinfer.attention import autoselect
 
     usable = [n for n in autoselect.ORDER if n == "triton" or not _unusable(n, device, probe)]
+    if layout is not None and probe and len(usable) == 1:
+        log.info("attention backend auto on %s: %s, the only usable one", device, usable[0])
     if layout is None or not probe or len(usable) == 1:
         return usable[0]
     return autoselect.choose(device, autoselect.ShapeClass.of(layout, tokens), usable, time_backend).name
