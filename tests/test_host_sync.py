@@ -153,10 +153,10 @@ def test_no_host_work_with_the_torch_cudnn_backend(llama_checkpoint, monkeypatch
     """The torch-cudnn backend's host code (fake ops, fp16, CP1, windows): dense calls per shape, or every FULL block
     in one ragged call; GQA folded, one-key rows, stores and merges all on the device."""
     import fake_torch_cudnn as fake
-    from cpinfer.attention import torch_cudnn
+    from cpinfer.attention import cudnn_backend, torch_cudnn
 
     fake.install(monkeypatch)
-    monkeypatch.setattr(torch_cudnn, "DENSE_GROUPS_MAX", groups)
+    monkeypatch.setattr(cudnn_backend, "DENSE_GROUPS_MAX", groups)
     dense, ragged = torch_cudnn.aten_ops()
 
     def paused(fn):  # the fakes check their arguments on the host: not the engine's doing

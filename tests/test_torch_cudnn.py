@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="the cuDNN backend falls back to Triton for
 
 import fake_flash_attn  # noqa: E402
 import fake_torch_cudnn as fake  # noqa: E402
-from cpinfer.attention import autoselect, backends, torch_cudnn  # noqa: E402
+from cpinfer.attention import autoselect, backends, cudnn_backend, torch_cudnn  # noqa: E402
 from cpinfer.attention.backends import accelerator_default, attend_local, get_step_backend, resolve_name  # noqa: E402
 from cpinfer.attention.items import CAUSAL, FULL, AttnItem  # noqa: E402
 from cpinfer.attention.local import reference_attention  # noqa: E402
@@ -41,7 +41,7 @@ def cu(monkeypatch, request):
     fake_flash_attn.uninstall()
     fake.install(monkeypatch, ragged=mode != "no-ragged")
     if mode == "ragged":
-        monkeypatch.setattr(torch_cudnn, "DENSE_GROUPS_MAX", 0)
+        monkeypatch.setattr(cudnn_backend, "DENSE_GROUPS_MAX", 0)
     yield fake.CALLS
 
 
@@ -65,7 +65,7 @@ def test_every_step_shape_is_exact(cu):
             assert not c["causal"] or (c["rows"] == c["keys"] and c["op"] == "dense"), (kind, c)
             assert c["causal"] or c["heads"] == c["kv_heads"], (kind, c)  # unmasked calls fold GQA into rows
         ragged = [c for c in cu if c["op"] == "ragged"]
-        if torch_cudnn.DENSE_GROUPS_MAX == 0 and torch_cudnn.aten_ops()[1] is not None:
+        if cudnn_backend.DENSE_GROUPS_MAX == 0 and torch_cudnn.aten_ops()[1] is not None:
             assert len(ragged) <= 1 and (ragged or all(c["causal"] for c in cu)), (kind, cu)
         else:
             assert not ragged, (kind, cu)
@@ -87,24 +87,24 @@ def test_calls_group_items_by_shape():
     items = [AttnItem(0, 4, 0, 4, CAUSAL), AttnItem(4, 8, 10, 14, CAUSAL), AttnItem(8, 9, 20, 21, CAUSAL),
              AttnItem(9, 10, 0, 7, FULL), AttnItem(0, 4, 30, 37, FULL), AttnItem(4, 8, 40, 47, FULL),
              AttnItem(10, 13, 5, 6, FULL)]
-    calls = torch_cudnn.cudnn_calls(items, ragged=True)
+    calls = cudnn_backend.cudnn_calls(items, ragged=True)
     assert [(c.ragged, c.causal, c.batch, c.lq, c.lk, c.one_key) for c in calls] == [
         (False, True, 2, 4, 4, False), (False, False, 1, 1, 7, False), (False, False, 2, 4, 7, False),
         (False, False, 2, 0, 1, True)]
     assert calls[0].q_rows.tolist() == list(range(8)) and calls[0].k_rows.tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
     assert calls[-1].q_rows.tolist() == [8, 10, 11, 12] and calls[-1].k_rows.tolist() == [20, 5, 5, 5]
-    many = [AttnItem(i, i + 1, 0, 3 + i, FULL) for i in range(torch_cudnn.DENSE_GROUPS_MAX + 1)]
-    [call] = torch_cudnn.cudnn_calls(many, ragged=True)
+    many = [AttnItem(i, i + 1, 0, 3 + i, FULL) for i in range(cudnn_backend.DENSE_GROUPS_MAX + 1)]
+    [call] = cudnn_backend.cudnn_calls(many, ragged=True)
     assert call.ragged and call.cu_k.tolist() == np.cumsum([0] + [3 + i for i in range(len(many))]).tolist()
-    assert len(torch_cudnn.cudnn_calls(many, ragged=False)) == len(many)
+    assert len(cudnn_backend.cudnn_calls(many, ragged=False)) == len(many)
     fresh = [AttnItem(0, 4, 0, 3, FULL, first=True), AttnItem(0, 4, 3, 7, CAUSAL), AttnItem(4, 8, 0, 4, CAUSAL,
                                                                                          first=True)]
-    calls = torch_cudnn.cudnn_calls(fresh, ragged=False)  # squares first: rows 0-3 merge, rows 4-7 are stored
+    calls = cudnn_backend.cudnn_calls(fresh, ragged=False)  # squares first: rows 0-3 merge, rows 4-7 are stored
     assert [c.q_rows.tolist() for c in calls] == [list(range(8)), list(range(4))]
-    assert torch_cudnn.mark_stores(calls, 8) == [False, False]
-    assert torch_cudnn.mark_stores(torch_cudnn.cudnn_calls(fresh[2:], ragged=False), 8) == [True]
+    assert cudnn_backend.mark_stores(calls, 8) == [False, False]
+    assert cudnn_backend.mark_stores(cudnn_backend.cudnn_calls(fresh[2:], ragged=False), 8) == [True]
     with pytest.raises(ValueError, match="top-left square"):
-        torch_cudnn.cudnn_calls([AttnItem(0, 4, 0, 6, CAUSAL)], ragged=True)
+        cudnn_backend.cudnn_calls([AttnItem(0, 4, 0, 6, CAUSAL)], ragged=True)
 
 
 def test_one_key_rows_are_exact():
@@ -114,7 +114,7 @@ def test_one_key_rows_are_exact():
     k, v = torch.randn(5, 2, 16).half(), torch.randn(5, 2, 16).half()
     seq = torch.tensor([0, 1, 1, 2, 2])
     pos = torch.tensor([0, 0, 1, 0, 1])
-    out, lse = torch_cudnn.one_key(q[:1], k[:1], v[:1], 0.3)
+    out, lse = cudnn_backend.one_key(q[:1], k[:1], v[:1], 0.3)
     ref_out, ref_lse = reference_attention(q[:1], k[:1], v[:1], seq[:1], pos[:1], seq[:1], pos[:1], scale=0.3)
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-3)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
@@ -161,7 +161,7 @@ def test_fp32_and_big_heads_run_the_tiled_triton_kernel(cu):
         torch.testing.assert_close(out.double(), ref_out, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
     assert cu == []
-    assert not torch_cudnn.CudnnBackend.handles(HeadLayout(8, 2, 256, torch.bfloat16))
+    assert not cudnn_backend.CudnnBackend.handles(HeadLayout(8, 2, 256, torch.bfloat16))
 
 
 def test_the_fakes_have_the_real_schemas():
@@ -257,7 +257,7 @@ def test_ragged_probe_failure_warns_once_and_runs_dense(monkeypatch):
     stays usable and FULL blocks of many shapes run as dense calls, exact."""
     fake_flash_attn.uninstall()
     fake.install(monkeypatch, ragged_offset_bug=True)
-    monkeypatch.setattr(torch_cudnn, "DENSE_GROUPS_MAX", 0)
+    monkeypatch.setattr(cudnn_backend, "DENSE_GROUPS_MAX", 0)
     with pytest.warns(RuntimeWarning, match="ragged op .*failed its probe on cpu: the ragged FULL call .*disagrees"):
         assert torch_cudnn.unusable(CPU) == ""
     assert torch_cudnn.api(CPU).ragged_op is None

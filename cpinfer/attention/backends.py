@@ -8,7 +8,7 @@ caller gives the head layout (`autoselect.py`), else in that fixed order. Every 
 dtype (fp32 steps of the flash / cuDNN backends run Triton); `math` (explicit scores, small blocks) runs only when
 asked for by name. `cpu-flash` and `math` run the plan's `AttnItem`s one call each (`step.ItemBackend`); `triton`
 runs a whole step in one launch (`triton_backend.py`); `flash-attn` and `torch-flash` in one varlen call
-(`flash_backend.py`, `torch_flash.py`), `torch-cudnn` in a few (`torch_cudnn.py`).
+(`flash_backend.py`, `torch_flash.py`), `torch-cudnn` in a few (`cudnn_backend.py`, `torch_cudnn.py`).
 Device tables are planned from the plan's `steps` and `step_vectors(j)` and uploaded once per forward
 (`tables.py`), so a plan built elsewhere runs too.
 """
@@ -150,9 +150,9 @@ def get_step_backend(name: str | None, device) -> StepBackend:
 
             _BACKENDS[concrete] = flash_backend.FlashAttnBackend(torch_flash.api(), name="torch-flash")
         elif concrete == "torch-cudnn":
-            from cpinfer.attention import torch_cudnn
+            from cpinfer.attention import cudnn_backend, torch_cudnn
 
-            _BACKENDS[concrete] = torch_cudnn.CudnnBackend(torch_cudnn.api(device))
+            _BACKENDS[concrete] = cudnn_backend.CudnnBackend(torch_cudnn.api(device))
         else:
             kernel = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}[concrete]
             _BACKENDS[concrete] = ItemBackend(concrete, kernel)

@@ -229,7 +229,7 @@ def cudnn_expected() -> bool:
 def torch_cudnn_check() -> dict:
     """torch-cudnn through cpinfer's backend vs float64: the small varlen steps (also with every FULL block in one
     ragged call when its probe passed), then one 16K-token causal sequence against SDPA and float64."""
-    from cpinfer.attention import torch_cudnn
+    from cpinfer.attention import cudnn_backend, torch_cudnn
 
     problem = torch_cudnn.unusable(torch.device("cuda"))
     if problem:
@@ -238,14 +238,14 @@ def torch_cudnn_check() -> dict:
     api = torch_cudnn.api(torch.device("cuda"))
     rows = [["torch-cudnn probe", f"passed; ragged op {'used' if api.ragged_op is not None else 'not used'}, GQA "
                                   f"{'by repeated K/V heads' if api.expand_gqa else 'native'} in causal squares", "-"]]
-    modes = [("dense", torch_cudnn.DENSE_GROUPS_MAX)] + ([("ragged", 0)] if api.ragged_op is not None else [])
+    modes = [("dense", cudnn_backend.DENSE_GROUPS_MAX)] + ([("ragged", 0)] if api.ragged_op is not None else [])
     for mode, groups in modes:
-        t0, saved = time.perf_counter(), torch_cudnn.DENSE_GROUPS_MAX
-        torch_cudnn.DENSE_GROUPS_MAX = groups  # 0: every FULL block through the ragged op
+        t0, saved = time.perf_counter(), cudnn_backend.DENSE_GROUPS_MAX
+        cudnn_backend.DENSE_GROUPS_MAX = groups  # 0: every FULL block through the ragged op
         try:
             worst = {name: small_varlen_check(*case, backend="torch-cudnn") for name, case in SMALL_VARLEN.items()}
         finally:
-            torch_cudnn.DENSE_GROUPS_MAX = saved
+            cudnn_backend.DENSE_GROUPS_MAX = saved
         errors = ("max |out diff| " + ", ".join(f"{w[0]:.1e}" for w in worst.values())
                   + f"; max |lse diff| {max(w[1] for w in worst.values()):.1e}")
         rows.append([f"torch-cudnn ({mode} FULL calls) vs float64: " + ", ".join(worst), errors,
