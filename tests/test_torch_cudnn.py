@@ -419,15 +419,16 @@ def test_bench_reports_the_cudnn_ratio():
 
     row = (lambda t, k, tf, err=None: {"tokens": t, "kernel": k, "seconds": None if tf is None else 1.0,  # noqa: E731
                                        "tflops": tf, "of_matmul": None if tf is None else tf / 800,
-                                       "vs_sdpa": None if tf is None else 4e-3, "error": err})
+                                       "vs_sdpa": None if tf is None else 4e-3, "error": err,
+                                       "new_length_s": None if tf is None else 0.0125})
     rows = [row(8192, "torch-cudnn", 450.0), row(8192, "sdpa-cudnn", 500.0), row(8192, "torch-sdpa", 520.0),
             row(16384, "torch-cudnn", 600.0), row(16384, "sdpa-cudnn", None, "RuntimeError: no cuDNN")]
     ratios = gpu.cudnn_ratios(rows)
     assert ratios == {8192: 0.9}
     text = gpu.format_report({"device": "H100", "dtype": "bf16", "heads": 32, "kv_heads": 8, "head_dim": 128,
                               "matmul_tflops": 800.0, "rows": rows, "cudnn_vs_sdpa": ratios})
-    assert "| 8192 | torch-cudnn | 1000.00 | 450.0 | 0.56 | 4.0e-03 |" in text
-    assert "| 16384 | sdpa-cudnn | RuntimeError: no cuDNN | - | - | - |" in text
+    assert "| 8192 | torch-cudnn | 1000.00 | 450.0 | 0.56 | 4.0e-03 | 12.50 |" in text
+    assert "| 16384 | sdpa-cudnn | RuntimeError: no cuDNN | - | - | - | - |" in text
     assert text.endswith("torch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): 8192: 0.90")
 
 

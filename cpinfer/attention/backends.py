@@ -76,28 +76,26 @@ def accelerator_default(device: torch.device, probe: bool = True, layout: HeadLa
 
 
 def time_backend(name: str, device: torch.device, shape, repeat: int = 5) -> float:
-    """Median seconds of one causal prefill of `shape.tokens` tokens through backend `name` on `device` (random
-    inputs; planned once, one warm-up call; CUDA events on a GPU)."""
+    """Median wall seconds of a causal prefill of about `shape.tokens` tokens through backend `name` on `device`
+    (random inputs). Two warm-up calls (at two lengths: compilation, both divisibility variants of Triton's), then
+    each timed call at a length not seen before — planning, its device tables and any per-shape plan the kernel
+    library builds (cuDNN's graph) included, as a new prompt length would pay them."""
     dtype = getattr(torch, shape.dtype)
+    n = shape.tokens
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(shape.tokens, shape.heads, shape.head_dim, device=device, dtype=dtype, generator=g)  # [L, H, D]
-    k = torch.randn(shape.tokens, shape.kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
-    v = torch.randn(shape.tokens, shape.kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
-    seq, pos = torch.zeros(shape.tokens, dtype=torch.long), torch.arange(shape.tokens)
-    step = LocalAttention(seq, pos, seq, pos, backend=name, device=device)
-    step(q, k, v)  # warm-up: device tables, kernel compilation, cuDNN graph build
+    q = torch.randn(n, shape.heads, shape.head_dim, device=device, dtype=dtype, generator=g)  # [L, H, D]
+    k = torch.randn(n, shape.kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(n, shape.kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
+    seq, pos = torch.zeros(n, dtype=torch.long), torch.arange(n)
     times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(q, k, v)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            step(q, k, v)
+    for i in range(repeat + 2):
+        m = n - i  # a new length each call
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        LocalAttention(seq[:m], pos[:m], seq[:m], pos[:m], backend=name, device=device)(q[:m], k[:m], v[:m])
+        sync()
+        if i >= 2:
             times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 

@@ -6,6 +6,8 @@ passed) and PyTorch's dense SDPA for reference (`torch-sdpa`: its own dispatch; 
 attention with `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`); every rate is also given as a fraction of a bf16 GEMM
 measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D), every backend's output is compared with
 SDPA's (max |diff|), and torch-cudnn's rate is reported as a ratio of dense cuDNN SDPA's timed in the same run.
+"ms at a new length": one call at tokens - 1, wall time with planning and any per-shape plan the library builds
+(cuDNN's graph) — what a prompt of a length not seen before pays.
 `--plan-only` (no GPU needed) times the host side of one forward instead: the plan and the Triton tile tables of
 every ring step at CP1 and CP8, which are built once per forward and reused by every layer.
 It ran on an H100 as part (b) of scripts/gpu_check.sh (docs/benchmarks.md, "GPU").
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -79,7 +82,9 @@ def _sdpa_cudnn(qh, kh, vh):
 
 
 def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
-    """name → zero-argument callable computing causal attention over one sequence of `tokens`."""
+    """(name → zero-argument callable computing causal attention over one sequence of `tokens`, name → one at a
+    length not seen before (tokens - 1; called once: planning and per-shape plans included) for the cpinfer
+    backends and SDPA's own dispatch)."""
     from cpinfer.attention.backends import LocalAttention
 
     q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
@@ -87,18 +92,30 @@ def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
     v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=dtype)
     seq = torch.zeros(tokens, dtype=torch.long)
     pos = torch.arange(tokens)
-    fns = {}
+    fns, fresh, m = {}, {}, tokens - 1
     for name in backends:  # planned once; the device tables are built in the untimed warm-up call
         step = LocalAttention(seq, pos, seq, pos, backend=name, device=q.device)
         fns[name] = lambda step=step: step(q, k, v)
+        fresh[name] = lambda name=name: LocalAttention(seq[:m], pos[:m], seq[:m], pos[:m], backend=name,
+                                                       device=q.device)(q[:m], k[:m], v[:m])
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
-    fns["torch-sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                                                                 enable_gqa=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fns["torch-sdpa"] = lambda: sdpa(qh, kh, vh, is_causal=True, enable_gqa=True)
+    fresh["torch-sdpa"] = lambda: sdpa(qh[:, :, :m], kh[:, :, :m], vh[:, :, :m], is_causal=True, enable_gqa=True)
     try:
         fns["sdpa-cudnn"] = _sdpa_cudnn(qh, kh, vh)
     except RuntimeError as exc:  # no cuDNN attention here: reported as a row without a rate
         fns["sdpa-cudnn"] = exc
-    return fns
+    return fns, fresh
+
+
+def _wall(fn) -> float:
+    """Wall seconds of one call, the GPU idle before and drained after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def _output(name: str, res) -> torch.Tensor:
@@ -112,14 +129,14 @@ def measure(args) -> dict:
     rows = []
     for tokens in args.tokens:
         flops = causal_flops(tokens, args.heads, args.head_dim)
-        fns = _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype, args.backends)
+        fns, fresh = _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype, args.backends)
         try:  # SDPA's output [L, H, D] (untimed), what every kernel's output is compared with
             ref = _output("torch-sdpa", fns["torch-sdpa"]())
         except torch.cuda.OutOfMemoryError:
             ref = None
         for name, fn in fns.items():
             row = {"tokens": tokens, "kernel": name, "seconds": None, "tflops": None, "of_matmul": None,
-                   "vs_sdpa": None, "error": None}
+                   "vs_sdpa": None, "new_length_s": None, "error": None}
             rows.append(row)
             if isinstance(fn, Exception):
                 row["error"] = f"{type(fn).__name__}: {fn}"
@@ -127,6 +144,7 @@ def measure(args) -> dict:
             try:
                 sec = _time_cuda(fn, args.repeat)
                 out = _output(name, fn())
+                row["new_length_s"] = _wall(fresh[name]) if name in fresh else None
             except torch.cuda.OutOfMemoryError:  # e.g. an SDPA fallback that materialises L x L scores
                 row["error"] = "out of memory"
                 torch.cuda.empty_cache()
@@ -135,7 +153,7 @@ def measure(args) -> dict:
             if ref is not None and name != "torch-sdpa":
                 row["vs_sdpa"] = float((out.float() - ref.float()).abs().max())
             del out
-        del fns, ref
+        del fns, fresh, ref
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
@@ -188,11 +206,15 @@ def format_report(res: dict) -> str:
     def vs(r):
         return "-" if r.get("vs_sdpa") is None else f"{r['vs_sdpa']:.1e}"
 
-    table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul", "max abs diff vs SDPA"],
-                       [[r["tokens"], r["kernel"], r.get("error") or "out of memory", "-", "-", "-"]
+    def fresh(r):
+        return "-" if r.get("new_length_s") is None else f"{1e3 * r['new_length_s']:.2f}"
+
+    table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul", "max abs diff vs SDPA",
+                        "ms at a new length"],
+                       [[r["tokens"], r["kernel"], r.get("error") or "out of memory", "-", "-", "-", "-"]
                         if r["seconds"] is None else
                         [r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
-                         f"{r['of_matmul']:.2f}", vs(r)] for r in res["rows"]])
+                         f"{r['of_matmul']:.2f}", vs(r), fresh(r)] for r in res["rows"]])
     ratios = res.get("cudnn_vs_sdpa") or {}
     line = ("\ntorch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): "
             + ", ".join(f"{t}: {x:.2f}" for t, x in ratios.items())) if ratios else ""
