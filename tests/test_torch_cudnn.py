@@ -166,6 +166,26 @@ def test_fp32_and_big_heads_run_the_tiled_triton_kernel(cu):
     assert not cudnn_backend.CudnnBackend.handles(HeadLayout(8, 2, 256, torch.bfloat16))
 
 
+def test_few_row_blocks_go_to_torch_flash_when_usable(cu, monkeypatch):
+    """With torch-flash usable, blocks of at most SMALL_ROWS query rows (decode rows, short chunks) run its varlen
+    call and the larger ones cuDNN; every step shape stays exact."""
+    import fake_torch_flash
+
+    fake_torch_flash.install(monkeypatch)
+    monkeypatch.setattr(cudnn_backend, "SMALL_ROWS", 16)
+    resolve_name("torch-cudnn", CPU), resolve_name("torch-flash", CPU)  # the probes' calls before counting
+    for kind in ("causal", "partial", "decode", "prefix", "mixed", "window"):
+        cu.clear()
+        fake_torch_flash.CALLS.clear()
+        _check(kind)
+        g = 4  # query heads per KV head in these steps: unmasked calls see rows x G
+        assert all(c["rows"] > (16 if c["causal"] else 16 * g) for c in cu), (kind, cu)
+        if kind == "decode":  # one row per sequence: all torch-flash
+            assert not cu and len(fake_torch_flash.CALLS) == 1
+        if kind == "causal":  # one 70-row square: cuDNN
+            assert len(cu) == 1 and not fake_torch_flash.CALLS
+
+
 def test_the_fakes_have_the_real_schemas():
     """Parameter names, order, defaults' presence and the keyword-only part of both fakes are this torch's ops'."""
     real = [op.default._schema.arguments for op in (torch.ops.aten._scaled_dot_product_cudnn_attention,

@@ -1,8 +1,8 @@
 """The `torch-cudnn` backend: a ring step's items mapped onto PyTorch's cuDNN attention ops (`torch_cudnn.py`) —
 causal squares (top-left, exact) as dense causal calls batched by side, FULL blocks as dense calls grouped by shape
-(GQA folded into rows) or one ragged call, blocks of one key computed directly — planned on the host once per
-forward and merged into the fp32 partial (stored where the rows are fresh); fp32, head sizes over 128 and MASK
-tiles through Triton as in `flash_backend.py`.
+(GQA folded into rows) or one ragged call, blocks of one key computed directly, blocks of few rows through
+torch-flash when it is usable — planned on the host once per forward and merged into the fp32 partial (stored
+where the rows are fresh); fp32, head sizes over 128 and MASK tiles through Triton as in `flash_backend.py`.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from cpinfer.attention.tables import ForwardTables
 from cpinfer.attention.torch_cudnn import CudnnAPI
 
 DENSE_GROUPS_MAX = 4  # FULL blocks of more distinct shapes than this run as one ragged call (when it passed)
+SMALL_ROWS = 128  # blocks of at most this many query rows go to torch-flash when usable (PyTorch's own varlen front
+# end gives cuDNN only max_q > 128; decode rows would otherwise build a cuDNN graph for every new context length)
 MAX_HEAD_DIM = 128  # cuDNN's fused attention on Hopper (256 needs cuDNN >= 9.10: not relied on)
 
 
@@ -129,6 +131,18 @@ class CudnnBackend(FlashAttnBackend):
     def __init__(self, api_: CudnnAPI, tiled=None, name: str = "torch-cudnn"):
         super().__init__(api_, tiled, name)
         self._warned = False  # a step was refused at run time (`_refused`)
+        self._small: dict = {}  # device key -> torch-flash's backend for few-row blocks, or None
+
+    def small(self, device) -> FlashAttnBackend | None:
+        """torch-flash (PyTorch's FA2 varlen op) for blocks of at most `SMALL_ROWS` rows, when its probe passed on
+        `device`; else None (everything through cuDNN)."""
+        from cpinfer.attention import torch_flash
+
+        device = torch.device(device)
+        if device not in self._small:
+            usable = not torch_flash.unusable(device)
+            self._small[device] = FlashAttnBackend(torch_flash.api(), self.tiled, "torch-flash") if usable else None
+        return self._small[device]
 
     @staticmethod
     def handles(layout: HeadLayout) -> bool:
@@ -140,6 +154,11 @@ class CudnnBackend(FlashAttnBackend):
             return
         if key_map is not None and any(it.kind == MASK for it in items):
             raise ValueError("a key_map cannot be used with MASK tiles (they read contiguous key ranges)")
+        small = []
+        if self.small(tables.device) is not None:  # few-row blocks: one FA2 varlen call, no per-shape graph
+            small = [it for it in items if it.kind != MASK and it.q1 - it.q0 <= SMALL_ROWS]
+            items = [it for it in items if it.kind == MASK or it.q1 - it.q0 > SMALL_ROWS]
+            self.small(tables.device).prepare_items(small, vectors, tables, key + ("small",), layout, key_map)
         calls = cudnn_calls(items, self.api.ragged_op is not None)
         if key_map is not None:
             calls = [dataclasses.replace(c, k_rows=np.asarray(key_map(c.k_rows), dtype=np.int64)) for c in calls]
@@ -163,6 +182,7 @@ class CudnnBackend(FlashAttnBackend):
             for i, it in enumerate(masked):
                 tables.put(key + ("mask", i), it.mask.numpy())
         tables.meta[key] = {"delegate": False, "cudnn": specs, "masked": masked, "key_map": key_map is not None,
+                            "small": small,
                             "masked_mode": "tiled" if masked and vectors is not None else "math", "masked_items": None}
 
     def _attend_items(self, items, vectors, q, k, v, acc_out, acc_lse, scale, tables=None, key=None, window=None):
@@ -192,6 +212,9 @@ class CudnnBackend(FlashAttnBackend):
                 acc_lse.index_copy_(0, rows, lse)
             else:
                 merge_rows_into(acc_out, acc_lse, out, lse, tables[key + (c, "q_rows")], unique)
+        if meta["small"]:  # merged after the cuDNN calls' stores (always merged, never stored)
+            self.small(q.device)._attend_items(meta["small"], vectors, q, k, v, acc_out, acc_lse, scale, tables,
+                                               key + ("small",), window)
         if meta["masked"]:
             self._masked(meta, vectors, q, k, v, acc_out, acc_lse, scale, tables, key, window)
 
