@@ -419,17 +419,22 @@ def test_cp2_ring_steps_are_exact(pool, strategy):
 
 # ---------------------------------------------------------------- gpu_check part (b)'s pieces that need no GPU
 
-@pytest.mark.parametrize("cu", ["dense", "ragged"], indirect=True)
-def test_gpu_check_small_varlen_cases_hold_with_correct_ops(cu):
-    """gpu_check part (b)'s torch-cudnn cases through the fakes: each passes its own assertions (rows that see no
-    key zero with lse -inf, out and lse within tolerance)."""
+@pytest.mark.parametrize("cu", ["dense", "no-ragged"], indirect=True)
+def test_gpu_check_torch_cudnn_rows(cu, monkeypatch):
+    """Part (b)'s torch-cudnn check itself, through the fakes (torch-flash's too): a probe row, then the small
+    varlen steps with dense FULL calls, ragged ones when the op passed its probe, and few-row blocks to torch-flash
+    — each row exact enough to pass its own assertions; the module's settings restored."""
+    import fake_torch_flash
     from cpinfer.bench import gpu_check
 
-    resolve_name("torch-cudnn", CPU)
-    for name, case in gpu_check.SMALL_VARLEN.items():
-        cu.clear()
-        err_out, err_lse = gpu_check.small_varlen_check(*case, device="cpu", backend="torch-cudnn")
-        assert cu and err_out < 2e-2 and err_lse < 1e-3, (name, err_out, err_lse)
+    fake_torch_flash.install(monkeypatch)
+    res = gpu_check.torch_cudnn_check(device="cpu", long_tokens=None)
+    names = [r[0].split(" vs ")[0] for r in res["rows"]]
+    ragged = torch_cudnn.aten_ops()[1] is not None
+    assert names == ["torch-cudnn probe", "torch-cudnn (dense FULL calls)"] + (
+        ["torch-cudnn (ragged FULL calls)"] if ragged else []) + ["torch-cudnn (few-row blocks to torch-flash)"]
+    assert res["ragged"] == ragged and "passed" in res["rows"][0][1] and fake_torch_flash.CALLS
+    assert (cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS) == (4, 128)
 
 
 def test_bench_reports_the_cudnn_ratio():

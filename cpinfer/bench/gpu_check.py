@@ -226,33 +226,38 @@ def cudnn_expected() -> bool:
             and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability() >= (9, 0))
 
 
-def torch_cudnn_check() -> dict:
+def torch_cudnn_check(device: str = "cuda", long_tokens: int | None = 16384) -> dict:
     """torch-cudnn through cpinfer's backend vs float64: the small varlen steps (also with every FULL block in one
-    ragged call when its probe passed), then one 16K-token causal sequence against SDPA and float64."""
+    ragged call when its probe passed, and with few-row blocks through torch-flash), then one causal sequence of
+    `long_tokens` against SDPA and float64. (`device`, `long_tokens=None`: the CPU tests' fakes.)"""
     from cpinfer.attention import cudnn_backend, torch_cudnn
 
-    problem = torch_cudnn.unusable(torch.device("cuda"))
+    problem = torch_cudnn.unusable(torch.device(device))
     if problem:
-        assert not cudnn_expected(), f"torch-cudnn failed its probe on a Hopper GPU with cuDNN 9: {problem}"
+        assert device != "cuda" or not cudnn_expected(), \
+            f"torch-cudnn failed its probe on a Hopper GPU with cuDNN 9: {problem}"
         return {"rows": [["torch-cudnn", f"not used here: {problem}", "-"]], "problem": problem}
-    api = torch_cudnn.api(torch.device("cuda"))
+    api = torch_cudnn.api(torch.device(device))
     rows = [["torch-cudnn probe", f"passed; ragged op {'used' if api.ragged_op is not None else 'not used'}, GQA "
                                   f"{'by repeated K/V heads' if api.expand_gqa else 'native'} in causal squares", "-"]]
-    modes = [("dense", cudnn_backend.DENSE_GROUPS_MAX)] + ([("ragged", 0)] if api.ragged_op is not None else [])
-    for mode, groups in modes:
-        t0, saved = time.perf_counter(), cudnn_backend.DENSE_GROUPS_MAX
-        cudnn_backend.DENSE_GROUPS_MAX = groups  # 0: every FULL block through the ragged op
+    modes = [("dense FULL calls", cudnn_backend.DENSE_GROUPS_MAX, 0)]  # SMALL_ROWS 0: no block to torch-flash
+    modes += [("ragged FULL calls", 0, 0)] if api.ragged_op is not None else []
+    modes += [("few-row blocks to torch-flash", cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS)]
+    for mode, groups, small_rows in modes:
+        t0, saved = time.perf_counter(), (cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS)
+        cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS = groups, small_rows  # groups 0: ragged op
         try:
-            worst = {name: small_varlen_check(*case, backend="torch-cudnn") for name, case in SMALL_VARLEN.items()}
+            worst = {name: small_varlen_check(*case, device=device, backend="torch-cudnn")
+                     for name, case in SMALL_VARLEN.items()}
         finally:
-            cudnn_backend.DENSE_GROUPS_MAX = saved
+            cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS = saved
         errors = ("max |out diff| " + ", ".join(f"{w[0]:.1e}" for w in worst.values())
                   + f"; max |lse diff| {max(w[1] for w in worst.values()):.1e}")
-        rows.append([f"torch-cudnn ({mode} FULL calls) vs float64: " + ", ".join(worst), errors,
+        rows.append([f"torch-cudnn ({mode}) vs float64: " + ", ".join(worst), errors,
                      f"{time.perf_counter() - t0:.0f} s"])
-    long = long_causal_check(16384, backend="torch-cudnn")
-    return {"rows": rows + [_long_row(long)], "long": long, "ragged": api.ragged_op is not None,
-            "expand_gqa": api.expand_gqa}
+    long = None if long_tokens is None else long_causal_check(long_tokens, backend="torch-cudnn")
+    return {"rows": rows + ([_long_row(long)] if long else []), "long": long, "ragged": api.ragged_op is not None,
+            "expand_gqa": api.expand_gqa, "packed": api.packed}
 
 
 # ---------------------------------------------------------------- (c) the engine at CP1 in bf16 vs Hugging Face
