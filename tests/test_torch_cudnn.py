@@ -139,6 +139,21 @@ def test_steps_with_one_key_blocks_are_exact(cu):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["values-in-keys", "separate-values"])
+def test_value_head_size_differs(cu, shared):
+    """Dv < Dk (MLA-like): the values as the keys' first channels, or a separate narrower v — padded exactly."""
+    g = torch.Generator().manual_seed(7)
+    seq, pos = torch.zeros(30, dtype=torch.long), torch.arange(30)
+    q = torch.randn(30, 4, 24, generator=g).half()
+    k = torch.randn(30, 1, 24, generator=g).half()
+    v = k[..., :16] if shared else torch.randn(30, 1, 16, generator=g).half()
+    out, lse = attend_local(q, k, v, seq, pos, seq, pos, backend="torch-cudnn", scale=0.2)
+    ref_out, ref_lse = reference_attention(q, k, v, seq, pos, seq, pos, scale=0.2)
+    assert out.shape == (30, 4, 16) and cu
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=3e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_fold_heads_round_trip_and_alignment():
     """fold → unfold is the identity (out and lse), row i·G + g of KV head kv is query head kv·G + g; a view whose
     stride is not a multiple of 16 bytes is copied, an aligned one is not."""
