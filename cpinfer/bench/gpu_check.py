@@ -545,6 +545,7 @@ def check_imports() -> None:
     import transformers  # noqa: F401
 
     from cpinfer import LLM  # noqa: F401
+    from cpinfer.attention import autoselect, cudnn_backend, torch_cudnn  # noqa: F401  (part b)
     from cpinfer.bench import gpu  # noqa: F401
     from cpinfer.bench.common import random_model  # noqa: F401
     from cpinfer.commands.demo import run_engine_demo  # noqa: F401
