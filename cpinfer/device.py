@@ -116,9 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                         "the cache, the ring messages and the tiers; fp8_per_token = e4m3 with a scale per token and "
                         "KV head (4 bytes more per row, never saturates) (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="attention kernel: auto = cpu-flash on CPU; on CUDA flash-attn when installed, else "
-                        "torch-flash (PyTorch's own FlashAttention-2 varlen op, after a probe on the GPU), else "
-                        "triton; or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
+                   help="attention kernel: auto = cpu-flash on CPU; on CUDA the fastest on the model's heads, "
+                        "timed once per GPU, of flash-attn (when installed), torch-cudnn (PyTorch's cuDNN attention) "
+                        "and torch-flash (PyTorch's FlashAttention-2 varlen op) when their probes pass, and triton; "
+                        "or $CPINFER_ATTENTION_BACKEND (default: %(default)s)")
     if memory:
         g.add_argument("--gpu-memory-utilization", type=gpu_memory_utilization, default=0.9, metavar="F",
                        help="CUDA: share of each GPU's memory the weights, activations and KV cache may use; the "

@@ -32,7 +32,7 @@ def test_auto_resolves_by_device_and_env(monkeypatch):
 
 
 def test_unusable_backends_raise_clear_errors(monkeypatch):
-    with pytest.raises(ValueError, match="allowed: auto, cpu-flash, triton, flash-attn, torch-flash, math"):
+    with pytest.raises(ValueError, match="allowed: auto, cpu-flash, triton, flash-attn, torch-cudnn, torch-flash, math"):
         resolve_name("flash", CPU)
     with pytest.raises(ValueError, match="torch-flash needs a CUDA device"):
         resolve_name("torch-flash", CPU)

@@ -148,6 +148,30 @@ def test_no_host_work_with_the_torch_flash_backend(llama_checkpoint, monkeypatch
     assert fake.CALLS
 
 
+@pytest.mark.parametrize("groups", [4, 0], ids=["dense", "ragged"])
+def test_no_host_work_with_the_torch_cudnn_backend(llama_checkpoint, monkeypatch, groups):
+    """The torch-cudnn backend's host code (fake ops, fp16, CP1, windows): dense calls per shape, or every FULL block
+    in one ragged call; GQA folded, one-key rows, stores and merges all on the device."""
+    import fake_torch_cudnn as fake
+    from cpinfer.attention import cudnn_backend, torch_cudnn
+
+    fake.install(monkeypatch)
+    monkeypatch.setattr(cudnn_backend, "DENSE_GROUPS_MAX", groups)
+    dense, ragged = torch_cudnn.aten_ops()
+
+    def paused(fn):  # the fakes check their arguments on the host: not the engine's doing
+        def run(*args, **kwargs):
+            with guard.paused():
+                return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch_cudnn, "aten_ops", lambda: (paused(dense), paused(ragged)))
+    path = llama_checkpoint("gemma3", max_position_embeddings=512)
+    with _engine(path, 1, None, attention_backend="torch-cudnn", dtype="float16") as llm:
+        _check(llm, lambda: _workload(llm))
+    assert fake.CALLS and (groups or any(c["op"] == "ragged" for c in fake.CALLS))
+
+
 def test_the_recorder_catches_host_work(llama_checkpoint, pool):
     """Negative control: a `.item()` and a `torch.from_numpy` planted in the last layer are reported on every rank."""
     path = llama_checkpoint("gqa", max_position_embeddings=512)

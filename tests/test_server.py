@@ -383,6 +383,7 @@ def test_metrics_report_tokens_kv_forwards_and_latency(server, client):
     for name in ("cpinfer_num_requests_running", "cpinfer_num_requests_waiting", "cpinfer_preemptions_total"):
         assert _metric(after, name) >= 0 and any(k.startswith(name) for k in after), name
     assert _metric(after, "cpinfer_engine_dead") == 0
+    assert after['cpinfer_attention_backend_info{backend="cpu-flash",model_name="tiny"}'] == 1  # auto on CPU
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(server):

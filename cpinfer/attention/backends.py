@@ -1,18 +1,23 @@
 """Attention backends by name: the kernel that computes one ring step of a `cp_attention` plan, and the merge.
 
-`"auto"` (default; the env var CPINFER_ATTENTION_BACKEND overrides it) picks `cpu-flash` on CPU; on CUDA
-`flash-attn` when that package imports (FA3 preferred), else `torch-flash` (PyTorch's own FA2 varlen op) when it
-exists and passed its probe on the device, else `triton` — every one a tiled kernel for every dtype (fp32 steps of
-the flash backends run Triton); `math` (explicit scores, small blocks) runs only when asked for by name. `cpu-flash`
-and `math` run the plan's `AttnItem`s one call each (`step.ItemBackend`); `triton` runs a whole step in one launch
-(`triton_backend.py`); `flash-attn` and `torch-flash` in one varlen call (`flash_backend.py`, `torch_flash.py`).
+`"auto"` (default; the env var CPINFER_ATTENTION_BACKEND overrides it) picks `cpu-flash` on CPU; on CUDA the
+fastest of the backends that are usable there — `flash-attn` when that package imports (FA3 preferred),
+`torch-cudnn` (PyTorch's cuDNN attention ops) and `torch-flash` (PyTorch's own FA2 varlen op) when they exist and
+passed their probes on the device, and `triton` — timed briefly at first use per device and shape class when the
+caller gives the head layout (`autoselect.py`), else in that fixed order. Every one is a tiled kernel for every
+dtype (fp32 steps of the flash / cuDNN backends run Triton); `math` (explicit scores, small blocks) runs only when
+asked for by name. `cpu-flash` and `math` run the plan's `AttnItem`s one call each (`step.ItemBackend`); `triton`
+runs a whole step in one launch (`triton_backend.py`); `flash-attn` and `torch-flash` in one varlen call
+(`flash_backend.py`, `torch_flash.py`), `torch-cudnn` in a few (`cudnn_backend.py`, `torch_cudnn.py`).
 Device tables are planned from the plan's `steps` and `step_vectors(j)` and uploaded once per forward
 (`tables.py`), so a plan built elsewhere runs too.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -23,15 +28,19 @@ from cpinfer.attention.local import MIN_STAIR, _np, build_items, chunk_labels, s
 from cpinfer.attention.step import (HeadLayout, ItemBackend, StepBackend, plan_key, plan_tables,  # noqa: F401
                                     step_vectors)
 
+log = logging.getLogger(__name__)
 ENV_VAR = "CPINFER_ATTENTION_BACKEND"
-NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "torch-flash", "math")
-IN_KERNEL = ("triton", "flash-attn", "torch-flash")  # backends that take CAUSAL squares of any length into one launch
+NAMES = ("auto", "cpu-flash", "triton", "flash-attn", "torch-cudnn", "torch-flash", "math")
+IN_KERNEL = ("triton", "flash-attn", "torch-cudnn", "torch-flash")  # take CAUSAL squares of any length in a call
 
 
-def resolve_name(name: str | None, device: torch.device, probe: bool = True) -> str:
+def resolve_name(name: str | None, device: torch.device, probe: bool = True, layout: HeadLayout | None = None,
+                 tokens: int | None = None) -> str:
     """The concrete backend for `name` on `device` ("auto" and the env var resolved); ValueError if unusable.
-    `probe=False` (a driver that does not own the device): torch-flash counts as usable when its op exists, without
-    running its probe on the device (the ranks resolve again, with the probe)."""
+    `probe=False` (a driver that does not own the device): torch-flash / torch-cudnn count as usable when their ops
+    exist, without running their probes on the device (the ranks resolve again, with the probes). `layout` (and
+    `tokens`, the length to time at): "auto" times the usable backends on that shape class once per device
+    (`autoselect.choose`) instead of taking the fixed order."""
     device = torch.device(device)
     name = name or "auto"
     if name == "auto":
@@ -44,20 +53,51 @@ def resolve_name(name: str | None, device: torch.device, probe: bool = True) -> 
     if name == "auto":
         if device.type == "cpu":
             return "cpu-flash"
-        return accelerator_default(device, probe)
+        return accelerator_default(device, probe, layout, tokens)
     problem = _unusable(name, device, probe)
     if problem:
         raise ValueError(f"attention backend {name!r}{where} cannot run on {device}: {problem}")
     return name
 
 
-def accelerator_default(device: torch.device, probe: bool = True) -> str:
-    """What `auto` means off the CPU: flash-attn if it imports, else torch-flash if its probe passed on `device`,
-    else triton."""
-    for name in ("flash-attn", "torch-flash"):
-        if not _unusable(name, device, probe):
-            return name
-    return "triton"
+def accelerator_default(device: torch.device, probe: bool = True, layout: HeadLayout | None = None,
+                        tokens: int | None = None) -> str:
+    """What `auto` means off the CPU: among flash-attn (if it imports), torch-cudnn and torch-flash (if their probes
+    passed on `device`) and triton, the fastest on `layout`'s shape class when one is given and the probes ran
+    (timed once per device and class), else the first of them in `autoselect.ORDER`."""
+    from cpinfer.attention import autoselect
+
+    usable = [n for n in autoselect.ORDER if n == "triton" or not _unusable(n, device, probe)]
+    if layout is not None and probe and len(usable) == 1:
+        log.info("attention backend auto on %s: %s, the only usable one", device, usable[0])
+    if layout is None or not probe or len(usable) == 1:
+        return usable[0]
+    return autoselect.choose(device, autoselect.ShapeClass.of(layout, tokens), usable, time_backend).name
+
+
+def time_backend(name: str, device: torch.device, shape, repeat: int = 5) -> float:
+    """Median wall seconds of a causal prefill of about `shape.tokens` tokens through backend `name` on `device`
+    (random inputs). Two warm-up calls (at two lengths: compilation, both divisibility variants of Triton's), then
+    each timed call at a length not seen before — planning, its device tables and any per-shape plan the kernel
+    library builds (cuDNN's graph) included, as a new prompt length would pay them."""
+    dtype = getattr(torch, shape.dtype)
+    n = shape.tokens
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(n, shape.heads, shape.head_dim, device=device, dtype=dtype, generator=g)  # [L, H, D]
+    k = torch.randn(n, shape.kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(n, shape.kv_heads, shape.head_dim, device=device, dtype=dtype, generator=g)
+    seq, pos = torch.zeros(n, dtype=torch.long), torch.arange(n)
+    times = []
+    for i in range(repeat + 2):
+        m = n - i  # a new length each call
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        LocalAttention(seq[:m], pos[:m], seq[:m], pos[:m], backend=name, device=device)(q[:m], k[:m], v[:m])
+        sync()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def _has(module: str) -> bool:
@@ -66,8 +106,8 @@ def _has(module: str) -> bool:
 
 def _unusable(name: str, device: torch.device, probe: bool = True) -> str:
     if name == "cpu-flash" and device.type != "cpu":
-        return ("cpu-flash is the CPU kernel; use 'auto', 'triton', 'flash-attn', 'torch-flash' or 'math' on "
-                "accelerators")
+        return ("cpu-flash is the CPU kernel; use 'auto', 'triton', 'flash-attn', 'torch-cudnn', 'torch-flash' or "
+                "'math' on accelerators")
     if name == "flash-attn":
         from cpinfer.attention import flash_backend
 
@@ -76,6 +116,10 @@ def _unusable(name: str, device: torch.device, probe: bool = True) -> str:
         from cpinfer.attention import torch_flash
 
         return torch_flash.unusable(device, probe)
+    if name == "torch-cudnn":
+        from cpinfer.attention import torch_cudnn
+
+        return torch_cudnn.unusable(device, probe)
     if name == "triton":
         if not _has("triton"):
             return "the triton package is not installed"
@@ -103,6 +147,10 @@ def get_step_backend(name: str | None, device) -> StepBackend:
             from cpinfer.attention import flash_backend, torch_flash
 
             _BACKENDS[concrete] = flash_backend.FlashAttnBackend(torch_flash.api(), name="torch-flash")
+        elif concrete == "torch-cudnn":
+            from cpinfer.attention import cudnn_backend, torch_cudnn
+
+            _BACKENDS[concrete] = cudnn_backend.CudnnBackend(torch_cudnn.api(device))
         else:
             kernel = {"cpu-flash": cpu_flash_backend, "math": sdpa_math_backend}[concrete]
             _BACKENDS[concrete] = ItemBackend(concrete, kernel)
@@ -117,8 +165,9 @@ def min_stair(name: str | None) -> int:
 def item_kernel(name: str | None, device):
     """The per-item kernel (q, k, v, causal, mask, scale) → (out, lse) of a backend, by name ("auto" resolved).
 
-    For a whole-step backend (triton, flash-attn, torch-flash) this is an adapter that runs one item per call (tables
-    built per call): correct, but one launch per item and host work per call; `attend_items` runs a whole step instead.
+    For a whole-step backend (triton, flash-attn, torch-cudnn, torch-flash) this is an adapter that runs one item
+    per call (tables built per call): correct, but one launch per item and host work per call; `attend_items` runs
+    a whole step instead.
     """
     backend = get_step_backend(name, device)
     if isinstance(backend, ItemBackend):

@@ -1,9 +1,13 @@
 """Attention kernel TFLOP/s on one GPU vs the matmul rate of the same run (`cpinfer bench gpu`; needs CUDA).
 
 Causal full prefill of one sequence (the paper's 8K-128K range, Llama-3-8B heads by default) through each
-backend's one-step path (`triton`; `flash-attn` when installed; `torch-flash` when its probe passed) and PyTorch's
-SDPA for comparison; every rate
-is also given as a fraction of a bf16 GEMM measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D).
+backend's one-step path (`triton`; `flash-attn` when installed; `torch-cudnn` and `torch-flash` when their probes
+passed) and PyTorch's dense SDPA for reference (`torch-sdpa`: its own dispatch; `sdpa-cudnn`: forced onto cuDNN
+attention with `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`); every rate is also given as a fraction of a bf16 GEMM
+measured in the same process (FLOPs: 2 matmuls x 2 x L^2/2 x H x D), every backend's output is compared with
+SDPA's (max |diff|), and torch-cudnn's rate is reported as a ratio of dense cuDNN SDPA's timed in the same run.
+"ms at a new length": one call at tokens - 1, wall time with planning and any per-shape plan the library builds
+(cuDNN's graph) — what a prompt of a length not seen before pays.
 `--plan-only` (no GPU needed) times the host side of one forward instead: the plan and the Triton tile tables of
 every ring step at CP1 and CP8, which are built once per forward and reused by every layer.
 It ran on an H100 as part (b) of scripts/gpu_check.sh (docs/benchmarks.md, "GPU").
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -46,16 +51,40 @@ def matmul_rate(dtype: torch.dtype, n: int = 8192, repeat: int = 5) -> float:
 
 
 def default_backends(device=None) -> list[str]:
-    """The backends worth timing here: triton, plus flash-attn when it imports and torch-flash when its probe passes
-    on the GPU."""
+    """The backends worth timing here: triton, plus flash-attn when it imports and torch-cudnn / torch-flash when
+    their probes pass on the GPU."""
     from cpinfer.attention.backends import _unusable
 
     device = torch.device(device or "cuda")
-    return ["triton"] + [n for n in ("flash-attn", "torch-flash") if not _unusable(n, device)]
+    return ["triton"] + [n for n in ("flash-attn", "torch-cudnn", "torch-flash") if not _unusable(n, device)]
+
+
+REFERENCES = ("torch-sdpa", "sdpa-cudnn")  # dense SDPA, not cpinfer backends
+
+
+def _sdpa_cudnn(qh, kh, vh):
+    """Dense SDPA forced onto cuDNN attention: with `enable_gqa` when cuDNN takes it, else with K/V heads repeated
+    (decided by one untimed call) → a zero-argument callable."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(k, v, gqa):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=gqa)
+
+    try:
+        run(kh, vh, True)
+        return lambda: run(kh, vh, True)
+    except RuntimeError:  # this cuDNN SDPA takes no GQA: repeat the K/V heads (same FLOPs)
+        g = qh.shape[1] // kh.shape[1]
+        kr, vr = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+        run(kr, vr, False)
+        return lambda: run(kr, vr, False)
 
 
 def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
-    """name → zero-argument callable computing causal attention over one sequence of `tokens`."""
+    """(name → zero-argument callable computing causal attention over one sequence of `tokens`, name → one at a
+    length not seen before (tokens - 1; called once: planning and per-shape plans included) for the cpinfer
+    backends and SDPA's own dispatch)."""
     from cpinfer.attention.backends import LocalAttention
 
     q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
@@ -63,14 +92,35 @@ def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
     v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=dtype)
     seq = torch.zeros(tokens, dtype=torch.long)
     pos = torch.arange(tokens)
-    fns = {}
+    fns, fresh, m = {}, {}, tokens - 1
     for name in backends:  # planned once; the device tables are built in the untimed warm-up call
         step = LocalAttention(seq, pos, seq, pos, backend=name, device=q.device)
         fns[name] = lambda step=step: step(q, k, v)
+        fresh[name] = lambda name=name: LocalAttention(seq[:m], pos[:m], seq[:m], pos[:m], backend=name,
+                                                       device=q.device)(q[:m], k[:m], v[:m])
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
-    fns["torch-sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                                                                 enable_gqa=True)
-    return fns
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fns["torch-sdpa"] = lambda: sdpa(qh, kh, vh, is_causal=True, enable_gqa=True)
+    fresh["torch-sdpa"] = lambda: sdpa(qh[:, :, :m], kh[:, :, :m], vh[:, :, :m], is_causal=True, enable_gqa=True)
+    try:
+        fns["sdpa-cudnn"] = _sdpa_cudnn(qh, kh, vh)
+    except RuntimeError as exc:  # no cuDNN attention here: reported as a row without a rate
+        fns["sdpa-cudnn"] = exc
+    return fns, fresh
+
+
+def _wall(fn) -> float:
+    """Wall seconds of one call, the GPU idle before and drained after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _output(name: str, res) -> torch.Tensor:
+    """A kernel's output as [L, H, D]: backends return (out [L, H, D] fp32, lse); SDPA out [1, H, L, D]."""
+    return res[0].transpose(0, 1) if name in REFERENCES else res[0]
 
 
 def measure(args) -> dict:
@@ -79,19 +129,42 @@ def measure(args) -> dict:
     rows = []
     for tokens in args.tokens:
         flops = causal_flops(tokens, args.heads, args.head_dim)
-        for name, fn in _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype,
-                                       args.backends).items():
+        fns, fresh = _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype, args.backends)
+        try:  # SDPA's output [L, H, D] (untimed), what every kernel's output is compared with
+            ref = _output("torch-sdpa", fns["torch-sdpa"]())
+        except torch.cuda.OutOfMemoryError:
+            ref = None
+        for name, fn in fns.items():
+            row = {"tokens": tokens, "kernel": name, "seconds": None, "tflops": None, "of_matmul": None,
+                   "vs_sdpa": None, "new_length_s": None, "error": None}
+            rows.append(row)
+            if isinstance(fn, Exception):
+                row["error"] = f"{type(fn).__name__}: {fn}"
+                continue
             try:
                 sec = _time_cuda(fn, args.repeat)
+                out = _output(name, fn())
+                row["new_length_s"] = _wall(fresh[name]) if name in fresh else None
             except torch.cuda.OutOfMemoryError:  # e.g. an SDPA fallback that materialises L x L scores
-                rows.append({"tokens": tokens, "kernel": name, "seconds": None, "tflops": None, "of_matmul": None})
+                row["error"] = "out of memory"
                 torch.cuda.empty_cache()
                 continue
-            rows.append({"tokens": tokens, "kernel": name, "seconds": sec, "tflops": flops / sec / 1e12,
-                         "of_matmul": flops / sec / 1e12 / gemm})
+            row.update(seconds=sec, tflops=flops / sec / 1e12, of_matmul=flops / sec / 1e12 / gemm)
+            if ref is not None and name != "torch-sdpa":
+                row["vs_sdpa"] = float((out.float() - ref.float()).abs().max())
+            del out
+        del fns, fresh, ref
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows,
-            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+            "cudnn_vs_sdpa": cudnn_ratios(rows)}
+
+
+def cudnn_ratios(rows) -> dict:
+    """tokens → torch-cudnn's TFLOP/s over dense cuDNN SDPA's in the same run (the issue's target: >= 0.9)."""
+    rate = {(r["tokens"], r["kernel"]): r["tflops"] for r in rows}
+    return {t: rate[(t, "torch-cudnn")] / rate[(t, "sdpa-cudnn")] for t in sorted({r["tokens"] for r in rows})
+            if rate.get((t, "torch-cudnn")) and rate.get((t, "sdpa-cudnn"))}
 
 
 def measure_plan(args) -> dict:
@@ -130,12 +203,24 @@ def format_plan_report(res: dict) -> str:
 
 
 def format_report(res: dict) -> str:
-    table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul"],
-                       [[r["tokens"], r["kernel"], "out of memory", "-", "-"] if r["seconds"] is None else
+    def vs(r):
+        return "-" if r.get("vs_sdpa") is None else f"{r['vs_sdpa']:.1e}"
+
+    def fresh(r):
+        return "-" if r.get("new_length_s") is None else f"{1e3 * r['new_length_s']:.2f}"
+
+    table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul", "max abs diff vs SDPA",
+                        "ms at a new length"],
+                       [[r["tokens"], r["kernel"], r.get("error") or "out of memory", "-", "-", "-", "-"]
+                        if r["seconds"] is None else
                         [r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
-                         f"{r['of_matmul']:.2f}"] for r in res["rows"]])
+                         f"{r['of_matmul']:.2f}", vs(r), fresh(r)] for r in res["rows"]])
+    ratios = res.get("cudnn_vs_sdpa") or {}
+    line = ("\ntorch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): "
+            + ", ".join(f"{t}: {x:.2f}" for t, x in ratios.items())) if ratios else ""
     return (f"{res['device']}, {res['dtype']}, H={res['heads']} Hkv={res['kv_heads']} D={res['head_dim']}, "
-            f"causal prefill of one sequence; {res['dtype']} GEMM 8192^3: {res['matmul_tflops']:.1f} TFLOP/s\n{table}")
+            f"causal prefill of one sequence; {res['dtype']} GEMM 8192^3: {res['matmul_tflops']:.1f} TFLOP/s\n{table}"
+            f"{line}")
 
 
 def _tokens(text: str) -> list[int]:
@@ -154,7 +239,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--backends", type=lambda s: [x for x in s.split(",") if x], default=None,
                         help="attention backends to time (default: triton, plus flash-attn when installed and "
-                             "torch-flash when its probe passes)")
+                             "torch-cudnn / torch-flash when their probes pass; dense SDPA is always timed)")
     parser.add_argument("--repeat", type=positive_int, default=5)
     parser.add_argument("--plan-only", action="store_true",
                         help="no GPU: time the host-side plan and tile tables of one forward instead")

@@ -121,8 +121,8 @@ SMALL_VARLEN = {  # name -> (q_seq, q_pos, kv_seq, kv_pos, kv_seq_end or None), 
 
 
 def small_varlen_check(q_seq, q_pos, kv_seq, kv_pos, kv_end, heads: int = 8, kv_heads: int = 2,
-                       head_dim: int = 128, device: str = "cuda") -> tuple[float, float]:
-    """One step through torch-flash (bf16, GQA) vs the float64 reference on the GPU → (max |out diff|, max |lse
+                       head_dim: int = 128, device: str = "cuda", backend: str = "torch-flash") -> tuple[float, float]:
+    """One step through `backend` (bf16, GQA) vs the float64 reference on the GPU → (max |out diff|, max |lse
     diff| over rows that see a key); rows that see none must be 0 with lse -inf. (`device`: the CPU tests' fake.)"""
     from cpinfer.attention.backends import LocalAttention
     from cpinfer.attention.local import reference_attention
@@ -132,7 +132,7 @@ def small_varlen_check(q_seq, q_pos, kv_seq, kv_pos, kv_end, heads: int = 8, kv_
     k = torch.randn(len(kv_seq), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [Lk, Hkv, D]
     v = torch.randn(len(kv_seq), kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)
     t = (lambda x: None if x is None else torch.tensor(x, dtype=torch.long))  # noqa: E731
-    step = LocalAttention(t(q_seq), t(q_pos), t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end), backend="torch-flash",
+    step = LocalAttention(t(q_seq), t(q_pos), t(kv_seq), t(kv_pos), kv_seq_end=t(kv_end), backend=backend,
                           device=q.device)
     out, lse = step(q, k, v)
     ref_out, ref_lse = reference_attention(q, k, v, t(q_seq), t(q_pos), t(kv_seq), t(kv_pos),
@@ -142,7 +142,7 @@ def small_varlen_check(q_seq, q_pos, kv_seq, kv_pos, kv_end, heads: int = 8, kv_
     assert _max_abs(out.double()[~seen]) == 0.0, "rows that see no key must be 0"
     err_out = _max_abs(out.double() - ref_out)
     err_lse = _max_abs((lse.double() - ref_lse)[seen])
-    assert err_out < 2e-2 and err_lse < 1e-3, f"torch-flash vs float64: out {err_out:.2e}, lse {err_lse:.2e}"
+    assert err_out < 2e-2 and err_lse < 1e-3, f"{backend} vs float64: out {err_out:.2e}, lse {err_lse:.2e}"
     return err_out, err_lse
 
 
@@ -187,19 +187,77 @@ def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, 
 # ---------------------------------------------------------------- (b) attention TFLOP/s beside a GEMM
 
 def part_tflops(out: Path) -> dict:
+    """Every backend's TFLOP/s (triton, torch-cudnn, torch-flash, flash-attn when installed) and dense SDPA's (its
+    own dispatch, and forced onto cuDNN) at 8K-128K beside a bf16 GEMM of the same run; every output against
+    SDPA's. torch-cudnn (its probe must pass where cuDNN attention should run) against float64 on small varlen steps
+    and one 16K-token sequence; its rate over dense cuDNN SDPA's reported (the target, >= 0.9, is not asserted)."""
     from cpinfer.bench import gpu
 
+    backends = gpu.default_backends()
     args = argparse.Namespace(tokens=[8192, 16384, 32768, 65536, 131072], heads=32, kv_heads=8, head_dim=128,
-                              dtype="bf16", backends=gpu.default_backends(), repeat=3)  # torch-flash when usable
+                              dtype="bf16", backends=backends, repeat=3)
     res = gpu.measure(args)
+    failures = []
     for r in res["rows"]:
-        if r["kernel"] == "torch-sdpa" and r["tflops"] is None:
-            continue  # SDPA may materialise L x L scores and run out of memory: reported, not a failure
-        assert r["tflops"] is not None, f"{r['kernel']} at {r['tokens']} tokens ran out of memory"
-        assert 0 < r["tflops"] < 1.5 * res["matmul_tflops"], \
-            f"{r['kernel']} at {r['tokens']} tokens: {r['tflops']:.1f} TFLOP/s next to a {res['matmul_tflops']:.1f} " \
-            "TFLOP/s GEMM is not a plausible timing"
-    return {"markdown": "```\n" + gpu.format_report(res) + "\n```", "result": res}
+        if r["kernel"] in gpu.REFERENCES and r["tflops"] is None:
+            continue  # SDPA may materialise L x L scores and run out of memory, or lack cuDNN: reported
+        if r["tflops"] is None:
+            failures.append(f"{r['kernel']} at {r['tokens']} tokens: {r['error']}")
+        elif not 0 < r["tflops"] < 1.5 * res["matmul_tflops"]:
+            failures.append(f"{r['kernel']} at {r['tokens']} tokens: {r['tflops']:.1f} TFLOP/s next to a "
+                            f"{res['matmul_tflops']:.1f} TFLOP/s GEMM is not a plausible timing")
+        if r["kernel"] not in gpu.REFERENCES and r["vs_sdpa"] is not None and not r["vs_sdpa"] < 3e-2:
+            failures.append(f"{r['kernel']} at {r['tokens']} tokens: max |out - SDPA| {r['vs_sdpa']:.2e}")
+    try:
+        cudnn = torch_cudnn_check()
+    except AssertionError as exc:
+        cudnn = {"rows": [["torch-cudnn", f"FAILED: {exc}", "-"]]}
+        failures.append(f"torch-cudnn: {exc}")
+    markdown = "```\n" + gpu.format_report(res) + "\n```\n\n" + _table(["check", "result", "time"], cudnn["rows"])
+    if failures:
+        raise AssertionError("\n".join(failures) + "\n\n" + markdown)
+    return {"markdown": markdown, "result": res, "cudnn_vs_sdpa": res["cudnn_vs_sdpa"],
+            "torch_cudnn": {k: v for k, v in cudnn.items() if k != "rows"}}
+
+
+def cudnn_expected() -> bool:
+    """cuDNN attention should run here: CUDA torch with cuDNN >= 9 on a Hopper (sm_90) or newer NVIDIA GPU."""
+    return (bool(torch.version.cuda) and torch.backends.cudnn.is_available()
+            and (torch.backends.cudnn.version() or 0) >= 90000 and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def torch_cudnn_check(device: str = "cuda", long_tokens: int | None = 16384) -> dict:
+    """torch-cudnn through cpinfer's backend vs float64: the small varlen steps (also with every FULL block in one
+    ragged call when its probe passed, and with few-row blocks through torch-flash), then one causal sequence of
+    `long_tokens` against SDPA and float64. (`device`, `long_tokens=None`: the CPU tests' fakes.)"""
+    from cpinfer.attention import cudnn_backend, torch_cudnn
+
+    problem = torch_cudnn.unusable(torch.device(device))
+    if problem:
+        assert device != "cuda" or not cudnn_expected(), \
+            f"torch-cudnn failed its probe on a Hopper GPU with cuDNN 9: {problem}"
+        return {"rows": [["torch-cudnn", f"not used here: {problem}", "-"]], "problem": problem}
+    api = torch_cudnn.api(torch.device(device))
+    rows = [["torch-cudnn probe", f"passed; ragged op {'used' if api.ragged_op is not None else 'not used'}, GQA "
+                                  f"{'by repeated K/V heads' if api.expand_gqa else 'native'} in causal squares", "-"]]
+    modes = [("dense FULL calls", cudnn_backend.DENSE_GROUPS_MAX, 0)]  # SMALL_ROWS 0: no block to torch-flash
+    modes += [("ragged FULL calls", 0, 0)] if api.ragged_op is not None else []
+    modes += [("few-row blocks to torch-flash", cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS)]
+    for mode, groups, small_rows in modes:
+        t0, saved = time.perf_counter(), (cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS)
+        cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS = groups, small_rows  # groups 0: ragged op
+        try:
+            worst = {name: small_varlen_check(*case, device=device, backend="torch-cudnn")
+                     for name, case in SMALL_VARLEN.items()}
+        finally:
+            cudnn_backend.DENSE_GROUPS_MAX, cudnn_backend.SMALL_ROWS = saved
+        errors = ("max |out diff| " + ", ".join(f"{w[0]:.1e}" for w in worst.values())
+                  + f"; max |lse diff| {max(w[1] for w in worst.values()):.1e}")
+        rows.append([f"torch-cudnn ({mode}) vs float64: " + ", ".join(worst), errors,
+                     f"{time.perf_counter() - t0:.0f} s"])
+    long = None if long_tokens is None else long_causal_check(long_tokens, backend="torch-cudnn")
+    return {"rows": rows + ([_long_row(long)] if long else []), "long": long, "ragged": api.ragged_op is not None,
+            "expand_gqa": api.expand_gqa, "packed": api.packed}
 
 
 # ---------------------------------------------------------------- (c) the engine at CP1 in bf16 vs Hugging Face
@@ -440,7 +498,9 @@ PARTS = [
     Part("a", 360, "compiled Triton kernels vs the reference (small shapes, offsets past 2^31, 128K tokens); "
                    "torch-flash vs float64 (small varlen shapes, 32K tokens)",
          part_kernels),
-    Part("b", 240, "attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM", part_tflops),
+    Part("b", 240, "attention TFLOP/s per backend (torch-cudnn, torch-flash, triton, flash-attn when installed) and "
+                   "dense SDPA (default, cuDNN) at 8K-128K beside a bf16 GEMM; torch-cudnn vs float64 and its ratio "
+                   "to dense cuDNN SDPA", part_tflops),
     Part("c", 400, "engine CP1 bf16 vs Hugging Face on the GPU (embedded model; Llama-3-8B shape at 32K, 128K)",
          part_engine_vs_hf),
     Part("d", 150, "decode TTIT with and without CUDA graphs (CP1, bf16, batch 1 and 8)", part_decode_graphs),
@@ -485,6 +545,7 @@ def check_imports() -> None:
     import transformers  # noqa: F401
 
     from cpinfer import LLM  # noqa: F401
+    from cpinfer.attention import autoselect, cudnn_backend, torch_cudnn  # noqa: F401  (part b)
     from cpinfer.bench import gpu  # noqa: F401
     from cpinfer.bench.common import random_model  # noqa: F401
     from cpinfer.commands.demo import run_engine_demo  # noqa: F401

@@ -39,9 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="element type: auto = bfloat16 on cuda, float32 on cpu, as the engine (default auto)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="the attention kernel to measure, as the engine picks it: auto = cpu-flash on cpu; "
-                        "flash-attn on cuda when installed, else torch-flash when its probe passes, else triton "
-                        "(default auto)")
+                   help="the attention kernel to measure: auto = cpu-flash on cpu; on cuda the first usable of "
+                        "flash-attn, torch-cudnn, torch-flash (after their probes) and triton (default auto)")
     p.add_argument("--threads-per-rank", type=int, metavar="K", default=1, help="torch threads per CPU rank (1)")
     p.add_argument("--repeat", type=int, metavar="R", help="timed runs per measurement (default 3, --quick 2)")
     p.add_argument("--rounds", type=int, metavar="K", help="passes over the grid (default 2, --quick 1)")

@@ -38,8 +38,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seq: torch
 
     strategy: "pass-kv" (ring K/V, Alg. 2), "pass-q" (ring Q + All2All, Alg. 3/4) or "all-gather" (baseline).
     kv_seq_end [Lkv] (default kv_seq + 1): key j is visible to labels in [kv_seq[j], kv_seq_end[j]).
-    backend: "auto" (or $CPINFER_ATTENTION_BACKEND), "cpu-flash", "triton", "flash-attn", "torch-flash" or
-    "math".
+    backend: "auto" (or $CPINFER_ATTENTION_BACKEND), "cpu-flash", "triton", "flash-attn", "torch-cudnn",
+    "torch-flash" or "math".
     control_group: a gloo group over the same ranks for the metadata exchange (GPUs: NCCL `group` for tensors).
     window: a sliding window (transformers' convention: key j visible iff q_pos - kv_pos < window); tiles and
     ring steps with no visible key are skipped, and rows no query can see never travel.

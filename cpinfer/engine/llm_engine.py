@@ -172,6 +172,7 @@ class LLMEngine:
         # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
         # start; the ranks resolve it again on their devices (torch-flash's probe runs there) and report the result
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device), probe=False)
+        self.attention_timings_ms: dict = {}  # backend → ms of `auto`'s timing on rank 0 (empty: not timed)
         self.tokenizer = _load_tokenizer(self.model_path)
         capacity = self._start_ranks(capacity)
         self.disk = None  # the opened disk-tier directory
@@ -255,6 +256,7 @@ class LLMEngine:
                                    a.kv_cache_dtype)
             self.rank_pids = [i["pid"] for i in infos]
             self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
+            self.attention_timings_ms = infos[0].get("attention_timings_ms", {})  # how auto chose it, if it timed
             if capacity is None:
                 capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
                 self._pool.run(MR.allocate_kv, capacity)
@@ -770,7 +772,8 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.tokens_per_rank(),
                            self.kv.capacity_per_rank, self.kv.prefix_queries, self.kv.prefix_hits,
                            c["prompt_tokens"], c["generation_tokens"], dict(c["forwards"]),
-                           self.scheduler.num_preemptions, dict(c["finished"]), self.tier_stats())
+                           self.scheduler.num_preemptions, dict(c["finished"]), self.tier_stats(),
+                           self.attention_backend, dict(self.attention_timings_ms))
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from cpinfer import timing
+from cpinfer.attention import autoselect
 from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.items import new_accumulator
 from cpinfer.attention.step import HeadLayout
@@ -330,11 +331,15 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     old = ctx.state.get("runner")
     if old is not None and old.tiers is not None:  # a pool reused by another engine
         old.tiers.close()
-    backend = resolve_name(attention_backend, ctx.device)  # "auto" on this rank's device (torch-flash's probe)
-    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), backend, decode,
+    runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend, decode,
                          kv_cache_dtype)
+    # "auto" on this rank's device: the probes, then (on a GPU) the fastest on this model's heads, timed once
+    tokens = None if sizing is None else sizing["tokens"]
+    backend = runner.backend = resolve_name(attention_backend, ctx.device, layout=runner.layout, tokens=tokens)
     ctx.state["runner"] = runner
-    info = {"pid": os.getpid(), "attention_backend": backend}
+    choice = autoselect.chosen(ctx.device, runner.layout, tokens)
+    info = {"pid": os.getpid(), "attention_backend": backend,
+            "attention_timings_ms": dict(choice.timings_ms) if choice is not None and choice.name == backend else {}}
     if capacity is not None:
         runner.allocate_kv(capacity)
         return info

@@ -112,3 +112,5 @@ class EngineStats:
     preemptions: int
     requests_finished: dict[str, int]  # finish reason → count
     tiers: dict = dataclasses.field(default_factory=dict)  # per KV tier: hits, bytes, restores (cache_stats)
+    attention_backend: str = ""  # what rank 0 runs ("auto" resolved on its device)
+    attention_timings_ms: dict = dataclasses.field(default_factory=dict)  # backend → ms, when `auto` timed them

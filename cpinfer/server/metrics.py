@@ -2,7 +2,8 @@
 
 Latency histograms and request outcomes are recorded by the routes; everything the engine counts (tokens, the
 prefix-cache hits that persistent KV gives, §3.3, KV tokens per CP rank, forwards by phase and pass-KV / pass-Q
-strategy, preemptions, queue sizes) is read from `AsyncLLM.stats()` at scrape time.
+strategy, preemptions, queue sizes, the attention backend `auto` chose) is read from `AsyncLLM.stats()` at scrape
+time.
 """
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ class EngineCollector:
             fwd.add_metric([self._model, phase, strategy or "none"], float(count))
         yield fwd
         yield from _tier_metrics(self._model, s.get("tiers") or {})
+        if s.get("attention_backend"):
+            info = GaugeMetricFamily("cpinfer_attention_backend_info", "the attention backend rank 0 runs (1)",
+                                     labels=["model_name", "backend"])
+            info.add_metric([self._model, s["attention_backend"]], 1.0)
+            yield info
+        timed = GaugeMetricFamily("cpinfer_attention_backend_timing_ms",
+                                  "auto's timing of each usable attention backend at first use (causal prefill; "
+                                  "+Inf: failed)", labels=["model_name", "backend"])
+        for name, ms in sorted((s.get("attention_timings_ms") or {}).items()):
+            timed.add_metric([self._model, name], float(ms))
+        yield timed
         fin = CounterMetricFamily("cpinfer_engine_requests_finished", "requests the engine finished, by reason",
                                   labels=["model_name", "reason"])
         for reason, count in sorted(s.get("requests_finished", {}).items()):
