@@ -338,7 +338,7 @@ def hf_with_weights(model_dir: str, weights: dict, device: str = "cuda", dtype=t
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     assert not missing and not unexpected, f"HF and engine weights differ: missing {missing}, extra {unexpected}"
@@ -387,9 +387,10 @@ def _hf_or_oom(model, prompt: list[int], device: str) -> tuple | str:
     try:
         return hf_ttft(model, prompt, device)
     except torch.OutOfMemoryError:
-        if torch.device(device).type == "cuda":
-            _free_cuda()
-        return "OOM"
+        pass
+    if torch.device(device).type == "cuda":  # after the except clause: its traceback no longer holds the tensors
+        _free_cuda()
+    return "OOM"
 
 
 def first_token_check(out, hf_lp: torch.Tensor, tol: float = LOGPROB_TOL_BF16) -> dict:
@@ -411,7 +412,7 @@ def profile_prefill(llm, prompt: list[int], out: Path, device: str = "cuda", top
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     averages = prof.key_averages()
-    (out / "c-profile.txt").write_text(averages.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+    (out / "c-profile.txt").write_text(averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                                       row_limit=60))
     rows = top_kernels(averages, torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU, top)
     return {"tokens": len(prompt), "rows": rows}
@@ -425,7 +426,8 @@ def top_kernels(averages, device_type, top: int = 15) -> list[tuple[str, int, fl
             return float(e.self_cpu_time_total)
         return float(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0))
 
-    kernels = [e for e in averages if e.device_type == device_type and self_us(e) > 0]
+    kernels = [e for e in averages if e.device_type == device_type and self_us(e) > 0
+               and not getattr(e, "is_user_annotation", False)]  # as torch's own table sums device time
     total = sum(self_us(e) for e in kernels) or 1.0
     kernels.sort(key=self_us, reverse=True)
     return [(e.key, int(e.count), self_us(e) / 1e3, self_us(e) / total) for e in kernels[:top]]
@@ -477,7 +479,7 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
         llm.shutdown()
         del llm
     _free_cuda()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=dt).to(dev).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=dt, attn_implementation="sdpa").to(dev).eval()
     checks.append(["SmolLM2-135M", n, compare_with_hf(res["out"], _hf_logprobs(hf, prompt, res["out"].token_ids,
                                                                                 dev))])
     hf_ttft(hf, prompt[:1024], dev)  # warm-up
