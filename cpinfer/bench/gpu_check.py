@@ -305,9 +305,12 @@ def _limits_line(lim: dict) -> str:
             "(bytes read + written)")
 
 
-def _engine_prefills(llm, prompts: dict[int, list[int]], max_tokens: int = CHECK_TOKENS) -> dict[int, dict]:
+def _engine_prefills(llm, prompts: dict[int, list[int]], max_tokens: int = CHECK_TOKENS,
+                     repeat: int = 1) -> dict[int, dict]:
     """Greedy `max_tokens` after each prompt (one warm-up of the same length first: Triton compiles for the shapes,
-    cuBLAS picks its kernels); → {tokens: {"out", "ttft_s", "peak_bytes"}}."""
+    cuBLAS picks its kernels), `repeat` times → {tokens: {"out", "ttft_s" (the median), "peak_bytes"}}."""
+    import statistics
+
     from cpinfer import SamplingParams
 
     res = {}
@@ -317,8 +320,9 @@ def _engine_prefills(llm, prompts: dict[int, list[int]], max_tokens: int = CHECK
         llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # warm-up
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        out = llm.generate([prompt], params)[0]
-        res[n] = {"out": out, "ttft_s": out.metrics["ttft_s"],
+        outs = [llm.generate([prompt], params)[0] for _ in range(repeat)]
+        out = outs[0]
+        res[n] = {"out": out, "ttft_s": statistics.median(o.metrics["ttft_s"] for o in outs),
                   "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
     return res
 
@@ -473,7 +477,7 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
     prompt = random_prompt(n, smol_cfg.vocab_size, seed=n)
     llm = LLM(smol, max_model_len=setup.smol_context, **setup.engine)
     try:
-        res = _engine_prefills(llm, {n: prompt})[n]
+        res = _engine_prefills(llm, {n: prompt}, repeat=3)[n]  # a short prefill: the median of 3
         backend = llm.engine.attention_backend
     finally:
         llm.shutdown()
@@ -483,7 +487,8 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
     checks.append(["SmolLM2-135M", n, compare_with_hf(res["out"], _hf_logprobs(hf, prompt, res["out"].token_ids,
                                                                                 dev))])
     hf_ttft(hf, prompt[:1024], dev)  # warm-up
-    hf_res = hf_ttft(hf, prompt, dev)
+    hf_runs = [hf_ttft(hf, prompt, dev) for _ in range(3)]
+    hf_res = (sorted(r[0] for r in hf_runs)[1], hf_runs[0][1])  # the median of 3
     del hf
     _free_cuda()
     rows.append(_prefill_row("SmolLM2-135M-Instruct (embedded)", n, res["ttft_s"],
@@ -536,7 +541,8 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
                          [[m, t, f"{c['same_argmax']}/{c['tokens']} ({c['near_tie_flips']} near ties)",
                            f"{c['max_logprob_diff']:.3f}"] for m, t, c in checks])
     note = (f"{_limits_line(lim)}. Engine CP1, {setup.dtype}, attention `auto` ({backend}); TTFT as the engine "
-            f"reports it (request arrival to first token, after a warm-up prompt of the same length). FLOPs as in "
+            f"reports it (request arrival to first token, after a warm-up prompt of the same length; the embedded "
+            f"model's and HF's on it: the median of 3 runs, the large shape's: one run each). FLOPs as in "
             f"the paper's App. A: 2 x W x T (W: every parameter, {_params_note(smol_cfg, big_cfg)}) + 1/2 x 4 x T^2 "
             f"x D x layers (D = heads x head_dim). MFU: TFLOP/s over the dense peak; 'of GEMM': over the GEMM rate "
             f"above. Hugging Face {transformers.__version__}: the same weights on the same device (the large "
