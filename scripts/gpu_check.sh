@@ -30,7 +30,7 @@ WRITE_DOC=()
 for arg in "$@"; do
   case "$arg" in
     --write-doc) WRITE_DOC=(--write-doc docs/benchmarks.md) ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) OUT=$arg ;;
   esac
 done
