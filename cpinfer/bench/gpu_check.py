@@ -374,8 +374,9 @@ def _sync(device: str) -> None:
 
 
 def hf_largest(model, prompts: dict[int, list[int]], device: str = "cuda") -> dict[int, tuple | str]:
-    """`hf_ttft` at each length → {tokens: (seconds, log-probs) or "OOM"}; when the longest runs out of device
-    memory, halves of it (above the shortest asked) until one fits: the largest that fits is reported beside."""
+    """`hf_ttft` at each length (after a warm-up of that length) → {tokens: (seconds, log-probs) or "OOM"}; when
+    the longest runs out of device memory, halves of it (above the shortest asked) until one fits: the largest that
+    fits is reported beside."""
     res = {n: _hf_or_oom(model, prompts[n], device) for n in sorted(prompts, reverse=True)}
     longest = max(prompts)
     n = longest // 2
@@ -388,7 +389,9 @@ def hf_largest(model, prompts: dict[int, list[int]], device: str = "cuda") -> di
 
 
 def _hf_or_oom(model, prompt: list[int], device: str) -> tuple | str:
+    """`hf_ttft` after one untimed run of the same length (as the engine gets one), or "OOM"."""
     try:
+        hf_ttft(model, prompt, device)  # warm-up: cuBLAS and SDPA pick their kernels for these shapes
         return hf_ttft(model, prompt, device)
     except torch.OutOfMemoryError:
         pass
@@ -509,7 +512,6 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
     _free_cuda()
     hf = hf_with_weights(big_dir, weights, dev, dt)
     del weights
-    hf_ttft(hf, prompts[min(prompts)][:1024], dev)  # warm-up
     hf_big = hf_largest(hf, prompts, dev)
     del hf
     _free_cuda()
@@ -547,8 +549,8 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
             f"x D x layers (D = heads x head_dim). MFU: TFLOP/s over the dense peak; 'of GEMM': over the GEMM rate "
             f"above. Hugging Face {transformers.__version__}: the same weights on the same device (the large "
             f"shape's random tensors are the engine's own, shared), attention sdpa, one forward with "
-            f"logits_to_keep=1 (its KV cache kept) to the first token's log-probs on the host, after a 1K-token "
-            f"warm-up.")
+            f"logits_to_keep=1 (its KV cache kept) to the first token's log-probs on the host, after a warm-up "
+            f"forward of the same length (the embedded model: of 1K tokens).")
     md = [note, "", table, "", "\n".join(lines), "", check_table]
     if "profile" in extra:
         md += ["", f"Profile of one {extra['profile']['tokens']}-token prefill of the large shape (device kernels, "
