@@ -6,9 +6,13 @@
 #   a  compiled Triton kernels vs the reference: small shapes, offsets past 2^31 elements, one 128K-token sequence;
 #      torch-flash (PyTorch's FA2 varlen op) vs float64: small varlen steps and one 32K-token sequence
 #   b  attention TFLOP/s per backend at 8K-128K beside a bf16 GEMM measured in the same run
-#   c  the engine at CP1 in bf16 vs Hugging Face on the GPU: the embedded model, a 2-layer Llama-3-8B shape at 32K
-#      and 128K tokens (TTFT, memory, KV capacity, the attention backend `auto` chose)
-#   d  decode time per token with and without CUDA graphs (CP1, bf16, batch 1 and 8)
+#   c  prefill MFU at CP1 in bf16 with Hugging Face beside it (same GPU, same weights): the embedded model at 8K, the
+#      full-depth Llama-3-8B shape (random bf16 weights made on the GPU) at 32K and 128K: TTFT, TFLOP/s by the
+#      paper's App. A count, MFU vs the dense peak and vs a GEMM timed in the run; GPU_CHECK_PROFILE=1 also profiles
+#      one 32K prefill (top kernels in the report)
+#   d  decode against its floors: CUDA graphs vs eager (batch 1, 8; <= 2 ms/token and batch 8 <= 1.3x batch 1
+#      reported), host time per step outside the device, the 8B shape at 32K vs weights + K/V over the bandwidth
+#      of a copy timed in the run
 #   e  CP2 equals CP1, both ranks on the one GPU (gloo through host memory) when there is only one
 #   report  OUT_DIR/gpu_check.md (default OUT_DIR: gpu_check_out); --write-doc also puts it in docs/benchmarks.md
 # Every part asserts what it checks; the exit status is 0 only when all passed. Logs: OUT_DIR/<part>.log.
@@ -26,7 +30,7 @@ WRITE_DOC=()
 for arg in "$@"; do
   case "$arg" in
     --write-doc) WRITE_DOC=(--write-doc docs/benchmarks.md) ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) OUT=$arg ;;
   esac
 done

@@ -188,3 +188,56 @@ def test_calibrated_profile_drives_the_partial_prefill_choice(llama_checkpoint, 
     step = out.metrics["steps"][0]
     assert (step["strategy"], step["method"]) == ("pass-q", "empirical")
     assert step["inputs"]["coeffs_from"] == "profile my-cluster"
+
+
+def test_steps_report_host_timings(llama_checkpoint, engine):
+    """Every forward's step metrics carry its host-side seconds (schedule, forward, rank 0's plan / model /
+    sample, process with detokenizing): present, non-negative, nested as measured, one dict per forward."""
+    path = llama_checkpoint("gqa", max_position_embeddings=2048)
+    llm = engine(path, 1, max_kv_tokens_per_rank=2048, placement="shard")
+    out = llm.generate([list(range(3, 40))], SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))[0]
+    hosts = [st["host"] for st in out.metrics["steps"]]
+    assert len(hosts) == 4 and len({id(h) for h in hosts}) == 4
+    for h in hosts:
+        assert {"schedule_s", "forward_s", "rank0_plan_s", "rank0_model_s", "rank0_sample_s", "process_s",
+                "detokenize_s"} <= set(h), h
+        assert all(v >= 0 for v in h.values()), h
+        assert h["forward_s"] >= h["rank0_plan_s"] + h["rank0_model_s"] + h["rank0_sample_s"]
+        assert h["process_s"] >= h["detokenize_s"]
+
+
+def test_dummy_weights_run_as_if_loaded(tmp_path):
+    """load_format="dummy": random weights made on the device from config.json alone (no weight files); the engine
+    then computes exactly what it computes with the same weights read from a checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from cpinfer.model import ModelConfig
+    from cpinfer.model.loader import random_model
+    from cpinfer.model.random_checkpoint import random_config_dict
+
+    cfg = random_config_dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2)
+    bare, full = tmp_path / "bare", tmp_path / "full"
+    for d in (bare, full):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+    model = random_model(ModelConfig.from_dict(cfg))  # what the dummy engine makes on the CPU (seed 0)
+    sd = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    assert all(sd[n].std() > 0 for n in sd) and not torch.equal(sd["model.norm.weight"], torch.ones(32))
+    save_file(sd, str(full / "model.safetensors"))
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        LLM(str(bare), load_format="random")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(bare), max_kv_tokens_per_rank=256)
+    prompt = list(range(5, 40))
+    params = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=True, **GREEDY)
+    outs = []
+    for path, fmt in ((bare, "dummy"), (full, "auto")):
+        with LLM(str(path), load_format=fmt, max_kv_tokens_per_rank=256, threads_per_rank=1) as llm:
+            outs.append(llm.generate([prompt], params)[0])
+    assert outs[0].token_ids == outs[1].token_ids
+    torch.testing.assert_close(torch.tensor(outs[0].logprobs), torch.tensor(outs[1].logprobs), rtol=0, atol=0)
+    torch.testing.assert_close(torch.tensor(outs[0].prompt_logprobs[1:]), torch.tensor(outs[1].prompt_logprobs[1:]),
+                               rtol=0, atol=0)

@@ -193,3 +193,5 @@ def test_async_stream_deltas_concatenate_to_the_output(model):
         assert len(deltas) >= 2 and all(len(d) >= 1 for d in deltas)
     check_against_hf(model, [r[1] for r in results], prompts, 12, check_prompt_lp=False)
     assert stats.requests_finished.get("abort", 0) == 1 and stats.num_running == 0
+    # the hand-off of each step's outputs to the event loop is timed in the step's host timings
+    assert all(st["host"]["stream_s"] >= 0 for _, final in results for st in final.metrics["steps"])

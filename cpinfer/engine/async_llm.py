@@ -217,6 +217,7 @@ class AsyncLLM:
                         last_busy = time.monotonic()
                     continue
                 outputs = self.engine.step()
+                t0 = time.perf_counter()
                 last_busy = time.monotonic()
                 self._snapshot = (self.engine.cache_stats(), self.engine.stats())
                 for out in outputs:
@@ -224,6 +225,8 @@ class AsyncLLM:
                         self._deliver(out.request_id, RequestFailedError(out.request_id, out.error))
                     else:
                         self._deliver(out.request_id, out)
+                # the step's outputs share its host timings: readers see the hand-off time once it is known
+                self.engine.last_step_host["stream_s"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - a dead rank or a bug: fail every request, stay inspectable
                 self.dead_error = f"{type(exc).__name__}: {exc}"
                 self.engine.dead_error = self.engine.dead_error or self.dead_error

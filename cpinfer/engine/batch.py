@@ -130,6 +130,10 @@ class RankResult:
     ring_wait_s: float
     idle: bool = False  # this rank had no token and no ring to serve: it skipped the model
     tier_events: tuple = ()  # `TierEvent`s since the last result: disk writes done or failed, restore timings
+    # host-side seconds of this forward's parts on the rank: "plan" (indices, tables and their upload, or the
+    # static path's buffers), "model" (the layers and logits up to their copy to the host: it waits for the device;
+    # a graph replay on the static path), "sample" (drawing tokens from the logits on the host)
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

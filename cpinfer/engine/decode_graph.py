@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 import torch
@@ -78,6 +79,7 @@ class StaticDecode:
         self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
         self.forwards = 0  # decode forwards this path served (diagnostics and tests)
         self.replays = 0  # ... of which by replaying a captured graph
+        self.last_phases: dict = {}  # host seconds of the last forward: "plan" (its buffers), "model" (launch)
 
     # ------------------------------------------------------------------ host side
     def handles(self, batch: ForwardBatch) -> bool:
@@ -177,12 +179,15 @@ class StaticDecode:
     def execute(self, batch: ForwardBatch) -> tuple[list[int], torch.Tensor | None]:
         """→ (my sequences in row order, their logits [len, vocab] fp32 on the device); (`[]`, None) when this rank
         has nothing to do (no token of its own and no ring to serve)."""
+        t0 = time.perf_counter()
         step = self.plan(batch)
         if step.ring_rows + step.local_rows == 0:
+            self.last_phases = {"plan": time.perf_counter() - t0}
             return [], None
         bucket = self._bucket(step)
         self.forwards += 1
         self._fill(bucket, batch, step)
+        t1 = time.perf_counter()
         if bucket["graph"] is not None:
             bucket["graph"].replay()
             self.replays += 1
@@ -191,6 +196,7 @@ class StaticDecode:
             logits = self.forward(bucket)  # eager (and, before a capture, the warm-up: this step's result)
             if self.mode == "graph":
                 self._capture(bucket)
+        self.last_phases = {"plan": t1 - t0, "model": time.perf_counter() - t1}
         nr, nl = step.n_ring, len(step.mine) - step.n_ring  # real rows: ring ones, then local ones after the pad
         if nr == step.ring_rows or nl == 0:
             return step.mine, logits[:nr + nl] if nr == step.ring_rows else logits[:nr]

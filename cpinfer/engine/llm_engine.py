@@ -45,6 +45,7 @@ from cpinfer.perf.models import load_model_spec
 from cpinfer.utils import get_logger
 
 log = get_logger()
+LOAD_FORMATS = ("auto", "dummy")
 _RESTORE_ROUNDS = 4  # schedule again at once after failed restores, this many times in one step
 
 
@@ -83,6 +84,8 @@ class EngineConfig:
     kv_host_gib: float = 0.0  # host tier: GiB of host memory per rank for K/V evicted from the device (0: none)
     kv_disk_dir: str | None = None  # disk tier: a directory for evicted / finished K/V, kept across restarts
     kv_disk_gib: float | None = None  # its bound (None: half the disk's free space at start)
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
+    # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -102,6 +105,12 @@ class EngineConfig:
             check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
+                             f"got {self.load_format!r}")
+        if self.load_format == "dummy" and self.tensor_parallel_size > 1:
+            raise ValueError("load_format='dummy' (random weights) supports tensor_parallel_size 1 only, got "
+                             f"{self.tensor_parallel_size}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.static_decode not in (None, True, False):
@@ -144,12 +153,14 @@ class LLMEngine:
         self.dead_error: str | None = None
         self.args = EngineConfig(**kwargs)
         a = self.args
-        self.model_path = str(resolve_model(model))  # None → the embedded default; .gguf → converted once
+        # None → the embedded default; .gguf → converted once; load_format "dummy" needs no weight files
+        self.model_path = str(resolve_model(model, weights=a.load_format == "auto"))
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
         if self.args.kv_cache_dtype != "auto" and self.config.values_in_keys:
             raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} (multi-head latent "
                              "attention: its cache holds one shared latent) yet; use kv_cache_dtype='auto'")
-        checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
+        if a.load_format == "auto":
+            checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
         self.n = a.context_parallel_size
         self.parallel = a.parallel
         self.parallel.check_model(self.config.num_attention_heads, self.config.num_key_value_heads)
@@ -197,6 +208,7 @@ class LLMEngine:
         self._rng = random.Random(0)
         self.dead_error: str | None = None
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "forwards": {}, "finished": {}}
+        self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
 
     # ------------------------------------------------------------------ set-up
     def _default_capacity(self, fraction: float) -> int:
@@ -253,7 +265,7 @@ class LLMEngine:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
                                    a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend),
-                                   a.kv_cache_dtype)
+                                   a.kv_cache_dtype, a.load_format)
             self.rank_pids = [i["pid"] for i in infos]
             self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
             self.attention_timings_ms = infos[0].get("attention_timings_ms", {})  # how auto chose it, if it timed
@@ -497,6 +509,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         self._check_alive()
+        t0 = time.perf_counter()
+        self.last_step_host = {}  # this step's, once it runs a forward
         outputs = self._apply_aborts()
         scheduled, ops, restore_failed = self._schedule()
         if not scheduled:
@@ -506,11 +520,18 @@ class LLMEngine:
             return outputs
         choice, phase = self._choose(scheduled)
         batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops))
+        t1 = time.perf_counter()
         results: list[RankResult] = self._on_ranks(self._run_batch, batch)
+        t2 = time.perf_counter()
         self._tier_events(results)
         key = f"{phase}/{choice.strategy}"
         self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
-        outputs += self._process(scheduled, results, choice, phase)
+        # host seconds of this step, shared by its requests' step metrics (docs/engine.md, "Metrics")
+        host = {"schedule_s": t1 - t0, "forward_s": t2 - t1,
+                **{f"rank0_{k}_s": v for k, v in results[0].phases.items()}, "detokenize_s": 0.0}
+        self.last_step_host = host
+        outputs += self._process(scheduled, results, choice, phase, host)
+        host["process_s"] = time.perf_counter() - t2  # tokens, stop checks, detokenizing, outputs
         for s in scheduled:  # a hole's tokens recomputed: it is filled, the request matches on below it
             kv = s.request.kv
             if kv is not None and kv.fill_until == kv.num_stored:
@@ -614,9 +635,10 @@ class LLMEngine:
         out.error = why
         return out
 
-    def _process(self, scheduled, results: list[RankResult], choice, phase) -> list[RequestOutput]:
+    def _process(self, scheduled, results: list[RankResult], choice, phase, host: dict) -> list[RequestOutput]:
         now = time.perf_counter()
-        step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs}
+        step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs,
+                     "host": host}
         samples = {r.seq: r for res in results for r in res.samples}
         outputs = []
         for b, s in enumerate(scheduled):
@@ -633,7 +655,7 @@ class LLMEngine:
             why = self._failed.get(req.request_id) or samples[b].error
             if why is None:
                 try:
-                    self._take_token(req, samples[b], now)
+                    self._take_token(req, samples[b], now, host)
                 except Exception as exc:  # noqa: BLE001 - decoding / grammar of this request only
                     why = f"{type(exc).__name__}: {exc}"
             outputs.append(self._fail(req, why) if why is not None else self._output(req))
@@ -667,7 +689,7 @@ class LLMEngine:
                     if top and req.prompt_top_lp is not None:
                         req.prompt_top_lp[target] = dict(zip(top[0][i].tolist(), top[1][i].tolist()))
 
-    def _take_token(self, req: Request, res, now: float) -> None:
+    def _take_token(self, req: Request, res, now: float, host: dict) -> None:
         token = res.token
         if req.out:
             req.metrics["ttit_s"].append(now - req.t_last)
@@ -685,7 +707,9 @@ class LLMEngine:
         self._counters["generation_tokens"] += 1
         p = req.params
         if self.tokenizer is not None:
+            t0 = time.perf_counter()
             req.text = self._decode(req, token)
+            host["detokenize_s"] += time.perf_counter() - t0
         if len(req.out) >= p.min_tokens:  # before min_tokens (vLLM) nothing ends it: min_tokens <= max_tokens
             self._check_end(req, token, matcher)
         if req.finish_reason is not None:

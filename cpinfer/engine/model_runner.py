@@ -29,6 +29,7 @@ from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.sampling import sample
 from cpinfer.engine.tier_store import RankTiers
 from cpinfer.model import ModelConfig, load_model
+from cpinfer.model.loader import random_model
 from cpinfer.tensor_parallel import RowParallelLinear, head_ranges, load_tp_model
 
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
@@ -102,15 +103,20 @@ class KVStore:
 
 class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
-                 attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto"):
+                 attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto",
+                 load_format: str = "auto"):
         """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
         (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off. kv_cache_dtype: "auto" (the
-        compute dtype) or "fp8" (`kv_quant.py`)."""
+        compute dtype) or "fp8" (`kv_quant.py`). load_format: "auto" (the checkpoint) or "dummy" (random weights
+        made on the device, TP1: `loader.random_model`)."""
         self.ctx = ctx
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
         self.model_path = model_path
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
-        if parallel.tp == 1:
+        if load_format == "dummy":
+            self.config = ModelConfig.from_pretrained(model_path)
+            self.model = random_model(self.config, dtype, ctx.device)
+        elif parallel.tp == 1:
             self.config, self.model = load_model(model_path, dtype=dtype, device=ctx.device)
         else:
             self.config = ModelConfig.from_pretrained(model_path)
@@ -215,6 +221,7 @@ class ModelRunner:
         tables = plan.prepare(self.layout, self.windows, store.k.shape[1], self.chunks,  # every index, on the host
                               store.widths.values_in_keys)
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
+        t_plan = time.perf_counter()
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         steps = []  # ring timings of every layer, read after the forward
 
@@ -228,27 +235,41 @@ class ModelRunner:
                             self.chunks[layer], sinks, store_used=store.used,
                             codecs=None if codecs is None else codecs[layer])
 
+        phases = {"plan": t_plan - t0}
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]
             if self.groups.tp_rank == 0:
-                samples, prompt_lp = self._sample(batch, plan, hidden), self._prompt_logprobs(batch, plan, hidden)
+                samples = self._sample(batch, plan, hidden, phases, t_plan)
+                prompt_lp = self._prompt_logprobs(batch, plan, hidden)
             else:
                 samples, prompt_lp = (), {}
         wait = sum(st["wait_s"] for st in timing.resolve(steps))  # CUDA event spans: one sync, after the forward
         for m in self._tp_linears:
             m.comm_s  # noqa: B018 - folds this forward's all-reduce spans (keeps the record bounded)
         self.ring_wait_s += wait
-        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events)
+        phases.setdefault("model", time.perf_counter() - t_plan - phases.get("sample", 0.0))
+        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events, phases=phases)
 
     def _execute_static(self, batch: ForwardBatch, t0: float, events: tuple) -> RankResult:
         """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
         which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
-        samples = self._draw(batch, which, logits.cpu()) if self.groups.tp_rank == 0 and which else ()
+        samples, phases = (), dict(self.static.last_phases)  # "plan" (host buffers), "model" (launch / replay)
+        if self.groups.tp_rank == 0 and which:
+            t1 = time.perf_counter()
+            host_logits = logits.cpu()  # waits for the device
+            t2 = time.perf_counter()
+            samples = self._draw(batch, which, host_logits)
+            phases["model"] = phases.get("model", 0.0) + t2 - t1
+            phases["sample"] = time.perf_counter() - t2
         # a rank with no token and no ring to serve ran nothing: `which` is empty, `logits` None
-        return RankResult(samples, {}, time.perf_counter() - t0, 0.0, idle=logits is None, tier_events=events)
+        return RankResult(samples, {}, time.perf_counter() - t0, 0.0, idle=logits is None, tier_events=events,
+                          phases=phases)
 
-    def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> tuple[SampleResult, ...]:
-        """Sample every sequence whose last new token this rank holds (its logits never leave the rank)."""
+    def _sample(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor,
+                phases: dict, t_model: float) -> tuple[SampleResult, ...]:
+        """Sample every sequence whose last new token this rank holds (its logits never leave the rank); only
+        those rows reach the lm_head. Notes the seconds from `t_model` to the logits on the host ("model") and of
+        drawing ("sample") in `phases`."""
         rank = self.groups.cp_rank
         rows, which = [], []
         for b, s in enumerate(batch.seqs):
@@ -258,7 +279,11 @@ class ModelRunner:
         if not rows:
             return ()
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=hidden.device)]).cpu()
-        return self._draw(batch, which, logits)
+        t1 = time.perf_counter()
+        phases["model"] = t1 - t_model
+        out = self._draw(batch, which, logits)
+        phases["sample"] = time.perf_counter() - t1
+        return out
 
     @staticmethod
     def _draw(batch: ForwardBatch, which: list[int], logits: torch.Tensor) -> tuple[SampleResult, ...]:
@@ -319,7 +344,7 @@ class ModelRunner:
 
 def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int = 1, tp: int = 1,
                 attention_backend: str | None = None, sizing: dict | None = None, decode: dict | None = None,
-                kv_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto", load_format: str = "auto") -> dict:
     """Load this rank's model. With a capacity, allocate its KV store now; with None (CUDA), measure instead:
     `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} → the KV tokens this rank could hold
     (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest. `decode`: the
@@ -332,7 +357,7 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     if old is not None and old.tiers is not None:  # a pool reused by another engine
         old.tiers.close()
     runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend, decode,
-                         kv_cache_dtype)
+                         kv_cache_dtype, load_format)
     # "auto" on this rank's device: the probes, then (on a GPU) the fastest on this model's heads, timed once
     tokens = None if sizing is None else sizing["tokens"]
     backend = runner.backend = resolve_name(attention_backend, ctx.device, layout=runner.layout, tokens=tokens)

@@ -61,6 +61,28 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return config, model
 
 
+def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 seed: int = 0, std: float = 0.02) -> CausalLM:
+    """A model of `config`'s shape with random weights made on `device` in `dtype` directly (no float32 copy, no
+    checkpoint: what benchmarks of large shapes need): ~N(0, std), norms their identity plus N(0, 0.1) noise,
+    attention sinks ~N(0, 1); deterministic per (seed, device)."""
+    model = build_model(config, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    identity = 0.0 if config.norm_style == "gemma" else 1.0
+    for name, p in list(model.named_parameters()):  # meta: names and shapes only
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            t.normal_(identity, 0.1, generator=gen)
+        elif name.endswith("self_attn.sinks"):
+            t.normal_(0.0, 1.0, generator=gen)
+        else:
+            t.normal_(0.0, std, generator=gen)
+        _assign(model, name, t)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
 def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", slicer: WeightSlicer = full_tensor,
                  fp8_native: bool | None = None) -> None:

@@ -49,11 +49,12 @@ def default_model_file() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = False) -> Path:
+def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = False, weights: bool = True) -> Path:
     """A checkpoint folder (config.json + *.safetensors, tokenizer files when the source has them) for `model`.
 
     None → the embedded default; `*.gguf` → its converted copy in the cache (converted on first use);
-    a folder → itself, validated. `allow_download` lets a Hugging Face hub id (`org/name`) be fetched.
+    a folder → itself, validated (`weights` False: config.json alone will do, for random weights).
+    `allow_download` lets a Hugging Face hub id (`org/name`) be fetched.
     Raises ValueError naming what is wrong and what is accepted.
     """
     if model is None:
@@ -64,7 +65,7 @@ def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = Fal
             raise ValueError(f"model {str(model)!r}: no such GGUF file")
         return convert_cached(path)
     if path.is_dir():
-        return check_checkpoint_dir(path)
+        return check_checkpoint_dir(path, weights)
     if path.exists():
         raise ValueError(f"model {str(model)!r} is a file but not a .gguf file; give a Hugging Face checkpoint "
                          "folder (config.json + *.safetensors), a .gguf file, or nothing for the default model")
@@ -75,13 +76,14 @@ def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = Fal
                      f"{DEFAULT_MODEL_NAME})")
 
 
-def check_checkpoint_dir(path: Path) -> Path:
-    """`path` if it holds a supported config.json and safetensors weights; else ValueError."""
+def check_checkpoint_dir(path: Path, weights: bool = True) -> Path:
+    """`path` if it holds a supported config.json and (`weights`) safetensors weights; else ValueError."""
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json (expected a Hugging Face checkpoint of a "
                          "supported family)")
     ModelConfig.from_pretrained(path)   # unsupported architectures and options fail here
-    checkpoint_files(path)              # no weights fails here
+    if weights:
+        checkpoint_files(path)          # no weights fails here
     return path
 
 

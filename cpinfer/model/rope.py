@@ -114,7 +114,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]      # [L, H, D/2] each
     c, s = cos[:, None, :], sin[:, None, :]      # [L, 1, D/2]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    out = torch.empty_like(xf)                   # [L, H, D] fp32: both halves written in place (no cat)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
+    return out.to(x.dtype)
 
 
 class RotaryEmbedding:

@@ -127,3 +127,24 @@ HARDWARE = {
     "h200": _profile("h200", "spec", _H200),
     "cpu-gloo": _profile("cpu-gloo", "estimate", _CPU_GLOO),
 }
+
+
+# Dense (no sparsity) BF16 tensor-core peaks by the name torch.cuda.get_device_name() reports, most specific first:
+# what MFU is taken against (`dense_bf16_peak`). The datasheets quote "with sparsity" figures twice these.
+DENSE_BF16_PEAKS: tuple[tuple[str, float, str], ...] = (
+    ("H100 PCIe", 756.0, "NVIDIA H100 PCIe spec: 1513 TF/s BF16 with sparsity, 756 dense"),
+    ("H100 NVL", 835.0, "NVIDIA H100 NVL spec: 1671 TF/s BF16 with sparsity, 835 dense"),
+    ("H100", 989.0, "NVIDIA H100 SXM spec: 989 TF/s dense BF16 (the paper's App. A figure for a 700 W H100)"),
+    ("H200", _H200["peak_tflops"][0], _H200["peak_tflops"][1]),
+    ("A100", 312.0, "NVIDIA A100 spec: 312 TF/s dense BF16"),
+    ("L40S", 362.0, "NVIDIA L40S spec: 362 TF/s dense BF16"),
+)
+
+
+def dense_bf16_peak(device_name: str) -> tuple[float, str] | None:
+    """(dense BF16 peak TFLOP/s, its source) of a GPU by its reported name, or None when the catalog lacks it."""
+    name = device_name.lower()
+    for key, tflops, source in DENSE_BF16_PEAKS:
+        if key.lower() in name:
+            return tflops, source
+    return None
