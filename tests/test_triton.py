@@ -368,12 +368,13 @@ def _prefill(lens, cached):
 @pytest.mark.parametrize("d,dtype,sms,want", [
     (128, torch.bfloat16, 1, (128, 64)),  # long prefill, D=128: 128 lanes, 8 warps
     (48, torch.float16, 1, (128, 128)),  # long prefill, D<=64 (48: channels masked)
-    (160, torch.bfloat16, 1, (128, 16)),  # D<=256
-    (128, torch.bfloat16, 10 ** 6, (64, 32)),  # short prefill: 64 lanes, 4 warps
+    (160, torch.bfloat16, 1, (128, 32)),  # D<=256
+    (128, torch.bfloat16, 10 ** 6, (64, 64)),  # short prefill: 64 lanes, 4 warps
     (64, torch.bfloat16, 10 ** 6, (64, 64)),
-    (200, torch.bfloat16, 10 ** 6, (64, 16)),
+    (200, torch.bfloat16, 10 ** 6, (64, 32)),
     (128, torch.float32, 1, (64, 32)),  # fp32 (ieee dots)
-    (256, torch.float32, 1, (32, 32))])
+    (256, torch.float32, 1, (32, 32)),
+    (300, torch.bfloat16, 1, (64, 16))])  # past 256 (MLA's 576): the wide tiles
 def test_tuned_prefill_classes_exact(d, dtype, sms, want):
     """Every prefill class of the tuned table, in the interpreter: a causal prefill of 150 rows (G = 4: 32 rows per
     128-lane program), then a varlen batch with a cached prefix split over two ring steps (a FULL step: the pass-KV
@@ -433,6 +434,8 @@ def test_vector_table_leaves_masks_to_mask_tiles_and_longest_first_keeps_pairs()
     from cpinfer.attention.local import build_items, visible
     from cpinfer.attention.tiles import NO_DIAG, VEC_DIAG, longest_first, program_keys, vector_table
 
+    empty = vector_table([], 0, 8)  # a step with no visible pair (e.g. a pass-KV step of a later rank's keys)
+    assert empty.num_programs == 0 and longest_first(empty)[0].off.tolist() == [0]
     rng = np.random.default_rng(3)
     for shuffled in (False, True):
         if shuffled:
@@ -474,8 +477,9 @@ def test_tuning_table_rules_and_decode_splits():
         assert cfg.num_warps == 4 or cfg.block_m >= 128
     with pytest.raises(ValueError, match="8 warps need 128-lane tiles"):
         tt.StepConfig(64, 64, 8, 3)
-    with pytest.raises(ValueError, match="head sizes 1..256"):
-        tt.select(16, 512, 1, True, 1000, 1000, 8)
+    assert tt.select(16, 576, 128, True, 1000, 1000, 1).block_m == 128  # MLA: one row's 128 heads; wide tiles
+    assert tt.select(16, 576, 16, True, 1000, 1000, 1) == tt.WIDE["16"]
+    assert tt.select(16, 576, 16, True, 1, 8, 1).block_m == 16
     assert tt.select(16, 128, 4, True, 16384, 16384, 8) == tt.TABLE[("16", 128, "causal")]
     assert tt.select(16, 128, 4, False, 16384, 16384, 8) == tt.TABLE[("16", 128, "full")]
     assert tt.select(16, 128, 4, True, 200, 200, 8).block_m == 64  # 7 programs x 8 heads < 132

@@ -144,7 +144,7 @@ def vector_table(items, n_rows: int, rows_per_prog: int) -> TileTable:
     join = np.zeros(len(lo), dtype=bool)  # range i continues range i - 1
     join[1:] = (prog[1:] == prog[:-1]) & (lo[1:] == hi[:-1]) & (diag[1:] == diag[:-1]) & (diag[1:] >= NO_DIAG)
     starts = np.nonzero(~join)[0]
-    ends = np.concatenate((starts[1:], [len(lo)])) - 1
+    ends = np.concatenate((starts[1:], [len(lo)])).astype(np.int64)[:len(starts)] - 1  # no items: no ranges
     prog, lo, hi, diag = prog[starts], lo[starts], hi[ends], diag[starts]
     return TileTable(rows_per_prog, row0, row1, _csr(prog, len(row0)), lo.astype(np.int64), hi.astype(np.int64),
                      row0[prog], row1[prog], diag.astype(np.int64))

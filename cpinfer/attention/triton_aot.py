@@ -49,8 +49,12 @@ def compile_step(target: str, dtype: str = "bf16", use_vectors: bool = True, hea
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PRECISION="ieee" if dtype == "fp32" else "tf32",
                   UPCAST=False, USE_VECTORS=use_vectors, SPLIT=split)
     sig.update({name: "constexpr" for name in consts})
-    return triton.compile(ASTSource(fn=_step_kernel, signature=sig, constexprs=consts), target=_target(target),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    # as Triton's launcher specialises them at run time for 16-byte aligned tensors and strides that are multiples
+    # of 16 (every model's K/V rows): without it the loads are 2 bytes wide and the loop is not pipelined
+    aligned = ["Q", "K", "V", "OUT", "LSE", "SCR"] + _STRIDES
+    attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(fn=_step_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                          target=_target(target), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def compile_class(target: str, key, use_vectors: bool = True, split: bool = False, group: int = 4):

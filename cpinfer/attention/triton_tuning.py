@@ -44,21 +44,22 @@ class StepConfig:
 # multiprocessor a 128-lane program), "decode" (items of a few rows: M is one row's GQA group).
 TABLE: dict[tuple[str, int, str], StepConfig] = {
     # Long prefill, 16-bit: 128 lanes over 8 warps (two warpgroups of 64 rows: wgmma's M per group). Read off the
-    # sm_90 binaries (`triton_aot`: registers, spills inside the K/V loop, shared memory): at D=128, 64-key steps
-    # are the widest that run the loop without spills (128 keys spill: S alone would be 64 regs/thread beside
-    # O's 64 and Q's 32); 3 stages. At D=64 the registers are half used, so 128 keys and 4 stages.
+    # sm_90 binaries (`triton_aot`, with the 16-byte alignment the launcher specialises real tensors with):
+    # registers, spills inside the K/V loop, shared memory, cp.async stages, HGMMA. At D=128 64-key steps are the
+    # widest that run the loop without spills (204 registers, 130 KB of shared memory with 3 stages); 128 keys
+    # spill and take all 227 KB. At D=64 the registers are less used: 128 keys and 4 stages (232 regs, 149 KB).
     ("16", 64, "causal"): StepConfig(128, 128, 8, 4, "long prefill, D<=64: 128-key steps fit the registers"),
     ("16", 64, "full"): StepConfig(128, 128, 8, 4, "long prefill, D<=64"),
     ("16", 128, "causal"): StepConfig(128, 64, 8, 3, "long prefill, D=128: the widest spill-free key step; "
                                                      "64-key diagonal tiles halve the masked work"),
     ("16", 128, "full"): StepConfig(128, 64, 8, 3, "long prefill, D=128 (128-key steps spill in the loop)"),
-    # D in (128, 256]: O alone is 128 regs/thread; 16-key steps on 128 lanes x 8 warps are spill-free in the loop
-    ("16", 256, "causal"): StepConfig(128, 16, 8, 2, "prefill, D<=256: O fills the registers"),
-    ("16", 256, "full"): StepConfig(128, 16, 8, 2, "prefill, D<=256: O fills the registers"),
+    # D in (128, 256]: O alone is 128 regs/thread; 32-key steps keep the loop spill-free (the epilogue spills)
+    ("16", 256, "causal"): StepConfig(128, 32, 8, 2, "prefill, D<=256: O fills the registers"),
+    ("16", 256, "full"): StepConfig(128, 32, 8, 2, "prefill, D<=256: O fills the registers"),
     # too few 128-lane programs to fill the multiprocessors: half the lanes, twice the programs, one warpgroup
     ("16", 64, "short"): StepConfig(64, 64, 4, 3, "short prefill, D<=64"),
-    ("16", 128, "short"): StepConfig(64, 32, 4, 3, "short prefill, D=128 (64-key steps spill on 4 warps)"),
-    ("16", 256, "short"): StepConfig(64, 16, 4, 2, "short prefill, D<=256 (a few spills: rare head size)"),
+    ("16", 128, "short"): StepConfig(64, 64, 4, 3, "short prefill, D=128"),
+    ("16", 256, "short"): StepConfig(64, 32, 4, 2, "short prefill, D<=256"),
     # fp32 (ieee): FMA dots, twice the bytes per tile; small tiles, one warpgroup (the exact path, not a fast one)
     ("32", 64, "causal"): StepConfig(64, 32, 4, 2, "fp32 prefill"),
     ("32", 64, "full"): StepConfig(64, 32, 4, 2, "fp32 prefill"),
@@ -71,19 +72,27 @@ TABLE: dict[tuple[str, int, str], StepConfig] = {
     ("32", 256, "short"): StepConfig(32, 32, 4, 1, "fp32 prefill, D<=256"),
 }
 # decode: M is a row's GQA group (block_m = G rounded up to 16, see `select`); the step only streams K/V, so 4
-# warps and a deep pipeline keep loads in flight (spill-free on sm_90 with the vector masks compiled in);
-# split-KV (`decode_splits`) supplies the parallelism
-DECODE = {("16", 64): StepConfig(16, 64, 4, 4, "decode"), ("16", 128): StepConfig(16, 32, 4, 4, "decode"),
+# warps and a deep pipeline keep loads in flight (spill-free on sm_90 with the vector masks compiled in; at
+# D=128, 150 registers and 72 KB: two programs fit a multiprocessor); split-KV (`decode_splits`) supplies the
+# parallelism
+DECODE = {("16", 64): StepConfig(16, 64, 4, 4, "decode"), ("16", 128): StepConfig(16, 64, 4, 3, "decode"),
           ("16", 256): StepConfig(16, 32, 4, 3, "decode"), ("32", 64): StepConfig(16, 32, 4, 3, "fp32 decode"),
           ("32", 128): StepConfig(16, 32, 4, 2, "fp32 decode"), ("32", 256): StepConfig(16, 16, 4, 2, "fp32 decode")}
 INTERPRETER = StepConfig(16, 16, 4, 1, "interpreter: numpy per program, fastest on small tiles")
 DECODE_LANES = 64  # items of at most this many lanes (rows x G) are the decode class
 
 
+# head sizes past 256 (MLA's absorbed 576 = 512 latent + 64 rope): O is BLOCK_D >= 512 fp32 columns per lane,
+# beyond any register file; these run correct but spilling, in small tiles (a flash-MLA kernel is their fast path)
+WIDE = {"16": StepConfig(64, 16, 4, 1, "head size > 256: exact, spills"),
+        "32": StepConfig(32, 16, 4, 1, "fp32, head size > 256: exact, spills")}
+
+
 def head_class(head_dim: int) -> int:
-    if not 1 <= head_dim <= 256:
-        raise ValueError(f"the Triton step kernel takes head sizes 1..256, got {head_dim}")
-    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    """64, 128 or 256 (the padded head size BLOCK_D the table knows), or 0 past 256 (the WIDE configs)."""
+    if head_dim < 1:
+        raise ValueError(f"the Triton step kernel needs a head size >= 1, got {head_dim}")
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256 if head_dim <= 256 else 0
 
 
 def next_pow2(x: int) -> int:
@@ -96,6 +105,10 @@ def select(dtype_bits: int, head_dim: int, group: int, causal: bool, item_rows: 
     is in the step, the longest query run of one item, the step's query rows and KV heads, multiprocessors."""
     ops, hd = ("16" if dtype_bits == 16 else "32"), head_class(head_dim)
     lanes = next_pow2(max(item_rows, 1) * group)
+    if hd == 0:
+        cfg = WIDE[ops]
+        lanes = max(lanes if lanes <= DECODE_LANES else cfg.block_m, next_pow2(group), 16)
+        return dataclasses.replace(cfg, block_m=lanes, num_warps=8 if lanes >= 128 else 4)
     if lanes <= DECODE_LANES:  # a few rows per item (decode, short chunks): M holds their GQA groups
         base = DECODE[(ops, hd)]
         return dataclasses.replace(base, block_m=max(16, lanes))
@@ -118,4 +131,4 @@ def decode_splits(programs: int, kv_heads: int, keys: int, block_n: int, sms: in
     return -(-per // block_n) * block_n
 
 
-__all__ = ["StepConfig", "TABLE", "DECODE", "INTERPRETER", "select", "decode_splits", "head_class", "H100_SMS"]
+__all__ = ["StepConfig", "TABLE", "DECODE", "WIDE", "INTERPRETER", "select", "decode_splits", "head_class", "H100_SMS"]
