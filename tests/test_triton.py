@@ -325,7 +325,7 @@ def test_value_head_size_differs(in_keys, dv):
 def _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=8, hkv=2, d=128, dtype=torch.bfloat16,
                mode="vectors", window=None, chunk=None, split=None, seed=0):
     """The backend's step(s) (keys split over two ring steps at `split`) vs the f64 reference; returns the step
-    configurations used and the tables' mask-free key counts."""
+    configurations used, the tables' mask-free key count and the most split-KV slots a step used."""
     from cpinfer.attention.backends import _OneStep
     from cpinfer.attention.local import build_items, chunk_labels, new_accumulator, seq_end_or_default
     from cpinfer.attention.step import plan_tables
@@ -336,7 +336,7 @@ def _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=8, hkv=2, d
     [(qs, qp)], [(ks, kp, ke)] = chunk_labels([(q_seq, q_pos)], [(kv_seq, kv_pos, kv_end)], chunk)
     q, k, v = _tensors(len(q_seq), len(kv_seq), h, hkv, d, dtype, seed)
     acc_out, acc_lse = new_accumulator(len(q_seq), h, d, DEV)
-    cfgs, free = [], 0
+    cfgs, free, slots = [], 0, 0
     for keys in ((slice(None),) if split is None else (slice(0, split), slice(split, None))):
         items = build_items(qs, qp, ks[keys], kp[keys], ke[keys], window, 1)
         vectors = (qs, qp, ks[keys], ke[keys], kp[keys]) if mode == "vectors" else None
@@ -344,6 +344,7 @@ def _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=8, hkv=2, d
         backend.attend(plan, 0, q, k[keys], v[keys], acc_out, acc_lse, 0.3)
         meta = plan_tables(plan, DEV).meta[(0,)]
         cfgs.append(meta["config"])
+        slots = max(slots, meta["n_slots"])
         tab = [plan_tables(plan, DEV)[(0, f)].cpu().numpy().astype(np.int64) for f in TABLE_FIELDS]
         free += int(mask_free_keys(TileTable(0, *tab), meta["config"].block_n).sum())
     ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(q_seq), torch.from_numpy(q_pos),
@@ -354,7 +355,7 @@ def _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=8, hkv=2, d
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(acc_lse.cpu()), ~finite)
     torch.testing.assert_close(acc_lse.cpu().double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
-    return cfgs, free
+    return cfgs, free, slots
 
 
 def _prefill(lens, cached):
@@ -383,10 +384,10 @@ def test_tuned_prefill_classes_exact(d, dtype, sms, want):
 
     backend = TritonBackend(tuned=True, sms=sms)
     n = max(70, want[1] + 36)  # some program's first row past one key block: its interior runs unmasked
-    cfgs, free = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), d=d, dtype=dtype)
+    cfgs, free, _ = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), d=d, dtype=dtype)
     assert (cfgs[0].block_m, cfgs[0].block_n) == want and free > 0  # the mask-free phase ran
     assert cfgs[0].num_warps == (8 if want[0] == 128 else 4)
-    cfgs, free = _tuned_run(backend, *_prefill([30, 60], [140, 0]), d=d, dtype=dtype, split=140, mode="items")
+    cfgs, free, _ = _tuned_run(backend, *_prefill([30, 60], [140, 0]), d=d, dtype=dtype, split=140, mode="items")
     assert cfgs[0].block_m == want[0] and free > 0
 
 
@@ -398,9 +399,9 @@ def test_tuned_windows_chunks_and_mask_tiles_exact(mode):
 
     backend = TritonBackend(tuned=True, sms=1)
     n = 200
-    _, free = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), mode=mode, window=100)
+    _, free, _ = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), mode=mode, window=100)
     assert free > 0
-    _, free = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), mode=mode, chunk=130, window=70)
+    _, free, _ = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), mode=mode, chunk=130, window=70)
     assert free > 0
     _tuned_run(backend, *_prefill([70, 90], [0, 40]), mode=mode, split=100, chunk=48)
     if mode == "vectors":
@@ -411,21 +412,22 @@ def test_tuned_windows_chunks_and_mask_tiles_exact(mode):
 
 
 @pytest.mark.parametrize("h,hkv,d,dtype,lanes", [(8, 2, 128, torch.bfloat16, 16), (32, 1, 64, torch.bfloat16, 32),
-                                                  (6, 3, 256, torch.float32, 16)])
+                                                  (6, 3, 256, torch.bfloat16, 16), (4, 4, 64, torch.float32, 16)])
 def test_tuned_decode_split_kv_exact(h, hkv, d, dtype, lanes):
     """Decode rows (M = one row's GQA group) with split-KV sized by `decode_splits` (the launch is far below 2
-    programs per multiprocessor), merged into a running partial of an earlier ring step; G = 4, 32 (MQA), 2."""
+    programs per multiprocessor), merged into a running partial of an earlier ring step; G = 4, 32 (MQA), 2, 1."""
     from cpinfer.attention.triton_backend import TritonBackend
 
     backend = TritonBackend(tuned=True, min_programs=10 ** 6)
-    lens = [3, 400, 170]
+    lens = [3, 700, 300]  # pieces of 4 K/V tiles (decode_splits' floor): 256 keys at D<=128, 128 at D=256
     kv_seq = np.repeat(np.arange(3), lens)
     kv_pos = np.concatenate([np.arange(m) for m in lens])
-    cfgs, free = _tuned_run(backend, np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=d,
-                            dtype=dtype, split=250, mode="items")
-    assert cfgs[0].block_m == lanes and cfgs[0].num_warps == 4 and free > 0
-    _tuned_run(backend, np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=d, dtype=dtype,
-               window=100, mode="vectors")
+    cfgs, free, slots = _tuned_run(backend, np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=d,
+                                   dtype=dtype, split=350, mode="items")
+    assert cfgs[0].block_m == lanes and cfgs[0].num_warps == 4 and free > 0 and slots > 1  # really split
+    _, _, slots = _tuned_run(backend, np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=d,
+                             dtype=dtype, window=400, mode="vectors")
+    assert slots > 1
 
 
 def test_vector_table_leaves_masks_to_mask_tiles_and_longest_first_keeps_pairs():
