@@ -24,7 +24,7 @@ from cpinfer.attention.tiles import NO_DIAG
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 2 ** 30  # positions stay below this (int32 metadata), so q_pos - kv_pos < it always
-_NO_DIAG = tl.constexpr(NO_DIAG)  # a range's diag at or below this is exact by itself (FULL / CAUSAL); above: vectors decide
+_NO_DIAG = tl.constexpr(NO_DIAG)  # diag <= this: the range is exact by itself (FULL / CAUSAL); above: vectors
 
 
 @triton.jit
