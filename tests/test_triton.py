@@ -406,9 +406,9 @@ def test_tuned_windows_chunks_and_mask_tiles_exact(mode):
     _tuned_run(backend, *_prefill([70, 90], [0, 40]), mode=mode, split=100, chunk=48)
     if mode == "vectors":
         rng = np.random.default_rng(9)
-        q_seq, q_pos = rng.integers(-1, 3, 140), rng.integers(0, 60, 140)
-        kv_seq, kv_pos = rng.integers(-1, 3, 150), rng.integers(0, 60, 150)
-        _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, split=70, window=30)
+        q_seq, q_pos = rng.integers(-1, 3, 90), rng.integers(0, 40, 90)
+        kv_seq, kv_pos = rng.integers(-1, 3, 100), rng.integers(0, 40, 100)
+        _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, split=50, window=20)
 
 
 @pytest.mark.parametrize("h,hkv,d,dtype,lanes", [(8, 2, 128, torch.bfloat16, 16), (32, 1, 64, torch.bfloat16, 32),
