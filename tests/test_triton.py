@@ -318,3 +318,175 @@ def test_value_head_size_differs(in_keys, dv):
     assert out.shape == (len(q_seq), 8, dv)
     torch.testing.assert_close(out.cpu().double(), ref_out, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the tuned classes (triton_tuning), in the interpreter
+
+def _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, kv_end=None, h=8, hkv=2, d=128, dtype=torch.bfloat16,
+               mode="vectors", window=None, chunk=None, split=None, seed=0):
+    """The backend's step(s) (keys split over two ring steps at `split`) vs the f64 reference; returns the step
+    configurations used, the tables' mask-free key count and the most split-KV slots a step used."""
+    from cpinfer.attention.backends import _OneStep
+    from cpinfer.attention.local import build_items, chunk_labels, new_accumulator, seq_end_or_default
+    from cpinfer.attention.step import plan_tables
+    from cpinfer.attention.tiles import TABLE_FIELDS, TileTable, mask_free_keys
+
+    q_seq, q_pos, kv_seq, kv_pos = (np.asarray(x, dtype=np.int64) for x in (q_seq, q_pos, kv_seq, kv_pos))
+    kv_end = seq_end_or_default(kv_seq, kv_end)
+    [(qs, qp)], [(ks, kp, ke)] = chunk_labels([(q_seq, q_pos)], [(kv_seq, kv_pos, kv_end)], chunk)
+    q, k, v = _tensors(len(q_seq), len(kv_seq), h, hkv, d, dtype, seed)
+    acc_out, acc_lse = new_accumulator(len(q_seq), h, d, DEV)
+    cfgs, free, slots = [], 0, 0
+    for keys in ((slice(None),) if split is None else (slice(0, split), slice(split, None))):
+        items = build_items(qs, qp, ks[keys], kp[keys], ke[keys], window, 1)
+        vectors = (qs, qp, ks[keys], ke[keys], kp[keys]) if mode == "vectors" else None
+        plan = _OneStep(items, vectors, window)
+        backend.attend(plan, 0, q, k[keys], v[keys], acc_out, acc_lse, 0.3)
+        meta = plan_tables(plan, DEV).meta[(0,)]
+        cfgs.append(meta["config"])
+        slots = max(slots, meta["n_slots"])
+        tab = [plan_tables(plan, DEV)[(0, f)].cpu().numpy().astype(np.int64) for f in TABLE_FIELDS]
+        free += int(mask_free_keys(TileTable(0, *tab), meta["config"].block_n).sum())
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), torch.from_numpy(q_seq), torch.from_numpy(q_pos),
+                                           torch.from_numpy(kv_seq), torch.from_numpy(kv_pos),
+                                           kv_seq_end=torch.from_numpy(kv_end), scale=0.3, window=window, chunk=chunk)
+    tol = TOL[dtype]
+    torch.testing.assert_close(acc_out.cpu().double(), ref_out, rtol=tol, atol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(acc_lse.cpu()), ~finite)
+    torch.testing.assert_close(acc_lse.cpu().double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    return cfgs, free, slots
+
+
+def _prefill(lens, cached):
+    q_seq = np.repeat(np.arange(len(lens)), lens)
+    q_pos = np.concatenate([np.arange(c, c + t) for c, t in zip(cached, lens)])
+    kv_seq = np.repeat(np.arange(len(lens)), np.add(lens, cached))
+    kv_pos = np.concatenate([np.arange(c + t) for c, t in zip(cached, lens)])
+    return q_seq, q_pos, kv_seq, kv_pos
+
+
+@pytest.mark.parametrize("d,dtype,sms,want", [
+    (128, torch.bfloat16, 1, (128, 64)),  # long prefill, D=128: 128 lanes, 8 warps
+    (48, torch.float16, 1, (128, 128)),  # long prefill, D<=64 (48: channels masked)
+    (160, torch.bfloat16, 1, (128, 32)),  # D<=256
+    (128, torch.bfloat16, 10 ** 6, (64, 64)),  # short prefill: 64 lanes, 4 warps
+    (64, torch.bfloat16, 10 ** 6, (64, 64)),
+    (200, torch.bfloat16, 10 ** 6, (64, 32)),
+    (128, torch.float32, 1, (64, 32)),  # fp32 (ieee dots)
+    (256, torch.float32, 1, (32, 32)),
+    (300, torch.bfloat16, 1, (64, 16))])  # past 256 (MLA's 576): the wide tiles
+def test_tuned_prefill_classes_exact(d, dtype, sms, want):
+    """Every prefill class of the tuned table, in the interpreter: a causal prefill of 70-164 rows (G = 4: 32 rows per
+    128-lane program), then a varlen batch with a cached prefix split over two ring steps (a FULL step: the pass-KV
+    off-diagonal class); both with unmasked interior blocks, masked diagonals and range edges."""
+    from cpinfer.attention.triton_backend import TritonBackend
+
+    backend = TritonBackend(tuned=True, sms=sms)
+    n = max(70, want[1] + 36)  # some program's first row past one key block: its interior runs unmasked
+    cfgs, free, _ = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), d=d, dtype=dtype)
+    assert (cfgs[0].block_m, cfgs[0].block_n) == want and free > 0  # the mask-free phase ran
+    assert cfgs[0].num_warps == (8 if want[0] == 128 else 4)
+    cfgs, free, _ = _tuned_run(backend, *_prefill([30, 60], [140, 0]), d=d, dtype=dtype, split=140, mode="items")
+    assert cfgs[0].block_m == want[0] and free > 0
+
+
+@pytest.mark.parametrize("mode", ["vectors", "items"])
+def test_tuned_windows_chunks_and_mask_tiles_exact(mode):
+    """The long D=128 class with a sliding window (FULL band blocks unmasked, window edges masked), chunked
+    attention labels (chunk edges), and shuffled metadata (vector mode: MASK tiles decided by the vectors)."""
+    from cpinfer.attention.triton_backend import TritonBackend
+
+    backend = TritonBackend(tuned=True, sms=1)
+    n = 200
+    _, free, _ = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), mode=mode, window=100)
+    assert free > 0
+    _, free, _ = _tuned_run(backend, [0] * n, range(n), [0] * n, range(n), mode=mode, chunk=130, window=70)
+    assert free > 0
+    _tuned_run(backend, *_prefill([70, 90], [0, 40]), mode=mode, split=100, chunk=48)
+    if mode == "vectors":
+        rng = np.random.default_rng(9)
+        q_seq, q_pos = rng.integers(-1, 3, 90), rng.integers(0, 40, 90)
+        kv_seq, kv_pos = rng.integers(-1, 3, 100), rng.integers(0, 40, 100)
+        _tuned_run(backend, q_seq, q_pos, kv_seq, kv_pos, split=50, window=20)
+
+
+@pytest.mark.parametrize("h,hkv,d,dtype,lanes", [(8, 2, 128, torch.bfloat16, 16), (32, 1, 64, torch.bfloat16, 32),
+                                                  (6, 3, 256, torch.bfloat16, 16), (4, 4, 64, torch.float32, 16)])
+def test_tuned_decode_split_kv_exact(h, hkv, d, dtype, lanes):
+    """Decode rows (M = one row's GQA group) with split-KV sized by `decode_splits` (the launch is far below 2
+    programs per multiprocessor), merged into a running partial of an earlier ring step; G = 4, 32 (MQA), 2, 1."""
+    from cpinfer.attention.triton_backend import TritonBackend
+
+    backend = TritonBackend(tuned=True, min_programs=10 ** 6)
+    lens = [3, 700, 300]  # pieces of 4 K/V tiles (decode_splits' floor): 256 keys at D<=128, 128 at D=256
+    kv_seq = np.repeat(np.arange(3), lens)
+    kv_pos = np.concatenate([np.arange(m) for m in lens])
+    cfgs, free, slots = _tuned_run(backend, np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=d,
+                                   dtype=dtype, split=350, mode="items")
+    assert cfgs[0].block_m == lanes and cfgs[0].num_warps == 4 and free > 0 and slots > 1  # really split
+    _, _, slots = _tuned_run(backend, np.arange(3), np.array(lens) - 1, kv_seq, kv_pos, h=h, hkv=hkv, d=d,
+                             dtype=dtype, window=400, mode="vectors")
+    assert slots > 1
+
+
+def test_vector_table_leaves_masks_to_mask_tiles_and_longest_first_keeps_pairs():
+    """vector_table: FULL / CAUSAL ranges exact by their diagonal, MASK tiles flagged VEC_DIAG; longest_first
+    permutes programs (most keys first) and keeps every range with its program."""
+    from cpinfer.attention.local import build_items, visible
+    from cpinfer.attention.tiles import NO_DIAG, VEC_DIAG, longest_first, program_keys, vector_table
+
+    empty = vector_table([], 0, 8)  # a step with no visible pair (e.g. a pass-KV step of a later rank's keys)
+    assert empty.num_programs == 0 and longest_first(empty)[0].off.tolist() == [0]
+    rng = np.random.default_rng(3)
+    for shuffled in (False, True):
+        if shuffled:
+            q_seq, q_pos = rng.integers(-1, 3, 60), rng.integers(0, 40, 60)
+            kv_seq, kv_pos = rng.integers(-1, 3, 80), rng.integers(0, 40, 80)
+        else:
+            q_seq, q_pos, kv_seq, kv_pos = (np.asarray(x) for x in _prefill([30, 50], [10, 0]))
+        kv_end = kv_seq + 1
+        tab = vector_table(build_items(q_seq, q_pos, kv_seq, kv_pos, kv_end, min_stair=1), len(q_seq), 8)
+        vis = visible(q_seq, q_pos, kv_seq, kv_pos, kv_end)
+        seen = np.zeros_like(vis)
+        for t in range(tab.num_programs):
+            for r in range(tab.off[t], tab.off[t + 1]):
+                i = np.arange(tab.row0[t], tab.row1[t])[:, None]
+                j = np.arange(tab.k0[r], tab.k1[r])[None, :]
+                block = vis[tab.row0[t]:tab.row1[t], tab.k0[r]:tab.k1[r]]
+                if tab.diag[r] <= NO_DIAG:  # exact without the vectors
+                    assert np.array_equal(block, (j - i) <= tab.diag[r])
+                else:
+                    assert tab.diag[r] == VEC_DIAG
+                seen[tab.row0[t]:tab.row1[t], tab.k0[r]:tab.k1[r]] |= (j - i) <= tab.diag[r]
+        assert not (vis & ~seen).any() and (tab.diag == VEC_DIAG).any() == shuffled
+        new, _ = longest_first(tab)
+        keys = program_keys(new)
+        assert (np.diff(keys) <= 0).all() and sorted(keys.tolist()) == sorted(program_keys(tab).tolist())
+        ranges = {(a, b): sorted(zip(*(getattr(x, f)[x.off[t]:x.off[t + 1]].tolist() for f in ("k0", "k1", "diag"))))
+                  for x in (tab,) for t, (a, b) in enumerate(zip(x.row0.tolist(), x.row1.tolist()))}
+        for t in range(new.num_programs):
+            got = sorted(zip(*(getattr(new, f)[new.off[t]:new.off[t + 1]].tolist() for f in ("k0", "k1", "diag"))))
+            assert ranges[(int(new.row0[t]), int(new.row1[t]))] == got
+
+
+def test_tuning_table_rules_and_decode_splits():
+    """No 8 warps below 128 lanes; every class selectable; decode_splits fills 2 programs per multiprocessor and
+    never cuts pieces below 4 K/V tiles."""
+    from cpinfer.attention import triton_tuning as tt
+
+    for cfg in list(tt.TABLE.values()) + list(tt.DECODE.values()):
+        assert cfg.num_warps == 4 or cfg.block_m >= 128
+    with pytest.raises(ValueError, match="8 warps need 128-lane tiles"):
+        tt.StepConfig(64, 64, 8, 3)
+    assert tt.select(16, 576, 128, True, 1000, 1000, 1).block_m == 128  # MLA: one row's 128 heads; wide tiles
+    assert tt.select(16, 576, 16, True, 1000, 1000, 1) == tt.WIDE["16"]
+    assert tt.select(16, 576, 16, True, 1, 8, 1).block_m == 16
+    assert tt.select(16, 128, 4, True, 16384, 16384, 8) == tt.TABLE[("16", 128, "causal")]
+    assert tt.select(16, 128, 4, False, 16384, 16384, 8) == tt.TABLE[("16", 128, "full")]
+    assert tt.select(16, 128, 4, True, 200, 200, 8).block_m == 64  # 7 programs x 8 heads < 132
+    assert tt.select(16, 128, 8, True, 1, 64, 8).block_m == 16 and tt.select(16, 128, 1, True, 64, 64, 8).block_m == 64
+    # batch 4 x 8 KV heads = 32 programs over 4 x 32K keys: 2 x 132 / 32 -> 9 pieces of ~3.7K keys
+    per = tt.decode_splits(4, 8, 4 * 32768, 32)
+    assert per % 32 == 0 and 4 * 8 * -(-32768 // per) >= 2 * 132 and -(-32768 // per) <= 10
+    assert tt.decode_splits(300, 8, 10 ** 6, 32) == 0 and tt.decode_splits(1, 1, 50, 32) == 128

@@ -1,8 +1,10 @@
 """The Triton kernels compile ahead of time for NVIDIA (sm_90) and AMD (gfx942) GPUs, on this CPU-only machine.
 
 The interpreter tests (test_triton.py) check the numbers; this checks that the same source survives Triton's
-real compiler down to a GPU binary (cubin / hsaco). It runs in a subprocess without TRITON_INTERPRET and with
-an empty kernel cache, so every binary is built here.
+real compiler down to a GPU binary (cubin / hsaco) in the step kernel's tuned classes (`triton_tuning`), and reads
+the sm_90 binaries: shared memory within Hopper's 227 KB per block, no register spills inside the K/V loops, and
+the 16-bit tiles on warpgroup MMA (HGMMA).
+It runs in a subprocess without TRITON_INTERPRET and with an empty kernel cache, so every binary is built here.
 """
 import os
 import subprocess
@@ -12,18 +14,26 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed: the kernels cannot be compiled")
 
+HOPPER_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
+SM90 = ("step-vectors", "step-items", "step-short", "step-d256", "step-vectors-split", "merge", "merge-into")
+
 
 def test_kernels_compile_to_gpu_binaries(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-m", "cpinfer.attention.triton_aot", "sm_90", "gfx942:step-vectors,merge"],
-                         env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "cpinfer.attention.triton_aot", "sm_90:" + ",".join(SM90),
+                          "gfx942:step-vectors,merge"], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = {tuple(line.split()[:2]): line.split() for line in res.stdout.splitlines()}
-    wanted = [("sm_90", k, "cubin") for k in ("step-vectors", "step-items", "step-vectors-split", "merge", "merge-into")]
-    wanted += [("gfx942", k, "hsaco") for k in ("step-vectors", "merge")]
+    wanted = [("sm_90", k, "cubin") for k in SM90] + [("gfx942", k, "hsaco") for k in ("step-vectors", "merge")]
     for target, kernel, binary in wanted:
         words = lines[(target, kernel)]
         assert words[2] == "ok" and binary in words[3].split(","), words
+    for kernel in SM90:
+        res_ = dict(w.split("=") for w in lines[("sm_90", kernel)][4:])
+        assert int(res_["shared"]) <= HOPPER_SHARED, (kernel, res_)
+        if kernel.startswith("step"):  # MMA kernels: none of their K/V loop's registers spill
+            assert int(res_["loop_spills"]) == 0, (kernel, res_)
+        if kernel in ("step-vectors", "step-items", "step-short", "step-d256"):  # 16-bit tiles of 64+ lanes
+            assert int(res_["hgmma"]) > 0, (kernel, res_)
