@@ -216,9 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=C.positive_int, default=2, help="CP size beside CP 1 (default: 2)")
     parser.add_argument("--doc-tokens", type=C.positive_int, default=2000, help="document tokens (default: 2000)")
     parser.add_argument("--max-tokens", type=C.positive_int, default=48, help="greedy answer tokens (default: 48)")
-    parser.add_argument("--passkey-tokens", type=_lengths, default=[7000, 8000],
+    parser.add_argument("--passkey-tokens", type=_lengths, default=[2000, 8000],
                         help="comma-separated haystack lengths of the pass-key check at --cp, each run with the "
-                             "full-precision cache and both FP8 formats (0: skip; default: 7000,8000)")
+                             "full-precision cache and both FP8 formats (0: skip; default: 2000,8000)")
     C.add_common_arguments(parser)
 
 
