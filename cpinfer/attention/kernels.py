@@ -1,6 +1,6 @@
 """Per-item attention kernels: one FULL / CAUSAL / MASK block of queries against keys → `(out, lse)`.
 
-`cpu-flash` is aten's CPU flash attention (with two batched matmuls for a few queries over many keys: decode);
+`cpu-flash` is aten's CPU flash attention (for a few queries, decode, with a KV head's query heads as its rows);
 `math` is explicit fp32 matmul / softmax on any device, for small blocks. Neither reads anything from the host
 while it runs (no `.item()`, no data-dependent shapes), so both can sit inside a layer loop that must not sync.
 """
@@ -12,36 +12,33 @@ from cpinfer.attention.items import AttentionBackend
 from cpinfer.attention.kv_pack import same_head_size
 
 _FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
-_FEW_Q_MIN_KEYS = 1024  # below this many keys the flash kernel is as fast
 
 
 def _few_queries_full(q, k, v, scale: float):
-    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
-    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
+    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full (decode): one
+    flash call with a KV head's G query heads (and Lq rows) as the query rows of that KV head, so each key is read
+    once per KV head — not once per query head, as the general path's G-batch over expanded K/V does."""
     lq, h, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    hkv = k.shape[1]
     g = h // hkv
-    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
-    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
-    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
-    p = torch.exp_(s.sub_(lse[..., None]))
-    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, Dv]
-    out = out.view(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, h, dv).to(q.dtype)
-    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
+    qr = q.view(lq, hkv, g, d).transpose(0, 1).reshape(1, hkv, lq * g, d)  # [1, Hkv, Lq*G, D] (a view if Lq = 1)
+    kr, vr = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, Lk, D], no copy
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qr, kr, vr, 0.0, False, scale=scale)
+    out = out[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h, d)  # [Lq, H, D]
+    return out, lse[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h).float()  # [Lq, H], finite
 
 
 def cpu_flash_backend(q, k, v, causal, mask, scale):
     """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
-    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead. aten's kernel
+    A fully visible block of a few queries (decode) takes `_few_queries_full` instead. aten's kernel
     takes one head size for q, k and v: a value head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact) and
     returns out [Lq, H, Dv]."""
-    if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
-            and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
-        return _few_queries_full(q, k, v, scale)
     if v.shape[-1] != k.shape[-1]:
         dv = v.shape[-1]
         out, lse = cpu_flash_backend(*same_head_size(q, k, v), causal, mask, scale)
         return out[..., :dv], lse
+    if mask is None and not causal and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS:
+        return _few_queries_full(q, k, v, scale)
     lq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
