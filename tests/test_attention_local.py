@@ -202,3 +202,24 @@ def test_cpu_kernel_few_queries_over_many_keys_matches_reference(lq, h, hkv, lk)
     ref_out, ref_lse = reference_attention(q, k, v, seq[:lq], torch.full((lq,), lk), seq, torch.arange(lk), 0.25)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lq, hkv, lk", [(1, 3, 3001), (2, 3, 1024)])
+def test_cpu_kernel_few_queries_split_among_threads_matches_reference(lq, hkv, lk):
+    """3 KV heads on 2 threads: the decode path cuts the keys into one piece per thread (an odd count leaves one
+    more piece) and merges them; vs float64."""
+    from cpinfer.attention.local import cpu_flash_backend
+
+    g = torch.Generator().manual_seed(lk)
+    q = torch.randn(lq, 3 * hkv, 16, generator=g)
+    k, v = (torch.randn(lk + 9, hkv, 16, generator=g)[5:5 + lk] for _ in range(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, lse = cpu_flash_backend(q, k, v, False, None, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    seq = torch.zeros(lk, dtype=torch.int64)
+    ref_out, ref_lse = reference_attention(q, k, v, seq[:lq], torch.full((lq,), lk), seq, torch.arange(lk), 0.25)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)

@@ -12,18 +12,33 @@ from cpinfer.attention.items import AttentionBackend
 from cpinfer.attention.kv_pack import same_head_size
 
 _FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
+_SPLIT_MIN_KEYS = 1024  # decode path: from this many keys on, split them so that every thread has a share
 
 
 def _few_queries_full(q, k, v, scale: float):
     """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full (decode): one
     flash call with a KV head's G query heads (and Lq rows) as the query rows of that KV head, so each key is read
-    once per KV head — not once per query head, as the general path's G-batch over expanded K/V does."""
+    once per KV head — not once per query head, as the general path's G-batch over expanded K/V does. The kernel
+    shares its (batch, head) problems among the threads: when the KV heads do not divide among them evenly (3 KV
+    heads on 2 threads), long key ranges are cut into one piece per thread, as a batch, and merged (split-KV)."""
     lq, h, d = q.shape
-    hkv = k.shape[1]
+    lk, hkv = k.shape[:2]
     g = h // hkv
+    threads = torch.get_num_threads()
+    pieces = threads if lk >= _SPLIT_MIN_KEYS and hkv % threads else 1
+    m = lk // pieces  # keys per piece; the last lk % pieces keys form one more problem (below)
     qr = q.view(lq, hkv, g, d).transpose(0, 1).reshape(1, hkv, lq * g, d)  # [1, Hkv, Lq*G, D] (a view if Lq = 1)
-    kr, vr = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, Lk, D], no copy
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qr, kr, vr, 0.0, False, scale=scale)
+    kr = k[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)  # [P, Hkv, m, D], no copy
+    vr = v[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(qr.expand(pieces, -1, -1, -1), kr, vr, 0.0, False, scale=scale)  # [P, Hkv, Lq*G, D], [P, ...]
+    if pieces > 1:
+        if lk > pieces * m:
+            tail = (k[pieces * m:].permute(1, 0, 2)[None], v[pieces * m:].permute(1, 0, 2)[None])  # [1, Hkv, r, D]
+            o, s = flash(qr, *tail, 0.0, False, scale=scale)
+            out, lse = torch.cat((out, o)), torch.cat((lse, s))
+        total = torch.logsumexp(lse, dim=0, keepdim=True)  # [1, Hkv, Lq*G]: every piece sees keys, all finite
+        out, lse = (out * torch.exp(lse - total).unsqueeze(-1)).sum(0, keepdim=True).to(q.dtype), total
     out = out[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h, d)  # [Lq, H, D]
     return out, lse[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h).float()  # [Lq, H], finite
 
