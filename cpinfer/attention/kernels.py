@@ -13,6 +13,7 @@ from cpinfer.attention.kv_pack import same_head_size
 
 _FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
 _SPLIT_MIN_KEYS = 1024  # decode path: from this many keys on, split them so that every thread has a share
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _few_queries_full(q, k, v, scale: float):
@@ -24,23 +25,31 @@ def _few_queries_full(q, k, v, scale: float):
     lq, h, d = q.shape
     lk, hkv = k.shape[:2]
     g = h // hkv
-    threads = torch.get_num_threads()
-    pieces = threads if lk >= _SPLIT_MIN_KEYS and hkv % threads else 1
-    m = lk // pieces  # keys per piece; the last lk % pieces keys form one more problem (below)
-    qr = q.view(lq, hkv, g, d).transpose(0, 1).reshape(1, hkv, lq * g, d)  # [1, Hkv, Lq*G, D] (a view if Lq = 1)
-    kr = k[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)  # [P, Hkv, m, D], no copy
-    vr = v[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = flash(qr.expand(pieces, -1, -1, -1), kr, vr, 0.0, False, scale=scale)  # [P, Hkv, Lq*G, D], [P, ...]
-    if pieces > 1:
-        if lk > pieces * m:
-            tail = (k[pieces * m:].permute(1, 0, 2)[None], v[pieces * m:].permute(1, 0, 2)[None])  # [1, Hkv, r, D]
-            o, s = flash(qr, *tail, 0.0, False, scale=scale)
-            out, lse = torch.cat((out, o)), torch.cat((lse, s))
-        total = torch.logsumexp(lse, dim=0, keepdim=True)  # [1, Hkv, Lq*G]: every piece sees keys, all finite
-        out, lse = (out * torch.exp(lse - total).unsqueeze(-1)).sum(0, keepdim=True).to(q.dtype), total
+    qr = q.view(1, hkv, g, d) if lq == 1 else q.view(lq, hkv, g, d).transpose(0, 1).reshape(1, hkv, lq * g, d)
+    threads = torch.get_num_threads()  # qr: [1, Hkv, Lq*G, D], a view for one query
+    if lk >= _SPLIT_MIN_KEYS and hkv % threads:
+        out, lse = _split_keys(qr, k, v, threads, scale)
+    else:  # K/V as [1, Hkv, Lk, D] views
+        out, lse = _FLASH(qr, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], 0.0, False, scale=scale)
+    if lq == 1:  # [1, Hkv, G, D] is [1, H, D] in head order
+        return out.reshape(1, h, d), lse.reshape(1, h).float()
     out = out[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h, d)  # [Lq, H, D]
     return out, lse[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h).float()  # [Lq, H], finite
+
+
+def _split_keys(qr, k, v, pieces: int, scale: float):
+    """qr [1, Hkv, R, D] against k/v [Lk, Hkv, D] cut into `pieces` equal key ranges run as one batch (the last
+    Lk % pieces keys as one more call), merged → (out [1, Hkv, R, D], lse [1, Hkv, R])."""
+    m = k.shape[0] // pieces
+    kr = k[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)  # [P, Hkv, m, D], no copy
+    vr = v[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)
+    out, lse = _FLASH(qr.expand(pieces, -1, -1, -1), kr, vr, 0.0, False, scale=scale)  # [P, Hkv, R, D], [P, Hkv, R]
+    if k.shape[0] > pieces * m:
+        o, s = _FLASH(qr, k[pieces * m:].permute(1, 0, 2)[None], v[pieces * m:].permute(1, 0, 2)[None], 0.0, False,
+                      scale=scale)
+        out, lse = torch.cat((out, o)), torch.cat((lse, s))
+    total = torch.logsumexp(lse, dim=0, keepdim=True)  # [1, Hkv, R]: every piece sees keys, all finite
+    return (out * torch.exp(lse - total).unsqueeze(-1)).sum(0, keepdim=True).to(qr.dtype), total
 
 
 def cpu_flash_backend(q, k, v, causal, mask, scale):
