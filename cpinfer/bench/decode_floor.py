@@ -14,6 +14,7 @@ import contextlib
 import statistics
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ def in_process_runner(llm):
     return pool.ctx.state["runner"]
 
 
-def linear_pass(model) -> tuple[callable, int]:
+def linear_pass(model) -> tuple[Callable[[], None], int]:
     """(a function applying every distinct Linear weight of `model` to one token, the bytes those weights hold)."""
     weights, seen = [], set()
     for m in model.modules():
