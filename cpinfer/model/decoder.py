@@ -46,7 +46,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [..., dim] -> same shape and dtype; the statistics are taken in fp32."""
-        if self.style != "gemma" and x.dtype == torch.float32 == self.weight.dtype:  # one op (F.rms_norm), the same math
+        if self.style != "gemma" and x.dtype == torch.float32 == self.weight.dtype:  # one op, the same math
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
