@@ -187,14 +187,38 @@ def test_query_pairs_with_every_ancestor_segment():
     assert [(it.kind, it.k0, it.k1) for it in own] == [(FULL, 20, 25), (CAUSAL, 25, 30)]
 
 
-@pytest.mark.parametrize("lq, h, hkv, lk", [(1, 8, 2, 1500), (3, 4, 4, 2048), (2, 8, 1, 1024)])
+@pytest.mark.parametrize("lq, h, hkv, lk", [(1, 8, 2, 1500), (3, 4, 4, 2048), (2, 8, 1, 1024), (1, 9, 3, 37),
+                                             (4, 6, 3, 5)])
 def test_cpu_kernel_few_queries_over_many_keys_matches_reference(lq, h, hkv, lk):
-    """The decode path of the CPU kernel (a fully visible block of a few queries, many keys) vs float64."""
+    """The decode path of the CPU kernel (a fully visible block of a few queries, any number of keys: a KV head's
+    query heads as one call's rows) vs float64; K/V are row ranges of a larger store, as the engine passes them."""
     from cpinfer.attention.local import cpu_flash_backend
 
     g = torch.Generator().manual_seed(lq * 7 + lk)
-    q, k, v = (torch.randn(n, hh, 16, generator=g) for n, hh in ((lq, h), (lk, hkv), (lk, hkv)))
+    q = torch.randn(lq, h, 16, generator=g)
+    k, v = (torch.randn(lk + 9, hkv, 16, generator=g)[5:5 + lk] for _ in range(2))  # [lk, Hkv, 16] views
     out, lse = cpu_flash_backend(q, k, v, False, None, 0.25)
+    seq = torch.zeros(lk, dtype=torch.int64)
+    ref_out, ref_lse = reference_attention(q, k, v, seq[:lq], torch.full((lq,), lk), seq, torch.arange(lk), 0.25)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lq, hkv, lk", [(1, 3, 3001), (2, 3, 1024)])
+def test_cpu_kernel_few_queries_split_among_threads_matches_reference(lq, hkv, lk):
+    """3 KV heads on 2 threads: the decode path cuts the keys into one piece per thread (an odd count leaves one
+    more piece) and merges them; vs float64."""
+    from cpinfer.attention.local import cpu_flash_backend
+
+    g = torch.Generator().manual_seed(lk)
+    q = torch.randn(lq, 3 * hkv, 16, generator=g)
+    k, v = (torch.randn(lk + 9, hkv, 16, generator=g)[5:5 + lk] for _ in range(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, lse = cpu_flash_backend(q, k, v, False, None, 0.25)
+    finally:
+        torch.set_num_threads(threads)
     seq = torch.zeros(lk, dtype=torch.int64)
     ref_out, ref_lse = reference_attention(q, k, v, seq[:lq], torch.full((lq,), lk), seq, torch.arange(lk), 0.25)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,6 @@
 """Per-item attention kernels: one FULL / CAUSAL / MASK block of queries against keys → `(out, lse)`.
 
-`cpu-flash` is aten's CPU flash attention (with two batched matmuls for a few queries over many keys: decode);
+`cpu-flash` is aten's CPU flash attention (for a few queries, decode, with a KV head's query heads as its rows);
 `math` is explicit fp32 matmul / softmax on any device, for small blocks. Neither reads anything from the host
 while it runs (no `.item()`, no data-dependent shapes), so both can sit inside a layer loop that must not sync.
 """
@@ -12,36 +12,57 @@ from cpinfer.attention.items import AttentionBackend
 from cpinfer.attention.kv_pack import same_head_size
 
 _FEW_Q_MAX_ROWS = 64  # decode path: query rows x heads per KV head at most
-_FEW_Q_MIN_KEYS = 1024  # below this many keys the flash kernel is as fast
+_SPLIT_MIN_KEYS = 1024  # decode path: from this many keys on, split them so that every thread has a share
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _few_queries_full(q, k, v, scale: float):
-    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full: two batched
-    matmuls per KV head group, cheaper than the tiled flash kernel for decode over long contexts on CPU."""
+    """(out [Lq, H, D], lse [Lq, H] fp32) of a handful of queries against keys they all see in full (decode): one
+    flash call with a KV head's G query heads (and Lq rows) as the query rows of that KV head, so each key is read
+    once per KV head — not once per query head, as the general path's G-batch over expanded K/V does. The kernel
+    shares its (batch, head) problems among the threads: when the KV heads do not divide among them evenly (3 KV
+    heads on 2 threads), long key ranges are cut into one piece per thread, as a batch, and merged (split-KV)."""
     lq, h, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    lk, hkv = k.shape[:2]
     g = h // hkv
-    qh = q.reshape(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, lq * g, d)  # [Hkv, Lq*G, D]
-    s = torch.bmm(qh.float(), k.permute(1, 2, 0).float()).mul_(scale)  # [Hkv, Lq*G, Lk]
-    lse = torch.logsumexp(s, dim=-1)  # [Hkv, Lq*G]
-    p = torch.exp_(s.sub_(lse[..., None]))
-    out = torch.bmm(p, v.permute(1, 0, 2).float())  # [Hkv, Lq*G, Dv]
-    out = out.view(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, h, dv).to(q.dtype)
-    return out, lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, h)
+    qr = q.view(1, hkv, g, d) if lq == 1 else q.view(lq, hkv, g, d).transpose(0, 1).reshape(1, hkv, lq * g, d)
+    threads = torch.get_num_threads()  # qr: [1, Hkv, Lq*G, D], a view for one query
+    if lk >= _SPLIT_MIN_KEYS and hkv % threads:
+        out, lse = _split_keys(qr, k, v, threads, scale)
+    else:  # K/V as [1, Hkv, Lk, D] views
+        out, lse = _FLASH(qr, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], 0.0, False, scale=scale)
+    if lq == 1:  # [1, Hkv, G, D] is [1, H, D] in head order
+        return out.reshape(1, h, d), lse.reshape(1, h).float()
+    out = out[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h, d)  # [Lq, H, D]
+    return out, lse[0].unflatten(1, (lq, g)).transpose(0, 1).reshape(lq, h).float()  # [Lq, H], finite
+
+
+def _split_keys(qr, k, v, pieces: int, scale: float):
+    """qr [1, Hkv, R, D] against k/v [Lk, Hkv, D] cut into `pieces` equal key ranges run as one batch (the last
+    Lk % pieces keys as one more call), merged → (out [1, Hkv, R, D], lse [1, Hkv, R])."""
+    m = k.shape[0] // pieces
+    kr = k[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)  # [P, Hkv, m, D], no copy
+    vr = v[:pieces * m].unflatten(0, (pieces, m)).transpose(1, 2)
+    out, lse = _FLASH(qr.expand(pieces, -1, -1, -1), kr, vr, 0.0, False, scale=scale)  # [P, Hkv, R, D], [P, Hkv, R]
+    if k.shape[0] > pieces * m:
+        o, s = _FLASH(qr, k[pieces * m:].permute(1, 0, 2)[None], v[pieces * m:].permute(1, 0, 2)[None], 0.0, False,
+                      scale=scale)
+        out, lse = torch.cat((out, o)), torch.cat((lse, s))
+    total = torch.logsumexp(lse, dim=0, keepdim=True)  # [1, Hkv, R]: every piece sees keys, all finite
+    return (out * torch.exp(lse - total).unsqueeze(-1)).sum(0, keepdim=True).to(qr.dtype), total
 
 
 def cpu_flash_backend(q, k, v, causal, mask, scale):
     """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
-    A fully visible block of a few queries over many keys (decode) takes `_few_queries_full` instead. aten's kernel
+    A fully visible block of a few queries (decode) takes `_few_queries_full` instead. aten's kernel
     takes one head size for q, k and v: a value head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact) and
     returns out [Lq, H, Dv]."""
-    if (mask is None and not causal and k.shape[0] >= _FEW_Q_MIN_KEYS
-            and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS):
-        return _few_queries_full(q, k, v, scale)
     if v.shape[-1] != k.shape[-1]:
         dv = v.shape[-1]
         out, lse = cpu_flash_backend(*same_head_size(q, k, v), causal, mask, scale)
         return out[..., :dv], lse
+    if mask is None and not causal and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS:
+        return _few_queries_full(q, k, v, scale)
     lq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv

@@ -6,6 +6,9 @@ messages, per-layer planning and the ring collectives. Batch 1, greedy; every pr
 `--threads` threads (default 1: a decode step is too small for intra-op threads to pay off on a shared machine).
 `--placement` (default auto) is the engine's; with it a short request stays on one rank and decodes without a ring,
 and on CPU a lone request goes to rank 0, which runs inside the driver process: its steps send no message at all.
+
+`--floor` measures instead the embedded model (or `--model`) at CP1 against its floor taken in the same run — every
+Linear applied to one token plus the context's K/V read once — and where the rest of a step goes (`decode_floor.py`).
 """
 from __future__ import annotations
 
@@ -107,18 +110,37 @@ def command_line(args) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=C.cp_sizes, default=[1, 2], metavar="N,N", help="CP sizes (default: 1,2)")
-    parser.add_argument("--context", type=C.cp_sizes, default=[200, 4000], metavar="T,T",
-                        help="cached tokens before decoding (default: 200,4000)")
+    parser.add_argument("--context", type=C.cp_sizes, default=None, metavar="T,T",
+                        help="cached tokens before decoding (default: 200,4000; 256,3000 with --floor)")
     parser.add_argument("--steps", type=C.positive_int, default=32, help="decode steps timed (default: 32)")
-    parser.add_argument("--threads", type=C.positive_int, default=1,
-                        help="threads of HF and of each rank (default: 1)")
+    parser.add_argument("--threads", type=C.positive_int, default=None,
+                        help="threads of HF and of each rank (default: 1; 2 with --floor)")
     parser.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
                         help="the engine's placement of the request's KV (default: auto)")
     C.add_model_arguments(parser, hidden=256, layers=4, heads=8, kv_heads=2, ffn=768, vocab=1024)
+    parser.add_argument("--floor", action="store_true",
+                        help="CP1 decode of a real model against its floor measured in the same run (every Linear "
+                             "applied to one token + the context's K/V read once), with where the rest goes; "
+                             "default context 256,3000, 2 threads")
+    parser.add_argument("--model", default=None,
+                        help="--floor: the model (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--floor-reps", type=C.positive_int, default=20,
+                        help="--floor: timed passes over the Linears before and after each context (default: 20)")
+    parser.add_argument("--profile-steps", type=C.positive_int, default=8,
+                        help="--floor: decode steps under the profiler per context (default: 8)")
     C.add_common_arguments(parser)
 
 
 def run(args) -> int:
+    args.context = args.context or ([256, 3000] if args.floor else [200, 4000])
+    args.threads = args.threads or (2 if args.floor else 1)
+    if args.floor:
+        from cpinfer.bench import decode_floor
+
+        return C.run_measured(args, decode_floor.measure, decode_floor.format_report, "decode-floor",
+                              "CPU decode against its floor (embedded model, CP1)")
+    if args.model is not None:
+        raise ValueError("--model goes with --floor (the HF comparison builds a random model of --hidden ...)")
     key = "decode-overhead" if args.placement == "shard" else f"decode-overhead-{args.placement}"
     return C.run_measured(args, measure, format_report, key,
                           f"Engine decode overhead vs Hugging Face generate, placement {args.placement}")

@@ -170,6 +170,7 @@ class BatchAttention:
             self.pos[r][b] = seqs[b].start + self.idx[r][b]
         self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
         self.values_in_keys = False  # the store's v is its k's first channels (MLA): messages carry keys alone
+        self.direct: list | None = None  # host decode's rows and their store runs (`_direct_rows`), or None
 
     def _members(self) -> list[tuple[int, int]]:
         """(sequence, rank) pairs this rank's plans read: the ring's sequences on every rank, mine on mine."""
@@ -258,6 +259,20 @@ class BatchAttention:
         covered = np.zeros(int(self.nq[me]), dtype=bool)
         self.local_steps = (mark_first(store_items, len(covered), covered),
                             mark_first(new_items, len(covered), covered))
+        self.direct = self._direct_rows(store_items, new_items)
+
+    def _direct_rows(self, store_items: list[AttnItem], new_items: list[AttnItem]) -> list | None:
+        """Decode on the host with a per-item kernel (cpu-flash): no ring, one new token per local sequence, its
+        keys all in store runs. Then [(row, [(k0, k1), ...])] per query row: `_run_direct` calls the kernel on each
+        run and merges the few partials itself, with no accumulator, merge of empty rows or copy; else None."""
+        if self.ring or new_items or self.device.type != "cpu" or not hasattr(self.backend, "kernel"):
+            return None
+        rows: dict[int, list] = {}
+        for it in store_items:
+            if it.q1 - it.q0 != 1 or it.kind != FULL:
+                return None
+            rows.setdefault(it.q0, []).append((it.k0, it.k1))
+        return sorted(rows.items()) if len(rows) == int(self.nq[self.rank]) else None
 
     def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None, chunks=None,
                 values_in_keys: bool = False) -> ForwardTables:
@@ -402,6 +417,8 @@ class BatchAttention:
         if self.steps is None:
             self._plan_full()
             self._prepare_full(HeadLayout.of(q, k_new))
+        if self.direct is not None and sinks is None and packed is None:
+            return self._run_direct(q, store_k, store_v, scale)
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v_new.shape[-1], q.device)
         if self.local:
             self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
@@ -418,6 +435,24 @@ class BatchAttention:
         else:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return finish(acc_out, acc_lse, sinks, dtype)
+
+    def _run_direct(self, q, store_k, store_v, scale: float) -> torch.Tensor:
+        """Host decode (`direct`): each query row against its store runs, one kernel call per run; a row's partials
+        merged as `merge_into` does (every partial sees a key: no empty rows to guard) → out [Lq, H, Dv]."""
+        kernel, outs = self.backend.kernel, []
+        for row, runs in self.direct:
+            qr = q[row:row + 1]  # [1, H, D]
+            (a, e), rest = runs[0], runs[1:]
+            out, lse = kernel(qr, store_k[a:e], store_v[a:e], False, None, scale)  # [1, H, Dv], [1, H]
+            if rest:
+                out = out.float()
+            for i, (a, e) in enumerate(rest):
+                o, l = kernel(qr, store_k[a:e], store_v[a:e], False, None, scale)
+                out.lerp_(o.float(), torch.sigmoid(l - lse).unsqueeze(-1))  # out ← merge((out, lse), (o, l))
+                if i + 1 < len(rest):
+                    lse = torch.logaddexp(lse, l)
+            outs.append(out.to(q.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _dequantize(self, dtype, packed: tuple, window, chunk, used: int | None, codecs: tuple) -> tuple:
         """(k_new, v_new, store_k, store_v) of FP8 rows -> the same dequantized to `dtype` by the layer's (K, V)

@@ -211,15 +211,23 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float, tuple[tu
 
     Log-probabilities are of the raw logits (NaN read as -inf); a token the model gives no probability has -inf.
     """
-    scores = _processed(logits, spec)
-    if spec.temperature < GREEDY_EPS:
-        token = int(torch.argmax(scores))
-    else:
-        token = _draw(scores, spec)
     raw = torch.nan_to_num(logits.float(), nan=_NEG, posinf=torch.finfo(torch.float32).max, neginf=_NEG)
+    scores = raw if _plain(spec) else _processed(logits, spec)
+    if spec.temperature < GREEDY_EPS:
+        token = int(torch.argmax(scores))  # a plain spec's scores: an argmax over -inf only is token 0, as before
+    else:
+        if scores is raw and bool(torch.isneginf(raw).all()):  # nothing finite: every token equally likely
+            scores = torch.zeros_like(raw)
+        token = _draw(scores, spec)
+    if not spec.top_logprobs:  # the chosen token's alone; NaN iff no logit is finite (raw holds no NaN / +inf)
+        lp = float(torch.log_softmax(raw, dim=-1)[token])
+        return token, _NEG if math.isnan(lp) else lp, ()
     logprobs = torch.log_softmax(raw, dim=-1) if bool(torch.isfinite(raw).any()) else torch.full_like(raw, _NEG)
-    top: tuple[tuple[int, float], ...] = ()
-    if spec.top_logprobs:
-        vals, idx = torch.topk(logprobs, min(spec.top_logprobs, logprobs.numel()))
-        top = tuple(zip(idx.tolist(), vals.tolist()))
-    return token, float(logprobs[token]), top
+    vals, idx = torch.topk(logprobs, min(spec.top_logprobs, logprobs.numel()))
+    return token, float(logprobs[token]), tuple(zip(idx.tolist(), vals.tolist()))
+
+
+def _plain(spec: SampleSpec) -> bool:
+    """No bias, output constraint, suppressed token or penalty: the scores are the raw logits (NaN → -inf)."""
+    return (not spec.logit_bias and spec.allowed is None and not spec.suppress and spec.output is None
+            and spec.prompt is None)

@@ -47,6 +47,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [..., dim] -> same shape and dtype; x̂ = x / rms(x) in fp32 (one fused op where torch has one, the same
         values as the unfused pow / mean / rsqrt / mul), then the style's weight."""
+        if self.style != "gemma" and x.dtype == torch.float32 == self.weight.dtype:  # one op, the same math
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.style == "gemma":
             return (xf * (1.0 + self.weight.float())).to(x.dtype)

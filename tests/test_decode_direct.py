@@ -1,0 +1,60 @@
+"""Host decode without a ring (`BatchAttention._run_direct`): each sequence's one query against its slot runs, one
+kernel call per run, partials merged in place — exact against a float64 reference over the same keys, for one, two
+and three runs, GQA, and a batch of sequences; a step it does not cover (a prefill token) keeps the general path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpinfer.attention.local import reference_attention
+from cpinfer.engine.attention import BatchAttention
+from cpinfer.engine.batch import ForwardBatch, SeqInput
+from cpinfer.engine.sampling import SampleSpec
+
+H, HKV, D, CAP = 6, 2, 16, 200
+
+
+def _seq(token: int, runs: list[tuple[int, int]], slot: int, n_new: int = 1) -> SeqInput:
+    start = sum(e - a for a, e in runs)
+    return SeqInput(np.full(n_new, token, dtype=np.int64), start, np.zeros(n_new, dtype=np.int64),
+                    np.arange(slot, slot + n_new, dtype=np.int64), (np.asarray(runs, dtype=np.int64).reshape(-1, 2),),
+                    SampleSpec(0.0, 1.0, 0, 0, 0, 0), spread=False)
+
+
+def _reference(q_row, store_k, store_v, slots, scale):
+    """float64 attention of one query row [1, H, D] over the store rows `slots` (all visible)."""
+    zeros = torch.zeros(len(slots), dtype=torch.int64)
+    out, _ = reference_attention(q_row, store_k[slots], store_v[slots], zeros[:1], torch.tensor([len(slots)]),
+                                 zeros, torch.arange(len(slots)), scale)
+    return out
+
+
+@pytest.mark.parametrize("runs_per_seq", [[[(0, 37)]], [[(64, 100), (10, 20)]],
+                                          [[(0, 5), (100, 164), (30, 31)], [(170, 180)], [(40, 60), (180, 190)]]])
+def test_direct_decode_matches_reference(runs_per_seq):
+    g = torch.Generator().manual_seed(len(runs_per_seq) * 13 + len(runs_per_seq[0]))
+    store_k, store_v = (torch.randn(CAP + 1, HKV, D, generator=g) for _ in range(2))
+    new_slots = [192 + i for i in range(len(runs_per_seq))]  # each decode token's own slot, written below
+    batch = ForwardBatch(tuple(_seq(5 + i, runs, s) for i, (runs, s) in enumerate(zip(runs_per_seq, new_slots))),
+                         "local", "decode")
+    plan = BatchAttention(batch, 0, 1, None, "cpu-flash")
+    plan.prepare(None, [None])
+    plan.tables.upload()
+    q = torch.randn(len(runs_per_seq), H, D, generator=g)
+    k_new, v_new = (torch.randn(len(runs_per_seq), HKV, D, generator=g) for _ in range(2))
+    store_k[new_slots], store_v[new_slots] = k_new, v_new  # the runner writes them before attention
+    out = plan.run(q, k_new, v_new, store_k, store_v, 0.3)
+    assert plan.direct is not None  # the host decode path ran
+    for i, runs in enumerate(runs_per_seq):
+        slots = np.concatenate([np.arange(a, e) for a, e in runs] + [[new_slots[i]]])
+        ref = _reference(q[i:i + 1], store_k, store_v, torch.from_numpy(slots), 0.3)
+        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rows_keep_the_general_path():
+    store_k, store_v = (torch.randn(CAP + 1, HKV, D) for _ in range(2))
+    batch = ForwardBatch((_seq(5, [(0, 10)], 10, n_new=3),), "local", "prefill")
+    plan = BatchAttention(batch, 0, 1, None, "cpu-flash")
+    plan.prepare(None, [None])
+    assert plan.direct is None
