@@ -22,7 +22,11 @@ from pooled_engine import PooledLLM
 pytest.importorskip("transformers")
 
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
-TIGHT = dict(rtol=0, atol=1e-5)  # CP N vs CP 1: fp32 rounding of the same quantized K/V
+# CP N vs CP 1: the same quantization of K / V that differ by fp32 rounding (the attention merges in another
+# order). Nearly always the same bytes, so log-probs within fp32 noise (TIGHT, asserted of the median); but an
+# element that lands within that noise of an e4m3 rounding boundary rounds the other way at another CP size (1/16 of
+# its value), which moves later log-probs of that sequence by up to ~3e-4 (measured): BOUNDARY bounds every one.
+TIGHT, BOUNDARY = 1e-5, dict(rtol=0, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +91,36 @@ def test_static_scales_per_layer_and_head():
     assert kv_quant.layer_codecs("auto", None, 2, 3, "cpu") is None
 
 
+def test_calibrated_scales_are_powers_of_two_with_headroom(llama_checkpoint):
+    """Without checkpoint scales: per layer and KV head a power of two >= 8 x the calibration input's |K| / |V|
+    maximum / 448 and < twice that; the same on a second call (every rank computes the same)."""
+    from cpinfer.model import ReferenceAttention, load_model
+
+    cfg, model = load_model(llama_checkpoint("gqa", max_position_embeddings=2048))
+    k, v = kv_quant.calibrate_kv_scales(model, cfg, "cpu")
+    assert k.shape == v.shape == (2, 2)
+    for s in (k, v):
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    n = kv_quant.CALIBRATION_TOKENS
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    ids[0] = cfg.bos_token_id
+    ref = ReferenceAttention(torch.zeros(n, dtype=torch.long), torch.arange(n), config=cfg)
+    seen = {}
+
+    def attn(layer, q, kk, vv, sinks=None):
+        seen[layer] = (kk.abs().amax(dim=(0, 2)), vv.abs().amax(dim=(0, 2)))
+        return ref(layer, q, kk, vv, sinks=sinks)
+
+    with torch.no_grad():
+        model(ids, torch.arange(n), attn)
+    for layer in (0, 1):
+        for s, a in zip((k[layer], v[layer]), seen[layer]):
+            need = a * kv_quant.HEADROOM / kv_quant.FP8_MAX
+            assert bool((s >= need).all()) and bool((s < 2 * need).all())
+    k2, v2 = kv_quant.calibrate_kv_scales(model, cfg, "cpu")
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
 def _with_kv_scales(src, dst, k: list, v: list):
     """A copy of checkpoint `src` carrying static KV scales `self_attn.k_scale` / `v_scale` (one per layer, or one
     per KV head)."""
@@ -135,12 +169,16 @@ def _scenario(llm):
 
 
 def _same(outs, ref):
+    deltas = []
     for o, r in zip(outs, ref):
         assert o.token_ids == r.token_ids
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), **TIGHT)
+        pairs = [(o.logprobs, r.logprobs)]
         if r.prompt_logprobs is not None:
-            torch.testing.assert_close(torch.tensor(o.prompt_logprobs[1:]), torch.tensor(r.prompt_logprobs[1:]),
-                                       **TIGHT)
+            pairs.append((o.prompt_logprobs[1:], r.prompt_logprobs[1:]))
+        for got, want in pairs:
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **BOUNDARY)
+            deltas += np.abs(np.subtract(got, want)).tolist()
+    assert float(np.median(deltas)) <= TIGHT, f"median |Δ log-prob| {np.median(deltas):.2e} > {TIGHT}"
 
 
 _REF: dict = {}
@@ -175,19 +213,24 @@ def test_fp8_kv_tp2_equals_cp_1(llama_checkpoint, engines, kvd):
         _same(_scenario(llm), _reference(engines, path, "gqa", kvd))
 
 
-@pytest.mark.parametrize("kvd, cp, tp", [("fp8", 2, 1), ("fp8", 1, 2), ("fp8_per_token", 2, 1)])
-def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines, tmp_path, kvd, cp, tp):
+@pytest.mark.parametrize("kvd, scales, cp, tp", [("fp8", "checkpoint", 2, 1), ("fp8", "checkpoint", 1, 2),
+                                                  ("fp8", "calibrated", 2, 1), ("fp8_per_token", None, 2, 1)])
+def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines, tmp_path, kvd, scales, cp, tp):
     """CP 2 (or TP 2) with FP8 KV, prefilled in 48-token chunks, equals the model run alone with each K/V row
     quantized and dequantized (encode / decode; static: by the checkpoint's per-layer / per-head k_scale and v_scale,
-    per-head ones sliced by TP) before a dense reference attention: the error against full precision is the
-    format's, nothing else."""
+    per-head ones sliced by TP, or by the scales calibrated here, which every rank calibrates alike) before a dense
+    reference attention: the error against full precision is the format's, nothing else."""
     from cpinfer.model import ReferenceAttention, load_model
 
     path = llama_checkpoint("gqa", max_position_embeddings=2048)
-    if kvd == "fp8":
+    if scales == "checkpoint":
         path = _with_kv_scales(path, tmp_path / "scaled", [0.02, [0.05, 0.01]], [[0.004, 0.03], 0.008])
-    codecs = kv_quant.layer_codecs(kvd, kv_quant.checkpoint_kv_scales(path, 2, 2), 2, 2, "cpu")
     cfg, model = load_model(path)
+    found = kv_quant.checkpoint_kv_scales(path, 2, 2)
+    assert (found is None) == (scales != "checkpoint")
+    if scales == "calibrated":
+        found = kv_quant.calibrate_kv_scales(model, cfg, "cpu")
+    codecs = kv_quant.layer_codecs(kvd, found, 2, 2, "cpu")
     prompt = prompts_for(cfg.vocab_size, [90], seed=11)[0]
     ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
     ref = ReferenceAttention(torch.zeros(len(prompt), dtype=torch.long), pos, config=cfg)

@@ -1,15 +1,17 @@
 """FP8 KV cache: K and V stored as e4m3 bytes, in one of two formats (`kv_cache_dtype`, vLLM's names plus one):
 
 - `"fp8"` (= `"fp8_e4m3"`): one static scale per layer and KV head, for K and for V — the checkpoint's
-  `self_attn.k_scale` / `v_scale` when it has them, else 1.0 (vLLM's default). A row is its D e4m3 bytes and
-  nothing else: exactly half of bf16, a quarter of fp32. Values beyond 448 x scale saturate, and values below
-  2^-6 x scale lose relative precision (e4m3 subnormals); on the embedded SmolLM2 with scale 1.0 the error is in
-  docs/quantization.md.
+  `self_attn.k_scale` / `v_scale` when it has them, else calibrated at load (`calibrate_kv_scales`: one forward
+  over a fixed input, each head's |K| / |V| maximum x 8 headroom / 448, rounded up to a power of two). A row is its
+  D e4m3 bytes and nothing else: exactly half of bf16, a quarter of fp32. Values beyond 448 x scale saturate, and
+  values below 2^-6 x scale lose relative precision (e4m3 subnormals). (vLLM's default scale, 1.0, puts small
+  values among the subnormals: on the embedded SmolLM2 it loses a pass key that calibrated scales keep.)
 - `"fp8_per_token"`: every row (one token, one KV head) has its own fp32 scale, amax / 448, packed after its
   values: [D + 4] bytes, (D + 4) / 2D of bf16 (0.52 at D = 128). It never saturates and keeps every row's relative
   precision, at 4 bytes per row.
 
-Both are the same whatever the sharding: a static scale is fixed before any token is seen, a per-token scale
+Both are the same whatever the sharding: a static scale is fixed before any token is seen (the calibration input
+is the same on every rank, and a power of two does not move with the last bits of a sum), a per-token scale
 depends on its row alone — so CP N equals CP 1 exactly, and a tier entry written at one CP size restores at another.
 (A scale calibrated on a first prefill would depend on which tokens each rank saw.)
 
@@ -163,3 +165,41 @@ def checkpoint_kv_scales(model_path: str | Path, num_layers: int, n_kv_heads: in
             out[kind][layer] = s
     return out["k"], out["v"]
 
+
+
+CALIBRATION_TOKENS = 256
+HEADROOM = 8.0  # the calibration maximum x 8 maps to 448: three binades of room above what the fixed input reached
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
+    """Static scales when the checkpoint has none: the model run once over a fixed input — the BOS token (where
+    the config names one), then `CALIBRATION_TOKENS - 1` ids drawn from a seeded generator — with dense causal
+    attention; per layer and KV head (this TP rank's heads: the model's own), amax(|K|) and amax(|V|) x HEADROOM /
+    448, rounded up to a power of two → (k [layers, Hkv], v [layers, Hkv]) fp32 on the CPU. Under TP every rank of
+    the group must call it together (the model's all-reduces)."""
+    from cpinfer.model import ReferenceAttention
+
+    n = min(CALIBRATION_TOKENS, int(getattr(config, "max_position_embeddings", 0) or CALIBRATION_TOKENS))
+    ids = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    bos = getattr(config, "bos_token_id", None)
+    if isinstance(bos, int) and 0 <= bos < config.vocab_size:
+        ids[0] = bos
+    ids, pos = ids.to(device), torch.arange(n, device=device)
+    ref = ReferenceAttention(torch.zeros(n, dtype=torch.long, device=device), pos, config=config)
+    amax: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def attn(layer, q, k, v, sinks=None):  # k / v [n, Hkv, D]
+        amax[layer] = (k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2)))
+        return ref(layer, q, k, v, sinks=sinks)
+
+    model(ids, pos, attn)
+    layers = sorted(amax)
+    if layers != list(range(len(layers))):
+        raise RuntimeError(f"calibration saw layers {layers}, expected 0..{len(layers) - 1}")
+
+    def scale(a: Tensor) -> Tensor:
+        a = torch.where(torch.isfinite(a) & (a > 0), a, torch.ones_like(a))
+        return torch.exp2(torch.ceil(torch.log2(a * HEADROOM / FP8_MAX))).cpu()
+
+    return (torch.stack([scale(amax[i][0]) for i in layers]), torch.stack([scale(amax[i][1]) for i in layers]))

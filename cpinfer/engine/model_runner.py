@@ -31,6 +31,9 @@ from cpinfer.engine.tier_store import RankTiers
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
 from cpinfer.tensor_parallel import RowParallelLinear, head_ranges, load_tp_model
+from cpinfer.utils import get_logger
+
+log = get_logger()
 
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
@@ -112,6 +115,7 @@ class ModelRunner:
         self.ctx = ctx
         self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
         self.model_path = model_path
+        self.kv_scales_source: str | None = None  # static FP8 KV: "checkpoint" or "calibrated" (`_kv_scales`)
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
         if load_format == "dummy":
             self.config = ModelConfig.from_pretrained(model_path)
@@ -146,13 +150,22 @@ class ModelRunner:
                                        self.kv_cache_dtype)
 
     def _kv_scales(self):
-        """The checkpoint's static FP8 KV scales for this TP rank's KV heads (None: all 1.0, or not static FP8)."""
+        """Static FP8 KV scales for this TP rank's KV heads: the checkpoint's, else calibrated on this model at load
+        (`kv_quant.calibrate_kv_scales`; every rank of a TP group calls this together); None when not static FP8."""
         if self.kv_cache_dtype != "fp8":
             return None
         c, tp = self.config, self.groups.config.tp
         kv_heads = head_ranges(c, tp, self.groups.tp_rank)[1]
         heads = slice(kv_heads.start, kv_heads.stop)
-        return kv_quant.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads)
+        scales = kv_quant.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads)
+        self.kv_scales_source = "checkpoint" if scales is not None else "calibrated"
+        if scales is None:
+            scales = kv_quant.calibrate_kv_scales(self.model, c, self.ctx.device)
+        if self.ctx.rank == 0:
+            k, v = scales
+            log.info("FP8 KV cache: static scales per layer and KV head, %s (K %.3g-%.3g, V %.3g-%.3g)",
+                     self.kv_scales_source, float(k.min()), float(k.max()), float(v.min()), float(v.max()))
+        return scales
 
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
