@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                    "(default: %(default)s)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="KV cache: auto = the --dtype; fp8 (= fp8_e4m3) = e4m3 with a static scale per layer and KV "
-                        "head (the checkpoint's k_scale / v_scale, else 1.0): half the bytes of bf16 per token, in "
+                        "head (the checkpoint's k_scale / v_scale, else calibrated at load): half the bytes of bf16 per token, in "
                         "the cache, the ring messages and the tiers; fp8_per_token = e4m3 with a scale per token and "
                         "KV head (4 bytes more per row, never saturates) (default: %(default)s)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
