@@ -339,6 +339,7 @@ def test_capacity_and_bytes_per_token(llama_checkpoint):
 
 
 @pytest.mark.parametrize("variant, fmt, cp, tp", [("gqa", "fbgemm_fp8", 2, 1), ("qwen3_moe", "fp8_block", 1, 2),
+                                                   ("deepseek_v3", "fp8_block", 1, 2),
                                                    ("qwen3_moe", "ct_channel_dynamic", 2, 1)])
 def test_fp8_checkpoint_on_the_engine_matches_transformers(llama_checkpoint, engines, tmp_path, variant, fmt, cp, tp):
     """FP8 checkpoints through the ranks' loader (TP 2 slices the dequantized tensors and experts) against

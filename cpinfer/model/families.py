@@ -375,10 +375,6 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config is missing required key(s) {missing}")
     check_unsupported(d, routing=not family.own_routing)
     quantization = parse_quantization(d.get("quantization_config"))
-    if quantization is not None and family.own_routing:
-        raise ValueError(f"quantized {family.model_type} checkpoints (quantization_config quant_method "
-                         f"{d['quantization_config'].get('quant_method')!r}) are not supported yet: multi-head latent "
-                         "attention folds kv_b_proj into the queries, untested on quantized weights; use a bf16 copy")
     heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or family.default_head_dim or check_divisible(
         d["hidden_size"], heads, "hidden_size", "num_attention_heads")
