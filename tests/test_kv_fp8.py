@@ -121,6 +121,17 @@ def test_calibrated_scales_are_powers_of_two_with_headroom(llama_checkpoint):
     assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
+def test_e4m3_table_lookup_equals_torchs_conversion():
+    """The CPU decode's table lookup gives torch's e4m3 -> fp32 values for all 256 bytes (NaN codes as NaN), on a
+    strided view too (a packed row's value bytes)."""
+    b = torch.arange(256, dtype=torch.uint8)
+    got, want = kv_quant.e4m3_to_float(b), b.view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    rows = torch.randint(0, 256, (7, 3, 20), dtype=torch.uint8)[..., :16]  # strided, like p[..., :W]
+    torch.testing.assert_close(kv_quant.e4m3_to_float(rows), rows.contiguous().view(torch.float8_e4m3fn).float(),
+                               rtol=0, atol=0, equal_nan=True)
+
+
 def _with_kv_scales(src, dst, k: list, v: list):
     """A copy of checkpoint `src` carrying static KV scales `self_attn.k_scale` / `v_scale` (one per layer, or one
     per KV head)."""

@@ -77,11 +77,22 @@ def encode(x: Tensor) -> Tensor:
     return torch.cat((q.view(torch.uint8), scale.view(torch.uint8)), dim=-1)  # [..., W + 4]
 
 
+_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(FP8).float()  # byte -> its e4m3 value in fp32
+
+
+def e4m3_to_float(b: Tensor) -> Tensor:
+    """uint8 [...] holding e4m3 bytes -> fp32 [...] of their values (a new tensor). On CPU a 256-entry table lookup,
+    about twice as fast as torch's element-wise conversion and the same values (NaN codes included)."""
+    if b.device.type != "cpu":
+        return b.view(FP8).float()
+    return torch.index_select(_E4M3_TABLE, 0, b.reshape(-1).int()).view(b.shape)
+
+
 def decode(p: Tensor, dtype: torch.dtype) -> Tensor:
     """Per-token format: packed uint8 [..., W + 4] -> [..., W] in `dtype` (e4m3 value x scale in fp32)."""
     w = p.shape[-1] - SCALE_BYTES
     scale = p[..., w:].contiguous().view(torch.float32)  # [..., 1]
-    return (p[..., :w].view(FP8).float() * scale).to(dtype)
+    return e4m3_to_float(p[..., :w]).mul_(scale).to(dtype)
 
 
 def encode_static(x: Tensor, scale: Tensor) -> Tensor:
@@ -93,7 +104,7 @@ def encode_static(x: Tensor, scale: Tensor) -> Tensor:
 
 def decode_static(p: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """Static format: uint8 [..., Hkv, W] -> [..., Hkv, W] in `dtype` (e4m3 value x its head's scale in fp32)."""
-    return (p.view(FP8).float() * scale[:, None]).to(dtype)
+    return e4m3_to_float(p).mul_(scale[:, None]).to(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
