@@ -65,3 +65,27 @@ def resolve(timings: list[dict] | None) -> list[dict]:
             if isinstance(value, Span):
                 entry[key] = float(value)
     return timings or []
+
+
+def median_seconds(fn, repeat: int, device, warmup: int = 1) -> float:
+    """Median seconds of `fn()` over `repeat` runs after `warmup` untimed ones, for benchmarks: CUDA events on a
+    CUDA device (each run synchronised), the wall clock elsewhere."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from cpinfer.model.config import ModelConfig
+from cpinfer.timing import median_seconds
 
 
 def prefill_flops(params: int, tokens: int, layers: int, q_dim: int, batch: int = 1) -> dict[str, float]:
@@ -129,34 +130,11 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10, device: str = "cuda"
     n = nbytes // 2
     src = torch.randn(n, device=device, dtype=torch.bfloat16)  # random, never zeros
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _median_time(lambda: dst.copy_(src), repeat, device)
+    return 2.0 * nbytes / median_seconds(lambda: dst.copy_(src), repeat, device, warmup=2)
 
 
 def gemm_rate(n: int = 8192, repeat: int = 10, device: str = "cuda") -> float:
     """TFLOP/s of an n x n x n bf16 matrix product on `device` (random operands, median of event-timed runs)."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2.0 * n ** 3 / _median_time(lambda: torch.mm(a, b), repeat, device) / 1e12
-
-
-def _median_time(fn, repeat: int, device: str) -> float:
-    """Median seconds of fn() on `device` (CUDA events; the host clock after a sync elsewhere), after warm-up."""
-    import time
-
-    cuda = torch.device(device).type == "cuda"
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return 2.0 * n ** 3 / median_seconds(lambda: torch.mm(a, b), repeat, device, warmup=2) / 1e12

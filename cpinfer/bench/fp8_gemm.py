@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
+
+from cpinfer.timing import median_seconds
 
 # Llama-3-70B's dense linears (N, K): q/o, k+v fused size, gate/up, down
 DEFAULT_SHAPES = "8192x8192,2048x8192,28672x8192,8192x28672"
@@ -40,25 +41,6 @@ def _ints(text: str) -> list[int]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return out
-
-
-def _median_s(fn, repeat: int, cuda: bool) -> float:
-    """Median seconds of fn() over `repeat` runs after one warm-up (CUDA events on a GPU)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def _weights(n: int, k: int, device, block=(128, 128)):
@@ -91,7 +73,7 @@ def measure(shapes, tokens, dtype, repeat, device) -> list[dict]:
             want = (x.float() @ deq.t())  # [M, N] fp32
             for name, fn in kernels.items():
                 err = float((fn(x).float() - want).norm() / want.norm().clamp(min=1e-30))
-                sec = _median_s(lambda: fn(x), repeat, cuda)
+                sec = median_seconds(lambda: fn(x), repeat, "cuda" if cuda else "cpu")
                 w_bytes = n * k * (2 if name == "bf16" else 1)
                 rows.append({"N": n, "K": k, "M": m, "kernel": name, "ms": sec * 1e3,
                              "weight_GBps": w_bytes / sec / 1e9, "TFLOPs": 2.0 * m * n * k / sec / 1e12,

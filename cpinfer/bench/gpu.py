@@ -21,6 +21,7 @@ import time
 import torch
 
 from cpinfer.bench.attention import _fmt_table, positive_int
+from cpinfer.timing import median_seconds
 
 
 def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
@@ -28,26 +29,11 @@ def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
     return 4.0 * heads * head_dim * tokens * (tokens + 1) / 2
 
 
-def _time_cuda(fn, repeat: int) -> float:
-    """Median seconds of fn() over `repeat` runs, after one warm-up, with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def matmul_rate(dtype: torch.dtype, n: int = 8192, repeat: int = 5) -> float:
     """TFLOP/s of an n x n x n GEMM in `dtype` on the current GPU."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)
     b = torch.randn(n, n, device="cuda", dtype=dtype)
-    return 2.0 * n ** 3 / _time_cuda(lambda: a @ b, repeat) / 1e12
+    return 2.0 * n ** 3 / median_seconds(lambda: a @ b, repeat, "cuda") / 1e12
 
 
 def default_backends(device=None) -> list[str]:
@@ -142,7 +128,7 @@ def measure(args) -> dict:
                 row["error"] = f"{type(fn).__name__}: {fn}"
                 continue
             try:
-                sec = _time_cuda(fn, args.repeat)
+                sec = median_seconds(fn, args.repeat, "cuda")
                 out = _output(name, fn())
                 row["new_length_s"] = _wall(fresh[name]) if name in fresh else None
             except torch.cuda.OutOfMemoryError:  # e.g. an SDPA fallback that materialises L x L scores
