@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from cpinfer.attention.torch_flash import _cu, _device_key, reference
+from cpinfer.attention.torch_flash import _cu, _device_key, probe_once, reference
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +186,8 @@ def unusable(device: torch.device, probe_device: bool = True) -> str:
         return "this torch has no aten._scaled_dot_product_cudnn_attention"
     if not probe_device:
         return ""
-    try:
-        key = _device_key(device)
-    except Exception as exc:  # noqa: BLE001 - e.g. CUDA reported but unusable in this process
-        return f"cannot select {device}: {type(exc).__name__}: {exc}"
-    if key not in _PROBED:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return "torch-cudnn is probed before its first use, not inside a CUDA graph capture"
-        _PROBED[key] = detect(device)
-    return _PROBED[key][0]
+    stop, found = probe_once(_PROBED, device, "torch-cudnn", lambda: detect(device))
+    return stop or found[0]
 
 
 def api(device) -> CudnnAPI:

@@ -80,19 +80,16 @@ def unusable(device: torch.device, probe_device: bool = True) -> str:
         return "this torch has no aten._flash_attention_forward"
     if not probe_device:
         return ""
-    try:
-        key = _device_key(device)
-    except Exception as exc:  # noqa: BLE001 - e.g. CUDA reported but unusable in this process
-        return f"cannot select {device}: {type(exc).__name__}: {exc}"
-    if key not in _PROBED:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return "torch-flash is probed before its first use, not inside a CUDA graph capture"
+
+    def run() -> str:
         problem = probe(TorchFlashAPI(op), device)
-        _PROBED[key] = problem
         if problem:
             warnings.warn(f"torch-flash (aten._flash_attention_forward) failed its probe on {device}: {problem}; "
-                          f"the attention backend falls back to triton", RuntimeWarning, stacklevel=2)
-    return _PROBED[key]
+                          f"the attention backend falls back to triton", RuntimeWarning, stacklevel=3)
+        return problem
+
+    stop, problem = probe_once(_PROBED, device, "torch-flash", run)
+    return stop or problem
 
 
 def api() -> TorchFlashAPI:
@@ -105,6 +102,21 @@ def api() -> TorchFlashAPI:
 def forget_probes() -> None:
     """Probe again at the next use (tests; a new op)."""
     _PROBED.clear()
+
+
+def probe_once(cache: dict, device: torch.device, name: str, run):
+    """`run()`'s result for `device`, computed at the first use there and kept in `cache` → ('', result); or (why it
+    cannot be probed now, None): the device cannot be selected, or a CUDA graph is being captured. Shared by the
+    backends that probe PyTorch's attention ops (torch-flash, torch-cudnn)."""
+    try:
+        key = _device_key(device)
+    except Exception as exc:  # noqa: BLE001 - e.g. CUDA reported but unusable in this process
+        return f"cannot select {device}: {type(exc).__name__}: {exc}", None
+    if key not in cache:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return f"{name} is probed before its first use, not inside a CUDA graph capture", None
+        cache[key] = run()
+    return "", cache[key]
 
 
 def _device_key(device: torch.device) -> tuple:
