@@ -16,7 +16,7 @@ chunked `cp_attention` on them: tiles, ring steps and messages no query can see 
 
 Attention sinks (one logit per head) are merged once per query, after the ring's partials and the local ones.
 
-FP8 KV cache (`kv_fp8`): K/V rows arrive as uint8 (e4m3 with a static scale per layer and KV head, or packed with a
+FP8 KV cache (`run(..., codecs=)`): K/V rows arrive as uint8 (e4m3 with a static scale per layer and KV head, or packed with a
 scale per token and head, `kv_quant.py`); `run` dequantizes the new rows and the store rows it reads with the layer's
 codecs, and pass-KV ring messages carry the FP8 rows (dequantized per step).
 
@@ -123,9 +123,8 @@ class BatchAttention:
     """One rank's attention plan for a forward; `run` is called once per layer."""
 
     def __init__(self, batch: ForwardBatch, rank: int, world: int, group, backend: str | None = None,
-                 device=torch.device("cpu"), slot_positions: SlotPositions | None = None, kv_fp8: bool = False):
+                 device=torch.device("cpu"), slot_positions: SlotPositions | None = None):
         self.rank, self.world, self.group = rank, world, group
-        self.kv_fp8 = kv_fp8
         self.strategy = batch.strategy
         seqs = batch.seqs
         self.ring, local = ring_members(batch) if world > 1 else ([], list(range(len(seqs))))
@@ -399,13 +398,11 @@ class BatchAttention:
         alone) → out [Lq, H, Dv];
         `window` / `chunk`: the layer's sliding window / attention chunk (both None: full causal attention);
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
-        to the ring's sequences, the rest to my local ones. With `kv_fp8` the K/V tensors are uint8 FP8 rows and
-        `codecs` = the layer's (K, V) `kv_quant.RowCodec`s; `store_used`: the store rows ever written (those
+        to the ring's sequences, the rest to my local ones. `codecs` (an FP8 KV cache): the layer's (K, V)
+        `kv_quant.RowCodec`s, and the K/V tensors are their uint8 rows; `store_used`: the store rows ever written (those
         dequantized for steps that read the store)."""
         packed = None
-        if self.kv_fp8:  # attention reads the rows dequantized; pass-KV messages carry them as stored
-            if codecs is None:
-                raise ValueError("an FP8 KV cache needs the layer's codecs")
+        if codecs is not None:  # attention reads the rows dequantized; pass-KV messages carry them as stored
             packed = (k_new, v_new, store_k, store_v)
             k_new, v_new, store_k, store_v = self._dequantize(q.dtype, packed, window, chunk, store_used, codecs)
         if not self.prepared:  # a caller that did not prepare: plan this layer's kind now (one more upload)

@@ -74,13 +74,13 @@ class KVStore:
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
         self.widths = widths
-        self.fp8 = kv_quant.is_fp8(kv_cache_dtype)
-        if self.fp8 and widths.values_in_keys:
+        fp8 = kv_quant.is_fp8(kv_cache_dtype)
+        if fp8 and widths.values_in_keys:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for multi-head latent attention "
                              "(MLA) models yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
         self.codecs = kv_quant.layer_codecs(kv_cache_dtype, kv_scales, num_layers, n_kv_heads, device)
         extra = kv_quant.SCALE_BYTES if kv_quant.per_token(kv_cache_dtype) else 0
-        store_dtype = torch.uint8 if self.fp8 else dtype
+        store_dtype = torch.uint8 if fp8 else dtype
         self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + extra), dtype=store_dtype,
                              device=device)
         if widths.values_in_keys:
@@ -225,8 +225,7 @@ class ModelRunner:
         if self.static is not None and self.static.handles(batch):
             return self._execute_static(batch, t0, events)
         store = self.store
-        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions,
-                              kv_fp8=store.fp8)
+        plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         codecs = store.codecs
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
