@@ -47,19 +47,20 @@ class PooledLLM(LLM):
 
 
 def shard_engines():
-    """A module fixture's body: yields `get(path, cp, **kw)`, an engine with placement "shard" and one thread per
-    rank — CP1 in the driver, CP > 1 on a pool of that size shared by the module (closed at the end)."""
+    """A module fixture's body: yields `get(path, cp, tp=1, **kw)`, an engine with placement "shard" and one thread
+    per rank — CP1 x TP1 in the driver, more ranks on a pool of that size shared by the module (closed at the end)."""
     from cpinfer.launch import WorkerPool
 
     pools: dict[int, WorkerPool] = {}
 
-    def get(path, cp, **kw):
-        kw = dict(context_parallel_size=cp, placement="shard", threads_per_rank=1, **kw)
-        if cp == 1:
+    def get(path, cp, tp=1, **kw):
+        kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, placement="shard", threads_per_rank=1, **kw)
+        world = cp * tp
+        if world == 1:
             return LLM(str(path), **kw)
-        if cp not in pools:
-            pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
-        return PooledLLM(str(path), pools[cp], **kw)
+        if world not in pools:
+            pools[world] = WorkerPool(world, threads_per_rank=1, timeout_s=120)
+        return PooledLLM(str(path), pools[world], **kw)
 
     try:
         yield get

@@ -14,10 +14,9 @@ import torch
 from cpinfer import LLM, SamplingParams
 from cpinfer.engine import kv_quant
 from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram
-from cpinfer.launch import WorkerPool
 from fp8_checkpoint import write_fp8_pair
 from hf_oracle import check_against_hf, prompts_for
-from pooled_engine import PooledLLM
+from pooled_engine import shard_engines
 
 pytest.importorskip("transformers")
 
@@ -32,21 +31,9 @@ TIGHT, BOUNDARY = 1e-5, dict(rtol=0, atol=1e-3)
 @pytest.fixture(scope="module")
 def engines():
     """`engines(path, cp, tp=1, **kw)`: an engine on a pool of cp x tp ranks shared by the module (CP1 in the
-    driver process)."""
-    pools: dict[int, WorkerPool] = {}
-
-    def get(path, cp, tp=1, **kw):
-        kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, placement="shard", threads_per_rank=1, **kw)
-        kw.setdefault("max_kv_tokens_per_rank", 2048)
-        if cp * tp == 1:
-            return LLM(str(path), **kw)
-        if cp * tp not in pools:
-            pools[cp * tp] = WorkerPool(cp * tp, threads_per_rank=1, timeout_s=120)
-        return PooledLLM(str(path), pools[cp * tp], **kw)
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+    driver process), 2048 KV tokens per rank unless asked otherwise."""
+    for get in shard_engines():  # the pools close when the module ends
+        yield lambda path, cp, tp=1, **kw: get(path, cp, tp, **{"max_kv_tokens_per_rank": 2048, **kw})
 
 
 def test_rows_are_quantized_alone():
