@@ -135,6 +135,12 @@ def test_kv_tokens_from_injected_memory_figures():
 def test_cpu_keeps_host_ram_sizing_and_profile_tokens():
     assert kv_tokens_from_host_ram(0.25, 2, 1024, BLOCK, 4096, total_bytes=64 * GiB) == 4 * 4096  # capped
     assert kv_tokens_from_host_ram(0.25, 2, 1 << 20, BLOCK, 1 << 20, total_bytes=8 * GiB) == 1024
+    # a share of exactly k tokens' bytes holds k tokens whatever the RAM (float rounding once lost a block here:
+    # 25,276,510,208 bytes x (131072 / that) is 131071.99..., truncated to 1023 bf16 tokens, then to 960)
+    for total in (25_276_510_208, 24 * 1024 ** 3, 17_179_869_184, 1_099_511_627_776, 33_554_432_001):
+        fraction = 512 * 256 / total
+        got = [kv_tokens_from_host_ram(fraction, 1, bpt, 64, 2048, total_bytes=total) for bpt in (256, 128, 64)]
+        assert got == [512, 1024, 2048], (total, got)
     assert profile_tokens_per_rank(8192, 131072, 1) == 8192
     assert profile_tokens_per_rank(None, 131072, 4) == 32768  # no chunking: a whole max_model_len prompt
     assert profile_tokens_per_rank(1000, 4096, 3) == 2 * 167  # its two of the 2N chunks

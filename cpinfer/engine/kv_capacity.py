@@ -62,9 +62,11 @@ def kv_tokens_from_memory(fig: MemoryFigures, utilization: float, bytes_per_toke
 
 def kv_tokens_from_host_ram(fraction: float, ranks: int, bytes_per_token: int, block: int, max_model_len: int,
                             total_bytes: int | None = None) -> int:
-    """CPU: `fraction` of host RAM split over the ranks, capped at 4 x max_model_len (a multiple of `block`)."""
+    """CPU: `fraction` of host RAM split over the ranks, capped at 4 x max_model_len (a multiple of `block`).
+    The share is rounded to a whole byte once and divided in integers after, so float rounding never loses a token
+    (and with it a block): a share of exactly k x ranks x bytes_per_token bytes gives k tokens on any machine."""
     total = total_bytes if total_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    tokens = int(total * fraction / ranks / bytes_per_token)
+    tokens = round(total * fraction) // ranks // bytes_per_token
     return max(block, min(tokens, 4 * max_model_len)) // block * block
 
 
