@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype_default: str = "auto
                   memory: bool = True) -> None:
     """--device, --dtype, --kv-cache-dtype, --attention-backend, --share-gpus, --enforce-eager and (with `memory`)
     --gpu-memory-utilization."""
-    from cpinfer.engine.kv_quant import KV_CACHE_DTYPES  # (cpinfer.engine imports this module)
+    from cpinfer.engine.kv.fp8 import KV_CACHE_DTYPES  # (cpinfer.engine imports this module)
 
     g = parser.add_argument_group("hardware")
     g.add_argument("--device", choices=DEVICES, default="auto",

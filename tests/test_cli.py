@@ -168,7 +168,7 @@ def test_compare_turns_flags_a_mismatch():
 
 
 def test_demo_states_when_a_prompt_spreads():
-    from cpinfer.engine.placement import CostModel, Placer, Work
+    from cpinfer.engine.kv.placement import CostModel, Placer, Work
     from cpinfer.perf.hardware import load_hardware_profile
     from cpinfer.perf.models import ModelSpec
 

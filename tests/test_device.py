@@ -10,9 +10,9 @@ import torch
 from cpinfer import LLM, SamplingParams, device, launch, timing
 from cpinfer.cli import main
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.kv_capacity import (MemoryFigures, kv_tokens_from_host_ram, kv_tokens_from_memory,
+from cpinfer.engine.kv.capacity import (MemoryFigures, kv_tokens_from_host_ram, kv_tokens_from_memory,
                                         profile_tokens_per_rank)
-from cpinfer.engine.kv_manager import BLOCK
+from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm_engine import EngineConfig, LLMEngine
 
 GiB = 1 << 30

@@ -1,4 +1,4 @@
-"""FP8 KV cache (cpinfer/engine/kv_quant.py) on the engine, in both formats (static scales per layer and KV head;
+"""FP8 KV cache (cpinfer/engine/kv/fp8.py) on the engine, in both formats (static scales per layer and KV head;
 a scale per token and head): CP 2 and 3 (pass-KV, pass-Q, auto) and TP 2 equal CP 1 with FP8 KV — same
 quantization whatever the sharding — under chunked (partial) prefill, prefix reuse and sharing, sliding windows, and
 KV tiers (entries written at CP 2 restored at CP 3; never read back by a full-precision engine); a checkpoint's
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cpinfer import LLM, SamplingParams
-from cpinfer.engine import kv_quant
-from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram
+from cpinfer.engine.kv import fp8 as kv_fp8
+from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram
 from fp8_checkpoint import write_fp8_pair
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import shard_engines
@@ -41,24 +41,24 @@ def test_rows_are_quantized_alone():
     zero rows stay zero; the error is bounded by half an e4m3 step of the row's scale."""
     x = torch.randn(50, 3, 16) * torch.logspace(-3, 2, 50)[:, None, None]
     x[7] = 0.0
-    p = kv_quant.encode(x)  # [50, 3, 20] uint8
+    p = kv_fp8.encode(x)  # [50, 3, 20] uint8
     assert p.dtype == torch.uint8 and p.shape == (50, 3, 20)
-    assert torch.equal(kv_quant.encode(x[10:13]), p[10:13]) and torch.equal(kv_quant.encode(x[:, 1:2]), p[:, 1:2])
-    y = kv_quant.decode(p, torch.float32)
+    assert torch.equal(kv_fp8.encode(x[10:13]), p[10:13]) and torch.equal(kv_fp8.encode(x[:, 1:2]), p[:, 1:2])
+    y = kv_fp8.decode(p, torch.float32)
     assert torch.equal(y[7], torch.zeros(3, 16))
     amax = x.abs().amax(-1, keepdim=True)
     assert bool(((y - x).abs() <= amax / 16 + 1e-30).all())  # e4m3: 3 mantissa bits, relative step <= 1/8
-    torch.testing.assert_close(kv_quant.decode(kv_quant.encode(y), torch.float32), y, rtol=1e-6, atol=0)
+    torch.testing.assert_close(kv_fp8.decode(kv_fp8.encode(y), torch.float32), y, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_per_token, got "
                                          "'int8'"):
-        kv_quant.check_kv_cache_dtype("int8")
+        kv_fp8.check_kv_cache_dtype("int8")
 
 
 def test_static_scales_per_layer_and_head():
     """The static format: D bytes a row, each KV head scaled by its own fixed scale, rows independent of each
     other; within half an e4m3 step in the normal range, saturating at 448 x scale."""
     scale = torch.tensor([1.0, 0.25, 4.0])
-    codec = kv_quant.RowCodec(scale)
+    codec = kv_fp8.RowCodec(scale)
     x = torch.randn(40, 3, 16) * torch.tensor([1.0, 0.25, 4.0])[:, None]
     x[3, 2, 5] = 5000.0  # beyond 448 x 4: saturates
     p = codec.encode(x)
@@ -70,12 +70,12 @@ def test_static_scales_per_layer_and_head():
     normal[3, 2, 5] = False
     assert bool(((y - x).abs() <= x.abs() / 16 + 1e-30)[normal].all())
     assert bool(((y - x).abs() <= 2 ** -10 * scale[:, None])[~normal & (x.abs() < 1)].all())  # subnormal steps
-    assert kv_quant.row_bytes(16, 2, "fp8") == 16 and kv_quant.row_bytes(16, 2, "fp8_per_token") == 20
-    assert kv_quant.check_kv_cache_dtype("fp8_e4m3") == "fp8"
-    codecs = kv_quant.layer_codecs("fp8", None, 2, 3, "cpu")
+    assert kv_fp8.row_bytes(16, 2, "fp8") == 16 and kv_fp8.row_bytes(16, 2, "fp8_per_token") == 20
+    assert kv_fp8.check_kv_cache_dtype("fp8_e4m3") == "fp8"
+    codecs = kv_fp8.layer_codecs("fp8", None, 2, 3, "cpu")
     assert len(codecs) == 2 and torch.equal(codecs[1][1].scale, torch.ones(3))
-    assert kv_quant.layer_codecs("fp8_per_token", None, 2, 3, "cpu")[0][0].scale is None
-    assert kv_quant.layer_codecs("auto", None, 2, 3, "cpu") is None
+    assert kv_fp8.layer_codecs("fp8_per_token", None, 2, 3, "cpu")[0][0].scale is None
+    assert kv_fp8.layer_codecs("auto", None, 2, 3, "cpu") is None
 
 
 def test_calibrated_scales_are_powers_of_two_with_headroom(llama_checkpoint):
@@ -84,11 +84,11 @@ def test_calibrated_scales_are_powers_of_two_with_headroom(llama_checkpoint):
     from cpinfer.model import ReferenceAttention, load_model
 
     cfg, model = load_model(llama_checkpoint("gqa", max_position_embeddings=2048))
-    k, v = kv_quant.calibrate_kv_scales(model, cfg, "cpu")
+    k, v = kv_fp8.calibrate_kv_scales(model, cfg, "cpu")
     assert k.shape == v.shape == (2, 2)
     for s in (k, v):
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)
-    n = kv_quant.CALIBRATION_TOKENS
+    n = kv_fp8.CALIBRATION_TOKENS
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     ids[0] = cfg.bos_token_id
     ref = ReferenceAttention(torch.zeros(n, dtype=torch.long), torch.arange(n), config=cfg)
@@ -102,9 +102,9 @@ def test_calibrated_scales_are_powers_of_two_with_headroom(llama_checkpoint):
         model(ids, torch.arange(n), attn)
     for layer in (0, 1):
         for s, a in zip((k[layer], v[layer]), seen[layer]):
-            need = a * kv_quant.HEADROOM / kv_quant.FP8_MAX
+            need = a * kv_fp8.HEADROOM / kv_fp8.FP8_MAX
             assert bool((s >= need).all()) and bool((s < 2 * need).all())
-    k2, v2 = kv_quant.calibrate_kv_scales(model, cfg, "cpu")
+    k2, v2 = kv_fp8.calibrate_kv_scales(model, cfg, "cpu")
     assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
@@ -112,10 +112,10 @@ def test_e4m3_table_lookup_equals_torchs_conversion():
     """The CPU decode's table lookup gives torch's e4m3 -> fp32 values for all 256 bytes (NaN codes as NaN), on a
     strided view too (a packed row's value bytes)."""
     b = torch.arange(256, dtype=torch.uint8)
-    got, want = kv_quant.e4m3_to_float(b), b.view(torch.float8_e4m3fn).float()
+    got, want = kv_fp8.e4m3_to_float(b), b.view(torch.float8_e4m3fn).float()
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     rows = torch.randint(0, 256, (7, 3, 20), dtype=torch.uint8)[..., :16]  # strided, like p[..., :W]
-    torch.testing.assert_close(kv_quant.e4m3_to_float(rows), rows.contiguous().view(torch.float8_e4m3fn).float(),
+    torch.testing.assert_close(kv_fp8.e4m3_to_float(rows), rows.contiguous().view(torch.float8_e4m3fn).float(),
                                rtol=0, atol=0, equal_nan=True)
 
 
@@ -141,15 +141,15 @@ def test_checkpoint_kv_scales(llama_checkpoint, tmp_path):
     missing one or with a non-positive one is refused, naming the tensor."""
     src = llama_checkpoint("gqa", max_position_embeddings=2048)  # 2 layers, 2 KV heads
     path = _with_kv_scales(src, tmp_path / "a", [0.5, [0.25, 2.0]], [3.0, [1.0, 0.125]])
-    k, v = kv_quant.checkpoint_kv_scales(path, 2, 2)
+    k, v = kv_fp8.checkpoint_kv_scales(path, 2, 2)
     torch.testing.assert_close(k, torch.tensor([[0.5, 0.5], [0.25, 2.0]]))
     torch.testing.assert_close(v, torch.tensor([[3.0, 3.0], [1.0, 0.125]]))
-    k, v = kv_quant.checkpoint_kv_scales(path, 2, 1, slice(1, 2))
+    k, v = kv_fp8.checkpoint_kv_scales(path, 2, 1, slice(1, 2))
     torch.testing.assert_close(k, torch.tensor([[0.5], [2.0]]))
-    assert kv_quant.checkpoint_kv_scales(src, 2, 2) is None
+    assert kv_fp8.checkpoint_kv_scales(src, 2, 2) is None
     bad = _with_kv_scales(src, tmp_path / "b", [1.0, 0.0], [1.0, 1.0])
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_scale must be positive"):
-        kv_quant.checkpoint_kv_scales(bad, 2, 2)
+        kv_fp8.checkpoint_kv_scales(bad, 2, 2)
 
 
 def _scenario(llm):
@@ -224,11 +224,11 @@ def test_fp8_kv_is_attention_over_dequantized_rows(llama_checkpoint, engines, tm
     if scales == "checkpoint":
         path = _with_kv_scales(path, tmp_path / "scaled", [0.02, [0.05, 0.01]], [[0.004, 0.03], 0.008])
     cfg, model = load_model(path)
-    found = kv_quant.checkpoint_kv_scales(path, 2, 2)
+    found = kv_fp8.checkpoint_kv_scales(path, 2, 2)
     assert (found is None) == (scales != "checkpoint")
     if scales == "calibrated":
-        found = kv_quant.calibrate_kv_scales(model, cfg, "cpu")
-    codecs = kv_quant.layer_codecs(kvd, found, 2, 2, "cpu")
+        found = kv_fp8.calibrate_kv_scales(model, cfg, "cpu")
+    codecs = kv_fp8.layer_codecs(kvd, found, 2, 2, "cpu")
     prompt = prompts_for(cfg.vocab_size, [90], seed=11)[0]
     ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
     ref = ReferenceAttention(torch.zeros(len(prompt), dtype=torch.long), pos, config=cfg)

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpinfer.cp.sharding import chunk_ranks
-from cpinfer.engine.kv_manager import BLOCK, KVManager
-from cpinfer.engine.placement import SPREAD, CostModel, Placer
+from cpinfer.engine.kv.manager import BLOCK, KVManager
+from cpinfer.engine.kv.placement import SPREAD, CostModel, Placer
 from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.perf.models import ModelSpec
 from cpinfer.engine.request import Request, RequestStatus

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpinfer.engine.batch import (DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent, ToHost)
-from cpinfer.engine.kv_disk import _replace
-from cpinfer.engine.kv_files import Layout
-from cpinfer.engine.kv_manager import BLOCK, KVManager
-from cpinfer.engine.kv_tiers import DiskEntry, TierConfig
+from cpinfer.engine.kv.ops import DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent, ToHost
+from cpinfer.engine.kv.disk_dir import _replace
+from cpinfer.engine.kv.disk_files import Layout
+from cpinfer.engine.kv.manager import BLOCK, KVManager
+from cpinfer.engine.kv.tiers import DiskEntry, TierConfig
 from cpinfer.engine.request import Request, RequestStatus
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
 from test_kv_manager import FakeEngine
@@ -258,7 +258,7 @@ def test_a_conversation_comes_back_from_each_tier_and_after_a_restart_at_another
 
 def test_a_full_disk_pauses_writes_logged_once_and_they_resume_when_it_has_room(caplog, monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("cpinfer.engine.kv_tiers.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("cpinfer.engine.kv.tiers.time.monotonic", lambda: now[0])
     eng = TierEngine(1, 2 * BLOCK, 0, 10_000, seed=0)
     eng.ranks.fail_errno = errno.ENOSPC
     rng = np.random.default_rng(1)
@@ -289,7 +289,7 @@ def test_a_full_disk_pauses_writes_logged_once_and_they_resume_when_it_has_room(
 
 def test_a_failed_delete_stays_counted_and_is_retried_when_writing_works_again(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("cpinfer.engine.kv_tiers.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("cpinfer.engine.kv.tiers.time.monotonic", lambda: now[0])
     eng = TierEngine(1, 4 * BLOCK, 0, 10_000, seed=0)
     eng.add(np.random.default_rng(2).integers(3, 40, 80).tolist(), 2)
     while eng.live:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cpinfer import SamplingParams
-from cpinfer.engine import tier_store
-from cpinfer.engine.kv_files import (CorruptEntry, EntryHeader, Layout, file_name, read_header, read_rows, scan,
+from cpinfer.engine.kv import tier_store
+from cpinfer.engine.kv.disk_files import (CorruptEntry, EntryHeader, Layout, file_name, read_header, read_rows, scan,
                                      write_entry)
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import shard_engines
@@ -167,14 +167,14 @@ def test_a_full_disk_is_logged_once_and_serving_goes_on(ckpt, engines, tmp_path,
 def test_a_read_only_directory_is_read_and_never_written(ckpt, engines, tmp_path, monkeypatch, caplog):
     """Entries written by one engine are restored by the next one that cannot write there (logged once); it writes
     and deletes nothing."""
-    from cpinfer.engine import kv_disk
+    from cpinfer.engine.kv import disk_dir
 
     d = tmp_path / "kv"
     docs = prompts_for(256, [150, 150], seed=6)
     with engines(ckpt, 1, max_kv_tokens_per_rank=2048, kv_disk_dir=d) as llm:
         first = _turn(llm, docs, ckpt)
     files = sorted((p.name, p.stat().st_mtime_ns) for p in d.glob("*.safetensors"))
-    monkeypatch.setattr(kv_disk, "_probe_write", lambda path: False)
+    monkeypatch.setattr(disk_dir, "_probe_write", lambda path: False)
     caplog.set_level(logging.INFO, logger="cpinfer")
     with engines(ckpt, 1, max_kv_tokens_per_rank=320, kv_disk_dir=d) as llm:  # one chat on the device
         outs = _turn(llm, [p + o.token_ids + [3] for p, o in zip(docs, first)], ckpt)

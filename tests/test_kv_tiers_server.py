@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from cpinfer.engine.tier_store import WRITE_DELAY_ENV
+from cpinfer.engine.kv.tier_store import WRITE_DELAY_ENV
 from server_utils import TINY_VOCAB, ServerProcess, write_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(600)

@@ -5,7 +5,7 @@ tests/test_cp_attention.py."""
 import pytest
 import torch
 
-from cpinfer.engine.model_runner import KVStore, KVWidths
+from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.model.config import ModelConfig, MoEConfig
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.moe import Router

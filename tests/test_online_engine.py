@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cpinfer import AsyncLLM, LLM, SamplingParams
-from cpinfer.engine.kv_manager import BLOCK
+from cpinfer.engine.kv.manager import BLOCK
 from hf_oracle import check_against_hf, prompts_for
 
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)

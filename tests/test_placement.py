@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cpinfer.engine.placement import (SPREAD, UNPLACED, CostModel, ForwardLoad, Placer, Work, sequence_cost)
+from cpinfer.engine.kv.placement import (SPREAD, UNPLACED, CostModel, ForwardLoad, Placer, Work, sequence_cost)
 from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.perf.models import ModelSpec
 

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from cpinfer import LLM, SamplingParams
-from cpinfer.engine.kv_manager import BLOCK
+from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.perf.hardware import load_hardware_profile
 from hf_oracle import check_against_hf, prompts_for
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpinfer import SamplingParams
-from cpinfer.engine.kv_files import read_header
+from cpinfer.engine.kv.disk_files import read_header
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import shard_engines
 
@@ -178,7 +178,7 @@ def test_a_clean_stop_leaves_every_entry_adoptable(ckpt, engines, tmp_path):
 def test_a_failing_host_restore_is_a_cache_miss(ckpt, engines, tmp_path, monkeypatch, caplog):
     """CP1 (the rank runs in this process): a host-pool restore raises; the request is recomputed exactly, the bad
     host copy is dropped (the index and the pool agree), and the engine goes on."""
-    from cpinfer.engine.tier_store import RankTiers
+    from cpinfer.engine.kv.tier_store import RankTiers
 
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 150], seed=31))]
     c = json.loads((ckpt / "config.json").read_text())

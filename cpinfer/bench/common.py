@@ -172,6 +172,6 @@ def shape_text(cfg: dict, hw: dict | None = None) -> str:
 
 def kv_capacity(tokens: int) -> int:
     """A per-rank KV capacity (a multiple of the cache block) with room for `tokens` plus a small margin."""
-    from cpinfer.engine.kv_manager import BLOCK
+    from cpinfer.engine.kv.manager import BLOCK
 
     return -(-(tokens + 4 * BLOCK) // BLOCK) * BLOCK

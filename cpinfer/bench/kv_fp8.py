@@ -97,14 +97,14 @@ def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict
 def capacity_rows(model_dir) -> list[list]:
     """Per token: bytes (all layers, K and V), tokens per GiB, and bytes one token adds to a pass-KV message per
     layer — for fp32, bf16 and both FP8 formats."""
-    from cpinfer.engine import kv_quant
+    from cpinfer.engine.kv import fp8 as kv_fp8
     from cpinfer.model import ModelConfig
 
     c = ModelConfig.from_pretrained(model_dir)
     rows = []
     for name, elem, kvd in (("float32", 4, "auto"), ("bfloat16", 2, "auto"), ("fp8 (e4m3, static scales)", 1, "fp8"),
                             ("fp8_per_token (e4m3 + fp32 scale a row)", 1, "fp8_per_token")):
-        row = kv_quant.row_bytes(c.head_dim, elem, kvd)
+        row = kv_fp8.row_bytes(c.head_dim, elem, kvd)
         per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * row
         rows.append([name, per_token, f"{(1 << 30) // per_token:,}", 2 * c.num_key_value_heads * row])
     for r in rows:
@@ -118,11 +118,11 @@ def capacity_from_memory(model_dir, tokens_fp32: int = 4096) -> list[list]:
     import os
 
     from cpinfer import LLM
-    from cpinfer.engine import kv_quant
+    from cpinfer.engine.kv import fp8 as kv_fp8
     from cpinfer.model import ModelConfig
 
     c = ModelConfig.from_pretrained(model_dir)
-    fp32_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * kv_quant.row_bytes(c.head_dim, 4)
+    fp32_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * kv_fp8.row_bytes(c.head_dim, 4)
     fraction = tokens_fp32 * fp32_bytes / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     rows = []
     for dtype, kvd in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("float32", "fp8_per_token")):

@@ -17,7 +17,7 @@ chunked `cp_attention` on them: tiles, ring steps and messages no query can see 
 Attention sinks (one logit per head) are merged once per query, after the ring's partials and the local ones.
 
 FP8 KV cache (`run(..., codecs=)`): K/V rows arrive as uint8 (e4m3 with a static scale per layer and KV head, or packed with a
-scale per token and head, `kv_quant.py`); `run` dequantizes the new rows and the store rows it reads with the layer's
+scale per token and head, `kv/fp8.py`); `run` dequantizes the new rows and the store rows it reads with the layer's
 codecs, and pass-KV ring messages carry the FP8 rows (dequantized per step).
 
 `prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
@@ -399,7 +399,7 @@ class BatchAttention:
         `window` / `chunk`: the layer's sliding window / attention chunk (both None: full causal attention);
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
         to the ring's sequences, the rest to my local ones. `codecs` (an FP8 KV cache): the layer's (K, V)
-        `kv_quant.RowCodec`s, and the K/V tensors are their uint8 rows; `store_used`: the store rows ever written (those
+        `kv_fp8.RowCodec`s, and the K/V tensors are their uint8 rows; `store_used`: the store rows ever written (those
         dequantized for steps that read the store)."""
         packed = None
         if codecs is not None:  # attention reads the rows dequantized; pass-KV messages carry them as stored

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from cpinfer.engine.kv.ops import CacheOp
 from cpinfer.engine.sampling import SampleSpec
 
 
@@ -29,79 +30,6 @@ class SeqInput:
     spread: bool = True  # its keys (cached and new) sit on more than one rank: it takes part in the ring; else all
     # of them, old and new, are on ranks[0] and no other rank needs them
     prompt_top: int = 0  # with prompt_logprobs: also the k most likely tokens at each of those positions
-
-
-# ---------------------------------------------------------------- cache operations between tiers (kv_tiers.py)
-# Each names the CP rank whose shard it moves (every TP rank of it applies it to its own heads and files). A rank
-# applies the operations of a batch in order, before the forward writes new K/V: the driver may free a slot and
-# reuse it in the same batch, and order is what keeps that safe.
-
-@dataclasses.dataclass(frozen=True)
-class ToHost:
-    """Copy device slots to host-pool slots (a segment leaving the device keeps a host copy)."""
-
-    rank: int
-    slots: np.ndarray  # [M] device slots
-    host_slots: np.ndarray  # [M] host-pool slots, the same tokens in the same order
-
-
-@dataclasses.dataclass(frozen=True)
-class FromHost:
-    """Restore: copy host-pool slots into device slots."""
-
-    rank: int
-    host_slots: np.ndarray  # [M]
-    slots: np.ndarray  # [M] device slots
-    positions: np.ndarray  # [M] the tokens' positions (ranks that mirror slot positions record them)
-    node: int = -1  # the prefix-tree segment being restored (named in a failure)
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveEntry:
-    """Write this rank's shard of a segment to the disk tier: the rows are copied now (from device or host slots),
-    written by the rank's writer thread in the background (ack in `RankResult.tier_events`)."""
-
-    rank: int
-    entry: str
-    source: str  # "device" | "host"
-    slots: np.ndarray  # [M] slots in that tier, in position order
-    positions: np.ndarray  # [M]
-    pos0: int  # the segment's first position
-    count: int  # tokens of the segment over every rank
-    path: np.ndarray  # [pos0 + count] token ids from the root through the segment's end
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadEntry:
-    """Restore from disk: rows of entry files (any shard: a different CP size re-places tokens) into device
-    slots. Sent before the forward in its own call, so that a failed read ends only the requests that needed it."""
-
-    rank: int
-    node: int  # the prefix-tree segment being restored (named in a failure)
-    parts: tuple[tuple[str, int, np.ndarray], ...]  # (entry, shard, rows [K]) read in this order
-    slots: np.ndarray  # [sum K] device slots of the rows, concatenated in the order of `parts`
-    positions: np.ndarray  # [sum K]
-
-
-@dataclasses.dataclass(frozen=True)
-class DeleteEntry:
-    """Remove an entry's files of one shard (after its write, in the writer's order)."""
-
-    rank: int
-    entry: str
-    shard: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ForgetEntry:
-    """The driver has seen that writing this shard failed: the rank may drop the rows it kept for reads."""
-
-    rank: int
-    entry: str
-    shard: int
-
-
-CacheOp = ToHost | FromHost | SaveEntry | LoadEntry | DeleteEntry | ForgetEntry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +62,3 @@ class RankResult:
     # static path's buffers), "model" (the layers and logits up to their copy to the host: it waits for the device;
     # a graph replay on the static path), "sample" (drawing tokens from the logits on the host)
     phases: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class TierEvent:
-    """What a rank reports about the tiers: kind "saved" (entry, shard, ok, error, errno, nbytes), "deleted" (entry,
-    shard, ok, error), "restored" (tier, nbytes, seconds) or "load_failed" (node, tier, error)."""
-
-    kind: str
-    rank: int
-    entry: str = ""
-    shard: int = -1
-    ok: bool = True
-    error: str = ""
-    errno: int = 0
-    nbytes: int = 0
-    tier: str = ""
-    seconds: float = 0.0
-    node: int = -1

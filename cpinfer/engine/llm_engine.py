@@ -23,13 +23,15 @@ from cpinfer.attention.backends import resolve_name
 from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.batch import ForwardBatch, FromHost, LoadEntry, RankResult, SeqInput
-from cpinfer.engine.kv_capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
-from cpinfer.engine.kv_disk import model_layout, open_disk_dir, rebuild_index
-from cpinfer.engine.kv_quant import check_kv_cache_dtype, layout_dtype
-from cpinfer.engine.kv_manager import BLOCK, KVManager
-from cpinfer.engine.kv_tiers import TierConfig
-from cpinfer.engine.placement import PLACEMENTS, CostModel, Placer
+from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
+from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
+from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
+from cpinfer.engine.kv.fp8 import check_kv_cache_dtype, layout_dtype
+from cpinfer.engine.kv.manager import BLOCK, KVManager
+from cpinfer.engine.kv.ops import FromHost, LoadEntry
+from cpinfer.engine.kv.placement import PLACEMENTS, CostModel, Placer
+from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.engine.kv.tiers import TierConfig
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -213,7 +215,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ set-up
     def _default_capacity(self, fraction: float) -> int:
         c = self.config
-        per_token = MR.KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, MR.KVWidths.of(c),
+        per_token = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c),
                                                self.elem_bytes, self.args.kv_cache_dtype)
         return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
@@ -775,7 +777,7 @@ class LLMEngine:
     def kv_bytes_per_token(self) -> int:
         """One token's K/V bytes on one CP rank (every layer, every KV head: its TP ranks together)."""
         c = self.config
-        return MR.KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, MR.KVWidths.of(c), self.elem_bytes,
+        return KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), self.elem_bytes,
                                           self.args.kv_cache_dtype)
 
     def tier_stats(self) -> dict:

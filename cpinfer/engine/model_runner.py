@@ -21,13 +21,15 @@ from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.items import new_accumulator
 from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
-from cpinfer.engine import kv_quant
 from cpinfer.engine.attention import BatchAttention, SlotPositions
-from cpinfer.engine.batch import FromHost, ForwardBatch, LoadEntry, RankResult, SampleResult
+from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
 from cpinfer.engine.decode_graph import StaticDecode
-from cpinfer.engine.kv_capacity import MemoryProbe, kv_tokens_from_memory
+from cpinfer.engine.kv import fp8 as kv_fp8
+from cpinfer.engine.kv.capacity import MemoryProbe, kv_tokens_from_memory
+from cpinfer.engine.kv.ops import FromHost, LoadEntry
+from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.engine.kv.tier_store import RankTiers
 from cpinfer.engine.sampling import sample
-from cpinfer.engine.tier_store import RankTiers
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
 from cpinfer.tensor_parallel import RowParallelLinear, head_ranges, load_tp_model
@@ -38,82 +40,16 @@ log = get_logger()
 _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 
 
-@dataclasses.dataclass(frozen=True)
-class KVWidths:
-    """What one cached token holds per layer and KV head: a key of `key` channels and a value of `value` channels,
-    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels."""
-
-    key: int
-    value: int
-    values_in_keys: bool = False
-
-    def __post_init__(self) -> None:
-        if self.key <= 0 or self.value <= 0:
-            raise ValueError(f"KV widths must be positive, got key {self.key}, value {self.value}")
-        if self.values_in_keys and self.value > self.key:
-            raise ValueError(f"values in the keys need value width <= key width, got {self.value} > {self.key}")
-
-    @classmethod
-    def of(cls, config) -> "KVWidths":
-        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys)
-
-    @property
-    def stored(self) -> int:
-        """Channels stored per KV head and token: the key's, plus the value's unless it sits in the key."""
-        return self.key if self.values_in_keys else self.key + self.value
-
-
-class KVStore:
-    """This rank's K/V tensors: k [layers, capacity + 1, Hkv, Dk] and v [layers, capacity + 1, Hkv, Dv] (with
-    `values_in_keys` a view of k's first Dv channels: nothing stored twice), indexed by the slots the driver
-    assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
-    FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head, or [D + 4] with its own
-    scale in the per-token format (`kv_quant.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
-    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes."""
-
-    def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
-                 kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
-        self.widths = widths
-        fp8 = kv_quant.is_fp8(kv_cache_dtype)
-        if fp8 and widths.values_in_keys:
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for multi-head latent attention "
-                             "(MLA) models yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
-        self.codecs = kv_quant.layer_codecs(kv_cache_dtype, kv_scales, num_layers, n_kv_heads, device)
-        extra = kv_quant.SCALE_BYTES if kv_quant.per_token(kv_cache_dtype) else 0
-        store_dtype = torch.uint8 if fp8 else dtype
-        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + extra), dtype=store_dtype,
-                             device=device)
-        if widths.values_in_keys:
-            self.v = self.k[..., :widths.value]
-        else:
-            self.v = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.value + extra), dtype=store_dtype,
-                                 device=device)
-        self.sink = capacity
-        self.used = 0
-
-    def note_written(self, slots: np.ndarray) -> None:
-        if len(slots):
-            self.used = max(self.used, int(slots.max()) + 1)
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int,
-                        kv_cache_dtype: str = "auto") -> int:
-        if widths.values_in_keys:
-            return num_layers * n_kv_heads * widths.stored * elem_bytes
-        return num_layers * n_kv_heads * sum(kv_quant.row_bytes(w, elem_bytes, kv_cache_dtype)
-                                             for w in (widths.key, widths.value))
-
-
 class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
                  attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto",
                  load_format: str = "auto"):
         """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
         (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off. kv_cache_dtype: "auto" (the
-        compute dtype) or "fp8" (`kv_quant.py`). load_format: "auto" (the checkpoint) or "dummy" (random weights
+        compute dtype) or "fp8" (`kv/fp8.py`). load_format: "auto" (the checkpoint) or "dummy" (random weights
         made on the device, TP1: `loader.random_model`)."""
         self.ctx = ctx
-        self.kv_cache_dtype = kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
         self.model_path = model_path
         self.kv_scales_source: str | None = None  # static FP8 KV: "checkpoint" or "calibrated" (`_kv_scales`)
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
@@ -151,16 +87,16 @@ class ModelRunner:
 
     def _kv_scales(self):
         """Static FP8 KV scales for this TP rank's KV heads: the checkpoint's, else calibrated on this model at load
-        (`kv_quant.calibrate_kv_scales`; every rank of a TP group calls this together); None when not static FP8."""
+        (`kv_fp8.calibrate_kv_scales`; every rank of a TP group calls this together); None when not static FP8."""
         if self.kv_cache_dtype != "fp8":
             return None
         c, tp = self.config, self.groups.config.tp
         kv_heads = head_ranges(c, tp, self.groups.tp_rank)[1]
         heads = slice(kv_heads.start, kv_heads.stop)
-        scales = kv_quant.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads)
+        scales = kv_fp8.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads)
         self.kv_scales_source = "checkpoint" if scales is not None else "calibrated"
         if scales is None:
-            scales = kv_quant.calibrate_kv_scales(self.model, c, self.ctx.device)
+            scales = kv_fp8.calibrate_kv_scales(self.model, c, self.ctx.device)
         if self.ctx.rank == 0:
             k, v = scales
             log.info("FP8 KV cache: static scales per layer and KV head, %s (K %.3g-%.3g, V %.3g-%.3g)",

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from cpinfer.engine.kv_manager import SeqKV
+from cpinfer.engine.kv.manager import SeqKV
 from cpinfer.engine.sampling import SamplingParams
 
 

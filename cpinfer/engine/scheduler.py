@@ -14,7 +14,7 @@ import itertools
 
 import numpy as np
 
-from cpinfer.engine.kv_manager import KVManager, Placement
+from cpinfer.engine.kv.manager import KVManager, Placement
 from cpinfer.engine.request import Request, RequestStatus
 
 

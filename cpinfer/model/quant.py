@@ -21,7 +21,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _FP8_FILE_DTYPES = {"F8_E4M3": "e4m3"}  # safetensors dtype names cpinfer dequantizes
 # tensors that hold no weight: static activation scales (cpinfer quantizes activations dynamically on CUDA and not
-# at all on CPU) and static KV-cache scales (read by the FP8 KV cache, `engine/kv_quant.py`, not by the model)
+# at all on CPU) and static KV-cache scales (read by the FP8 KV cache, `engine/kv/fp8.py`, not by the model)
 _KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 _AUX_SUFFIXES = (".input_scale", ".input_scale_ub", "_input_scale") + _KV_SCALE_SUFFIXES
 SUPPORTED = ("fbgemm_fp8", "fp8", "compressed-tensors")

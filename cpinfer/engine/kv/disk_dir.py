@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from cpinfer.cp.sharding import chunk_ranks
-from cpinfer.engine.kv_files import Layout, file_name, model_checksum, scan
-from cpinfer.engine.kv_tiers import DiskEntry
+from cpinfer.engine.kv.disk_files import Layout, file_name, model_checksum, scan
+from cpinfer.engine.kv.tiers import DiskEntry
 from cpinfer.utils import get_logger
 
 log = get_logger()

@@ -5,7 +5,7 @@ segment lives on one CP rank, in a slot of a block of that rank. The manager dec
 token — a sequence's new tokens on one rank or 2N-sharded over all (§3.5.1) as the placement policy chooses, decode
 tokens on the rank that holds the sequence or round-robin (§3.6) — and the ranks only write where told.
 Splitting a segment relabels metadata here; K/V never move. Unreferenced leaves are evicted least recently used —
-down to the host and disk tiers when there are some (kv_tiers.py), from where a later match restores them.
+down to the host and disk tiers when there are some (tiers.py), from where a later match restores them.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from cpinfer.cp.sharding import chunk_ranks
-from cpinfer.engine.kv_tiers import TIERS, DiskEntry, DiskRef, Tiers
-from cpinfer.engine.placement import SPREAD, UNPLACED, Decision, ForwardLoad, Placer, Work
+from cpinfer.engine.kv.tiers import TIERS, DiskEntry, DiskRef, Tiers
+from cpinfer.engine.kv.placement import SPREAD, UNPLACED, Decision, ForwardLoad, Placer, Work
 from cpinfer.utils import ceil_div
 
 BLOCK = 64  # slots per allocation block
@@ -77,7 +77,7 @@ class RankBlocks:
 
 class Node:
     """A segment of the prefix tree: tokens at positions pos0 ..., each stored on rank[i] in slot[i] while
-    `on_device`; `host` / `disk`: its copies in the lower tiers (kv_tiers.py). Off the device, rank[i] is where a
+    `on_device`; `host` / `disk`: its copies in the lower tiers (tiers.py). Off the device, rank[i] is where a
     restore puts token i (the rank whose host pool holds it) and `count` counts those; the slots mean nothing."""
 
     _ids = itertools.count(1)

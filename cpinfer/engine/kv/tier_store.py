@@ -1,6 +1,6 @@
 """The rank side of the KV tiers: this rank's host pool (pinned memory on CUDA, a separate bounded pool on CPU), a
 writer thread that writes disk entries off the forward's path, and `apply` of the cache operations the driver's
-KV manager puts in each batch (kv_tiers.py decides; a rank copies its own shard only).
+KV manager puts in each batch (tiers.py decides; a rank copies its own shard only).
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cpinfer.engine.batch import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
+from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
                                   ToHost)
-from cpinfer.engine.kv_files import CorruptEntry, EntryHeader, Layout, file_name, read_rows, write_entry
+from cpinfer.engine.kv.disk_files import CorruptEntry, EntryHeader, Layout, file_name, read_rows, write_entry
 from cpinfer.utils import get_logger
 
 log = get_logger()

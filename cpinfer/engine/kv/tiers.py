@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cpinfer.engine.batch import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
+from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
                                   ToHost)
-from cpinfer.engine.kv_files import TIER_ERRNOS, Layout, entry_name
+from cpinfer.engine.kv.disk_files import TIER_ERRNOS, Layout, entry_name
 from cpinfer.utils import get_logger
 
 log = get_logger()

@@ -1,0 +1,77 @@
+"""A rank's device KV cache: the K/V tensors of every layer, indexed by the slots the driver's KV manager assigns
+(paper §3.3: each CP rank stores its shard of every sequence's K/V), and what one cached token holds per KV head.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from cpinfer.engine.kv import fp8 as kv_fp8
+
+
+@dataclasses.dataclass(frozen=True)
+class KVWidths:
+    """What one cached token holds per layer and KV head: a key of `key` channels and a value of `value` channels,
+    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels."""
+
+    key: int
+    value: int
+    values_in_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.key <= 0 or self.value <= 0:
+            raise ValueError(f"KV widths must be positive, got key {self.key}, value {self.value}")
+        if self.values_in_keys and self.value > self.key:
+            raise ValueError(f"values in the keys need value width <= key width, got {self.value} > {self.key}")
+
+    @classmethod
+    def of(cls, config) -> "KVWidths":
+        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys)
+
+    @property
+    def stored(self) -> int:
+        """Channels stored per KV head and token: the key's, plus the value's unless it sits in the key."""
+        return self.key if self.values_in_keys else self.key + self.value
+
+
+class KVStore:
+    """This rank's K/V tensors: k [layers, capacity + 1, Hkv, Dk] and v [layers, capacity + 1, Hkv, Dv] (with
+    `values_in_keys` a view of k's first Dv channels: nothing stored twice), indexed by the slots the driver
+    assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
+    FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head, or [D + 4] with its own
+    scale in the per-token format (`kv/fp8.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
+    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes."""
+
+    def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
+                 kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
+        self.widths = widths
+        fp8 = kv_fp8.is_fp8(kv_cache_dtype)
+        if fp8 and widths.values_in_keys:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for multi-head latent attention "
+                             "(MLA) models yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
+        self.codecs = kv_fp8.layer_codecs(kv_cache_dtype, kv_scales, num_layers, n_kv_heads, device)
+        extra = kv_fp8.SCALE_BYTES if kv_fp8.per_token(kv_cache_dtype) else 0
+        store_dtype = torch.uint8 if fp8 else dtype
+        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + extra), dtype=store_dtype,
+                             device=device)
+        if widths.values_in_keys:
+            self.v = self.k[..., :widths.value]
+        else:
+            self.v = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.value + extra), dtype=store_dtype,
+                                 device=device)
+        self.sink = capacity
+        self.used = 0
+
+    def note_written(self, slots: np.ndarray) -> None:
+        if len(slots):
+            self.used = max(self.used, int(slots.max()) + 1)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int,
+                        kv_cache_dtype: str = "auto") -> int:
+        if widths.values_in_keys:
+            return num_layers * n_kv_heads * widths.stored * elem_bytes
+        return num_layers * n_kv_heads * sum(kv_fp8.row_bytes(w, elem_bytes, kv_cache_dtype)
+                                             for w in (widths.key, widths.value))
