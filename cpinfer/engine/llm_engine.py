@@ -32,6 +32,7 @@ from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.placement import PLACEMENTS, CostModel, Placer
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tiers import TierConfig
+from cpinfer.engine.output import OutputProcessor
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -210,6 +211,7 @@ class LLMEngine:
         self._rng = random.Random(0)
         self.dead_error: str | None = None
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "forwards": {}, "finished": {}}
+        self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
         self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
 
     # ------------------------------------------------------------------ set-up
@@ -579,7 +581,7 @@ class LLMEngine:
             self._matchers.pop(rid, None)
             req.finish_reason = "abort"
             self._count_finish(req)
-            outputs.append(self._output(req))
+            outputs.append(self.output.output(req))
         self._aborts = []
         return outputs
 
@@ -633,34 +635,28 @@ class LLMEngine:
         self._failed.pop(req.request_id, None)
         req.finish_reason = "error"
         self._count_finish(req)
-        out = self._output(req)
+        out = self.output.output(req)
         out.error = why
         return out
 
     def _process(self, scheduled, results: list[RankResult], choice, phase, host: dict) -> list[RequestOutput]:
-        now = time.perf_counter()
+        """The forward's results → request state and outputs (engine/output.py); finished requests leave."""
         step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs,
                      "host": host}
-        samples = {r.seq: r for res in results for r in res.samples}
+        for s in scheduled:
+            s.request.metrics["steps"].append(self._step_metrics(step_info, s))
         outputs = []
-        for b, s in enumerate(scheduled):
-            req = s.request
-            req.metrics["steps"].append(self._step_metrics(step_info, s))
-            if req.params.prompt_logprobs:
-                self._collect_prompt_lp(req, s, b, results)
-            if not s.is_decode:
-                self._counters["prompt_tokens"] += len(s.tokens)
-            if not s.sample:
+        for req, why in self.output.process(scheduled, results, time.perf_counter(), host, self._failed,
+                                            self._matchers):
+            if why is not None:
+                outputs.append(self._fail(req, why))
                 continue
-            if b not in samples:
-                raise RuntimeError(f"no rank returned a sample for request {req.request_id} (this is a bug)")
-            why = self._failed.get(req.request_id) or samples[b].error
-            if why is None:
-                try:
-                    self._take_token(req, samples[b], now, host)
-                except Exception as exc:  # noqa: BLE001 - decoding / grammar of this request only
-                    why = f"{type(exc).__name__}: {exc}"
-            outputs.append(self._fail(req, why) if why is not None else self._output(req))
+            if req.finish_reason is not None:
+                self.scheduler.finish(req, keep_cache=True)
+                self.requests.pop(req.request_id, None)
+                self._matchers.pop(req.request_id, None)
+                self._count_finish(req)
+            outputs.append(self.output.output(req))
         for rid in [r for r in self._failed if r not in self.requests]:
             del self._failed[rid]
         return outputs
@@ -674,97 +670,9 @@ class LLMEngine:
             out["placement_inputs"] = s.placement.decision.as_metrics()
         return out
 
-    def _collect_prompt_lp(self, req: Request, s: ScheduledSeq, b: int, results) -> None:
-        """Each rank's log-probabilities of the prompt positions it held (and their top-k, when asked)."""
-        if req.prompt_lp is None:
-            req.prompt_lp = [None] * len(req.prompt)
-            if req.params.top_logprobs:
-                req.prompt_top_lp = [None] * len(req.prompt)
-        for res in results:
-            if b not in res.prompt_lp:
-                continue
-            offsets, values, *top = res.prompt_lp[b]
-            for i, (o, v) in enumerate(zip(offsets.tolist(), values.tolist())):
-                target = s.start + o + 1
-                if target < len(req.prompt):
-                    req.prompt_lp[target] = v
-                    if top and req.prompt_top_lp is not None:
-                        req.prompt_top_lp[target] = dict(zip(top[0][i].tolist(), top[1][i].tolist()))
-
-    def _take_token(self, req: Request, res, now: float, host: dict) -> None:
-        token = res.token
-        if req.out:
-            req.metrics["ttit_s"].append(now - req.t_last)
-        else:
-            req.metrics["ttft_s"] = now - req.arrival
-            req.metrics["first_token_time"] = now
-        req.t_last = now
-        req.out.append(token)
-        matcher = self._matchers.get(req.request_id)
-        if matcher is not None:
-            matcher.consume(token)
-        req.logprobs.append(res.logprob)
-        if req.params.top_logprobs:
-            req.top_logprobs.append(dict(res.top))
-        self._counters["generation_tokens"] += 1
-        p = req.params
-        if self.tokenizer is not None:
-            t0 = time.perf_counter()
-            req.text = self._decode(req, token)
-            host["detokenize_s"] += time.perf_counter() - t0
-        if len(req.out) >= p.min_tokens:  # before min_tokens (vLLM) nothing ends it: min_tokens <= max_tokens
-            self._check_end(req, token, matcher)
-        if req.finish_reason is not None:
-            self.scheduler.finish(req, keep_cache=True)
-            self.requests.pop(req.request_id, None)
-            self._matchers.pop(req.request_id, None)
-            self._count_finish(req)
-
-    def _check_end(self, req: Request, token: int, matcher) -> None:
-        """Set the finish (and stop) reason when this token ends the output."""
-        p = req.params
-        if not p.ignore_eos and token in self.config.eos_token_ids:
-            req.finish_reason = "stop"
-        elif token in p.stop_token_ids:
-            req.finish_reason, req.stop_reason = "stop", token
-        elif p.stop and self._hit_stop_string(req):
-            req.finish_reason = "stop"
-        elif matcher is not None and matcher.done:
-            req.finish_reason = "stop"
-        elif len(req.out) >= p.max_tokens:
-            req.finish_reason = "length"
-
-    def _decode(self, req: Request, token: int) -> str:
-        """The output text. With skip_special_tokens off (a tool-call parser reading special markers), the token
-        that ends the output (EOS, a stop token) is still left out."""
-        p = req.params
-        if p.skip_special_tokens:
-            return self.tokenizer.decode(req.out, skip_special_tokens=True)
-        ends = token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids)
-        return self.tokenizer.decode(req.out[:-1] if ends else req.out, skip_special_tokens=False)
-
-    @staticmethod
-    def _hit_stop_string(req: Request) -> bool:
-        hits = [(req.text.find(s), s) for s in req.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        req.text, req.stop_reason = req.text[:i], s
-        return True
-
     def _count_finish(self, req: Request) -> None:
         f = self._counters["finished"]
         f[req.finish_reason] = f.get(req.finish_reason, 0) + 1
-
-    def _output(self, req: Request) -> RequestOutput:
-        finished = req.finish_reason is not None
-        req.metrics["arrival_time"] = req.arrival
-        return RequestOutput(
-            req.request_id, req.prompt, list(req.out), req.text if self.tokenizer is not None else None,
-            list(req.logprobs) if req.params.logprobs else None, req.prompt_lp, max(req.num_cached, 0),
-            req.finish_reason, req.metrics, list(req.top_logprobs) if req.params.top_logprobs else None,
-            finished, req.stop_reason, prompt_top_logprobs=req.prompt_top_lp)
 
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict:

@@ -36,7 +36,8 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    text: str = ""
+    text: str = ""  # the output text so far (engine/output.py extends it token by token)
+    text_state: object = None  # its incremental detokenizer and stop-string bookkeeping (output.TextState)
     metrics: dict = dataclasses.field(default_factory=lambda: {"steps": [], "ttit_s": []})
     t_last: float = 0.0
     _prompt_set: np.ndarray | None = dataclasses.field(default=None, repr=False)

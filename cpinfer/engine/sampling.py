@@ -34,7 +34,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 → off
     seed: int | None = None
-    stop: tuple[str, ...] = ()  # strings that end the output (not included in the text)
+    stop: tuple[str, ...] = ()  # strings that end the output (not included in the text), looked for only in the
+    # text after the first min_tokens tokens
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # log-probability of each chosen token
@@ -49,6 +50,7 @@ class SamplingParams:
     min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely (after temperature)
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     skip_special_tokens: bool = True  # special tokens are left out of the output text
+    include_stop_str_in_output: bool = False  # keep the stop string (or the stop / EOS token's text) in the text
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
