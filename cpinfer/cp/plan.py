@@ -23,27 +23,12 @@ from cpinfer.attention.kv_pack import values_in_keys
 from cpinfer.attention.local import AttnItem, build_items, chunk_labels, mark_first, seq_end_or_default
 from cpinfer.attention.step import HeadLayout, plan_tables
 from cpinfer.attention.tables import ForwardTables
+from cpinfer.cp.rank_meta import RankMeta
 from cpinfer.cp.ring import group_rank_and_size
 from cpinfer.cp.routes import Routes, pair_routes
 
 STRATEGIES = ("pass-kv", "pass-q", "all-gather")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-@dataclasses.dataclass(frozen=True)
-class RankMeta:
-    """One rank's metadata. q_*: its queries; kv_*: its whole local K/V; send: rows of K/V that travel."""
-
-    q_seq: np.ndarray
-    q_pos: np.ndarray
-    kv_seq: np.ndarray
-    kv_pos: np.ndarray
-    send: np.ndarray  # indices into the local K/V of rows that can matter to some query (packed for sending)
-    kv_end: np.ndarray | None = None  # end of each key's interval [kv_seq, kv_end); None → kv_seq + 1
-
-    def __post_init__(self):
-        if self.kv_end is None:
-            object.__setattr__(self, "kv_end", self.kv_seq + 1)
 
 
 @dataclasses.dataclass
