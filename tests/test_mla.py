@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cpinfer.engine.model_runner import KVStore, KVWidths
-from cpinfer.model.config import ModelConfig, MoEConfig
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.config_parts import MoEConfig
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.moe import Router
 from cpinfer.model.testing import tiny_config

@@ -1,6 +1,7 @@
 """Model families (Llama, Mistral, Qwen2/3, Gemma 3, SmolLM3, and the mixtures of experts Qwen-MoE, Mixtral,
 gpt-oss, Llama 4) as one decoder with options; no distributed code (attention is injected)."""
-from cpinfer.model.config import ModelConfig, MoEConfig, RopeConfig
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.config_parts import MoEConfig, RopeConfig
 from cpinfer.model.decoder import (
     MLP,
     Attention,
