@@ -170,7 +170,7 @@ def test_compare_turns_flags_a_mismatch():
 def test_demo_states_when_a_prompt_spreads():
     from cpinfer.engine.placement import CostModel, Placer, Work
     from cpinfer.perf.hardware import load_hardware_profile
-    from cpinfer.perf.models import ModelSpec
+    from cpinfer.perf.model_spec import ModelSpec
 
     smol = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)
     placer = Placer("auto", 2, CostModel(smol, load_hardware_profile("cpu-gloo"), 2, compute_share=0.5))

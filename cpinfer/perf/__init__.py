@@ -13,6 +13,7 @@ planner         `cpinfer plan`: one deployment, or the smallest CP meeting a TTF
 planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.fit --write-doc docs/planning.md)
 """
 from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
-from cpinfer.perf.models import ModelSpec, load_model_spec
+from cpinfer.perf.model_spec import ModelSpec
+from cpinfer.perf.models import load_model_spec
 
 __all__ = ["HardwareProfile", "ModelSpec", "load_hardware_profile", "load_model_spec"]

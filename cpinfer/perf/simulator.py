@@ -17,7 +17,8 @@ from cpinfer.cp.ring_shape import RingShape
 from cpinfer.perf import costs
 from cpinfer.perf.hardware import HardwareProfile
 from cpinfer.perf.implementations import CPINFER, Implementation
-from cpinfer.perf.models import ModelSpec, WeightFormat
+from cpinfer.perf.model_spec import ModelSpec
+from cpinfer.perf.models import WeightFormat
 from cpinfer.utils import ceil_div, check_positive
 
 # Memory passes over one token's hidden vector per layer: two fused residual-add + RMSNorm kernels (read x and
