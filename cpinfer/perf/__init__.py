@@ -12,7 +12,8 @@ fit             fits the h100-gtt parameters to those statements; leave-one-out 
 planner         `cpinfer plan`: one deployment, or the smallest CP meeting a TTFT target; report renders it (--explain)
 planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.fit --write-doc docs/planning.md)
 """
-from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
+from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.model_spec import ModelSpec
 from cpinfer.perf.models import load_model_spec
 

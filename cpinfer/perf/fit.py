@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from cpinfer.perf.catalog import FA3_L0, HARDWARE
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.statements import STATEMENTS, Statement, profile_for
 
 # parameter -> (lower, upper, prior, why the prior); bounds are physical limits on the 500 W GTT H100 / RDMA.

@@ -15,7 +15,7 @@ from cpinfer.cp import cost_model
 from cpinfer.cp.cost_model import STRATEGIES, AttnShape
 from cpinfer.cp.ring_shape import RingShape
 from cpinfer.perf import costs
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import CPINFER, Implementation
 from cpinfer.perf.model_spec import ModelSpec
 from cpinfer.perf.models import WeightFormat
