@@ -10,7 +10,7 @@ simulator       TTFT (pass-KV / pass-Q), TTIT (pass-Q decode), memory per GPU
 statements      every quantitative statement of the paper's public text, with its source, as a model check
 fit             fits the h100-gtt parameters to those statements; leave-one-out cross-validation
 planner         `cpinfer plan`: one deployment, or the smallest CP meeting a TTFT target; report renders it (--explain)
-planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.fit --write-doc docs/planning.md)
+planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.planning_doc docs/planning.md)
 """
 from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.perf.hardware_profile import HardwareProfile
