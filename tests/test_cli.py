@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from checkpoints import write_tiny_gguf
 from cpinfer.bench.attention import write_doc_section
 from cpinfer.cli import main
 from cpinfer.commands import demo
 from cpinfer.commands.demo import run_attention_demo
-from cpinfer.model.testing import write_tiny_gguf
 
 
 def _cpinfer(*argv, timeout=300):
