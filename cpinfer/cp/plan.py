@@ -23,6 +23,7 @@ from cpinfer.attention.kv_pack import values_in_keys
 from cpinfer.attention.local import AttnItem, build_items, chunk_labels, mark_first, seq_end_or_default
 from cpinfer.attention.step import HeadLayout, plan_tables
 from cpinfer.attention.tables import ForwardTables
+from cpinfer.cp import pass_kv, pass_q
 from cpinfer.cp.rank_meta import RankMeta
 from cpinfer.cp.ring import group_rank_and_size
 from cpinfer.cp.routes import Routes, pair_routes
@@ -106,8 +107,6 @@ class CPAttentionPlan:
         """q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] (this rank's) → out [Lq, H, Dv] in q's dtype; `scale`
         overrides;
         sinks [H]: each head's sink logit, merged once into every query's softmax after the ring."""
-        from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
-
         self.prepare(HeadLayout.of(q, k), q.device).upload()  # nothing pending when the caller prepared it
         scale = scale if scale is not None else q.shape[-1] ** -0.5 if self.scale is None else self.scale
         if self.strategy == "pass-q":
