@@ -2,7 +2,7 @@
 
     def test_x(llama_checkpoint):      path = llama_checkpoint("mqa", num_hidden_layers=1)   # HF save_pretrained
     def test_y(random_checkpoint):     path = random_checkpoint(seed=3, hidden_size=64)     # torch-only writer
-Variants: "gqa" (4:1), "mqa", "mha", "tied", "llama3" (see cpinfer/model/testing.py).
+Variants: "gqa" (4:1), "mqa", "mha", "tied", "llama3" (see tests/checkpoints.py).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import pytest
 
+from checkpoints import write_hf_checkpoint
 from cpinfer.model.random_checkpoint import write_random_checkpoint
-from cpinfer.model.testing import write_hf_checkpoint
 
 
 def _quiet_transformers() -> None:

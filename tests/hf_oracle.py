@@ -4,7 +4,7 @@ import functools
 import numpy as np
 import torch
 
-from cpinfer.model.testing import load_hf_model
+from checkpoints import load_hf_model
 
 
 @functools.lru_cache(maxsize=8)

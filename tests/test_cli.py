@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from checkpoints import write_tiny_gguf
 from cpinfer.bench.attention import write_doc_section
 from cpinfer.cli import main
 from cpinfer.commands import demo
 from cpinfer.commands.demo import run_attention_demo
-from cpinfer.model.testing import write_tiny_gguf
 
 
 def _cpinfer(*argv, timeout=300):
@@ -170,7 +170,7 @@ def test_compare_turns_flags_a_mismatch():
 def test_demo_states_when_a_prompt_spreads():
     from cpinfer.engine.kv.placement import CostModel, Placer, Work
     from cpinfer.perf.hardware import load_hardware_profile
-    from cpinfer.perf.models import ModelSpec
+    from cpinfer.perf.model_spec import ModelSpec
 
     smol = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)
     placer = Placer("auto", 2, CostModel(smol, load_hardware_profile("cpu-gloo"), 2, compute_share=0.5))

@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton engine path cannot be checked")
 
 from cpinfer import LLM, SamplingParams  # noqa: E402
-from cpinfer.model.testing import load_hf_model  # noqa: E402
+from checkpoints import load_hf_model  # noqa: E402
 from hf_oracle import check_against_hf, prompts_for  # noqa: E402
 
 BF16_TOL = 0.08  # logprob; HF bf16 itself differs from HF fp32 by ~0.03 on these models

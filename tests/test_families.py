@@ -12,7 +12,7 @@ from pooled_engine import PooledLLM
 
 pytest.importorskip("transformers")
 
-# family -> tiny variant (cpinfer/model/testing.py): windows on Mistral (every layer), Qwen2 (layer 1), Gemma 3
+# family -> tiny variant (tests/checkpoints.py): windows on Mistral (every layer), Qwen2 (layer 1), Gemma 3
 # (local layers 0 and 2); Qwen3 with q/k norm, biases, head_dim 16 != 64 / 8 and YaRN. SmolLM3: layer 1 NoPE
 # and sliding; the mixtures of experts: 4 experts of 32, top 2 — Qwen3-MoE with a dense layer between two sparse
 # ones (mlp_only_layers), Qwen2-MoE with its gated shared expert and a window on layer 0, Mixtral windowed;

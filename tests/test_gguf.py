@@ -8,14 +8,14 @@ import pytest
 import torch
 import transformers
 
+from checkpoints import (GGUF_TEST_VOCAB, load_hf_model, write_gguf_from_hf, write_hf_checkpoint,
+                         write_tiny_gguf)
 from cpinfer.model import gguf as G
 from cpinfer.model import resolve as R
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import load_model
 from cpinfer.model.reference import ReferenceAttention
 from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
-from cpinfer.model.testing import (GGUF_TEST_VOCAB, load_hf_model, write_gguf_from_hf, write_hf_checkpoint,
-                                   write_tiny_gguf)
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()

@@ -10,7 +10,7 @@ from cpinfer.cp.sharding import chunk_ranks
 from cpinfer.engine.kv.manager import BLOCK, KVManager
 from cpinfer.engine.kv.placement import SPREAD, CostModel, Placer
 from cpinfer.perf.hardware import load_hardware_profile
-from cpinfer.perf.models import ModelSpec
+from cpinfer.perf.model_spec import ModelSpec
 from cpinfer.engine.request import Request, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig

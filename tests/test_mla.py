@@ -5,11 +5,12 @@ tests/test_cp_attention.py."""
 import pytest
 import torch
 
+from checkpoints import tiny_config, write_hf_checkpoint
 from cpinfer.engine.kv.store import KVStore, KVWidths
-from cpinfer.model.config import ModelConfig, MoEConfig
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.config_parts import MoEConfig
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.moe import Router
-from cpinfer.model.testing import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,7 +120,6 @@ def test_multi_token_prediction_layers_are_skipped_at_load(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from cpinfer.model import load_model
-    from cpinfer.model.testing import write_hf_checkpoint
 
     path = write_hf_checkpoint(tmp_path / "v3", "deepseek_v3", num_hidden_layers=2)
     file = next(path.glob("*.safetensors"))

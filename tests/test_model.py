@@ -17,7 +17,7 @@ from cpinfer.model import (
 from cpinfer.model.random_checkpoint import random_config_dict
 
 transformers = pytest.importorskip("transformers")
-from cpinfer.model.testing import load_hf_model, tiny_config  # noqa: E402
+from checkpoints import load_hf_model, tiny_config  # noqa: E402
 
 VARIANTS = ["gqa", "mqa", "mha", "tied", "llama3", "llama_bias"]
 FAMILIES = ["mistral", "qwen2", "qwen2_full", "qwen3", "qwen3_swa", "gemma3"]

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from cpinfer.model.config import MoEConfig, ModelConfig
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.config_parts import MoEConfig
 from cpinfer.model.decoder import MLP
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.moe import GROUPED_MM_MODES, SparseMoE, _grouped_mm_runs, grouped_mm, grouped_mm_mode

@@ -14,7 +14,8 @@ from cpinfer.cp.cost_model import AttnShape
 from cpinfer.cp.ring_shape import RingShape
 from cpinfer.perf import costs
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
+from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import PAPER
 from cpinfer.perf.model_catalog import MODELS
 from cpinfer.perf.models import WEIGHT_FORMATS, load_model_spec, model_spec_from_hf_config

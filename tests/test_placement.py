@@ -7,7 +7,7 @@ import pytest
 
 from cpinfer.engine.kv.placement import (SPREAD, UNPLACED, CostModel, ForwardLoad, Placer, Work, sequence_cost)
 from cpinfer.perf.hardware import load_hardware_profile
-from cpinfer.perf.models import ModelSpec
+from cpinfer.perf.model_spec import ModelSpec
 
 SMOL = ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True)  # the embedded model
 GLOO = load_hardware_profile("cpu-gloo")

@@ -14,9 +14,9 @@ from cpinfer.model.quant import Fp8Linear, parse_quantization, quantize_rows
 from fp8_checkpoint import FORMATS, quantize, write_fp8_pair
 
 transformers = pytest.importorskip("transformers")
-from cpinfer.model.testing import load_hf_model  # noqa: E402
+from checkpoints import load_hf_model  # noqa: E402
 
-# family -> tiny variant (cpinfer/model/testing.py)
+# family -> tiny variant (tests/checkpoints.py)
 FAMILIES = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
             "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
             "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}

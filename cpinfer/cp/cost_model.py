@@ -24,7 +24,7 @@ LSE_BYTES = 4  # the log-sum-exp of a partial output is kept in fp32 (App. B; FA
 
 
 class Rates(Protocol):
-    """The hardware-profile fields this model reads (units in `cpinfer.perf.hardware.UNITS`)."""
+    """The hardware-profile fields this model reads (units in `cpinfer.perf.hardware_profile.UNITS`)."""
     attn_tflops: float
     attn_ref_tokens: float
     attn_overhead_tokens: float

@@ -23,27 +23,13 @@ from cpinfer.attention.kv_pack import values_in_keys
 from cpinfer.attention.local import AttnItem, build_items, chunk_labels, mark_first, seq_end_or_default
 from cpinfer.attention.step import HeadLayout, plan_tables
 from cpinfer.attention.tables import ForwardTables
+from cpinfer.cp import pass_kv, pass_q
+from cpinfer.cp.rank_meta import RankMeta
 from cpinfer.cp.ring import group_rank_and_size
 from cpinfer.cp.routes import Routes, pair_routes
 
 STRATEGIES = ("pass-kv", "pass-q", "all-gather")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-@dataclasses.dataclass(frozen=True)
-class RankMeta:
-    """One rank's metadata. q_*: its queries; kv_*: its whole local K/V; send: rows of K/V that travel."""
-
-    q_seq: np.ndarray
-    q_pos: np.ndarray
-    kv_seq: np.ndarray
-    kv_pos: np.ndarray
-    send: np.ndarray  # indices into the local K/V of rows that can matter to some query (packed for sending)
-    kv_end: np.ndarray | None = None  # end of each key's interval [kv_seq, kv_end); None → kv_seq + 1
-
-    def __post_init__(self):
-        if self.kv_end is None:
-            object.__setattr__(self, "kv_end", self.kv_seq + 1)
 
 
 @dataclasses.dataclass
@@ -121,8 +107,6 @@ class CPAttentionPlan:
         """q [Lq, H, D], k [Lkv, Hkv, D], v [Lkv, Hkv, Dv] (this rank's) → out [Lq, H, Dv] in q's dtype; `scale`
         overrides;
         sinks [H]: each head's sink logit, merged once into every query's softmax after the ring."""
-        from cpinfer.cp import pass_kv, pass_q  # late import: the strategies import this module
-
         self.prepare(HeadLayout.of(q, k), q.device).upload()  # nothing pending when the caller prepared it
         scale = scale if scale is not None else q.shape[-1] ** -0.5 if self.scale is None else self.scale
         if self.strategy == "pass-q":

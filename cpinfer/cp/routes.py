@@ -7,12 +7,10 @@ step that is empty for every rank is skipped by all of them.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from cpinfer.cp.plan import RankMeta
+from cpinfer.cp.rank_meta import RankMeta
 
 _NO_WINDOW = 2 ** 62  # above any position difference
 

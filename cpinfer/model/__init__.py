@@ -1,6 +1,7 @@
 """Model families (Llama, Mistral, Qwen2/3, Gemma 3, SmolLM3, and the mixtures of experts Qwen-MoE, Mixtral,
 gpt-oss, Llama 4) as one decoder with options; no distributed code (attention is injected)."""
-from cpinfer.model.config import ModelConfig, MoEConfig, RopeConfig
+from cpinfer.model.config import ModelConfig
+from cpinfer.model.config_parts import MoEConfig, RopeConfig
 from cpinfer.model.decoder import (
     MLP,
     Attention,
@@ -13,11 +14,11 @@ from cpinfer.model.decoder import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
-    RMSNorm,
 )
 from cpinfer.model.families import FAMILIES, Family
 from cpinfer.model.loader import WeightSlicer, build_model, checkpoint_files, full_tensor, load_model, load_weights
 from cpinfer.model.moe import SparseMoE
+from cpinfer.model.norms import RMSNorm
 from cpinfer.model.random_checkpoint import write_random_checkpoint
 from cpinfer.model.reference import ReferenceAttention
 from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model

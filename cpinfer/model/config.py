@@ -15,166 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpinfer.model.config_parts import ACTIVATIONS, LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.families import config_kwargs
 from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 # weight * x.to(dtype)  |  (x * (1 + weight)).to(dtype)  |  (weight * x).to(dtype) (gpt-oss)
 NORM_STYLES = ("llama", "gemma", "fp32")
-SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
-EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
 MLP_MODULES = ("mlp", "block_sparse_moe", "feed_forward")  # the checkpoint's name of a layer's MLP
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A sparse MLP block (`moe.py`): a router picks `top_k` of `num_experts` gated MLPs per token, optionally
-    beside a shared expert. The layout fields say how the checkpoint stores the experts (parameter names and shapes
-    stay Hugging Face's)."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # of each routed expert
-    scoring: str = "softmax"  # scores = softmax / sigmoid of the router logits; top-k of the scores
-    norm_topk_prob: bool = False  # the k weights renormalised to sum to 1
-    router_bias: bool = False  # gpt-oss: logits = x W^T + b
-    router_name: str = "gate"  # "gate" (Qwen, Mixtral) or "router" (gpt-oss, Llama 4)
-    weight_input: bool = False  # Llama 4 scales each expert's input by its weight; the others scale its output
-    expert_bias: bool = False  # gpt-oss: experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]
-    hidden_act: str = "silu"
-    swiglu_alpha: float = 1.702  # swiglu_clamped only
-    swiglu_limit: float = 7.0  # swiglu_clamped only
-    gate_up_interleaved: bool = False  # gpt-oss: gate and up columns alternate; else gate half, then up half
-    transposed: bool = False  # experts stored [E, in, out] (gpt-oss, Llama 4) instead of [E, out, in]
-    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoints
-    shared_intermediate_size: int = 0  # a shared expert every token goes through (0: none)
-    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x w)
-    shared_name: str = "shared_expert"  # the checkpoint's name of the shared expert (DeepSeek: "shared_experts")
-    # DeepSeek routing: experts in n_group groups, only the topk_group best groups eligible (a group's score: the
-    # sum of its top 2 choice scores, "top2_sum" (V3), or its best, "max" (V2)); a selection-only bias
-    # (e_score_correction_bias) on the choice scores; the k weights times routed_scaling_factor
-    n_group: int = 1
-    topk_group: int = 1
-    group_score: str = "top2_sum"
-    score_correction_bias: bool = False
-    routed_scaling_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "intermediate_size"):
-            check_positive(getattr(self, name), f"moe {name}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the number of experts ({self.num_experts})")
-        for name, allowed in (("scoring", SCORING_FUNCS), ("hidden_act", EXPERT_ACTIVATIONS),
-                              ("router_name", ("gate", "router"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"unsupported expert {name} {getattr(self, name)!r}: cpinfer supports {allowed}")
-        if self.shared_intermediate_size < 0:
-            raise ValueError(f"shared expert intermediate size must be >= 0, got {self.shared_intermediate_size}")
-        if self.shared_expert_gate and not self.shared_intermediate_size:
-            raise ValueError("a shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
-        if len(self.expert_proj_names) != 3:
-            raise ValueError(f"expert_proj_names must name (gate, up, down), got {self.expert_proj_names}")
-        self._check_groups()
-
-    def _check_groups(self) -> None:
-        check_positive(self.n_group, "moe n_group")
-        check_divisible(self.num_experts, self.n_group, "the number of routed experts", "n_group")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group must be in [1, n_group = {self.n_group}], got {self.topk_group}")
-        if self.group_score not in ("top2_sum", "max"):
-            raise ValueError(f"unsupported group score {self.group_score!r}: cpinfer supports 'top2_sum', 'max'")
-        if self.n_group > 1 and self.group_score == "top2_sum" and self.num_experts // self.n_group < 2:
-            raise ValueError("group-limited routing scores a group by its top 2 experts: each of the n_group "
-                             f"groups needs >= 2 experts, got {self.num_experts // self.n_group}")
-        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
-            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of the topk_group "
-                             f"({self.topk_group}) eligible groups ({self.num_experts // self.n_group} each)")
-        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
-            raise ValueError(f"routed_scaling_factor must be a positive number, got {self.routed_scaling_factor}")
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2 §2.1): per token one latent c (kv_lora_rank, normed) and one rotary
-    key (qk_rope_head_dim) shared by every head; per head a no-RoPE query / key part (qk_nope_head_dim) and a value
-    (v_head_dim) up-projected from c by kv_b_proj; queries through a low-rank q_a / q_b pair when q_lora_rank is set.
-    Attention runs in the absorbed form (`mla.py`): one KV head of width key_width whose first value_width channels
-    are the values."""
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-    softmax_scale: float = 0.0  # the original head's 1/sqrt(nope + rope) times YaRN's mscale^2 (0: without mscale)
-    rope_interleaved: bool = True  # the rotary part rotates pairs (2i, 2i + 1) (V2, V3 rope_interleave)
-
-    def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            check_positive(getattr(self, name), name)
-        if self.q_lora_rank is not None:
-            check_positive(self.q_lora_rank, "q_lora_rank")
-        check_divisible(self.qk_rope_head_dim, 2, "qk_rope_head_dim", "2 (RoPE rotates pairs)")
-        if not self.softmax_scale:
-            object.__setattr__(self, "softmax_scale", self.qk_head_dim ** -0.5)
-        if not (self.softmax_scale > 0 and math.isfinite(self.softmax_scale)):
-            raise ValueError(f"MLA softmax_scale must be a positive number, got {self.softmax_scale}")
-
-    @property
-    def qk_head_dim(self) -> int:  # a query / key head of the original (non-absorbed) form
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def key_width(self) -> int:  # the one cached KV head per token: [latent c ; rotary key]
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def value_width(self) -> int:  # the values are the latent: the key's first kv_lora_rank channels
-        return self.kv_lora_rank
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """One RoPE as transformers defines it (`modeling_rope_utils.py`); unused fields stay None.
-
-    `dynamic` is evaluated at factor x max_position_embeddings and `longrope` uses its long factors iff
-    max_position_embeddings > original_max_position_embeddings: fixed choices, so cached keys never change
-    (transformers re-evaluates both at the current sequence length; see docs/models.md).
-    """
-
-    rope_type: str = "default"
-    theta: float = 10000.0
-    factor: float | None = None  # linear, dynamic, yarn, llama3; longrope (None: max / original)
-    original_max_position_embeddings: int | None = None  # llama3, yarn, longrope
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    truncate: bool = True  # yarn
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn, longrope: explicit cos/sin scale (None: derived from factor)
-    short_factor: tuple[float, ...] | None = None  # longrope
-    long_factor: tuple[float, ...] | None = None  # longrope
-
-    def __post_init__(self) -> None:
-        t = self.rope_type
-        if t not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {t!r}: cpinfer supports {ROPE_TYPES}")
-        if not (self.theta > 0 and math.isfinite(self.theta)):
-            raise ValueError(f"rope_theta must be a positive finite number, got {self.theta}")
-        if t in ("linear", "dynamic", "yarn", "llama3") and not (self.factor is not None and self.factor > 0):
-            raise ValueError(f"{t} rope scaling needs a factor > 0, got {self.factor}")
-        if t in ("yarn", "longrope", "llama3"):
-            check_positive(self.original_max_position_embeddings, f"{t} rope scaling: original_max_position_embeddings")
-        if t == "llama3" and not (self.low_freq_factor is not None and self.high_freq_factor is not None
-                                  and 0 < self.low_freq_factor < self.high_freq_factor):
-            raise ValueError("llama3 rope scaling: need 0 < low_freq_factor < high_freq_factor, got "
-                             f"{self.low_freq_factor} and {self.high_freq_factor}")
-        if t == "longrope" and (self.short_factor is None or self.long_factor is None):
-            raise ValueError("longrope rope scaling needs short_factor and long_factor lists")
 
 
 @dataclass(frozen=True)
@@ -374,6 +222,4 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config dict; reject architectures and options cpinfer does not implement."""
-        from cpinfer.model.families import config_kwargs  # late: families builds on this module
-
         return cls(**config_kwargs(d))

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import math
 
-from cpinfer.model.config import LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.config_parts import LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
 from cpinfer.model.quant import parse_quantization
 from cpinfer.utils import check_divisible
 

@@ -150,7 +150,7 @@ def llama3_scaling_from_rope_freqs(freqs, theta: float, head_dim: int,
     (the file's `rope.scaling.original_context_length`, else Llama 3's 8192 — the frequencies depend only on the
     ratios, so any choice reproduces them). The recovered parameters must reproduce the tensor, else ValueError.
     """
-    from cpinfer.model.config import RopeConfig
+    from cpinfer.model.config_parts import RopeConfig
     from cpinfer.model.rope import rope_inv_freq
 
     f = np.asarray(freqs, dtype=np.float64).reshape(-1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
+from cpinfer.model.norms import RMSNorm
 from cpinfer.model.rope import apply_rope, apply_rope_interleaved
 
 
@@ -25,8 +26,6 @@ class MLAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        from cpinfer.model.decoder import RMSNorm  # late: decoder builds its layers from this module
-
         m, hidden, heads = config.mla, config.hidden_size, config.num_attention_heads
         self.layer_idx, self.m = layer_idx, m
         bias = config.qkv_bias

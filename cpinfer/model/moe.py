@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpinfer.model.config import MoEConfig
+from cpinfer.model.config_parts import MoEConfig
 
 # A per-expert checkpoint tensor (transformers 4.x layout, the Hub's Qwen-MoE and Mixtral files):
 # "<prefix>.experts.<e>.<proj>.weight", stacked here into the block's [E, ...] parameters.

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from cpinfer.model.config import RopeConfig
+from cpinfer.model.config_parts import RopeConfig
 
 
 def _exponents(head_dim: int) -> Tensor:

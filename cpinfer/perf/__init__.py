@@ -10,9 +10,11 @@ simulator       TTFT (pass-KV / pass-Q), TTIT (pass-Q decode), memory per GPU
 statements      every quantitative statement of the paper's public text, with its source, as a model check
 fit             fits the h100-gtt parameters to those statements; leave-one-out cross-validation
 planner         `cpinfer plan`: one deployment, or the smallest CP meeting a TTFT target; report renders it (--explain)
-planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.fit --write-doc docs/planning.md)
+planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.planning_doc docs/planning.md)
 """
-from cpinfer.perf.hardware import HardwareProfile, load_hardware_profile
-from cpinfer.perf.models import ModelSpec, load_model_spec
+from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.hardware_profile import HardwareProfile
+from cpinfer.perf.model_spec import ModelSpec
+from cpinfer.perf.models import load_model_spec
 
 __all__ = ["HardwareProfile", "ModelSpec", "load_hardware_profile", "load_model_spec"]

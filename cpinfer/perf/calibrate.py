@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import resolve_name
-from cpinfer.perf.hardware import UNITS, HardwareProfile, load_hardware_profile
+from cpinfer.perf.hardware import load_hardware_profile
+from cpinfer.perf.hardware_profile import UNITS, HardwareProfile
 from cpinfer.timing import resolve
 from cpinfer.utils import check_positive
 

@@ -5,7 +5,7 @@ reproduces them, `cpinfer.perf.statements` lists the statements, docs/planning.m
 """
 from __future__ import annotations
 
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 
 PAPER = "paper"
 ASSUMED = "assumption"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from cpinfer.cp.cost_model import AttnShape, memory_rate
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.utils import ceil_div
 
 GEMM_TILE_M = 128  # rows of one GEMM tile on Hopper (CUTLASS / FBGEMM FP8 kernels); a partial tile costs a full one

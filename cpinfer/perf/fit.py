@@ -1,5 +1,5 @@
 """Fit the five h100-gtt parameters no spec sheet gives (`FITTED`) to the paper's public statements; leave-one-out
-cross-validation; `python -m cpinfer.perf.fit [--write-doc docs/planning.md]` prints or regenerates the tables.
+cross-validation; `python -m cpinfer.perf.fit` prints the tables (`planning_doc.py` writes them into the docs).
 
 Residual of a statement: ln(model / paper); Levenberg-Marquardt in ln(parameter) with box bounds and a weak pull
 towards each physical prior. Leave-one-out refits without each fitted statement and predicts it.
@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from cpinfer.perf.catalog import FA3_L0, HARDWARE
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.statements import STATEMENTS, Statement, profile_for
 
 # parameter -> (lower, upper, prior, why the prior); bounds are physical limits on the 500 W GTT H100 / RDMA.
@@ -185,16 +185,8 @@ def report(loo: bool = True) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpinfer.perf.fit", description=__doc__.splitlines()[0])
     parser.add_argument("--no-loo", action="store_true", help="skip leave-one-out (the slow part)")
-    parser.add_argument("--write-doc", metavar="PATH",
-                        help="regenerate the marked tables and worked examples of PATH (docs/planning.md) instead")
     args = parser.parse_args(argv)
-    if args.write_doc:
-        from cpinfer.perf.planning_doc import write_doc
-
-        for what in write_doc(args.write_doc):
-            print(f"regenerated {what}")
-    else:
-        print(report(loo=not args.no_loo))
+    print(report(loo=not args.no_loo))
     return 0
 
 

@@ -8,7 +8,7 @@ multimodal ones); windows follow the config's layer layout (Gemma 3: 5 local lay
 """
 from __future__ import annotations
 
-from cpinfer.perf.models import ModelSpec
+from cpinfer.perf.model_spec import ModelSpec
 
 
 def _hf(repo: str, extra: str = "") -> str:

@@ -1,9 +1,7 @@
-"""Model shapes for the performance model: `ModelSpec`, parameter counts, weight formats (paper §4.1, App. A).
+"""Where the performance model's model shapes come from, and its weight formats (paper §4.1, App. A).
 
-A `ModelSpec` is only the shape of a GQA transformer (with the layers that see a sliding window or a chunk, and its
-sparse MLP layers: total parameters for memory, active ones for FLOPs); it knows nothing about hardware. Catalog
-entries (`model_catalog.py`) come from published Hugging Face `config.json` files; any other model is read from
-its own `config.json` (the layouts of every family cpinfer runs).
+`load_model_spec` takes a catalog name (`model_catalog.py`) or reads any other model's `config.json` (the layouts
+of every family cpinfer runs) into a `ModelSpec` (`model_spec.py`); `WEIGHT_FORMATS` give bytes per weight.
 """
 from __future__ import annotations
 
@@ -11,181 +9,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpinfer.utils import check_positive
+from cpinfer.perf.model_catalog import MODELS
+from cpinfer.perf.model_spec import ModelSpec
 
 # Element sizes in bytes of the dtypes the planner knows (activations, KV cache, weights).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    n_layers: int
-    hidden: int          # D, model dimension
-    n_heads: int         # N_H, query heads
-    n_kv_heads: int      # N_KV, key/value heads
-    head_dim: int        # D_H (need not be hidden / n_heads: Qwen3, Gemma 3)
-    ffn_dim: int         # gated-MLP intermediate size (SwiGLU / GeGLU: gate, up, down)
-    vocab: int
-    tie_embeddings: bool = False
-    source: str = ""     # where the numbers come from
-    window: int = 0          # sliding window of the windowed layers (a key j visible to query i iff i - j < window)
-    window_layers: int = 0   # how many of the n_layers use it (Gemma 3: 5 of every 6; Mistral v0.1: all)
-    max_context: int = 0     # max_position_embeddings of the config (0: not stated)
-    local: str = "sliding"   # what `window` is: a "sliding" window, or "chunked" attention (Llama 4: a query sees
-    #                          only keys of its own chunk of `window` positions)
-    n_experts: int = 0       # routed experts of each sparse MLP layer (0: a dense model)
-    experts_per_tok: int = 0  # k: experts each token goes through
-    expert_ffn_dim: int = 0   # gated-MLP intermediate size of one expert
-    shared_ffn_dim: int = 0   # a shared expert every token goes through (Qwen2-MoE, Llama 4; 0: none)
-    moe_layers: int = 0       # how many of the n_layers are sparse (the others are dense MLPs of ffn_dim)
-    # multi-head latent attention (DeepSeek-V2/V3, Kimi K2; 0: GQA): one cached KV head of kv_lora_rank +
-    # qk_rope_head_dim per token, the same on every TP rank; attention runs absorbed (head_dim is that width)
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    q_lora_rank: int = 0      # 0: full-rank queries
-
-    def __post_init__(self) -> None:
-        for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
-            check_positive(getattr(self, what), f"model {self.name!r}: {what}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model {self.name!r}: n_heads ({self.n_heads}) must be a multiple of "
-                             f"n_kv_heads ({self.n_kv_heads}) for grouped-query attention")
-        for what in ("window", "window_layers", "max_context"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"model {self.name!r}: {what} must be a non-negative integer, got {value!r}")
-        if self.window_layers > self.n_layers:
-            raise ValueError(f"model {self.name!r}: window_layers ({self.window_layers}) exceeds n_layers "
-                             f"({self.n_layers})")
-        if bool(self.window) != bool(self.window_layers):
-            raise ValueError(f"model {self.name!r}: a sliding window needs both window ({self.window}) and "
-                             f"window_layers ({self.window_layers}) positive, or neither")
-        if self.local not in ("sliding", "chunked"):
-            raise ValueError(f"model {self.name!r}: local must be 'sliding' or 'chunked', got {self.local!r}")
-        self._check_experts()
-        mla = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-        if self.kv_lora_rank and not all(getattr(self, w) > 0 for w in mla):
-            raise ValueError(f"model {self.name!r}: MLA needs {', '.join(mla)} all positive")
-        if self.kv_lora_rank and (self.n_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim):
-            raise ValueError(f"model {self.name!r}: MLA attends over one KV head of kv_lora_rank + qk_rope_head_dim "
-                             f"(n_kv_heads 1, head_dim {self.kv_lora_rank + self.qk_rope_head_dim})")
-
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def attn_replicated_params(self) -> int:
-        """Attention weights every TP rank holds whole: MLA's latent path (q_a_proj, kv_a_proj_with_mqa); else 0."""
-        if not self.mla:
-            return 0
-        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
-
-    def _check_experts(self) -> None:
-        names = ("n_experts", "experts_per_tok", "expert_ffn_dim", "shared_ffn_dim", "moe_layers")
-        for what in names:
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"model {self.name!r}: {what} must be a non-negative integer, got {value!r}")
-        if not self.moe_layers:
-            return
-        if self.moe_layers > self.n_layers:
-            raise ValueError(f"model {self.name!r}: moe_layers ({self.moe_layers}) exceeds n_layers ({self.n_layers})")
-        if not (self.n_experts and self.expert_ffn_dim and 0 < self.experts_per_tok <= self.n_experts):
-            raise ValueError(f"model {self.name!r}: sparse layers need n_experts, expert_ffn_dim and "
-                             f"0 < experts_per_tok <= n_experts (got {self.n_experts}, {self.expert_ffn_dim}, "
-                             f"{self.experts_per_tok})")
-
-    @property
-    def full_layers(self) -> int:  # layers that attend to the whole context
-        return self.n_layers - self.window_layers
-
-    # Parameter counts (elements), per layer unless stated.
-    @property
-    def attn_params(self) -> int:  # Wq, Wk, Wv, Wo (MLA: q_a / q_b or q_proj, kv_a, kv_b, o_proj)
-        if self.mla:
-            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            q = (self.q_lora_rank or self.hidden) * self.n_heads * qk
-            kv_b = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
-            return self.attn_replicated_params + q + kv_b + self.n_heads * self.v_head_dim * self.hidden
-        return self.hidden * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + \
-            self.n_heads * self.head_dim * self.hidden
-
-    @property
-    def ffn_params(self) -> int:  # SwiGLU: gate, up, down (a dense layer)
-        return 3 * self.hidden * self.ffn_dim
-
-    def moe_layer_params(self, experts: int) -> int:
-        """A sparse layer's weights through `experts` routed experts: theirs, the shared expert's and the router."""
-        return 3 * self.hidden * (experts * self.expert_ffn_dim + self.shared_ffn_dim) + self.n_experts * self.hidden
-
-    @property
-    def ffn_params_total(self) -> int:
-        """Every MLP weight of every layer (what memory holds)."""
-        return (self.n_layers - self.moe_layers) * self.ffn_params + self.moe_layers * self.moe_layer_params(
-            self.n_experts)
-
-    @property
-    def ffn_params_active(self) -> int:
-        """The MLP weights one token goes through over all layers (what its FLOPs use)."""
-        return (self.n_layers - self.moe_layers) * self.ffn_params + self.moe_layers * self.moe_layer_params(
-            self.experts_per_tok)
-
-    @property
-    def active_ffn_dim(self) -> float:
-        """The intermediate width one token sees per layer, averaged over layers (elementwise passes)."""
-        sparse = self.experts_per_tok * self.expert_ffn_dim + self.shared_ffn_dim
-        return ((self.n_layers - self.moe_layers) * self.ffn_dim + self.moe_layers * sparse) / self.n_layers
-
-    @property
-    def embed_params(self) -> int:  # input embedding + LM head (once if tied)
-        return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-
-    @property
-    def params(self) -> int:
-        """W of the paper: every weight, norms included (a mixture of experts: all experts, for memory)."""
-        norms = (2 * self.n_layers + 1) * self.hidden
-        return self.n_layers * self.attn_params + self.ffn_params_total + self.embed_params + norms
-
-    @property
-    def active_params(self) -> int:
-        """The weights one token goes through (= params for a dense model; for FLOPs)."""
-        return self.params - self.ffn_params_total + self.ffn_params_active
-
-    def kv_heads_per_gpu(self, tp: int) -> int:
-        """KV heads a TP rank holds; with tp > N_KV each KV head is replicated (paper §4.2.2)."""
-        check_positive(tp, "tp")
-        if self.n_heads % tp:
-            raise ValueError(f"model {self.name!r}: n_heads ({self.n_heads}) must be divisible by tp ({tp})")
-        if self.mla:  # the one latent head, on every TP rank
-            return 1
-        if self.n_kv_heads % tp == 0:
-            return self.n_kv_heads // tp
-        if tp % self.n_kv_heads == 0:
-            return 1
-        raise ValueError(f"model {self.name!r}: tp ({tp}) must divide n_kv_heads ({self.n_kv_heads}) "
-                         f"or be a multiple of it")
-
-    def kv_bytes_per_token(self, tp: int, kv_bytes: int, scale_bytes: int = 0) -> int:
-        """KV cache bytes per token per GPU over all layers (K and V; MLA: the latent and rotary key, once;
-        `scale_bytes` per row: FP8 KV's scale)."""
-        return self.kv_parts * self.n_layers * self.kv_heads_per_gpu(tp) * (self.head_dim * kv_bytes + scale_bytes)
-
-    @property
-    def kv_parts(self) -> int:
-        """Tensors a cached token is per KV head: 2 (K and V of head_dim) or 1 (MLA: the values are in the keys)."""
-        return 1 if self.mla else 2
-
-    def kv_bytes_per_head_layout(self, kv_bytes: int) -> int:
-        """What the same model's cache would hold per token with per-head K/V (MLA expanded: H x (nope + rope) keys
-        and H x v values per layer); = kv_bytes_per_token(1, .) for GQA."""
-        if not self.mla:
-            return self.kv_bytes_per_token(1, kv_bytes)
-        per_layer = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
-        return self.n_layers * per_layer * kv_bytes
 
 
 @dataclass(frozen=True)
@@ -242,8 +70,6 @@ def _known(catalog: dict) -> str:
 
 def load_model_spec(name_or_config_path) -> ModelSpec:
     """A ModelSpec, a catalog name (case-insensitive), or a path to a HF `config.json` (or the folder holding it)."""
-    from cpinfer.perf.model_catalog import MODELS  # the catalog imports this module
-
     if isinstance(name_or_config_path, ModelSpec):
         return name_or_config_path
     key = str(name_or_config_path).strip().lower()

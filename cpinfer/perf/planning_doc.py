@@ -1,11 +1,12 @@
-"""Regenerate the tables and worked examples of docs/planning.md from the model (`python -m cpinfer.perf.fit
---write-doc docs/planning.md`): fitted parameters, statements, leave-one-out, the §4.2.4 miss-rate grid.
+"""Regenerate the tables and worked examples of docs/planning.md from the model (`python -m cpinfer.perf.planning_doc
+docs/planning.md`): fitted parameters, statements, leave-one-out (from `fit.py`), the §4.2.4 miss-rate grid.
 
 A generated section sits between <!-- begin:NAME --> and <!-- end:NAME -->; a worked example is the fenced block
 after <!-- plan: ARGS -->, rewritten with `cpinfer plan ARGS` and what it prints.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import re
@@ -65,3 +66,16 @@ def _example(args: str) -> str:
     with contextlib.redirect_stdout(out):
         main(["plan", *shlex.split(args)])
     return f"<!-- plan: {args} -->\n```\n$ cpinfer plan {args}\n{out.getvalue()}```"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cpinfer.perf.planning_doc", description=__doc__.splitlines()[0])
+    parser.add_argument("path", metavar="PATH", help="the file whose marked tables and worked examples to regenerate "
+                                                     "(docs/planning.md)")
+    for what in write_doc(parser.parse_args(argv).path):
+        print(f"regenerated {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

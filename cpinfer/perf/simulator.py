@@ -15,9 +15,10 @@ from cpinfer.cp import cost_model
 from cpinfer.cp.cost_model import STRATEGIES, AttnShape
 from cpinfer.cp.ring_shape import RingShape
 from cpinfer.perf import costs
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import CPINFER, Implementation
-from cpinfer.perf.models import ModelSpec, WeightFormat
+from cpinfer.perf.model_spec import ModelSpec
+from cpinfer.perf.models import WeightFormat
 from cpinfer.utils import ceil_div, check_positive
 
 # Memory passes over one token's hidden vector per layer: two fused residual-add + RMSNorm kernels (read x and

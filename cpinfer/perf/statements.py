@@ -17,7 +17,7 @@ import numpy as np
 
 from cpinfer.cp.cost_model import AttnShape, attention_time
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.hardware import HardwareProfile
+from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import PAPER
 from cpinfer.perf.model_catalog import MODELS
 from cpinfer.perf.models import WEIGHT_FORMATS

@@ -14,8 +14,9 @@ import math
 import numpy as np
 
 from cpinfer.cp.cost_model import AttnShape, predict_attention, ring_link
-from cpinfer.perf.hardware import HardwareProfile
-from cpinfer.perf.models import ModelSpec, load_weight_format
+from cpinfer.perf.hardware_profile import HardwareProfile
+from cpinfer.perf.model_spec import ModelSpec
+from cpinfer.perf.models import load_weight_format
 from cpinfer.perf.simulator import Deployment, gemm_layer
 from cpinfer.utils import ceil_div
 

@@ -1,6 +1,7 @@
 """Tiny checkpoints of every supported family for tests: named config variants, a `transformers`-based writer
 (the oracle; both config.json layouts), and tiny GGUF writers (the converter's input, laid out as llama.cpp
-writes it: from scratch for Llama, or from a Hugging Face folder of any family).
+writes it: from scratch for Llama, or from a Hugging Face folder of any family). Tests only: what demos and
+benchmarks need, the torch-only writer, is in the package (`cpinfer/model/random_checkpoint.py`).
 
 `transformers` is imported lazily, so importing this module does not need it.
 """
