@@ -155,7 +155,10 @@ def embedded_installed() -> bool:
 
     from cpinfer.model.resolve import DEFAULT_MODEL_PACKAGE
 
-    return all(importlib.util.find_spec(m) is not None for m in (DEFAULT_MODEL_PACKAGE, "gguf"))
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in (DEFAULT_MODEL_PACKAGE, "gguf"))
+    except ImportError:  # an import hook that hides it
+        return False
 
 
 def small_model(setup: Setup) -> tuple[str, str, str]:
