@@ -46,8 +46,8 @@ def test_gpu_check_runs_every_part_on_a_bare_image_and_the_report_comes_home(tmp
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(BLOCKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK_", "CPINFER_", "TRITON_"))}
-    env.update(PYTHONPATH=str(hook), PYTHON=sys.executable, GPU_CHECK_DEVICE="cpu", CPINFER_CACHE=str(tmp_path / "cache"),
-               HF_HUB_OFFLINE="1", HOME=str(tmp_path / "home"))
+    env.update(PYTHONPATH=str(hook), PYTHON=sys.executable, GPU_CHECK_DEVICE="cpu", HF_HUB_OFFLINE="1",
+               CPINFER_CACHE=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
     probe = subprocess.run([sys.executable, "-c", "import importlib, cpinfer\nprint(cpinfer.__file__)\n"
                             f"for m in {ABSENT!r}:\n"
                             "    try: importlib.import_module(m); print('imported', m)\n"

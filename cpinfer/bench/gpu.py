@@ -132,8 +132,8 @@ def measure(args, device: str = "cuda", on_row=None, gemm_n: int = 8192) -> dict
                 on_row(row, gemm)
         del fns, fresh, ref
         torch.cuda.empty_cache()
-    name = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
-    return {"device": name, "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows, "gemm_n": gemm_n,
+    where = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+    return {"device": where, "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows, "gemm_n": gemm_n,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
             "cudnn_vs_sdpa": cudnn_ratios(rows)}
 
@@ -218,7 +218,8 @@ def format_report(res: dict) -> str:
     line = ("\ntorch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): "
             + ", ".join(f"{t}: {x:.2f}" for t, x in ratios.items())) if ratios else ""
     return (f"{res['device']}, {res['dtype']}, H={res['heads']} Hkv={res['kv_heads']} D={res['head_dim']}, "
-            f"causal prefill of one sequence; {res['dtype']} GEMM {res.get('gemm_n', 8192)}^3: {res['matmul_tflops']:.1f} TFLOP/s\n{table}"
+            f"causal prefill of one sequence; {res['dtype']} GEMM {res.get('gemm_n', 8192)}^3: "
+            f"{res['matmul_tflops']:.1f} TFLOP/s\n{table}"
             f"{line}")
 
 
