@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,25 @@ def test_parts_that_do_not_fit_are_skipped_with_the_command_that_runs_them(tmp_p
     assert "#### (c) prefill: SKIPPED" in report and "skipped: needs up to 160 s" in report
     with pytest.raises(ValueError, match="unknown part"):
         gpu_driver.plan(parts, ["z"])
+
+
+def test_a_part_killed_at_its_limit_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """The driver kills a part's process group at its limit; the rows it wrote before stay, in the report too."""
+    hang = ("import sys, time\nfrom pathlib import Path\nfrom cpinfer.bench.gpu_results import Recorder\n"
+            "Recorder(Path(sys.argv[1]), 'c').row('cpinfer prefill', ['tokens', 'TTFT (s)'], [32768, 1.9])\n"
+            "time.sleep(120)\n")
+    monkeypatch.setattr(gpu_driver, "part_command", lambda name, out, logs: [sys.executable, "-c", hang, str(out)])
+    out, said = tmp_path / "out", []
+    out.mkdir()
+    t0 = time.monotonic()
+    status, seconds = gpu_driver.run_part_process(gpu_check.Part("c", 4, "prefill", None), out, tmp_path, {
+        **os.environ, "PYTHONPATH": str(REPO)}, said.append)
+    assert status == "timeout" and 4 <= seconds < 30 and time.monotonic() - t0 < 30
+    assert said == ["   (c) cpinfer prefill: 32768 | 1.9"]  # its progress line, relayed
+    part = R.load(out)["parts"]["c"]
+    assert part["status"] == "timeout" and part["tables"][0]["rows"] == [["32768", "1.9"]]
+    ok, text = R.render(R.load(out), [("c", "prefill")])
+    assert not ok and "#### (c) prefill: FAIL, timed out" in text and "| 32768 | 1.9 |" in text
 
 
 def test_rows_are_saved_as_they_come_and_a_failure_keeps_the_others(tmp_path, monkeypatch, capsys):
