@@ -33,6 +33,7 @@ def save(out: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".results-", dir=out)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, default=str)
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the copied-back file private
     os.replace(tmp, out / RESULTS)
 
 
