@@ -163,27 +163,28 @@ def test_host_breakdown_counts_each_forward_once():
     assert len(row) == len(gpu_check.HOST_HEADER) and row[-1] == f"{100 * med['outside_s'] / 4e-3:.0f}%"
 
 
-def _tiny_setup(small_model: str):
-    return gpu_check.Setup(device="cpu", dtype="float32", small_model=small_model, smol_context=80,
-                           big=tuple(dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-                                          max_position_embeddings=1024, rope_theta=10000.0).items()),
-                           big_name="tiny Llama", lengths=(24, 40), decode_context=32, decode_prompt=16,
-                           decode_steps=4, gemm_n=64, copy_bytes=1 << 20)
-
-
 def test_parts_c_and_d_run_end_to_end_on_the_cpu(tmp_path, llama_checkpoint):
-    """Parts (c) and (d) are the GPU check's; their code runs here on the CPU in fp32 at tiny sizes (a tiny random
+    """Parts (c) and (d) are the GPU check's; their code runs here on the CPU in fp32 at toy sizes (a tiny random
     checkpoint for the embedded model, a 2-layer random shape for the 8B one): the engine's tokens equal HF's (the
-    same weights; shared for the random shape), the tables, target lines and profile are all there."""
-    setup = _tiny_setup(str(llama_checkpoint("gqa", max_position_embeddings=256)))
-    c = gpu_check.prefill_efficiency(tmp_path, setup, profile=True)
+    same weights, shared), every row is recorded as it is measured, target lines and the profile are there."""
+    from cpinfer.bench.gpu_results import Recorder, load
+
+    setup = gpu_check.Setup.toy(small_model=str(llama_checkpoint("gqa", max_position_embeddings=256)))
+    rec = Recorder(tmp_path, "c")
+    c = gpu_check.prefill_efficiency(rec, setup, profile=True)
     assert [r["tokens"] for r in c["rows"]] == [64, 24, 40]
     assert all(ch["same_argmax"] == ch["tokens"] and ch["max_logprob_diff"] < 1e-3 for ch in c["checks"])
-    assert len(c["checks"]) == 3 and set(c["hf_lengths"]) == {"24", "40"}
-    assert "| tiny Llama | 40 |" in c["markdown"] and "cpinfer TTFT / HF TTFT" in c["markdown"]
+    assert len(c["checks"]) == 3 and set(c["hf_lengths"]) == {"24", "40"} and not rec.failures
+    saved = {t["name"]: t["rows"] for t in load(tmp_path)["parts"]["c"]["tables"]}
+    assert [r[1] for r in saved["cpinfer prefill"]] == ["64", "24", "40"]
+    assert saved["Hugging Face beside"][2][:2] == ["toy Llama", "40"] and "8/8" in saved["Hugging Face beside"][0][4]
+    assert "cpinfer TTFT / HF TTFT" in c["markdown"]
     assert c["profile"]["rows"] and (tmp_path / "c-profile.txt").exists()
-    d = gpu_check.decode_floors(tmp_path, setup)
-    assert len(d["host"]) == 3 and len(d["targets"]) == 3 and d["floor"]["ratio"] > 0
+    rec = Recorder(tmp_path, "d")
+    d = gpu_check.decode_floors(rec, setup)
+    assert len(d["host"]) == 3 and len(d["targets"]) == 3 and d["floor"]["ratio"] > 0 and not rec.failures
     assert all(t.startswith(("PASS: ", "FAIL: ")) for t in d["targets"])
+    saved = {t["name"]: t["rows"] for t in load(tmp_path)["parts"]["d"]["tables"]}
+    assert [r[1] for r in saved["decode"]] == ["1", "8"] and saved["decode"][0][5] == "4/4"
+    assert len(saved["host time per decode step"]) == 3 and len(saved["memory floor"]) == 1
     json.dumps({k: v for k, v in c.items()}, default=str)  # what run_part writes

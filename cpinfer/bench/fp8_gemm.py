@@ -55,7 +55,9 @@ def _weights(n: int, k: int, device, block=(128, 128)):
     return w, s_block, w_row, s_row, deq
 
 
-def measure(shapes, tokens, dtype, repeat, device) -> list[dict]:
+def measure(shapes, tokens, dtype, repeat, device, on_row=None) -> list[dict]:
+    """Rows (N, K, M, kernel, ms, weight_GBps, TFLOPs, rel_err) of every kernel at every shape and M; `on_row(row)`
+    is called as each is measured."""
     from cpinfer.model.quant import BlockFp8Linear, Fp8Linear, scaled_mm_runs
 
     cuda = device.type == "cuda"
@@ -78,15 +80,22 @@ def measure(shapes, tokens, dtype, repeat, device) -> list[dict]:
                 rows.append({"N": n, "K": k, "M": m, "kernel": name, "ms": sec * 1e3,
                              "weight_GBps": w_bytes / sec / 1e9, "TFLOPs": 2.0 * m * n * k / sec / 1e12,
                              "rel_err": err})
+                if on_row is not None:
+                    on_row(rows[-1])
     return rows
 
 
+HEADER = ["N x K", "M", "kernel", "ms", "weight GB/s", "TFLOP/s", "rel. error vs fp32"]
+
+
+def row_cells(r: dict) -> list[str]:
+    return [f"{r['N']} x {r['K']}", str(r["M"]), r["kernel"], f"{r['ms']:.3f}", f"{r['weight_GBps']:.0f}",
+            f"{r['TFLOPs']:.1f}", f"{r['rel_err']:.1e}"]
+
+
 def format_table(rows: list[dict]) -> str:
-    out = ["| N x K | M | kernel | ms | weight GB/s | TFLOP/s | rel. error vs fp32 |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['N']} x {r['K']} | {r['M']} | {r['kernel']} | {r['ms']:.3f} | {r['weight_GBps']:.0f} | "
-                   f"{r['TFLOPs']:.1f} | {r['rel_err']:.1e} |")
-    return "\n".join(out)
+    out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(out + ["| " + " | ".join(row_cells(r)) + " |" for r in rows])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,11 +29,11 @@ def causal_flops(tokens: int, heads: int, head_dim: int) -> float:
     return 4.0 * heads * head_dim * tokens * (tokens + 1) / 2
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 8192, repeat: int = 5) -> float:
-    """TFLOP/s of an n x n x n GEMM in `dtype` on the current GPU."""
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    return 2.0 * n ** 3 / median_seconds(lambda: a @ b, repeat, "cuda") / 1e12
+def matmul_rate(dtype: torch.dtype, n: int = 8192, repeat: int = 5, device: str = "cuda") -> float:
+    """TFLOP/s of an n x n x n GEMM in `dtype` on `device` (the current GPU)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2.0 * n ** 3 / median_seconds(lambda: a @ b, repeat, device) / 1e12
 
 
 def default_backends(device=None) -> list[str]:
@@ -67,15 +67,15 @@ def _sdpa_cudnn(qh, kh, vh):
         return lambda: run(kr, vr, False)
 
 
-def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
+def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends, device="cuda"):
     """(name → zero-argument callable computing causal attention over one sequence of `tokens`, name → one at a
     length not seen before (tokens - 1; called once: planning and per-shape plans included) for the cpinfer
     backends and SDPA's own dispatch)."""
     from cpinfer.attention.backends import LocalAttention
 
-    q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
-    k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=dtype)
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
     seq = torch.zeros(tokens, dtype=torch.long)
     pos = torch.arange(tokens)
     fns, fresh, m = {}, {}, tokens - 1
@@ -95,12 +95,13 @@ def _attention_fns(tokens, heads, kv_heads, head_dim, dtype, backends):
     return fns, fresh
 
 
-def _wall(fn) -> float:
+def _wall(fn, device: str = "cuda") -> float:
     """Wall seconds of one call, the GPU idle before and drained after."""
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -109,13 +110,15 @@ def _output(name: str, res) -> torch.Tensor:
     return res[0].transpose(0, 1) if name in REFERENCES else res[0]
 
 
-def measure(args) -> dict:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    gemm = matmul_rate(dtype)
+def measure(args, device: str = "cuda", on_row=None, gemm_n: int = 8192) -> dict:
+    """Every length's rows (see the module's docstring); `on_row(row, gemm TFLOP/s)` is called as each row is
+    measured."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    gemm = matmul_rate(dtype, gemm_n, device=device)
     rows = []
     for tokens in args.tokens:
         flops = causal_flops(tokens, args.heads, args.head_dim)
-        fns, fresh = _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype, args.backends)
+        fns, fresh = _attention_fns(tokens, args.heads, args.kv_heads, args.head_dim, dtype, args.backends, device)
         try:  # SDPA's output [L, H, D] (untimed), what every kernel's output is compared with
             ref = _output("torch-sdpa", fns["torch-sdpa"]())
         except torch.cuda.OutOfMemoryError:
@@ -124,26 +127,33 @@ def measure(args) -> dict:
             row = {"tokens": tokens, "kernel": name, "seconds": None, "tflops": None, "of_matmul": None,
                    "vs_sdpa": None, "new_length_s": None, "error": None}
             rows.append(row)
-            if isinstance(fn, Exception):
-                row["error"] = f"{type(fn).__name__}: {fn}"
-                continue
-            try:
-                sec = median_seconds(fn, args.repeat, "cuda")
-                out = _output(name, fn())
-                row["new_length_s"] = _wall(fresh[name]) if name in fresh else None
-            except torch.cuda.OutOfMemoryError:  # e.g. an SDPA fallback that materialises L x L scores
-                row["error"] = "out of memory"
-                torch.cuda.empty_cache()
-                continue
-            row.update(seconds=sec, tflops=flops / sec / 1e12, of_matmul=flops / sec / 1e12 / gemm)
-            if ref is not None and name != "torch-sdpa":
-                row["vs_sdpa"] = float((out.float() - ref.float()).abs().max())
-            del out
+            _time_kernel(row, name, fn, fresh.get(name), ref, args.repeat, device, flops, gemm)
+            if on_row is not None:
+                on_row(row, gemm)
         del fns, fresh, ref
         torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows,
+    where = torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+    return {"device": where, "dtype": args.dtype, "matmul_tflops": gemm, "rows": rows, "gemm_n": gemm_n,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
             "cudnn_vs_sdpa": cudnn_ratios(rows)}
+
+
+def _time_kernel(row: dict, name: str, fn, fresh, ref, repeat: int, device: str, flops: float, gemm: float) -> None:
+    """Fill `row` with one kernel's median time, rate, distance from SDPA's output and its time at a new length."""
+    if isinstance(fn, Exception):
+        row["error"] = f"{type(fn).__name__}: {fn}"
+        return
+    try:
+        sec = median_seconds(fn, repeat, device)
+        out = _output(name, fn())
+        row["new_length_s"] = _wall(fresh, device) if fresh is not None else None
+    except torch.cuda.OutOfMemoryError:  # e.g. an SDPA fallback that materialises L x L scores
+        row["error"] = "out of memory"
+        torch.cuda.empty_cache()
+        return
+    row.update(seconds=sec, tflops=flops / sec / 1e12, of_matmul=flops / sec / 1e12 / gemm)
+    if ref is not None and name != "torch-sdpa":
+        row["vs_sdpa"] = float((out.float() - ref.float()).abs().max())
 
 
 def cudnn_ratios(rows) -> dict:
@@ -188,24 +198,28 @@ def format_plan_report(res: dict) -> str:
             f"({res['rows_per_prog']} query rows per program)\n{table}")
 
 
+ROW_HEADER = ["tokens", "kernel", "ms", "TFLOP/s", "of matmul", "max abs diff vs SDPA", "ms at a new length"]
+
+
+def report_row(r: dict) -> list:
+    """One measured row as the report's cells (`ROW_HEADER`)."""
+    if r["seconds"] is None:
+        error = r.get("error") or "out of memory"
+        return [r["tokens"], r["kernel"], error if len(error) <= 100 else error[:97] + "...", "-", "-", "-", "-"]
+    vs = "-" if r.get("vs_sdpa") is None else f"{r['vs_sdpa']:.1e}"
+    fresh = "-" if r.get("new_length_s") is None else f"{1e3 * r['new_length_s']:.2f}"
+    return [r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}", f"{r['of_matmul']:.2f}",
+            vs, fresh]
+
+
 def format_report(res: dict) -> str:
-    def vs(r):
-        return "-" if r.get("vs_sdpa") is None else f"{r['vs_sdpa']:.1e}"
-
-    def fresh(r):
-        return "-" if r.get("new_length_s") is None else f"{1e3 * r['new_length_s']:.2f}"
-
-    table = _fmt_table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul", "max abs diff vs SDPA",
-                        "ms at a new length"],
-                       [[r["tokens"], r["kernel"], r.get("error") or "out of memory", "-", "-", "-", "-"]
-                        if r["seconds"] is None else
-                        [r["tokens"], r["kernel"], f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}",
-                         f"{r['of_matmul']:.2f}", vs(r), fresh(r)] for r in res["rows"]])
+    table = _fmt_table(ROW_HEADER, [report_row(r) for r in res["rows"]])
     ratios = res.get("cudnn_vs_sdpa") or {}
     line = ("\ntorch-cudnn / dense cuDNN SDPA (same run; target >= 0.90): "
             + ", ".join(f"{t}: {x:.2f}" for t, x in ratios.items())) if ratios else ""
     return (f"{res['device']}, {res['dtype']}, H={res['heads']} Hkv={res['kv_heads']} D={res['head_dim']}, "
-            f"causal prefill of one sequence; {res['dtype']} GEMM 8192^3: {res['matmul_tflops']:.1f} TFLOP/s\n{table}"
+            f"causal prefill of one sequence; {res['dtype']} GEMM {res.get('gemm_n', 8192)}^3: "
+            f"{res['matmul_tflops']:.1f} TFLOP/s\n{table}"
             f"{line}")
 
 

