@@ -18,7 +18,7 @@ from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import PAPER
 from cpinfer.perf.model_catalog import MODELS
-from cpinfer.perf.models import WEIGHT_FORMATS, load_model_spec, model_spec_from_hf_config
+from cpinfer.perf.models import WEIGHT_FORMATS, load_model_spec, model_spec_from_hf_config, weight_bytes_per_gpu
 from cpinfer.perf.simulator import Deployment, memory_per_gpu, paper_flops, simulate_decode, simulate_prefill
 from cpinfer.perf.statements import K128, M1
 
@@ -133,8 +133,9 @@ def test_decode_terms_of_section_4_3():
 
 
 def test_decode_is_weight_read_bound_at_batch_1():
-    est = simulate_decode(dep405(1), 1024)
-    weights = FP8_FFN.weight_bytes_per_gpu(L405, 8)
+    dep = dep405(1)
+    est = simulate_decode(dep, 1024)
+    weights = weight_bytes_per_gpu(L405, dep.held, 8, vocab_parallel=True)
     assert est.breakdown["gemm"] >= weights * 0.95 / GTT.mem_bytes_per_s
 
 
@@ -406,7 +407,9 @@ def test_moe_memory_from_total_flops_from_active():
     step reads only the experts its tokens touch."""
     moe, dense = load_model_spec("qwen3-30b-a3b"), load_model_spec("qwen3-32b")
     dep = Deployment(moe, HARDWARE["h200"], 2, 2, WEIGHT_FORMATS["bf16"])
-    assert memory_per_gpu(dep, 1000).weights_gb == pytest.approx(moe.params * 2 / 2 / 1e9, rel=0.001)
+    whole = moe.embed_params + moe.moe_layers * moe.n_experts * moe.hidden + moe.norm_params  # on every TP rank
+    assert memory_per_gpu(dep, 1000).weights_gb == pytest.approx(((moe.params - whole) / 2 + whole) * 2 / 1e9,
+                                                                 rel=1e-9)
     attention_only = dataclasses.replace(moe, n_experts=0, experts_per_tok=0, expert_ffn_dim=0, moe_layers=0,
                                          ffn_dim=1)
     gemm_flops = paper_flops(moe, 4096) - paper_flops(attention_only, 4096)
