@@ -34,6 +34,7 @@ RING_KEYS = ("attention", "merge", "sendrecv_exposed", "ring_steps", "all2all")
 # assumption: host time per kernel launch of PyTorch's eager decode path (launch + dispatch), what a decode kernel
 # costs without CUDA graphs
 EAGER_KERNEL_US = 8.0
+USABLE_FRACTION = 0.9  # of device memory for weights + KV: the engine's default gpu_memory_utilization
 
 
 @dataclass(frozen=True)
@@ -243,9 +244,15 @@ class Memory:
         return self.weights_gb + self.kv_gb
 
     @property
+    def usable_gb(self) -> float:
+        """90% of device memory (the engine's default gpu_memory_utilization); the rest for activations and
+        workspace."""
+        return USABLE_FRACTION * self.capacity_gb
+
+    @property
     def fits(self) -> bool:
-        """Weights + KV within 90% of device memory (the rest for activations and workspace)."""
-        return self.total_gb <= 0.9 * self.capacity_gb
+        """Weights + KV within the usable share of device memory."""
+        return self.total_gb <= self.usable_gb
 
 
 def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memory:
