@@ -5,6 +5,8 @@ bytes per token and the tokens each CP rank holds after a prefill (`LLM.cache_st
 both."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import build_model, load_weights
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.models import load_model_spec
+from cpinfer.perf.models import load_model_spec, weight_bytes_per_gpu
 from cpinfer.perf.planner import build_deployment
 from cpinfer.perf.simulator import memory_per_gpu
 from cpinfer.tensor_parallel import load_tp_model
@@ -48,8 +50,13 @@ def engine_weight_bytes(path, tp: int = 1, tp_rank: int = 0, fp8_native: bool = 
 
 
 def planned_weight_bytes(path, weights: str, hardware, tp: int = 1) -> float:
+    """The planner's weights per TP rank in fp32. The engine here runs FP8 linears through `_scaled_mm` only (no
+    Triton on CPU): a linear whose dims are not multiples of 16 (the tiny MLA's 24-wide latent) is dequantized;
+    on a GPU the Triton GEMM would keep it FP8 (`fp8_any_shape`)."""
     dep = build_deployment(load_model_spec(path), hardware, 1, tp, weights, "fp32", "fp32")
-    return memory_per_gpu(dep, 1).weights_gb * 1e9
+    held = dataclasses.replace(dep.held, fp8_any_shape=False)
+    assert memory_per_gpu(dep, 1).weights_gb * 1e9 == weight_bytes_per_gpu(dep.model, dep.held, tp)
+    return weight_bytes_per_gpu(dep.model, held, tp)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -50,10 +50,12 @@ class HeldWeights:
     expert_fp8: bool
     other_bytes: int
     notes: tuple[str, ...] = ()
+    fp8_any_shape: bool = True  # the Triton FP8 GEMM takes what _scaled_mm cannot (a GPU with Triton); else a
+    #                             linear whose dims are not multiples of 16 is dequantized (CPU: _scaled_mm only)
 
 
 def held_weights(fmt: WeightFormat, model: ModelSpec, compute_bytes: int, fp8_gemms: bool,
-                 fp8_experts: bool) -> HeldWeights:
+                 fp8_experts: bool, fp8_any_shape: bool = True) -> HeldWeights:
     """What the engine keeps of a checkpoint in format `fmt`: a weight that is not FP8 is held in the compute dtype
     (`compute_bytes`); an FP8 linear stays FP8 (with one fp32 scale per output row) only on a device with FP8 GEMMs
     (`fp8_gemms`; elsewhere, as on CPU, every FP8 weight is dequantized at load); routed experts stay FP8 only when
@@ -69,7 +71,8 @@ def held_weights(fmt: WeightFormat, model: ModelSpec, compute_bytes: int, fp8_ge
     if attn and model.mla:
         notes.append("MLA's kv_b_proj is dequantized at load (folded into the queries and the output)")
     c = compute_bytes
-    return HeldWeights(1 if attn else c, attn, 1 if ffn else c, ffn, 1 if experts else c, experts, c, tuple(notes))
+    return HeldWeights(1 if attn else c, attn, 1 if ffn else c, ffn, 1 if experts else c, experts, c, tuple(notes),
+                       fp8_any_shape)
 
 
 def weight_bytes_per_gpu(model: ModelSpec, held: HeldWeights, tp: int, vocab_parallel: bool = False) -> float:
@@ -78,13 +81,12 @@ def weight_bytes_per_gpu(model: ModelSpec, held: HeldWeights, tp: int, vocab_par
     latent projections and the routers whole on every rank; the embedding and LM head split only when
     `vocab_parallel`."""
     per_layer = _attn_bytes(model, held, tp)
-    c = held.other_bytes
-    dense = _mlp_bytes(model.hidden, model.ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, c)
+    dense = _mlp_bytes(model.hidden, model.ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, held)
     total = model.n_layers * per_layer + (model.n_layers - model.moe_layers) * dense
     if model.moe_layers:
         experts = model.n_experts * _mlp_bytes(model.hidden, model.expert_ffn_dim // tp, held.expert_bytes,
-                                               held.expert_fp8, c)
-        shared = _mlp_bytes(model.hidden, model.shared_ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, c)
+                                               held.expert_fp8, held)
+        shared = _mlp_bytes(model.hidden, model.shared_ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, held)
         router = model.n_experts * model.hidden * held.other_bytes
         total += model.moe_layers * (experts + shared + router)
     embed = model.embed_params * held.other_bytes
@@ -94,24 +96,26 @@ def weight_bytes_per_gpu(model: ModelSpec, held: HeldWeights, tp: int, vocab_par
 FP8_ALIGN = 16  # torch._scaled_mm needs both dimensions of a row-wise FP8 weight (its TP slice) multiples of 16
 
 
-def _linear_bytes(rows: int, cols: int, elem: int, fp8: bool, compute: int) -> int:
-    """An [rows, cols] linear, with one fp32 scale per output row when it stays FP8; a shape the FP8 GEMM cannot
-    take is dequantized to the `compute` element size at load, as the engine does."""
-    if fp8 and (rows % FP8_ALIGN or cols % FP8_ALIGN):
+def _linear_bytes(rows: int, cols: int, elem: int, fp8: bool, compute: int, any_shape: bool = True) -> int:
+    """An [rows, cols] linear, with one fp32 scale per output row when it stays FP8; without the Triton GEMM
+    (`any_shape` False) a shape _scaled_mm cannot take is dequantized to the `compute` element size at load."""
+    if fp8 and not any_shape and (rows % FP8_ALIGN or cols % FP8_ALIGN):
         return rows * cols * compute
     return rows * cols * elem + (4 * rows if fp8 else 0)
 
 
-def _mlp_bytes(hidden: int, ffn: int, elem: int, fp8: bool, compute: int) -> int:
+def _mlp_bytes(hidden: int, ffn: int, elem: int, fp8: bool, held: HeldWeights) -> int:
     """A gated MLP slice of intermediate `ffn`: gate and up [ffn, hidden], down [hidden, ffn]."""
     if not ffn:
         return 0
-    return 2 * _linear_bytes(ffn, hidden, elem, fp8, compute) + _linear_bytes(hidden, ffn, elem, fp8, compute)
+    c, any_shape = held.other_bytes, held.fp8_any_shape
+    return 2 * _linear_bytes(ffn, hidden, elem, fp8, c, any_shape) + _linear_bytes(hidden, ffn, elem, fp8, c,
+                                                                                    any_shape)
 
 
 def _attn_bytes(model: ModelSpec, held: HeldWeights, tp: int) -> int:
     def linear(rows: int, cols: int) -> int:
-        return _linear_bytes(rows, cols, held.attn_bytes, held.attn_fp8, held.other_bytes)
+        return _linear_bytes(rows, cols, held.attn_bytes, held.attn_fp8, held.other_bytes, held.fp8_any_shape)
 
     heads, hidden = model.n_heads // tp, model.hidden
     if not model.mla:
