@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 
 FIELDS = ("partial_bytes", "pad_decode_batch", "overlap_decode_ring", "vocab_parallel", "fp8_experts", "fp8_kv_mla",
-          "fp8_kv_graphs")
+          "fp8_kv_graphs", "mla_graphs")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Implementation:
     fp8_experts: bool = True      # routed experts of an FP8 checkpoint stay FP8 (else dequantized at load)
     fp8_kv_mla: bool = True       # an FP8 KV cache for multi-head latent attention models
     fp8_kv_graphs: bool = True    # decode under CUDA graphs with an FP8 KV cache (else eager)
+    mla_graphs: bool = True       # decode under CUDA graphs for multi-head latent attention (else eager)
     sources: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -34,7 +35,7 @@ class Implementation:
 
 PAPER = Implementation(
     "paper", partial_bytes=2, pad_decode_batch=True, overlap_decode_ring=False, vocab_parallel=True,
-    fp8_experts=True, fp8_kv_mla=True, fp8_kv_graphs=True, sources=dict(
+    fp8_experts=True, fp8_kv_mla=True, fp8_kv_graphs=True, mla_graphs=True, sources=dict(
         partial_bytes="App. C: the All2All moves (D + 1) * T * e bytes, bf16 outputs (FA3) with their LSE",
         pad_decode_batch="§4.3 (1): 'pads the number of queries to make it divisible by the number of ranks'",
         overlap_decode_ring="§4.3: 'better overlap of computation and communication can help to minimize this "
@@ -42,11 +43,12 @@ PAPER = Implementation(
         vocab_parallel="assumption: Megatron-style vocabulary-parallel embedding and LM head (not stated)",
         fp8_experts="not applicable: the paper serves a dense model (§4.1); FP8 weights run FP8",
         fp8_kv_mla="not applicable: the paper's model has no latent attention",
-        fp8_kv_graphs="not applicable: the paper's KV cache is bf16 and decode runs under CUDA graphs (§4.3)"))
+        fp8_kv_graphs="not applicable: the paper's KV cache is bf16 and decode runs under CUDA graphs (§4.3)",
+        mla_graphs="not applicable: the paper's model has no latent attention"))
 
 CPINFER = Implementation(
     "cpinfer", partial_bytes=4, pad_decode_batch=False, overlap_decode_ring=True, vocab_parallel=False,
-    fp8_experts=False, fp8_kv_mla=False, fp8_kv_graphs=False, sources=dict(
+    fp8_experts=False, fp8_kv_mla=False, fp8_kv_graphs=False, mla_graphs=False, sources=dict(
         partial_bytes="cpinfer/engine/attention.py: partials are fp32 [out | lse] (DESIGN.md, Numerics)",
         pad_decode_batch="cpinfer/engine/attention.py: a ring step with no query of its source computes nothing; "
                          "only messages are padded to the fullest rank",
@@ -56,7 +58,9 @@ CPINFER = Implementation(
                     "dequantized to the compute dtype at load",
         fp8_kv_mla="cpinfer/engine/kv/store.py: an FP8 KV cache is refused for MLA models (one shared latent)",
         fp8_kv_graphs="cpinfer/engine/llm_engine.py decode_config: with an FP8 KV cache decode runs the dynamic "
-                      "eager path, no CUDA graphs"))
+                      "eager path, no CUDA graphs",
+        mla_graphs="cpinfer/engine/llm_engine.py decode_config: the static decode path (CUDA graphs) takes one head "
+                   "size for keys and values; an MLA model's differ, so its decode runs eagerly"))
 
 IMPLEMENTATIONS = {"cpinfer": CPINFER, "paper": PAPER}
 

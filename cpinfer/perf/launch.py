@@ -104,14 +104,15 @@ def launch_command(plan: Plan, checkpoint: str | None = None, port: int = DEFAUL
                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HEAD}:{RDZV_PORT}",
                               "--rdzv-id", "cpinfer-serve", "-m", "cpinfer", "serve", *serve])
     notes = [n for n in (note,) if n]
+    m = d.model
     if not plan.memory.fits:
         notes.append("weights + KV exceed the usable device memory: the engine will stop at start-up with no room "
                      "for this KV cache")
-    m = d.model
     if m.max_context and plan.workload.context_tokens > m.max_context:
         notes.append(f"--max-model-len above {m.name}'s max_position_embeddings ({m.max_context}): the engine "
                      "starts with a warning; quality at this length needs RoPE scaling in the checkpoint's "
                      "config.json")
     if not d.decode_graphs:
-        notes.append("decode runs without CUDA graphs: the engine captures none with an FP8 KV cache")
+        why = "for multi-head latent attention" if m.mla else "with an FP8 KV cache"
+        notes.append(f"decode runs without CUDA graphs: the engine captures none {why}")
     return Launch(nodes, per_node, command, tuple(notes))

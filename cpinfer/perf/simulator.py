@@ -70,8 +70,9 @@ class Deployment:
 
     @property
     def decode_graphs(self) -> bool:
-        """Whether decode runs under CUDA graphs (cpinfer: not with an FP8 KV cache)."""
-        return not self.fp8_kv or self.implementation.fp8_kv_graphs
+        """Whether decode runs under CUDA graphs (cpinfer: not with an FP8 KV cache, not for MLA models)."""
+        impl = self.implementation
+        return (not self.fp8_kv or impl.fp8_kv_graphs) and (not self.model.mla or impl.mla_graphs)
 
     @property
     def gpus(self) -> int:
