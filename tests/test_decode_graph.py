@@ -180,10 +180,13 @@ def test_static_decode_with_tensor_parallel(llama_checkpoint, pool):
 # ---------------------------------------------------------------- switches
 
 def _decode_config(**args):
+    widths = args.pop("widths", (16, 16))  # the model's key and value head sizes (MLA: they differ)
+    config = types.SimpleNamespace(kv_key_width=widths[0], kv_value_width=widths[1],
+                                   values_in_keys=widths[0] != widths[1])
     fake = types.SimpleNamespace(args=types.SimpleNamespace(**{"enforce_eager": False, "static_decode": None,
                                                                 "max_num_seqs": 16, "kv_cache_dtype": "auto",
                                                                 **args}),
-                                 parallel=types.SimpleNamespace(world_size=args.pop("world", 2)))
+                                 parallel=types.SimpleNamespace(world_size=args.pop("world", 2)), config=config)
     return LLMEngine.decode_config(fake, args.pop("comm", "nccl"))
 
 
@@ -199,6 +202,7 @@ def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     assert _decode_config(device="cuda", static_decode=False)["mode"] == "off"
     assert _decode_config(device="cpu")["mode"] == "off"
     assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16}
+    assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "off"  # MLA: dynamic path, with a warning
     monkeypatch.setattr(llm_engine, "backend_problem", lambda name, device: "no triton")
     assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning
 

@@ -18,7 +18,7 @@ from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import PAPER
 from cpinfer.perf.model_catalog import MODELS
-from cpinfer.perf.models import WEIGHT_FORMATS, load_model_spec, model_spec_from_hf_config
+from cpinfer.perf.models import WEIGHT_FORMATS, load_model_spec, model_spec_from_hf_config, weight_bytes_per_gpu
 from cpinfer.perf.simulator import Deployment, memory_per_gpu, paper_flops, simulate_decode, simulate_prefill
 from cpinfer.perf.statements import K128, M1
 
@@ -133,8 +133,9 @@ def test_decode_terms_of_section_4_3():
 
 
 def test_decode_is_weight_read_bound_at_batch_1():
-    est = simulate_decode(dep405(1), 1024)
-    weights = FP8_FFN.weight_bytes_per_gpu(L405, 8)
+    dep = dep405(1)
+    est = simulate_decode(dep, 1024)
+    weights = weight_bytes_per_gpu(L405, dep.held, 8, vocab_parallel=True)
     assert est.breakdown["gemm"] >= weights * 0.95 / GTT.mem_bytes_per_s
 
 
@@ -406,7 +407,9 @@ def test_moe_memory_from_total_flops_from_active():
     step reads only the experts its tokens touch."""
     moe, dense = load_model_spec("qwen3-30b-a3b"), load_model_spec("qwen3-32b")
     dep = Deployment(moe, HARDWARE["h200"], 2, 2, WEIGHT_FORMATS["bf16"])
-    assert memory_per_gpu(dep, 1000).weights_gb == pytest.approx(moe.params * 2 / 2 / 1e9, rel=0.001)
+    whole = moe.embed_params + moe.moe_layers * moe.n_experts * moe.hidden + moe.norm_params  # on every TP rank
+    assert memory_per_gpu(dep, 1000).weights_gb == pytest.approx(((moe.params - whole) / 2 + whole) * 2 / 1e9,
+                                                                 rel=1e-9)
     attention_only = dataclasses.replace(moe, n_experts=0, experts_per_tok=0, expert_ffn_dim=0, moe_layers=0,
                                          ffn_dim=1)
     gemm_flops = paper_flops(moe, 4096) - paper_flops(attention_only, 4096)
@@ -498,3 +501,110 @@ def test_mla_config_is_read_and_planned(capsys):
     rc, out = _json(capsys, ["plan", "--model", "deepseek-v3", "--hardware", "h200", "--cp", "2", "--tp", "8",
                              "--prompt-tokens", "131072", "--weights", "fp8"])
     assert rc == 0 and out["active_params"] < 0.06 * out["params"]
+
+
+# --- a plan that ends in a command -----------------------------------------------------------------------------
+@pytest.mark.parametrize("text, tokens", [("131072", 131072), ("128k", 128_000), ("128K", 131_072),
+                                          ("1m", 1_000_000), ("1M", 1_048_576), ("25.6k", 25_600),
+                                          ("1_000_000", 1_000_000)])
+def test_token_counts_read_as_vllm_writes_them(text, tokens):
+    from cpinfer.perf.planner import parse_token_count
+    assert parse_token_count(text) == tokens
+
+
+@pytest.mark.parametrize("bad", ["", "1.5", "12x", "-3k", "0.0001k"])
+def test_bad_token_counts_are_refused(bad):
+    from cpinfer.perf.planner import parse_token_count
+    with pytest.raises(ValueError, match="token count"):
+        parse_token_count(bad)
+
+
+def test_cli_takes_suffixed_token_counts(capsys):
+    rc, out = _json(capsys, BASE + ["--cp", "16", "--prompt-tokens", "1m", "--cached-tokens", "1k"])
+    assert rc == 0 and (out["prompt_tokens"], out["cached_tokens"]) == (1_000_000, 1000)
+
+
+@pytest.mark.parametrize("name, mem_gb, bf16, fp8, tbps", [("h100-sxm", 80, 989, 1979, 3.35),
+                                                           ("h200", 141, 989, 1979, 4.8),
+                                                           ("b200", 180, 2250, 4500, 8.0)])
+def test_datasheet_profiles(name, mem_gb, bf16, fp8, tbps):
+    hw = HARDWARE[name]
+    assert (hw.mem_gb, hw.peak_tflops, hw.peak_tflops_fp8, hw.mem_tbps) == (mem_gb, bf16, fp8, tbps)
+    assert hw.kind == "spec" and "NVIDIA" in hw.sources["mem_gb"] and "NVIDIA" in hw.sources["peak_tflops"]
+    assert "NVLink" in hw.sources["devices_per_node"]
+
+
+def test_gpu_memory_gib_replaces_the_profile_memory(capsys):
+    argv = BASE + ["--cp", "8", "--prompt-tokens", "128k", "--hardware", "h100-sxm"]
+    _, plain = _json(capsys, argv)
+    _, small = _json(capsys, argv + ["--gpu-memory-gib", "64"])
+    assert plain["capacity_gb_per_gpu"] == 80
+    assert small["capacity_gb_per_gpu"] == pytest.approx(64 * 2**30 / 1e9)
+    assert small["memory_gb_per_gpu"] == plain["memory_gb_per_gpu"] and not small["fits"] and plain["fits"]
+    assert small["decision"]["decided_by"] == "memory" and small["decision"]["memory_margin_gb"] < 0
+
+
+def test_sweep_says_memory_decided_and_by_how_much(capsys):
+    """On 80 GB devices the weights of 405B at TP8 leave little room: CP1-CP2 would meet a loose target but their
+    KV does not fit, so memory decides; with a tight target the TTFT decides."""
+    argv = BASE + ["--hardware", "h100-sxm", "--prompt-tokens", "1m", "--sweep"]
+    _, loose = _json(capsys, argv + ["--ttft-target", "2000"])
+    rows = loose["sweep"]
+    assert rows[-2]["ttft_s"] <= 2000 and not rows[-2]["fits"] and rows[-1]["fits"]
+    d = loose["decision"]
+    assert d["decided_by"] == "memory" and f"CP{rows[-2]['cp']} meets the TTFT target" in d["text"]
+    assert d["memory_margin_gb"] == pytest.approx(d["usable_gb_per_gpu"] - rows[-1]["memory_gb_per_gpu"])
+    _, tight = _json(capsys, argv + ["--ttft-target", "50"])
+    assert tight["decision"]["decided_by"] == "ttft" and tight["sweep"][-2]["fits"]
+    assert tight["decision"]["ttft_margin_s"] == pytest.approx(50 - tight["ttft_s"])
+
+
+def test_one_node_plan_prints_the_serve_command(capsys):
+    _, out = _json(capsys, ["plan", "--model", "llama3-70b", "--hardware", "h200", "--cp", "2", "--tp", "4",
+                            "--prompt-tokens", "128K", "--kv-cache-dtype", "fp8"])
+    launch = out["launch"]
+    assert (launch["nodes"], launch["procs_per_node"]) == (1, 8)
+    assert launch["command"] == ("cpinfer serve --model meta-llama/Llama-3.1-70B --cp 2 --tp 4 --max-model-len "
+                                 "131072 --dtype bfloat16 --kv-cache-dtype fp8 --hardware-profile h200 --port 8000")
+    assert any("CUDA graphs" in n for n in launch["notes"]) and out["ttit_detail"]["cuda_graphs"] is False
+
+
+def test_multinode_plan_prints_the_torchrun_line_every_node_runs(capsys):
+    """The paper's 1M setup: 16 nodes of 8, one torchrun line each; the engine's own flags parse it."""
+    import shlex
+
+    from cpinfer.cli import build_parser
+    argv = BASE + ["--cp", "16", "--prompt-tokens", "1m"]
+    _, out = _json(capsys, argv)
+    launch = out["launch"]
+    assert (launch["nodes"], launch["procs_per_node"]) == (16, 8) and len(launch["per_node"]) == 16
+    words = shlex.split(launch["command"])
+    assert words[:4] == ["torchrun", "--nnodes", "16", "--nproc-per-node"] and words[4] == "8"
+    serve = words[words.index("-m") + 2:]
+    args = build_parser().parse_args(serve)
+    assert (args.cp, args.tp, args.model, args.host) == (16, 8, "meta-llama/Llama-3.1-405B-Instruct-FP8", "0.0.0.0")
+    assert args.max_model_len == 1_000_000
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "on each of the 16 nodes" in text and launch["command"] in text and "decided   memory" in text
+
+
+def test_node_layout_keeps_tp_groups_whole():
+    from cpinfer.perf.launch import node_layout
+    assert node_layout(8, 8, 8) == (1, 8)
+    assert node_layout(128, 8, 8) == (16, 8)
+    assert node_layout(16, 16, 8) == (2, 8)      # TP16 over two nodes
+    assert node_layout(10, 2, 8) == (2, 5) or node_layout(10, 2, 8) == (5, 2)
+    nodes, per = node_layout(10, 2, 8)
+    assert per % 2 == 0 and nodes * per == 10
+
+
+def test_deepseek_v3_fp8_on_80gb_h100s_does_not_fit_at_tp8():
+    """The engine dequantizes routed experts at load: 671B with bf16 experts cannot fit 8 x 80 GB."""
+    spec = load_model_spec("deepseek-v3")
+    dep = Deployment(spec, HARDWARE["h100-sxm"], 1, 8, WEIGHT_FORMATS["fp8"])
+    mem = memory_per_gpu(dep, 4096)
+    experts = spec.moe_layers * spec.n_experts * 3 * spec.hidden * spec.expert_ffn_dim * 2 / 8 / 1e9
+    assert mem.weights_gb > experts > 150 and not mem.fits
+    paper_rules = Deployment(spec, HARDWARE["h100-sxm"], 1, 8, WEIGHT_FORMATS["fp8"], implementation=PAPER)
+    assert memory_per_gpu(paper_rules, 4096).weights_gb < mem.weights_gb - experts / 2 + 1

@@ -375,7 +375,7 @@ def machine_line(machine: dict) -> str:
     foreign = "n/a" if share is None else f"{100 * share:.1f}%"
     return (f"Machine: {machine['nproc']} cores ({machine['cpu']}), torch {machine['torch']}, {machine['date']}; "
             f"load average {machine['load_avg_before']} before, {machine['load_avg']} after; "
-            f"CPU used by other processes during the run: {foreign} of the machine.")
+            f"CPU time taken outside the benchmark during the run: {foreign} of the machine.")
 
 
 def window_doc_body(res: dict) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from cpinfer.cp.heuristics import METHODS
@@ -9,23 +10,26 @@ from cpinfer.perf.catalog import HARDWARE
 from cpinfer.perf.implementations import IMPLEMENTATIONS
 from cpinfer.perf.model_catalog import ALIASES, MODELS
 from cpinfer.perf.models import DTYPE_BYTES, WEIGHT_FORMATS
+from cpinfer.perf.planner import parse_token_count
 
 EPILOG = """examples:
   # the paper's 1M prefill (77 s on CP16 x TP8 GTT), with the per-component breakdown and its parameters
   cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 16 --tp 8 \\
-               --prompt-tokens 1000000 --explain
+               --prompt-tokens 1m --explain
   # a persistent-KV turn: 6400 new tokens on 121600 cached, CP4 (pass-KV vs pass-Q tipping point, §4.2.4)
   cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 4 --tp 8 \\
                --prompt-tokens 6400 --cached-tokens 121600
-  # smallest CP meeting a 10 s TTFT at 128K
-  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --tp 8 --prompt-tokens 128000 \\
+  # smallest CP meeting a 10 s TTFT at 128K on 80 GB H100 SXM nodes, and the command that starts it
+  cpinfer plan --model llama3-405b --hardware h100-sxm --weights fp8-ffn --tp 8 --prompt-tokens 128k \\
                --sweep --ttft-target 10
   # Gemma 3 27B at 128K on 4 H200 x TP2: its 52 sliding-window layers (1024 keys) cost little attention
   cpinfer plan --model gemma-3-27b --hardware h200 --cp 4 --tp 2 --prompt-tokens 131072
   # your cluster: a profile measured by `cpinfer calibrate --out my.json`
   cpinfer plan --model path/to/config.json --hardware my.json --cp 2 --prompt-tokens 16384
 
-Numbers are predictions of the cost model in cpinfer/cp/cost_model.py and cpinfer/perf. Five h100-gtt parameters
+Token counts take vLLM's suffixes: 128k = 128,000, 128K = 131,072, 1m = 1,000,000, 1M = 1,048,576.
+Every plan ends with the exact command that starts it (one node: `cpinfer serve ...`; several: the torchrun line
+each node runs). Numbers are predictions of the cost model in cpinfer/cp/cost_model.py and cpinfer/perf. Five h100-gtt parameters
 are fitted to the paper's public statements; docs/planning.md lists them, the statements, and leave-one-out errors."""
 
 
@@ -41,14 +45,18 @@ def register(subparsers) -> None:
                    help=f"catalog model ({', '.join(names)}) or path to a Hugging Face config.json (Llama, "
                         "Mistral, Qwen2/2.5, Qwen3, Gemma 3 layouts; sliding-window layers are read from it)")
     p.add_argument("--hardware", metavar="NAME_OR_PATH", required=True,
-                   help=f"hardware profile ({', '.join(sorted(HARDWARE))}) or path to a JSON profile")
+                   help=f"hardware profile ({', '.join(sorted(HARDWARE))}) or path to a JSON profile; h100-gtt / "
+                        "h100-gti are the paper's 96 GB clusters, h100-sxm (80 GB), h200 (141 GB) and b200 (180 GB) "
+                        "are NVIDIA datasheet figures")
+    p.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                   help="device memory in GiB, instead of the profile's (e.g. 94 for an H100 NVL)")
     p.add_argument("--cp", type=int, metavar="N",
                    help="CP size N: ranks of the ring, one TP group each (required without --sweep)")
     p.add_argument("--tp", type=int, metavar="K", default=1,
                    help="TP size per CP rank, devices per TP group (default 1)")
-    p.add_argument("--prompt-tokens", type=int, metavar="T", required=True,
-                   help="T: new tokens per sequence to prefill (the prompt, or the new turn)")
-    p.add_argument("--cached-tokens", type=int, metavar="P", default=0,
+    p.add_argument("--prompt-tokens", metavar="T", required=True,
+                   help="T: new tokens per sequence to prefill (the prompt, or the new turn); 128k, 1m, 1M as vLLM")
+    p.add_argument("--cached-tokens", metavar="P", default="0",
                    help="P: tokens per sequence already in the KV cache (partial prefill; default 0 = full prefill)")
     p.add_argument("--batch", type=int, metavar="B", default=1,
                    help="B: identical sequences in the batch (default 1)")
@@ -78,24 +86,59 @@ def register(subparsers) -> None:
     p.add_argument("--ttft-target", type=float, metavar="SECONDS",
                    help="TTFT target in seconds (required with --sweep)")
     p.add_argument("--max-cp", type=int, metavar="N", default=64, help="largest CP size --sweep tries (default 64)")
+    p.add_argument("--checkpoint", metavar="PATH_OR_ID",
+                   help="what the printed command serves (default: the config's folder, or the catalog model's "
+                        "Hugging Face repository, its FP8 one for an FP8 weight format when published)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port in the printed command (default 8000)")
     p.set_defaults(func=run)
+
+
+def hardware(args):
+    """The --hardware profile, its device memory replaced by --gpu-memory-gib when given."""
+    from cpinfer.perf.hardware import load_hardware_profile
+
+    hw = load_hardware_profile(args.hardware)
+    if args.gpu_memory_gib is None:
+        return hw
+    if not args.gpu_memory_gib > 0:
+        raise ValueError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
+    gb = args.gpu_memory_gib * (1 << 30) / 1e9
+    return dataclasses.replace(hw, mem_gb=gb, sources={**hw.sources, "mem_gb": f"--gpu-memory-gib "
+                                                                              f"{args.gpu_memory_gib:g} ({gb:.1f} GB)"})
+
+
+def _ending(args, plan, verdict) -> tuple[list[str], dict]:
+    """What every plan ends with: the deciding constraint and the launch command, as text lines and JSON."""
+    from cpinfer.perf.launch import launch_command
+
+    lines = [f"decided   {verdict.text}"]
+    out = {"decision": verdict.to_dict()}
+    if plan is not None:
+        launch = launch_command(plan, args.checkpoint, args.port, args.hardware)
+        lines += launch.lines()
+        out["launch"] = launch.to_dict()
+    return lines, out
 
 
 def run(args) -> int:
     from cpinfer.perf import planner, report  # imported on use: keeps `cpinfer --help` fast
 
-    work = planner.Workload(args.prompt_tokens, args.cached_tokens, args.batch)
+    work = planner.Workload(parse_token_count(args.prompt_tokens, "--prompt-tokens"),
+                            parse_token_count(args.cached_tokens, "--cached-tokens"), args.batch)
+    kv_dtype = args.act_dtype if args.kv_dtype == "auto" else args.kv_dtype
     if args.sweep:
         if args.ttft_target is None:
             raise ValueError("--sweep needs --ttft-target SECONDS")
-        base = planner.build_deployment(args.model, args.hardware, 1, args.tp, args.weights, args.act_dtype,
-                                        args.act_dtype if args.kv_dtype == "auto" else args.kv_dtype,
-                                        args.implementation)
+        base = planner.build_deployment(args.model, hardware(args), 1, args.tp, args.weights, args.act_dtype,
+                                        kv_dtype, args.implementation)
         rows, plan = planner.sweep_cp(base, work, args.ttft_target, args.max_cp, args.method)
+        memory = planner.make_plan(base, work, args.method).memory
+        verdict = planner.sweep_verdict(rows, plan, args.ttft_target, memory.usable_gb, memory.weights_gb)
+        lines, ending = _ending(args, plan, verdict)
         if args.json:
             out = plan.to_dict() if plan else {}
             out.update(ttft_target_s=args.ttft_target, smallest_cp=plan.deployment.cp if plan else None,
-                       sweep=[vars(r) for r in rows])
+                       sweep=[vars(r) for r in rows], **ending)
             print(json.dumps(out))
         else:
             print(report.format_sweep(rows, args.ttft_target, plan))
@@ -103,15 +146,17 @@ def run(args) -> int:
                 print("\n" + report.format_plan(plan))
                 if args.explain:
                     print("\n" + report.format_explain(plan))
+            print("\n".join(lines))
         return 0 if plan else 1
     if args.cp is None:
         raise ValueError("--cp is required (or use --sweep with --ttft-target)")
-    dep = planner.build_deployment(args.model, args.hardware, args.cp, args.tp, args.weights, args.act_dtype,
-                                   args.act_dtype if args.kv_dtype == "auto" else args.kv_dtype,
-                                        args.implementation)
+    dep = planner.build_deployment(args.model, hardware(args), args.cp, args.tp, args.weights, args.act_dtype,
+                                   kv_dtype, args.implementation)
     plan = planner.make_plan(dep, work, args.method)
+    lines, ending = _ending(args, plan, planner.plan_verdict(plan, args.ttft_target))
     if args.json:
         out = plan.to_dict()
+        out.update(ending)
         if args.explain:
             hw = dep.hardware
             out["parameters"] = {k: dict(value=getattr(hw, k), source=hw.sources.get(k, "")) for k in hw.sources
@@ -126,4 +171,5 @@ def run(args) -> int:
         if args.ttft_target is not None:
             met = plan.chosen_ttft_s <= args.ttft_target
             print(f"target    TTFT <= {args.ttft_target:g} s: {'met' if met else 'NOT met'}")
+        print("\n".join(lines))
     return 0

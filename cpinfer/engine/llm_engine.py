@@ -332,6 +332,11 @@ class LLMEngine:
             log.warning("decode runs without CUDA graphs: its collectives go over gloo (ranks sharing a GPU), which "
                         "a graph cannot capture")
             graphs = False
+        widths = KVWidths.of(self.config)
+        if static and widths.key != widths.value and a.static_decode is None:
+            log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
+                        "values, and this model's differ (multi-head latent attention)")
+            static = False
         if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
                         "kv_cache_dtype is %s", a.kv_cache_dtype)

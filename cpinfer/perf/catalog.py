@@ -89,6 +89,27 @@ _H200 = dict(
     comm_overlap=(1.0, f"{ASSUMED}: NIC DMA beside the SMs, as on the paper's H100 hosts"),
 )
 
+# Spec-sheet profiles of single GPUs: the compute, memory and NVLink figures from NVIDIA's datasheets (dense, i.e.
+# without the 2:4 sparsity the datasheets also quote); the achieved fractions and the network as on h200 above.
+_H100_SXM_SHEET = "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column"
+_B200_SHEET = "NVIDIA DGX B200 / HGX B200 datasheet (8 GPUs: 1,440 GB and 64 TB/s HBM3e in all), per GPU"
+_H100_SXM = _H200 | dict(
+    peak_tflops=(989.0, f"{_H100_SXM_SHEET}: 1,979 TF/s BF16 with sparsity, 989 dense"),
+    peak_tflops_fp8=(1979.0, f"{_H100_SXM_SHEET}: 3,958 TF/s FP8 with sparsity, 1,979 dense"),
+    mem_gb=(80.0, f"{_H100_SXM_SHEET}: 80 GB HBM3"),
+    mem_tbps=(3.35, f"{_H100_SXM_SHEET}: 3.35 TB/s"),
+    devices_per_node=(8, "NVIDIA HGX H100: 8 GPUs per board, NVLink 900 GB/s per GPU through NVSwitch"),
+)
+_B200 = _H200 | dict(
+    peak_tflops=(2250.0, f"{_B200_SHEET}: 36 PF/s BF16 with sparsity / 8 GPUs / 2 = 2,250 TF/s dense"),
+    peak_tflops_fp8=(4500.0, f"{_B200_SHEET}: 72 PF/s FP8 with sparsity / 8 GPUs / 2 = 4,500 TF/s dense"),
+    attn_tflops=(1519.0, f"{ASSUMED}: FA3-class attention at the GTT H100's 540/800 of peak, scaled to 2,250"),
+    mem_gb=(180.0, f"{_B200_SHEET}: 1,440 GB / 8 = 180 GB HBM3e"),
+    mem_tbps=(8.0, f"{_B200_SHEET}: 64 TB/s / 8 = 8 TB/s"),
+    devices_per_node=(8, "NVIDIA HGX B200: 8 GPUs per board, fifth-generation NVLink 1.8 TB/s per GPU"),
+    intra_gbs=(960.0, f"{ASSUMED}: twice h200's NVLink4 all-reduce bus bandwidth, as NVLink5 doubles the link"),
+)
+
 _CPU = "estimate for a 2-core AMD EPYC (Zen 5) VM, torch fp32, gloo over loopback; replace with `cpinfer calibrate`"
 _CPU_GLOO = dict(
     peak_tflops=(0.33, f"{_CPU}: 2 cores x 64 fp32 FLOP/cycle (AVX-512 FMA) x ~2.6 GHz"),
@@ -124,7 +145,9 @@ def _profile(name: str, kind: str, numbers: dict) -> HardwareProfile:
 HARDWARE = {
     "h100-gtt": _profile("h100-gtt", "fitted", _H100_GPU | _GTT_NET),
     "h100-gti": _profile("h100-gti", "fitted", _H100_GPU | _GTI_NET),
+    "h100-sxm": _profile("h100-sxm", "spec", _H100_SXM),
     "h200": _profile("h200", "spec", _H200),
+    "b200": _profile("b200", "spec", _B200),
     "cpu-gloo": _profile("cpu-gloo", "estimate", _CPU_GLOO),
 }
 
@@ -134,8 +157,9 @@ HARDWARE = {
 DENSE_BF16_PEAKS: tuple[tuple[str, float, str], ...] = (
     ("H100 PCIe", 756.0, "NVIDIA H100 PCIe spec: 1513 TF/s BF16 with sparsity, 756 dense"),
     ("H100 NVL", 835.0, "NVIDIA H100 NVL spec: 1671 TF/s BF16 with sparsity, 835 dense"),
-    ("H100", 989.0, "NVIDIA H100 SXM spec: 989 TF/s dense BF16 (the paper's App. A figure for a 700 W H100)"),
+    ("H100", 989.0, f"{_H100_SXM_SHEET}: 989 TF/s dense BF16 (the paper's App. A figure for a 700 W H100)"),
     ("H200", _H200["peak_tflops"][0], _H200["peak_tflops"][1]),
+    ("B200", _B200["peak_tflops"][0], _B200["peak_tflops"][1]),
     ("A100", 312.0, "NVIDIA A100 spec: 312 TF/s dense BF16"),
     ("L40S", 362.0, "NVIDIA L40S spec: 362 TF/s dense BF16"),
 )

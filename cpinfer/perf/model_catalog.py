@@ -82,7 +82,8 @@ MOE_MODELS = (
     _moe("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768, 8, 2, 14336,
          _hf("mistralai/Mixtral-8x7B-v0.1", "8 experts, top 2; sliding_window null (every layer full)")),
 )
-_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536)
+_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+            router_bias=True)
 _MLA_NOTE = ("MLA: kv_lora_rank 512 + qk_rope_head_dim 64 cached once per token (one latent KV head), q_lora_rank "
              "1536, qk_nope_head_dim 128, v_head_dim 128")
 MLA_MODELS = (  # head_dim 576: the absorbed attention's width (latent + rotary key); 1 KV head

@@ -37,6 +37,7 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     q_lora_rank: int = 0      # 0: full-rank queries
+    router_bias: bool = False  # DeepSeek-V3 / Kimi K2: a selection-only bias of n_experts per sparse layer
 
     def __post_init__(self) -> None:
         for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
@@ -136,10 +137,17 @@ class ModelSpec:
         return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     @property
+    def norm_params(self) -> int:
+        """Every norm weight: two per layer and the final one (MLA: also the q / kv latent norms), and
+        DeepSeek-V3's router bias."""
+        latent = self.q_lora_rank + self.kv_lora_rank if self.mla else 0
+        bias = self.moe_layers * self.n_experts if self.router_bias else 0
+        return self.n_layers * (2 * self.hidden + latent) + self.hidden + bias
+
+    @property
     def params(self) -> int:
         """W of the paper: every weight, norms included (a mixture of experts: all experts, for memory)."""
-        norms = (2 * self.n_layers + 1) * self.hidden
-        return self.n_layers * self.attn_params + self.ffn_params_total + self.embed_params + norms
+        return self.n_layers * self.attn_params + self.ffn_params_total + self.embed_params + self.norm_params
 
     @property
     def active_params(self) -> int:

@@ -32,26 +32,104 @@ class WeightFormat:
             if getattr(self, what) not in (1, 2, 4):
                 raise ValueError(f"weight format {self.name!r}: {what} must be 1, 2 or 4")
 
-    def weight_bytes_per_gpu(self, model: ModelSpec, tp: int) -> float:
-        """Weights + row-wise FP8 scales (one fp32 per output row) on one TP rank, in bytes."""
-        kv_rep = model.kv_heads_per_gpu(tp) * tp / model.n_kv_heads  # > 1 when KV heads are replicated
-        kv_part = 0 if model.mla else 2 * model.hidden * model.n_kv_heads * model.head_dim * (kv_rep - 1)
-        kv_part += model.attn_replicated_params * (tp - 1)  # MLA's latent path: whole on every rank
-        attn = (model.attn_params + kv_part) * self.attn_bytes
-        ffn = model.ffn_params_total * self.ffn_bytes  # every expert: each rank holds its slice of all of them
-        scales = 4 * (_ffn_rows(model) * self.ffn_fp8 + model.n_layers *
-                      ((model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.hidden) * self.attn_fp8)
-        norms = 4 * (2 * model.n_layers + 1) * model.hidden  # replicated, fp32
-        return (model.n_layers * attn + ffn + scales + model.embed_params * self.embed_bytes) / tp + norms
+    @property
+    def has_fp8(self) -> bool:
+        return self.attn_fp8 or self.ffn_fp8
 
 
-def _ffn_rows(model: ModelSpec) -> int:
-    """Output rows of every MLP GEMM of the model (one row-wise FP8 scale each)."""
-    def dense(f: int) -> int:
-        return 2 * f + model.hidden if f else 0
+@dataclass(frozen=True)
+class HeldWeights:
+    """Bytes per element of each kind of weight as the engine holds it once loaded, and which GEMMs run FP8.
+    `expert_*`: the routed experts of a mixture; `other_bytes`: embeddings, LM head, norms, routers and MLA's
+    kv_b_proj (which the model reads as a tensor). `notes` say what differs from the checkpoint's format."""
+    attn_bytes: int
+    attn_fp8: bool
+    ffn_bytes: int          # dense MLPs and shared experts
+    ffn_fp8: bool
+    expert_bytes: int
+    expert_fp8: bool
+    other_bytes: int
+    notes: tuple[str, ...] = ()
+    fp8_any_shape: bool = True  # the Triton FP8 GEMM takes what _scaled_mm cannot (a GPU with Triton); else a
+    #                             linear whose dims are not multiples of 16 is dequantized (CPU: _scaled_mm only)
 
-    sparse = model.n_experts * dense(model.expert_ffn_dim) + dense(model.shared_ffn_dim)
-    return (model.n_layers - model.moe_layers) * dense(model.ffn_dim) + model.moe_layers * sparse
+
+def held_weights(fmt: WeightFormat, model: ModelSpec, compute_bytes: int, fp8_gemms: bool,
+                 fp8_experts: bool, fp8_any_shape: bool = True) -> HeldWeights:
+    """What the engine keeps of a checkpoint in format `fmt`: a weight that is not FP8 is held in the compute dtype
+    (`compute_bytes`); an FP8 linear stays FP8 (with one fp32 scale per output row) only on a device with FP8 GEMMs
+    (`fp8_gemms`; elsewhere, as on CPU, every FP8 weight is dequantized at load); routed experts stay FP8 only when
+    `fp8_experts` (cpinfer dequantizes them at load)."""
+    attn, ffn = fmt.attn_fp8 and fp8_gemms, fmt.ffn_fp8 and fp8_gemms
+    experts = ffn and fp8_experts
+    notes = []
+    if fmt.has_fp8 and not fp8_gemms:
+        notes.append("no FP8 GEMMs on this hardware: every FP8 weight is dequantized at load")
+    if fmt.ffn_fp8 and fp8_gemms and model.moe_layers and not fp8_experts:
+        notes.append(f"the routed experts are dequantized to {compute_bytes}-byte elements at load; dense MLPs and "
+                     "shared experts stay FP8")
+    if attn and model.mla:
+        notes.append("MLA's kv_b_proj is dequantized at load (folded into the queries and the output)")
+    c = compute_bytes
+    return HeldWeights(1 if attn else c, attn, 1 if ffn else c, ffn, 1 if experts else c, experts, c, tuple(notes),
+                       fp8_any_shape)
+
+
+def weight_bytes_per_gpu(model: ModelSpec, held: HeldWeights, tp: int, vocab_parallel: bool = False) -> float:
+    """Weights, FP8 row scales and norms one TP rank holds: column-parallel linears (q, k, v, gate, up) keep 1/tp
+    of their rows, row-parallel ones (o, down) 1/tp of their columns, KV heads replicated when tp > N_KV, MLA's
+    latent projections and the routers whole on every rank; the embedding and LM head split only when
+    `vocab_parallel`."""
+    per_layer = _attn_bytes(model, held, tp)
+    dense = _mlp_bytes(model.hidden, model.ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, held)
+    total = model.n_layers * per_layer + (model.n_layers - model.moe_layers) * dense
+    if model.moe_layers:
+        experts = model.n_experts * _mlp_bytes(model.hidden, model.expert_ffn_dim // tp, held.expert_bytes,
+                                               held.expert_fp8, held)
+        shared = _mlp_bytes(model.hidden, model.shared_ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, held)
+        router = model.n_experts * model.hidden * held.other_bytes
+        total += model.moe_layers * (experts + shared + router)
+    embed = model.embed_params * held.other_bytes
+    return total + (embed / tp if vocab_parallel else embed) + model.norm_params * held.other_bytes
+
+
+FP8_ALIGN = 16  # torch._scaled_mm needs both dimensions of a row-wise FP8 weight (its TP slice) multiples of 16
+
+
+def _linear_bytes(rows: int, cols: int, elem: int, fp8: bool, compute: int, any_shape: bool = True) -> int:
+    """An [rows, cols] linear, with one fp32 scale per output row when it stays FP8; without the Triton GEMM
+    (`any_shape` False) a shape _scaled_mm cannot take is dequantized to the `compute` element size at load."""
+    if fp8 and not any_shape and (rows % FP8_ALIGN or cols % FP8_ALIGN):
+        return rows * cols * compute
+    return rows * cols * elem + (4 * rows if fp8 else 0)
+
+
+def _mlp_bytes(hidden: int, ffn: int, elem: int, fp8: bool, held: HeldWeights) -> int:
+    """A gated MLP slice of intermediate `ffn`: gate and up [ffn, hidden], down [hidden, ffn]."""
+    if not ffn:
+        return 0
+    c, any_shape = held.other_bytes, held.fp8_any_shape
+    return 2 * _linear_bytes(ffn, hidden, elem, fp8, c, any_shape) + _linear_bytes(hidden, ffn, elem, fp8, c,
+                                                                                    any_shape)
+
+
+def _attn_bytes(model: ModelSpec, held: HeldWeights, tp: int) -> int:
+    def linear(rows: int, cols: int) -> int:
+        return _linear_bytes(rows, cols, held.attn_bytes, held.attn_fp8, held.other_bytes, held.fp8_any_shape)
+
+    heads, hidden = model.n_heads // tp, model.hidden
+    if not model.mla:
+        kv_rows = model.kv_heads_per_gpu(tp) * model.head_dim
+        return linear(heads * model.head_dim, hidden) + 2 * linear(kv_rows, hidden) + \
+            linear(hidden, heads * model.head_dim)
+    qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+    if model.q_lora_rank:  # q_a_proj (whole on every rank), then q_b_proj
+        q = linear(model.q_lora_rank, hidden) + linear(heads * qk, model.q_lora_rank)
+    else:
+        q = linear(heads * qk, hidden)
+    kv_a = linear(model.kv_lora_rank + model.qk_rope_head_dim, hidden)
+    kv_b = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * held.other_bytes
+    return q + kv_a + kv_b + linear(hidden, heads * model.v_head_dim)
 
 
 WEIGHT_FORMATS = {
@@ -145,7 +223,8 @@ def _experts(cfg: dict, layers: int) -> dict:
         inter = int(cfg["moe_intermediate_size"])
         return dict(n_experts=experts, experts_per_tok=int(cfg.get("num_experts_per_tok") or 1), expert_ffn_dim=inter,
                     shared_ffn_dim=inter * int(cfg.get("n_shared_experts") or 0),
-                    moe_layers=layers - int(cfg.get("first_k_dense_replace") or 0))
+                    moe_layers=layers - int(cfg.get("first_k_dense_replace") or 0),
+                    router_bias=cfg.get("model_type") in ("deepseek_v3", "kimi_k2"))
     llama4 = str(cfg.get("model_type", "")).startswith("llama4")
     if cfg.get("moe_layers") is not None:
         sparse = len(cfg["moe_layers"])

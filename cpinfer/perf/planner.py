@@ -6,7 +6,9 @@ size that meets a TTFT target. Both are what `cpinfer plan` prints (docs/plannin
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from cpinfer.cp.heuristics import StrategyChoice, choose_strategy
 from cpinfer.perf.hardware import load_hardware_profile
@@ -140,3 +142,103 @@ def sweep_cp(base: Deployment, work: Workload, target_s: float, max_cp: int = 64
         if plan.memory.fits and plan.chosen_ttft_s <= target_s:
             return rows, plan
     return rows, None
+
+
+# vLLM's human-readable token counts: a lower-case suffix is decimal, an upper-case one binary
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kmgKMG]?)$")
+
+
+def parse_token_count(text, what: str = "token count") -> int:
+    """A token count as vLLM writes it: `131072`, `128k` (128,000), `128K` (131,072), `1m` (1,000,000), `1M`
+    (1,048,576), `25.6k`; underscores and commas between digits are ignored. The result must be a whole number."""
+    raw = str(text).strip().replace("_", "").replace(",", "")
+    found = _COUNT.match(raw)
+    if not found:
+        raise ValueError(f"invalid {what} {text!r}: give a number, optionally with k / m / g (x1000) or "
+                         "K / M / G (x1024), e.g. 128k or 1M")
+    value = Fraction(found.group(1)) * _SUFFIXES[found.group(2)]
+    if value.denominator != 1:
+        raise ValueError(f"{what} {text!r} is {float(value):g}, not a whole number of tokens")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Which constraint decided a plan (memory, the TTFT target, both, or none binding) and by how much."""
+    decided_by: str          # "memory", "ttft", "both", "memory headroom" (no target), "ttft target not met", ...
+    text: str
+    memory_gb: float
+    usable_gb: float
+    ttft_s: float
+    target_s: float | None
+
+    def to_dict(self) -> dict:
+        return dict(decided_by=self.decided_by, text=self.text, memory_gb_per_gpu=self.memory_gb,
+                    usable_gb_per_gpu=self.usable_gb, memory_margin_gb=self.usable_gb - self.memory_gb,
+                    ttft_s=self.ttft_s, ttft_target_s=self.target_s,
+                    ttft_margin_s=None if self.target_s is None else self.target_s - self.ttft_s)
+
+
+def _memory_words(used: float, usable: float) -> str:
+    if used <= usable:
+        return f"{used:.1f} GB per device of {usable:.1f} GB usable ({usable - used:.1f} GB, " \
+               f"{(usable - used) / usable:.0%} free)"
+    return f"{used:.1f} GB per device, {used - usable:.1f} GB over the {usable:.1f} GB usable"
+
+
+def _ttft_words(ttft: float, target: float) -> str:
+    side = "under" if ttft <= target else "over"
+    return f"TTFT {ttft:.2f} s, {abs(target - ttft):.2f} s ({abs(target - ttft) / target:.0%}) {side} the " \
+           f"{target:g} s target"
+
+
+def plan_verdict(plan: Plan, target_s: float | None = None) -> Verdict:
+    """For a plan at a given CP size: the tighter of memory and the TTFT target (relative margin), or what fails."""
+    m, ttft = plan.memory, plan.chosen_ttft_s
+    mem_slack = (m.usable_gb - m.total_gb) / m.usable_gb
+    words = _memory_words(m.total_gb, m.usable_gb)
+    if target_s is None:
+        decided = "memory" if mem_slack < 0 else "memory headroom"
+        return Verdict(decided, f"memory: {words}; no TTFT target given", m.total_gb, m.usable_gb, ttft, None)
+    ttft_slack = (target_s - ttft) / target_s
+    failing = [name for name, slack in (("memory", mem_slack), ("ttft", ttft_slack)) if slack < 0]
+    if failing:
+        decided = "both" if len(failing) == 2 else failing[0]
+        lead = "does not fit and misses the TTFT target" if len(failing) == 2 else \
+            "does not fit" if decided == "memory" else "misses the TTFT target"
+    else:
+        decided = "memory" if mem_slack < ttft_slack else "ttft"
+        lead = f"the tighter constraint is {'memory' if decided == 'memory' else 'the TTFT target'}"
+    text = f"{lead}: {_ttft_words(ttft, target_s)}; memory {words}"
+    return Verdict(decided, text, m.total_gb, m.usable_gb, ttft, target_s)
+
+
+def sweep_verdict(rows: list[SweepRow], plan: Plan | None, target_s: float, usable_gb: float,
+                  weights_gb: float = 0.0) -> Verdict:
+    """Why the sweep stopped where it did: what ruled out the CP size just below the smallest that works.
+    `weights_gb`: the weights per device, which no CP size shrinks (CP shards the KV cache, TP the weights)."""
+    last = rows[-1]
+    if plan is None:
+        text = f"no CP size up to {last.cp} works: at CP{last.cp} {_ttft_words(last.ttft_s, target_s)}; memory " \
+               f"{_memory_words(last.memory_gb_per_gpu, usable_gb)}"
+        if weights_gb > usable_gb:
+            text += f"; the weights alone take {weights_gb:.1f} GB per device, which CP does not shard: raise " \
+                    "--tp or use devices with more memory"
+        decided = "ttft" if last.fits else "memory" if last.ttft_s <= target_s else "both"
+        return Verdict(decided, text, last.memory_gb_per_gpu, usable_gb, last.ttft_s, target_s)
+    here = f"at CP{last.cp}: {_ttft_words(last.ttft_s, target_s)}; memory " \
+           f"{_memory_words(last.memory_gb_per_gpu, usable_gb)}"
+    if len(rows) == 1:
+        return Verdict("none", f"CP1 already meets both; {here}", last.memory_gb_per_gpu, usable_gb, last.ttft_s,
+                       target_s)
+    prev = rows[-2]
+    mem, fast = prev.fits, prev.ttft_s <= target_s
+    decided = "ttft" if mem else "memory" if fast else "both"
+    why = {"ttft": f"the TTFT target: CP{prev.cp} fits but its {_ttft_words(prev.ttft_s, target_s)}",
+           "memory": f"memory: CP{prev.cp} meets the TTFT target ({prev.ttft_s:.2f} s) but needs "
+                     f"{_memory_words(prev.memory_gb_per_gpu, usable_gb)}",
+           "both": f"memory and the TTFT target: CP{prev.cp} needs "
+                   f"{_memory_words(prev.memory_gb_per_gpu, usable_gb)} and its {_ttft_words(prev.ttft_s, target_s)}"}
+    return Verdict(decided, f"{why[decided]}; {here}", last.memory_gb_per_gpu, usable_gb, last.ttft_s,
+                   target_s)

@@ -84,8 +84,28 @@ def format_plan(plan: Plan) -> str:
         f"{plan.memory.total_gb:.2f} GB per device of {plan.memory.capacity_gb:.0f} GB -> "
         f"{'fits' if plan.memory.fits else 'DOES NOT FIT'} (90% usable)",
     ]
+    lines.append(f"held      {held_words(plan)}")
     lines += [f"warning   {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _elem(nbytes: int, fp8: bool) -> str:
+    return "FP8 (+ fp32 row scales)" if fp8 else {1: "8-bit", 2: "16-bit", 4: "fp32"}[nbytes]
+
+
+def held_words(plan: Plan) -> str:
+    """The weights as the engine holds them once loaded, and how decode runs."""
+    d = plan.deployment
+    h, m = d.held, d.model
+    parts = [f"attention {_elem(h.attn_bytes, h.attn_fp8)}", f"MLPs {_elem(h.ffn_bytes, h.ffn_fp8)}"]
+    if m.moe_layers:
+        parts[-1] = f"dense MLPs / shared experts {_elem(h.ffn_bytes, h.ffn_fp8)}"
+        parts.append(f"routed experts {_elem(h.expert_bytes, h.expert_fp8)}")
+    parts.append(f"embeddings, LM head and norms {_elem(h.other_bytes, False)}"
+                 f"{'' if d.implementation.vocab_parallel else ' (whole on every TP rank)'}")
+    why = "multi-head latent attention" if d.model.mla else "an FP8 KV cache"
+    decode = "decode under CUDA graphs" if d.decode_graphs else f"decode eager (no CUDA graphs with {why})"
+    return "; ".join(parts + list(h.notes) + [decode])
 
 
 def format_explain(plan: Plan) -> str:

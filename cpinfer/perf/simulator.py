@@ -18,7 +18,7 @@ from cpinfer.perf import costs
 from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import CPINFER, Implementation
 from cpinfer.perf.model_spec import ModelSpec
-from cpinfer.perf.models import WeightFormat
+from cpinfer.perf.models import HeldWeights, WeightFormat, held_weights, weight_bytes_per_gpu
 from cpinfer.utils import ceil_div, check_positive
 
 # Memory passes over one token's hidden vector per layer: two fused residual-add + RMSNorm kernels (read x and
@@ -31,6 +31,10 @@ DECODE_KERNELS_AFTER_RING = 3     # permute, All2All, merge (Alg. 4)
 COMPONENTS = ("gemm", "attention", "merge", "sendrecv_exposed", "ring_steps", "all2all", "allreduce",
               "elementwise", "kernels")
 RING_KEYS = ("attention", "merge", "sendrecv_exposed", "ring_steps", "all2all")
+# assumption: host time per kernel launch of PyTorch's eager decode path (launch + dispatch), what a decode kernel
+# costs without CUDA graphs
+EAGER_KERNEL_US = 8.0
+USABLE_FRACTION = 0.9  # of device memory for weights + KV: the engine's default gpu_memory_utilization
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,26 @@ class Deployment:
         check_positive(self.cp, "cp")
         check_positive(self.tp, "tp")
         self.model.kv_heads_per_gpu(self.tp)  # validates tp against the head counts
+        if self.fp8_kv and self.model.mla and not self.implementation.fp8_kv_mla:
+            raise ValueError(f"model {self.model.name!r}: an FP8 KV cache is not supported for multi-head latent "
+                             f"attention (MLA) models by {self.implementation.name} (its cache holds one shared "
+                             "latent); plan with --kv-cache-dtype auto")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_bytes == 1
+
+    @property
+    def held(self) -> HeldWeights:
+        """The weights as this implementation holds them on this hardware (FP8 kept or dequantized, by kind)."""
+        return held_weights(self.weights, self.model, self.act_bytes, self.hardware.peak_tflops_fp8 > 0,
+                            self.implementation.fp8_experts)
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode runs under CUDA graphs (cpinfer: not with an FP8 KV cache, not for MLA models)."""
+        impl = self.implementation
+        return (not self.fp8_kv or impl.fp8_kv_graphs) and (not self.model.mla or impl.mla_graphs)
 
     @property
     def gpus(self) -> int:
@@ -91,41 +115,41 @@ def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy
 def gemm_layer(dep: Deployment, tokens: int) -> float:
     """The GEMM groups of one layer (averaged over dense and sparse layers) on one TP rank for `tokens` rows
     (Megatron column/row sharding; each expert's intermediate dimension sliced the same way)."""
-    m, w, hw, tp = dep.model, dep.weights, dep.hardware, dep.tp
+    m, w, hw, tp = dep.model, dep.held, dep.hardware, dep.tp
     shape = dep.attn_shape
     qkv_n = (shape.heads + 2 * shape.kv_heads) * m.head_dim      # KV heads replicated when tp > N_KV
     o_k = shape.heads * m.head_dim
     t = costs.gemm_time(hw, tokens, qkv_n, m.hidden, qkv_n * m.hidden * w.attn_bytes, w.attn_fp8)
     t += costs.gemm_time(hw, tokens, m.hidden, o_k, o_k * m.hidden * w.attn_bytes, w.attn_fp8)
-    dense = _mlp_time(dep, tokens, m.ffn_dim // tp)
+    dense = _mlp_time(dep, tokens, m.ffn_dim // tp, w.ffn_bytes, w.ffn_fp8)
     if not m.moe_layers:
         return t + dense
     return t + ((m.n_layers - m.moe_layers) * dense + m.moe_layers * _moe_time(dep, tokens)) / m.n_layers
 
 
-def _mlp_time(dep: Deployment, rows: int, ffn: int, experts: int = 1) -> float:
-    """A gated MLP of intermediate `ffn` (this rank's share) over `rows` rows whose weights are read `experts`
-    times (the distinct experts a grouped GEMM touches)."""
-    m, w, hw = dep.model, dep.weights, dep.hardware
+def _mlp_time(dep: Deployment, rows: int, ffn: int, elem: int, fp8: bool, experts: int = 1) -> float:
+    """A gated MLP of intermediate `ffn` (this rank's share) over `rows` rows whose weights (`elem` bytes each, FP8
+    GEMMs or not) are read `experts` times (the distinct experts a grouped GEMM touches)."""
+    m, hw = dep.model, dep.hardware
     if not ffn:
         return 0.0
-    t = costs.gemm_time(hw, rows, 2 * ffn, m.hidden, experts * 2 * ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
-    return t + costs.gemm_time(hw, rows, m.hidden, ffn, experts * ffn * m.hidden * w.ffn_bytes, w.ffn_fp8)
+    t = costs.gemm_time(hw, rows, 2 * ffn, m.hidden, experts * 2 * ffn * m.hidden * elem, fp8)
+    return t + costs.gemm_time(hw, rows, m.hidden, ffn, experts * ffn * m.hidden * elem, fp8)
 
 
 def _moe_time(dep: Deployment, tokens: int) -> float:
     """A sparse layer: the router, the k routed (token, expert) rows grouped by expert (FLOPs of the active experts,
     weights of the experts touched: min(E, k x tokens)), and the shared expert."""
-    m, hw = dep.model, dep.hardware
+    m, hw, w = dep.model, dep.hardware, dep.held
     rows = tokens * m.experts_per_tok
-    router = costs.gemm_time(hw, tokens, m.n_experts, m.hidden, m.n_experts * m.hidden * dep.weights.ffn_bytes, False)
-    routed = _mlp_time(dep, rows, m.expert_ffn_dim // dep.tp, min(m.n_experts, rows))
-    return router + routed + _mlp_time(dep, tokens, m.shared_ffn_dim // dep.tp)
+    router = costs.gemm_time(hw, tokens, m.n_experts, m.hidden, m.n_experts * m.hidden * w.other_bytes, False)
+    routed = _mlp_time(dep, rows, m.expert_ffn_dim // dep.tp, w.expert_bytes, w.expert_fp8, min(m.n_experts, rows))
+    return router + routed + _mlp_time(dep, tokens, m.shared_ffn_dim // dep.tp, w.ffn_bytes, w.ffn_fp8)
 
 
 def _dense_layer(dep: Deployment, tokens: int) -> dict:
     """GEMMs, elementwise ops and the two TP all-reduces of one layer on one GPU for `tokens` tokens."""
-    m, w, hw, tp = dep.model, dep.weights, dep.hardware, dep.tp
+    m, w, hw, tp = dep.model, dep.held, dep.hardware, dep.tp
     passes = (ELEMENTWISE_HIDDEN_PASSES * m.hidden + ELEMENTWISE_FFN_PASSES * m.active_ffn_dim) / tp
     if w.ffn_fp8:  # dynamic row-wise quantization of the two FFN GEMM inputs: read + 1-byte write
         passes += 1.5 * (m.hidden + m.active_ffn_dim / tp)
@@ -136,8 +160,8 @@ def _dense_layer(dep: Deployment, tokens: int) -> dict:
 
 def _lm_head(dep: Deployment, tokens: int) -> float:
     m = dep.model
-    n = ceil_div(m.vocab, dep.tp)
-    return costs.gemm_time(dep.hardware, tokens, n, m.hidden, n * m.hidden * dep.weights.embed_bytes, False)
+    n = ceil_div(m.vocab, dep.tp) if dep.implementation.vocab_parallel else m.vocab
+    return costs.gemm_time(dep.hardware, tokens, n, m.hidden, n * m.hidden * dep.held.other_bytes, False)
 
 
 def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0, batch: int = 1,
@@ -198,14 +222,15 @@ def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1) -> Est
     q = att["queries"]
     breakdown = {k: v * m.n_layers for k, v in _dense_layer(dep, q).items()}
     ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
-    breakdown["kernels"] = m.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * dep.hardware.kernel_overhead_us \
-        * 1e-6
+    slot_us = dep.hardware.kernel_overhead_us if dep.decode_graphs else max(EAGER_KERNEL_US,
+                                                                            dep.hardware.kernel_overhead_us)
+    breakdown["kernels"] = m.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * slot_us * 1e-6
     breakdown = {k: breakdown.get(k, 0.0) + per.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, q)
     padded = q * dep.cp if dep.implementation.pad_decode_batch else batch
     detail = dict(queries_per_rank=q, padded_batch=padded, padding_queries=padded - batch,
                   attention_op_us=att["op"] * 1e6, step_sendrecv_us=att["step_sendrecv"] * 1e6,
-                  queries_computed_per_layer=padded * dep.cp)
+                  queries_computed_per_layer=padded * dep.cp, cuda_graphs=dep.decode_graphs)
     return Estimate("pass-q" if dep.cp > 1 else "local", sum(breakdown.values()), breakdown, detail)
 
 
@@ -220,15 +245,21 @@ class Memory:
         return self.weights_gb + self.kv_gb
 
     @property
+    def usable_gb(self) -> float:
+        """90% of device memory (the engine's default gpu_memory_utilization); the rest for activations and
+        workspace."""
+        return USABLE_FRACTION * self.capacity_gb
+
+    @property
     def fits(self) -> bool:
-        """Weights + KV within 90% of device memory (the rest for activations and workspace)."""
-        return self.total_gb <= 0.9 * self.capacity_gb
+        """Weights + KV within the usable share of device memory."""
+        return self.total_gb <= self.usable_gb
 
 
 def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memory:
     """Weights (TP-sharded) and the KV cache of `batch` sequences of `tokens_per_seq` (CP-sharded). Windowed layers
     keep every token's K/V too (cpinfer's KV cache does not trim what a window no longer sees)."""
-    weights = dep.weights.weight_bytes_per_gpu(dep.model, dep.tp)
+    weights = weight_bytes_per_gpu(dep.model, dep.held, dep.tp, dep.implementation.vocab_parallel)
     kv_tokens = batch * 2 * dep.cp * ceil_div(tokens_per_seq, 2 * dep.cp) / dep.cp
     kv = kv_tokens * dep.model.kv_bytes_per_token(dep.tp, dep.kv_bytes, dep.kv_scale_bytes)
     return Memory(weights / 1e9, kv / 1e9, dep.hardware.mem_gb)
