@@ -19,7 +19,9 @@ class LLM:
     ranks.
 
     model: a Hugging Face folder (config.json + *.safetensors, tokenizer files to accept strings), a .gguf file,
-    or None for the embedded default model. Keyword arguments: see `EngineConfig` (docs/engine.md).
+    a Hugging Face Hub id (`org/name`: downloaded once into the Hub cache; `revision`, `download_dir`, `HF_TOKEN`,
+    `HF_HUB_OFFLINE`), or None for the embedded default model. Keyword arguments: see `EngineConfig`
+    (docs/engine.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -56,12 +58,18 @@ class LLM:
             pass
 
     # ------------------------------------------------------------------ generation
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling used when none is given: the model's generation_config.json defaults (generation_config
+        "auto"), else SamplingParams()."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
+        A progress bar (tokens prefilled and generated) shows while it runs unless use_tqdm is False."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
@@ -92,7 +100,7 @@ class LLM:
         return [final[rid] for rid in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
         template with the generation prompt added. Returns one output per conversation."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
