@@ -204,7 +204,8 @@ class LLMEngine:
             resolve_tokenizer(a.tokenizer, download_dir=a.download_dir))
         self.tokenizer = _load_tokenizer(tokenizer_dir)
         self.generation_defaults = generation_defaults(self.model_path, a.generation_config)
-        log.info("model %s: config and tokenizer read in %.1f s", self.model_path, time.perf_counter() - t0)
+        log.info("start-up: model: %s, config and tokenizer read in %.1f s", self.model_path,
+                 time.perf_counter() - t0)
         capacity = self._start_ranks(capacity)
         self.disk = None  # the opened disk-tier directory
         self._last_sync = 0.0
@@ -230,6 +231,7 @@ class LLMEngine:
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "forwards": {}, "finished": {}}
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
         self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
+        log.info("start-up: engine ready in %.1f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ set-up
     def _default_capacity(self, fraction: float) -> int:
@@ -267,6 +269,7 @@ class LLMEngine:
         if a.device == "cuda" and backend == "gloo":
             log.warning("%d ranks share %d GPU(s): tensors go over gloo through host memory (slow; for checks)",
                         ranks_here, torch.cuda.device_count())
+        t0 = time.perf_counter()
         if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
             self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s, device=a.device)
             self.parallel.check_world(self._pool.world_size)
@@ -284,9 +287,12 @@ class LLMEngine:
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
+            log.info("start-up: ranks: %d (CP %d x TP %d) on %s over %s started in %.1f s", world, self.n,
+                     a.tensor_parallel_size, a.device, backend, time.perf_counter() - t0)
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
                                    a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend),
                                    a.kv_cache_dtype, a.load_format)
+            _log_start_stages(infos, a.dtype, a.load_format)
             self.rank_pids = [i["pid"] for i in infos]
             self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
             self.attention_timings_ms = infos[0].get("attention_timings_ms", {})  # how auto chose it, if it timed
@@ -294,6 +300,9 @@ class LLMEngine:
                 capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
                 self._pool.run(MR.allocate_kv, capacity)
                 _log_gpu_capacity(capacity, infos, sizing)
+            log.info("start-up: KV cache: %d tokens per CP rank (%.2f GiB each) sized and allocated in %.1f s",
+                     capacity, capacity * self.kv_bytes_per_token / (1 << 30),
+                     max(i.get("kv_s", 0.0) for i in infos))
         except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
             self._pool.close(force=True)
             if exc.exception_type == "ValueError":
@@ -739,6 +748,15 @@ def _check_gib(name: str, value, zero_ok: bool) -> None:
 def _phase(scheduled: list[ScheduledSeq]) -> str:
     decodes = sum(s.is_decode for s in scheduled)
     return "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
+
+
+def _log_start_stages(infos: list[dict], dtype: str, load_format: str) -> None:
+    """The weights and warm-up stages of start-up, with the slowest rank's time."""
+    what = "random weights (load_format dummy)" if load_format == "dummy" else "weights"
+    log.info("start-up: %s: loaded in %s on every rank in %.1f s", what, dtype,
+             max(i.get("load_s", 0.0) for i in infos))
+    log.info("start-up: warm-up: attention backend %s ready in %.1f s", infos[0].get("attention_backend"),
+             max(i.get("warmup_s", 0.0) for i in infos))
 
 
 def _log_gpu_capacity(capacity: int, infos: list[dict], sizing: dict) -> None:
