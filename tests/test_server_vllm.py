@@ -85,6 +85,10 @@ def test_chat_template_kwargs_and_chat_template_reach_the_template(tmp_path):
     assert req.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ValueError, match="'messages' cannot be set"):
         P.ChatCompletionRequest.model_validate({"messages": msgs, "chat_template_kwargs": {"messages": []}})
+    from cpinfer.engine.llm import encode_chat  # the offline API: LLM.chat(..., chat_template_kwargs=...)
+
+    tok.chat_template = template
+    assert tok.decode(encode_chat(tok, msgs, {"enable_thinking": False})) == "hi<nothink>"
     (tmp_path / "t.jinja").write_text(template)
     assert chat_template(str(tmp_path / "t.jinja")) == template and chat_template(template) == template
     with pytest.raises(ValueError, match="no such file, and not a Jinja template"):

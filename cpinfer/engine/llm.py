@@ -99,23 +99,24 @@ class LLM:
                 bar.close()
         return [final[rid] for rid in ids]
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
-        template with the generation prompt added. Returns one output per conversation."""
+        template with the generation prompt added (`chat_template_kwargs`: more template variables, e.g.
+        {"enable_thinking": False}). Returns one output per conversation."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.encode_chat(c) for c in convs]
+        prompts = [self.encode_chat(c, chat_template_kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def encode_chat(self, messages) -> list[int]:
-        return encode_chat(self.engine.tokenizer, messages)
+    def encode_chat(self, messages, chat_template_kwargs: dict | None = None) -> list[int]:
+        return encode_chat(self.engine.tokenizer, messages, chat_template_kwargs)
 
     def cache_stats(self) -> dict:
         """KV tokens per rank, capacity per rank, and prefix-cache queries / hits (tokens)."""
         return self.engine.cache_stats()
 
 
-def encode_chat(tokenizer, messages) -> list[int]:
+def encode_chat(tokenizer, messages, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template (generation prompt added)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; the model directory has none")
@@ -124,7 +125,8 @@ def encode_chat(tokenizer, messages) -> list[int]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
