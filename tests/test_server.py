@@ -399,6 +399,7 @@ def test_metrics_report_tokens_kv_forwards_and_latency(server, client):
                  "vllm:inter_token_latency_seconds_count", "vllm:request_generation_tokens_sum"):
         assert _metric(after, name) > _metric(before, name), name
     assert _metric(after, "vllm:generation_tokens_total") == _metric(after, "cpinfer_generation_tokens_total")
+    assert _metric(after, "vllm:prompt_tokens_total") >= _metric(after, "cpinfer_prompt_tokens_total")  # cached too
     assert 0 < _metric(after, "vllm:kv_cache_usage_perc") <= 1 and _metric(after, "vllm:prefix_cache_hits_total") > 0
     assert after['cpinfer_attention_backend_info{backend="cpu-flash",model_name="tiny"}'] == 1  # auto on CPU
 

@@ -19,7 +19,8 @@ from cpinfer.server.prompts import PromptEncoder
 from server_utils import write_tiny_tokenizer
 
 STATS = {"num_running": 2, "num_waiting": 1, "kv_tokens_per_rank": [64, 32], "kv_capacity_per_rank": 128,
-         "prefix_cache_queries": 100, "prefix_cache_hits": 40, "prompt_tokens": 500, "generation_tokens": 70,
+         "prefix_cache_queries": 100, "prefix_cache_hits": 40, "request_prompt_tokens": 500, "prompt_tokens": 60,
+         "generation_tokens": 70,
          "preemptions": 3, "requests_finished": {"stop": 4, "length": 1}, "forwards": {}}
 
 
@@ -138,7 +139,7 @@ def test_stats_line_reports_rates_queues_kv_per_rank_and_hit_rate():
     assert logger.line() is None  # the first call only takes the baseline
     now[0] += 10.0
     assert logger.line() is None  # nothing happened: no line
-    stats[0] = dict(STATS, prompt_tokens=1500, generation_tokens=270, prefix_cache_queries=300,
+    stats[0] = dict(STATS, request_prompt_tokens=1500, generation_tokens=270, prefix_cache_queries=300,
                     prefix_cache_hits=190)
     now[0] += 10.0
     line = logger.line()

@@ -228,7 +228,8 @@ class LLMEngine:
         self._aborts: list[str] = []
         self._rng = random.Random(a.seed)
         self.dead_error: str | None = None
-        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "forwards": {}, "finished": {}}
+        self._counters = {"prompt_tokens": 0, "request_prompt_tokens": 0, "generation_tokens": 0, "forwards": {},
+                          "finished": {}}
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
         self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
         log.info("start-up: engine ready in %.1f s", time.perf_counter() - t0)
@@ -300,8 +301,8 @@ class LLMEngine:
                 capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
                 self._pool.run(MR.allocate_kv, capacity)
                 _log_gpu_capacity(capacity, infos, sizing)
-            log.info("start-up: KV cache: %d tokens per CP rank (%.2f GiB each) sized and allocated in %.1f s",
-                     capacity, capacity * self.kv_bytes_per_token / (1 << 30),
+            log.info("start-up: KV cache: %d tokens per CP rank (%.1f MiB each) sized and allocated in %.1f s",
+                     capacity, capacity * self.kv_bytes_per_token / (1 << 20),
                      max(i.get("kv_s", 0.0) for i in infos))
         except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
             self._pool.close(force=True)
@@ -733,7 +734,7 @@ class LLMEngine:
                            self.kv.capacity_per_rank, self.kv.prefix_queries, self.kv.prefix_hits,
                            c["prompt_tokens"], c["generation_tokens"], dict(c["forwards"]),
                            self.scheduler.num_preemptions, dict(c["finished"]), self.tier_stats(),
-                           self.attention_backend, dict(self.attention_timings_ms))
+                           self.attention_backend, dict(self.attention_timings_ms), c["request_prompt_tokens"])
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)

@@ -187,7 +187,8 @@ def _vllm_engine_metrics(model: str, s: dict):
               "(1 = full)", usage)
     yield one(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under vLLM's older name",
               usage)
-    yield one(CounterMetricFamily, "vllm:prompt_tokens", "prompt tokens of admitted requests", s.get("prompt_tokens", 0))
+    yield one(CounterMetricFamily, "vllm:prompt_tokens", "prompt tokens of requests whose prefill finished, cached "
+              "ones included", s.get("request_prompt_tokens", 0))
     yield one(CounterMetricFamily, "vllm:generation_tokens", "generated tokens", s.get("generation_tokens", 0))
     yield one(CounterMetricFamily, "vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
               s.get("prefix_cache_queries", 0))
@@ -253,7 +254,7 @@ class StatsLogger:
             return None
         t0, p = last
         dt = max(now - t0, 1e-9)
-        prompt = s.get("prompt_tokens", 0) - p.get("prompt_tokens", 0)
+        prompt = s.get("request_prompt_tokens", 0) - p.get("request_prompt_tokens", 0)
         gen = s.get("generation_tokens", 0) - p.get("generation_tokens", 0)
         busy = s.get("num_running", 0) or s.get("num_waiting", 0) or p.get("num_running", 0)
         if not (prompt or gen or busy):
