@@ -89,8 +89,8 @@ def test_cli_missing_id_offline_exits_2_before_any_rank(hub):
     assert "Traceback" not in r.stderr
 
 
-def test_llm_takes_a_hub_id_and_the_generation_config_defaults(hub, offline, tmp_path):
-    from cpinfer import LLM
+def test_llm_takes_a_hub_id_and_the_generation_config_defaults(hub, offline, tmp_path, capsys):
+    from cpinfer import LLM, SamplingParams
 
     cache, src = hub
     (tmp_path / "generation_config.json").write_text(json.dumps(
@@ -106,3 +106,8 @@ def test_llm_takes_a_hub_id_and_the_generation_config_defaults(hub, offline, tmp
         assert llm.engine.model_path.endswith(COMMIT)
         params = llm.get_default_sampling_params()
         assert params.temperature == 0.0
+        capsys.readouterr()
+        out = llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True))[0]  # a progress bar by default
+        assert len(out.token_ids) == 3 and "prefill+decode: 100%" in capsys.readouterr().err
+        llm.generate("hi", SamplingParams(max_tokens=3), use_tqdm=False)
+        assert "prefill+decode" not in capsys.readouterr().err

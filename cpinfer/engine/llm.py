@@ -6,12 +6,14 @@ turn of the same chat, or a document other requests read too — reuses it as a 
 from __future__ import annotations
 
 import itertools
+import time
 
 from cpinfer.engine.llm_engine import LLMEngine
 from cpinfer.engine.request import RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput"]
+_BAR_S = 0.1  # seconds between two updates of generate()'s progress bar
 
 
 class LLM:
@@ -80,13 +82,15 @@ class LLM:
             eng.add_request(rid, t, sp)
         final: dict[str, RequestOutput] = {}
         bar = _progress(use_tqdm, sum(len(t) + sp.max_tokens for t, sp in zip(tokens, params)))
+        shown = 0.0  # when the bar was last brought up to date (at most every _BAR_S: no cost per step)
         try:
             while len(final) < len(ids):
                 for out in eng.step():
                     if out.finished:
                         final[out.request_id] = out
-                if bar is not None:
+                if bar is not None and (time.monotonic() - shown >= _BAR_S or len(final) == len(ids)):
                     bar.update(_progress_done(eng, ids, tokens, params, final) - bar.n)
+                    shown = time.monotonic()
         except BaseException:
             for rid in ids:  # leave the engine clean for the next call
                 if rid in eng.requests:
