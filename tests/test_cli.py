@@ -120,6 +120,7 @@ def test_version_and_serve_help_in_groups_with_each_default_once():
                  "--enable-log-requests"):
         assert flag in res.stdout, flag
     assert "(default: 8000)" in res.stdout and "(default: None)" not in res.stdout
+    assert "--no-prefix-caching   the same as --no-enable-prefix-caching\n" in res.stdout  # a switch: no default
 
 
 def test_bench_without_a_benchmark_prints_help(capsys):

@@ -12,13 +12,14 @@ from cpinfer.model.resolve import GENERATION_CONFIGS
 
 class HelpFormatter(argparse.HelpFormatter):
     """Appends "(default: X)" to a flag's help unless the help already speaks of its default or there is none to
-    show (None, False, a suppressed default)."""
+    show (None, False, a suppressed default, a switch that takes no value)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
         if ("default" in text.lower() or default is None or default is False or default == argparse.SUPPRESS
-                or isinstance(action, argparse._HelpAction) or not action.option_strings):
+                or isinstance(action, argparse._HelpAction) or not action.option_strings
+                or (action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction))):
             return text
         return f"{text} (default: %(default)s)"
 
