@@ -87,11 +87,40 @@ def test_attention_demo_matches_single_device():
     (["demo", "--document", "/no/such/file.md"], "no such file"),
     (["generate", "--model", "/no/such/model.gguf", "--prompt", "x"], "no such GGUF file"),
     (["generate", "--chat", "--prompt-ids", "1,2"], "--chat needs --prompt"),
+    (["serve", "--tensor-paralel-size", "2"], "--tensor-paralel-size (did you mean --tensor-parallel-size?)"),
+    (["serve", "--enable-prefix-cache"], "(did you mean --enable-prefix-caching?)"),
+    (["generate", "--prompt", "x", "--max-token", "3", "--tempreature", "0"],
+     "--tempreature (did you mean --temperature?)"),
+    (["serve", "--no-such-flag-at-all"], "unrecognized arguments: --no-such-flag-at-all"),
+    (["serve", "some/model", "--model", "other/model"], "the model is given twice"),
+    (["serve", "--ssl-keyfile", "/no/key.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["serve", "--allowed-origins", "*"], "expected a JSON list of strings"),
+    (["serve", "--generation-config", "/no/such/dir"], "expected auto, vllm or a folder"),
 ])
 def test_bad_arguments_exit_2_with_a_clear_message(capsys, argv, fragment):
     assert _exit_code(argv) == 2
     err = capsys.readouterr().err
     assert "error" in err and fragment in err
+
+
+def test_version_and_serve_help_in_groups_with_each_default_once():
+    res = _cpinfer("--version")
+    assert res.returncode == 0 and res.stdout.strip().startswith("cpinfer ")
+    res = _cpinfer("serve", "--help")
+    assert res.returncode == 0 and res.stdout.startswith("usage: cpinfer serve [MODEL] [options]")
+    groups = re.findall(r"^(\w[\w ]*):$", res.stdout, flags=re.M)
+    assert groups[:2] == ["positional arguments", "options"]
+    assert {"model", "frontend", "parallel", "cache", "scheduler", "observability", "hardware"} <= set(groups)
+    flags = re.split(r"\n  (?=-)", res.stdout)
+    twice = [f.split()[0] for f in flags if f.count("(default") > 1]
+    assert not twice, twice
+    for flag in ("-tp TP, --tensor-parallel-size TP", "--enable-prefix-caching, --no-enable-prefix-caching",
+                 "--enable-auto-tool-choice", "--chat-template", "--allowed-origins", "--root-path", "--ssl-keyfile",
+                 "--ssl-certfile", "--seed", "--revision", "--download-dir", "--tokenizer", "--generation-config",
+                 "--enable-log-requests"):
+        assert flag in res.stdout, flag
+    assert "(default: 8000)" in res.stdout and "(default: None)" not in res.stdout
+    assert "--no-prefix-caching   the same as --no-enable-prefix-caching\n" in res.stdout  # a switch: no default
 
 
 def test_bench_without_a_benchmark_prints_help(capsys):

@@ -143,16 +143,23 @@ def test_default_model_needs_its_package(monkeypatch):
         resolve_model(None)
 
 
-def test_hub_id_only_with_allow_download(cache, llama_checkpoint, monkeypatch):
+def test_hub_id_downloads_unless_allow_download_is_false(cache, llama_checkpoint, monkeypatch, tmp_path):
     import huggingface_hub
 
     path = llama_checkpoint("gqa")
     calls = []
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append(repo) or str(path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append((repo, kw)) or str(path))
     with pytest.raises(ValueError, match="no such folder or .gguf file"):
-        resolve_model("org/some-llama")
+        resolve_model("org/some-llama", allow_download=False)
     assert calls == []
-    assert resolve_model("org/some-llama", allow_download=True) == path and calls == ["org/some-llama"]
+    assert resolve_model("org/some-llama", revision="v1", download_dir=tmp_path) == path
+    (repo, kw), = calls
+    assert repo == "org/some-llama" and kw["revision"] == "v1" and kw["cache_dir"] == str(tmp_path)
+    assert kw["local_files_only"] is False
+    patterns = kw["allow_patterns"]  # config, weights, tokenizer and generation config only
+    assert {"config.json", "generation_config.json", "*.safetensors", "tokenizer*"} <= set(patterns)
+    assert not any(p in ("*", "*.bin", "*.pt", "*.gguf") for p in patterns)
 
 
 # family -> (tiny variant, overrides): llama.cpp's converter keeps no sliding window for Mistral / Qwen2 (their

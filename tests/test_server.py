@@ -1,5 +1,5 @@
 """`cpinfer serve` end to end: the real server process on a free 127.0.0.1 port (CP2 on a tiny random Llama with a
-tiny byte-level tokenizer), called with the real `openai` client and with `httpx`; outputs checked against `LLM`
+tiny byte-level tokenizer, served by Hub id from a Hub cache folder with HF_HUB_OFFLINE=1), called with the real `openai` client and with `httpx`; outputs checked against `LLM`
 offline. One server serves most tests; torchrun and the default model get their own (killed ranks, fuzzing and
 limits: test_server_hardening.py).
 """
@@ -21,6 +21,7 @@ import torch
 
 import cpinfer
 
+from hub_cache import write_hub_cache
 from server_utils import (TINY_VOCAB, ServerProcess, descendants, free_port, in_thread, is_alive, port_is_free,
                           rank_pids, write_tiny_tokenizer)
 
@@ -30,10 +31,13 @@ pytestmark = pytest.mark.timeout(300)
 API_KEY = "test-key-123"
 MAX_LEN = 256
 NAME = "tiny"
+HUB_ID = "tiny-org/tiny-llama"  # the module's server loads the model by this id from a Hub cache folder, offline
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # KV room for every test of the module, so nothing is evicted and KV usage read from /metrics is exact
 SERVE_ARGS = ["--cp", "2", "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--threads-per-rank", "1",
               "--max-kv-tokens-per-rank", "16384", "--log-level", "warning"]
+VLLM_ARGS = ["-tp", "1", "--enable-prefix-caching", "--enable-auto-tool-choice", "--seed", "0", "--enable-log-requests",
+             "--stats-interval", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +51,11 @@ def model_dir(llama_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    srv = ServerProcess(["--model", str(model_dir), *SERVE_ARGS], api_key=API_KEY)
+def server(model_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("hub_cache")
+    write_hub_cache(cache, HUB_ID, model_dir)
+    srv = ServerProcess([HUB_ID, "--download-dir", str(cache), *SERVE_ARGS, *VLLM_ARGS], api_key=API_KEY,
+                        env={"HF_HUB_OFFLINE": "1"})
     yield srv
     srv.close()  # normally stopped already by the last test (SIGTERM mid-stream)
 
@@ -276,14 +283,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, TINY_VOCAB + 5]}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": LONG}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "stream": True}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model"),
     # strict types: no "5" for an int, no 1 or "yes" for a bool, no NaN-like floats, no unknown fields
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
@@ -321,6 +326,10 @@ def test_bad_requests_are_400_in_openai_shape_and_do_not_disturb_others(server):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
         assert param in (err["param"] or "") and err["message"], (bad, err)
+    for path, bad in (("/v1/completions", {"prompt": "hi", "model": "gpt-4"}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"})):
+        r = httpx.post(server.url + path, json=bad, headers=server.headers(), timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text  # as vLLM
     for raw in (b"{not json", b'{"prompt": "\\ud800"}', b'{"messages": [{"role": "user", "content": "\\udc00"}]}'):
         for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):  # lone surrogates: 400, not 500
             r = httpx.post(server.url + path, content=raw, timeout=30,
@@ -385,6 +394,13 @@ def test_metrics_report_tokens_kv_forwards_and_latency(server, client):
     for name in ("cpinfer_num_requests_running", "cpinfer_num_requests_waiting", "cpinfer_preemptions_total"):
         assert _metric(after, name) >= 0 and any(k.startswith(name) for k in after), name
     assert _metric(after, "cpinfer_engine_dead") == 0
+    for name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:request_generation_tokens_sum"):
+        assert _metric(after, name) > _metric(before, name), name
+    assert _metric(after, "vllm:generation_tokens_total") == _metric(after, "cpinfer_generation_tokens_total")
+    assert _metric(after, "vllm:prompt_tokens_total") >= _metric(after, "cpinfer_prompt_tokens_total")  # cached too
+    assert 0 < _metric(after, "vllm:kv_cache_usage_perc") <= 1 and _metric(after, "vllm:prefix_cache_hits_total") > 0
     assert after['cpinfer_attention_backend_info{backend="cpu-flash",model_name="tiny"}'] == 1  # auto on CPU
 
 
@@ -637,6 +653,27 @@ def test_default_model_smoke():
         assert srv.stop(signal.SIGTERM) == 0
     finally:
         srv.close()
+
+
+def test_served_by_hub_id_with_start_up_stages_stats_and_request_lines(server, client):
+    out = server.output()
+    assert f"models--{HUB_ID.replace('/', '--')}/snapshots/" in out  # the model came from the Hub cache, by id
+    for stage in ("start-up: model:", "start-up: ranks: 2 (CP 2 x TP 1)", "start-up: weights: loaded",
+                  "start-up: warm-up:", "start-up: KV cache: 16384 tokens per CP rank", "start-up: engine ready"):
+        assert stage in out, stage
+    r = httpx.get(server.url + "/version", timeout=30)
+    assert r.status_code == 200 and r.json()["version"] == cpinfer.__version__
+    done = client.completions.create(model=NAME, prompt="log me", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while "prompt throughput" not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out = server.output()
+    stats = [line for line in out.splitlines() if "prompt throughput" in line]
+    assert stats and "running" in stats[-1] and "KV cache usage per rank [" in stats[-1], out[-2000:]
+    assert "prefix cache hit rate" in stats[-1]
+    assert any(f"request {done.id}" in line and "finished (length)" in line and "output 3 tokens" in line
+               for line in out.splitlines()), out[-2000:]
 
 
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):

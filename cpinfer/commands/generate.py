@@ -1,6 +1,6 @@
 """`cpinfer generate`: one prompt through a model on N local context-parallel ranks (a thin layer over
-`LLM.generate` / `LLM.chat`). The model is a Hugging Face folder, a .gguf file (converted once) or, by default, the
-embedded SmolLM2-135M-Instruct. The ranks run on the GPUs when CUDA is available (bfloat16), else on the CPU
+`LLM.generate` / `LLM.chat`). The model is a Hugging Face folder, a .gguf file (converted once), a Hugging Face Hub
+id (downloaded once) or, by default, the embedded SmolLM2-135M-Instruct. The ranks run on the GPUs when CUDA is available (bfloat16), else on the CPU
 (float32); see --device / --dtype. Prints the completion (text when the model has a tokenizer, token ids
 otherwise), the time to first token, the time between tokens and the strategy chosen for each phase.
 """
@@ -10,6 +10,7 @@ import argparse
 import json
 
 from cpinfer.bench.attention import positive_int
+from cpinfer.commands.model_args import HelpFormatter, add_model_arguments, engine_model_kwargs, resolve_args
 from cpinfer.device import add_arguments as add_device_arguments
 
 
@@ -69,15 +70,12 @@ def _placement_line(p: dict, cp: int) -> str:
 def run(args) -> int:
     from cpinfer import LLM, SamplingParams
     from cpinfer.device import check_arguments, engine_kwargs
-    from cpinfer.model.resolve import resolve_model
 
     check_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt TEXT (the user message), not --prompt-ids")
-    try:
-        model = resolve_model(args.model)  # a bad path or an unsupported GGUF fails here, before any rank starts
-    except ValueError as e:
-        raise ValueError(f"--model: {e}") from None
+    # a bad path, an unsupported GGUF or a Hub id missing offline fails here, before any rank starts
+    model, tokenizer = resolve_args(args)
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
@@ -85,10 +83,11 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k or 0, seed=args.seed, logprobs=True, ignore_eos=args.ignore_eos)
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
-    with LLM(str(model), context_parallel_size=args.cp, max_kv_tokens_per_rank=args.max_kv_tokens_per_rank,
-             max_model_len=args.max_model_len, strategy=args.strategy, placement=args.placement,
-             hardware_profile=args.hardware_profile, threads_per_rank=args.threads_per_rank,
-             **engine_kwargs(args)) as llm:
+    with LLM(str(model), context_parallel_size=args.cp, tensor_parallel_size=args.tp,
+             max_kv_tokens_per_rank=args.max_kv_tokens_per_rank, max_model_len=args.max_model_len,
+             strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
+             threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
+             **engine_kwargs(args), **engine_model_kwargs(args, tokenizer)) as llm:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
@@ -115,14 +114,17 @@ def run(args) -> int:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate from a checkpoint on N local CP ranks", description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="Hugging Face checkpoint folder of a supported family — llama, mistral, qwen2, qwen3, "
-                             "gemma3_text — (config.json + *.safetensors, + tokenizer files to accept --prompt text) "
-                             "or a .gguf file (llama, qwen2, qwen3, gemma3; converted once into $CPINFER_CACHE); "
-                             "default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--cp", type=positive_int, default=1,
+        formatter_class=HelpFormatter, usage="%(prog)s [MODEL] (--prompt TEXT | --prompt-ids IDS) [options]")
+    add_model_arguments(parser, "Hugging Face checkpoint folder of a supported family (docs/models.md: "
+                                "config.json + *.safetensors, + tokenizer files to accept --prompt text), a .gguf "
+                                "file (converted once into $CPINFER_CACHE) or a Hugging Face Hub id (org/name); "
+                                "default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--cp", "--context-parallel-size", dest="cp", type=positive_int, default=1,
                         help="context-parallel ranks (local processes, one GPU each on CUDA)")
+    parser.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1,
+                        help="tensor-parallel ranks per CP rank")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse K/V across requests (only matters with several prompts)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="1,2,3", help="prompt as comma-separated token ids")
@@ -136,7 +138,6 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens "
                         "(default: all)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampling")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
                         help="ring variant: auto = pass-KV for full prefill, the paper's heuristic (Alg. 5) for "

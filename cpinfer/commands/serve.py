@@ -13,7 +13,10 @@ import os
 import signal
 import threading
 
+from cpinfer import __version__
 from cpinfer.bench.attention import positive_int
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, engine_model_kwargs, model_name,
+                                         resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 from cpinfer.device import check_arguments as check_device_arguments
 from cpinfer.device import engine_kwargs as device_kwargs
@@ -38,6 +41,28 @@ def _gib(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite non-negative number of GiB")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text!r}")
+    return value
+
+
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
     return value
 
 
@@ -104,7 +129,7 @@ def _check_port_free(host: str, port: int) -> None:
 def engine_kwargs(args) -> dict:
     """`AsyncLLM` keyword arguments from the parsed command line."""
     kwargs = {"context_parallel_size": args.cp, "tensor_parallel_size": args.tp,
-              "enable_prefix_caching": not args.no_prefix_caching, "strategy": args.strategy,
+              "enable_prefix_caching": args.enable_prefix_caching, "strategy": args.strategy,
               "placement": args.placement, "hardware_profile": args.hardware_profile}
     optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
@@ -117,45 +142,93 @@ def engine_kwargs(args) -> dict:
     return kwargs
 
 
+def served_name(args, model: str | None) -> str:
+    """--served-model-name, else the Hub id as given (as vLLM), else the folder / file name (never a path)."""
+    from cpinfer.model.resolve import DEFAULT_MODEL_NAME, is_hub_id
+
+    if args.served_model_name:
+        return args.served_model_name
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    if is_hub_id(model) and not os.path.exists(model):
+        return model
+    return os.path.basename(os.path.normpath(model))
+
+
+def chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, else the string itself (it must look like a Jinja template)."""
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either (give a "
+                         "template file or the template text)")
+    return value
+
+
+def _check_tls(args) -> None:
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS, or neither")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+
+
+def server_config(args, name: str, model_dir, api_key: str | None) -> "ServerConfig":
+    from cpinfer.server.app import ServerConfig
+
+    return ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key,
+                        max_request_bytes=args.max_request_bytes,
+                        allow_special_tokens_in_content=args.allow_special_tokens_in_content,
+                        enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, stream_stall_timeout_s=args.stream_stall_timeout,
+                        chat_template=chat_template(args.chat_template), allowed_origins=args.allowed_origins,
+                        log_requests=args.enable_log_requests)
+
+
 def run(args) -> int:
     import uvicorn
 
     from cpinfer.engine import AsyncLLM
-    from cpinfer.model.resolve import DEFAULT_MODEL_NAME, resolve_model
-    from cpinfer.server.app import ServerConfig, build_app
+    from cpinfer.server.app import build_app
+    from cpinfer.server.metrics import StatsLogger
 
     check_device_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
+    _check_tls(args)
     api_key = args.api_key or os.environ.get("CPINFER_API_KEY") or None
-    model_dir = resolve_model(args.model)  # ValueError naming the problem, before any rank starts
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
-                                      else DEFAULT_MODEL_NAME)
-    config = ServerConfig(served_model_name=name, model_path=str(model_dir), api_key=api_key,
-                          max_request_bytes=args.max_request_bytes,
-                          allow_special_tokens_in_content=args.allow_special_tokens_in_content,
-                          enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser, stream_stall_timeout_s=args.stream_stall_timeout)
+    model_dir, tokenizer_dir = resolve_args(args)  # ValueError naming the problem, before any rank starts
+    name = served_name(args, model_name(args))
+    config = server_config(args, name, model_dir, api_key)
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
         load_hardware_profile(args.hardware_profile)  # a bad name fails here
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 listens
         _check_port_free(args.host, args.port)
-    engine = AsyncLLM(str(model_dir), **engine_kwargs(args))  # under torchrun only rank 0 returns
+    engine = AsyncLLM(str(model_dir), **engine_kwargs(args),
+                      **engine_model_kwargs(args, tokenizer_dir))  # under torchrun only rank 0 returns
     stop_watch = threading.Event()
     code = 0
     try:
         app = build_app(engine, config)
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-            timeout_graceful_shutdown=args.graceful_timeout, lifespan="off"))
-        log.info("serving %s (%s) at http://%s:%d/v1 — CP=%d TP=%d (placement %s), max_model_len %d, prefix "
-                 "caching %s, API key %s; rank pids %s", name, model_dir, args.host, args.port, args.cp, args.tp,
-                 args.placement,
-                 engine.max_model_len, "off" if args.no_prefix_caching else "on",
-                 "required" if api_key else "off",
+            timeout_graceful_shutdown=args.graceful_timeout, lifespan="off", root_path=args.root_path or "",
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile))
+        scheme = "https" if args.ssl_certfile else "http"
+        log.info("serving %s (%s) at %s://%s:%d%s/v1 — CP=%d TP=%d (placement %s), max_model_len %d, prefix "
+                 "caching %s, API key %s; rank pids %s", name, model_dir, scheme, args.host, args.port,
+                 args.root_path or "", args.cp, args.tp, args.placement, engine.max_model_len,
+                 "on" if args.enable_prefix_caching else "off", "required" if api_key else "off",
                  getattr(engine, "rank_pids", None) or _rank_pids())
         if args.exit_on_engine_death:
             threading.Thread(target=_watch_engine, args=(engine, server, stop_watch), daemon=True).start()
+        if args.stats_interval > 0 and not args.disable_log_stats:
+            stats = StatsLogger(engine.stats, args.stats_interval)
+            threading.Thread(target=stats.run, args=(stop_watch,), daemon=True).start()
         stopped_by = _run_until_signal(server)
         if engine.errored and args.exit_on_engine_death:
             stopped_by, code = "engine death", EXIT_ENGINE_DEAD
@@ -170,76 +243,124 @@ def run(args) -> int:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server over N context-parallel ranks", description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="Hugging Face Llama checkpoint folder or .gguf file (default: the embedded "
-                             "SmolLM2-135M-Instruct)")
-    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks")
-    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks per CP rank")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
-    parser.add_argument("--port", type=_port, default=8000, help="TCP port")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="model name clients send and see in /v1/models (default: the last part of --model, "
-                             "never a local path, or SmolLM2-135M-Instruct)")
-    parser.add_argument("--max-model-len", type=positive_int, default=None, metavar="L",
-                        help="longest prompt + completion in tokens (default: the model's context length)")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="B",
-                        help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests at most")
-    parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
-                        help="KV-cache capacity of each rank in tokens (default: CUDA: what "
-                             "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "
-                             "share of RAM)")
-    parser.add_argument("--kv-host-gib", type=_gib, default=0.0, metavar="G",
-                        help="host KV tier: GiB of host memory per CP rank that K/V evicted from the device cache "
-                             "move to (pinned on CUDA), restored on a later prefix match instead of recomputed; "
-                             "0: no host tier")
-    parser.add_argument("--kv-disk-dir", default=None, metavar="D",
-                        help="disk KV tier: a directory for evicted and finished K/V (one safetensors file per "
-                             "CP shard, keyed by model checksum, dtype, layer layout and token path); the index is "
-                             "rebuilt from it at start, so conversations keep their cache across restarts")
-    parser.add_argument("--kv-disk-gib", type=_gib, default=None, metavar="G",
-                        help="bound of the disk KV tier in GiB, least recently used entries deleted beyond it "
-                             "(default: half the disk's free space at start)")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="do not reuse K/V across requests (every turn re-prefills its whole history)")
-    parser.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
-                        help="ring variant: auto = the paper's heuristic per forward, or force one")
-    parser.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
-                        help="where a request's KV goes: auto = one rank unless spreading over the CP ranks pays "
-                             "(cost model), shard = always 2N-sharded over all ranks, local = always one rank")
-    parser.add_argument("--hardware-profile", default=None, metavar="P",
-                        help="hardware profile for the strategy and placement cost models (catalog name or "
-                             "calibrate JSON)")
-    parser.add_argument("--threads-per-rank", type=positive_int, default=None,
-                        help="torch threads per rank (default: cores / ranks)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                             "(or set CPINFER_API_KEY); checked before the request body is read")
-    parser.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
-                        help="largest request body accepted (413 beyond it, checked before the body is read; "
-                             "default: 32 bytes per token of max_model_len, at least 1 MiB)")
-    parser.add_argument("--allow-special-tokens-in-content", action="store_true",
-                        help="let special-token text in chat message content ('<|im_end|>') become special tokens "
-                             "(by default it is tokenized as plain text, so users cannot forge turns)")
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                        help="the model's tool-call format, parsed for tool_choice 'auto' (vLLM's names; default: "
-                             "recognised in the chat template)")
-    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                        help="split <think> reasoning into reasoning_content (vLLM's names)")
-    parser.add_argument("--enable-docs", action="store_true",
-                        help="serve the OpenAPI schema at /openapi.json (off by default; no docs UI is served)")
-    parser.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
-                        help="when a rank dies or fails, close in-flight responses and exit with code 1 so a "
-                             "supervisor restarts the server; --no-exit-on-engine-death keeps answering 503")
-    parser.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="S",
-                        help="a streaming client that takes no data for S seconds (it stopped reading) is "
-                             "disconnected and its request aborted, freeing its KV cache")
-    parser.add_argument("--graceful-timeout", type=positive_int, default=30, metavar="S",
-                        help="on SIGINT / SIGTERM, seconds in-flight requests get to finish before they are "
-                             "aborted")
-    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
-                        help="uvicorn log level")
-    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+        formatter_class=HelpFormatter, usage="%(prog)s [MODEL] [options]")
+    parser.add_argument("--version", action="version", version=f"cpinfer {__version__}")
+    add_model_arguments(parser, "Hugging Face checkpoint folder, .gguf file or Hugging Face Hub id (org/name) "
+                                "(default: the embedded SmolLM2-135M-Instruct)")
+    _frontend_arguments(parser)
+    _parallel_arguments(parser)
+    _cache_arguments(parser)
+    _scheduler_arguments(parser)
+    _observability_arguments(parser)
     add_device_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def _frontend_arguments(parser) -> None:
+    g = parser.add_argument_group("frontend", "the HTTP server and the OpenAI API")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 = every interface)")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="model name clients send and see in /v1/models (default: the Hub id as given, else the "
+                        "last part of the folder or file name, never a local path, or SmolLM2-135M-Instruct)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
+                        "(or set CPINFER_API_KEY); checked before the request body is read")
+    g.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                   help='browser origins allowed by CORS, as a JSON list such as \'["https://example.com"]\' or '
+                        '\'["*"]\' (default: none, no CORS headers are sent)')
+    g.add_argument("--root-path", default=None, metavar="PATH",
+                   help="URL prefix the server sits under behind a path-based proxy (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="TLS private key file (serve HTTPS)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="TLS certificate file (serve HTTPS)")
+    g.add_argument("--chat-template", default=None, metavar="T",
+                   help="the chat template to use instead of the tokenizer's: a Jinja file, or the template "
+                        "itself as a string")
+    g.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
+                   help="largest request body accepted (413 beyond it, checked before the body is read; "
+                        "default: 32 bytes per token of max_model_len, at least 1 MiB)")
+    g.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="let special-token text in chat message content ('<|im_end|>') become special tokens "
+                        "(by default it is tokenized as plain text, so users cannot forge turns)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice 'auto' is always on here")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format, parsed for tool_choice 'auto' (vLLM's names; default: "
+                        "recognised in the chat template)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split <think> reasoning into reasoning_content (vLLM's names)")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve the OpenAPI schema at /openapi.json (off by default; no docs UI is served)")
+    g.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+                   help="when a rank dies or fails, close in-flight responses and exit with code 1 so a "
+                        "supervisor restarts the server; --no-exit-on-engine-death keeps answering 503")
+    g.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="S",
+                   help="a streaming client that takes no data for S seconds (it stopped reading) is "
+                        "disconnected and its request aborted, freeing its KV cache")
+    g.add_argument("--graceful-timeout", type=positive_int, default=30, metavar="S",
+                   help="on SIGINT / SIGTERM, seconds in-flight requests get to finish before they are aborted")
+
+
+def _parallel_arguments(parser) -> None:
+    g = parser.add_argument_group("parallel", "context and tensor parallelism")
+    g.add_argument("--cp", "--context-parallel-size", dest="cp", type=positive_int, default=1,
+                   help="context-parallel ranks")
+    g.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks per CP rank")
+    g.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
+                   help="ring variant: auto = the paper's heuristic per forward, or force one")
+    g.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",
+                   help="where a request's KV goes: auto = one rank unless spreading over the CP ranks pays "
+                        "(cost model), shard = always 2N-sharded over all ranks, local = always one rank")
+    g.add_argument("--hardware-profile", default=None, metavar="P",
+                   help="hardware profile for the strategy and placement cost models (catalog name or "
+                        "calibrate JSON)")
+    g.add_argument("--threads-per-rank", type=positive_int, default=None,
+                   help="torch threads per rank (default: cores / ranks)")
+
+
+def _cache_arguments(parser) -> None:
+    g = parser.add_argument_group("cache", "the KV cache and its tiers")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse K/V across requests (earlier turns, shared documents); --no-enable-prefix-caching "
+                        "(or --no-prefix-caching) makes every turn re-prefill its whole history")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="the same as --no-enable-prefix-caching")
+    g.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
+                   help="KV-cache capacity of each rank in tokens (default: CUDA: what --gpu-memory-utilization "
+                        "leaves after the weights and a profiling forward; CPU: a share of RAM)")
+    g.add_argument("--kv-host-gib", type=_gib, default=0.0, metavar="G",
+                   help="host KV tier: GiB of host memory per CP rank that K/V evicted from the device cache "
+                        "move to (pinned on CUDA), restored on a later prefix match instead of recomputed; "
+                        "0: no host tier")
+    g.add_argument("--kv-disk-dir", default=None, metavar="D",
+                   help="disk KV tier: a directory for evicted and finished K/V (one safetensors file per CP "
+                        "shard, keyed by model checksum, dtype, layer layout and token path); the index is "
+                        "rebuilt from it at start, so conversations keep their cache across restarts")
+    g.add_argument("--kv-disk-gib", type=_gib, default=None, metavar="G",
+                   help="bound of the disk KV tier in GiB, least recently used entries deleted beyond it "
+                        "(default: half the disk's free space at start)")
+
+
+def _scheduler_arguments(parser) -> None:
+    g = parser.add_argument_group("scheduler", "lengths and batching")
+    g.add_argument("--max-model-len", type=positive_int, default=None, metavar="L",
+                   help="longest prompt + completion in tokens (default: the model's context length)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="B",
+                   help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="running requests at most (default: 64)")
+
+
+def _observability_arguments(parser) -> None:
+    g = parser.add_argument_group("observability", "logs and metrics")
+    g.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="uvicorn log level")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per finished request: id, prompt and output tokens, cached tokens, finish "
+                        "reason, TTFT and duration (never the text)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    g.add_argument("--stats-interval", type=_seconds, default=10.0, metavar="S",
+                   help="seconds between two throughput / queue / KV-usage log lines while there is traffic "
+                        "(0: none)")

@@ -6,12 +6,14 @@ turn of the same chat, or a document other requests read too — reuses it as a 
 from __future__ import annotations
 
 import itertools
+import time
 
 from cpinfer.engine.llm_engine import LLMEngine
 from cpinfer.engine.request import RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput"]
+_BAR_S = 0.1  # seconds between two updates of generate()'s progress bar
 
 
 class LLM:
@@ -19,7 +21,9 @@ class LLM:
     ranks.
 
     model: a Hugging Face folder (config.json + *.safetensors, tokenizer files to accept strings), a .gguf file,
-    or None for the embedded default model. Keyword arguments: see `EngineConfig` (docs/engine.md).
+    a Hugging Face Hub id (`org/name`: downloaded once into the Hub cache; `revision`, `download_dir`, `HF_TOKEN`,
+    `HF_HUB_OFFLINE`), or None for the embedded default model. Keyword arguments: see `EngineConfig`
+    (docs/engine.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -56,12 +60,18 @@ class LLM:
             pass
 
     # ------------------------------------------------------------------ generation
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling used when none is given: the model's generation_config.json defaults (generation_config
+        "auto"), else SamplingParams()."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
+        A progress bar (tokens prefilled and generated) shows while it runs unless use_tqdm is False."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
@@ -72,13 +82,15 @@ class LLM:
             eng.add_request(rid, t, sp)
         final: dict[str, RequestOutput] = {}
         bar = _progress(use_tqdm, sum(len(t) + sp.max_tokens for t, sp in zip(tokens, params)))
+        shown = 0.0  # when the bar was last brought up to date (at most every _BAR_S: no cost per step)
         try:
             while len(final) < len(ids):
                 for out in eng.step():
                     if out.finished:
                         final[out.request_id] = out
-                if bar is not None:
+                if bar is not None and (time.monotonic() - shown >= _BAR_S or len(final) == len(ids)):
                     bar.update(_progress_done(eng, ids, tokens, params, final) - bar.n)
+                    shown = time.monotonic()
         except BaseException:
             for rid in ids:  # leave the engine clean for the next call
                 if rid in eng.requests:
@@ -91,23 +103,24 @@ class LLM:
                 bar.close()
         return [final[rid] for rid in ids]
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, through the tokenizer's chat
-        template with the generation prompt added. Returns one output per conversation."""
+        template with the generation prompt added (`chat_template_kwargs`: more template variables, e.g.
+        {"enable_thinking": False}). Returns one output per conversation."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.encode_chat(c) for c in convs]
+        prompts = [self.encode_chat(c, chat_template_kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def encode_chat(self, messages) -> list[int]:
-        return encode_chat(self.engine.tokenizer, messages)
+    def encode_chat(self, messages, chat_template_kwargs: dict | None = None) -> list[int]:
+        return encode_chat(self.engine.tokenizer, messages, chat_template_kwargs)
 
     def cache_stats(self) -> dict:
         """KV tokens per rank, capacity per rank, and prefix-cache queries / hits (tokens)."""
         return self.engine.cache_stats()
 
 
-def encode_chat(tokenizer, messages) -> list[int]:
+def encode_chat(tokenizer, messages, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template (generation prompt added)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; the model directory has none")
@@ -116,7 +129,8 @@ def encode_chat(tokenizer, messages) -> list[int]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]

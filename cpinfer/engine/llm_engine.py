@@ -42,7 +42,7 @@ from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool
                             joined_world_requested)
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import checkpoint_files
-from cpinfer.model.resolve import resolve_model
+from cpinfer.model.resolve import generation_defaults, resolve_model, resolve_tokenizer
 from cpinfer.perf.hardware import load_hardware_profile
 from cpinfer.perf.models import load_model_spec
 from cpinfer.utils import get_logger
@@ -87,6 +87,11 @@ class EngineConfig:
     kv_host_gib: float = 0.0  # host tier: GiB of host memory per rank for K/V evicted from the device (0: none)
     kv_disk_dir: str | None = None  # disk tier: a directory for evicted / finished K/V, kept across restarts
     kv_disk_gib: float | None = None  # its bound (None: half the disk's free space at start)
+    tokenizer: str | None = None  # a tokenizer folder or Hub id other than the model's own
+    revision: str | None = None  # the Hub revision (branch, tag or commit) of a model given by Hub id
+    download_dir: str | None = None  # the Hugging Face cache folder to download to / read from (default: the Hub's)
+    seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs)
+    generation_config: str = "auto"  # "auto": generation_config.json's sampling defaults; "vllm": none; or a folder
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
 
@@ -136,6 +141,12 @@ class EngineConfig:
         if not 0 < self.kv_memory_fraction <= 0.9:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)  # validates both
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("tokenizer", "revision", "download_dir", "generation_config"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         _check_gib("kv_host_gib", self.kv_host_gib, zero_ok=True)
         if self.kv_disk_gib is not None:
             _check_gib("kv_disk_gib", self.kv_disk_gib, zero_ok=False)
@@ -157,7 +168,9 @@ class LLMEngine:
         self.args = EngineConfig(**kwargs)
         a = self.args
         # None → the embedded default; .gguf → converted once; load_format "dummy" needs no weight files
-        self.model_path = str(resolve_model(model, weights=a.load_format == "auto"))
+        t0 = time.perf_counter()
+        self.model_path = str(resolve_model(model, weights=a.load_format == "auto", revision=a.revision,
+                                            download_dir=a.download_dir))
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
         if self.args.kv_cache_dtype != "auto" and self.config.values_in_keys:
             raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} (multi-head latent "
@@ -187,7 +200,12 @@ class LLMEngine:
         # start; the ranks resolve it again on their devices (torch-flash's probe runs there) and report the result
         self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device), probe=False)
         self.attention_timings_ms: dict = {}  # backend → ms of `auto`'s timing on rank 0 (empty: not timed)
-        self.tokenizer = _load_tokenizer(self.model_path)
+        tokenizer_dir = self.model_path if a.tokenizer is None else str(
+            resolve_tokenizer(a.tokenizer, download_dir=a.download_dir))
+        self.tokenizer = _load_tokenizer(tokenizer_dir)
+        self.generation_defaults = generation_defaults(self.model_path, a.generation_config)
+        log.info("start-up: model: %s, config and tokenizer read in %.1f s", self.model_path,
+                 time.perf_counter() - t0)
         capacity = self._start_ranks(capacity)
         self.disk = None  # the opened disk-tier directory
         self._last_sync = 0.0
@@ -208,11 +226,13 @@ class LLMEngine:
         self._matchers: dict[str, Matcher] = {}  # request id → its grammar state (constrained requests only)
         self._failed: dict[str, str] = {}  # request id → why it fails at the end of this step (its own fault)
         self._aborts: list[str] = []
-        self._rng = random.Random(0)
+        self._rng = random.Random(a.seed)
         self.dead_error: str | None = None
-        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "forwards": {}, "finished": {}}
+        self._counters = {"prompt_tokens": 0, "request_prompt_tokens": 0, "generation_tokens": 0, "forwards": {},
+                          "finished": {}}
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
         self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
+        log.info("start-up: engine ready in %.1f s", time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ set-up
     def _default_capacity(self, fraction: float) -> int:
@@ -250,6 +270,7 @@ class LLMEngine:
         if a.device == "cuda" and backend == "gloo":
             log.warning("%d ranks share %d GPU(s): tensors go over gloo through host memory (slow; for checks)",
                         ranks_here, torch.cuda.device_count())
+        t0 = time.perf_counter()
         if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
             self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s, device=a.device)
             self.parallel.check_world(self._pool.world_size)
@@ -267,9 +288,12 @@ class LLMEngine:
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
+            log.info("start-up: ranks: %d (CP %d x TP %d) on %s over %s started in %.1f s", world, self.n,
+                     a.tensor_parallel_size, a.device, backend, time.perf_counter() - t0)
             infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
                                    a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend),
                                    a.kv_cache_dtype, a.load_format)
+            _log_start_stages(infos, a.dtype, a.load_format)
             self.rank_pids = [i["pid"] for i in infos]
             self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
             self.attention_timings_ms = infos[0].get("attention_timings_ms", {})  # how auto chose it, if it timed
@@ -277,6 +301,9 @@ class LLMEngine:
                 capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
                 self._pool.run(MR.allocate_kv, capacity)
                 _log_gpu_capacity(capacity, infos, sizing)
+            log.info("start-up: KV cache: %d tokens per CP rank (%.1f MiB each) sized and allocated in %.1f s",
+                     capacity, capacity * self.kv_bytes_per_token / (1 << 20),
+                     max(i.get("kv_s", 0.0) for i in infos))
         except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
             self._pool.close(force=True)
             if exc.exception_type == "ValueError":
@@ -712,7 +739,7 @@ class LLMEngine:
                            self.kv.capacity_per_rank, self.kv.prefix_queries, self.kv.prefix_hits,
                            c["prompt_tokens"], c["generation_tokens"], dict(c["forwards"]),
                            self.scheduler.num_preemptions, dict(c["finished"]), self.tier_stats(),
-                           self.attention_backend, dict(self.attention_timings_ms))
+                           self.attention_backend, dict(self.attention_timings_ms), c["request_prompt_tokens"])
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
@@ -727,6 +754,15 @@ def _check_gib(name: str, value, zero_ok: bool) -> None:
 def _phase(scheduled: list[ScheduledSeq]) -> str:
     decodes = sum(s.is_decode for s in scheduled)
     return "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
+
+
+def _log_start_stages(infos: list[dict], dtype: str, load_format: str) -> None:
+    """The weights and warm-up stages of start-up, with the slowest rank's time."""
+    what = "random weights (load_format dummy)" if load_format == "dummy" else "weights"
+    log.info("start-up: %s: loaded in %s on every rank in %.1f s", what, dtype,
+             max(i.get("load_s", 0.0) for i in infos))
+    log.info("start-up: warm-up: attention backend %s ready in %.1f s", infos[0].get("attention_backend"),
+             max(i.get("warmup_s", 0.0) for i in infos))
 
 
 def _log_gpu_capacity(capacity: int, infos: list[dict], sizing: dict) -> None:

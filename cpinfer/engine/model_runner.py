@@ -304,19 +304,24 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     old = ctx.state.get("runner")
     if old is not None and old.tiers is not None:  # a pool reused by another engine
         old.tiers.close()
+    t0 = time.perf_counter()
     runner = ModelRunner(ctx, model_path, getattr(torch, dtype), ParallelConfig(cp, tp), attention_backend, decode,
                          kv_cache_dtype, load_format)
+    t1 = time.perf_counter()
     # "auto" on this rank's device: the probes, then (on a GPU) the fastest on this model's heads, timed once
     tokens = None if sizing is None else sizing["tokens"]
     backend = runner.backend = resolve_name(attention_backend, ctx.device, layout=runner.layout, tokens=tokens)
     ctx.state["runner"] = runner
     choice = autoselect.chosen(ctx.device, runner.layout, tokens)
-    info = {"pid": os.getpid(), "attention_backend": backend,
+    t2 = time.perf_counter()
+    info = {"pid": os.getpid(), "attention_backend": backend, "load_s": t1 - t0, "warmup_s": t2 - t1,
             "attention_timings_ms": dict(choice.timings_ms) if choice is not None and choice.name == backend else {}}
     if capacity is not None:
         runner.allocate_kv(capacity)
+        info["kv_s"] = time.perf_counter() - t2
         return info
     runner.profile_forward(sizing["tokens"])
+    info["kv_s"] = time.perf_counter() - t2
     fig = probe.figures()
     info["memory"] = dataclasses.asdict(fig)
     info["kv_bytes_per_token"] = runner.kv_bytes_per_token

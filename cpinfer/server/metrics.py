@@ -1,19 +1,28 @@
-"""Prometheus metrics of the server (`GET /metrics`, via prometheus_client, one registry per app).
+"""Prometheus metrics of the server (`GET /metrics`, via prometheus_client, one registry per app), and the periodic
+stats log line.
 
 Latency histograms and request outcomes are recorded by the routes; everything the engine counts (tokens, the
 prefix-cache hits that persistent KV gives, §3.3, KV tokens per CP rank, forwards by phase and pass-KV / pass-Q
 strategy, preemptions, queue sizes, the attention backend `auto` chose) is read from `AsyncLLM.stats()` at scrape
-time.
+time. The series vLLM's dashboards read are exported under vLLM's names too (`vllm:*`, labels model_name and
+engine), beside the `cpinfer_*` series.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cpinfer.utils import get_logger
+
+log = get_logger()
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000,
+                  500000, 1000000)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 
@@ -74,6 +83,7 @@ class EngineCollector:
             fwd.add_metric([self._model, phase, strategy or "none"], float(count))
         yield fwd
         yield from _tier_metrics(self._model, s.get("tiers") or {})
+        yield from _vllm_engine_metrics(self._model, s)
         if s.get("attention_backend"):
             info = GaugeMetricFamily("cpinfer_attention_backend_info", "the attention backend rank 0 runs (1)",
                                      labels=["model_name", "backend"])
@@ -131,6 +141,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("cpinfer_e2e_request_latency_seconds", "request arrival to last token", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.vllm = _VllmHistograms(model_name, self.registry)
         for endpoint in ("completions", "chat"):
             for outcome in OUTCOMES:
                 self.requests.labels(model_name, endpoint, outcome)  # export zeros from the start
@@ -139,13 +150,131 @@ class ServerMetrics:
     def outcome(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(self.model_name, endpoint, outcome).inc()
 
-    def latencies(self, ttft_s: float | None, itl_s: list[float], e2e_s: float) -> None:
+    def latencies(self, ttft_s: float | None, itl_s: list[float], e2e_s: float, prompt_tokens: int | None = None,
+                  generation_tokens: int | None = None) -> None:
         if ttft_s is not None:
             self.ttft.labels(self.model_name).observe(ttft_s)
         itl = self.itl.labels(self.model_name)
         for dt in itl_s:
             itl.observe(dt)
         self.e2e.labels(self.model_name).observe(e2e_s)
+        self.vllm.observe(ttft_s, itl_s, e2e_s, prompt_tokens, generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's names
+_ENGINE = "0"  # vLLM labels every series with its engine index; one engine here
+
+
+def _vllm_engine_metrics(model: str, s: dict):
+    """The engine-state series vLLM's reference dashboard reads, under vLLM's names and labels."""
+    labels, values = ["model_name", "engine"], [model, _ENGINE]
+
+    def one(kind, name, doc, value):
+        fam = kind(name, doc, labels=labels)
+        fam.add_metric(values, float(value))
+        return fam
+
+    used = s.get("kv_tokens_per_rank") or []
+    capacity = (s.get("kv_capacity_per_rank") or 0) * len(used)
+    usage = sum(used) / capacity if capacity else 0.0
+    yield one(GaugeMetricFamily, "vllm:num_requests_running", "requests running in the engine", s.get("num_running", 0))
+    yield one(GaugeMetricFamily, "vllm:num_requests_waiting", "requests waiting to be scheduled",
+              s.get("num_waiting", 0))
+    yield one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "fraction of the KV cache in use over every CP rank "
+              "(1 = full)", usage)
+    yield one(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under vLLM's older name",
+              usage)
+    yield one(CounterMetricFamily, "vllm:prompt_tokens", "prompt tokens of requests whose prefill finished, cached "
+              "ones included", s.get("request_prompt_tokens", 0))
+    yield one(CounterMetricFamily, "vllm:generation_tokens", "generated tokens", s.get("generation_tokens", 0))
+    yield one(CounterMetricFamily, "vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+              s.get("prefix_cache_queries", 0))
+    yield one(CounterMetricFamily, "vllm:prefix_cache_hits", "prompt tokens found in the prefix cache",
+              s.get("prefix_cache_hits", 0))
+    yield one(CounterMetricFamily, "vllm:num_preemptions", "requests preempted to free KV blocks",
+              s.get("preemptions", 0))
+    fin = CounterMetricFamily("vllm:request_success", "finished requests by finish reason",
+                              labels=[*labels, "finished_reason"])
+    for reason, count in sorted(s.get("requests_finished", {}).items()):
+        fin.add_metric([*values, str(reason)], float(count))
+    yield fin
+
+
+class _VllmHistograms:
+    """The per-request histograms of vLLM's dashboard: TTFT, inter-token latency (and its older per-request mean,
+    time per output token), end-to-end latency, prompt and generation lengths."""
+
+    def __init__(self, model: str, registry: CollectorRegistry):
+        labels, self._values = ["model_name", "engine"], (model, _ENGINE)
+
+        def hist(name, doc, buckets=_LATENCY_BUCKETS):
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(*self._values)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "time to first token")
+        self.itl = hist("vllm:inter_token_latency_seconds", "time between two output tokens")
+        self.tpot = hist("vllm:time_per_output_token_seconds", "mean time per output token after the first, per "
+                                                               "request")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "request arrival to last token")
+        self.prompt = hist("vllm:request_prompt_tokens", "prompt tokens per request", _TOKEN_BUCKETS)
+        self.generation = hist("vllm:request_generation_tokens", "generated tokens per request", _TOKEN_BUCKETS)
+
+    def observe(self, ttft_s, itl_s: list[float], e2e_s: float, prompt_tokens, generation_tokens) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        for dt in itl_s:
+            self.itl.observe(dt)
+        if itl_s:
+            self.tpot.observe(sum(itl_s) / len(itl_s))
+        self.e2e.observe(e2e_s)
+        if prompt_tokens is not None:
+            self.prompt.observe(prompt_tokens)
+        if generation_tokens is not None:
+            self.generation.observe(generation_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- the stats log line
+class StatsLogger:
+    """One log line every `interval` seconds while there is traffic: prompt and generation throughput, running and
+    waiting requests, KV usage per CP rank, and the prefix-cache hit rate over the interval."""
+
+    def __init__(self, stats: Callable[[], Any], interval: float, clock: Callable[[], float] = time.monotonic):
+        if not interval > 0:
+            raise ValueError(f"the stats interval must be > 0 seconds, got {interval!r}")
+        self._stats, self.interval, self._clock = stats, interval, clock
+        self._last: tuple[float, dict] | None = None
+
+    def line(self) -> str | None:
+        """The line for the time since the last call (None: the first call, or nothing happened since)."""
+        now, s = self._clock(), _as_dict(self._stats())
+        last, self._last = self._last, (now, s)
+        if last is None:
+            return None
+        t0, p = last
+        dt = max(now - t0, 1e-9)
+        prompt = s.get("request_prompt_tokens", 0) - p.get("request_prompt_tokens", 0)
+        gen = s.get("generation_tokens", 0) - p.get("generation_tokens", 0)
+        busy = s.get("num_running", 0) or s.get("num_waiting", 0) or p.get("num_running", 0)
+        if not (prompt or gen or busy):
+            return None
+        queries = s.get("prefix_cache_queries", 0) - p.get("prefix_cache_queries", 0)
+        hits = s.get("prefix_cache_hits", 0) - p.get("prefix_cache_hits", 0)
+        cap = s.get("kv_capacity_per_rank") or 0
+        kv = ", ".join(f"{100 * u / cap:.1f}%" if cap else "n/a" for u in s.get("kv_tokens_per_rank") or [])
+        rate = f"{100 * hits / queries:.1f}%" if queries else "n/a"
+        return (f"prompt throughput {prompt / dt:.1f} tokens/s, generation throughput {gen / dt:.1f} tokens/s, "
+                f"running {s.get('num_running', 0)} reqs, waiting {s.get('num_waiting', 0)} reqs, "
+                f"KV cache usage per rank [{kv}], prefix cache hit rate {rate}")
+
+    def run(self, stop: threading.Event) -> None:
+        """Log a line every interval until `stop` is set (a thread's target)."""
+        self.line()
+        while not stop.wait(self.interval):
+            try:
+                text = self.line()
+            except Exception:  # noqa: BLE001 - a dead engine: /health and the watcher report it
+                continue
+            if text:
+                log.info("%s", text)

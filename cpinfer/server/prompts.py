@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import functools
 import json
 import secrets
 from typing import Any, Callable
@@ -29,8 +30,10 @@ class PromptError(ValueError):
 class PromptEncoder:
     """Token ids of chat and completion prompts for one tokenizer; every method may block: call `run`."""
 
-    def __init__(self, tokenizer, max_model_len: int, allow_special_tokens_in_content: bool = False):
+    def __init__(self, tokenizer, max_model_len: int, allow_special_tokens_in_content: bool = False,
+                 chat_template: str | None = None):
         self.tok, self.max_model_len = tokenizer, max_model_len
+        self.template = chat_template  # --chat-template; None: the tokenizer's own
         self.allow_special = allow_special_tokens_in_content
         self._pool = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="cpinfer-tokenize")
         self._raw = self._as_text = None
@@ -83,10 +86,12 @@ class PromptEncoder:
         return list(self._raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
-                    param: str = "messages") -> list[int]:
-        """Messages through the chat template; content's special-token text stays text unless allowed."""
+                    param: str = "messages", template_kwargs: dict | None = None) -> list[int]:
+        """Messages through the chat template (`template_kwargs`: more variables for it, e.g. enable_thinking);
+        content's special-token text stays text unless allowed."""
         self._need_tokenizer(param)
-        if getattr(self.tok, "chat_template", None) is None:
+        render = functools.partial(self._render, template_kwargs=template_kwargs or {})
+        if self.template is None and getattr(self.tok, "chat_template", None) is None:
             raise PromptError("the tokenizer has no chat template; use /v1/completions with a plain prompt", param)
         contents = [m.get("content") or "" for m in messages]
         others = json.dumps([{k: v for k, v in m.items() if k != "content"} for m in messages] + [tools or []])
@@ -98,23 +103,24 @@ class PromptEncoder:
                                   "tools", param)
         protect = [i for i, c in enumerate(contents) if not self.allow_special and self._special_in(c) is not None]
         if not protect:
-            text = self._render(messages, add_generation_prompt, tools, param)
+            text = render(messages, add_generation_prompt, tools, param)
             return self._encode([text], as_text=False)[0]
-        return self._encode_protected(messages, contents, protect, add_generation_prompt, tools, param)
+        return self._encode_protected(render, messages, contents, protect, add_generation_prompt, tools, param)
 
-    def _render(self, messages, add_generation_prompt: bool, tools, param: str) -> str:
+    def _render(self, messages, add_generation_prompt: bool, tools, param: str, template_kwargs: dict) -> str:
         try:
             return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+                                                tokenize=False, chat_template=self.template, **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template that refuses these messages (e.g. role order)
             raise PromptError(f"the chat template rejected the messages: {str(exc)[:300]}", param) from None
 
-    def _encode_protected(self, messages, contents, protect, add_generation_prompt, tools, param) -> list[int]:
+    def _encode_protected(self, render, messages, contents, protect, add_generation_prompt, tools,
+                          param) -> list[int]:
         """Render with placeholders in the protected contents, then tokenize template text and content apart."""
         nonce = secrets.token_hex(8)
         marks = {i: f"\x1ecpinfer{nonce}{i}\x1f" for i in protect}
         swapped = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
-        text = self._render(swapped, add_generation_prompt, tools, param)
+        text = render(swapped, add_generation_prompt, tools, param)
         pieces: list[tuple[str, bool]] = []
         for i in protect:
             before, found, text = text.partition(marks[i])

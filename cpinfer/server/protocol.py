@@ -303,6 +303,10 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                               "conversation", "documents", "return_dict", "continue_final_message")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -312,6 +316,16 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list[Tool]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM extra: more variables for the chat template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kwargs):
+        bad = [k for k in kwargs or {} if not k.isidentifier() or k in RESERVED_TEMPLATE_VARIABLES]
+        if bad:
+            raise ValueError(f"chat_template_kwargs: {bad[0]!r} cannot be set (names must be identifiers other "
+                             f"than {', '.join(RESERVED_TEMPLATE_VARIABLES)})")
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod

@@ -32,6 +32,13 @@ async def health(request: Request):
     return Response(status_code=200)
 
 
+@router.get("/version")
+async def version():
+    from cpinfer import __version__
+
+    return {"version": __version__}
+
+
 @router.get("/metrics")
 async def metrics(request: Request):
     body = await asyncio.to_thread(server_of(request).metrics.render)

@@ -49,6 +49,9 @@ class ServerConfig:
     tool_call_parser: str | None = None  # vLLM's names (tool_parsers.py); None: recognised in the chat template
     reasoning_parser: str | None = None  # "deepseek_r1" | "qwen3" (reasoning.py); None: no reasoning split
     stream_stall_timeout_s: float = 60.0  # a streaming client that takes no data this long is disconnected
+    chat_template: str | None = None  # the template text to use instead of the tokenizer's (--chat-template)
+    allowed_origins: tuple[str, ...] | list[str] | None = None  # CORS origins ("*": any); None: no CORS headers
+    log_requests: bool = False  # one log line per finished request (--enable-log-requests)
 
     def __post_init__(self):
         if not self.served_model_name or not self.served_model_name.strip():
@@ -60,6 +63,13 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if not self.stream_stall_timeout_s > 0:
             raise ValueError(f"stream_stall_timeout_s must be > 0, got {self.stream_stall_timeout_s!r}")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise ValueError("chat_template must be a non-empty template string when given")
+        if self.allowed_origins is not None:
+            if isinstance(self.allowed_origins, str) or not all(isinstance(o, str) and o
+                                                                for o in self.allowed_origins):
+                raise ValueError(f"allowed_origins must be a list of origin strings, got {self.allowed_origins!r}")
+            object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         tool_parser_for(self.tool_call_parser, None)  # ValueError naming the choices
         reasoning_parser_for(self.reasoning_parser)
 
@@ -74,8 +84,10 @@ class OpenAIServer:
         self.name = config.served_model_name
         self.max_model_len = int(engine.max_model_len)
         self.max_request_bytes = config.max_request_bytes or default_max_request_bytes(self.max_model_len)
-        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, config.allow_special_tokens_in_content)
-        template = getattr(self.tokenizer, "chat_template", None)
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len, config.allow_special_tokens_in_content,
+                                     config.chat_template)
+        template = config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.sampling_defaults = dict(getattr(engine, "generation_defaults", None) or {})  # generation_config.json
         self.tool_parser = tool_parser_for(config.tool_call_parser, template if isinstance(template, str) else None)
         self.reasoning = config.reasoning_parser  # a parser is made per choice (reasoning_parser_for)
         self.metrics = ServerMetrics(config.served_model_name, engine.stats, lambda: bool(engine.errored))
@@ -98,7 +110,7 @@ class OpenAIServer:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
-            raise APIError(400, f"the model '{name}' does not exist; this server serves "
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{self.config.served_model_name}'", param="model", code="model_not_found")
 
     def check_alive(self) -> None:
@@ -127,8 +139,12 @@ class OpenAIServer:
         if bad:
             raise APIError(400, f"logit_bias: token ids must be below the vocabulary size {vocab}, got {bad[:5]}",
                            param="logit_bias", code="invalid_parameter")
+        kwargs = req.sampling_kwargs(max_tokens, top_logprobs, logprobs)
+        for key, value in self.sampling_defaults.items():  # the model's defaults where the request set none
+            if getattr(req, key, None) is None:
+                kwargs[key] = value
         try:
-            return SamplingParams(**req.sampling_kwargs(max_tokens, top_logprobs, logprobs), grammar=grammar)
+            return SamplingParams(**kwargs, grammar=grammar)
         except ValueError as exc:  # SamplingParams names the field first: "min_tokens must be ..."
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field.isidentifier() else None,
@@ -235,7 +251,14 @@ class OpenAIServer:
     def finished(self, out, endpoint: str, t0: float) -> None:
         self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length") else "stop")
         m = out.metrics or {}
-        self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), time.monotonic() - t0)
+        e2e = time.monotonic() - t0
+        self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), e2e, len(out.prompt_token_ids),
+                               len(out.token_ids))
+        if self.config.log_requests:
+            ttft = m.get("ttft_s")
+            log.info("request %s finished (%s): prompt %d tokens (%d cached), output %d tokens, TTFT %s, e2e %.3f s",
+                     out.request_id, out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens,
+                     len(out.token_ids), "n/a" if ttft is None else f"{ttft:.3f} s", e2e)
 
     def stream_response(self, rids: list[str], events) -> GuardedSSE:
         """The SSE response of streamed requests; a client that stops reading for the stall timeout is cut off and
