@@ -481,11 +481,24 @@ class LLMEngine:
         tokens = self.validate(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, tokens, params, seed)
+        req.lp_source = self._prompt_logprobs_source(tokens, params)
         if params.grammar is not None:
             self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _prompt_logprobs_source(self, tokens: list[int], params: SamplingParams) -> Request | None:
+        """An unfinished request of the same prompt that computes the same prompt log-probs (n samples of one
+        prompt with echo): the new one copies them and reuses that prompt's K/V, so the prompt is computed once.
+        None without prefix caching (nothing could be reused) or when there is none."""
+        if not params.prompt_logprobs or not self.kv.enable_prefix_caching:
+            return None
+        for other in self.requests.values():
+            if (other.params.prompt_logprobs and other.lp_source is None and not other.lp_copied
+                    and other.params.top_logprobs == params.top_logprobs and other.prompt == tokens):
+                return other
+        return None
 
     def abort(self, request_id: str) -> None:
         """Stop a request; what it held is freed at the next step. Unknown ids are a ValueError."""

@@ -43,7 +43,8 @@ class SamplingParams:
     logprobs: bool = False  # log-probability of each chosen token
     top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs)
     prompt_logprobs: bool = False  # log-probability of each prompt token (first is None), and its `top_logprobs`
-    # most likely tokens when that is set; the prompt is recomputed, never taken from the prefix cache
+    # most likely tokens when that is set; the prompt is recomputed, never taken from the prefix cache (requests
+    # of the same prompt in flight together copy the first's: LLMEngine._prompt_logprobs_source)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: str | None = None  # an llguidance grammar (JSON) the output must follow (docs/serving.md)
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every token already output

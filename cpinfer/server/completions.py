@@ -5,7 +5,7 @@ logits); `max_tokens: 0` with `echo` scores the prompt only.
 
 Choice `index` is prompt-major: prompt i's sample j is choice i·n + j. The samples of one prompt are independent
 requests with seeds seed+j; the engine prefills their shared prompt once and the others reuse its K/V from the
-prefix tree (all but the last token, whose logits each needs).
+prefix tree (all but the last token, whose logits each needs) and copy its prompt log-probabilities.
 """
 from __future__ import annotations
 
