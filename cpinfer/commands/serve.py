@@ -109,7 +109,7 @@ def engine_kwargs(args) -> dict:
     optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank, "kv_disk_dir": args.kv_disk_dir,
-                "kv_disk_gib": args.kv_disk_gib}
+                "kv_disk_gib": args.kv_disk_gib, "max_logprobs": args.max_logprobs}
     if args.kv_host_gib:
         kwargs["kv_host_gib"] = args.kv_host_gib
     kwargs.update({k: v for k, v in optional.items() if v is not None})
@@ -186,6 +186,9 @@ def register(subparsers) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="B",
                         help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests at most")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="the most alternatives per token a request may ask for (completions `logprobs`, chat "
+                        "`top_logprobs`); -1: the whole vocabulary")
     parser.add_argument("--max-kv-tokens-per-rank", type=positive_int, default=None,
                         help="KV-cache capacity of each rank in tokens (default: CUDA: what "
                              "--gpu-memory-utilization leaves after the weights and a profiling forward; CPU: a "

@@ -87,6 +87,7 @@ class EngineConfig:
     kv_host_gib: float = 0.0  # host tier: GiB of host memory per rank for K/V evicted from the device (0: none)
     kv_disk_dir: str | None = None  # disk tier: a directory for evicted / finished K/V, kept across restarts
     kv_disk_gib: float | None = None  # its bound (None: half the disk's free space at start)
+    max_logprobs: int = 20  # the largest top_logprobs a request may ask for (vLLM's name and default); -1: the vocabulary
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
 
@@ -108,6 +109,9 @@ class EngineConfig:
             check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
+        m = self.max_logprobs
+        if isinstance(m, bool) or not isinstance(m, int) or m < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")
@@ -172,6 +176,7 @@ class LLMEngine:
                              f"({self.config.intermediate_size})")
         trained = self.config.max_position_embeddings
         self.max_model_len = a.max_model_len or trained
+        self.max_logprobs = self.config.vocab_size if a.max_logprobs == -1 else a.max_logprobs
         if self.max_model_len > trained:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: quality beyond the "
                         "trained context is not guaranteed", self.max_model_len, trained)
@@ -436,6 +441,9 @@ class LLMEngine:
         """Token ids of a prompt, or ValueError saying what is wrong (no engine state is read or changed)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.top_logprobs > self.max_logprobs:
+            raise ValueError(f"top_logprobs must be at most max_logprobs = {self.max_logprobs} (the engine's bound: "
+                             f"LLM(max_logprobs=...) / cpinfer serve --max-logprobs), got {params.top_logprobs}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the model directory has no tokenizer; pass token ids")

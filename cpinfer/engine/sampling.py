@@ -41,7 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # log-probability of each chosen token
-    top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs)
+    top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs); <= max_logprobs
     prompt_logprobs: bool = False  # log-probability of each prompt token (first is None), and its `top_logprobs`
     # most likely tokens when that is set; the prompt is recomputed, never taken from the prefix cache (requests
     # of the same prompt in flight together copy the first's: LLMEngine._prompt_logprobs_source)
@@ -64,8 +64,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0 (the engine bounds it: max_logprobs), "
+                             f"got {self.top_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

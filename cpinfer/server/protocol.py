@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-MAX_TOP_LOGPROBS = 20
+MAX_LOGPROB_ENTRIES = 4_000_000  # log-probabilities one response may carry: choices × tokens × (1 + top)
 MAX_STOP, MAX_STOP_CHARS = 16, 1000
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
@@ -168,7 +168,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)  # 0: with echo, score the prompt only
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: Optional[int] = Field(default=None, ge=0)  # at most the server's --max-logprobs
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -309,7 +309,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Optional[int] = Field(default=None, ge=0)  # at most the server's --max-logprobs
     add_generation_prompt: bool = True  # vLLM extra
     tools: Optional[list[Tool]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
