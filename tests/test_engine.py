@@ -91,6 +91,8 @@ def test_n_samples_with_prompt_logprobs_compute_the_prompt_once(llama_checkpoint
     assert all(o.prompt_logprobs == outs[0].prompt_logprobs and o.prompt_top_logprobs == outs[0].prompt_top_logprobs
                for o in outs)
     assert outs[0].prompt_logprobs[0] is None and all(lp is not None for lp in outs[0].prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="top_logprobs must be at most max_logprobs = 20"):
+        llm.generate([prompt], SamplingParams(top_logprobs=21))
     for j, out in enumerate(outs):  # alone: the full prompt computed for its own log-probs
         alone = llm.generate([prompt], params[j])[0]
         assert alone.token_ids == out.token_ids
@@ -170,7 +172,8 @@ def test_bad_engine_arguments(llama_checkpoint, tmp_path):
     for kw, match in ((dict(context_parallel_size=0), "context_parallel_size"),
                       (dict(context_parallel_size="2"), "context_parallel_size"),
                       (dict(strategy="ring"), "strategy"), (dict(dtype="int8"), "dtype"),
-                      (dict(max_kv_tokens_per_rank=10), "max_kv_tokens_per_rank")):
+                      (dict(max_kv_tokens_per_rank=10), "max_kv_tokens_per_rank"),
+                      (dict(max_logprobs=-2), "max_logprobs"), (dict(max_logprobs=True), "max_logprobs")):
         with pytest.raises(ValueError, match=match):
             LLM(str(path), **kw)
     with pytest.raises(ValueError):
