@@ -374,6 +374,24 @@ def test_n_samples_with_echo_logprobs_prefill_the_prompt_once(server):
     assert all(e["token_logprobs"][:n_prompt] == echoes[0]["token_logprobs"][:n_prompt] for e in echoes.values())
 
 
+def test_whole_responses_are_the_bytes_fastapi_would_send():
+    """json_bytes (built one choice at a time, in a worker thread) = FastAPI's JSONResponse of the dumped model."""
+    from fastapi.responses import JSONResponse
+
+    from cpinfer.server import protocol as P
+    from cpinfer.server.state import dump, json_bytes
+
+    lp = P.CompletionLogprobs(tokens=["a", "é"], token_logprobs=[None, -0.5], top_logprobs=[None, {"é": -0.5}],
+                              text_offset=[0, 1])
+    completion = P.CompletionResponse(id="c", created=1, model=NAME, usage=P.Usage.of(3, 2, 1), choices=[
+        P.CompletionChoice(index=i, text="a\x00é\"", logprobs=lp, finish_reason="stop") for i in range(3)])
+    chat = P.ChatCompletionResponse(id="d", created=2, model=NAME, usage=P.Usage.of(1, 1, 0), choices=[
+        P.ChatChoice(index=0, message=P.AssistantMessage(content="hi"), finish_reason="length")])
+    for model in (completion, chat, P.ChatCompletionResponse(id="e", created=3, model=NAME, choices=[],
+                                                             usage=P.Usage.of(1, 0, 0))):
+        assert json_bytes(model) == JSONResponse(dump(model)).body
+
+
 def test_max_logprobs_and_the_log_prob_payload_bound():
     """--max-logprobs (default 20) bounds the alternatives per token; the payload bound is checked before any work."""
     from cpinfer.server.errors import APIError

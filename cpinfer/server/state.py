@@ -363,6 +363,7 @@ def _plain_message(choice: dict) -> dict:
 
 
 _CHOICES = "\x00choices\x00"
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # as FastAPI's
 
 
 def json_bytes(model) -> bytes:
@@ -370,9 +371,9 @@ def json_bytes(model) -> bytes:
     for the whole of a large log-prob payload (the event loop's thread gets its turns)."""
     choices = list(getattr(model, "choices", None) or [])
     head = model.model_copy(update={"choices": []}).model_dump()
-    head = json.dumps({**head, "choices": _CHOICES})  # the key keeps its place
-    parts = ",".join(json.dumps(_plain_message(c.model_dump())) for c in choices)
-    return head.replace(json.dumps(_CHOICES), f"[{parts}]", 1).encode()
+    head = _dumps({**head, "choices": _CHOICES})  # the key keeps its place
+    parts = ",".join(_dumps(_plain_message(c.model_dump())) for c in choices)
+    return head.replace(_dumps(_CHOICES), f"[{parts}]", 1).encode()
 
 
 def request_id(http_request: Request) -> str:
