@@ -503,7 +503,7 @@ class LLMEngine:
         if not params.prompt_logprobs or not self.kv.enable_prefix_caching:
             return None
         for other in self.requests.values():
-            if (other.params.prompt_logprobs and other.lp_source is None and not other.lp_copied
+            if (other.params.prompt_logprobs and other.lp_source is None  # computes them, or has copied them
                     and other.params.top_logprobs == params.top_logprobs and other.prompt == tokens):
                 return other
         return None
