@@ -100,6 +100,28 @@ def test_n_samples_with_prompt_logprobs_compute_the_prompt_once(llama_checkpoint
                                    rtol=0, atol=1e-5)
 
 
+def test_a_sample_whose_source_is_aborted_computes_its_own_prompt_logprobs(llama_checkpoint, engine):
+    """The request that would compute the shared prompt log-probs is aborted before it runs: the waiting sample
+    then computes them itself (every position but the first has one, equal to a lone request's)."""
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=4096, placement="shard")
+    eng = llm.engine
+    prompt = prompts_for(256, [157], seed=43)[0]
+    params = SamplingParams(max_tokens=2, seed=3, prompt_logprobs=True)
+    eng.add_request("src", prompt, params)
+    follower = eng.add_request("follower", prompt, params)
+    assert follower.lp_source is eng.requests["src"]
+    eng.abort("src")
+    final = {}
+    while eng.has_unfinished_requests():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert final["src"].finish_reason == "abort" and final["follower"].finish_reason == "length"
+    lps = final["follower"].prompt_logprobs
+    assert lps[0] is None and all(lp is not None for lp in lps[1:]) and final["follower"].num_cached_tokens == 0
+    alone = llm.generate([prompt], params)[0]
+    torch.testing.assert_close(torch.tensor(alone.prompt_logprobs[1:]), torch.tensor(lps[1:]), rtol=0, atol=1e-5)
+
+
 def test_without_prefix_caching_finished_requests_leave_no_kv(llama_checkpoint, engine):
     """enable_prefix_caching=False: nothing is reused, so finished requests free their K/V at once (the KV gauge
     returns to its idle value); n samples with prompt log-probs each compute their prompt."""
