@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import shutil
 import signal
@@ -159,6 +160,23 @@ def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbo
 
 
 _DRIVER_HOSTS = threading.Lock()  # held while a pool's rank 0 lives in this process (torch's default group)
+_POOLS = {"open": set(), "tracker": False}  # this process's open pools; whether one of them started
+# multiprocessing's resource tracker (then it is stopped when the last pool closes)
+
+
+def _tracker_running() -> bool:
+    return getattr(multiprocessing.resource_tracker._resource_tracker, "_fd", None) is not None
+
+
+def _stop_tracker() -> None:
+    """Stop and join multiprocessing's resource tracker, a helper process spawning the ranks started: else it
+    outlives this process and shows as defunct until init reaps it."""
+    stop = getattr(multiprocessing.resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None and _tracker_running():
+        try:
+            stop()
+        except Exception:  # noqa: BLE001 - a helper's exit: nothing to save
+            pass
 
 
 def driver_can_host_rank() -> bool:
@@ -207,6 +225,8 @@ class WorkerPool:
         self.timeout_s, self.fail_grace_s = timeout_s, fail_grace_s
         self.dead_reason: str | None = None  # set by the watcher when a rank exits unasked
         ctx = mp.get_context("spawn")
+        _POOLS["tracker"] = _POOLS["tracker"] or not _tracker_running()  # the spawns below start it
+        _POOLS["open"].add(id(self))
         self._store_dir = tempfile.mkdtemp(prefix="cpinfer-rdzv-")  # private (0700): the ranks' rendezvous file
         store_path = os.path.join(self._store_dir, "store")
         # one pipe each way per rank process: a message is pickled and written by the thread that sends it (no
@@ -425,6 +445,10 @@ class WorkerPool:
         if self._driver is not None:
             self._driver.close()
         shutil.rmtree(self._store_dir, ignore_errors=True)
+        _POOLS["open"].discard(id(self))
+        if not _POOLS["open"] and _POOLS["tracker"]:  # the last pool: no helper process outlives the ranks
+            _POOLS["tracker"] = False
+            _stop_tracker()
 
     def __enter__(self) -> "WorkerPool":
         return self

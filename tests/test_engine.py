@@ -71,6 +71,69 @@ def test_kv_stays_balanced_over_a_long_conversation(llama_checkpoint, engine):
     assert counts.max() / counts.mean() <= 1.01, counts
 
 
+def test_n_samples_with_prompt_logprobs_compute_the_prompt_once(llama_checkpoint, engine):
+    """n samples of one prompt with prompt log-probs (the server's n + echo + logprobs): the first computes the
+    prompt and its log-probs, the others copy them and reuse its K/V (n = 8 on 2,020 tokens computed 16,160 prompt
+    tokens; now 2,020 + 7, one last token each). The log-probs equal a lone request's; each sample's own tokens are
+    those of its seed alone."""
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=4096, placement="shard")
+    prompt = prompts_for(256, [301], seed=41)[0]
+    params = [SamplingParams(max_tokens=3, seed=j, prompt_logprobs=True, top_logprobs=2, logprobs=True)
+              for j in range(4)]
+    before = llm.engine.stats()
+    outs = llm.generate([prompt] * 4, params)
+    after = llm.engine.stats()
+    computed = (after.prefix_cache_queries - before.prefix_cache_queries) - (after.prefix_cache_hits
+                                                                             - before.prefix_cache_hits)
+    assert computed == len(prompt) + 3
+    assert [o.num_cached_tokens for o in outs] == [0] + [len(prompt) - 1] * 3
+    assert all(o.prompt_logprobs == outs[0].prompt_logprobs and o.prompt_top_logprobs == outs[0].prompt_top_logprobs
+               for o in outs)
+    assert outs[0].prompt_logprobs[0] is None and all(lp is not None for lp in outs[0].prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="top_logprobs must be at most max_logprobs = 20"):
+        llm.generate([prompt], SamplingParams(top_logprobs=21))
+    for j, out in enumerate(outs):  # alone: the full prompt computed for its own log-probs
+        alone = llm.generate([prompt], params[j])[0]
+        assert alone.token_ids == out.token_ids
+        torch.testing.assert_close(torch.tensor(alone.prompt_logprobs[1:]), torch.tensor(out.prompt_logprobs[1:]),
+                                   rtol=0, atol=1e-5)
+
+
+def test_a_sample_whose_source_is_aborted_computes_its_own_prompt_logprobs(llama_checkpoint, engine):
+    """The request that would compute the shared prompt log-probs is aborted before it runs: the waiting sample
+    then computes them itself (every position but the first has one, equal to a lone request's)."""
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=4096, placement="shard")
+    eng = llm.engine
+    prompt = prompts_for(256, [157], seed=43)[0]
+    params = SamplingParams(max_tokens=2, seed=3, prompt_logprobs=True)
+    eng.add_request("src", prompt, params)
+    follower = eng.add_request("follower", prompt, params)
+    assert follower.lp_source is eng.requests["src"]
+    eng.abort("src")
+    final = {}
+    while eng.has_unfinished_requests():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert final["src"].finish_reason == "abort" and final["follower"].finish_reason == "length"
+    lps = final["follower"].prompt_logprobs
+    assert lps[0] is None and all(lp is not None for lp in lps[1:]) and final["follower"].num_cached_tokens == 0
+    alone = llm.generate([prompt], params)[0]
+    torch.testing.assert_close(torch.tensor(alone.prompt_logprobs[1:]), torch.tensor(lps[1:]), rtol=0, atol=1e-5)
+
+
+def test_without_prefix_caching_finished_requests_leave_no_kv(llama_checkpoint, engine):
+    """enable_prefix_caching=False: nothing is reused, so finished requests free their K/V at once (the KV gauge
+    returns to its idle value); n samples with prompt log-probs each compute their prompt."""
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    llm = engine(path, 2, max_kv_tokens_per_rank=1024, enable_prefix_caching=False)
+    assert llm.cache_stats()["kv_tokens_per_rank"] == [0, 0]
+    prompts = prompts_for(256, [120, 300, 5], seed=7)
+    outs = llm.generate(prompts + [prompts[0]] * 2, [SamplingParams(max_tokens=4, seed=1, prompt_logprobs=True)] * 5)
+    assert all(len(o.token_ids) == 4 and o.num_cached_tokens == 0 for o in outs)
+    assert llm.cache_stats()["kv_tokens_per_rank"] == [0, 0]
+
+
 def test_capacity_rejection_leaves_engine_serving(llama_checkpoint, engine):
     path = llama_checkpoint("gqa", max_position_embeddings=4096)
     llm = engine(path, 2, max_kv_tokens_per_rank=512)
@@ -131,7 +194,8 @@ def test_bad_engine_arguments(llama_checkpoint, tmp_path):
     for kw, match in ((dict(context_parallel_size=0), "context_parallel_size"),
                       (dict(context_parallel_size="2"), "context_parallel_size"),
                       (dict(strategy="ring"), "strategy"), (dict(dtype="int8"), "dtype"),
-                      (dict(max_kv_tokens_per_rank=10), "max_kv_tokens_per_rank")):
+                      (dict(max_kv_tokens_per_rank=10), "max_kv_tokens_per_rank"),
+                      (dict(max_logprobs=-2), "max_logprobs"), (dict(max_logprobs=True), "max_logprobs")):
         with pytest.raises(ValueError, match=match):
             LLM(str(path), **kw)
     with pytest.raises(ValueError):

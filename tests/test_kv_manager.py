@@ -341,3 +341,27 @@ def test_eviction_frees_the_rank_that_needs_room():
     assert grown.ranks.tolist() == [0] * 150 and not grown.spread
     assert a_node.id in kv.nodes and d_node.id not in kv.nodes
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_without_prefix_caching_finished_requests_free_their_blocks_at_once(n):
+    """--no-prefix-caching: the cache is never reused, so a finished request's K/V is not kept (the KV gauge
+    returned to 0 → 23,720 per rank after a storm with nothing running)."""
+    eng = FakeEngine(n, 16 * BLOCK, None, 0)
+    eng.kv = KVManager(n, 16 * BLOCK, enable_prefix_caching=False)
+    eng.sched.kv = eng.kv
+    idle = eng.kv.tokens_per_rank()
+    assert idle == [0] * n
+    for k in range(6):
+        eng.add(list(range(3, 60 + 7 * k)), 1 + k % 3)
+    while eng.live:
+        eng.step()
+        eng.check()
+    assert eng.kv.tokens_per_rank() == idle
+    assert eng.kv.free_blocks().tolist() == [eng.kv.num_blocks] * n
+    # with caching on, the same finished requests stay cached (what the prefix tree is for)
+    cached = FakeEngine(n, 16 * BLOCK, None, 0)
+    cached.add(list(range(3, 60)), 2)
+    while cached.live:
+        cached.step()
+    assert sum(cached.kv.tokens_per_rank()) == 57 + 1  # the prompt and the first output token (fed to decode)

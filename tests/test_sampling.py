@@ -183,3 +183,61 @@ def test_penalties_by_hand():
     assert sample(logits, spec)[0] == 3  # 1.5 beats 1.0 (token 0); token 1 fell to 0.0
     # min_tokens: the stop token (here 3) is suppressed, the next best (token 0) comes
     assert sample(logits, dataclasses.replace(spec, suppress=(3,)))[0] == 0
+
+
+# ---------------------------------------------------------------- extreme values: every valid request samples
+TINY = [5e-324, 1e-300, 1e-45, 1e-38, 1e-10]
+EXTREME = {
+    "repetition_penalty": st.sampled_from(TINY + [0.5, 1.0, 2.0, 100.0, 1e10, 1e300, 1.7e308]),
+    "temperature": st.sampled_from([0.0, 5e-324, 1e-45, GREEDY_EPS, 1e-3, 1.0, 2.0, 1e10, 1e308]),
+    "top_p": st.sampled_from(TINY + [0.5, 1.0]),
+    "min_p": st.sampled_from([0.0] + TINY + [0.5, 1.0]),
+    "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+}
+
+
+@st.composite
+def extreme_cases(draw):
+    """Valid SamplingParams at the edges of their ranges (built through SamplingParams, so each is a value a
+    request may send), with logits that hold NaN, ±inf and the float32 extremes, a bias, suppressed stop tokens and
+    the tokens the penalties read."""
+    vocab = draw(st.integers(1, 40))
+    logits = torch.tensor(draw(st.lists(VALUES, min_size=vocab, max_size=vocab)), dtype=torch.float32)
+    kwargs = {k: draw(v) for k, v in EXTREME.items()}
+    bias = draw(st.lists(st.tuples(st.integers(0, vocab - 1), st.sampled_from([-100.0, -1e-45, 0.0, 100.0])),
+                         max_size=3))
+    params = SamplingParams(top_k=draw(st.integers(0, vocab + 2)), logit_bias=tuple(bias), seed=draw(st.integers(0, 9)),
+                            top_logprobs=draw(st.integers(0, 3)), **kwargs)
+    output = np.array(draw(st.lists(st.integers(0, vocab - 1), max_size=8)), dtype=np.int64)
+    prompt = np.unique(np.array(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8)), dtype=np.int64))
+    suppress = tuple(draw(st.lists(st.integers(0, vocab - 1), max_size=2, unique=True)))
+    spec = SampleSpec.of(params, params.seed, len(output), None, suppress, output,
+                         prompt if params.repetition_penalty != 1.0 else None)
+    return logits, spec
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(extreme_cases())
+def test_extreme_sampling_values_always_give_a_valid_token(case):
+    """No NaN / inf reaches the draw (the issue's repetition_penalty 1e-45, 5e-324, 1e-300 were a 500): a token in
+    the vocabulary, not a suppressed one while another is possible, reproducible, with a real log-probability."""
+    logits, spec = case
+    token, lp, top = sample(logits, spec)
+    assert 0 <= token < logits.numel()
+    if len(spec.suppress) < logits.numel():
+        assert token not in spec.suppress
+    assert not math.isnan(lp) and lp <= 1e-6
+    assert len(top) == min(spec.top_logprobs, logits.numel())
+    assert sample(logits, spec)[0] == token
+
+
+def test_tiny_repetition_penalty_keeps_the_order_of_seen_tokens():
+    """r = 1e-45 (and 5e-324, which is 0 in float32): positive seen tokens overflow; the largest of them wins
+    greedily and, sampled, takes all the probability; negative seen tokens go to -0 (not NaN)."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -4.0, 0.5])
+    for r in (1e-45, 5e-324, 1e-300):
+        spec = SampleSpec(0.0, 1.0, 0, 0, 0, 0, repetition=r, output=np.array([0, 2]), prompt=np.array([3]))
+        assert sample(logits, spec)[0] == 2  # seen: 0 and 2 (positive, overflow), 3 (negative → -0)
+        for seed in range(20):
+            assert sample(logits, dataclasses.replace(spec, temperature=1.0, seed=seed))[0] == 2

@@ -262,6 +262,158 @@ def test_sampling_seed_stop_and_top_logprobs(server, client, offline):
         torch.testing.assert_close(item.logprob, max(t.logprob for t in item.top_logprobs), atol=1e-5, rtol=0)
 
 
+# ---------------------------------------------------------------------------------------------- the fault probe's reproductions
+ISSUE_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+                "The quick brown")
+
+
+def _complete(server, body: dict) -> dict:
+    r = httpx.post(server.url + "/v1/completions", json={"model": NAME, **body}, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _streamed_text(server, body: dict) -> tuple[str, str | None]:
+    events = _sse(server, "/v1/completions", {"model": NAME, **body, "stream": True})
+    finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+    return "".join(e["choices"][0]["text"] for e in events if e["choices"]), finish[-1]
+
+
+def _plain_text(model_dir) -> dict:
+    """Sampling extras that keep the tiny random model's greedy text to lower-case letters and spaces (a logit bias
+    of 100 on their byte tokens, a frequency penalty for variety), so stop strings are several whole tokens."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model_dir)).encode("etaoin shrdlu", add_special_tokens=False)
+    return {"logit_bias": {str(i): 100 for i in set(ids)}, "frequency_penalty": 2.0}
+
+
+def _stops_of(text: str) -> list[str]:
+    """Pieces of the greedy text (2-6 characters, several tokens each with the byte-level tokenizer) at its start,
+    middle and end, with no partial character in them."""
+    stops = []
+    for start, size in ((0, 3), (len(text) // 3, 5), (len(text) // 2, 2), (len(text) - 6, 6)):
+        piece = text[max(0, start):max(0, start) + size]
+        if len(piece) >= 2 and "\ufffd" not in piece and piece not in stops:
+            stops.append(piece)
+    return stops
+
+
+def test_stop_strings_streamed_equal_whole_and_include_stop_str(server, model_dir):
+    """Streams never send part of a stop string (`stop: ["classic example"]` streamed ' fox is a classic' where
+    the whole answer was ' fox is a '): for each stop string, streamed text = whole text = the greedy text up to
+    its first occurrence (with it, under include_stop_str_in_output); chat too."""
+    base = {"prompt": ISSUE_PROMPT, "max_tokens": 24, **GREEDY, **_plain_text(model_dir)}
+    text = _complete(server, base)["choices"][0]["text"]
+    stops = _stops_of(text)
+    assert len(stops) >= 3, text
+    for stop in stops:
+        for include in (False, True):
+            body = {**base, "stop": [stop], "include_stop_str_in_output": include}
+            cut = text.index(stop) + (len(stop) if include else 0)
+            whole = _complete(server, body)["choices"][0]
+            assert (whole["text"], whole["finish_reason"], whole["stop_reason"]) == (text[:cut], "stop", stop), stop
+            assert _streamed_text(server, body) == (text[:cut], "stop"), stop
+    chat = {"model": NAME, "messages": [{"role": "user", "content": ISSUE_PROMPT}], "max_tokens": 24, **GREEDY,
+            **_plain_text(model_dir)}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers=server.headers(), timeout=120).json()
+    reply = r["choices"][0]["message"]["content"]
+    stop = next(p for p in _stops_of(reply)[1:] if reply.index(p) > 0)
+    whole = httpx.post(server.url + "/v1/chat/completions", json={**chat, "stop": [stop]}, headers=server.headers(),
+                       timeout=120).json()["choices"][0]["message"]["content"]
+    events = _sse(server, "/v1/chat/completions", {**chat, "stop": [stop], "stream": True})
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert whole == streamed == reply[:reply.index(stop)]
+
+
+def test_min_tokens_with_a_stop_string_keeps_the_protected_tokens(server, offline, model_dir):
+    """`stop: [" fox"], min_tokens: 10` gave '' (10 tokens counted) whole and 34 characters streamed: a stop string
+    is looked for only in the text after min_tokens. Here the stop string is the greedy text's first characters:
+    the answer keeps them, streamed and whole alike, and equals the offline engine's."""
+    plain = _plain_text(model_dir)
+    base = {"prompt": ISSUE_PROMPT, "max_tokens": 24, **GREEDY, **plain}
+    text = _complete(server, base)["choices"][0]["text"]
+    stop = text[:3]
+    body = {**base, "stop": [stop], "min_tokens": 10}
+    whole = _complete(server, body)
+    bias = tuple((int(k), v) for k, v in plain["logit_bias"].items())
+    ref = offline.generate([ISSUE_PROMPT], _params(max_tokens=24, stop=(stop,), min_tokens=10, logit_bias=bias,
+                                                   frequency_penalty=2.0, **GREEDY))[0]
+    assert whole["choices"][0]["text"] == ref.text and whole["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert len(ref.token_ids) >= 10 and ref.text.startswith(text[:len(stop)])  # the protected start is kept
+    assert _streamed_text(server, body)[0] == ref.text
+
+
+@pytest.mark.parametrize("penalty", [1e-45, 5e-324, 1e-300])
+def test_a_tiny_repetition_penalty_samples(server, penalty):
+    """The issue's request was a 500 (`probability tensor contains either inf, nan or element < 0`)."""
+    r = _complete(server, {"prompt": "the the the the", "max_tokens": 8, "repetition_penalty": penalty,
+                           "temperature": 1, "seed": 3})
+    assert r["choices"][0]["finish_reason"] in ("stop", "length") and 1 <= r["usage"]["completion_tokens"] <= 8
+
+
+def test_n_samples_with_echo_logprobs_prefill_the_prompt_once(server):
+    """`n: 8, echo: true, logprobs: 5` computed the prompt 8 times (16,160 prompt tokens for 2,020): now once, plus
+    each other sample's last prompt token; every choice echoes the same prompt log-probs as a lone request."""
+    prompt = ISSUE_PROMPT + " and runs off into the woods."
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 5, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True}
+    before = _metrics(server)
+    r = _complete(server, {**body, "n": 8})
+    after = _metrics(server)
+
+    def computed(m):
+        return _metric(m, "cpinfer_prefix_cache_queries_total") - _metric(m, "cpinfer_prefix_cache_hits_total")
+    n_prompt = len(prompt.encode())  # one token per byte
+    assert computed(after) - computed(before) == n_prompt + 7
+    lps = [c["logprobs"] for c in r["choices"]]
+    assert all(lp["tokens"][:n_prompt] == lps[0]["tokens"][:n_prompt] for lp in lps)
+    assert all(lp["token_logprobs"][:n_prompt] == lps[0]["token_logprobs"][:n_prompt] for lp in lps)
+    assert all(lp["top_logprobs"][:n_prompt] == lps[0]["top_logprobs"][:n_prompt] for lp in lps)
+    alone = _complete(server, body)["choices"][0]["logprobs"]
+    assert lps[0]["token_logprobs"][0] is None and alone["token_logprobs"][0] is None
+    torch.testing.assert_close(torch.tensor(lps[0]["token_logprobs"][1:n_prompt]),
+                               torch.tensor(alone["token_logprobs"][1:n_prompt]), rtol=0, atol=1e-5)
+    streamed = _sse(server, "/v1/completions", {"model": NAME, **body, "n": 3, "stream": True})
+    echoes = {e["choices"][0]["index"]: e["choices"][0]["logprobs"] for e in reversed(streamed)
+              if e["choices"] and e["choices"][0]["text"].startswith(prompt)}
+    assert sorted(echoes) == [0, 1, 2]
+    assert all(e["token_logprobs"][:n_prompt] == echoes[0]["token_logprobs"][:n_prompt] for e in echoes.values())
+
+
+def test_whole_responses_are_the_bytes_fastapi_would_send():
+    """json_bytes (built one choice at a time, in a worker thread) = FastAPI's JSONResponse of the dumped model."""
+    from fastapi.responses import JSONResponse
+
+    from cpinfer.server import protocol as P
+    from cpinfer.server.state import dump, json_bytes
+
+    lp = P.CompletionLogprobs(tokens=["a", "é"], token_logprobs=[None, -0.5], top_logprobs=[None, {"é": -0.5}],
+                              text_offset=[0, 1])
+    completion = P.CompletionResponse(id="c", created=1, model=NAME, usage=P.Usage.of(3, 2, 1), choices=[
+        P.CompletionChoice(index=i, text="a\x00é\"", logprobs=lp, finish_reason="stop") for i in range(3)])
+    chat = P.ChatCompletionResponse(id="d", created=2, model=NAME, usage=P.Usage.of(1, 1, 0), choices=[
+        P.ChatChoice(index=0, message=P.AssistantMessage(content="hi"), finish_reason="length")])
+    for model in (completion, chat, P.ChatCompletionResponse(id="e", created=3, model=NAME, choices=[],
+                                                             usage=P.Usage.of(1, 0, 0))):
+        assert json_bytes(model) == JSONResponse(dump(model)).body
+
+
+def test_max_logprobs_and_the_log_prob_payload_bound():
+    """--max-logprobs (default 20) bounds the alternatives per token; the payload bound is checked before any work."""
+    from cpinfer.server.errors import APIError
+    from cpinfer.server.protocol import MAX_LOGPROB_ENTRIES
+    from cpinfer.server.state import OpenAIServer
+
+    assert MAX_LOGPROB_ENTRIES == 4_000_000
+    OpenAIServer.check_logprob_payload([7000 + 24] * 16, 5, "logprobs")  # the issue's 61 MB response: allowed
+    OpenAIServer.check_logprob_payload([400_000] * 5, 1, "logprobs")  # exactly at the bound
+    with pytest.raises(APIError) as err:
+        OpenAIServer.check_logprob_payload([400_000] * 5 + [1], 1, "logprobs")
+    assert err.value.status == 400 and err.value.code == "logprobs_too_large" and err.value.param == "logprobs"
+    assert "asks for 4,000,002" in err.value.message and "at most 4,000,000" in err.value.message
+
+
 # ---------------------------------------------------------------------------------------------- errors
 LONG = "x" * (MAX_LEN + 10)  # one token per byte with the tiny tokenizer
 BAD_REQUESTS = [
@@ -278,6 +430,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
@@ -680,6 +834,7 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
     """Last test of the module: it stops the module's server (SIGTERM in the middle of a stream)."""
     ranks = rank_pids(server.proc.pid)
     assert len(ranks) == 1, server.output()  # rank 1; rank 0 runs inside the server process
+    children = descendants(server.proc.pid)  # the rank and multiprocessing's resource tracker
     body = {"model": NAME, "prompt": "finish me before you go", "max_tokens": 40, "temperature": 0,
             "ignore_eos": True, "stream": True}
     events: list[dict] = []
@@ -698,6 +853,8 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
     thread.join(timeout=120)
     assert box == [True], box
     assert server.proc.wait(timeout=60) == 0, server.output()[-3000:]
+    # joined before the exit: none is left, not even defunct (one showed as defunct for ~1 s)
+    assert [p for p in children if os.path.exists(f"/proc/{p}")] == []
     assert events[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request ran to its end
     assert sum(len(e["choices"][0]["text"]) for e in events) > 0
     deadline = time.monotonic() + 10

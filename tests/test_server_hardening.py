@@ -31,6 +31,7 @@ NAME = "tiny"
 MAX_LEN = 256
 ARGS = ["--cp", "2", "--served-model-name", NAME, "--max-model-len", str(MAX_LEN), "--threads-per-rank", "1",
         "--max-kv-tokens-per-rank", "16384", "--no-prefix-caching", "--max-request-bytes", str(16_000_000),
+        "--max-logprobs", "8",
         "--log-level", "warning"]
 LEAK = re.compile(r'Traceback|File "|\.py\b|/cpinfer/|/tmp/|/root/|Error:')
 FUZZ_EXAMPLES = {"chat": 150, "completions": 100, "tokenize": 50, "raw": 40}
@@ -131,6 +132,11 @@ SAMPLING = {  # values a client may legitimately send (edge cases included); jun
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "presence_penalty": st.just(0.0),
+    # the edges of the penalties' ranges: repetition_penalty 1e-45 / 5e-324 / 1e-300 were a 500
+    "repetition_penalty": st.sampled_from([5e-324, 1e-300, 1e-45, 1e-10, 0.5, 1.0, 100.0]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "min_p": st.sampled_from([0.0, 5e-324, 0.5, 1.0]),
+    "include_stop_str_in_output": st.booleans(),
     "logit_bias": st.dictionaries(st.integers(0, TINY_VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
                                         "json_schema": {"name": "x", "schema": {
@@ -213,6 +219,23 @@ def test_fuzzed_bodies_never_get_a_5xx_and_leave_the_server_healthy(server, http
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_max_logprobs_flag_bounds_the_alternatives(http):
+    """--max-logprobs 8: eight alternatives per token are served, nine are a 400 naming the flag."""
+    body = {"prompt": "alternatives", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json={**body, "logprobs": 8})  # (alternatives that decode alike share a key)
+    assert r.status_code == 200 and all(1 <= len(t) <= 8 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "logprobs": True, "top_logprobs": 8, "ignore_eos": True})
+    assert r.status_code == 200 and [len(c["top_logprobs"]) for c in r.json()["choices"][0]["logprobs"]["content"]] \
+        == [8, 8]
+    r = http.post("/v1/completions", json={**body, "logprobs": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert "at most 8" in r.json()["error"]["message"] and "--max-logprobs" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "logprobs": True, "top_logprobs": 9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
 # ---------------------------------------------------------------------------------------------- load
 def test_64_concurrent_streams_with_random_disconnects_leak_nothing(server, http):
     rng = random.Random(21)
@@ -256,8 +279,10 @@ def test_64_concurrent_streams_with_random_disconnects_leak_nothing(server, http
     after = _idle(http)
     done = [u for u, (_, cut, _) in zip(usages, plan) if cut is None]
     assert all(u is not None for u in done)
-    kept = sum(u["prompt_tokens"] + u["completion_tokens"] - 1 for u in done)  # finished requests stay cached
-    assert _sum(after, "cpinfer_kv_tokens_used") == _sum(base, "cpinfer_kv_tokens_used") + kept
+    # --no-prefix-caching: finished requests free their K/V at once, so the KV gauge is back at its idle value, 0
+    # (it grew by every finished request's tokens: 0 → 23,720 per rank after a storm with nothing running)
+    assert _sum(base, "cpinfer_kv_tokens_used") == 0 and sum(u["prompt_tokens"] for u in done) > 0
+    assert _sum(after, "cpinfer_kv_tokens_used") == 0
     assert _aborts(after) - aborts0 == sum(cut is not None for _, cut, _ in plan)
     assert http.get("/health").status_code == 200
 

@@ -26,7 +26,7 @@ STATS = {"num_running": 2, "num_waiting": 1, "kv_tokens_per_rank": [64, 32], "kv
 
 @pytest.fixture(scope="module")
 def stub():
-    return SimpleNamespace(tokenizer=None, max_model_len=128, stats=lambda: dict(STATS), errored=False,
+    return SimpleNamespace(tokenizer=None, max_model_len=128, max_logprobs=20, stats=lambda: dict(STATS), errored=False,
                            dead_error=None, config=SimpleNamespace(vocab_size=16),
                            generation_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20})
 

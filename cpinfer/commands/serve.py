@@ -134,7 +134,7 @@ def engine_kwargs(args) -> dict:
     optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank, "kv_disk_dir": args.kv_disk_dir,
-                "kv_disk_gib": args.kv_disk_gib}
+                "kv_disk_gib": args.kv_disk_gib, "max_logprobs": args.max_logprobs}
     if args.kv_host_gib:
         kwargs["kv_host_gib"] = args.kv_host_gib
     kwargs.update({k: v for k, v in optional.items() if v is not None})
@@ -276,6 +276,9 @@ def _frontend_arguments(parser) -> None:
     g.add_argument("--chat-template", default=None, metavar="T",
                    help="the chat template to use instead of the tokenizer's: a Jinja file, or the template "
                         "itself as a string")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most alternatives per token a request may ask for (completions `logprobs`, chat "
+                        "`top_logprobs`); -1: the whole vocabulary")
     g.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="N",
                    help="largest request body accepted (413 beyond it, checked before the body is read; "
                         "default: 32 bytes per token of max_model_len, at least 1 MiB)")

@@ -114,6 +114,10 @@ class AsyncLLM:
         return self.engine.max_model_len
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
     def errored(self) -> bool:
         return self.dead_error is not None
 

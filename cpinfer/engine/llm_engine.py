@@ -92,6 +92,7 @@ class EngineConfig:
     download_dir: str | None = None  # the Hugging Face cache folder to download to / read from (default: the Hub's)
     seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs)
     generation_config: str = "auto"  # "auto": generation_config.json's sampling defaults; "vllm": none; or a folder
+    max_logprobs: int = 20  # the largest top_logprobs a request may ask for (vLLM's name and default); -1: the vocabulary
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
 
@@ -113,6 +114,9 @@ class EngineConfig:
             check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
         if self.strategy not in ("auto", "pass-kv", "pass-q"):
             raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
+        m = self.max_logprobs
+        if isinstance(m, bool) or not isinstance(m, int) or m < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")
@@ -185,6 +189,7 @@ class LLMEngine:
                              f"({self.config.intermediate_size})")
         trained = self.config.max_position_embeddings
         self.max_model_len = a.max_model_len or trained
+        self.max_logprobs = self.config.vocab_size if a.max_logprobs == -1 else a.max_logprobs
         if self.max_model_len > trained:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: quality beyond the "
                         "trained context is not guaranteed", self.max_model_len, trained)
@@ -468,6 +473,9 @@ class LLMEngine:
         """Token ids of a prompt, or ValueError saying what is wrong (no engine state is read or changed)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.top_logprobs > self.max_logprobs:
+            raise ValueError(f"top_logprobs must be at most max_logprobs = {self.max_logprobs} (the engine's bound: "
+                             f"LLM(max_logprobs=...) / cpinfer serve --max-logprobs), got {params.top_logprobs}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the model directory has no tokenizer; pass token ids")
@@ -513,11 +521,24 @@ class LLMEngine:
         tokens = self.validate(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, tokens, params, seed)
+        req.lp_source = self._prompt_logprobs_source(tokens, params)
         if params.grammar is not None:
             self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _prompt_logprobs_source(self, tokens: list[int], params: SamplingParams) -> Request | None:
+        """An unfinished request of the same prompt that computes the same prompt log-probs (n samples of one
+        prompt with echo): the new one copies them and reuses that prompt's K/V, so the prompt is computed once.
+        None without prefix caching (nothing could be reused) or when there is none."""
+        if not params.prompt_logprobs or not self.kv.enable_prefix_caching:
+            return None
+        for other in self.requests.values():
+            if (other.params.prompt_logprobs and other.lp_source is None  # computes them, or has copied them
+                    and other.params.top_logprobs == params.top_logprobs and other.prompt == tokens):
+                return other
+        return None
 
     def abort(self, request_id: str) -> None:
         """Stop a request; what it held is freed at the next step. Unknown ids are a ValueError."""

@@ -30,6 +30,9 @@ class Request:
     top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     prompt_lp: list[float | None] | None = None
     prompt_top_lp: list[dict[int, float] | None] | None = None  # with prompt_lp when top_logprobs is set
+    lp_source: "Request | None" = dataclasses.field(default=None, repr=False)  # an earlier request of the same
+    # prompt whose prompt log-probs this one copies (it waits for them, then reuses that prompt's cached K/V)
+    lp_copied: bool = False  # its prompt log-probs were copied from its source
     kv: SeqKV | None = None
     num_cached: int = -1  # prompt tokens reused from the prefix cache at first admission (-1: not admitted yet)
     refilled: int = -1  # it filled a hole of its cached path up to here and waits to match on below (else -1)
@@ -69,6 +72,28 @@ class Request:
 
     def known_array(self) -> np.ndarray:
         return np.asarray(self.known, dtype=np.int64)
+
+    def take_source_prompt_logprobs(self) -> bool:
+        """Copy the prompt log-probs of `lp_source` once it has them (its prompt is computed: it has output);
+        False while it is still computing them. A source that ended without them is dropped: this request then
+        computes its own."""
+        src = self.lp_source
+        if src is None:
+            return True
+        if not src.out or src.prompt_lp is None:
+            if src.status is RequestStatus.FINISHED:
+                self.lp_source = None
+                return True
+            return False
+        self.prompt_lp = list(src.prompt_lp)
+        self.prompt_top_lp = list(src.prompt_top_lp) if src.prompt_top_lp is not None else None
+        self.lp_source, self.lp_copied = None, True
+        return True
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Its prompt's rows must be computed for their log-probs (not taken from the prefix cache)."""
+        return self.params.prompt_logprobs and not self.lp_copied and not self.out
 
     def prompt_set(self) -> np.ndarray:
         """[u] int64: the prompt's distinct tokens (what the repetition penalty reads), computed once."""

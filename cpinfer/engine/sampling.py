@@ -8,7 +8,8 @@ logits, then greedy argmax, or temperature → min_p → top-k → top-p → the
 
 The sampler is total: any logits (NaN, ±inf included) and any valid parameters give a token, unless the request's
 own constraints (its grammar mask, its logit bias) leave no token allowed; that is a `SamplingError` for that
-request alone, never for the forward.
+request alone, never for the forward. After the bias, the masks and the penalties the scores are cleaned once
+(`_clean`: NaN → -inf, +inf → the largest float), so no parameter value can reach the draw as NaN or +inf.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the scores
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 _NEG = -math.inf
+_FMAX = torch.finfo(torch.float32).max
 
 
 class SamplingError(ValueError):
@@ -39,9 +41,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # log-probability of each chosen token
-    top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs)
+    top_logprobs: int = 0  # also the k most likely tokens at each step (implies logprobs); <= max_logprobs
     prompt_logprobs: bool = False  # log-probability of each prompt token (first is None), and its `top_logprobs`
-    # most likely tokens when that is set; the prompt is recomputed, never taken from the prefix cache
+    # most likely tokens when that is set; the prompt is recomputed, never taken from the prefix cache (requests
+    # of the same prompt in flight together copy the first's: LLMEngine._prompt_logprobs_source)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
     grammar: str | None = None  # an llguidance grammar (JSON) the output must follow (docs/serving.md)
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of every token already output
@@ -61,8 +64,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0 (the engine bounds it: max_logprobs), "
+                             f"got {self.top_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -145,25 +149,26 @@ def allowed_mask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
 
 
 def _processed(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
-    """Finite-or--inf scores: NaN → -inf, +inf → the largest float, then the bias and the grammar mask."""
-    scores = torch.nan_to_num(logits.float(), nan=_NEG, posinf=torch.finfo(torch.float32).max, neginf=_NEG)
+    """Finite-or--inf scores: NaN → -inf, +inf → the largest float, then the bias, the grammar mask, the held-back
+    stop tokens and the penalties, cleaned once more."""
+    scores = _clean(logits.float())
     vocab = scores.numel()
     if spec.logit_bias:
         ids = torch.tensor([t for t, _ in spec.logit_bias if t < vocab], dtype=torch.long)
         vals = torch.tensor([b for t, b in spec.logit_bias if t < vocab], dtype=torch.float32)
         scores = scores.index_add(0, ids, vals) if len(ids) else scores
+    ok = torch.ones(vocab, dtype=torch.bool)  # [vocab] the tokens the request may take now
     if spec.allowed is not None:
         ok = allowed_mask(spec.allowed, vocab)
         if not bool(ok.any()):
             raise SamplingError("the output constraint (response_format / tools) allows no next token")
-        scores = scores.masked_fill(~ok, _NEG)
-    else:
-        ok = None
+    grammar_ok = ok.clone()
     if spec.suppress:
-        scores[torch.tensor([t for t in spec.suppress if t < vocab], dtype=torch.long)] = _NEG
-    scores = penalize(scores, spec)
+        ok[torch.tensor([t for t in spec.suppress if t < vocab], dtype=torch.long)] = False
+    scores = _clean(penalize(scores.masked_fill(~ok, _NEG), spec))  # the one check after bias, masks, penalties
     if bool(torch.isneginf(scores).all()):  # nothing finite: every allowed token is equally likely
-        scores = torch.zeros_like(scores) if ok is None else torch.zeros_like(scores).masked_fill(~ok, _NEG)
+        ok = ok if bool(ok.any()) else grammar_ok  # held-back stop tokens only when nothing else is allowed
+        scores = torch.zeros_like(scores).masked_fill(~ok, _NEG)
     return scores
 
 
@@ -181,8 +186,7 @@ def penalize(scores: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         if spec.prompt is not None:
             prompt = torch.as_tensor(spec.prompt, dtype=torch.long)
             seen[prompt[prompt < vocab]] = True
-        scaled = torch.where(scores > 0, scores / spec.repetition, scores * spec.repetition)
-        scores = torch.where(seen, scaled, scores)
+        scores = _repeat(scores, seen, spec.repetition)
     if spec.frequency:
         scores = scores - spec.frequency * counts
     if spec.presence:
@@ -190,9 +194,30 @@ def penalize(scores: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     return scores
 
 
+def _repeat(scores: torch.Tensor, seen: torch.Tensor, r: float) -> torch.Tensor:
+    """The repetition penalty on the [vocab] scores of the seen tokens: positive / r, negative * r, zero and -inf
+    kept. A tiny r (1e-45, 5e-324 round to float32 denormals or 0) overflows positive scores to +inf, a huge one
+    (1e300 is inf in float32) negative scores to -inf: their order is kept (the largest original score of those
+    alone gets the larger float, the others one half the float range below it, which no draw picks beside it)."""
+    scaled = torch.where(scores > 0, scores / r, torch.where(scores < 0, scores * r, scores))
+    scaled = torch.where(torch.isneginf(scores) | ~seen, scores, scaled)  # -inf * 0 would be NaN
+    for big, win, lose in ((torch.isposinf(scaled), _FMAX, _FMAX / 2),  # tiny r: positive / r overflows
+                           (torch.isneginf(scaled) & ~torch.isneginf(scores), -_FMAX / 2, -_FMAX)):  # huge r
+        if bool(big.any()):  # the order survives: the largest original score alone gets `win`
+            best = scores[big].max()
+            scaled = torch.where(big, torch.where(scores == best, win, lose), scaled)
+    return scaled
+
+
+def _clean(scores: torch.Tensor) -> torch.Tensor:
+    """NaN → -inf (never chosen), +inf → the largest float: every score is finite or -inf."""
+    return torch.nan_to_num(scores, nan=_NEG, posinf=_FMAX, neginf=_NEG)
+
+
 def _draw(scores: torch.Tensor, spec: SampleSpec) -> int:
     """Temperature, min-p, top-k, top-p, then one draw from the seeded generator (scores have a finite maximum)."""
-    scores = (scores - scores.max()) / spec.temperature  # every score <= 0: no overflow whatever the temperature
+    scores = scores - scores.max()  # every score <= 0: no overflow whatever the temperature
+    scores = torch.where(torch.isneginf(scores), scores, scores / spec.temperature)  # -inf / inf would be NaN
     if spec.min_p > 0:  # the most likely token has score 0: keep p >= min_p * p_max, i.e. score >= log(min_p)
         scores = scores.masked_fill(scores < math.log(spec.min_p), _NEG)
     if spec.top_k:
@@ -213,7 +238,7 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float, tuple[tu
 
     Log-probabilities are of the raw logits (NaN read as -inf); a token the model gives no probability has -inf.
     """
-    raw = torch.nan_to_num(logits.float(), nan=_NEG, posinf=torch.finfo(torch.float32).max, neginf=_NEG)
+    raw = _clean(logits.float())
     scores = raw if _plain(spec) else _processed(logits, spec)
     if spec.temperature < GREEDY_EPS:
         token = int(torch.argmax(scores))  # a plain spec's scores: an argmax over -inf only is token 0, as before

@@ -83,7 +83,7 @@ class Scheduler:
                 skipped.append(req)
                 continue
             first = req.num_cached < 0
-            use_cache = not req.params.prompt_logprobs or bool(req.out)  # prompt log-probs: every row computed
+            use_cache = not req.computes_prompt_logprobs  # prompt log-probs: every row computed (or copied)
             req.kv = self.kv.attach(req.request_id, req.known_array(), use_cache=use_cache)
             sched = self._place(req, budget)
             if sched is None and use_cache and not self.running and not out:
@@ -166,8 +166,11 @@ class Scheduler:
 
     def _waits_for_inflight_prefix(self, req: Request) -> bool:
         """True when a running request still prefilling a prompt shares more of req's prompt than the cache holds:
-        req then waits, so the shared part is computed and stored once."""
-        if not self.kv.enable_prefix_caching or req.params.prompt_logprobs:
+        req then waits, so the shared part is computed and stored once. A request that copies another's prompt
+        log-probs waits for them."""
+        if not req.take_source_prompt_logprobs():  # an earlier sample of its prompt computes them: wait
+            return True
+        if not self.kv.enable_prefix_caching or req.computes_prompt_logprobs:
             return False
         mine = req.known_array()
         cached = self.kv.match(mine, len(mine) - 1)[2]

@@ -58,6 +58,8 @@ async def create_chat_completion(server: OpenAIServer, http_request: Request):
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, server.max_model_len - len(ids))
     top = int(req.top_logprobs or 0)
     params = server.sampling_params(req, max_tokens, top, req.logprobs, grammar)
+    if req.logprobs and (req.max_completion_tokens or req.max_tokens):  # the default (the rest of the context)
+        server.check_logprob_payload([max_tokens] * req.n, top, "logprobs")  # is not held against a request
     if tool_parser is not None and tool_parser.special_markers and req.skip_special_tokens is None:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
     rid, created = f"chatcmpl-{request_id(http_request)}", int(time.time())
@@ -71,9 +73,11 @@ async def create_chat_completion(server: OpenAIServer, http_request: Request):
         outs = await server.collect(rids, streams, http_request, "chat", t0)
         if outs is None:
             return Response(status_code=499)
-        choices = [_choice(server, req, i, out, parsers[i]) for i, out in enumerate(outs)]
-        return dump(P.ChatCompletionResponse(id=rid, created=created, model=server.name, choices=choices,
-                                              usage=usage_of(outs, req.n)))
+        def build() -> P.ChatCompletionResponse:
+            choices = [_choice(server, req, i, out, parsers[i]) for i, out in enumerate(outs)]
+            return P.ChatCompletionResponse(id=rid, created=created, model=server.name, choices=choices,
+                                            usage=usage_of(outs, req.n))
+        return await server.respond(build)
     return server.stream_response(rids, _stream(server, req, rid, created, rids, streams, parsers, t0))
 
 

@@ -5,7 +5,7 @@ logits); `max_tokens: 0` with `echo` scores the prompt only.
 
 Choice `index` is prompt-major: prompt i's sample j is choice i·n + j. The samples of one prompt are independent
 requests with seeds seed+j; the engine prefills their shared prompt once and the others reuse its K/V from the
-prefix tree (all but the last token, whose logits each needs).
+prefix tree (all but the last token, whose logits each needs) and copy its prompt log-probabilities.
 """
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ async def create_completion(server: OpenAIServer, http_request: Request):
     max_tokens = 1 if score_only else req.max_tokens or DEFAULT_COMPLETION_TOKENS
     top = int(req.logprobs or 0)
     params = server.sampling_params(req, max_tokens, top, req.logprobs is not None, grammar)
+    if req.logprobs is not None:
+        server.check_logprob_payload([len(ids) * req.echo + max_tokens for ids in encoded for _ in range(req.n)], top,
+                                     "logprobs")
     if req.echo and req.logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=True)
     per_choice = [(ids, p) for ids in encoded for p in choice_params(params, req.n, req.seed)]
@@ -56,9 +59,11 @@ async def create_completion(server: OpenAIServer, http_request: Request):
         outs = await server.collect(rids, streams, http_request, "completions", t0)
         if outs is None:
             return Response(status_code=499)
-        choices = [_choice(server, req, i, out, texts[i // req.n], score_only) for i, out in enumerate(outs)]
-        return dump(P.CompletionResponse(id=rid, created=created, model=server.name, choices=choices,
-                                         usage=usage_of(outs, req.n, not score_only)))
+        def build() -> P.CompletionResponse:
+            choices = [_choice(server, req, i, out, texts[i // req.n], score_only) for i, out in enumerate(outs)]
+            return P.CompletionResponse(id=rid, created=created, model=server.name, choices=choices,
+                                        usage=usage_of(outs, req.n, not score_only))
+        return await server.respond(build)
     return server.stream_response(rids, _stream(server, req, rid, created, rids, streams, texts, score_only, t0))
 
 

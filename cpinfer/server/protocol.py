@@ -1,6 +1,6 @@
 """Request and response bodies of the OpenAI API (completions, chat, models, errors) as pydantic models, plus the
 vLLM extras cpinfer accepts (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`add_generation_prompt`, `skip_special_tokens`, `/tokenize`, `/detokenize`).
+`add_generation_prompt`, `skip_special_tokens`, `include_stop_str_in_output`, `/tokenize`, `/detokenize`).
 
 Requests are strict: an int is a JSON integer and a bool a JSON boolean (no "5" or "yes"), floats are finite, and
 a field cpinfer does not implement is a 400 naming it, never accepted and ignored (docs/serving.md lists them).
@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-MAX_TOP_LOGPROBS = 20
+MAX_LOGPROB_ENTRIES = 4_000_000  # log-probabilities one response may carry: choices × tokens × (1 + top)
 MAX_STOP, MAX_STOP_CHARS = 16, 1000
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
@@ -81,6 +81,7 @@ class _SamplingRequest(_Strict):
     min_p: Optional[float] = Field(default=None, ge=0, le=1)  # vLLM extra
     min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM extra
     skip_special_tokens: Optional[bool] = None  # vLLM extra (default true)
+    include_stop_str_in_output: bool = False  # vLLM extra: the matched stop string stays in the text
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[ResponseFormat] = None
     user: Optional[str] = Field(default=None, max_length=256)  # written to the server log with the request id
@@ -151,6 +152,7 @@ class _SamplingRequest(_Strict):
             "min_p": float(self.min_p or 0.0),
             "min_tokens": int(self.min_tokens or 0),
             "skip_special_tokens": self.skip_special_tokens is not False,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         if stops:
             kwargs["stop"] = tuple(stops)
@@ -166,7 +168,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)  # 0: with echo, score the prompt only
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: Optional[int] = Field(default=None, ge=0)  # at most the server's --max-logprobs
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -311,7 +313,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Optional[int] = Field(default=None, ge=0)  # at most the server's --max-logprobs
     add_generation_prompt: bool = True  # vLLM extra
     tools: Optional[list[Tool]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from cpinfer.engine.async_llm import RequestFailedError
@@ -134,6 +136,11 @@ class OpenAIServer:
                         grammar: str | None):
         from cpinfer import SamplingParams
 
+        limit = int(self.engine.max_logprobs)
+        if top_logprobs > limit:
+            param = "logprobs" if isinstance(req, P.CompletionRequest) else "top_logprobs"
+            raise APIError(400, f"{param}: at most {limit} alternatives per token (the server's --max-logprobs), "
+                                f"got {top_logprobs}", param=param, code="invalid_parameter")
         vocab = int(self.engine.config.vocab_size)
         bad = [k for k in (req.logit_bias or {}) if int(k) >= vocab]
         if bad:
@@ -149,6 +156,18 @@ class OpenAIServer:
             field = str(exc).split(" ", 1)[0]
             raise APIError(400, str(exc), param=field if field.isidentifier() else None,
                            code="invalid_parameter") from None
+
+    @staticmethod
+    def check_logprob_payload(tokens_per_choice: list[int], top: int, param: str) -> None:
+        """A 400 before any work when the response would carry more than MAX_LOGPROB_ENTRIES log-probabilities:
+        every choice's tokens (echoed prompt and up to max_tokens output) × (1 + top alternatives)."""
+        entries = sum(tokens_per_choice) * (1 + top)
+        if entries > P.MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"this request asks for {entries:,} log-probabilities ({len(tokens_per_choice)} "
+                                f"choice(s), {sum(tokens_per_choice):,} tokens in all with the echoed prompt and "
+                                f"max_tokens, × (1 + {top} alternatives)); at most {P.MAX_LOGPROB_ENTRIES:,} per "
+                                "response: lower n, max_tokens or the number of alternatives, or split the prompts",
+                           param=param, code="logprobs_too_large")
 
     async def grammar(self, schema: dict | None, param: str) -> str | None:
         """The llguidance grammar for an output schema, validated against the tokenizer (in the pool)."""
@@ -260,6 +279,13 @@ class OpenAIServer:
                      out.request_id, out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens,
                      len(out.token_ids), "n/a" if ttft is None else f"{ttft:.3f} s", e2e)
 
+    @staticmethod
+    async def respond(build: Callable[[], Any]) -> Response:
+        """A whole response: `build()` makes its model and `json_bytes` its body in a worker thread, so a large
+        log-prob payload (n × echo) never stalls the event loop (/health, other streams)."""
+        body = await anyio.to_thread.run_sync(lambda: json_bytes(build()))
+        return Response(body, media_type="application/json")
+
     def stream_response(self, rids: list[str], events) -> GuardedSSE:
         """The SSE response of streamed requests; a client that stops reading for the stall timeout is cut off and
         its requests aborted."""
@@ -279,8 +305,9 @@ class OpenAIServer:
                 for first in chunks(i, None, p):
                     yield f"data: {json.dumps(first)}\n\n"
             async for i, out in _merged(streams):
-                for chunk in chunks(i, out, progress[i]):
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                render = functools.partial(_events, chunks, i, out, progress[i])
+                # an echo's prompt log-probs can be megabytes: built and serialised off the event loop
+                yield await anyio.to_thread.run_sync(render) if out.prompt_logprobs is not None else render()
             complete = True
             lasts = [p.last for p in progress]
             if all(last is not None for last in lasts):
@@ -302,6 +329,11 @@ class OpenAIServer:
                     await self._close(stream)
                 self.metrics.outcome(endpoint, "abort")
         yield "data: [DONE]\n\n"
+
+
+def _events(chunks: Callable, i: int, out, progress: Progress) -> str:
+    """The `data:` lines of one output's chunks."""
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks(i, out, progress))
 
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
@@ -338,13 +370,33 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
 
 def dump(model) -> dict:
     body = model.model_dump()
-    for choice in body.get("choices") or []:  # OpenAI leaves tool_calls out of a plain message
-        message = choice.get("message")
-        if isinstance(message, dict):
-            for key in ("tool_calls", "reasoning_content"):
-                if message.get(key) is None:
-                    message.pop(key, None)
+    for choice in body.get("choices") or []:
+        _plain_message(choice)
     return body
+
+
+def _plain_message(choice: dict) -> dict:
+    """OpenAI leaves tool_calls (and reasoning_content) out of a plain message."""
+    message = choice.get("message")
+    if isinstance(message, dict):
+        for key in ("tool_calls", "reasoning_content"):
+            if message.get(key) is None:
+                message.pop(key, None)
+    return choice
+
+
+_CHOICES = "\x00choices\x00"
+_dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # as FastAPI's
+
+
+def json_bytes(model) -> bytes:
+    """A response model as JSON, dumped and encoded one choice at a time: no single call holds the interpreter
+    for the whole of a large log-prob payload (the event loop's thread gets its turns)."""
+    choices = list(getattr(model, "choices", None) or [])
+    head = model.model_copy(update={"choices": []}).model_dump()
+    head = _dumps({**head, "choices": _CHOICES})  # the key keeps its place
+    parts = ",".join(_dumps(_plain_message(c.model_dump())) for c in choices)
+    return head.replace(_dumps(_CHOICES), f"[{parts}]", 1).encode()
 
 
 def request_id(http_request: Request) -> str:

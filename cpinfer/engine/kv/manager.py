@@ -603,7 +603,8 @@ class KVManager:
 
     def release(self, seq: SeqKV, keep: bool) -> None:
         """A request leaves: unlock its path; keep its tokens cached (finished) or free its private leaf
-        (aborted / preempted)."""
+        (aborted / preempted). Without prefix caching nothing is ever matched: a finished leaf is freed at once."""
+        keep = keep and self.enable_prefix_caching
         self._promise(seq, 0)
         leaf = seq.leaf
         leaf.owner = None
