@@ -565,35 +565,45 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule a forward → run it on the ranks → process its results into outputs."""
         self._check_alive()
         t0 = time.perf_counter()
         self.last_step_host = {}  # this step's, once it runs a forward
         outputs = self._apply_aborts()
-        scheduled, ops, restore_failed = self._schedule()
-        if not scheduled:
-            self.kv.put_back_ops(ops)  # they go with the next forward
-            if self.scheduler.has_work() and not outputs and not restore_failed:
-                raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
+        forward = self._schedule_forward(bool(outputs))
+        if forward is None:
             return outputs
-        choice, phase = self._choose(scheduled)
-        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops))
+        scheduled, batch, choice = forward
         t1 = time.perf_counter()
-        results: list[RankResult] = self._on_ranks(self._run_batch, batch)
+        results = self._run(batch)
         t2 = time.perf_counter()
-        self._tier_events(results)
-        key = f"{phase}/{choice.strategy}"
-        self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
         # host seconds of this step, shared by its requests' step metrics (docs/engine.md, "Metrics")
         host = {"schedule_s": t1 - t0, "forward_s": t2 - t1,
                 **{f"rank0_{k}_s": v for k, v in results[0].phases.items()}, "detokenize_s": 0.0}
         self.last_step_host = host
-        outputs += self._process(scheduled, results, choice, phase, host)
+        outputs += self._process(scheduled, results, choice, batch.phase, host)
         host["process_s"] = time.perf_counter() - t2  # tokens, stop checks, detokenizing, outputs
-        for s in scheduled:  # a hole's tokens recomputed: it is filled, the request matches on below it
-            kv = s.request.kv
-            if kv is not None and kv.fill_until == kv.num_stored:
-                self.scheduler.refill(s.request)
         return outputs
+
+    def _schedule_forward(self, have_outputs: bool):
+        """(scheduled work, its ForwardBatch, the ring choice), or None when nothing can run this step."""
+        scheduled, ops, restore_failed = self._schedule()
+        if not scheduled:
+            self.kv.put_back_ops(ops)  # they go with the next forward
+            if self.scheduler.has_work() and not have_outputs and not restore_failed:
+                raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
+            return None
+        choice, phase = self._choose(scheduled)
+        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops))
+        return scheduled, batch, choice
+
+    def _run(self, batch: ForwardBatch) -> list[RankResult]:
+        """Every rank runs the forward; what they report about the tiers goes to the tier index."""
+        results: list[RankResult] = self._on_ranks(self._run_batch, batch)
+        self._tier_events(results)
+        key = f"{batch.phase}/{batch.strategy}"
+        self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
+        return results
 
     def _on_ranks(self, fn, *args):
         """fn(*args), which runs something on the ranks: any failure there kills the engine."""
@@ -712,6 +722,10 @@ class LLMEngine:
             outputs.append(self.output.output(req))
         for rid in [r for r in self._failed if r not in self.requests]:
             del self._failed[rid]
+        for s in scheduled:  # a hole's tokens recomputed: it is filled, the request matches on below it
+            kv = s.request.kv
+            if kv is not None and kv.fill_until == kv.num_stored:
+                self.scheduler.refill(s.request)
         return outputs
 
     def _step_metrics(self, step_info: dict, s: ScheduledSeq) -> dict:
