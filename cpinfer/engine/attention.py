@@ -449,7 +449,7 @@ class BatchAttention:
             self._prepare_full(HeadLayout.of(q, k_new))
         if self.direct is not None and sinks is None and packed is None:
             return self._run_direct(q, store_k, store_v, scale)
-        lat_k, lat_v = k_new, v_new  # what pass-KV packs: the rows as stored (the latent, in the expanded form)
+        rows = (k_new, v_new, store_k, store_v)  # what pass-KV packs: the rows as stored (the latent when expanded)
         if expand is not None:  # my new rows and the store rows my steps read, up-projected once for this layer
             k_new, v_new = expand(k_new)
             if self.local or (self.ring and self.strategy != "pass-kv"):
@@ -466,7 +466,7 @@ class BatchAttention:
             self._run_pass_kv(q, packed[0][:lr], packed[1][:lr], packed[2], packed[3], scale, timings, acc_out,
                               acc_lse, decode, expand)
         elif self.strategy == "pass-kv":
-            self._run_pass_kv(q, lat_k[:lr], lat_v[:lr], store_k, store_v, scale, timings, acc_out, acc_lse,
+            self._run_pass_kv(q, rows[0][:lr], rows[1][:lr], rows[2], rows[3], scale, timings, acc_out, acc_lse,
                               expand=expand)
         else:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
