@@ -141,10 +141,12 @@ GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 LATENT_ROW = 3 * (16 + 8) * 4  # deepseek_v3 tiny: 3 layers x (latent 16 + rotary 8) fp32 per token, one KV head
 
 
-def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, tmp_path):
+@pytest.mark.parametrize("form", ["auto", "expanded"])
+def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, tmp_path, form):
     """CP2 with a device cache of about one conversation: histories go to the host pool and to disk as latent rows
     ([tokens, 1, layers, 1, 24]: keys only, the values inside them), come back exact; the tiers count 288 bytes a
-    token; a CP1 engine restarted on the same directory reads them (re-placed) and answers as transformers."""
+    token; a CP1 engine restarted on the same directory reads them (re-placed) and answers as transformers. In
+    either MLA form: "expanded" up-projects the restored latent rows like any other."""
     from safetensors import safe_open
 
     from cpinfer import LLM, SamplingParams
@@ -152,7 +154,7 @@ def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpo
 
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     kv_dir = tmp_path / "kv"
-    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_num_batched_tokens=96)
+    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_num_batched_tokens=96, mla_form=form)
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=4))]
     with LLM(str(path), context_parallel_size=2, max_kv_tokens_per_rank=192,
              kv_host_gib=128 * LATENT_ROW / (1 << 30), **kw) as llm:
