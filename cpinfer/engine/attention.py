@@ -451,7 +451,7 @@ class BatchAttention:
             return self._run_direct(q, store_k, store_v, scale)
         rows = (k_new, v_new, store_k, store_v)  # what pass-KV packs: the rows as stored (the latent when expanded)
         if expand is not None:  # my new rows and the store rows my steps read, up-projected once for this layer
-            k_new, v_new = expand(k_new)
+            k_new, v_new = self._expand_new(k_new, expand)
             if self.local or (self.ring and self.strategy != "pass-kv"):
                 store_k, store_v = expand(store_k.index_select(0, self.tables[("full", "held")]))
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v_new.shape[-1], q.device)
@@ -471,6 +471,20 @@ class BatchAttention:
         else:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return finish(acc_out, acc_lse, sinks, dtype)
+
+    def _expand_new(self, k_new, expand) -> tuple[torch.Tensor, torch.Tensor]:
+        """My new latent rows k_new [Lq, 1, D] up-projected -> (k [Lq, H, Dk], v [Lq, H, Dv]). Under pass-KV the ring's
+        rows are up-projected from the message (step 0 is my own block), so only my local sequences' rows are here
+        (the ring's rows of the result are left unset: no step reads them; none at all without local sequences)."""
+        if not (self.ring and self.strategy == "pass-kv"):
+            return expand(k_new)
+        lr = int(self.nq_ring[self.rank])
+        k, v = expand(k_new[lr:])  # [Lq - lr, H, Dk], [Lq - lr, H, Dv]
+        if not self.local:
+            return k, v  # (empty: the accumulator's width only)
+        kx, vx = k.new_empty((k_new.shape[0],) + k.shape[1:]), v.new_empty((k_new.shape[0],) + v.shape[1:])
+        kx[lr:], vx[lr:] = k, v
+        return kx, vx
 
     def _run_direct(self, q, store_k, store_v, scale: float) -> torch.Tensor:
         """Host decode (`direct`): each query row against its store runs, one kernel call per run; a row's partials
