@@ -205,9 +205,9 @@ class BatchAttention:
         parts = [np.arange(a, e, dtype=np.int64) for a, e in runs]
         held = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
 
-        def moved(items):
-            return [dataclasses.replace(it, k0=int(np.searchsorted(held, it.k0)),
-                                        k1=int(np.searchsorted(held, it.k0)) + it.k1 - it.k0) for it in items]
+        def moved(items):  # a run [k0, k1) of slots -> the same keys' rows in the gather (a run there too)
+            starts = np.searchsorted(held, [it.k0 for it in items]).tolist()
+            return [dataclasses.replace(it, k0=a, k1=a + it.k1 - it.k0) for it, a in zip(items, starts)]
 
         self.local_steps = (moved(self.local_steps[0]), self.local_steps[1])
         if self.ring and self.strategy != "pass-kv":
