@@ -1,11 +1,15 @@
-"""Multi-head latent attention and DeepSeek routing, in one process: the routers against transformers' DeepSeek
-routers, the latent KV layout (what a token costs in the cache), the DeepSeek config reading and its refusals.
-End-to-end exactness at CP 1-3 and TP 2 is in tests/test_families.py; cp_attention with Dv != Dk in
+"""Multi-head latent attention and DeepSeek routing: the routers against transformers' DeepSeek routers, the latent
+KV layout (what a token costs in the cache), the DeepSeek config reading and its refusals, the tiers; the two
+attention forms (absorbed, expanded) each forced on every forward and exact against transformers at CP 1-3 and
+TP 2 (full, chunked and partial prefill, decode), and the FLOPs rule that picks one per forward. End-to-end
+exactness of the default choice is also in tests/test_families.py; cp_attention with Dv != Dk in
 tests/test_cp_attention.py."""
+import numpy as np
 import pytest
 import torch
 
 from checkpoints import tiny_config, write_hf_checkpoint
+from cpinfer import SamplingParams
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.config_parts import MoEConfig
@@ -137,10 +141,12 @@ GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 LATENT_ROW = 3 * (16 + 8) * 4  # deepseek_v3 tiny: 3 layers x (latent 16 + rotary 8) fp32 per token, one KV head
 
 
-def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, tmp_path):
+@pytest.mark.parametrize("form", ["auto", "expanded"])
+def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, tmp_path, form):
     """CP2 with a device cache of about one conversation: histories go to the host pool and to disk as latent rows
     ([tokens, 1, layers, 1, 24]: keys only, the values inside them), come back exact; the tiers count 288 bytes a
-    token; a CP1 engine restarted on the same directory reads them (re-placed) and answers as transformers."""
+    token; a CP1 engine restarted on the same directory reads them (re-placed) and answers as transformers. In
+    either MLA form: "expanded" up-projects the restored latent rows like any other."""
     from safetensors import safe_open
 
     from cpinfer import LLM, SamplingParams
@@ -148,7 +154,7 @@ def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpo
 
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     kv_dir = tmp_path / "kv"
-    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_num_batched_tokens=96)
+    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_num_batched_tokens=96, mla_form=form)
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=4))]
     with LLM(str(path), context_parallel_size=2, max_kv_tokens_per_rank=192,
              kv_host_gib=128 * LATENT_ROW / (1 << 30), **kw) as llm:
@@ -210,3 +216,112 @@ def test_tp2_writes_the_latent_once_and_any_tp_size_reads_it(llama_checkpoint, t
             check_against_hf(path, out, [turn2], 6, check_prompt_lp=False)
             assert out[0].num_cached_tokens == (len(doc) + 5 if tp == 1 else len(turn2) - 1)  # (TP1 wrote turn 2)
             assert llm.cache_stats()["tiers"]["disk"]["hit_tokens"] == out[0].num_cached_tokens
+
+
+# ---------------------------------------------------------------- the two forms: absorbed and expanded attention
+FORM_DELTAS: dict[tuple, float] = {}  # (family, cp, tp, form, path) -> max |Δ log-prob| vs transformers
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """`engines(path, cp, tp=1, **kw)`: placement "shard" engines on pools shared by the module; prints the
+    exactness table (family x CP x TP x form x path) at the end."""
+    from pooled_engine import shard_engines
+
+    yield from shard_engines()
+    if FORM_DELTAS:
+        rows = [f"| {f} | {cp} | {tp} | {form} | {path} | {d:.1e} |"
+                for (f, cp, tp, form, path), d in sorted(FORM_DELTAS.items())]
+        print("\nmax |Δ log-prob| vs transformers\n| family | CP | TP | form | path | max |Δ| |\n|---|---|---|---|---|---|\n"
+              + "\n".join(rows))
+
+
+def _deltas(path, outs, prompts) -> tuple[float, float]:
+    """(max |Δ| of the prompt log-probs, max |Δ| of the generated tokens' log-probs) against transformers."""
+    from hf_oracle import hf_logprobs
+
+    prompt_d = gen_d = 0.0
+    for o, p in zip(outs, prompts):
+        lp = hf_logprobs(path, list(p) + list(o.token_ids)[:-1])
+        ref = lp[len(p) - 1:][torch.arange(len(o.token_ids)), torch.tensor(o.token_ids)]
+        gen_d = max(gen_d, float((torch.tensor(o.logprobs) - ref).abs().max()))
+        if o.prompt_logprobs is not None and len(p) > 1:
+            ref_p = lp[torch.arange(len(p) - 1), torch.tensor(p[1:])]
+            prompt_d = max(prompt_d, float((torch.tensor(o.prompt_logprobs[1:]) - ref_p).abs().max()))
+    return prompt_d, gen_d
+
+
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+@pytest.mark.parametrize("cp, tp", [(1, 1), (2, 1), (3, 1), (1, 2)])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_both_forms_match_transformers(llama_checkpoint, engines, family, cp, tp, form):
+    """Every forward forced into one form: a full prefill (37 tokens), a chunked one (130 tokens in chunks of
+    48, over pass-KV at CP > 1), decode (pass-Q), and a second turn whose history comes from the prefix cache
+    (a partial prefill): log-probs within 1e-4 of transformers, greedy tokens equal."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = llama_checkpoint(family, max_position_embeddings=2048)
+    with engines(path, cp, tp, mla_form=form, max_num_batched_tokens=48, max_kv_tokens_per_rank=2048) as llm:
+        prompts = prompts_for(llm.config.vocab_size, [1, 37, 130], seed=cp + tp)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, prompt_logprobs=True, **GREEDY))
+        check_against_hf(path, outs, prompts, 8)
+        assert {st["mla"]["form"] for o in outs for st in o.metrics["steps"]} == {form}
+        turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
+        outs2 = llm.generate(turn2, SamplingParams(max_tokens=6, **GREEDY))
+        assert [o.num_cached_tokens for o in outs2] == [len(p) + 7 for p in prompts]
+        check_against_hf(path, outs2, turn2, 6, check_prompt_lp=False)
+    key = (family, cp, tp, form)
+    FORM_DELTAS[key + ("full",)] = _deltas(path, outs[1:2], prompts[1:2])[0]
+    FORM_DELTAS[key + ("chunked",)] = _deltas(path, outs[2:], prompts[2:])[0]
+    FORM_DELTAS[key + ("decode",)] = _deltas(path, outs, prompts)[1]
+    FORM_DELTAS[key + ("partial",)] = _deltas(path, outs2, turn2)[1]
+
+
+@pytest.mark.parametrize("strategy", ["pass-kv", "pass-q"])
+def test_expanded_partial_prefill_over_each_ring_strategy(llama_checkpoint, engines, strategy):
+    """CP2, a 100-token document in the cache, questions of 9, 30 and 1 tokens over it with the ring strategy
+    forced: pass-KV up-projects each received latent block, pass-Q each rank's own rows; exact either way."""
+    from hf_oracle import check_against_hf
+
+    path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
+    rng = np.random.default_rng(7)
+    doc = rng.integers(3, 256, 100).tolist()
+    questions = [doc + rng.integers(3, 256, n).tolist() for n in (9, 30, 1)]
+    with engines(path, 2, mla_form="expanded", strategy=strategy, max_num_batched_tokens=40,
+                 max_kv_tokens_per_rank=2048) as llm:
+        first = llm.generate([questions[0]], SamplingParams(max_tokens=6, prompt_logprobs=True, **GREEDY))
+        check_against_hf(path, first, questions[:1], 6)
+        rest = llm.generate(questions[1:], SamplingParams(max_tokens=6, **GREEDY))
+        assert [o.num_cached_tokens for o in rest] == [100, 100]
+        assert all(st["strategy"] == strategy and st["mla"]["form"] == "expanded"
+                   for o in rest for st in o.metrics["steps"])
+        check_against_hf(path, rest, questions[1:], 6, check_prompt_lp=False)
+
+
+def test_auto_form_follows_the_flops():
+    """DeepSeek-V3's attention (16 heads, 512 + 64 latent, 128 / 128 heads): a long prefill is expanded, a decode
+    step and a short partial prefill over a long cache stay absorbed; pass-KV's N-fold up-projection counts."""
+    from cpinfer.engine.mla_form import attention_flops, choose_form
+    from cpinfer.model.config_parts import MLAConfig
+
+    mla = MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=None)
+    pair = attention_flops(mla, 1, 1, 0, 0)
+    assert (pair["absorbed"], pair["expanded"]) == (2 * (1024 + 64), 2 * (128 + 64 + 128))  # 3.4x per pair
+    assert attention_flops(mla, 1, 0, 0, 1)["expanded"] == attention_flops(mla, 1, 0, 1, 0)["absorbed"] == 2 * 512 * 256
+
+    def form(start, t, world=1, strategy="pass-kv"):
+        return choose_form(mla, 16, [(start, t, world > 1)], world, strategy).form
+
+    assert form(0, 8192) == form(0, 16384, 2) == "expanded"
+    assert form(16384, 1) == form(16384, 1, 2, "pass-q") == "absorbed"  # decode
+    assert form(16384, 64) == "absorbed" and form(16384, 512) == "expanded"
+    assert form(16384, 256) == "expanded" and form(16384, 256, 4, "pass-kv") == "absorbed"  # 4 up-projections
+    forced = choose_form(mla, 16, [(16384, 1, False)], 1, "local", "expanded")
+    assert forced.as_metrics()["form"] == "expanded" and forced.forced
+
+
+def test_mla_form_is_checked():
+    from cpinfer import LLM
+
+    with pytest.raises(ValueError, match="mla_form must be one of"):
+        LLM(None, mla_form="fast")

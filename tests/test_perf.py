@@ -503,6 +503,28 @@ def test_mla_config_is_read_and_planned(capsys):
     assert rc == 0 and out["active_params"] < 0.06 * out["params"]
 
 
+def test_mla_prefill_is_costed_in_the_cheaper_form_and_decode_absorbed():
+    """DeepSeek-V3 on CP4 x TP8 H200s: a 128K prefill costs the expanded form's FLOPs (per-head keys and values,
+    (128 + 64 + 128) / 2 per pair and head, plus kv_b_proj per latent row and ring step) — less than the absorbed
+    form's 576 — while a 64-token partial prefill over 128K cached tokens stays absorbed; the ring still carries
+    the latent, and decode is priced on the absorbed form's bytes as before."""
+    spec = load_model_spec("deepseek-v3")
+    dep = Deployment(spec, HARDWARE["h200"], 4, 8, WEIGHT_FORMATS["bf16"])
+    ex = dep.expanded_shape
+    assert (ex.pair_dim, ex.head_dim, ex.kv_bytes(1)) == (160, 576, 576 * 2)
+    assert ex.expand_flops == 2 * 512 * 256 * 16
+    full = simulate_prefill(dep, 131072)
+    ring = RingShape(4, 131072, 0)
+    absorbed = cost_model.ring_cost(dep.hardware, dep.attn_shape, ring, "pass-kv", tp=8)
+    expanded = cost_model.ring_cost(dep.hardware, ex, ring, "pass-kv", tp=8)
+    assert full.detail["mla_form"] == "expanded" and expanded.total < absorbed.total / 2
+    assert full.breakdown["attention"] == pytest.approx(expanded.attention * spec.full_layers)
+    assert expanded.message_bytes == absorbed.message_bytes  # the latent on the wire either way
+    assert simulate_prefill(dep, 64, 131072).detail["mla_form"] == "absorbed"
+    assert "mla_form" not in simulate_prefill(Deployment(load_model_spec("llama3-8b"), HARDWARE["h200"], 2, 1,
+                                                         WEIGHT_FORMATS["bf16"]), 4096).detail
+
+
 # --- a plan that ends in a command -----------------------------------------------------------------------------
 @pytest.mark.parametrize("text, tokens", [("131072", 131072), ("128k", 128_000), ("128K", 131_072),
                                           ("1m", 1_000_000), ("1M", 1_048_576), ("25.6k", 25_600),

@@ -4,8 +4,12 @@ latent against the per-head layout of the same model, and CP-N vs CP-1 prefill T
 Bytes are measured on the real objects: the engine's KV store (`cache_stats()` after a prefill: device bytes per
 cached token) and the message pass-KV's ring packs for one rank's tokens (`pass_kv._pack_kv` on a 2-rank plan),
 once with MLA's latent (one KV head, the values inside the keys) and once with the per-head K/V the same layer would
-expand to (H heads of qk_nope + qk_rope keys and v_head_dim values). TTFT: one full prefill per CP size on a fresh
-`LLM`, one thread per rank, attention in the absorbed form.
+expand to (H heads of qk_nope + qk_rope keys and v_head_dim values).
+
+Prefill in both attention forms (`engine/mla_form.py`): per prompt length and CP size, one full prefill on a fresh
+`LLM` with `mla_form="absorbed"` and one with `"expanded"` (one thread per rank; the ring carries the latent either
+way), their TTFT, and the attention FLOPs of each form by the formula the engine chooses with (every layer, every
+rank: pass-KV up-projects each ring block on every rank).
 """
 from __future__ import annotations
 
@@ -69,21 +73,47 @@ def per_head_stored(cfg: dict, elem: int) -> int:
     return cfg["num_hidden_layers"] * per_layer * elem
 
 
+FORMS = ("absorbed", "expanded")
+
+
+def prefill_flops(cfg: dict, tokens: int, cp: int) -> dict:
+    """Attention FLOPs of a full prefill of `tokens` in each form (every layer, every rank), and the form the
+    engine's rule picks: `mla_form.attention_flops` on the causal pairs, pass-KV's rows up-projected on every rank."""
+    from cpinfer.engine.mla_form import attention_flops, choose_form
+    from cpinfer.model.config_parts import MLAConfig
+
+    mla = MLAConfig(kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
+    seqs = [(0, tokens, cp > 1)]
+    choice = choose_form(mla, cfg["num_attention_heads"], seqs, cp, "pass-kv" if cp > 1 else "local")
+    return {**{f: v * cfg["num_hidden_layers"] for f, v in choice.flops.items()}, "auto": choice.form}
+
+
+def time_forms(model_dir, cfg: dict, args, hw: dict) -> dict:
+    """{"<tokens>/<cp>": {"flops": ..., "<form>": time_engine's result}} for every prompt length and CP size."""
+    out = {}
+    for tokens in args.tokens:
+        for n in args.cp:
+            row = {"tokens": tokens, "cp": n, "flops": prefill_flops(cfg, tokens, n)}
+            for form in FORMS:
+                row[form] = P.time_engine(model_dir, n, tokens, args.vocab, args.repeat, {**hw, "mla_form": form})
+            row["speedup"] = row["absorbed"]["ttft_s"] / row["expanded"]["ttft_s"]
+            out[f"{tokens}/{n}"] = row
+    return out
+
+
 def measure(args) -> dict:
-    cfg = model_config(args, args.tokens + 1024)
+    cfg = model_config(args, max(args.tokens) + 1024)
     model_dir = C.random_model("bench-mla", **cfg)
     hw = C.hardware(args)
     elem = 2 if hw["dtype"] in ("bfloat16", "float16") else 4
     stored = stored_bytes_per_token(model_dir, 256, args.vocab)
     sent = message_bytes_per_token(cfg, 256)
     elem_scale = elem / 4  # the message probe packs fp32 tensors
-    engine = {str(n): P.time_engine(model_dir, n, args.tokens, args.vocab, args.repeat, hw) for n in args.cp}
-    base = min(args.cp)
     return {"bench": "mla", "command": command_line(args, hw), "tokens": args.tokens, "model": shape_text(cfg, hw),
             "bytes": {"stored": {"mla": stored, "per_head": per_head_stored(cfg, elem)},
                       "sent_per_layer": {k: v * elem_scale for k, v in sent.items()}},
-            "repeat": args.repeat, "baseline_cp": base, "engine": engine,
-            "ratio": {n: e["ttft_s"] / engine[str(base)]["ttft_s"] for n, e in engine.items()}}
+            "repeat": args.repeat, "forms": time_forms(model_dir, cfg, args, hw)}
 
 
 def shape_text(cfg: dict, hw: dict) -> str:
@@ -100,29 +130,45 @@ def format_report(res: dict) -> str:
                               ("sent per ring step (pass-KV message, one layer)", "sent_per_layer"))]
     out = [f"K/V bytes per token, {res['model']}:", "",
            C.fmt_table(["", "MLA latent", "per-head K/V", "per-head / MLA"], rows), "",
-           f"Full prefill of {res['tokens']} tokens, TTFT, 1 thread per rank, median of {res['repeat']}:", ""]
-    base = res["baseline_cp"]
-    out.append(C.fmt_table(["CP", "strategy", "TTFT (s)", f"TTFT / TTFT(CP{base})"],
-                           [[n, e["strategy"], f"{e['ttft_s']:.2f}", f"{res['ratio'][n]:.3f}"]
-                            for n, e in res["engine"].items()]))
+           f"Full prefill, absorbed vs expanded attention, TTFT with 1 thread per rank (median of {res['repeat']}); "
+           "attention TFLOPs by formula over every layer and rank (`engine/mla_form.py`):", ""]
+    rows = [[r["tokens"], r["cp"], r["absorbed"]["strategy"], f"{r['flops']['absorbed'] / 1e12:.3g}",
+             f"{r['flops']['expanded'] / 1e12:.3g}", f"{r['flops']['absorbed'] / r['flops']['expanded']:.1f}x",
+             f"{r['absorbed']['ttft_s']:.2f}", f"{r['expanded']['ttft_s']:.2f}", f"{r['speedup']:.2f}x",
+             r["flops"]["auto"]] for r in res["forms"].values()]
+    out.append(C.fmt_table(["tokens", "CP", "strategy", "absorbed TFLOP", "expanded TFLOP", "FLOP ratio",
+                            "absorbed TTFT (s)", "expanded TTFT (s)", "speed-up", "auto picks"], rows))
     return "\n".join(out)
 
 
 def command_line(args, hw: dict) -> str:
-    cmd = f"cpinfer bench mla --cp {','.join(map(str, args.cp))} --tokens {args.tokens} --repeat {args.repeat}"
+    cmd = (f"cpinfer bench mla --cp {','.join(map(str, args.cp))} --tokens {','.join(map(str, args.tokens))} "
+           f"--repeat {args.repeat}")
     for name, default in DEFAULTS.items():
         if getattr(args, name) != default:
             cmd += f" --{name.replace('_', '-')} {getattr(args, name)}"
     return cmd + C.hardware_flags(hw)
 
 
-DEFAULTS = dict(hidden=1024, layers=2, heads=8, ffn=2816, vocab=4096, kv_lora_rank=512, rope_dim=64, nope_dim=128,
+DEFAULTS = dict(hidden=1024, layers=2, heads=16, ffn=2816, vocab=4096, kv_lora_rank=512, rope_dim=64, nope_dim=128,
                 v_dim=128, q_lora_rank=384)
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        lengths = []
+    if not lengths or lengths[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of prompt lengths (e.g. 8192,16384), "
+                                         f"got {text!r}")
+    return lengths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=C.cp_sizes, default=[1, 2], metavar="N,N", help="CP sizes (default: 1,2)")
-    parser.add_argument("--tokens", type=C.positive_int, default=16384, help="prompt length (default: 16384)")
+    parser.add_argument("--tokens", type=_lengths, default=[8192, 16384], metavar="N,N",
+                        help="prompt lengths (default: 8192,16384)")
     parser.add_argument("--repeat", type=C.positive_int, default=1, help="timed prefills after a warm-up (default: 1)")
     for name, default in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=C.positive_int, default=default,
@@ -131,6 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    return C.run_measured(args, measure, format_report, f"mla-{args.tokens}",
-                          lambda res: f"MLA: latent vs per-head K/V bytes, prefill {args.tokens} tokens, CP "
-                                      f"{', '.join(res['engine'])}")
+    lengths = "-".join(map(str, args.tokens))
+    return C.run_measured(args, measure, format_report, f"mla-{lengths}",
+                          lambda res: f"MLA: latent vs per-head K/V bytes, absorbed vs expanded prefill of "
+                                      f"{', '.join(map(str, args.tokens))} tokens, CP {', '.join(map(str, args.cp))}")

@@ -30,7 +30,8 @@ def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int, hw: di
             out = llm.generate(C.random_prompt(tokens, vocab, seed=i), params)[0]
             ttft.append(out.metrics["ttft_s"])
             steps = out.metrics["steps"]
-    return {"ttft_s": statistics.median(ttft), "runs_s": ttft, "strategy": steps[0]["strategy"]}
+    return {"ttft_s": statistics.median(ttft), "runs_s": ttft, "strategy": steps[0]["strategy"],
+            **({"mla_form": steps[0]["mla"]["form"]} if "mla" in steps[0] else {})}
 
 
 def time_hf(model_dir, tokens: int, vocab: int, repeat: int, hw: dict | None = None) -> dict:

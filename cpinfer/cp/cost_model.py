@@ -76,6 +76,9 @@ class AttnShape:
     partial_bytes: int = 4  # partial outputs in pass-Q's All2All and the merge
     kv_parts: int = 2       # K and V per KV head; 1 when the values are the keys' first channels (MLA's latent)
     kv_row_bytes: int = 0   # one K or V row of one head as cached and sent (FP8 KV: D + 4); 0: D * elem_bytes
+    pair_dim: int = 0       # FLOPs per visible (query, key) pair and head / 4; 0: head_dim. MLA's expanded prefill:
+    # (qk_nope + qk_rope + v) / 2 over the latent rows it carries (head_dim stays the latent's width, for bytes)
+    expand_flops: float = 0.0  # MLA's expanded prefill: FLOPs to up-project one latent row for this device's heads
 
     def __post_init__(self) -> None:
         for name in ("heads", "kv_heads", "head_dim", "elem_bytes", "partial_bytes", "kv_parts"):
@@ -100,12 +103,13 @@ class AttnShape:
 def attention_time(hw: Rates, shape: AttnShape, pairs: float, lq: float, lkv: float) -> float:
     """One prefill attention kernel: `pairs` visible (query, key) pairs of lq queries against lkv keys.
 
-    FLOPs = 4 * pairs * head_dim * heads (QK^T and PV, paper Table 3, App. A). Each query row pays L0 keys' worth
-    of fixed work (attn_overhead_tokens), so short blocks run slower; or the Q/K/V/O traffic, if longer.
+    FLOPs = 4 * pairs * head_dim * heads (QK^T and PV, paper Table 3, App. A; `pair_dim` instead of head_dim when
+    set). Each query row pays L0 keys' worth of fixed work (attn_overhead_tokens), so short blocks run slower; or
+    the Q/K/V/O traffic, if longer.
     """
     if pairs <= 0:
         return 0.0
-    work = 4.0 * (pairs + lq * hw.attn_overhead_tokens) * shape.head_dim * shape.heads
+    work = 4.0 * (pairs + lq * hw.attn_overhead_tokens) * (shape.pair_dim or shape.head_dim) * shape.heads
     traffic = 2 * shape.q_bytes(lq) + shape.kv_bytes(lkv)  # read Q, K, V; write O
     return max(work / attention_rate(hw), traffic / memory_rate(hw))
 
@@ -175,6 +179,9 @@ def ring_cost(hw: Rates, shape: AttnShape, ring: RingShape, strategy: str, *, ba
     lkv = batch * ring.max_kv_tokens
     compute = [attention_time(hw, shape, batch * ring.step_pairs(j), lq, lkv) for j in range(n)]
     last = max((j for j in range(n) if compute[j] > 0), default=0)
+    if shape.expand_flops:  # MLA expanded: pass-KV up-projects each block it attends, pass-Q its own rows once
+        up = shape.expand_flops * lkv / attention_rate(hw)
+        compute = [c + up if c > 0 and (strategy == "pass-kv" or j == 0) else c for j, c in enumerate(compute)]
     link = ring_link(hw, n, tp)
     msg = (shape.kv_bytes(lkv) if strategy == "pass-kv" else shape.q_bytes(lq)) if last > 0 else 0.0
     comm = p2p_time(msg, link)

@@ -20,6 +20,11 @@ FP8 KV cache (`run(..., codecs=)`): K/V rows arrive as uint8 (e4m3 with a static
 scale per token and head, `kv/fp8.py`); `run` dequantizes the new rows and the store rows it reads with the layer's
 codecs, and pass-KV ring messages carry the FP8 rows (dequantized per step).
 
+MLA's expanded form (`run(..., expand=)`, `model/mla.py`): the store and the ring keep the latent; the rows a step
+reads are up-projected to per-head K / V where they are read — each pass-KV ring block once when it arrives, the
+store rows of my local and pass-Q steps once per layer (gathered: `held`), my new rows once — and the queries are
+the ordinary per-head ones.
+
 `prepare` plans every kind of layer the model has and puts every index the forward needs (model inputs, kernel
 tables, message rows, gathers) into one `ForwardTables`, which the runner uploads once before layer 0.
 """
@@ -170,6 +175,8 @@ class BatchAttention:
         self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
         self.values_in_keys = False  # the store's v is its k's first channels (MLA): messages carry keys alone
         self.direct: list | None = None  # host decode's rows and their store runs (`_direct_rows`), or None
+        self.expanded = False  # MLA's expanded form this forward (`prepare`)
+        self.held = np.zeros(0, dtype=np.int64)  # expanded form: the store slots my local / pass-Q steps read
 
     def _members(self) -> list[tuple[int, int]]:
         """(sequence, rank) pairs this rank's plans read: the ring's sequences on every rank, mine on mine."""
@@ -187,6 +194,25 @@ class BatchAttention:
         elif self.ring:
             self._plan_pass_q(seqs)
         self._plan_local(seqs)
+        if self.expanded:
+            self._hold_store()
+
+    def _hold_store(self) -> None:
+        """Expanded form: the store rows my local and pass-Q steps read become `held` (sorted slots, gathered and
+        up-projected once per layer), their items re-pointed at rows of that gather; no host decode path."""
+        pairs = [self.local_steps] + (list(self.steps) if self.ring and self.strategy != "pass-kv" else [])
+        runs = [(it.k0, it.k1) for store_items, _ in pairs for it in store_items]
+        parts = [np.arange(a, e, dtype=np.int64) for a, e in runs]
+        held = np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+        def moved(items):  # a run [k0, k1) of slots -> the same keys' rows in the gather (a run there too)
+            starts = np.searchsorted(held, [it.k0 for it in items]).tolist()
+            return [dataclasses.replace(it, k0=a, k1=a + it.k1 - it.k0) for it, a in zip(items, starts)]
+
+        self.local_steps = (moved(self.local_steps[0]), self.local_steps[1])
+        if self.ring and self.strategy != "pass-kv":
+            self.steps = [(moved(store_items), new_items) for store_items, new_items in self.steps]
+        self.held, self.direct = held, None
 
     @staticmethod
     def _visible_runs(s, r: int) -> np.ndarray:
@@ -274,7 +300,7 @@ class BatchAttention:
         return sorted(rows.items()) if len(rows) == int(self.nq[self.rank]) else None
 
     def prepare(self, layout: HeadLayout, windows, store_rows: int | None = None, chunks=None,
-                values_in_keys: bool = False) -> ForwardTables:
+                values_in_keys: bool = False, expanded: bool = False) -> ForwardTables:
         """Plan every kind of layer the model has (`windows`, `chunks`: each layer's window and attention chunk,
         None = none; both None = full attention) and put every device index the forward reads into `self.tables`:
         the model's inputs ("input_ids", "positions", "slots"), the kernel tables of every ring step and of my
@@ -282,13 +308,16 @@ class BatchAttention:
         once, before layer 0; inside the layers nothing else crosses to the device. `store_rows`: the store's
         size; with it a backend that addresses keys through an index (flash-attn) reads a step's store rows and
         new rows (already written to the store) in one call. `values_in_keys`: the store's v is the view of its k's
-        first channels (MLA)."""
+        first channels (MLA). `expanded`: MLA's expanded form (`layout` then that of the per-head K / V): the store
+        rows are read through `held`, not in place."""
         t = self.tables
-        self.values_in_keys = values_in_keys
-        self.store_rows = store_rows if self.backend.maps_keys(layout) else None
+        self.values_in_keys, self.expanded = values_in_keys, expanded
+        self.store_rows = store_rows if self.backend.maps_keys(layout) and not expanded else None
         for name in ("input_ids", "positions", "slots"):
             t.put((name,), getattr(self, name).astype(np.int64, copy=False))  # [Lq] each
         kinds = set(zip(windows, chunks if chunks is not None else [None] * len(windows)))
+        if expanded and kinds != {(None, None)}:
+            raise ValueError("MLA's expanded form runs full attention only (this model has windowed / chunked layers)")
         if (None, None) in kinds:
             self._plan_full()
             self._prepare_full(layout)
@@ -306,6 +335,8 @@ class BatchAttention:
         self._prepare_pair("local", self.local_steps, layout)
         if self.ring and self.strategy == "pass-kv":
             self.tables.put(("full", "send"), self.send_slots[self.rank])
+        if self.expanded:
+            self.tables.put(("full", "held"), self.held)
 
     def _prepare_pair(self, j, step, layout: HeadLayout) -> None:
         """The tables of a (store items, new-key items) step: one call over both when the backend maps keys."""
@@ -392,7 +423,7 @@ class BatchAttention:
     # ------------------------------------------------------------------ per layer
     def run(self, q, k_new, v_new, store_k, store_v, scale: float, timings: list | None = None,
             window: int | None = None, chunk: int | None = None, sinks: torch.Tensor | None = None,
-            store_used: int | None = None, codecs: tuple | None = None) -> torch.Tensor:
+            store_used: int | None = None, codecs: tuple | None = None, expand=None) -> torch.Tensor:
         """q [Lq, H, D], k_new [Lq, Hkv, D] / v_new [Lq, Hkv, Dv] (already written to the store), store_k / store_v
         [capacity, Hkv, D / Dv] (store_v may be the view store_k[..., :Dv]: MLA's latent; messages then carry keys
         alone) → out [Lq, H, Dv];
@@ -400,7 +431,9 @@ class BatchAttention:
         `sinks` [H]: the layer's sink logits, merged once per query after every partial. Rows [0, nq_ring) belong
         to the ring's sequences, the rest to my local ones. `codecs` (an FP8 KV cache): the layer's (K, V)
         `kv_fp8.RowCodec`s, and the K/V tensors are their uint8 rows; `store_used`: the store rows ever written (those
-        dequantized for steps that read the store)."""
+        dequantized for steps that read the store). `expand` (MLA's expanded form, planned by `prepare`): latent rows
+        [N, 1, D] -> (k [N, H, Dk], v [N, H, Dv]); q is then the per-head query [Lq, H, Dk], k_new / the store hold
+        latents, and out is [Lq, H, Dv]."""
         packed = None
         if codecs is not None:  # attention reads the rows dequantized; pass-KV messages carry them as stored
             packed = (k_new, v_new, store_k, store_v)
@@ -416,6 +449,11 @@ class BatchAttention:
             self._prepare_full(HeadLayout.of(q, k_new))
         if self.direct is not None and sinks is None and packed is None:
             return self._run_direct(q, store_k, store_v, scale)
+        rows = (k_new, v_new, store_k, store_v)  # what pass-KV packs: the rows as stored (the latent when expanded)
+        if expand is not None:  # my new rows and the store rows my steps read, up-projected once for this layer
+            k_new, v_new = self._expand_new(k_new, expand)
+            if self.local or (self.ring and self.strategy != "pass-kv"):
+                store_k, store_v = expand(store_k.index_select(0, self.tables[("full", "held")]))
         acc_out, acc_lse = new_accumulator(q.shape[0], q.shape[1], v_new.shape[-1], q.device)
         if self.local:
             self._attend("local", self.local_steps, q, k_new, v_new, store_k, store_v, acc_out, acc_lse, scale)
@@ -426,12 +464,27 @@ class BatchAttention:
         if self.strategy == "pass-kv" and packed is not None:  # the message: packed store rows and new rows
             decode = (lambda p: codecs[0].decode(p, dtype), lambda p: codecs[1].decode(p, dtype))
             self._run_pass_kv(q, packed[0][:lr], packed[1][:lr], packed[2], packed[3], scale, timings, acc_out,
-                              acc_lse, decode)
+                              acc_lse, decode, expand)
         elif self.strategy == "pass-kv":
-            self._run_pass_kv(q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse)
+            self._run_pass_kv(q, rows[0][:lr], rows[1][:lr], rows[2], rows[3], scale, timings, acc_out, acc_lse,
+                              expand=expand)
         else:
             acc_out[:lr], acc_lse[:lr] = self._run_pass_q(q, k_new, v_new, store_k, store_v, scale, timings)
         return finish(acc_out, acc_lse, sinks, dtype)
+
+    def _expand_new(self, k_new, expand) -> tuple[torch.Tensor, torch.Tensor]:
+        """My new latent rows k_new [Lq, 1, D] up-projected -> (k [Lq, H, Dk], v [Lq, H, Dv]). Under pass-KV the ring's
+        rows are up-projected from the message (step 0 is my own block), so only my local sequences' rows are here
+        (the ring's rows of the result are left unset: no step reads them; none at all without local sequences)."""
+        if not (self.ring and self.strategy == "pass-kv"):
+            return expand(k_new)
+        lr = int(self.nq_ring[self.rank])
+        k, v = expand(k_new[lr:])  # [Lq - lr, H, Dk], [Lq - lr, H, Dv]
+        if not self.local:
+            return k, v  # (empty: the accumulator's width only)
+        kx, vx = k.new_empty((k_new.shape[0],) + k.shape[1:]), v.new_empty((k_new.shape[0],) + v.shape[1:])
+        kx[lr:], vx[lr:] = k, v
+        return kx, vx
 
     def _run_direct(self, q, store_k, store_v, scale: float) -> torch.Tensor:
         """Host decode (`direct`): each query row against its store runs, one kernel call per run; a row's partials
@@ -475,9 +528,11 @@ class BatchAttention:
             out[rows] = plan.run(q[rows], k, v, timings, scale, sinks)
         return out
 
-    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse, decode=None) -> None:
+    def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse, decode=None,
+                     expand=None) -> None:
         """`decode`: FP8 KV, (K, V) dequantizers: the rows packed here are uint8 and each received block's keys and
-        values are dequantized by them."""
+        values are dequantized by them. `expand`: MLA's expanded form: the message carries latents, and each block
+        (mine at step 0, then each received one) is up-projected once, for every head of this rank."""
         u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         shared, dk, dv = self.values_in_keys, k_new.shape[-1], v_new.shape[-1]
         packed = k_new.new_zeros((self.max_send, k_new.shape[1], row_width(dk, dv, shared)))  # [max_send, Hkv, W]
@@ -488,6 +543,8 @@ class BatchAttention:
             k, v = unpack_rows(block, dk, dv)
             if decode is not None:
                 k, v = decode[0](k.contiguous()), decode[1](v.contiguous())
+            if expand is not None:
+                k, v = expand(k)  # [max_send, 1, D] latent -> [max_send, H, Dk], [max_send, H, Dv]
             self.backend.attend_items(self.steps[j], None, q, k, v, acc_out, acc_lse, scale, self.tables,
                                       ("full", "kv", j))
 

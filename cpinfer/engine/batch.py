@@ -38,6 +38,7 @@ class ForwardBatch:
     strategy: str  # "pass-kv" | "pass-q" for the ring's sequences; "local" when no sequence spreads (no ring)
     phase: str  # "prefill" | "decode" | "mixed"
     cache_ops: tuple[CacheOp, ...] = ()  # applied in order before the forward
+    mla_form: str = "absorbed"  # multi-head latent attention: "absorbed" | "expanded" (`mla_form.py`); others ignore it
 
 
 @dataclasses.dataclass(frozen=True)

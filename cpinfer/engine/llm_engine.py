@@ -37,6 +37,7 @@ from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.structured import GrammarCompiler, Matcher
+from cpinfer.engine.mla_form import check_form, choose_form
 from cpinfer.engine.strategy import choose_for_batch
 from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool, driver_can_host_rank,
                             joined_world_requested)
@@ -74,6 +75,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of each GPU for weights, activations and the KV cache
     share_gpus: bool = False  # CUDA: allow more ranks than GPUs on a node (gloo through host memory; slow)
     strategy: str = "auto"
+    mla_form: str = "auto"  # multi-head latent attention: "auto" (per forward, by FLOPs: `mla_form.py`), "absorbed" or
+    # "expanded" (every forward in that form: tests and benchmarks); other models ignore it
     placement: str = "auto"  # "auto" (cost model) | "shard" (always 2N-chunk sharding) | "local" (one rank)
     hardware_profile: str | None = None
     attention_backend: str = "auto"
@@ -117,6 +120,7 @@ class EngineConfig:
         m = self.max_logprobs
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
+        check_form(self.mla_form)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")
@@ -573,7 +577,7 @@ class LLMEngine:
         forward = self._schedule_forward(bool(outputs))
         if forward is None:
             return outputs
-        scheduled, batch, choice = forward
+        scheduled, batch, choice, form = forward
         t1 = time.perf_counter()
         results = self._run(batch)
         t2 = time.perf_counter()
@@ -581,12 +585,13 @@ class LLMEngine:
         host = {"schedule_s": t1 - t0, "forward_s": t2 - t1,
                 **{f"rank0_{k}_s": v for k, v in results[0].phases.items()}, "detokenize_s": 0.0}
         self.last_step_host = host
-        outputs += self._process(scheduled, results, choice, batch.phase, host)
+        outputs += self._process(scheduled, results, choice, batch.phase, host, form)
         host["process_s"] = time.perf_counter() - t2  # tokens, stop checks, detokenizing, outputs
         return outputs
 
     def _schedule_forward(self, have_outputs: bool):
-        """(scheduled work, its ForwardBatch, the ring choice), or None when nothing can run this step."""
+        """(scheduled work, its ForwardBatch, the ring choice, the MLA form choice or None), or None when nothing
+        can run this step."""
         scheduled, ops, restore_failed = self._schedule()
         if not scheduled:
             self.kv.put_back_ops(ops)  # they go with the next forward
@@ -594,8 +599,10 @@ class LLMEngine:
                 raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
             return None
         choice, phase = self._choose(scheduled)
-        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops))
-        return scheduled, batch, choice
+        form = self._mla_form(scheduled, choice.strategy)
+        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops),
+                             "absorbed" if form is None else form.form)
+        return scheduled, batch, choice, form
 
     def _run(self, batch: ForwardBatch) -> list[RankResult]:
         """Every rank runs the forward; what they report about the tiers goes to the tier index."""
@@ -655,6 +662,14 @@ class LLMEngine:
         p = sum(s.start for s in ring)
         return choose_for_batch(self, t, p, _phase(ring), ring=bool(ring)), _phase(scheduled)
 
+    def _mla_form(self, scheduled: list[ScheduledSeq], strategy: str):
+        """MLA models: the forward's attention form (`mla_form.choose_form`); None for other models."""
+        c = self.config
+        if not c.values_in_keys:
+            return None
+        seqs = [(s.start, len(s.tokens), bool(s.placement.spread) and self.n > 1) for s in scheduled]
+        return choose_form(c.mla, c.num_attention_heads, seqs, self.n, strategy, self.args.mla_form)
+
     def _seq_input(self, s: ScheduledSeq) -> SeqInput:
         req = s.request
         spec = self._sample_spec(req) if s.sample else None
@@ -702,10 +717,13 @@ class LLMEngine:
         out.error = why
         return out
 
-    def _process(self, scheduled, results: list[RankResult], choice, phase, host: dict) -> list[RequestOutput]:
+    def _process(self, scheduled, results: list[RankResult], choice, phase, host: dict,
+                 form=None) -> list[RequestOutput]:
         """The forward's results → request state and outputs (engine/output.py); finished requests leave."""
         step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs,
                      "host": host}
+        if form is not None:  # MLA: the forward's attention form and the FLOPs of both
+            step_info["mla"] = form.as_metrics()
         for s in scheduled:
             s.request.metrics["steps"].append(self._step_metrics(step_info, s))
         outputs = []

@@ -67,6 +67,9 @@ class ModelRunner:
         self.n_kv = attn.num_kv_heads  # this TP rank's KV heads (MLA: the one latent head, on every TP rank)
         self.widths = KVWidths.of(self.config)
         self.layout = HeadLayout(attn.num_heads, self.n_kv, self.widths.key, dtype)  # what attention gets
+        mla = self.config.mla if self.widths.values_in_keys else None  # MLA's expanded form: per-head K / V
+        self.expanded_layout = None if mla is None else HeadLayout(attn.num_heads, attn.num_heads, mla.qk_head_dim,
+                                                                   dtype)
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
@@ -166,14 +169,17 @@ class ModelRunner:
         if plan.idle:  # no token here and no ring in this forward: nothing to run
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store.note_written(plan.slots)
-        tables = plan.prepare(self.layout, self.windows, store.k.shape[1], self.chunks,  # every index, on the host
-                              store.widths.values_in_keys)
+        expanded = batch.mla_form == "expanded" and store.widths.values_in_keys
+        tables = plan.prepare(self.expanded_layout if expanded else self.layout, self.windows,  # every index, on
+                              store.k.shape[1], self.chunks, store.widths.values_in_keys,  # the host
+                              expanded=expanded)
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
         t_plan = time.perf_counter()
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         steps = []  # ring timings of every layer, read after the forward
 
-        def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied; sinks [H]
+        def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
+            # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)]
                 k, v = codecs[layer][0].encode(k), codecs[layer][1].encode(v)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
@@ -181,8 +187,9 @@ class ModelRunner:
                 store.v[layer].index_copy_(0, slots, v)
             return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
                             self.chunks[layer], sinks, store_used=store.used,
-                            codecs=None if codecs is None else codecs[layer])
+                            codecs=None if codecs is None else codecs[layer], expand=expand)
 
+        attn.mla_form = "expanded" if expanded else "absorbed"  # what MLA layers give attention (`model/mla.py`)
         phases = {"plan": t_plan - t0}
         with torch.inference_mode():
             hidden = self.model(ids, pos, attn)  # [L, hidden]

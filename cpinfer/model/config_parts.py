@@ -88,8 +88,8 @@ class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2 §2.1): per token one latent c (kv_lora_rank, normed) and one rotary
     key (qk_rope_head_dim) shared by every head; per head a no-RoPE query / key part (qk_nope_head_dim) and a value
     (v_head_dim) up-projected from c by kv_b_proj; queries through a low-rank q_a / q_b pair when q_lora_rank is set.
-    Attention runs in the absorbed form (`mla.py`): one KV head of width key_width whose first value_width channels
-    are the values."""
+    The cache holds one KV head of width key_width whose first value_width channels are the values (the absorbed
+    form's view); attention runs absorbed or expanded per forward (`mla.py`, `engine/mla_form.py`)."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int

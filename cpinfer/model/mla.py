@@ -1,5 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2 §2.1, also V3 / Kimi K2 / Moonlight) in the absorbed form: multi-query
-attention over the compressed latent.
+"""Multi-head latent attention (DeepSeek-V2 §2.1, also V3 / Kimi K2 / Moonlight), in two forms over one latent cache.
 
 Per token the layer makes one latent c = norm(x W_DKV) [kv_lora_rank] and one rotary key k_r [qk_rope_head_dim],
 shared by every head. Head h's key would be (c W_UK,h ; k_r) and its value c W_UV,h; folding W_UK,h into the query
@@ -7,6 +6,13 @@ shared by every head. Head h's key would be (c W_UK,h ; k_r) and its value c W_U
 ONE KV head [c ; k_r] whose first kv_lora_rank channels are the values (v = k[..., :kv_lora_rank]), and each head's
 output is up-projected by W_UV,h after the softmax (and after CP's merge: the merge is linear in the values). The
 cache, the ring and the tiers carry kv_lora_rank + qk_rope_head_dim values per token, once.
+
+The expanded form (`attn.mla_form == "expanded"`, chosen per forward by `mla_form.choose_form`) keeps that latent
+in the cache and on the ring but attends with per-head keys and values: attention gets the ordinary query
+(q_nope ; q_r) [H, nope + rope] and an `expand` callable that up-projects latent rows, c W_UK,h ⊕ k_r and c W_UV,h
+(`kv_b_proj`, one GEMM per block of rows), wherever the rows are read: once per received ring block, once per
+forward for a rank's own rows. Fewer FLOPs when many queries meet many keys (prefill); the absorbed form reads fewer
+bytes (decode).
 
 No distributed code: under TP the query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns) are sliced
 from outside and the latent path (q_a_proj, kv_a_proj_with_mqa, their norms) stays whole on every rank.
@@ -65,7 +71,8 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.m.qk_head_dim)  # (L may be 0 on a rank)
 
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn, q_scale: Tensor | None = None) -> Tensor:
-        """x [L, hidden], cos/sin [L, rope/2] -> [L, hidden] (a partial sum when o_proj is TP-sliced)."""
+        """x [L, hidden], cos/sin [L, rope/2] -> [L, hidden] (a partial sum when o_proj is TP-sliced). The form is
+        the attention callable's `mla_form` ("absorbed" when it has none)."""
         m, n = self.m, x.shape[0]
         q = self._queries(x)  # [L, H, nope + rope]
         h = q.shape[1]
@@ -75,16 +82,31 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(c)  # [L, rank]
         q_rope = self.rope(q_rope, cos, sin)  # [L, H, rope]
         k_rope = self.rope(k_rope.view(n, 1, m.qk_rope_head_dim), cos, sin)  # [L, 1, rope]
+        kv = k_rope.new_empty(n, 1, m.key_width)  # [L, 1, rank + rope]: the one KV head, as cached
+        kv[..., :m.kv_lora_rank], kv[..., m.kv_lora_rank:] = c[:, None], k_rope
+        if getattr(attn, "mla_form", "absorbed") == "expanded":
+            q_full = q_rope.new_empty(n, h, m.qk_head_dim)  # [L, H, nope + rope]: the ordinary query
+            q_full[..., :m.qk_nope_head_dim], q_full[..., m.qk_nope_head_dim:] = q_nope, q_rope
+            out = attn(self.layer_idx, q_full, kv, kv[..., :m.kv_lora_rank], expand=self.expand)  # [L, H, v]
+            return self.o_proj(out.reshape(n, h * m.v_head_dim))
         w = self.kv_b_proj.weight.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         w_uk, w_uv = w[:, :m.qk_nope_head_dim], w[:, m.qk_nope_head_dim:]  # [H, nope, rank], [H, v, rank]
         q_lat = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)  # [L, H, rank]: W_UK folded into the query
         q_abs = q_rope.new_empty(n, h, m.key_width)  # [L, H, rank + rope]
         q_abs[..., :m.kv_lora_rank], q_abs[..., m.kv_lora_rank:] = q_lat, q_rope
-        kv = k_rope.new_empty(n, 1, m.key_width)  # [L, 1, rank + rope]: the one KV head, as cached
-        kv[..., :m.kv_lora_rank], kv[..., m.kv_lora_rank:] = c[:, None], k_rope
         out_lat = attn(self.layer_idx, q_abs, kv, kv[..., :m.kv_lora_rank])  # [L, H, rank]
         out = (out_lat.transpose(0, 1) @ w_uv.transpose(1, 2)).transpose(0, 1)  # [L, H, v]: W_UV after the merge
         return self.o_proj(out.reshape(n, h * m.v_head_dim))
+
+    def expand(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Latent rows [N, 1, rank + rope] (as cached: c ⊕ k_r, RoPE applied) -> per-head keys k [N, H, nope + rope]
+        (c W_UK,h ⊕ the shared k_r) and values v [N, H, v] (c W_UV,h): one GEMM with kv_b_proj's weight."""
+        m, n, h = self.m, rows.shape[0], self.num_heads
+        c, k_rope = rows[:, 0].split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)  # [N, rank], [N, rope]
+        kv = (c @ self.kv_b_proj.weight.T).view(n, h, m.qk_nope_head_dim + m.v_head_dim)  # [N, H, nope + v]
+        k = rows.new_empty(n, h, m.qk_head_dim)  # [N, H, nope + rope]
+        k[..., :m.qk_nope_head_dim], k[..., m.qk_nope_head_dim:] = kv[..., :m.qk_nope_head_dim], k_rope[:, None]
+        return k, kv[..., m.qk_nope_head_dim:]
 
 
 __all__ = ["MLAttention"]

@@ -73,6 +73,10 @@ def format_plan(plan: Plan) -> str:
     lines += [
         f"  per ring step: pass-KV message {kv['ring_message_mb']:.2f} MB, SendRecv {kv['step_sendrecv_us']:.0f} us, "
         f"attention up to {kv['step_attention_max_us']:.0f} us; {kv['padding_tokens']} padding tokens",
+        *([f"  multi-head latent attention: prefill costed in the "
+           f"{'/'.join(dict.fromkeys(plan.ttft[s].detail['mla_form'] for s in STRATEGIES))} form (the cheaper of "
+           "absorbed and expanded per-head K/V, as the engine picks); decode in the absorbed form (bytes)"]
+          if "mla_form" in kv else []),
         "",
         f"choice    {plan.choice.strategy} ({plan.choice.method}): {plan.choice.reason}",
         f"simulated fastest: {plan.fastest}",

@@ -9,7 +9,7 @@ the paper's system (the statements) and cpinfer (the default). `cpinfer/perf/fit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cpinfer.cp import cost_model
 from cpinfer.cp.cost_model import STRATEGIES, AttnShape
@@ -85,6 +85,18 @@ class Deployment:
                          self.implementation.partial_bytes, m.kv_parts, m.head_dim * self.kv_bytes + self.kv_scale_bytes)
 
     @property
+    def expanded_shape(self) -> AttnShape | None:
+        """MLA's expanded prefill (`cpinfer/engine/mla_form.py`): the latent's bytes, per-pair FLOPs of per-head
+        keys (nope + rope) and values (v), and each latent row's up-projection (kv_b_proj) for this device's heads;
+        None for other models."""
+        m = self.model
+        if not m.mla:
+            return None
+        heads = m.n_heads // self.tp
+        return replace(self.attn_shape, pair_dim=(m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) // 2,
+                       expand_flops=2.0 * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) * heads)
+
+    @property
     def link(self) -> cost_model.Link:
         return self.hardware.ring_link(self.cp, self.tp)
 
@@ -102,6 +114,11 @@ def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy
     """Ring attention of every layer on one rank, seconds by RING_KEYS, and the per-step numbers of a full layer."""
     m, shape = dep.model, dep.attn_shape
     full = cost_model.ring_cost(dep.hardware, shape, ring, strategy, batch=batch, tp=dep.tp)
+    form = None
+    if dep.expanded_shape is not None:  # MLA: the cheaper form, as the engine picks per forward
+        expanded = cost_model.ring_cost(dep.hardware, dep.expanded_shape, ring, strategy, batch=batch, tp=dep.tp)
+        form = "expanded" if expanded.total < full.total else "absorbed"
+        full = expanded if form == "expanded" else full
     total = {k: m.full_layers * getattr(full, k) for k in RING_KEYS}
     if m.window_layers:  # sliding layers, or Llama 4's chunked ones (the chunk geometry of RingShape)
         windowed = RingShape(ring.n, ring.new, ring.cached, m.window) if m.local == "sliding" else \
@@ -109,7 +126,7 @@ def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy
         win = cost_model.ring_cost(dep.hardware, shape, windowed, strategy, batch=batch, tp=dep.tp)
         total = {k: total[k] + m.window_layers * getattr(win, k) for k in RING_KEYS}
     return total, dict(step_sendrecv=full.step_sendrecv, step_attention_max=full.step_attention_max,
-                       message_bytes=full.message_bytes)
+                       message_bytes=full.message_bytes, mla_form=form)
 
 
 def gemm_layer(dep: Deployment, tokens: int) -> float:
@@ -176,12 +193,16 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
     breakdown = {k: breakdown.get(k, 0.0) + attn.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, batch)
     seconds = sum(breakdown.values())
-    flops = paper_flops(dep.model, prompt_tokens, cached_tokens, batch)
+    expanded = step["mla_form"] == "expanded"
+    flops = paper_flops(dep.model, prompt_tokens, cached_tokens, batch,
+                        dep.expanded_shape.pair_dim if expanded else 0)
     detail = dict(chunk_tokens=ring.chunk, padding_tokens=batch * ring.padding,
                   tokens_per_rank=batch * ring.q_tokens, ring_message_mb=step["message_bytes"] / 1e6,
                   step_sendrecv_us=step["step_sendrecv"] * 1e6,
                   step_attention_max_us=step["step_attention_max"] * 1e6,
                   tflops_per_gpu=flops / seconds / dep.gpus / 1e12)
+    if step["mla_form"] is not None:
+        detail["mla_form"] = step["mla_form"]
     return Estimate(strategy, seconds, breakdown, detail)
 
 
@@ -265,11 +286,12 @@ def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memo
     return Memory(weights / 1e9, kv / 1e9, dep.hardware.mem_gb)
 
 
-def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1) -> float:
+def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1, pair_dim: int = 0) -> float:
     """App. A: 2*W*T*B GEMM FLOPs (W: the active weights of a mixture of experts) + 4*B*T*(T/2 + P)*D*layers
     attention FLOPs (causal half for new tokens); a sliding-window layer counts the pairs its window shows, sum
-    over new tokens of min(W, position + 1), a chunked layer those of its chunk, sum of (position mod C) + 1."""
-    d = model.n_heads * model.head_dim
+    over new tokens of min(W, position + 1), a chunked layer those of its chunk, sum of (position mod C) + 1.
+    `pair_dim`: D per head when it is not head_dim (MLA's expanded form: (nope + rope + v) / 2)."""
+    d = model.n_heads * (pair_dim or model.head_dim)
     pairs = new * (new / 2 + cached) * model.full_layers
     if model.window_layers:
         local = _chunk_pairs if model.local == "chunked" else _window_pairs
