@@ -26,7 +26,7 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
-from cpinfer.engine.kv.fp8 import check_kv_cache_dtype, layout_dtype
+from cpinfer.engine.kv.fp8 import check_kv_cache_dtype, layout_dtype, per_token
 from cpinfer.engine.kv.manager import BLOCK, KVManager
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.placement import PLACEMENTS, CostModel, Placer
@@ -172,9 +172,10 @@ class LLMEngine:
         self.model_path = str(resolve_model(model, weights=a.load_format == "auto", revision=a.revision,
                                             download_dir=a.download_dir))
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
-        if self.args.kv_cache_dtype != "auto" and self.config.values_in_keys:
-            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} (multi-head latent "
-                             "attention: its cache holds one shared latent) yet; use kv_cache_dtype='auto'")
+        if per_token(self.args.kv_cache_dtype) and self.config.values_in_keys:
+            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} "
+                             "(multi-head latent attention: the values are the cached latent's first channels); use "
+                             "kv_cache_dtype='fp8' (static scales)")
         if a.load_format == "auto":
             checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
         self.n = a.context_parallel_size

@@ -97,6 +97,9 @@ class ModelRunner:
         self.kv_scales_source = "checkpoint" if scales is not None else "calibrated"
         if scales is None:
             scales = kv_fp8.calibrate_kv_scales(self.model, c, self.ctx.device)
+        elif c.values_in_keys:  # MLA: the checkpoint's k_scale scales the whole latent row (vLLM's convention)
+            w = self.widths
+            scales = kv_fp8.mla_scales(scales[0][:, 0], scales[0][:, 0], w.value, w.key - w.value)
         if self.ctx.rank == 0:
             k, v = scales
             log.info("FP8 KV cache: static scales per layer and KV head, %s (K %.3g-%.3g, V %.3g-%.3g)",
@@ -174,8 +177,9 @@ class ModelRunner:
         steps = []  # ring timings of every layer, read after the forward
 
         def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied; sinks [H]
-            if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)]
-                k, v = codecs[layer][0].encode(k), codecs[layer][1].encode(v)
+            if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
+                dv, k = v.shape[-1], codecs[layer][0].encode(k)
+                v = k[..., :dv] if store.widths.values_in_keys else codecs[layer][1].encode(v)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[layer].index_copy_(0, slots, v)
