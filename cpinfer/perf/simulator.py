@@ -57,6 +57,10 @@ class Deployment:
             raise ValueError(f"model {self.model.name!r}: an FP8 KV cache is not supported for multi-head latent "
                              f"attention (MLA) models by {self.implementation.name} (its cache holds one shared "
                              "latent); plan with --kv-cache-dtype auto")
+        if self.fp8_kv and self.model.mla and self.kv_scale_bytes:
+            raise ValueError(f"model {self.model.name!r}: the per-token FP8 KV format is not supported for multi-head "
+                             "latent attention (MLA) models (the values are the cached latent's first channels); "
+                             "plan with --kv-cache-dtype fp8 (static scales)")
 
     @property
     def fp8_kv(self) -> bool:
