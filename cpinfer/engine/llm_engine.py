@@ -361,9 +361,9 @@ class LLMEngine:
                         "a graph cannot capture")
             graphs = False
         widths = KVWidths.of(self.config)
-        if static and widths.key != widths.value and a.static_decode is None:
+        if static and widths.key != widths.value and not widths.values_in_keys and a.static_decode is None:
             log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
-                        "values, and this model's differ (multi-head latent attention)")
+                        "values (or values inside the keys, as MLA's), and this model's differ")
             static = False
         if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "

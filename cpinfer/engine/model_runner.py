@@ -114,9 +114,10 @@ class ModelRunner:
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
         if self.decode["mode"] != "off":
-            if self.widths.key != self.widths.value:
+            if self.widths.key != self.widths.value and not self.widths.values_in_keys:
                 raise ValueError("the static decode path (decode mode 'eager' / 'graph') takes one head size for "
-                                 "keys and values; this model's differ (MLA): use decode mode 'off'")
+                                 "keys and values, or values inside the keys (MLA); this model's differ: use decode "
+                                 "mode 'off'")
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
 
     def profile_forward(self, tokens: int) -> None:
