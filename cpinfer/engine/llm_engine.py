@@ -338,9 +338,11 @@ class LLMEngine:
                                   c.kv_key_width, a.tensor_parallel_size, c.kv_row)
             disk_dir, disk_bytes = str(self.disk.path), self.disk.bound
         writable = self.disk is not None and self.disk.writable
-        self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n)
+        shared = self.config.values_in_keys and a.tensor_parallel_size > 1  # MLA: one latent copy per CP shard
+        self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n, shared)
+        once = per_rank[0] if self.config.values_in_keys else 0  # the latent counted once, not per TP rank
         config = TierConfig(host_slots, disk_dir, disk_bytes, token_bytes, layout, a.tensor_parallel_size,
-                            writable=writable, disk_token_bytes=per_rank[0] if layout and layout.tp_shared else 0)
+                            writable=writable, disk_token_bytes=once, host_token_bytes=once)
         log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
                  f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
         return config

@@ -28,7 +28,7 @@ from cpinfer.engine.kv import fp8 as kv_fp8
 from cpinfer.engine.kv.capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.store import KVStore, KVWidths
-from cpinfer.engine.kv.tier_store import RankTiers
+from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
@@ -344,14 +344,18 @@ def kv_token_bytes(ctx) -> int:
     return ctx.state["runner"].kv_bytes_per_token
 
 
-def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int) -> None:
+def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int,
+               tp_shared: bool = False) -> None:
     """Give this rank a host pool of host_slots tokens and, with disk_dir, disk reads (and a writer when writable),
-    replacing earlier ones."""
+    replacing earlier ones. `tp_shared` (MLA under TP: every TP rank caches the same latent): TP rank 0 alone keeps
+    the host copy."""
     runner = ctx.state["runner"]
     if runner.tiers is not None:
         runner.tiers.close()
-    runner.tiers = RankTiers(runner.store, runner.groups.cp_rank, runner.groups.tp_rank, host_slots, disk_dir,
-                             writable, layout, cp, ctx.device)
+    g = runner.groups
+    shared = SharedRows(g.tp_group, g.config.rank_of(g.cp_rank, 0)) if tp_shared and g.config.tp > 1 else None
+    runner.tiers = RankTiers(runner.store, g.cp_rank, g.tp_rank, host_slots, disk_dir, writable, layout, cp,
+                             ctx.device, shared=shared)
 
 
 def apply_cache_ops(ctx, ops) -> tuple:
