@@ -14,6 +14,7 @@ import torch
 from cpinfer import LLM, SamplingParams
 from cpinfer.engine.kv import fp8 as kv_fp8
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram
+from cpinfer.model.config import ModelConfig
 from fp8_checkpoint import write_fp8_pair
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import shard_engines
@@ -315,14 +316,8 @@ def test_fp8_kv_cp_n_within_its_own_error_on_long_prompts(llama_checkpoint, engi
     agree with CP 1 within that cache's own error against full precision — what holds in general, since rounding
     to e4m3 turns the fp32 noise of another CP size into whole e4m3 steps that cascade through the layers."""
     path = llama_checkpoint(variant, max_position_embeddings=2048)
-    prompts = prompts_for(llama_checkpoint_vocab(path), [1200, 1900], seed=21)
+    prompts = prompts_for(ModelConfig.from_pretrained(path).vocab_size, [1200, 1900], seed=21)
     _within_own_error(engines, path, prompts, cps, kvds, max_num_batched_tokens=512)
-
-
-def llama_checkpoint_vocab(path) -> int:
-    from cpinfer.model.config import ModelConfig
-
-    return ModelConfig.from_pretrained(path).vocab_size
 
 
 def test_fp8_kv_cp_n_within_its_own_error_on_the_embedded_model(engines):
