@@ -180,13 +180,21 @@ def _host_pool_slots(ctx):
     return 0 if tiers.host_k is None else tiers.host_k.shape[1]
 
 
-def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, tmp_path):
+@pytest.mark.parametrize("write_through", [True, False])
+def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, tmp_path, monkeypatch, write_through):
     """CP 2 x TP 2 with a small device cache, a host pool and a disk: histories evicted to the host pool (TP rank 0
-    of each CP rank holds it; TP rank 1 none) and from there to disk come back broadcast to both TP ranks and
-    answer as transformers; the host tier counts the latent once (288 bytes a token, not 576)."""
+    of each CP rank holds it; TP rank 1 none) and to disk come back broadcast to both TP ranks and answer as
+    transformers; the host tier counts the latent once (288 bytes a token, not 576). Without write-through, what
+    reaches the disk is written from the host pool (TP rank 0's rows, broadcast to the other TP rank, which holds
+    them until the file is written)."""
+    import functools
+
     from cpinfer import LLM, SamplingParams
+    from cpinfer.engine import llm_engine
     from hf_oracle import check_against_hf, prompts_for
 
+    monkeypatch.setattr(llm_engine, "TierConfig", functools.partial(llm_engine.TierConfig,
+                                                                    write_through=write_through))
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=6))]
     with LLM(str(path), context_parallel_size=2, tensor_parallel_size=2, placement="shard", threads_per_rank=1,
