@@ -32,6 +32,10 @@ class ParallelConfig:
         """(cp_rank, tp_rank) of a global rank."""
         return divmod(rank, self.tp)
 
+    def rank_of(self, cp_rank: int, tp_rank: int) -> int:
+        """The global rank at (cp_rank, tp_rank) (`coords`' inverse)."""
+        return cp_rank * self.tp + tp_rank
+
     def check_model(self, n_heads: int, n_kv_heads: int) -> None:
         """TP must split the query heads evenly, and either split the KV heads or replicate them evenly."""
         if n_heads % self.tp:
@@ -66,11 +70,11 @@ def build_groups(config: ParallelConfig, rank: int, world_group, timeout_s: floa
         cp_group = world_group
     else:
         for t in range(config.tp):  # CP groups: one per TP index
-            g = dist.new_group([c * config.tp + t for c in range(config.cp)], timeout=timeout)
+            g = dist.new_group([config.rank_of(c, t) for c in range(config.cp)], timeout=timeout)
             if t == tp_rank:
                 cp_group = g
         for c in range(config.cp):  # TP groups: one per node
-            g = dist.new_group([c * config.tp + t for t in range(config.tp)], timeout=timeout)
+            g = dist.new_group([config.rank_of(c, t) for t in range(config.tp)], timeout=timeout)
             if c == cp_rank:
                 tp_group = g
     return ParallelGroups(config, rank, cp_rank, tp_rank, cp_group, tp_group)

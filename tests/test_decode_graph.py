@@ -99,10 +99,12 @@ def _run(path, cp, pool, static: bool, pieces=None, tp=1, placement="shard"):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-@pytest.mark.parametrize("variant,pieces", [("gqa", None), ("gemma3", 2), ("mistral", 3)])
+@pytest.mark.parametrize("variant,pieces", [("gqa", None), ("gemma3", 2), ("mistral", 3), ("deepseek_v3", None),
+                                            ("deepseek_v2", 2)])
 def test_static_decode_equals_the_dynamic_path(llama_checkpoint, pool, cp, variant, pieces):
     """Token for token the same, log-probs within fp32 rounding: full attention (Llama), sliding layers beside full
-    ones (Gemma 3) and every layer sliding (Mistral, window 24 < the contexts), split-KV pieces per row."""
+    ones (Gemma 3) and every layer sliding (Mistral, window 24 < the contexts), split-KV pieces per row; MLA
+    (DeepSeek-V3 and V2: one latent head of 16 + 8 channels whose first 16 are the values)."""
     path = llama_checkpoint(variant, max_position_embeddings=512)
     dynamic, _ = _run(path, cp, pool, static=False)
     static, served = _run(path, cp, pool, static=True, pieces=pieces)
@@ -165,10 +167,12 @@ def test_static_decode_with_ring_and_local_rows(llama_checkpoint, pool, tmp_path
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
 
 
-def test_static_decode_with_tensor_parallel(llama_checkpoint, pool):
+@pytest.mark.parametrize("variant", ["qwen2", "deepseek_v3"])
+def test_static_decode_with_tensor_parallel(llama_checkpoint, pool, variant):
     """TP2 inside one CP rank: both TP ranks run the static forward (its all-reduces at fixed shapes), rank 0
-    samples; the same tokens as the dynamic path."""
-    path = llama_checkpoint("qwen2", max_position_embeddings=512)  # a sliding layer, biases split by rows
+    samples; the same tokens as the dynamic path. Qwen2: a sliding layer, biases split by rows; DeepSeek-V3: MLA's
+    query heads split, the latent whole on both ranks."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
     dynamic, _ = _run(path, 1, pool, static=False, tp=2)
     static, served = _run(path, 1, pool, static=True, tp=2)
     assert min(served) >= 8
@@ -202,7 +206,7 @@ def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     assert _decode_config(device="cuda", static_decode=False)["mode"] == "off"
     assert _decode_config(device="cpu")["mode"] == "off"
     assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16}
-    assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "off"  # MLA: dynamic path, with a warning
+    assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "graph"  # MLA: values inside the keys
     monkeypatch.setattr(llm_engine, "backend_problem", lambda name, device: "no triton")
     assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning
 

@@ -181,6 +181,45 @@ def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpo
         assert out[0].num_cached_tokens >= len(docs[0]) + 5
 
 
+def _host_pool_slots(ctx):
+    tiers = ctx.state["runner"].tiers
+    return 0 if tiers.host_k is None else tiers.host_k.shape[1]
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, tmp_path, monkeypatch, write_through):
+    """CP 2 x TP 2 with a small device cache, a host pool and a disk: histories evicted to the host pool (TP rank 0
+    of each CP rank holds it; TP rank 1 none) and to disk come back broadcast to both TP ranks and answer as
+    transformers; the host tier counts the latent once (288 bytes a token, not 576). Without write-through, what
+    reaches the disk is written from the host pool (TP rank 0's rows, broadcast to the other TP rank, which holds
+    them until the file is written)."""
+    import functools
+
+    from cpinfer import LLM, SamplingParams
+    from cpinfer.engine import llm_engine
+    from hf_oracle import check_against_hf, prompts_for
+
+    monkeypatch.setattr(llm_engine, "TierConfig", functools.partial(llm_engine.TierConfig,
+                                                                    write_through=write_through))
+    path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=6))]
+    with LLM(str(path), context_parallel_size=2, tensor_parallel_size=2, placement="shard", threads_per_rank=1,
+             max_kv_tokens_per_rank=192, max_num_batched_tokens=96, kv_disk_dir=tmp_path / "kv",
+             kv_host_gib=128 * LATENT_ROW / (1 << 30)) as llm:
+        assert llm.engine._pool.run(_host_pool_slots) == [128, 0, 128, 0]  # ranks (cp, tp) = 00, 01, 10, 11
+        first = [llm.generate([d], SamplingParams(max_tokens=6, **GREEDY))[0] for d in docs]
+        turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
+        outs = [llm.generate([t], SamplingParams(max_tokens=6, **GREEDY))[0] for t in turn2[::-1]]
+        check_against_hf(path, first + outs, docs + turn2[::-1], 6, check_prompt_lp=False)
+        assert [o.num_cached_tokens for o in outs] == [len(d) + 5 for d in docs[::-1]]
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] > 0 and t["disk"]["hit_tokens"] > 0, t
+        assert t["host"]["bytes"] == t["host"]["tokens"] * LATENT_ROW
+        assert t["host"]["capacity_bytes"] == 2 * 128 * LATENT_ROW
+        assert t["device"]["bytes"] == t["device"]["tokens"] * 2 * LATENT_ROW  # each TP rank's device copy
+        llm.engine.kv.check_invariants()
+
+
 def test_bench_measures_the_ring_message_of_the_latent():
     """`cpinfer bench mla`'s probe packs pass-KV's real message: 576 values a token for MLA, H x (192 + 128) for the
     per-head layout of the same layer."""

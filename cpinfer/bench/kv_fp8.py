@@ -6,7 +6,9 @@ the full-precision answer, and the greedy tokens' agreement; prefill time and de
 `--cp`); bytes per token, KV tokens per GiB and bytes per pass-KV ring step per token, and the capacity engines report
 in `cache_stats()` on the same memory; and a pass key hidden in the middle of a haystack of each `--passkey-tokens`
 length, asked for at CP `--cp` with the full-precision cache and each FP8 format (whether FP8 still finds what full
-precision finds).
+precision finds). Then CP N against CP 1 with each cache on a long seeded random prompt and the document (prompt
+log-probs): FP8 rounds K/V that differ by fp32 noise across CP sizes into whole e4m3 steps, so CP N is not bitwise
+CP 1 — the report puts its |Δ| beside each format's own error against full precision (`cp_agreement`).
 """
 from __future__ import annotations
 
@@ -69,6 +71,60 @@ def accuracy_and_time(model_dir, prompt: list[int], cps: list[int], max_tokens: 
             "greedy_agreement": float(np.mean([x == y for x, y in zip(ta, tb)])),
             "first_divergence": next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))}
     return {"errors": errors, "runs": {f"{cp}/{kvd}": r for (cp, kvd), r in runs.items()}}
+
+
+def prompt_logprobs(llm, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Teacher-forced log-probs of each prompt's tokens 1.. (one request at a time: no batching effect)."""
+    from cpinfer import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0.0)
+    return [np.asarray(llm.generate([p], params)[0].prompt_logprobs[1:], dtype=np.float64) for p in prompts]
+
+
+def _stats(a: np.ndarray, b: np.ndarray) -> dict:
+    d = np.abs(a - b)
+    return {"mean": float(d.mean()), "max": float(d.max())}
+
+
+def error_summary(lp: dict, cp: int, modes: tuple = FP8_MODES) -> dict:
+    """`lp[(kvd, cp)]` = one prompt's log-probs → per FP8 format of `modes`: its error against full precision at CP 1
+    ("vs_full") and CP `cp` against CP 1 with that cache ("cp_vs_cp1"); full precision's own CP N vs CP 1 beside
+    them ("auto")."""
+    out = {"auto": {"cp_vs_cp1": _stats(lp[("auto", cp)], lp[("auto", 1)])}}
+    for kvd in modes:
+        out[kvd] = {"vs_full": _stats(lp[(kvd, 1)], lp[("auto", 1)]),
+                    "cp_vs_cp1": _stats(lp[(kvd, cp)], lp[(kvd, 1)])}
+    return out
+
+
+def cp_agreement(model_dir, prompts: dict[str, list[int]], cp: int, hw: dict, modes: tuple = FP8_MODES) -> dict:
+    """Per named prompt, `error_summary` of the full-precision cache and the FP8 formats `modes` at CP 1 and CP `cp`
+    (placement shard: every prompt spread over the CP ranks)."""
+    lp = {}
+    longest = max(len(p) for p in prompts.values())
+    for kvd in ("auto",) + modes:
+        for n in (1, cp):
+            with _engine(model_dir, n, kvd, longest // n + 1024, hw) as llm:
+                for name, got in zip(prompts, prompt_logprobs(llm, list(prompts.values()))):
+                    lp[(name, kvd, n)] = got
+    return {name: {"tokens": len(p), **error_summary({k[1:]: v for k, v in lp.items() if k[0] == name}, cp, modes)}
+            for name, p in prompts.items()}
+
+
+# a DeepSeek-V3-shaped attention (kv_lora_rank 512, rotary 64, nope 128, v 128) in a small random model
+MLA_SHAPE = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=512,
+                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024,
+                 vocab_size=1024, max_position_embeddings=4096, kv_lora_rank=512, qk_rope_head_dim=64,
+                 qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=256, n_routed_experts=0, rope_theta=10000.0)
+
+
+def mla_agreement(tokens: int, cp: int, hw: dict) -> dict:
+    """`cp_agreement` of a seeded random prompt on the random MLA model (`MLA_SHAPE`), static-scale FP8 only (the
+    per-token format is refused for MLA)."""
+    model_dir = C.random_model("bench-kv-fp8-mla", **MLA_SHAPE)
+    prompt = C.random_prompt(tokens, MLA_SHAPE["vocab_size"], seed=0)
+    return {"cp": cp, "prompts": cp_agreement(model_dir, {f"random ({tokens} tokens, seed 0)": prompt}, cp, hw,
+                                              ("fp8",))}
 
 
 def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict:
@@ -152,6 +208,14 @@ def measure(args) -> dict:
            "SmolLM2-135M-Instruct (embedded)"), "doc_tokens": len(prompt), "capacity": capacity_rows(model_dir),
            "cache_stats": capacity_from_memory(model_dir)}
     res["accuracy"] = accuracy_and_time(model_dir, prompt, sorted({1, args.cp}), args.max_tokens, hw)
+    if args.cp > 1:
+        rng = np.random.default_rng(0)
+        prompts = {f"random ({args.random_tokens} tokens, seed 0)": rng.integers(3, tok.vocab_size,
+                                                                                args.random_tokens).tolist(),
+                   f"document ({len(prompt)} tokens)": prompt}
+        res["cp_agreement"] = {"cp": args.cp, "prompts": cp_agreement(model_dir, prompts, args.cp, hw)}
+        if args.mla_tokens:
+            res["cp_agreement_mla"] = mla_agreement(args.mla_tokens, args.cp, hw)
     res["passkey"] = [passkey(model_dir, n, args.cp, hw, kvd) for n in args.passkey_tokens
                       for kvd in ("auto",) + FP8_MODES]
     return res
@@ -184,6 +248,12 @@ def format_report(res: dict) -> str:
            C.fmt_table(["CP / KV", "prefill (s)", "decode step (ms)", "bytes / token", "KV tokens / rank"],
                        [[k, f"{r['prefill_s']:.2f}", f"{1000 * r['ttit_s']:.1f}", r["bytes_per_token"],
                          f"{r['capacity_per_rank']:,}"] for k, r in acc["runs"].items()])]
+    if res.get("cp_agreement"):
+        out += ["", cp_agreement_report(res["cp_agreement"])]
+    if res.get("cp_agreement_mla"):
+        out += ["", "The same on multi-head latent attention: a random-weight model with DeepSeek-V3's attention "
+                    "shape (kv_lora_rank 512, rotary 64, 8 heads of nope 128 / v 128, 4 layers, hidden 512), the "
+                    "latent cache in `fp8` (static scales):", "", cp_agreement_report(res["cp_agreement_mla"])]
     if res.get("passkey"):
         out += ["", "A pass key in the middle of a haystack, asked for at CP "
                     f"{res['passkey'][0]['cp']} (greedy, 12 tokens):", "",
@@ -194,9 +264,23 @@ def format_report(res: dict) -> str:
     return "\n".join(out)
 
 
+def cp_agreement_report(agr: dict) -> str:
+    """One row per prompt and KV cache: its error against full precision at CP 1, and CP N against CP 1."""
+    n, rows = agr["cp"], []
+    for name, r in agr["prompts"].items():
+        for kvd in [k for k in r if k != "tokens"]:
+            full, cp = r[kvd].get("vs_full"), r[kvd]["cp_vs_cp1"]
+            rows.append([name, kvd] + ["-" if full is None else f"{full[s]:.3g}" for s in ("mean", "max")]
+                        + [f"{cp[s]:.3g}" for s in ("mean", "max")])
+    return "\n".join([f"CP {n} against CP 1 with the same cache, beside the cache's own error against full precision "
+                      "(prompt log-probs, placement shard):", "",
+                      C.fmt_table(["prompt", "KV", "vs full: mean \\|Δ\\|", "vs full: max \\|Δ\\|",
+                                   f"CP {n} vs CP 1: mean \\|Δ\\|", f"CP {n} vs CP 1: max \\|Δ\\|"], rows)])
+
+
 def command_line(args) -> str:
     cmd = (f"cpinfer bench kv-fp8 --cp {args.cp} --doc-tokens {args.doc_tokens} --max-tokens {args.max_tokens} "
-           f"--passkey-tokens {','.join(map(str, args.passkey_tokens)) or 0}")
+           f"--random-tokens {args.random_tokens} --mla-tokens {args.mla_tokens} --passkey-tokens {','.join(map(str, args.passkey_tokens)) or 0}")
     return cmd + (f" --model {args.model}" if args.model else "")
 
 
@@ -216,6 +300,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=C.positive_int, default=2, help="CP size beside CP 1 (default: 2)")
     parser.add_argument("--doc-tokens", type=C.positive_int, default=2000, help="document tokens (default: 2000)")
     parser.add_argument("--max-tokens", type=C.positive_int, default=48, help="greedy answer tokens (default: 48)")
+    parser.add_argument("--random-tokens", type=C.positive_int, default=1200,
+                        help="length of the seeded random prompt of the CP N vs CP 1 comparison (default: 1200)")
+    parser.add_argument("--mla-tokens", type=int, default=1200,
+                        help="length of the random prompt of the CP N vs CP 1 comparison on a random MLA model "
+                             "(0: skip; default: 1200)")
     parser.add_argument("--passkey-tokens", type=_lengths, default=[2000, 8000],
                         help="comma-separated haystack lengths of the pass-key check at --cp, each run with the "
                              "full-precision cache and both FP8 formats (0: skip; default: 2000,8000)")

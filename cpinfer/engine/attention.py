@@ -512,10 +512,13 @@ class BatchAttention:
         ck, cv = codecs
         n = store_k.shape[0] if used is None else used
         reads_store = window is not None or chunk is not None or bool(self.local) or self.strategy != "pass-kv"
-        kn, vn = ck.decode(k_new, dtype), cv.decode(v_new, dtype)
+        shared, dv = bool(values_in_keys(store_k, store_v)), store_v.shape[-1]  # MLA: v stays k's first channels
+        kn = ck.decode(k_new, dtype)
+        vn = kn[..., :dv] if shared else cv.decode(v_new, dtype)
         if not reads_store:
             return kn, vn, None, None
-        return kn, vn, ck.decode(store_k[:n], dtype), cv.decode(store_v[:n], dtype)
+        sk = ck.decode(store_k[:n], dtype)
+        return kn, vn, sk, sk[..., :dv] if shared else cv.decode(store_v[:n], dtype)
 
     def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
         if kind not in self._windowed:
@@ -541,8 +544,9 @@ class BatchAttention:
 
         def compute(j, block):
             k, v = unpack_rows(block, dk, dv)
-            if decode is not None:
-                k, v = decode[0](k.contiguous()), decode[1](v.contiguous())
+            if decode is not None:  # (MLA: the values are the decoded keys' first channels)
+                k = decode[0](k.contiguous())
+                v = k[..., :dv] if shared else decode[1](v.contiguous())
             if expand is not None:
                 k, v = expand(k)  # [max_send, 1, D] latent -> [max_send, H, Dk], [max_send, H, Dv]
             self.backend.attend_items(self.steps[j], None, q, k, v, acc_out, acc_lse, scale, self.tables,

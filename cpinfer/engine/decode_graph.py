@@ -8,7 +8,9 @@ table of the Triton step kernel: its loop bounds are read on the device, so the 
 a fixed number of pieces per row). The host fills a pinned mirror of them and copies it with one non-blocking
 transfer per step. On CUDA the forward — the layers, pass-Q decode's ring, All2All and merge (Alg. 4), the logits
 of the bucket's rows — is captured once per bucket (after an eager warm-up, in a memory pool the buckets share)
-and replayed; with `enforce_eager`, on CPU or over gloo the same static forward runs eagerly.
+and replayed; with `enforce_eager`, on CPU or over gloo the same static forward runs eagerly. MLA (values = the
+latent keys' first channels, Dv < Dk) runs the one-head-size kernel with the keys as values and keeps the output's
+first Dv channels.
 """
 from __future__ import annotations
 
@@ -73,7 +75,9 @@ class StaticDecode:
         interp = triton_attention.interpreting()
         layout = runner.layout
         self.block_m = triton_attention.block_m_for(layout.heads // layout.kv_heads, 16)  # one row per program
-        self.block_n = 16 if interp else 64
+        # key tiles of 64 rows, or 16 where the head is wide (MLA's 576-channel latent keys pad to 1024 lanes: K and
+        # V tiles of 64 x 1024 would not fit a GPU's shared memory); not tuned on a GPU
+        self.block_n = 16 if interp or runner.widths.key > 256 else 64
         self.sizes = bucket_sizes(max_rows)
         self.buckets: dict[tuple[int, int], dict] = {}  # (ring rows, local rows) -> static buffers, graph
         self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
@@ -213,11 +217,18 @@ class StaticDecode:
         """The bucket's decode forward from its static buffers → logits [rows, vocab] fp32."""
         buf, store, r = bucket["buffers"], self.runner.store, self.runner
 
-        def attn(layer: int, q, k, v, sinks=None):  # q [rows, H, D], k/v [rows, Hkv, D]; sinks [H]
+        in_keys = store.widths.values_in_keys
+
+        def attn(layer: int, q, k, v, sinks=None):  # q [rows, H, Dk], k [rows, Hkv, Dk], v [rows, Hkv, Dv]; sinks [H]
             store.k[layer].index_copy_(0, buf[("slots",)], k)
-            store.v[layer].index_copy_(0, buf[("slots",)], v)
+            if not in_keys:  # (MLA: v is the keys' first channels, written with them)
+                store.v[layer].index_copy_(0, buf[("slots",)], v)
             kind = (r.windows[layer], r.chunks[layer])
-            return self._attention(bucket, q, store.k[layer], store.v[layer], kind, sinks)
+            if not in_keys:
+                return self._attention(bucket, q, store.k[layer], store.v[layer], kind, sinks)
+            # the kernel takes one head size: the whole keys stand for the values, whose P·v is the output's first
+            # Dv channels (the rest, P·k_r, is dropped)
+            return self._attention(bucket, q, store.k[layer], store.k[layer], kind, sinks)[..., :v.shape[-1]]
 
         with torch.inference_mode():
             hidden = r.model(buf[("ids",)], buf[("pos",)], attn)  # [rows, hidden]

@@ -26,7 +26,7 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
-from cpinfer.engine.kv.fp8 import check_kv_cache_dtype, layout_dtype
+from cpinfer.engine.kv.fp8 import check_kv_cache_dtype, layout_dtype, per_token
 from cpinfer.engine.kv.manager import BLOCK, KVManager
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.placement import PLACEMENTS, CostModel, Placer
@@ -180,9 +180,10 @@ class LLMEngine:
         self.model_path = str(resolve_model(model, weights=a.load_format == "auto", revision=a.revision,
                                             download_dir=a.download_dir))
         self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
-        if self.args.kv_cache_dtype != "auto" and self.config.values_in_keys:
-            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} (multi-head latent "
-                             "attention: its cache holds one shared latent) yet; use kv_cache_dtype='auto'")
+        if per_token(self.args.kv_cache_dtype) and self.config.values_in_keys:
+            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} "
+                             "(multi-head latent attention: the values are the cached latent's first channels); use "
+                             "kv_cache_dtype='fp8' (static scales)")
         if a.load_format == "auto":
             checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
         self.n = a.context_parallel_size
@@ -346,9 +347,11 @@ class LLMEngine:
                                   c.kv_key_width, a.tensor_parallel_size, c.kv_row)
             disk_dir, disk_bytes = str(self.disk.path), self.disk.bound
         writable = self.disk is not None and self.disk.writable
-        self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n)
+        shared = self.config.values_in_keys and a.tensor_parallel_size > 1  # MLA: one latent copy per CP shard
+        self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n, shared)
+        once = per_rank[0] if self.config.values_in_keys else 0  # the latent counted once, not per TP rank
         config = TierConfig(host_slots, disk_dir, disk_bytes, token_bytes, layout, a.tensor_parallel_size,
-                            writable=writable, disk_token_bytes=per_rank[0] if layout and layout.tp_shared else 0)
+                            writable=writable, disk_token_bytes=once, host_token_bytes=once)
         log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
                  f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
         return config
@@ -369,9 +372,9 @@ class LLMEngine:
                         "a graph cannot capture")
             graphs = False
         widths = KVWidths.of(self.config)
-        if static and widths.key != widths.value and a.static_decode is None:
+        if static and widths.key != widths.value and not widths.values_in_keys and a.static_decode is None:
             log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
-                        "values, and this model's differ (multi-head latent attention)")
+                        "values (or values inside the keys, as MLA's), and this model's differ")
             static = False
         if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "

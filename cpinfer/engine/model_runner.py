@@ -28,7 +28,7 @@ from cpinfer.engine.kv import fp8 as kv_fp8
 from cpinfer.engine.kv.capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.store import KVStore, KVWidths
-from cpinfer.engine.kv.tier_store import RankTiers
+from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
@@ -100,6 +100,9 @@ class ModelRunner:
         self.kv_scales_source = "checkpoint" if scales is not None else "calibrated"
         if scales is None:
             scales = kv_fp8.calibrate_kv_scales(self.model, c, self.ctx.device)
+        elif c.values_in_keys:  # MLA: the checkpoint's k_scale scales the whole latent row (vLLM's convention)
+            w = self.widths
+            scales = kv_fp8.mla_scales(scales[0][:, 0], scales[0][:, 0], w.value, w.key - w.value)
         if self.ctx.rank == 0:
             k, v = scales
             log.info("FP8 KV cache: static scales per layer and KV head, %s (K %.3g-%.3g, V %.3g-%.3g)",
@@ -114,9 +117,10 @@ class ModelRunner:
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
         if self.decode["mode"] != "off":
-            if self.widths.key != self.widths.value:
+            if self.widths.key != self.widths.value and not self.widths.values_in_keys:
                 raise ValueError("the static decode path (decode mode 'eager' / 'graph') takes one head size for "
-                                 "keys and values; this model's differ (MLA): use decode mode 'off'")
+                                 "keys and values, or values inside the keys (MLA); this model's differ: use decode "
+                                 "mode 'off'")
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
 
     def profile_forward(self, tokens: int) -> None:
@@ -180,8 +184,9 @@ class ModelRunner:
 
         def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
             # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
-            if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)]
-                k, v = codecs[layer][0].encode(k), codecs[layer][1].encode(v)
+            if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
+                dv, k = v.shape[-1], codecs[layer][0].encode(k)
+                v = k[..., :dv] if store.widths.values_in_keys else codecs[layer][1].encode(v)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[layer].index_copy_(0, slots, v)
@@ -346,14 +351,18 @@ def kv_token_bytes(ctx) -> int:
     return ctx.state["runner"].kv_bytes_per_token
 
 
-def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int) -> None:
+def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int,
+               tp_shared: bool = False) -> None:
     """Give this rank a host pool of host_slots tokens and, with disk_dir, disk reads (and a writer when writable),
-    replacing earlier ones."""
+    replacing earlier ones. `tp_shared` (MLA under TP: every TP rank caches the same latent): TP rank 0 alone keeps
+    the host copy."""
     runner = ctx.state["runner"]
     if runner.tiers is not None:
         runner.tiers.close()
-    runner.tiers = RankTiers(runner.store, runner.groups.cp_rank, runner.groups.tp_rank, host_slots, disk_dir,
-                             writable, layout, cp, ctx.device)
+    g = runner.groups
+    shared = SharedRows(g.tp_group, g.config.rank_of(g.cp_rank, 0)) if tp_shared and g.config.tp > 1 else None
+    runner.tiers = RankTiers(runner.store, g.cp_rank, g.tp_rank, host_slots, disk_dir, writable, layout, cp,
+                             ctx.device, shared=shared)
 
 
 def apply_cache_ops(ctx, ops) -> tuple:

@@ -48,7 +48,7 @@ PAPER = Implementation(
 
 CPINFER = Implementation(
     "cpinfer", partial_bytes=4, pad_decode_batch=False, overlap_decode_ring=True, vocab_parallel=False,
-    fp8_experts=False, fp8_kv_mla=False, fp8_kv_graphs=False, mla_graphs=False, sources=dict(
+    fp8_experts=False, fp8_kv_mla=True, fp8_kv_graphs=False, mla_graphs=True, sources=dict(
         partial_bytes="cpinfer/engine/attention.py: partials are fp32 [out | lse] (DESIGN.md, Numerics)",
         pad_decode_batch="cpinfer/engine/attention.py: a ring step with no query of its source computes nothing; "
                          "only messages are padded to the fullest rank",
@@ -56,11 +56,12 @@ CPINFER = Implementation(
         vocab_parallel="cpinfer/tensor_parallel.py: the embedding and LM head are whole on every TP rank",
         fp8_experts="cpinfer/model/loader.py: only nn.Linear weights stay FP8; the stacked routed experts are "
                     "dequantized to the compute dtype at load",
-        fp8_kv_mla="cpinfer/engine/kv/store.py: an FP8 KV cache is refused for MLA models (one shared latent)",
+        fp8_kv_mla="cpinfer/engine/kv/fp8.py: MLA's latent row in e4m3 with static scales (kv_cache_dtype 'fp8'; "
+                   "the per-token format is refused for MLA)",
         fp8_kv_graphs="cpinfer/engine/llm_engine.py decode_config: with an FP8 KV cache decode runs the dynamic "
                       "eager path, no CUDA graphs",
-        mla_graphs="cpinfer/engine/llm_engine.py decode_config: the static decode path (CUDA graphs) takes one head "
-                   "size for keys and values; an MLA model's differ, so its decode runs eagerly"))
+        mla_graphs="cpinfer/engine/decode_graph.py: the static decode path (CUDA graphs) runs MLA with the latent "
+                   "keys as values and keeps the output's first kv_lora_rank channels"))
 
 IMPLEMENTATIONS = {"cpinfer": CPINFER, "paper": PAPER}
 

@@ -113,6 +113,5 @@ def launch_command(plan: Plan, checkpoint: str | None = None, port: int = DEFAUL
                      "starts with a warning; quality at this length needs RoPE scaling in the checkpoint's "
                      "config.json")
     if not d.decode_graphs:
-        why = "for multi-head latent attention" if m.mla else "with an FP8 KV cache"
-        notes.append(f"decode runs without CUDA graphs: the engine captures none {why}")
+        notes.append(f"decode runs without CUDA graphs: the engine captures none with {d.eager_decode_reason}")
     return Launch(nodes, per_node, command, tuple(notes))

@@ -107,8 +107,8 @@ def held_words(plan: Plan) -> str:
         parts.append(f"routed experts {_elem(h.expert_bytes, h.expert_fp8)}")
     parts.append(f"embeddings, LM head and norms {_elem(h.other_bytes, False)}"
                  f"{'' if d.implementation.vocab_parallel else ' (whole on every TP rank)'}")
-    why = "multi-head latent attention" if d.model.mla else "an FP8 KV cache"
-    decode = "decode under CUDA graphs" if d.decode_graphs else f"decode eager (no CUDA graphs with {why})"
+    why = d.eager_decode_reason
+    decode = "decode under CUDA graphs" if why is None else f"decode eager (no CUDA graphs with {why})"
     return "; ".join(parts + list(h.notes) + [decode])
 
 

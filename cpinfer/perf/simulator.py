@@ -57,6 +57,10 @@ class Deployment:
             raise ValueError(f"model {self.model.name!r}: an FP8 KV cache is not supported for multi-head latent "
                              f"attention (MLA) models by {self.implementation.name} (its cache holds one shared "
                              "latent); plan with --kv-cache-dtype auto")
+        if self.fp8_kv and self.model.mla and self.kv_scale_bytes:
+            raise ValueError(f"model {self.model.name!r}: the per-token FP8 KV format is not supported for multi-head "
+                             "latent attention (MLA) models (the values are the cached latent's first channels); "
+                             "plan with --kv-cache-dtype fp8 (static scales)")
 
     @property
     def fp8_kv(self) -> bool:
@@ -69,10 +73,19 @@ class Deployment:
                             self.implementation.fp8_experts)
 
     @property
-    def decode_graphs(self) -> bool:
-        """Whether decode runs under CUDA graphs (cpinfer: not with an FP8 KV cache, not for MLA models)."""
+    def eager_decode_reason(self) -> str | None:
+        """What keeps decode off CUDA graphs ("an FP8 KV cache", "multi-head latent attention"), or None."""
         impl = self.implementation
-        return (not self.fp8_kv or impl.fp8_kv_graphs) and (not self.model.mla or impl.mla_graphs)
+        if self.fp8_kv and not impl.fp8_kv_graphs:
+            return "an FP8 KV cache"
+        if self.model.mla and not impl.mla_graphs:
+            return "multi-head latent attention"
+        return None
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode runs under CUDA graphs (cpinfer: not with an FP8 KV cache)."""
+        return self.eager_decode_reason is None
 
     @property
     def gpus(self) -> int:

@@ -10,10 +10,17 @@
   values: [D + 4] bytes, (D + 4) / 2D of bf16 (0.52 at D = 128). It never saturates and keeps every row's relative
   precision, at 4 bytes per row.
 
-Both are the same whatever the sharding: a static scale is fixed before any token is seen (the calibration input
-is the same on every rank, and a power of two does not move with the last bits of a sum), a per-token scale
-depends on its row alone — so CP N equals CP 1 exactly, and a tier entry written at one CP size restores at another.
-(A scale calibrated on a first prefill would depend on which tokens each rank saw.)
+MLA (one latent head [c ; k_r] per token, the values its first kv_lora_rank channels) takes the static format
+only: the row is kv_lora_rank + qk_rope_head_dim e4m3 bytes, the latent c by one scale per layer and the rotary
+key k_r by another (a per-channel scale [1, W], `mla_scales`), so the values stay a view of the keys' first bytes.
+
+Both formats quantize a row the same whatever the sharding: a static scale is fixed before any token is seen (the
+calibration input is the same on every rank, and a power of two does not move with the last bits of a sum), a
+per-token scale depends on its row alone — so a tier entry written at one CP size restores at another. What they
+quantize is not bitwise the same across CP sizes: K/V of later layers carry fp32 noise from attention merged in
+another order, and an element near an e4m3 rounding boundary rounds the other way; such steps cascade through the
+layers, so CP N agrees with CP 1 within the FP8 cache's own error, not exactly (docs/quantization.md has the
+measured figures). (A scale calibrated on a first prefill would also depend on which tokens each rank saw.)
 
 The store, the pass-KV ring messages and the tier entries carry the stored rows; the attention step dequantizes them
 (`RowCodec.decode`) to the compute dtype, new tokens included, so every query sees the same K/V whichever step
@@ -95,21 +102,36 @@ def decode(p: Tensor, dtype: torch.dtype) -> Tensor:
     return e4m3_to_float(p[..., :w]).mul_(scale).to(dtype)
 
 
+def _per_channel(scale: Tensor) -> Tensor:
+    """A static scale [Hkv] (one per head) or [Hkv, W] (one per channel: MLA) as a [Hkv, 1 or W] multiplier."""
+    return scale[:, None] if scale.dim() == 1 else scale
+
+
 def encode_static(x: Tensor, scale: Tensor) -> Tensor:
-    """Static format: x [..., Hkv, W] with scale [Hkv] fp32 -> uint8 [..., Hkv, W], e4m3(x / scale) saturated at
-    +-448."""
-    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    """Static format: x [..., Hkv, W] with scale [Hkv] (or [Hkv, W]) fp32 -> uint8 [..., Hkv, W], e4m3(x / scale)
+    saturated at +-448."""
+    q = (x.float() / _per_channel(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(torch.uint8)
 
 
 def decode_static(p: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """Static format: uint8 [..., Hkv, W] -> [..., Hkv, W] in `dtype` (e4m3 value x its head's scale in fp32)."""
-    return e4m3_to_float(p).mul_(scale[:, None]).to(dtype)
+    """Static format: uint8 [..., Hkv, W] -> [..., Hkv, W] in `dtype` (e4m3 value x its head's (channel's) scale in
+    fp32)."""
+    return e4m3_to_float(p).mul_(_per_channel(scale)).to(dtype)
+
+
+def mla_scales(latent: Tensor, rope: Tensor, rank: int, rope_dim: int) -> tuple[Tensor, Tensor]:
+    """MLA's static scales per channel from one scale per layer for the latent c and one for the rotary key k_r
+    (latent, rope [layers]) -> (k [layers, 1, rank + rope_dim], v [layers, 1, rank]); v's are k's first channels, so
+    decoding the values (the keys' first bytes) gives the keys' first channels exactly."""
+    k = torch.cat((latent[:, None].expand(-1, rank), rope[:, None].expand(-1, rope_dim)), dim=1)[:, None]
+    return k.float().contiguous(), k[..., :rank].float().contiguous()
 
 
 @dataclasses.dataclass(frozen=True)
 class RowCodec:
-    """How one layer's K (or V) rows are stored in FP8: `scale` [Hkv] fp32 (static format) or None (per token)."""
+    """How one layer's K (or V) rows are stored in FP8: `scale` [Hkv] (or [Hkv, W] per channel: MLA) fp32 (static
+    format) or None (per token)."""
 
     scale: Tensor | None = None
 
@@ -123,7 +145,8 @@ class RowCodec:
 def layer_codecs(kv_cache_dtype: str, scales: tuple[Tensor, Tensor] | None, num_layers: int, n_kv_heads: int,
                  device) -> list[tuple[RowCodec, RowCodec]] | None:
     """Per layer (K codec, V codec); None without an FP8 cache. `scales`: (k [layers, Hkv], v [layers, Hkv]) static
-    scales (default all 1.0); ignored in the per-token format."""
+    scales, or per channel (k [layers, Hkv, Wk], v [layers, Hkv, Wv]: MLA's, `mla_scales`) (default all 1.0);
+    ignored in the per-token format."""
     kvd = check_kv_cache_dtype(kv_cache_dtype)
     if kvd == "auto":
         return None
@@ -132,7 +155,7 @@ def layer_codecs(kv_cache_dtype: str, scales: tuple[Tensor, Tensor] | None, num_
     if scales is None:
         scales = (torch.ones(num_layers, n_kv_heads), torch.ones(num_layers, n_kv_heads))
     k, v = (s.to(device=device, dtype=torch.float32) for s in scales)
-    if k.shape != (num_layers, n_kv_heads) or v.shape != (num_layers, n_kv_heads):
+    if k.shape[:2] != (num_layers, n_kv_heads) or v.shape[:2] != (num_layers, n_kv_heads) or k.dim() != v.dim():
         raise ValueError(f"static KV scales must be [{num_layers}, {n_kv_heads}], got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     return [(RowCodec(k[i]), RowCodec(v[i])) for i in range(num_layers)]
@@ -187,8 +210,9 @@ def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
     """Static scales when the checkpoint has none: the model run once over a fixed input — the BOS token (where
     the config names one), then `CALIBRATION_TOKENS - 1` ids drawn from a seeded generator — with dense causal
     attention; per layer and KV head (this TP rank's heads: the model's own), amax(|K|) and amax(|V|) x HEADROOM /
-    448, rounded up to a power of two → (k [layers, Hkv], v [layers, Hkv]) fp32 on the CPU. Under TP every rank of
-    the group must call it together (the model's all-reduces)."""
+    448, rounded up to a power of two → (k [layers, Hkv], v [layers, Hkv]) fp32 on the CPU; MLA: one scale for the
+    latent and one for the rotary key per layer, as per-channel scales (`mla_scales`). Under TP every rank of the
+    group must call it together (the model's all-reduces)."""
     from cpinfer.model import ReferenceAttention
 
     n = min(CALIBRATION_TOKENS, int(getattr(config, "max_position_embeddings", 0) or CALIBRATION_TOKENS))
@@ -200,8 +224,11 @@ def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
     ref = ReferenceAttention(torch.zeros(n, dtype=torch.long, device=device), pos, config=config)
     amax: dict[int, tuple[Tensor, Tensor]] = {}
 
-    def attn(layer, q, k, v, sinks=None):  # k / v [n, Hkv, D]
-        amax[layer] = (k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2)))
+    mla = bool(getattr(config, "values_in_keys", False))
+
+    def attn(layer, q, k, v, sinks=None):  # k / v [n, Hkv, D] (MLA: k [n, 1, rank + rope], v its first channels)
+        keys = k[..., v.shape[-1]:] if mla else k  # MLA: the rotary key part; the latent is v
+        amax[layer] = (keys.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2)))
         return ref(layer, q, k, v, sinks=sinks)
 
     model(ids, pos, attn)
@@ -213,4 +240,7 @@ def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
         a = torch.where(torch.isfinite(a) & (a > 0), a, torch.ones_like(a))
         return torch.exp2(torch.ceil(torch.log2(a * HEADROOM / FP8_MAX))).cpu()
 
-    return (torch.stack([scale(amax[i][0]) for i in layers]), torch.stack([scale(amax[i][1]) for i in layers]))
+    k, v = torch.stack([scale(amax[i][0]) for i in layers]), torch.stack([scale(amax[i][1]) for i in layers])
+    if mla:  # per channel: the latent's scale on its channels, the rotary key's on the rest
+        return mla_scales(v[:, 0], k[:, 0], config.kv_value_width, config.kv_key_width - config.kv_value_width)
+    return k, v

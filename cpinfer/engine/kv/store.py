@@ -40,17 +40,18 @@ class KVStore:
     """This rank's K/V tensors: k [layers, capacity + 1, Hkv, Dk] and v [layers, capacity + 1, Hkv, Dv] (with
     `values_in_keys` a view of k's first Dv channels: nothing stored twice), indexed by the slots the driver
     assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
-    FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head, or [D + 4] with its own
-    scale in the per-token format (`kv/fp8.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
+    FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head (MLA: per layer for the
+    latent and for the rotary key), or [D + 4] with its own scale in the per-token format (`kv/fp8.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
     `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes."""
 
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
         self.widths = widths
         fp8 = kv_fp8.is_fp8(kv_cache_dtype)
-        if fp8 and widths.values_in_keys:
+        if kv_fp8.per_token(kv_cache_dtype) and widths.values_in_keys:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for multi-head latent attention "
-                             "(MLA) models yet: their cache holds one shared latent; use kv_cache_dtype='auto'")
+                             "(MLA): the values are the stored key's first channels, which a per-row scale packed "
+                             "after the row would split; use kv_cache_dtype='fp8' (static scales)")
         self.codecs = kv_fp8.layer_codecs(kv_cache_dtype, kv_scales, num_layers, n_kv_heads, device)
         extra = kv_fp8.SCALE_BYTES if kv_fp8.per_token(kv_cache_dtype) else 0
         store_dtype = torch.uint8 if fp8 else dtype
@@ -72,6 +73,6 @@ class KVStore:
     def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int,
                         kv_cache_dtype: str = "auto") -> int:
         if widths.values_in_keys:
-            return num_layers * n_kv_heads * widths.stored * elem_bytes
+            return num_layers * n_kv_heads * kv_fp8.row_bytes(widths.stored, elem_bytes, kv_cache_dtype)
         return num_layers * n_kv_heads * sum(kv_fp8.row_bytes(w, elem_bytes, kv_cache_dtype)
                                              for w in (widths.key, widths.value))

@@ -4,6 +4,7 @@ KV manager puts in each batch (tiers.py decides; a rank copies its own shard onl
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
                                   ToHost)
@@ -143,16 +145,31 @@ def _parts(store) -> int:
     return 2
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedRows:
+    """Every TP rank of this CP rank caches the same rows (MLA's latent under TP): TP rank 0 (global rank `root`)
+    alone keeps the host copy and broadcasts the rows it restores or saves to the others over `group`."""
+
+    group: object
+    root: int
+
+
 class RankTiers:
-    """This rank's host pool and disk writer; `apply` runs the driver's cache operations for this CP rank."""
+    """This rank's host pool and disk writer; `apply` runs the driver's cache operations for this CP rank. With
+    `shared` (MLA under TP) only TP rank 0 has a host pool."""
 
     def __init__(self, store, cp_rank: int, tp_rank: int, host_slots: int, disk_dir: str | None, writable: bool,
-                 layout: Layout | None, cp: int, device: torch.device, max_pending_bytes: int = 2 << 30):
+                 layout: Layout | None, cp: int, device: torch.device, max_pending_bytes: int = 2 << 30,
+                 shared: SharedRows | None = None):
         self.store, self.cp_rank, self.tp_rank, self.cp = store, cp_rank, tp_rank, cp
-        self.layout, self.device = layout, device
+        self.layout, self.device, self.shared = layout, device, shared
         k, v = store.k, store.v
         self.parts = _parts(store)  # K/V tensors a token's rows are kept as: (k, v), or (k,) when v is in k (MLA)
+        if shared is not None and self.parts != 1:
+            raise ValueError("a host pool shared by the TP ranks needs one row per token (MLA's latent)")
         pin = device.type == "cuda"
+        if shared is not None and tp_rank:
+            host_slots = 0  # TP rank 0 holds the one copy
         self.host_k = torch.empty((k.shape[0], host_slots) + k.shape[2:], dtype=k.dtype, pin_memory=pin) \
             if host_slots else None  # [layers, host slots, Hkv, Dk]
         self.host_v = torch.empty((v.shape[0], host_slots) + v.shape[2:], dtype=v.dtype, pin_memory=pin) \
@@ -212,6 +229,8 @@ class RankTiers:
         acc[1] += time.perf_counter() - t0
 
     def _to_host(self, op: ToHost) -> None:
+        if self.shared is not None and self.tp_rank:
+            return  # TP rank 0 keeps the one host copy
         s = torch.from_numpy(op.slots).to(self.device)
         hs = torch.from_numpy(op.host_slots)
         self.host_k.index_copy_(1, hs, self.store.k.index_select(1, s).cpu())  # [L, M, Hkv, D]
@@ -228,8 +247,29 @@ class RankTiers:
                                           error=f"{type(exc).__name__}: {exc}"))
             return 0
 
+    def _broadcast_host_rows(self, host_slots: np.ndarray) -> torch.Tensor:
+        """Shared rows: TP rank 0's host rows [L, M, Hkv, D] on every TP rank (on the device: NCCL moves device
+        tensors). TP rank 0 always takes part — on a failed read it sends zeros and then raises — so no TP rank
+        waits for ever."""
+        k, error, rows = self.store.k, None, None
+        if self.tp_rank == 0:
+            try:
+                rows = self.host_k.index_select(1, torch.from_numpy(host_slots)).to(self.device)
+            except Exception as exc:  # noqa: BLE001 - raised after the broadcast, reported by `_restore`
+                error = exc
+        if rows is None:
+            rows = torch.zeros((k.shape[0], len(host_slots)) + tuple(k.shape[2:]), dtype=k.dtype, device=self.device)
+        dist.broadcast(rows, src=self.shared.root, group=self.shared.group)
+        if error is not None:
+            raise error
+        return rows
+
     def _from_host(self, op: FromHost) -> int:
         s = torch.from_numpy(op.slots).to(self.device)
+        if self.shared is not None:  # one host copy (TP rank 0's), broadcast to the TP ranks
+            k = self._broadcast_host_rows(op.host_slots)
+            self.store.k.index_copy_(1, s, k)
+            return k.numel() * k.element_size()
         hs = torch.from_numpy(op.host_slots)
         k = self.host_k.index_select(1, hs)  # [L, M, Hkv, D]
         self.store.k.index_copy_(1, s, k.to(self.device, non_blocking=True))
@@ -242,7 +282,9 @@ class RankTiers:
     def _gather(self, op: SaveEntry) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The rows to write, [M, P, L, Hkv, D] in host memory (P = 2: keys, values; P = 1: the keys holding the
         values, MLA's latent), copied now (the slots may be reused next)."""
-        if op.source == "host":
+        if op.source == "host" and self.shared is not None:
+            kv = [self._broadcast_host_rows(op.slots).cpu()]
+        elif op.source == "host":
             hs = torch.from_numpy(op.slots)
             parts = (self.host_k, self.host_v)[:self.parts]
             kv = [t.index_select(1, hs) for t in parts]

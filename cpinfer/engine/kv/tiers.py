@@ -36,6 +36,7 @@ class TierConfig:
     tp: int = 1
     write_through: bool = True  # a finished request's segments are written to disk in the background at once
     disk_token_bytes: int = 0  # one token in a disk entry, when not token_bytes (MLA: its latent once, not per TP rank)
+    host_token_bytes: int = 0  # one token in the host pool, when not token_bytes (MLA: TP rank 0's copy alone)
     writable: bool = True  # False: a read-only directory (its entries are read, nothing is written or deleted)
 
     def __post_init__(self):
@@ -424,8 +425,9 @@ class Tiers:
         c = self.config
         out = {}
         host_tokens = sum(len(nd) for nd in self.host_nodes.values())
+        host_bytes = c.host_token_bytes or c.token_bytes
         held = {"device": (device_tokens * c.token_bytes, device_tokens, None),
-                "host": (host_tokens * c.token_bytes, host_tokens, c.host_slots * self.n * c.token_bytes),
+                "host": (host_tokens * host_bytes, host_tokens, c.host_slots * self.n * host_bytes),
                 "disk": (self.disk_used, sum(sum(len(nd) for nd in e.nodes.values()) for e in self.entries.values()),
                          c.disk_bytes if self.disk_on else 0)}
         for tier in TIERS:
