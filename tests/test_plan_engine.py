@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.model import quant
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.loader import build_model, load_weights
 from cpinfer.perf.catalog import HARDWARE
@@ -23,6 +24,14 @@ from fp8_checkpoint import write_fp8_pair
 KINDS = {"dense": ("gqa", {}), "moe": ("mixtral", {}), "mla": ("deepseek_v3", {"attention_bias": False})}
 FP8_GPU = HARDWARE["h100-sxm"]    # a profile with FP8 GEMMs: FP8 linears stay FP8
 CPU = HARDWARE["cpu-gloo"]        # none: the engine dequantizes every FP8 weight, as on CPU
+
+
+@pytest.fixture(autouse=True)
+def no_triton_gemm(monkeypatch):
+    """The engine here keeps FP8 linears FP8 through `_scaled_mm` only, as the planner's CPU-side comparison
+    assumes: Triton's interpreter (TRITON_INTERPRET=1, which another module sets for the whole session) would
+    otherwise run the Triton GEMM on the CPU and keep linears of any shape FP8."""
+    monkeypatch.setattr(quant, "triton_gemm_runs", lambda device: False)
 
 
 @pytest.fixture(scope="module")
