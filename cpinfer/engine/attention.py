@@ -46,6 +46,7 @@ from cpinfer.attention.tables import ForwardTables
 from cpinfer.cp.plan import CPAttentionPlan, plan_from_metadata
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.batch import ForwardBatch
+from cpinfer.engine.kv import fp8 as kv_fp8
 from cpinfer.timing import Stopwatch
 
 
@@ -462,7 +463,9 @@ class BatchAttention:
         lr = int(self.nq_ring[self.rank])
         dtype, q, k_new, v_new = q.dtype, q[:lr], k_new[:lr], v_new[:lr]
         if self.strategy == "pass-kv" and packed is not None:  # the message: packed store rows and new rows
-            decode = (lambda p: codecs[0].decode(p, dtype), lambda p: codecs[1].decode(p, dtype))
+            def decode(k, v):  # a received block's uint8 rows, dequantized as the store's are
+                return kv_fp8.decode_rows(codecs, k, v, dtype, self.values_in_keys)
+
             self._run_pass_kv(q, packed[0][:lr], packed[1][:lr], packed[2], packed[3], scale, timings, acc_out,
                               acc_lse, decode, expand)
         elif self.strategy == "pass-kv":
@@ -509,16 +512,13 @@ class BatchAttention:
         codecs; the store only rows [0, used), and not at all when no step of this layer reads it in place (a
         pass-KV-only forward)."""
         k_new, v_new, store_k, store_v = packed
-        ck, cv = codecs
         n = store_k.shape[0] if used is None else used
         reads_store = window is not None or chunk is not None or bool(self.local) or self.strategy != "pass-kv"
-        shared, dv = bool(values_in_keys(store_k, store_v)), store_v.shape[-1]  # MLA: v stays k's first channels
-        kn = ck.decode(k_new, dtype)
-        vn = kn[..., :dv] if shared else cv.decode(v_new, dtype)
+        shared = bool(values_in_keys(store_k, store_v))  # MLA: v stays k's first channels
+        kn, vn = kv_fp8.decode_rows(codecs, k_new, v_new, dtype, shared)
         if not reads_store:
             return kn, vn, None, None
-        sk = ck.decode(store_k[:n], dtype)
-        return kn, vn, sk, sk[..., :dv] if shared else cv.decode(store_v[:n], dtype)
+        return (kn, vn) + kv_fp8.decode_rows(codecs, store_k[:n], store_v[:n], dtype, shared)
 
     def _run_windowed(self, q, store_k, store_v, scale, timings, kind: tuple, sinks) -> torch.Tensor:
         if kind not in self._windowed:
@@ -533,8 +533,8 @@ class BatchAttention:
 
     def _run_pass_kv(self, q, k_new, v_new, store_k, store_v, scale, timings, acc_out, acc_lse, decode=None,
                      expand=None) -> None:
-        """`decode`: FP8 KV, (K, V) dequantizers: the rows packed here are uint8 and each received block's keys and
-        values are dequantized by them. `expand`: MLA's expanded form: the message carries latents, and each block
+        """`decode`: FP8 KV, (k, v) -> dequantized (k, v): the rows packed here are uint8 and each received block is
+        dequantized by it. `expand`: MLA's expanded form: the message carries latents, and each block
         (mine at step 0, then each received one) is up-projected once, for every head of this rank."""
         u = self.tables[("full", "send")]  # [U] my store rows in the message, uploaded before layer 0
         shared, dk, dv = self.values_in_keys, k_new.shape[-1], v_new.shape[-1]
@@ -544,9 +544,8 @@ class BatchAttention:
 
         def compute(j, block):
             k, v = unpack_rows(block, dk, dv)
-            if decode is not None:  # (MLA: the values are the decoded keys' first channels)
-                k = decode[0](k.contiguous())
-                v = k[..., :dv] if shared else decode[1](v.contiguous())
+            if decode is not None:
+                k, v = decode(k, v)
             if expand is not None:
                 k, v = expand(k)  # [max_send, 1, D] latent -> [max_send, H, Dk], [max_send, H, Dv]
             self.backend.attend_items(self.steps[j], None, q, k, v, acc_out, acc_lse, scale, self.tables,

@@ -185,8 +185,7 @@ class ModelRunner:
         def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
             # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
-                dv, k = v.shape[-1], codecs[layer][0].encode(k)
-                v = k[..., :dv] if store.widths.values_in_keys else codecs[layer][1].encode(v)
+                k, v = kv_fp8.encode_rows(codecs[layer], k, v, store.widths.values_in_keys)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[layer].index_copy_(0, slots, v)

@@ -142,6 +142,21 @@ class RowCodec:
         return decode(p, dtype) if self.scale is None else decode_static(p, self.scale, dtype)
 
 
+def encode_rows(codecs: tuple[RowCodec, RowCodec], k: Tensor, v: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+    """A layer's new K / V rows -> uint8 rows by its (K, V) codecs. `shared` (MLA): the value is the latent's first
+    channels, so v is the view of the encoded k's first bytes, never encoded on its own."""
+    kq = codecs[0].encode(k)
+    return kq, kq[..., :v.shape[-1]] if shared else codecs[1].encode(v)
+
+
+def decode_rows(codecs: tuple[RowCodec, RowCodec], k: Tensor, v: Tensor, dtype: torch.dtype,
+                shared: bool) -> tuple[Tensor, Tensor]:
+    """uint8 K / V rows -> `dtype` by the layer's (K, V) codecs; `shared` (MLA): v is the decoded k's first
+    channels (the stored v is that view, `v.shape[-1]` wide)."""
+    kd = codecs[0].decode(k.contiguous(), dtype)
+    return kd, kd[..., :v.shape[-1]] if shared else codecs[1].decode(v.contiguous(), dtype)
+
+
 def layer_codecs(kv_cache_dtype: str, scales: tuple[Tensor, Tensor] | None, num_layers: int, n_kv_heads: int,
                  device) -> list[tuple[RowCodec, RowCodec]] | None:
     """Per layer (K codec, V codec); None without an FP8 cache. `scales`: (k [layers, Hkv], v [layers, Hkv]) static
