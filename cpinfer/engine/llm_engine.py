@@ -647,13 +647,11 @@ class LLMEngine:
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []
         for rid in self._aborts:
-            req = self.requests.pop(rid, None)
+            req = self.requests.get(rid)
             if req is None:
                 continue
-            self.scheduler.finish(req, keep_cache=False)
-            self._matchers.pop(rid, None)
             req.finish_reason = "abort"
-            self._count_finish(req)
+            self._retire(req, keep_cache=False)
             outputs.append(self.output.output(req))
         self._aborts = []
         return outputs
@@ -710,12 +708,8 @@ class LLMEngine:
     def _fail(self, req: Request, why: str) -> RequestOutput:
         """End one request whose own work failed (sampling, grammar, output): free its private blocks."""
         log.warning("request %s failed: %s", req.request_id, why)
-        self.scheduler.finish(req, keep_cache=False)
-        self.requests.pop(req.request_id, None)
-        self._matchers.pop(req.request_id, None)
-        self._failed.pop(req.request_id, None)
         req.finish_reason = "error"
-        self._count_finish(req)
+        self._retire(req, keep_cache=False)
         out = self.output.output(req)
         out.error = why
         return out
@@ -736,10 +730,7 @@ class LLMEngine:
                 outputs.append(self._fail(req, why))
                 continue
             if req.finish_reason is not None:
-                self.scheduler.finish(req, keep_cache=True)
-                self.requests.pop(req.request_id, None)
-                self._matchers.pop(req.request_id, None)
-                self._count_finish(req)
+                self._retire(req, keep_cache=True)
             outputs.append(self.output.output(req))
         for rid in [r for r in self._failed if r not in self.requests]:
             del self._failed[rid]
@@ -758,7 +749,13 @@ class LLMEngine:
             out["placement_inputs"] = s.placement.decision.as_metrics()
         return out
 
-    def _count_finish(self, req: Request) -> None:
+    def _retire(self, req: Request, keep_cache: bool) -> None:
+        """A request with its finish reason set leaves the engine: its blocks go back to the scheduler (its K/V
+        kept in the prefix cache or freed), its grammar state and pending failure are dropped, and it is counted."""
+        self.scheduler.finish(req, keep_cache=keep_cache)
+        self.requests.pop(req.request_id, None)
+        self._matchers.pop(req.request_id, None)
+        self._failed.pop(req.request_id, None)
         f = self._counters["finished"]
         f[req.finish_reason] = f.get(req.finish_reason, 0) + 1
 

@@ -48,7 +48,7 @@ class Detokenizer:
 class TextState:
     """A request's text bookkeeping: its detokenizer and where stop strings may start (text after `min_tokens`)."""
 
-    detok: Detokenizer | None
+    detok: Detokenizer
     protected: int = -1  # characters produced by the first min_tokens tokens (-1: not reached yet)
     searched: int = 0  # the text's length at the last stop-string search
 
