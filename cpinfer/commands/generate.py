@@ -1,6 +1,6 @@
-"""`cpinfer generate`: one prompt through a model on N local context-parallel ranks (a thin layer over
-`LLM.generate` / `LLM.chat`). The model is a Hugging Face folder, a .gguf file (converted once), a Hugging Face Hub
-id (downloaded once) or, by default, the embedded SmolLM2-135M-Instruct. The ranks run on the GPUs when CUDA is available (bfloat16), else on the CPU
+"""`cpinfer generate`: one prompt through a model on N context-parallel ranks, local or over several nodes
+(--nnodes; a thin layer over `LLM.generate` / `LLM.chat`). The model is a Hugging Face folder, a .gguf file
+(converted once), a Hugging Face Hub id (downloaded once) or, by default, the embedded SmolLM2-135M-Instruct. The ranks run on the GPUs when CUDA is available (bfloat16), else on the CPU
 (float32); see --device / --dtype. Prints the completion (text when the model has a tokenizer, token ids
 otherwise), the time to first token, the time between tokens and the strategy chosen for each phase.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from cpinfer import multinode
 from cpinfer.bench.attention import positive_int
 from cpinfer.commands.model_args import HelpFormatter, add_model_arguments, engine_model_kwargs, resolve_args
 from cpinfer.device import add_arguments as add_device_arguments
@@ -72,10 +73,22 @@ def run(args) -> int:
     from cpinfer.device import check_arguments, engine_kwargs
 
     check_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
-    if args.chat and args.prompt is None:
+    kwargs = dict(context_parallel_size=args.cp, tensor_parallel_size=args.tp,
+                  max_kv_tokens_per_rank=args.max_kv_tokens_per_rank, max_model_len=args.max_model_len,
+                  strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
+                  threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
+                  **engine_kwargs(args))
+    node = multinode.spec_from_args(args, kwargs)  # bad multi-node flags fail before the model is read
+    if args.prompt is None and args.prompt_ids is None and not args.headless:
+        raise ValueError("give the prompt as --prompt TEXT or --prompt-ids IDS (only --headless nodes run without "
+                         "one)")
+    if args.chat and args.prompt is None and not args.headless:
         raise ValueError("--chat needs --prompt TEXT (the user message), not --prompt-ids")
     # a bad path, an unsupported GGUF or a Hub id missing offline fails here, before any rank starts
     model, tokenizer = resolve_args(args)
+    kwargs.update(engine_model_kwargs(args, tokenizer))
+    if node is not None and node.headless:  # this node's ranks only: the driver on node 0 runs the prompt
+        return multinode.run_headless(node, str(model), kwargs)
     if args.hardware_profile is not None:
         from cpinfer.perf.hardware import load_hardware_profile
 
@@ -83,17 +96,18 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k or 0, seed=args.seed, logprobs=True, ignore_eos=args.ignore_eos)
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
-    with LLM(str(model), context_parallel_size=args.cp, tensor_parallel_size=args.tp,
-             max_kv_tokens_per_rank=args.max_kv_tokens_per_rank, max_model_len=args.max_model_len,
-             strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
-             threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
-             **engine_kwargs(args), **engine_model_kwargs(args, tokenizer)) as llm:
-        if args.chat:
-            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
-        else:
-            out = llm.generate(prompt, params)[0]
-        hw = {"device": llm.engine.args.device, "dtype": llm.engine.args.dtype,
-              "attention_backend": llm.engine.attention_backend}
+    node_ranks = None if node is None else multinode.start_driver(node, str(model), kwargs)
+    try:
+        with LLM(str(model), **kwargs) as llm:
+            if args.chat:
+                out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+            else:
+                out = llm.generate(prompt, params)[0]
+            hw = {"device": llm.engine.args.device, "dtype": llm.engine.args.dtype,
+                  "attention_backend": llm.engine.attention_backend}
+    finally:
+        if node_ranks is not None:  # this node's other ranks leave the ended world
+            node_ranks.close()
     res = _summary(out, out.metrics["steps"])
     res.update(cp=args.cp, device=hw["device"], dtype=hw["dtype"], attention_backend=hw["attention_backend"])
     if res["text"] is not None:
@@ -125,7 +139,7 @@ def register(subparsers) -> None:
                         help="tensor-parallel ranks per CP rank")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse K/V across requests (only matters with several prompts)")
-    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt = parser.add_mutually_exclusive_group()  # one of them is required, except on --headless nodes
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs the model's tokenizer)")
     prompt.add_argument("--prompt-ids", type=_token_ids, metavar="1,2,3", help="prompt as comma-separated token ids")
     parser.add_argument("--chat", action="store_true",
@@ -155,4 +169,5 @@ def register(subparsers) -> None:
                         help="torch threads per rank (default: cores / CP)")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON object on the last line")
     add_device_arguments(parser)
+    multinode.add_arguments(parser)
     parser.set_defaults(func=run)

@@ -1,8 +1,8 @@
 """`cpinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLM` on N context-parallel
 (× M tensor-parallel) ranks. Multi-turn chats keep their KV cache sharded across turns (paper §3.3).
 
-Locally the ranks are child processes of the server; under torchrun rank 0 serves HTTP and the other ranks serve
-the engine (they never return from `AsyncLLM(...)`). SIGINT / SIGTERM end in-flight requests, stop every rank and
+Locally the ranks are child processes of the server; over several nodes (--nnodes, or under torchrun) rank 0 serves
+HTTP and the other ranks serve the engine (they never return from `AsyncLLM(...)`; --headless nodes run ranks only). SIGINT / SIGTERM end in-flight requests, stop every rank and
 release the port (exit 0). A dead engine (a rank died or raised) closes in-flight responses and exits with code 1
 so a supervisor restarts the server, unless --no-exit-on-engine-death.
 """
@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 
-from cpinfer import __version__
+from cpinfer import __version__, multinode
 from cpinfer.bench.attention import positive_int
 from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, engine_model_kwargs, model_name,
                                          resolve_args)
@@ -198,8 +198,13 @@ def run(args) -> int:
 
     check_device_arguments(args)  # CUDA asked for and missing: exit 2 now, before the model or any rank
     _check_tls(args)
+    kwargs = engine_kwargs(args)
+    node = multinode.spec_from_args(args, kwargs)  # bad multi-node flags fail before the model is read
     api_key = args.api_key or os.environ.get("CPINFER_API_KEY") or None
     model_dir, tokenizer_dir = resolve_args(args)  # ValueError naming the problem, before any rank starts
+    kwargs.update(engine_model_kwargs(args, tokenizer_dir))
+    if node is not None and node.headless:  # this node's ranks only: no HTTP
+        return multinode.run_headless(node, str(model_dir), kwargs)
     name = served_name(args, model_name(args))
     config = server_config(args, name, model_dir, api_key)
     if args.hardware_profile is not None:
@@ -208,8 +213,13 @@ def run(args) -> int:
         load_hardware_profile(args.hardware_profile)  # a bad name fails here
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 listens
         _check_port_free(args.host, args.port)
-    engine = AsyncLLM(str(model_dir), **engine_kwargs(args),
-                      **engine_model_kwargs(args, tokenizer_dir))  # under torchrun only rank 0 returns
+    node_ranks = None if node is None else multinode.start_driver(node, str(model_dir), kwargs)
+    try:  # under torchrun only rank 0 returns
+        engine = AsyncLLM(str(model_dir), **kwargs)
+    except BaseException:
+        if node_ranks is not None:
+            node_ranks.close(force=True)
+        raise
     stop_watch = threading.Event()
     code = 0
     try:
@@ -236,6 +246,8 @@ def run(args) -> int:
     finally:
         stop_watch.set()
         engine.shutdown()
+        if node_ranks is not None:  # this node's other ranks leave the ended world
+            node_ranks.close()
         log.info("server stopped; every rank exited")
     return code
 
@@ -253,6 +265,7 @@ def register(subparsers) -> None:
     _scheduler_arguments(parser)
     _observability_arguments(parser)
     add_device_arguments(parser)
+    multinode.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
