@@ -329,7 +329,18 @@ def run_headless(spec: NodeSpec, model: str, engine_kwargs: dict) -> int:
     ranks = NodeRanks(spec, model, engine_kwargs)
     try:
         told = 0
-        while len(ranks.exited()) < len(ranks.procs):
+        while True:
+            exited = ranks.exited()
+            failed = {r: c for r, c in exited.items() if c != 0}
+            if failed:
+                rank, code = min(failed.items())
+                log.error("node %d: rank %d exited (%s): the world is gone (the driver or a rank of another node "
+                          "ended, or this rank failed: see its output above)", spec.node_rank, rank, _describe(code))
+                ranks.close()
+                return 1
+            if len(exited) == len(ranks.procs):
+                log.info("node %d: the driver ended the world; every rank of this node exited", spec.node_rank)
+                return 0
             if len(signals) > told:
                 told = len(signals)
                 if told >= 2:
@@ -339,16 +350,7 @@ def run_headless(spec: NodeSpec, model: str, engine_kwargs: dict) -> int:
                     return 128 + signals[-1]
                 log.warning("node %d: %s: waiting for the driver on node 0 to end the world (send it again to "
                             "kill this node's ranks now)", spec.node_rank, signal.Signals(signals[-1]).name)
-            failed = {r: c for r, c in ranks.exited().items() if c != 0}
-            if failed:
-                rank, code = min(failed.items())
-                log.error("node %d: rank %d exited (%s): the world is gone (the driver or a rank of another node "
-                          "ended, or this rank failed: see its output above)", spec.node_rank, rank, _describe(code))
-                ranks.close()
-                return 1
             time.sleep(0.2)
-        log.info("node %d: the driver ended the world; every rank of this node exited", spec.node_rank)
-        return 0
     finally:
         ranks.close(force=True)
         for s, handler in previous.items():
@@ -384,5 +386,5 @@ def rank_main() -> int:
     except Exception as exc:  # noqa: BLE001 - one clear line: the world ended under this rank, or it failed
         print(f"[cpinfer r{rank}] ERROR rank {rank} left the world: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
-        return 1
+        os._exit(1)  # now: tearing down a process group whose peer is gone may block or change the exit code
     return 1  # not reached: a rank other than 0 never gets an engine back

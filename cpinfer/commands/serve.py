@@ -242,6 +242,9 @@ def run(args) -> int:
         stopped_by = _run_until_signal(server)
         if engine.errored and args.exit_on_engine_death:
             stopped_by, code = "engine death", EXIT_ENGINE_DEAD
+            if node is not None:
+                log.error("multi-node: the world of %d ranks over %d nodes lost a rank (a node stopped or a rank "
+                          "failed): restart every node", node.world_size, node.nnodes)
         log.info("stopping on %s: shutting the engine down", stopped_by)
     finally:
         stop_watch.set()
