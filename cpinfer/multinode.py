@@ -174,6 +174,10 @@ def interface_toward(host: str) -> str | None:
 def _bind_rendezvous(spec: NodeSpec) -> socket.socket:
     """Node 0: the rendezvous' listening socket, bound to --master-addr only (not every interface)."""
     addr = resolve_ipv4(spec.master_addr)
+    if addr.startswith("127.") and not spec.master_addr.startswith("127.") and spec.master_addr != "localhost":
+        log.warning("--master-addr %s resolves to %s (loopback) on node 0: other machines cannot reach the "
+                    "rendezvous there; give node 0's network address (an IP) unless every node is this machine",
+                    spec.master_addr, addr)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

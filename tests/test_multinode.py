@@ -136,6 +136,24 @@ def test_serve_over_two_nodes_matches_one_process_and_a_dead_node_ends_the_serve
         _end(server.proc, headless)
 
 
+def test_sigterm_to_every_node_stops_the_world_cleanly(model_dir, tmp_path):
+    """As an orchestrator stops a job (SIGTERM to every node at once): node 0 finishes, shuts the world down and
+    exits 0; the headless node leaves the shutdown to it and exits 0 once its rank has left; no process is left."""
+    server, headless = _serve_pair(model_dir, tmp_path)
+    try:
+        ranks = descendants(headless.pid)
+        headless.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        codes = [server.proc.wait(timeout=60), headless.wait(timeout=60)]
+        out = server.output(), (tmp_path / "headless.log").read_text()
+        assert codes == [0, 0], "\n---\n".join(o[-3000:] for o in out)
+        assert "server stopped; every rank exited" in out[0]
+        assert "the driver ended the world; every rank of this node exited" in out[1], out[1][-3000:]
+        assert not any(is_alive(p) for p in ranks)
+    finally:
+        _end(server.proc, headless)
+
+
 def test_headless_node_exits_in_seconds_when_the_driver_dies(model_dir, tmp_path):
     """A first SIGTERM to the headless node leaves the shutdown to the driver (the node keeps running); SIGKILL to
     node 0 (the driver): the headless node's rank sees the world gone and the node exits 1."""
@@ -200,6 +218,13 @@ def test_bad_master_port_and_busy_rendezvous_are_refused(model_dir, capsys):
     assert main(["generate", str(model_dir), "--cp", "2", "--device", "cpu", "--nnodes", "2", "--master-addr",
                  "no-such-host.invalid", "--prompt-ids", "1,2"]) == 2
     assert "does not resolve" in capsys.readouterr().err
+
+
+def test_nnodes_is_refused_under_torchrun(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["serve", str(tmp_path), "--device", "cpu", "--cp", "2", *_nodes(29500)]) == 2
+    assert "under torchrun (RANK and WORLD_SIZE are set) leave --nnodes" in capsys.readouterr().err
 
 
 def test_generate_needs_a_prompt_except_headless(capsys, tmp_path):
