@@ -103,14 +103,14 @@ def add_arguments(parser) -> None:
 
     g = parser.add_argument_group("multi-node", "one engine over several nodes without torchrun: run the same "
                                   "command on every node, with its own --node-rank (docs/multinode.md)")
-    g.add_argument("--nnodes", type=positive_int, default=1,
+    g.add_argument("--nnodes", type=positive_int, default=1, metavar="R",
                    help="nodes the engine's ranks are split over (evenly: world / nnodes ranks each, one GPU per "
                         "rank on CUDA)")
     g.add_argument("--node-rank", type=int, default=0, metavar="I",
                    help="this node's index in [0, nnodes); node 0 hosts the rendezvous and runs the driver")
     g.add_argument("--master-addr", default=None, metavar="HOST",
                    help="address of node 0, reachable from every node; node 0 binds the rendezvous (a TCP store) "
-                        "to it and its ranks' sockets to the interface that holds it")
+                        "to it, and every node's ranks use the interface through which it reaches it")
     g.add_argument("--master-port", type=_port, default=DEFAULT_MASTER_PORT, metavar="P",
                    help="TCP port of the rendezvous on node 0")
     g.add_argument("--headless", action="store_true",
