@@ -1,0 +1,183 @@
+"""Prefill and decode on separate groups of ranks: outputs equal colocated CP1, the K/V moved once per token.
+
+One worker pool per world size serves every P/D layout of that size (each engine builds its roles' groups on it),
+so the ranks start once per module.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import write_hf_checkpoint
+from cpinfer.cp.pd_plan import plan_transfer
+from cpinfer.engine.llm import LLM
+from cpinfer.engine.pd.engine import PDEngine
+from cpinfer.engine.sampling import SamplingParams
+from cpinfer.launch import WorkerPool
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
+
+
+class _PooledPD(PDEngine):
+    def __init__(self, model, pool, **kwargs):
+        self._shared = pool
+        super().__init__(model, **kwargs)
+
+    def _make_pool(self, world, backend, threads):
+        if world != self._shared.world_size:
+            raise ValueError(f"the pool has {self._shared.world_size} ranks, the P/D world needs {world}")
+        return self._shared
+
+    def shutdown(self) -> None:
+        for g in self.groups:
+            g.shutdown()
+        self._pool = None  # the module's pool outlives the engine
+
+
+def _pd_llm(pool, path, **kw) -> LLM:
+    llm = LLM.__new__(LLM)
+    llm.engine = _PooledPD(str(path), pool, threads_per_rank=1, **kw)
+    llm._ids = itertools.count()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made: dict[int, WorkerPool] = {}
+
+    def get(world: int) -> WorkerPool:
+        if world not in made:
+            made[world] = WorkerPool(world, threads_per_rank=1, timeout_s=120)
+        return made[world]
+
+    try:
+        yield get
+    finally:
+        for p in made.values():
+            p.close()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_hf_checkpoint(tmp_path_factory.mktemp("pd-llama"), "gqa")
+
+
+def _prompts(seed=0, lengths=(37, 90, 5, 61)):
+    rng = np.random.default_rng(seed)
+    doc = rng.integers(3, 250, size=40).tolist()  # a shared document: prefix sharing on both sides
+    out = [rng.integers(3, 250, size=n).tolist() for n in lengths]
+    return out + [doc + [7, 8, 9], doc + [10, 11]]
+
+
+def _reference(path, prompts, params=GREEDY):
+    ref = LLM(str(path), threads_per_rank=1)
+    try:
+        return ref.generate(prompts, params, use_tqdm=False)
+    finally:
+        ref.shutdown()
+
+
+def _assert_same(ref, got, atol=1e-4):
+    worst = 0.0
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids, (a.request_id, a.token_ids, b.token_ids)
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=atol, rtol=0)
+        worst = max(worst, float(np.abs(np.subtract(a.logprobs, b.logprobs)).max()))
+    return worst
+
+
+LAYOUTS = [  # (N, M, K, TP): prefill CP, decode CP, decode groups, TP
+    (2, 1, 1, 1), (1, 2, 1, 1), (3, 2, 1, 1), (2, 2, 1, 1), (2, 1, 1, 2), (2, 1, 2, 1)]
+
+
+def test_plan_maps_every_token_once_grouped_per_pair():
+    rng = np.random.default_rng(1)
+    t = 200
+    src_r, dst_r = rng.integers(0, 3, t), rng.integers(0, 2, t)
+    src_s, dst_s = rng.permutation(1000)[:t], rng.permutation(1000)[:t]
+    plan = plan_transfer(np.arange(t), src_r, src_s, dst_r, dst_s)
+    assert plan.num_tokens == t
+    seen = np.concatenate([p.src_slots for p in plan.pairs])
+    assert sorted(seen.tolist()) == sorted(src_s.tolist())  # every token exactly once
+    assert len({(p.src, p.dst) for p in plan.pairs}) == len(plan.pairs) <= 6  # one entry per pair
+    for p in plan.pairs:
+        idx = np.flatnonzero((src_r == p.src) & (dst_r == p.dst))  # position order inside the pair
+        np.testing.assert_array_equal(p.src_slots, src_s[idx])
+        np.testing.assert_array_equal(p.dst_slots, dst_s[idx])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "%d-%d_k%d_tp%d" % l)
+def test_pd_equals_colocated_cp1(pools, llama, layout):
+    n, m, k, tp = layout
+    prompts = _prompts()
+    ref = _reference(llama, prompts)
+    llm = _pd_llm(pools((n + k * m) * tp), llama, context_parallel_size=n, pd_decode_cp=m, pd_decode_groups=k,
+                  tensor_parallel_size=tp, placement="shard")
+    try:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        worst = _assert_same(ref, got)
+        print(f"P/D {n}->{m} x{k} TP{tp}: max |d logprob| {worst:.2e}")
+        groups = {o.metrics["pd"]["decode_group"] for o in got}
+        assert groups <= set(range(k)) and (k == 1 or len(groups) == k)  # spread over the decode groups
+        for o in got:  # every request moved once, with its prompt's bytes: tokens x bytes per token x TP ranks
+            pd = o.metrics["pd"]
+            assert pd["transfer_tokens"] + pd["decode_cached_tokens"] == len(o.prompt_token_ids)
+            if tp == 1:
+                assert pd["transfer_bytes"] == pd["transfer_tokens"] * llm.engine.kv_bytes_per_token
+        s = llm.engine.pd_stats()
+        assert s["handoffs"] == len(prompts) and s["parked"] == 0
+    finally:
+        llm.shutdown()
+
+
+def test_chunked_prefill_and_preemption_on_the_decode_group(pools, llama):
+    """Chunked prefill on the prefill group, and preemption on a small decode group (it recomputes there)."""
+    prompts = _prompts(seed=3, lengths=(45, 52, 38))
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
+    ref = _reference(llama, prompts, params)
+    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard",
+                  max_num_batched_tokens=32, max_kv_tokens_per_rank=192)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        _assert_same(ref, got)
+        assert llm.engine.decode[0].scheduler.num_preemptions > 0  # the decode group ran out and recomputed
+        st = llm.engine.prefill.stats()
+        assert sum(st.forwards.values()) >= -(-st.prompt_tokens // 32)  # chunks of at most 32 tokens
+        assert all(k.startswith("prefill/") for k in st.forwards), st.forwards  # the prefill group never decodes
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda l: "%d-%d" % l)
+def test_multi_turn_history_cached_on_the_prefill_group(pools, llama, layout):
+    """A chat's second turn finds its whole history, the first answer included, in the prefill ranks' tree."""
+    n, m = layout
+    llm = _pd_llm(pools(n + m), llama, context_parallel_size=n, pd_decode_cp=m, placement="shard")
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=True)
+    try:
+        first = llm.generate([_prompts(seed=5)[0]], params, use_tqdm=False)[0]
+        turn2 = first.prompt_token_ids + first.token_ids + [5, 6, 7, 8]
+        second = llm.generate([turn2], GREEDY, use_tqdm=False)
+        _assert_same(_reference(llama, [turn2], GREEDY), second)
+        history = len(first.prompt_token_ids) + len(first.token_ids) - 1  # the last answer token has no K/V yet
+        assert second[0].num_cached_tokens == history, (second[0].num_cached_tokens, history)
+        s = llm.engine.pd_stats()
+        assert s["move_backs"] == 2 and s["move_back_bytes"] == (len(first.token_ids) - 1) * llm.engine.kv_bytes_per_token
+        for g in llm.engine.groups:
+            g.kv.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+def test_refusals(llama):
+    with pytest.raises(ValueError, match="placement 'local'"):
+        LLM(str(llama), context_parallel_size=2, pd_decode_cp=1, placement="local")
+    with pytest.raises(ValueError, match="pd_decode_groups"):
+        LLM(str(llama), pd_decode_groups=2)
+    with pytest.raises(ValueError, match="pd_decode_cp must be a positive integer"):
+        LLM(str(llama), context_parallel_size=2, pd_decode_cp=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3"):
+        LLM(str(llama), context_parallel_size=2, pd_decode_cp=1, tensor_parallel_size=3)
