@@ -181,3 +181,47 @@ def test_refusals(llama):
         LLM(str(llama), context_parallel_size=2, pd_decode_cp=0)
     with pytest.raises(ValueError, match="tensor_parallel_size 3"):
         LLM(str(llama), context_parallel_size=2, pd_decode_cp=1, tensor_parallel_size=3)
+
+
+FAMILIES = [("gemma3", "auto"), ("gpt_oss", "auto"), ("deepseek_v3", "auto"), ("gqa", "fp8"), ("deepseek_v3", "fp8")]
+
+
+@pytest.fixture(scope="module")
+def family_checkpoint(tmp_path_factory):
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = write_hf_checkpoint(tmp_path_factory.mktemp(f"pd-{variant}"), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda l: "%d-%d" % l)
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: "-".join(f))
+def test_families_and_fp8_equal_colocated(pools, family_checkpoint, family, layout):
+    """Sliding window (gemma3: the decode group mirrors the received slots' positions), MoE with sinks (gpt_oss),
+    MLA latents (deepseek_v3) and an FP8 cache (its stored bytes move): equal to colocated CP1 of the same cache
+    dtype, and each request's transfer is its tokens x the stored bytes per token."""
+    variant, kv_dtype = family
+    n, m = layout
+    path = family_checkpoint(variant)
+    prompts = _prompts(seed=7, lengths=(70, 21))
+    ref = LLM(str(path), threads_per_rank=1, kv_cache_dtype=kv_dtype)
+    try:
+        want = ref.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        ref.shutdown()
+    llm = _pd_llm(pools(n + m), path, context_parallel_size=n, pd_decode_cp=m, placement="shard",
+                  kv_cache_dtype=kv_dtype)
+    try:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        worst = _assert_same(want, got)
+        per_token = llm.engine.kv_bytes_per_token
+        print(f"P/D {n}->{m} {variant} kv {kv_dtype}: max |d logprob| {worst:.2e}, {per_token} bytes/token")
+        for o in got:
+            pd = o.metrics["pd"]
+            assert pd["transfer_bytes"] == pd["transfer_tokens"] * per_token
+    finally:
+        llm.shutdown()
