@@ -10,7 +10,8 @@ import argparse
 import json
 
 from cpinfer.bench.attention import positive_int
-from cpinfer.commands.model_args import HelpFormatter, add_model_arguments, engine_model_kwargs, resolve_args
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_pd_arguments, engine_model_kwargs,
+                                         resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 
 
@@ -87,6 +88,7 @@ def run(args) -> int:
              max_kv_tokens_per_rank=args.max_kv_tokens_per_rank, max_model_len=args.max_model_len,
              strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
              threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
+             pd_decode_cp=args.pd_decode_cp, pd_decode_groups=args.pd_decode_groups,
              **engine_kwargs(args), **engine_model_kwargs(args, tokenizer)) as llm:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -123,6 +125,7 @@ def register(subparsers) -> None:
                         help="context-parallel ranks (local processes, one GPU each on CUDA)")
     parser.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1,
                         help="tensor-parallel ranks per CP rank")
+    add_pd_arguments(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse K/V across requests (only matters with several prompts)")
     prompt = parser.add_mutually_exclusive_group(required=True)

@@ -14,4 +14,6 @@ def make_engine(model=None, **kwargs):
         return LLMEngine(model, **kwargs)
     from cpinfer.engine.pd.engine import PDEngine
 
+    if kwargs.get("pd_decode_groups") is None:
+        kwargs.pop("pd_decode_groups", None)
     return PDEngine(model, **kwargs)
