@@ -225,3 +225,70 @@ def test_families_and_fp8_equal_colocated(pools, family_checkpoint, family, layo
             assert pd["transfer_bytes"] == pd["transfer_tokens"] * per_token
     finally:
         llm.shutdown()
+
+
+def test_abort_mid_transfer_frees_both_sides(pools, llama):
+    """A request aborted after its prompt left the prefill group, before its rows arrived, ends alone: its decode
+    blocks are freed once the rows are in (nothing decodes from them), the other request's output is unchanged."""
+    prompts = _prompts(seed=11, lengths=(50, 30))[:2]
+    ref = _reference(llama, prompts)
+    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    eng = llm.engine
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, GREEDY)
+        outs = {}
+        while not eng._pending[1]:  # until a handoff is queued (its rows not yet received)
+            for o in eng.step():
+                outs[o.request_id] = o
+        victim = eng._pending[1][0].req.request_id
+        eng.abort(victim)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id] = o
+        assert outs[victim].finish_reason == "abort"
+        assert len(outs[victim].token_ids) == 1  # only the prefill's first token: it never decoded
+        other = "r1" if victim == "r0" else "r0"
+        _assert_same([ref[int(other[1])]], [outs[other]])
+        dec = eng.decode[0]
+        assert not dec.requests and not dec.scheduler.running
+        for g in eng.groups:
+            g.kv.check_invariants()
+        assert not any(nd.ref for nd in dec.kv.nodes.values())  # no block held by a request any more
+    finally:
+        llm.shutdown()
+
+
+def test_pd_metrics_exported():
+    from cpinfer.engine.request import EngineStats
+    from cpinfer.server.metrics import ServerMetrics
+
+    pd = {"transfers": 3, "transfer_bytes": 4096, "transfer_s": 0.5, "move_back_bytes": 512,
+          "utilization": {"prefill": 0.75, "decode0": 0.25}}
+    stats = EngineStats(0, 0, [0, 0, 0], 64, 0, 0, 0, 0, {}, 0, {}, pd=pd)
+    text = ServerMetrics("m", lambda: stats, lambda: False).render().decode()
+    assert 'cpinfer_pd_transfer_bytes_total{model_name="m"} 4096.0' in text
+    assert 'cpinfer_pd_role_utilization{model_name="m",role="decode0"} 0.25' in text
+
+
+def test_dead_decode_rank_is_seen_in_seconds(pools, llama):
+    """Last in the module (it kills a rank of the 3-rank pool): a decode rank that dies ends the engine at the next
+    step with the reason, within seconds, instead of hanging."""
+    import os
+    import signal
+    import time
+
+    from cpinfer.engine.llm_engine import EngineDeadError
+
+    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    try:
+        llm.generate([_prompts()[0]], GREEDY, use_tqdm=False)
+        os.kill(llm.engine.rank_pids[2], signal.SIGKILL)  # the decode rank
+        t0 = time.monotonic()
+        with pytest.raises((EngineDeadError, RuntimeError)):
+            for _ in range(3):
+                llm.generate([_prompts()[1]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        assert llm.engine.check_ranks() is not None
+    finally:
+        llm.shutdown()

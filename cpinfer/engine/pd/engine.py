@@ -571,7 +571,8 @@ class PDEngine:
                            [t for s in parts for t in s.kv_tokens_per_rank], p.kv_capacity_per_rank,
                            p.prefix_cache_queries, p.prefix_cache_hits, p.prompt_tokens,
                            sum(s.generation_tokens for s in parts), merged, sum(s.preemptions for s in parts),
-                           finished, p.tiers, p.attention_backend, p.attention_timings_ms, p.request_prompt_tokens)
+                           finished, p.tiers, p.attention_backend, p.attention_timings_ms, p.request_prompt_tokens,
+                           self.pd_stats())
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(T.MR.ring_wait)
