@@ -133,6 +133,22 @@ def test_pd_equals_colocated_cp1(pools, llama, layout):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda l: "%d-%d" % l)
+def test_pd_equals_transformers(pools, llama, layout):
+    """Greedy tokens and log-probs (output and prompt) of P/D against transformers' uncached forward."""
+    from hf_oracle import check_against_hf
+
+    n, m = layout
+    prompts = _prompts(seed=2, lengths=(33, 70))
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, prompt_logprobs=True, ignore_eos=True)
+    llm = _pd_llm(pools(n + m), llama, context_parallel_size=n, pd_decode_cp=m, placement="shard")
+    try:
+        worst = check_against_hf(llama, llm.generate(prompts, params, use_tqdm=False), prompts, 10)
+        print(f"P/D {n}->{m} vs transformers: max |d logprob| {worst:.2e}")
+    finally:
+        llm.shutdown()
+
+
 def test_chunked_prefill_and_preemption_on_the_decode_group(pools, llama):
     """Chunked prefill on the prefill group, and preemption on a small decode group (it recomputes there)."""
     prompts = _prompts(seed=3, lengths=(45, 52, 38))
