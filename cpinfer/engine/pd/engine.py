@@ -307,6 +307,9 @@ class PDEngine:
             if i not in self._inflight:
                 outputs += self._submit(i)
         if not self._inflight:
+            if not outputs and self.has_unfinished_requests():
+                raise RuntimeError(f"P/D engine stalled: {len(self._parked)} request(s) wait for a decode group, "
+                                   "nothing runs (this is a bug)")
             return outputs
         ready = self._wait_any()
         for i in ready:
