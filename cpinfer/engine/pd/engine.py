@@ -196,6 +196,7 @@ class PDEngine:
         self._inflight: dict[int, _Call] = {}
         self._pending: dict[int, list[_Handoff]] = {i: [] for i in range(1, len(self.groups))}
         self._parked: list[Request] = []  # first token sampled, waiting for room on a decode group
+        self._sent_after_call: list[SeqKV] = []  # prefill paths whose sends ride the prefill group's next call
         self._outputs: list[RequestOutput] = []  # produced between steps (aborts of parked requests)
         self._tids = itertools.count(1)
         self._transfers: dict[int, dict] = {}  # tid → {"t0", "tokens", "req", "kind"} until it arrives
@@ -339,6 +340,10 @@ class PDEngine:
             args[r] = (to, blob)
         self._on_ranks(self._pool.submit_some, T.role_call, args)
         self._inflight[i] = _Call(forward, recv_tids, time.perf_counter(), time.perf_counter() - t0)
+        if i == PREFILL:  # their rows are copied at this call's start, before any later write or cache operation
+            for seq in self._sent_after_call:
+                self.prefill.kv.release(seq, keep=True)
+            self._sent_after_call = []
         return outputs
 
     def _wait_any(self) -> list[int]:
@@ -437,7 +442,11 @@ class PDEngine:
             src_r, src_s = path_layout(req.kv)
             plan = plan_transfer(np.arange(m, stored), src_r[m:], src_s[m:], placement.ranks, placement.slots)
             tid = self._queue(PREFILL, i, plan, req, "handoff")
-        self.prefill.kv.release(req.kv, keep=True)  # the prompt stays in the prefill tree (sent before any reuse)
+        # the prompt stays in the prefill tree; its blocks stay held until the call whose start copies them is out
+        if tid is None:
+            self.prefill.kv.release(req.kv, keep=True)
+        else:
+            self._sent_after_call.append(req.kv)
         req.kv = dseq
         g.requests[req.request_id] = req
         matcher = self.prefill._matchers.pop(req.request_id, None)
@@ -487,8 +496,10 @@ class PDEngine:
             return
         src_r, src_s = path_layout(dseq)
         plan = plan_transfer(np.arange(m, stored), src_r[m:], src_s[m:], placement.ranks, placement.slots)
-        self._queue(self.groups.index(g), PREFILL, plan, req, "move_back")
-        kv.release(pseq, keep=True)  # received at the start of the prefill's next call, before any forward reads it
+        tid = self._queue(self.groups.index(g), PREFILL, plan, req, "move_back")
+        # in the tree now (received at the start of the prefill's next call, before its forward reads them), held
+        # until then so that nothing evicts or writes its slots first
+        self._transfers[tid]["hold"] = pseq
         req.metrics.setdefault("pd", {})["moved_back_tokens"] = plan.num_tokens
         self._counters["move_backs"] += 1
 
@@ -526,6 +537,7 @@ class PDEngine:
         else:
             c["move_back_bytes"] += nbytes
             pd.update(move_back_bytes=nbytes, move_back_s=seconds)
+            self.prefill.kv.release(info["hold"], keep=True)
 
     # ------------------------------------------------------------------ health, stats, shutdown
     def _check_alive(self) -> None:
