@@ -287,6 +287,37 @@ def test_pd_metrics_exported():
     assert 'cpinfer_pd_role_utilization{model_name="m",role="decode0"} 0.25' in text
 
 
+def test_kv_tiers_below_the_prefill_tree(pools, llama, tmp_path):
+    """Host and disk tiers under the prefill group's tree: chats whose history (prompt and moved-back answer) was
+    evicted from the prefill ranks come back from host or disk at the next turn, recompute none of it, and answer
+    as transformers."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    out_n = 6
+    greedy = SamplingParams(max_tokens=out_n, temperature=0.0, logprobs=True, ignore_eos=True)
+    host_tokens = 128
+    gib = host_tokens * 256 / (1 << 30)  # 256 B per token per rank (fp32 K and V, 2 layers, 2 KV heads of 8)
+    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard",
+                  max_kv_tokens_per_rank=256, kv_host_gib=gib, kv_disk_dir=tmp_path / "kv", max_num_batched_tokens=96)
+    try:
+        docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150, 130], seed=12))]
+        first = []
+        for d in docs:  # one at a time: each pushes older ones down a tier
+            outs = llm.generate([d], greedy, use_tqdm=False)
+            check_against_hf(llama, outs, [d], out_n, check_prompt_lp=False)
+            first.append(outs[0])
+        for i in (2, 1, 0, 3):
+            turn2 = docs[i] + first[i].token_ids + [5, 6, 7]
+            out = llm.generate([turn2], greedy, use_tqdm=False)
+            check_against_hf(llama, out, [turn2], out_n, check_prompt_lp=False)
+            assert out[0].num_cached_tokens == len(docs[i]) + out_n - 1  # the whole history, restored or on device
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] + t["disk"]["hit_tokens"] > 0, t
+        llm.engine.prefill.kv.check_invariants()
+    finally:
+        llm.shutdown()
+
+
 def test_dead_decode_rank_is_seen_in_seconds(pools, llama):
     """Last in the module (it kills a rank of the 3-rank pool): a decode rank that dies ends the engine at the next
     step with the reason, within seconds, instead of hanging."""

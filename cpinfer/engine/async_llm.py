@@ -19,8 +19,8 @@ import time
 from typing import AsyncIterator
 
 from cpinfer.engine.llm import encode_chat
-from cpinfer.engine.pd import make_engine
 from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
+from cpinfer.engine.pd import make_engine
 from cpinfer.engine.request import RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.utils import get_logger

@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from cpinfer.engine.pd import make_engine
 from cpinfer.engine.llm_engine import LLMEngine
+from cpinfer.engine.pd import make_engine
 from cpinfer.engine.request import RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 

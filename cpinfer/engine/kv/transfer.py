@@ -132,10 +132,13 @@ def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dt
             "attention_timings_ms": dict(choice.timings_ms) if choice is not None else {}}
 
 
-def role_call(ctx, orders: TransferOrders, batch: bytes | None):
-    """One call of a group's rank: the transfer orders first, then the forward when there is one. Returns
+def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple = ()):
+    """One call of a group's rank: tier cache operations decided before the orders (a segment evicted to make room
+    for received rows is copied down first), the transfer orders, then the forward when there is one. Returns
     (RankResult or None, transfer figures)."""
     runner = ctx.state["runner"]
+    events = runner.apply_cache_ops(cache_ops) if cache_ops else ()
     figures = apply_orders(ctx, runner, orders) if orders else {}
+    figures["tier_events"] = events
     result = runner.execute(pickle.loads(batch)) if batch is not None else None
     return result, figures

@@ -23,10 +23,12 @@ from cpinfer.device import comm_backend, ranks_on_this_node
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine.kv import transfer as T
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram
-from cpinfer.engine.kv.manager import BLOCK, SeqKV
+from cpinfer.engine.kv.disk_dir import rebuild_index
+from cpinfer.engine.kv.manager import BLOCK, KVManager, SeqKV
 from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
 from cpinfer.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
+from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
 from cpinfer.launch import WorkerPool, joined_world_requested
 from cpinfer.utils import get_logger
 
@@ -73,9 +75,6 @@ def check_pd_args(kwargs: dict) -> None:
     if kwargs.get("placement", "auto") == "local":
         raise ValueError("placement 'local' cannot be combined with pd_decode_cp: the decode group lays out a request's "
                          "K/V itself; use placement 'auto' or 'shard'")
-    if kwargs.get("kv_host_gib") or kwargs.get("kv_disk_dir") is not None:
-        raise ValueError("the KV host / disk tiers are not supported with pd_decode_cp yet (kv_host_gib 0, no "
-                         "kv_disk_dir)")
     if joined_world_requested():
         raise ValueError("pd_decode_cp runs on the local launcher only for now (not under torchrun)")
     if kwargs.get("device", "auto") == "cuda" and kwargs.get("max_kv_tokens_per_rank") is None:
@@ -129,13 +128,34 @@ class GroupEngine(LLMEngine):
     def _threads_per_rank(self) -> int:
         return self.args.threads_per_rank or 1
 
+    def _start_tiers(self):
+        """No tiers while the world has not started (the KV manager is made without them); `start_tiers` then."""
+        return None if self.view.pool is None else super()._start_tiers()
+
+    def start_tiers(self) -> None:
+        """The host / disk tiers below this group's device cache, once its ranks run (the prefill group's: the
+        system's cache of history)."""
+        tiers = self._start_tiers()
+        if tiers is None:
+            return
+        a = self.args
+        self.kv = KVManager(self.n, self.kv.capacity_per_rank, a.enable_prefix_caching, self._placer(), tiers)
+        if self.disk is not None:
+            rebuild_index(self.kv, self.disk, tiers.layout)
+        self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
+
     def _retire(self, req: Request, keep_cache: bool) -> None:
         if self.on_retire is not None and keep_cache and req.kv is not None:
             self.on_retire(req)
         super()._retire(req, keep_cache)
 
     def shutdown(self) -> None:
-        self._pool = None
+        if self._pool is not None and self._pool.pool is not None and self.dead_error is None:
+            self.flush_tiers()
+        self._pool = None  # the P/D engine closes the world
+        if getattr(self, "disk", None) is not None:
+            self.disk.close()
+            self.disk = None
 
 
 @dataclasses.dataclass
@@ -186,8 +206,9 @@ class PDEngine:
         views = [RoleRanks(range(off, off + cp * tp)) for cp, tp, off in roles]
         # every role validated (model, TP divisibility, sizes) before a rank starts
         self.prefill = GroupEngine(model, views[0], "prefill", self.pd.cp_ranks, **base)
-        self.decode = [GroupEngine(model, views[1 + g], f"decode{g}", self.pd.cp_ranks,
-                                   **dict(base, context_parallel_size=self.pd.decode_cp))
+        decode_kw = dict(base, context_parallel_size=self.pd.decode_cp, kv_host_gib=0.0, kv_disk_dir=None,
+                         kv_disk_gib=None)  # the KV tiers sit below the prefill group's tree alone
+        self.decode = [GroupEngine(model, views[1 + g], f"decode{g}", self.pd.cp_ranks, **decode_kw)
                        for g in range(self.pd.decode_groups)]
         self.groups: list[GroupEngine] = [self.prefill, *self.decode]
         for g in self.decode:
@@ -222,6 +243,7 @@ class PDEngine:
             infos = self._pool.run(T.init_role_runner, self.pd.roles, self.prefill.model_path, a.dtype, caps,
                                    self.prefill.attention_backend, self.prefill.decode_config(backend),
                                    a.kv_cache_dtype, a.load_format)
+            self.prefill.start_tiers()
         except BaseException:
             self._pool.close(force=True)
             raise
@@ -319,14 +341,23 @@ class PDEngine:
 
     def _submit(self, i: int) -> list[RequestOutput]:
         g = self.groups[i]
-        outputs = g._apply_aborts()
+        outputs: list[RequestOutput] = []
         forward = None
-        if g.scheduler.has_work():
+        orders = self._orders.get(i, {})
+        # answers moving back to the prefill tree arrive in a call of their own: the next forward is scheduled
+        # once their segments are in (and no longer held), so it can match them, evict them or restore beside them
+        receiving = i == PREFILL and any(o.get("recvs") for o in orders.values())
+        if not receiving:
+            outputs = g._apply_aborts()
+        if not receiving and g.scheduler.has_work():
             held = bool(outputs) or (i == PREFILL and bool(self._parked)) or bool(self._pending.get(i))
             forward = self._on_ranks(g._schedule_forward, held)
         orders = self._orders.pop(i, {})
         if forward is None and not orders:
             return outputs
+        # tier operations decided since the last call (e.g. a segment evicted for a moved-back answer's slots) run
+        # before the orders write received rows; a forward's own go with its batch
+        ops = tuple(g.kv.take_ops()) if receiving else ()
         t0 = time.perf_counter()
         blob = None
         if forward is not None:
@@ -337,7 +368,7 @@ class PDEngine:
             o = orders.get(r, {})
             to = T.TransferOrders(tuple(o.get("sends", ())), tuple(o.get("recvs", ())), tuple(o.get("mirrors", ())))
             recv_tids.update(rv.tid for rv in to.recvs)
-            args[r] = (to, blob)
+            args[r] = (to, blob, ops)
         self._on_ranks(self._pool.submit_some, T.role_call, args)
         self._inflight[i] = _Call(forward, recv_tids, time.perf_counter(), time.perf_counter() - t0)
         if i == PREFILL:  # their rows are copied at this call's start, before any later write or cache operation
@@ -366,6 +397,7 @@ class PDEngine:
         for _, fig in answers:
             for tid, nbytes in fig.get("recv_bytes", {}).items():
                 arrived[tid] = arrived.get(tid, 0) + nbytes
+        g._tier_events([fig.get("tier_events", ()) for _, fig in answers])
         for tid, nbytes in arrived.items():
             self._arrived(tid, nbytes, t1)
         outputs = []
@@ -376,6 +408,7 @@ class PDEngine:
             key = f"{batch.phase}/{batch.strategy}"
             g._counters["forwards"][key] = g._counters["forwards"].get(key, 0) + 1
             g.last_step_host = host
+            g._tier_events(results)
             outputs += g._process(scheduled, results, choice, batch.phase, host, form)
             if i == PREFILL:
                 self._leave_prefill(scheduled, t1)
@@ -555,7 +588,13 @@ class PDEngine:
         pass
 
     def sync_tiers(self, force: bool = False) -> None:
-        pass
+        """Between steps: the prefill group's waiting cache operations and disk acknowledgements (not while a call
+        of its ranks is in flight)."""
+        if PREFILL not in self._inflight and not self._orders.get(PREFILL):
+            self.prefill.sync_tiers(force)
+
+    def flush_tiers(self) -> None:
+        self.prefill.flush_tiers()
 
     def pd_stats(self) -> dict:
         """Transfers (count, bytes, seconds), answers moved back, and each role's share of wall time in forwards."""
@@ -593,6 +632,12 @@ class PDEngine:
         return self._pool.run(T.MR.ring_wait)
 
     def shutdown(self) -> None:
+        if self._pool is not None and self.dead_error is None:
+            try:  # calls still in flight come back first (then the prefill tiers flush on their own ranks)
+                for i in list(self._inflight):
+                    self._finish(i)
+            except Exception as exc:  # noqa: BLE001 - shutting down: say so, do not mask the shutdown
+                log.error("P/D shutdown: a call in flight failed: %s", exc)
         for g in getattr(self, "groups", ()):
             g.shutdown()
         if self._pool is not None:
