@@ -318,6 +318,46 @@ def test_kv_tiers_below_the_prefill_tree(pools, llama, tmp_path):
         llm.shutdown()
 
 
+def test_async_engine_streams_over_pd(llama):
+    """`AsyncLLM` (the server's engine) over P/D 1 -> 1: streams equal transformers, a stream closed early is
+    aborted and freed, and the P/D counters reach `stats()` (what /metrics reads)."""
+    import asyncio
+
+    from cpinfer.engine.async_llm import AsyncLLM
+    from hf_oracle import check_against_hf, prompts_for
+
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True, ignore_eos=True)
+
+    async def main(allm, prompts):
+        async def one(i, p):
+            async for out in allm.generate(p, greedy, request_id=f"s{i}"):
+                pass
+            return out
+        finals = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        stream = allm.add_request("early", prompts[0] + [9, 9], SamplingParams(max_tokens=200, temperature=0.0))
+        async for out in stream:
+            if len(out.token_ids) >= 3:
+                break
+        await stream.aclose()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if allm.stats().num_running == 0 and allm.stats().num_waiting == 0:
+                break
+        return finals
+
+    prompts = prompts_for(256, [30, 50, 70], seed=61)
+    allm = AsyncLLM(str(llama), context_parallel_size=1, pd_decode_cp=1, threads_per_rank=1, timeout_s=120)
+    try:
+        finals = asyncio.run(main(allm, prompts))
+        stats = allm.stats()
+    finally:
+        allm.shutdown()
+    check_against_hf(llama, finals, prompts, 10, check_prompt_lp=False)
+    assert stats.requests_finished.get("abort", 0) == 1 and stats.num_running == 0
+    assert stats.pd["transfers"] >= len(prompts) and stats.pd["transfer_bytes"] > 0
+    assert set(stats.pd["utilization"]) == {"prefill", "decode0"}
+
+
 def test_dead_decode_rank_is_seen_in_seconds(pools, llama):
     """Last in the module (it kills a rank of the 3-rank pool): a decode rank that dies ends the engine at the next
     step with the reason, within seconds, instead of hanging."""
