@@ -318,6 +318,35 @@ def test_kv_tiers_below_the_prefill_tree(pools, llama, tmp_path):
         llm.shutdown()
 
 
+def test_decode_steps_go_on_during_a_long_prefill(pools, tmp_path_factory):
+    """The point of the groups: a chat keeps getting tokens while a long prompt is prefilled on the other ranks."""
+    path = write_hf_checkpoint(tmp_path_factory.mktemp("pd-wide"), "gqa", hidden_size=256, intermediate_size=512,
+                               num_hidden_layers=4, max_position_embeddings=4096)
+    llm = _pd_llm(pools(3), path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    eng = llm.engine
+    try:
+        eng.add_request("chat", _prompts()[0], SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True))
+        while "chat" not in eng.decode[0].requests or not eng.decode[0].scheduler.running:
+            eng.step()  # the chat decodes on the decode group
+        eng.step()
+        long = np.random.default_rng(4).integers(3, 250, size=3500).tolist()
+        eng.add_request("long", long, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        done = {}
+        while "long" not in done:
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        chat = eng.requests["chat"]
+        eng.abort("chat")
+        while eng.has_unfinished_requests():
+            eng.step()
+        m, lm = chat.metrics, done["long"].metrics
+        times = m["first_token_time"] + np.cumsum(m["ttit_s"])
+        during = int(((times > lm["arrival_time"]) & (times < lm["first_token_time"])).sum())
+        print(f"chat tokens during the long prefill ({lm['ttft_s']:.2f} s): {during}")
+        assert during >= 3, (during, lm["ttft_s"])  # decode steps overlapped the prefill forward
+    finally:
+        llm.shutdown()
+
+
 def test_async_engine_streams_over_pd(llama):
     """`AsyncLLM` (the server's engine) over P/D 1 -> 1: streams equal transformers, a stream closed early is
     aborted and freed, and the P/D counters reach `stats()` (what /metrics reads)."""
