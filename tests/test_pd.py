@@ -347,6 +347,42 @@ def test_decode_steps_go_on_during_a_long_prefill(pools, tmp_path_factory):
         llm.shutdown()
 
 
+def _fail_next_write(ctx) -> None:
+    """On a rank: the next received rows cannot be written (as if that transfer broke); once."""
+    from cpinfer.engine.kv import transfer
+
+    real = transfer._write_rows
+
+    def broken(*args):
+        transfer._write_rows = real
+        raise RuntimeError("injected transfer failure")
+
+    transfer._write_rows = broken
+
+
+def test_failed_transfer_ends_that_request_alone(pools, llama):
+    """A transfer whose rows cannot be written on the decode rank ends its request with an error (its decode blocks
+    freed, nothing decoded from them); the other requests and later transfers are unaffected."""
+    prompts = _prompts(seed=13, lengths=(40, 55))[:2]
+    ref = _reference(llama, prompts)
+    pool = pools(3)
+    llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    try:
+        pool.run_some(_fail_next_write, [None, None, ()])  # the decode rank
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        bad = [o for o in outs if o.finish_reason == "error"]
+        good = [(r, o) for r, o in zip(ref, outs) if o.finish_reason != "error"]
+        assert len(bad) == 1 and len(bad[0].token_ids) == 1 and "injected" in bad[0].error
+        _assert_same([r for r, _ in good], [o for _, o in good])
+        dec = llm.engine.decode[0]
+        dec.kv.check_invariants()
+        assert not dec.requests and not any(nd.ref for nd in dec.kv.nodes.values())
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)  # later transfers work
+        _assert_same(ref, again)
+    finally:
+        llm.shutdown()
+
+
 def test_async_engine_streams_over_pd(llama):
     """`AsyncLLM` (the server's engine) over P/D 1 -> 1: streams equal transformers, a stream closed early is
     aborted and freed, and the P/D counters reach `stats()` (what /metrics reads)."""

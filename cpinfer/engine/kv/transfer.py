@@ -82,7 +82,8 @@ def row_shape(store, num_tokens: int) -> tuple[int, ...]:
 
 def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
     """Post this rank's sends, receive its rows and write them, mirror slot positions. Returns the bytes sent, the
-    bytes received per transfer id, and the seconds spent waiting for rows."""
+    bytes received per transfer id, the seconds spent waiting for rows, and the transfers that failed here (id →
+    why: the driver ends their requests alone)."""
     store = runner.store
     host = ctx.group is not None and dist.get_backend(ctx.group) == "gloo" and ctx.device.type != "cpu"
     pending = [p for p in ctx.state.get("pd_sends", []) if not p[0].is_completed()]  # copies still in flight
@@ -94,19 +95,25 @@ def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
         sent += rows.numel() * rows.element_size()
     ctx.state["pd_sends"] = pending
     t0 = time.perf_counter()
-    works = []
+    works, failed = [], {}  # failed: transfer id → why its rows are not usable here (that request alone fails)
     for r in orders.recvs:
-        buf = torch.empty(row_shape(store, len(r.slots)), dtype=store.k.dtype,
-                          device="cpu" if host else ctx.device)
-        works.append((dist.irecv(buf, r.peer, group=ctx.group, tag=r.tid % _TAG_SPAN), buf, r))
+        try:
+            buf = torch.empty(row_shape(store, len(r.slots)), dtype=store.k.dtype,
+                              device="cpu" if host else ctx.device)
+            works.append((dist.irecv(buf, r.peer, group=ctx.group, tag=r.tid % _TAG_SPAN), buf, r))
+        except Exception as exc:  # noqa: BLE001 - e.g. no memory for the buffer
+            failed[r.tid] = f"{type(exc).__name__}: {exc}"
     for work, buf, r in works:
-        work.wait()
-        _write_rows(store, torch.as_tensor(r.slots, device=ctx.device), buf.to(ctx.device))
-        received[r.tid] = received.get(r.tid, 0) + buf.numel() * buf.element_size()
+        try:
+            work.wait()
+            _write_rows(store, torch.as_tensor(r.slots, device=ctx.device), buf.to(ctx.device))
+            received[r.tid] = received.get(r.tid, 0) + buf.numel() * buf.element_size()
+        except Exception as exc:  # noqa: BLE001 - the rows of this transfer are not (all) here: never used
+            failed[r.tid] = f"{type(exc).__name__}: {exc}"
     if runner.slot_positions is not None:
         for m in orders.mirrors:
             runner.slot_positions.pos[m.ranks, m.slots] = m.positions
-    return {"sent_bytes": sent, "recv_bytes": received, "recv_wait_s": time.perf_counter() - t0}
+    return {"sent_bytes": sent, "recv_bytes": received, "recv_wait_s": time.perf_counter() - t0, "failed": failed}
 
 
 # ---------------------------------------------------------------- functions the P/D driver runs on the ranks

@@ -166,6 +166,7 @@ class _Handoff:
     tid: int | None  # None: nothing to move (the decode group had the whole prompt cached)
     plan_tokens: int
     abort: bool = False
+    failed: str | None = None  # why its transfer failed (it then ends with an error)
 
 
 @dataclasses.dataclass
@@ -188,6 +189,28 @@ def path_layout(seq: SeqKV) -> tuple[np.ndarray, np.ndarray]:
     if len(ranks) != seq.num_stored:
         raise RuntimeError(f"path of {seq.request_id} holds {len(ranks)} tokens, expected {seq.num_stored} (a bug)")
     return ranks, slots
+
+
+def _path_ids(seq: SeqKV) -> set[int]:
+    """Ids of the segments of a request's cached path (the root excluded)."""
+    ids, p = set(), seq.leaf
+    while p.parent is not None:
+        ids.add(p.id)
+        p = p.parent
+    return ids
+
+
+def _drop_unused(kv: KVManager, ids: set[int]) -> None:
+    """Remove these segments from the tree, leaves first, as far as no request uses them."""
+    changed = True
+    while changed:
+        changed = False
+        for nid in list(ids):
+            node = kv.nodes.get(nid)
+            if node is not None and node.ref == 0 and node.owner is None and not node.children:
+                kv._free_node(node)
+                ids.discard(nid)
+                changed = True
 
 
 class PDEngine:
@@ -393,13 +416,17 @@ class PDEngine:
         t1 = time.perf_counter()
         self._busy_s[i] += t1 - call.t0
         results = [a[0] for a in answers]
-        arrived = {}
+        arrived, failed = {}, {}
         for _, fig in answers:
             for tid, nbytes in fig.get("recv_bytes", {}).items():
                 arrived[tid] = arrived.get(tid, 0) + nbytes
+            failed.update(fig.get("failed", {}))
         g._tier_events([fig.get("tier_events", ()) for _, fig in answers])
+        for tid, why in failed.items():
+            self._transfer_failed(tid, why)
         for tid, nbytes in arrived.items():
-            self._arrived(tid, nbytes, t1)
+            if tid not in failed:
+                self._arrived(tid, nbytes, t1)
         outputs = []
         if call.forward is not None:
             scheduled, batch, choice, form = call.forward
@@ -414,6 +441,8 @@ class PDEngine:
                 self._leave_prefill(scheduled, t1)
         if i != PREFILL:
             self._promote(i)
+        outputs += self._outputs
+        self._outputs = []
         return outputs
 
     def _on_ranks(self, fn, *args):
@@ -500,6 +529,11 @@ class PDEngine:
         while pending and (pending[0].tid is None or pending[0].tid not in self._transfers):
             h = pending.pop(0)
             req = h.req
+            if h.failed is not None:  # its rows did not all arrive: it ends alone, its decode blocks are freed
+                nodes = _path_ids(req.kv)
+                self._outputs.append(g._fail(req, f"K/V transfer to the decode group failed: {h.failed}"))
+                _drop_unused(g.kv, nodes)  # no cached segment keeps rows that may not have arrived
+                continue
             if h.abort:
                 g.abort(req.request_id)
                 continue
@@ -553,6 +587,24 @@ class PDEngine:
                 self._order(dst, r, "mirrors").append(mirror)
         self._transfers[tid] = {"t0": time.perf_counter(), "req": req, "kind": kind}
         return tid
+
+    def _transfer_failed(self, tid: int, why: str) -> None:
+        """A transfer whose rows did not all arrive: a handoff's request fails (with every later handoff to that group
+        whose decode path shares its segments), a moved-back answer is dropped from the prefill tree."""
+        info = self._transfers.pop(tid)
+        log.warning("K/V transfer %d (%s of %s) failed: %s", tid, info["kind"], info["req"].request_id, why)
+        if info["kind"] == "move_back":
+            self.prefill.kv.release(info["hold"], keep=False)
+            self._counters["move_backs_skipped"] += 1
+            return
+        for i, pending in self._pending.items():
+            bad = next((h for h in pending if h.tid == tid), None)
+            if bad is None:
+                continue
+            nodes = _path_ids(bad.req.kv)
+            for h in pending[pending.index(bad):]:
+                if h is bad or _path_ids(h.req.kv) & nodes:
+                    h.failed = why if h is bad else f"its cached prefix came with a failed transfer ({why})"
 
     def _order(self, group: int, rank: int, kind: str) -> list:
         return self._orders.setdefault(group, {}).setdefault(rank, {}).setdefault(kind, [])
