@@ -126,7 +126,9 @@ class GroupEngine(LLMEngine):
         return kv_tokens_from_host_ram(fraction, self.world_cp, self.kv_bytes_per_token, BLOCK, self.max_model_len)
 
     def _threads_per_rank(self) -> int:
-        return self.args.threads_per_rank or 1
+        """As the world's ranks get them (the placement's cost model reads each rank's share of the cores)."""
+        world = self.world_cp * self.args.tensor_parallel_size
+        return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
 
     def _start_tiers(self):
         """No tiers while the world has not started (the KV manager is made without them); `start_tiers` then."""
