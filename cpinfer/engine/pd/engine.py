@@ -326,8 +326,8 @@ class PDEngine:
         for req in self._parked:
             if req.request_id == request_id:
                 self._parked.remove(req)
-                self.prefill.kv.release(req.kv, keep=False)
-                req.kv, req.finish_reason, req.status = None, "abort", RequestStatus.FINISHED
+                req.finish_reason = "abort"
+                self.prefill._retire(req, keep_cache=False)  # frees its prefill path, counts it, drops its grammar
                 self._outputs.append(self.prefill.output.output(req))
                 return None
         for i, g in enumerate(self.decode, start=1):
