@@ -78,3 +78,25 @@ def build_groups(config: ParallelConfig, rank: int, world_group, timeout_s: floa
             if c == cp_rank:
                 tp_group = g
     return ParallelGroups(config, rank, cp_rank, tp_rank, cp_group, tp_group)
+
+
+def build_role_groups(roles: list[tuple[ParallelConfig, int]], rank: int, timeout_s: float = 300.0) -> ParallelGroups:
+    """Prefill and decode groups in one world: `roles` = (its CP × TP config, its first global rank) for every role,
+    in the same order on every rank. Each role's CP and TP groups are made over its own ranks (global rank =
+    offset + cp_rank * tp + tp_rank), every rank creating every group in the same order (`dist.new_group` is
+    collective over the world); returns the groups of the role `rank` belongs to, with role-local coordinates."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine = None
+    for config, offset in roles:
+        cp_of, tp_of = {}, {}
+        for t in range(config.tp):  # CP groups: one per TP index
+            cp_of[t] = dist.new_group([offset + config.rank_of(c, t) for c in range(config.cp)], timeout=timeout)
+        if config.tp > 1:
+            for c in range(config.cp):  # TP groups: one per node
+                tp_of[c] = dist.new_group([offset + config.rank_of(c, t) for t in range(config.tp)], timeout=timeout)
+        if offset <= rank < offset + config.world_size:
+            cp_rank, tp_rank = config.coords(rank - offset)
+            mine = ParallelGroups(config, rank, cp_rank, tp_rank, cp_of[tp_rank], tp_of.get(cp_rank))
+    if mine is None:
+        raise ValueError(f"rank {rank} belongs to no role of {[(c.cp, c.tp, o) for c, o in roles]}")
+    return mine

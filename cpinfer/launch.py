@@ -424,6 +424,41 @@ class WorkerPool:
         answers = dict(zip([0] * (mine is not None) + remote, self._collect(what, remote, mine)))
         return [answers.get(r) for r in range(self.world_size)]
 
+    def submit_some(self, fn: Callable, args_per_rank: dict[int, tuple]) -> list[int]:
+        """Send `fn(ctx, *args)` to the rank processes named in `args_per_rank` and return at once, without waiting
+        for them: groups of ranks with calls in flight side by side (prefill and decode groups). The caller
+        collects each submission with `collect_some(ranks)` and sends those ranks nothing else meanwhile. Needs
+        every named rank to be a process (not rank 0 in this process)."""
+        if self._closed:
+            raise RuntimeError("worker pool is closed" + (f": {self.dead_reason}" if self.dead_reason else ""))
+        what = getattr(fn, "__name__", "call")
+        if self.dead_reason is not None:
+            self._fail(what)
+        ranks = sorted(args_per_rank)
+        if any(r not in self._proc_of for r in ranks):
+            raise ValueError(f"submit_some needs rank processes, got ranks {ranks} (rank 0 runs here)")
+        self._calls += 1
+        for r in ranks:
+            try:
+                self._inboxes[r].send((fn, tuple(args_per_rank[r]), {}, self._calls))
+            except (BrokenPipeError, EOFError, OSError):  # the rank is gone
+                self.dead_reason = self.dead_reason or self._exited(r)
+                self._fail(what)
+        return ranks
+
+    def answered(self, ranks: list[int]) -> bool:
+        """Whether every one of these ranks has answered its submitted call (`collect_some` will not wait)."""
+        return all(self._outboxes[r].poll(0) for r in ranks)
+
+    def wait_any(self, ranks: list[int], timeout_s: float) -> None:
+        """Block until one of these ranks answers (or a rank dies, or timeout_s passes)."""
+        if self.dead_reason is None and ranks:
+            multiprocessing.connection.wait([self._outboxes[r] for r in ranks], timeout=timeout_s)
+
+    def collect_some(self, ranks: list[int], what: str = "call") -> list[Any]:
+        """The answers of a `submit_some` call's ranks, in rank order (waits for them; errors as `run`'s)."""
+        return self._collect(what, ranks)
+
     def close(self, force: bool = False) -> None:
         if self._closed:
             return

@@ -126,6 +126,9 @@ def spec_from_args(args, engine_kwargs: dict) -> NodeSpec | None:
             raise ValueError(f"--node-rank {args.node_rank}{' --headless' if args.headless else ''} needs "
                              "--nnodes >= 2 (one node runs every rank and serves)")
         return None
+    if engine_kwargs.get("pd_decode_cp") is not None:
+        raise ValueError("--pd-decode-cp (prefill and decode on separate groups of ranks) runs on one node for now: "
+                         "leave --nnodes out, or drop --pd-decode-cp to spread one CP group over the nodes")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ValueError("--nnodes launches the ranks itself: under torchrun (RANK and WORLD_SIZE are set) leave "
                          "--nnodes, --node-rank, --master-addr, --master-port and --headless out")

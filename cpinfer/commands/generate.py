@@ -11,7 +11,8 @@ import json
 
 from cpinfer import multinode
 from cpinfer.bench.attention import positive_int
-from cpinfer.commands.model_args import HelpFormatter, add_model_arguments, engine_model_kwargs, resolve_args
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_pd_arguments, engine_model_kwargs,
+                                         resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 
 
@@ -78,6 +79,8 @@ def run(args) -> int:
                   strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
                   threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
                   **engine_kwargs(args))
+    if args.pd_decode_cp is not None:  # prefill and decode on separate groups of ranks
+        kwargs.update(pd_decode_cp=args.pd_decode_cp, pd_decode_groups=args.pd_decode_groups)
     node = multinode.spec_from_args(args, kwargs)  # bad multi-node flags fail before the model is read
     if args.prompt is None and args.prompt_ids is None and not args.headless:
         raise ValueError("give the prompt as --prompt TEXT or --prompt-ids IDS (only --headless nodes run without "
@@ -137,6 +140,7 @@ def register(subparsers) -> None:
                         help="context-parallel ranks (local processes, one GPU each on CUDA)")
     parser.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1,
                         help="tensor-parallel ranks per CP rank")
+    add_pd_arguments(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse K/V across requests (only matters with several prompts)")
     prompt = parser.add_mutually_exclusive_group()  # one of them is required, except on --headless nodes

@@ -75,3 +75,14 @@ def engine_model_kwargs(args, tokenizer) -> dict:
     if tokenizer is not None:
         out["tokenizer"] = str(tokenizer)
     return out
+
+
+def add_pd_arguments(g) -> None:
+    """--pd-decode-cp / --pd-decode-groups: prefill on the --cp ranks, decode on separate groups (docs/engine.md)."""
+    from cpinfer.bench.attention import positive_int
+
+    g.add_argument("--pd-decode-cp", type=positive_int, default=None, metavar="M",
+                   help="run prefill and decode on separate ranks: prefill on the --cp ranks, decode on groups of M "
+                        "CP ranks (x --tp each); K/V move between them once per request")
+    g.add_argument("--pd-decode-groups", type=positive_int, default=None, metavar="K",
+                   help="decode groups of --pd-decode-cp ranks (default 1); a request goes to the least loaded")

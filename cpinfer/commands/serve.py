@@ -15,8 +15,8 @@ import threading
 
 from cpinfer import __version__, multinode
 from cpinfer.bench.attention import positive_int
-from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, engine_model_kwargs, model_name,
-                                         resolve_args)
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_pd_arguments, engine_model_kwargs,
+                                         model_name, resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 from cpinfer.device import check_arguments as check_device_arguments
 from cpinfer.device import engine_kwargs as device_kwargs
@@ -134,7 +134,9 @@ def engine_kwargs(args) -> dict:
     optional = {"max_model_len": args.max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank, "kv_disk_dir": args.kv_disk_dir,
-                "kv_disk_gib": args.kv_disk_gib, "max_logprobs": args.max_logprobs}
+                "kv_disk_gib": args.kv_disk_gib, "max_logprobs": args.max_logprobs,
+                "pd_decode_cp": getattr(args, "pd_decode_cp", None),  # prefill / decode groups
+                "pd_decode_groups": getattr(args, "pd_decode_groups", None)}
     if args.kv_host_gib:
         kwargs["kv_host_gib"] = args.kv_host_gib
     kwargs.update({k: v for k, v in optional.items() if v is not None})
@@ -326,6 +328,7 @@ def _parallel_arguments(parser) -> None:
                    help="context-parallel ranks")
     g.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1,
                    help="tensor-parallel ranks per CP rank")
+    add_pd_arguments(g)
     g.add_argument("--strategy", choices=["auto", "pass-kv", "pass-q"], default="auto",
                    help="ring variant: auto = the paper's heuristic per forward, or force one")
     g.add_argument("--placement", choices=["auto", "shard", "local"], default="auto",

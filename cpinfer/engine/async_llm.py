@@ -20,6 +20,7 @@ from typing import AsyncIterator
 
 from cpinfer.engine.llm import encode_chat
 from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
+from cpinfer.engine.pd import make_engine
 from cpinfer.engine.request import RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.utils import get_logger
@@ -89,7 +90,7 @@ class AsyncLLM:
     """`LLMEngine` driven by a background thread; `add_request` / `generate` / `abort` from the event loop."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
+        self.engine = make_engine(model, **kwargs)  # LLMEngine, or prefill / decode groups
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

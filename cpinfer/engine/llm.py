@@ -9,6 +9,7 @@ import itertools
 import time
 
 from cpinfer.engine.llm_engine import LLMEngine
+from cpinfer.engine.pd import make_engine
 from cpinfer.engine.request import RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 
@@ -27,7 +28,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
+        self.engine = make_engine(model, **kwargs)  # LLMEngine, or prefill / decode groups
         self._ids = itertools.count()
 
     @property

@@ -43,16 +43,17 @@ _LOGIT_CHUNK = 1024  # rows per chunk when computing prompt log-probabilities
 class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
                  attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto",
-                 load_format: str = "auto"):
+                 load_format: str = "auto", groups=None):
         """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
         (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off. kv_cache_dtype: "auto" (the
         compute dtype) or "fp8" (`kv/fp8.py`). load_format: "auto" (the checkpoint) or "dummy" (random weights
-        made on the device, TP1: `loader.random_model`)."""
+        made on the device, TP1: `loader.random_model`). groups: this rank's `ParallelGroups` when built already (a
+        role of a prefill / decode world: `distributed.build_role_groups`), else built here over the world."""
         self.ctx = ctx
         self.kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
         self.model_path = model_path
         self.kv_scales_source: str | None = None  # static FP8 KV: "checkpoint" or "calibrated" (`_kv_scales`)
-        self.groups = build_groups(parallel, ctx.rank, ctx.group)
+        self.groups = groups if groups is not None else build_groups(parallel, ctx.rank, ctx.group)
         if load_format == "dummy":
             self.config = ModelConfig.from_pretrained(model_path)
             self.model = random_model(self.config, dtype, ctx.device)

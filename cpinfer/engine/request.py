@@ -141,3 +141,4 @@ class EngineStats:
     attention_backend: str = ""  # what rank 0 runs ("auto" resolved on its device)
     attention_timings_ms: dict = dataclasses.field(default_factory=dict)  # backend → ms, when `auto` timed them
     request_prompt_tokens: int = 0  # whole prompts (cached tokens too) of requests whose prefill finished
+    pd: dict = dataclasses.field(default_factory=dict)  # prefill / decode groups: transfers, utilisation per role

@@ -83,6 +83,7 @@ class EngineCollector:
             fwd.add_metric([self._model, phase, strategy or "none"], float(count))
         yield fwd
         yield from _tier_metrics(self._model, s.get("tiers") or {})
+        yield from _pd_metrics(self._model, s.get("pd") or {})
         yield from _vllm_engine_metrics(self._model, s)
         if s.get("attention_backend"):
             info = GaugeMetricFamily("cpinfer_attention_backend_info", "the attention backend rank 0 runs (1)",
@@ -123,6 +124,29 @@ def _tier_metrics(model: str, tiers: dict):
             if value is not None:
                 fam.add_metric([model, tier], float(value))
         yield fam
+
+
+_PD_METRICS = (  # (stat key, metric name, help) of prefill / decode groups
+    ("transfer_bytes", "cpinfer_pd_transfer_bytes", "K/V bytes moved between the prefill and decode groups"),
+    ("transfer_s", "cpinfer_pd_transfer_seconds", "seconds from queueing a K/V transfer to its arrival, summed"),
+    ("transfers", "cpinfer_pd_transfers", "K/V transfers between the prefill and decode groups"),
+    ("move_back_bytes", "cpinfer_pd_move_back_bytes", "answers' K/V bytes moved back to the prefill group"),
+)
+
+
+def _pd_metrics(model: str, pd: dict):
+    """Prefill / decode groups: transfer counters and each role's share of wall time spent in forwards."""
+    if not pd:
+        return
+    for key, name, doc in _PD_METRICS:
+        fam = CounterMetricFamily(name, doc, labels=["model_name"])
+        fam.add_metric([model], float(pd.get(key, 0)))
+        yield fam
+    util = GaugeMetricFamily("cpinfer_pd_role_utilization", "share of wall time each role's ranks spent in calls",
+                             labels=["model_name", "role"])
+    for role, share in sorted(pd.get("utilization", {}).items()):
+        util.add_metric([model, role], float(share))
+    yield util
 
 
 class ServerMetrics:
