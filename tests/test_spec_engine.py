@@ -55,7 +55,10 @@ def _prompts(seed: int, vocab: int = 256) -> list[list[int]]:
 
 
 def _params(**kw) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": 40, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **kw})
+    """Greedy with log-probs. A seed makes each request's k independent of timings (docs/engine.md, "Adaptive k"):
+    the tests see the same verify steps on every run."""
+    return SamplingParams(**{"max_tokens": 40, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, "seed": 0,
+                             **kw})
 
 
 def _run(llm, prompts, params, shutdown=True):

@@ -295,3 +295,17 @@ def test_speculative_config_flag_is_checked_on_the_command_line():
     assert parser.parse_args([]).speculative_config is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "ngram", "k": 3}'])
+
+
+def test_step_cost_reads_the_row_share_of_decode_forwards():
+    cost = adaptive.StepCost()
+    assert cost.row_share(1) == adaptive.VERIFY_TOKEN_COST  # nothing measured yet
+    for i in range(40):  # 50 ms per forward + 25 ms per row
+        rows = 1 + i % 5
+        cost.add(rows, 0.05 + 0.025 * rows)
+    assert cost.row_share(1) == pytest.approx(0.025 / 0.075)
+    assert cost.row_share(4) == pytest.approx(0.025 / 0.15)
+    # at that cost, a request accepting half its drafts gains nothing by speculating: it pauses
+    st = adaptive.SpecState(k_max=4, acceptance=0.3)
+    assert st.next_k(cost.row_share(1)) == 0 and st.pause > 0
+    assert adaptive.SpecState(k_max=4, acceptance=0.95).next_k(cost.row_share(1)) >= 3

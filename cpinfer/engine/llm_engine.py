@@ -36,7 +36,7 @@ from cpinfer.engine.output import OutputProcessor
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from cpinfer.engine.spec.adaptive import SpecState
+from cpinfer.engine.spec.adaptive import VERIFY_TOKEN_COST, SpecState, StepCost
 from cpinfer.engine.spec.config import SpeculativeConfig
 from cpinfer.engine.spec.registry import check_method, make_proposer
 from cpinfer.engine.structured import GrammarCompiler, Matcher
@@ -252,6 +252,7 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
         self.proposer = None  # speculative decoding's drafter (engine/spec), built last: it may use the engine
         self._draft_rows: dict[str, np.ndarray] = {}  # this step's grammar bitmasks of constrained verify rows
+        self._step_cost = StepCost()  # decode forwards' seconds against their rows (the adaptive k's cost)
         if a.speculative_config is not None:
             try:
                 self.proposer = make_proposer(a.speculative_config, self)
@@ -612,6 +613,8 @@ class LLMEngine:
         host = {"schedule_s": t1 - t0, "forward_s": t2 - t1,
                 **{f"rank0_{k}_s": v for k, v in results[0].phases.items()}, "detokenize_s": 0.0}
         self.last_step_host = host
+        if self.proposer is not None and batch.phase == "decode":  # plain and verify rows: the adaptive k's cost
+            self._step_cost.add(sum(len(s.tokens) for s in scheduled), t2 - t1)
         outputs += self._process(scheduled, results, choice, batch.phase, host, form)
         host["process_s"] = time.perf_counter() - t2  # tokens, stop checks, detokenizing, outputs
         return outputs
@@ -641,11 +644,15 @@ class LLMEngine:
             return
         reqs, ks = [], []
         self._draft_rows = {}
-        for req in self.scheduler.running:
+        decoding = [r for r in self.scheduler.running if not r.is_prefill]
+        cost = self._step_cost.row_share(len(decoding))  # one more verified row's share of this decode step
+        for req in decoding:
             req.draft = None
-            if req.spec is None or req.is_prefill or req.request_id in self._failed:
+            if req.spec is None or req.request_id in self._failed:
                 continue
-            k = min(req.spec.next_k(), req.params.max_tokens - len(req.out) - 1)
+            # a seeded request's k must not depend on timings (its draws follow its k): the fixed row cost
+            k = min(req.spec.next_k(cost if req.params.seed is None else VERIFY_TOKEN_COST),
+                    req.params.max_tokens - len(req.out) - 1)
             if k > 0:
                 reqs.append(req)
                 ks.append(k)

@@ -2,9 +2,10 @@
 
 The rule (docs/engine.md, "Speculative decoding"): with a per-token acceptance rate a (an exponential average of
 accepted / drafted over its verify steps), a step drafting k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on
-average and costs about 1 + c k plain decode steps (c = VERIFY_TOKEN_COST: each extra row's share of a step). The
-request drafts the k in [1, K] of the largest E(k) / (1 + c k); when even that gain is below 1 it pauses (decodes
-plainly) for a number of steps that doubles each time (8, 16, ... 64), then tries again with k = 1.
+average and costs about 1 + c k plain decode steps, c being one more row's share of a decode step, measured by
+`StepCost` (VERIFY_TOKEN_COST until it has measured). The request drafts the k in [1, K] of the largest
+E(k) / (1 + c k); when even that gain is below 1 it pauses (decodes plainly) for a number of steps that doubles each
+time (8, 16, ... 64), then tries again with k = 1.
 """
 from __future__ import annotations
 
@@ -14,6 +15,37 @@ VERIFY_TOKEN_COST = 0.1  # one more verified row, as a share of a plain decode s
 EMA = 0.3  # weight of the latest verify step in the acceptance average
 PRIOR = 0.7  # the acceptance assumed before the first verify step
 PAUSE_FIRST, PAUSE_MAX = 8, 64
+
+
+class StepCost:
+    """The engine's decode forwards timed against their rows (new tokens: 1 per plain decode, k+1 per verify): an
+    exponentially weighted least-squares line seconds = alpha + beta * rows. `row_share(n)` is one more row's cost
+    as a share of a plain decode forward of n rows."""
+
+    DECAY = 0.98  # weight of older forwards per new one (about the last 50 count)
+    MIN_FORWARDS = 8
+
+    def __init__(self):
+        self.n = 0
+        self.w = self.x = self.y = self.xx = self.xy = 0.0  # weighted sums
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+        self.n += 1
+
+    def row_share(self, rows: int) -> float:
+        if self.n < self.MIN_FORWARDS:
+            return VERIFY_TOKEN_COST
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var < 0.25:  # rows hardly varied yet: no slope to read
+            return VERIFY_TOKEN_COST
+        beta = max(0.0, (self.xy / self.w - mx * my) / var)
+        alpha = my - beta * mx
+        plain = alpha + beta * max(1, rows)
+        return VERIFY_TOKEN_COST if plain <= 0 else beta / plain
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -42,13 +74,15 @@ class SpecState:
     num_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + the target's own)
     last_drafted: int = 0  # the latest verify step's drafted / accepted tokens (the proposer's `verified` hook)
     last_accepted: int = 0
+    cost: float = VERIFY_TOKEN_COST  # the row cost its last decision used
 
-    def next_k(self) -> int:
-        """Tokens to draft this step (0: decode plainly)."""
+    def next_k(self, cost: float = VERIFY_TOKEN_COST) -> int:
+        """Tokens to draft this step (0: decode plainly); cost: one more verified row's share of a decode step."""
+        self.cost = cost
         if self.pause > 0:
             self.pause -= 1
             return 0 if self.pause > 0 else 1  # the pause's last step probes with one draft
-        k, gain = best_k(self.acceptance, self.k_max)
+        k, gain = best_k(self.acceptance, self.k_max, cost)
         if gain < 1.0:
             self.pause, self.next_pause = self.next_pause, min(PAUSE_MAX, 2 * self.next_pause)
             return 0
@@ -62,7 +96,7 @@ class SpecState:
         self.num_accepted_tokens += accepted
         self.num_emitted_tokens += emitted
         self.acceptance = (1 - EMA) * self.acceptance + EMA * (accepted / drafted)
-        if best_k(self.acceptance, self.k_max)[1] >= 1.0:
+        if best_k(self.acceptance, self.k_max, self.cost)[1] >= 1.0:
             self.next_pause = PAUSE_FIRST
 
     def metrics(self) -> dict:
