@@ -280,10 +280,11 @@ def test_structured_output_and_seeded_sampling(quoting, engines):
     assert runs[1][0].metrics["spec"]["num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("variant", ["gemma3", "mistral"])
-def test_sliding_window_layers(llama_checkpoint, engines, variant):
-    """Models with sliding-window layers: the ranks' slot positions stay valid through rollbacks (a rejected slot
-    is written again by the token that takes it next)."""
+@pytest.mark.parametrize("variant", ["gemma3", "mistral", "deepseek_v3"])
+def test_other_families(llama_checkpoint, engines, variant):
+    """Models with sliding-window layers (the ranks' slot positions stay valid through rollbacks: a rejected slot
+    is written again by the token that takes it next) and multi-head latent attention (a verify sequence is a
+    partial prefill in whichever form the cost model picks)."""
     path = llama_checkpoint(variant, seed=2, max_position_embeddings=2048)
     ref, _ = _run(engines(path, 1, max_kv_tokens_per_rank=4096), _prompts(0), _params())
     got, stats = _run(engines(path, 2, placement="shard", max_kv_tokens_per_rank=4096, speculative_config=NGRAM),
