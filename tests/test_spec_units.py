@@ -2,6 +2,8 @@
 manager's rollback of rejected drafts (random reserve / verify / truncate / release sequences keep every count and
 block reference exact), the adaptive rule, and the acceptance rule's exactness (greedy: the argmax path; sampling:
 a fixed-seed chi-square test of the first two emitted tokens on a tiny vocabulary)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -309,3 +311,23 @@ def test_step_cost_reads_the_row_share_of_decode_forwards():
     st = adaptive.SpecState(k_max=4, acceptance=0.3)
     assert st.next_k(cost.row_share(1)) == 0 and st.pause > 0
     assert adaptive.SpecState(k_max=4, acceptance=0.95).next_k(cost.row_share(1)) >= 3
+
+
+def test_draft_q_reaches_the_acceptance_rule():
+    """A proposer's q rows reach the rank's acceptance rule, shipped with the batch (SeqInput.draft_q) or left on the
+    rank (draft_probs[draft_key]): a draft the target gives ~0 is rejected and the target's token emitted; one it
+    gives ~1 is kept and followed by the bonus token."""
+    from cpinfer.engine.batch import ForwardBatch, SeqInput
+    from cpinfer.engine.model_runner import ModelRunner
+
+    logits = torch.full((2, V), -30.0)
+    logits[:, 1] = 0.0  # the target puts everything on token 1
+    spec = _spec(3)
+    seq = SeqInput(np.asarray([0, 4]), 0, np.zeros(2, np.int64), np.arange(2), (), spec,
+                   draft=np.asarray([4]), draft_key="r", draft_q=np.eye(V, dtype=np.float32)[[4]])
+    batch = ForwardBatch((seq,), "local", "decode")
+    (res,) = ModelRunner._draw(batch, [0], logits)
+    assert res.error is None and res.extra == () and res.token == 1
+    seq1 = dataclasses.replace(seq, draft=np.asarray([1]), draft_q=None)
+    (res,) = ModelRunner._draw(ForwardBatch((seq1,), "local", "decode"), [0], logits, {"r": torch.eye(V)[[1]]})
+    assert [t for t, *_ in res.extra] == [1] and res.token == 1

@@ -36,6 +36,8 @@ class SeqInput:
     draft_key: str = ""  # the request id: what a proposer keeps on the rank for it (a draft model's q rows)
     draft_allowed: np.ndarray | None = None  # [k+1, ceil(V/32)] int32 grammar bitmask of each row (constrained)
     draft_suppress: int = 0  # rows (from the first) that still hold back the stop tokens (min_tokens not reached)
+    draft_q: np.ndarray | None = None  # [k, V] float32 the proposer's probabilities of its drafts, when shipped with
+    # the batch (else the rank's ModelRunner.draft_probs[draft_key], else None: deterministic drafts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -624,8 +624,9 @@ class LLMEngine:
         can run this step."""
         self._propose()
         scheduled, ops, restore_failed = self._schedule()
+        batch_q = {s.request.request_id: s.request.draft_q for s in scheduled if s.draft is not None}  # [k, V] each
         for req in self.scheduler.running:  # a draft serves one step only
-            req.draft = None
+            req.draft = req.draft_q = None
         if not scheduled:
             self.kv.put_back_ops(ops)  # they go with the next forward
             if self.scheduler.has_work() and not have_outputs and not restore_failed:
@@ -633,8 +634,8 @@ class LLMEngine:
             return None
         choice, phase = self._choose(scheduled)
         form = self._mla_form(scheduled, choice.strategy)
-        batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops),
-                             "absorbed" if form is None else form.form)
+        seqs = tuple(self._seq_input(s, batch_q) for s in scheduled)
+        batch = ForwardBatch(seqs, choice.strategy, phase, tuple(ops), "absorbed" if form is None else form.form)
         return scheduled, batch, choice, form
 
     def _propose(self) -> None:
@@ -657,6 +658,8 @@ class LLMEngine:
                 reqs.append(req)
                 ks.append(k)
         if reqs:
+            for req in reqs:
+                req.draft_q = None
             for req, k, draft in zip(reqs, ks, self._on_ranks(self.proposer.propose, reqs, ks)):
                 draft = np.asarray(draft, dtype=np.int64).reshape(-1)[:k]
                 if len(draft) and req.request_id in self._matchers:
@@ -757,7 +760,7 @@ class LLMEngine:
         seqs = [(s.start, len(s.tokens), bool(s.placement.spread) and self.n > 1) for s in scheduled]
         return choose_form(c.mla, c.num_attention_heads, seqs, self.n, strategy, self.args.mla_form)
 
-    def _seq_input(self, s: ScheduledSeq) -> SeqInput:
+    def _seq_input(self, s: ScheduledSeq, draft_q: dict | None = None) -> SeqInput:
         req = s.request
         spec = self._sample_spec(req) if s.sample else None
         end = s.start + len(s.tokens)
@@ -768,6 +771,7 @@ class LLMEngine:
         spec_args = {} if s.draft is None else {  # a verify sequence (engine/spec)
             "draft": s.draft, "draft_key": req.request_id,
             "draft_allowed": None if rows is None else rows[:len(s.draft) + 1],
+            "draft_q": None if (draft_q or {}).get(req.request_id) is None else draft_q[req.request_id][:len(s.draft)],
             "draft_suppress": max(0, req.params.min_tokens - len(req.out)) if spec.suppress else 0}
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)

@@ -264,7 +264,9 @@ class ModelRunner:
                 if s.draft is None:
                     out.append(SampleResult(b, *sample(rows[0], s.sample)))
                     continue
-                q = None if draft_probs is None else draft_probs.pop(s.draft_key, None)  # [k, vocab] or None
+                q = draft_probs.pop(s.draft_key, None) if draft_probs is not None else None  # [k, vocab] or None
+                if s.draft_q is not None:
+                    q = torch.as_tensor(s.draft_q)
                 specs = row_specs(s.sample, s.draft, s.draft_allowed, s.draft_suppress)
                 *extra, (token, lp, top) = verify(rows, s.draft, specs, q)
                 out.append(SampleResult(b, token, lp, top, extra=tuple(extra)))

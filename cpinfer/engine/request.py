@@ -45,6 +45,8 @@ class Request:
     t_last: float = 0.0
     spec: object = None  # speculative decoding: its spec.adaptive.SpecState (None: the engine does not speculate)
     draft: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [k] this step's draft, if any
+    draft_q: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [k, V] its proposer's probabilities
+    # (a proposer that samples its drafts sets it in `propose`; None: deterministic drafts)
     _prompt_set: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     @property

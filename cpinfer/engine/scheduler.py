@@ -243,7 +243,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
     def _released(self, req: Request) -> None:
-        req.draft = None
+        req.draft = req.draft_q = None
         if self.on_release is not None:
             self.on_release(req)
 

@@ -24,7 +24,9 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, reqs: list[Request], ks: list[int]) -> list[np.ndarray]:
         """Per request, a draft of at most ks[i] tokens (int64) continuing `req.known`; an empty one means no
-        speculation for that request this step (it decodes one token plainly)."""
+        speculation for that request this step (it decodes one token plainly). A proposer that samples its drafts
+        gives their distributions too: `req.draft_q` = [len(draft), V] probabilities (shipped with the batch), or
+        [k, V] rows left in the verifying rank's `ModelRunner.draft_probs[req.request_id]`; none: deterministic."""
 
     def verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """After the verify forward: of the `num_drafted` tokens proposed for req, the first `num_accepted` were
