@@ -11,8 +11,8 @@ import json
 
 from cpinfer import multinode
 from cpinfer.bench.attention import positive_int
-from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_pd_arguments, engine_model_kwargs,
-                                         resolve_args)
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_pd_arguments,
+                                         add_speculative_argument, engine_model_kwargs, resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 
 
@@ -78,7 +78,7 @@ def run(args) -> int:
                   max_kv_tokens_per_rank=args.max_kv_tokens_per_rank, max_model_len=args.max_model_len,
                   strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
                   threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
-                  **engine_kwargs(args))
+                  speculative_config=args.speculative_config, **engine_kwargs(args))
     if args.pd_decode_cp is not None:  # prefill and decode on separate groups of ranks
         kwargs.update(pd_decode_cp=args.pd_decode_cp, pd_decode_groups=args.pd_decode_groups)
     node = multinode.spec_from_args(args, kwargs)  # bad multi-node flags fail before the model is read
@@ -172,6 +172,7 @@ def register(subparsers) -> None:
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / CP)")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON object on the last line")
+    add_speculative_argument(parser)
     add_device_arguments(parser)
     multinode.add_arguments(parser)
     parser.set_defaults(func=run)

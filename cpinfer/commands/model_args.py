@@ -86,3 +86,21 @@ def add_pd_arguments(g) -> None:
                         "CP ranks (x --tp each); K/V move between them once per request")
     g.add_argument("--pd-decode-groups", type=positive_int, default=None, metavar="K",
                    help="decode groups of --pd-decode-cp ranks (default 1); a request goes to the least loaded")
+
+
+def _speculative_json(text: str):
+    """--speculative-config: vLLM's JSON, checked now (a bad key or method is an argument error)."""
+    from cpinfer.engine.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_speculative_argument(parser) -> None:
+    """--speculative-config JSON (serve and generate)."""
+    parser.add_argument("--speculative-config", type=_speculative_json, default=None, metavar="JSON",
+                        help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                             "4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup) or "
+                             "'{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model); default: off")
