@@ -1,0 +1,88 @@
+"""The driver side of a draft model: checks it against the target before any rank starts, and proposes drafts by
+running the draft's k steps on the ranks (`draft_runner.propose`) for the requests that speculate.
+
+The draft's K/V need no bookkeeping here: its store on every rank uses the target's slots (`draft_runner`), so
+the target's KV manager (placement, prefix caching, preemption, rollback) serves both.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cpinfer.engine.kv.placement import SPREAD, UNPLACED
+from cpinfer.engine.spec import draft_runner as DR
+from cpinfer.model.config import ModelConfig
+
+
+def check_draft(target: ModelConfig, tokenizer, draft_path: str | Path, tensor_parallel_size: int) -> ModelConfig:
+    """The draft's config, or ValueError saying why this draft cannot serve this target: another vocabulary size
+    or tokenizer vocabulary, tensor parallelism, or an attention form the draft path does not run."""
+    draft = ModelConfig.from_pretrained(draft_path)
+    if tensor_parallel_size != 1:
+        raise ValueError(f"a draft model runs with tensor_parallel_size 1 only, got {tensor_parallel_size} (use "
+                         "\"method\": \"ngram\" under tensor parallelism)")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model's vocabulary has {draft.vocab_size} tokens, the target's "
+                         f"{target.vocab_size}: a draft model must share the target's tokenizer")
+    theirs = _tokenizer_vocab(draft_path)
+    if theirs is not None and tokenizer is not None:
+        ours = tokenizer.get_vocab()
+        if theirs != ours:
+            differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+            raise ValueError(f"the draft model's tokenizer differs from the target's ({len(theirs)} vs {len(ours)} "
+                             f"entries; e.g. {differ}): a draft model must share the target's tokenizer")
+    if draft.values_in_keys:
+        raise ValueError(f"a draft model with multi-head latent attention ({draft.model_type}) is not supported; "
+                         "use a draft with ordinary attention")
+    if draft.local_attention:
+        raise ValueError(f"a draft model with sliding-window or chunked attention ({draft.model_type}) is not "
+                         "supported; use a draft with full attention on every layer")
+    return draft
+
+
+def _tokenizer_vocab(path: str | Path) -> dict | None:
+    """The token → id map of the tokenizer in `path`, or None when the folder has none."""
+    p = Path(path)
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p)).get_vocab()
+
+
+def verify_rank(kv) -> int:
+    """The CP rank a request's verification rows go to: its home while its K/V sit on one rank, else the rank
+    its next decode token would take."""
+    if kv.home not in (SPREAD, UNPLACED):
+        return int(kv.home)
+    return int(kv.next_rank)
+
+
+class DraftProposer:
+    """Drafts k tokens per request with the draft model on the ranks.
+
+    run(fn, *args) runs fn on every rank (the engine's pool) and returns the per-rank results; spec(req) gives the
+    request's `SampleSpec` for its next output token (the engine's `_sample_spec`)."""
+
+    def __init__(self, run, spec):
+        self.run, self.spec = run, spec
+
+    def propose(self, reqs, ks) -> list[np.ndarray]:
+        """[k_i] int64 drafted tokens per request (requests with k 0 get none); the K/V of the last known token and
+        the drafts stay in the draft's scratch rows until the verification's forward writes their slots."""
+        seqs = []
+        for req, k in zip(reqs, ks):
+            if k <= 0:
+                continue
+            kv = req.kv
+            assert kv.num_stored == len(req.prompt) + len(req.out) - 1, "a proposal follows a finished prefill"
+            seqs.append(DR.DraftSeq(req.request_id, int(req.out[-1] if req.out else req.prompt[-1]), kv.num_stored,
+                                    verify_rank(kv), tuple(kv.runs_array(r) for r in range(len(kv.runs))), int(k),
+                                    self.spec(req)))
+        drafted: dict[str, np.ndarray] = {}
+        if seqs:
+            for part in self.run(DR.propose, tuple(seqs)):
+                drafted.update(part or {})
+        empty = np.zeros(0, dtype=np.int64)
+        return [drafted.get(req.request_id, empty) if k > 0 else empty for req, k in zip(reqs, ks)]

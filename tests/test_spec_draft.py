@@ -1,0 +1,140 @@
+"""The draft model of speculative decoding: its K/V mirror the target's slots on every CP rank, its k draft-only
+steps (through the engine's attention machinery, the ring for a spread request) give the draft model's own greedy
+continuation, and a draft that cannot serve the target is refused before any rank starts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpinfer.engine.sampling import SamplingParams
+from cpinfer.engine.spec import draft_runner as DR
+from cpinfer.engine.spec.draft import DraftProposer, check_draft
+from cpinfer.model import ModelConfig, load_model
+from tests.pooled_engine import shard_engines
+
+GREEDY = SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.0, logprobs=True)
+K = 4
+
+
+@pytest.fixture(scope="module")
+def engines():
+    yield from shard_engines()
+
+
+@pytest.fixture(scope="module")
+def target(llama_checkpoint):
+    return llama_checkpoint("gqa", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def small_draft(llama_checkpoint):
+    """A different, smaller model with the target's vocabulary (one layer, 4 query heads on 1 KV head)."""
+    return llama_checkpoint("mqa", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
+
+
+def _reference(path, tokens: list[int], steps: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """A fresh single-device forward of `tokens` on the model at `path` (plain causal SDPA): its keys
+    [layers, T, Hkv, D] and its greedy continuation of `steps` tokens."""
+    config, model = load_model(path)
+    keys: list[torch.Tensor] = []
+
+    def attn(layer, q, k, v, sinks=None, expand=None):  # q [T, H, D], k / v [T, Hkv, D]
+        keys.append(k.clone())
+        rep = q.shape[1] // k.shape[1]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                                           v.repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
+                                           scale=config.attention_scale)
+        return o.transpose(0, 1)  # [T, H, D]
+
+    seq, first = list(tokens), None
+    with torch.inference_mode():
+        for i in range(steps + 1):
+            keys.clear()
+            hidden = model(torch.tensor(seq), torch.arange(len(seq)), attn)
+            first = torch.stack(keys) if first is None else first
+            if i < steps:
+                seq.append(int(torch.argmax(model.compute_logits(hidden[-1:])[0])))
+    return first, seq[len(tokens):]
+
+
+def _path_slots(kv) -> tuple[np.ndarray, np.ndarray]:
+    """(rank [T], slot [T]) of positions 0 .. T-1 of a running request's path in the prefix tree."""
+    nodes, node = [], kv.leaf
+    while node is not None and node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    return (np.concatenate([n.rank.view for n in nodes]).astype(np.int64),
+            np.concatenate([n.slot.view for n in nodes]).astype(np.int64))
+
+
+def _rows(engine, ranks: np.ndarray, slots: np.ndarray, which: str) -> torch.Tensor:
+    """The K rows [layers, T, Hkv, D] of `which` store ("draft" or "target") at (ranks, slots), in that order."""
+    per_rank = engine._pool.run(DR.store_rows, None, which)  # [layers, capacity + 1(+ scratch), Hkv, D] per rank
+    return torch.stack([per_rank[r][:, s] for r, s in zip(ranks.tolist(), slots.tolist())], dim=1)
+
+
+def _run_with_draft(llm, draft_path, prompt, check_at=(1, 6)):
+    """Generate `prompt` greedily step by step with a draft model loaded; at the given output lengths compare the
+    stores and propose K drafts. Returns (output RequestOutput, [(output length, context, drafts, draft rows,
+    target rows, path)])."""
+    eng = llm.engine
+    eng._pool.run(DR.init_draft, str(draft_path), 64)
+    proposer = DraftProposer(eng._pool.run, eng._sample_spec)
+    eng.add_request("r", prompt, GREEDY)
+    seen, final = [], None
+    while eng.has_unfinished_requests():
+        req = eng.requests.get("r")
+        if req is not None and req.num_to_compute == 1 and len(req.out) in check_at:
+            ranks, slots = _path_slots(req.kv)
+            drafts = proposer.propose([req], [K])[0]
+            seen.append((len(req.out), req.known[:len(slots)], drafts, _rows(eng, ranks, slots, "draft"),
+                         _rows(eng, ranks, slots, "target"), req.kv))
+            check_at = tuple(n for n in check_at if n != len(req.out))
+        for out in eng.step():
+            final = out if out.finished else final
+    return final, seen
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_draft_equal_to_target_drafts_the_target_continuation(engines, target, cp):
+    prompt = np.random.default_rng(cp).integers(3, 256, 45).tolist()
+    ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate([prompt], GREEDY)[0]
+    out, seen = _run_with_draft(engines(target, cp, max_kv_tokens_per_rank=1024), target, prompt)
+    assert out.token_ids == ref.token_ids  # proposing disturbs nothing of the target
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
+    assert len(seen) == 2
+    for n, _, drafts, draft_rows, target_rows, kv in seen:
+        # a draft equal to the target accepts every token: its drafts are the target's next K greedy tokens
+        assert drafts.tolist() == ref.token_ids[n:n + K]
+        torch.testing.assert_close(draft_rows, target_rows, atol=1e-6, rtol=0)  # same model: the same K rows
+    if cp > 1:
+        assert seen[-1][-1].home < 0  # spread over both ranks: the draft steps went through the ring
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_smaller_draft_mirrors_and_drafts_its_own_greedy(engines, target, small_draft, cp):
+    prompt = np.random.default_rng(10 + cp).integers(3, 256, 38).tolist()
+    ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate([prompt], GREEDY)[0]
+    out, seen = _run_with_draft(engines(target, cp, max_kv_tokens_per_rank=1024), small_draft, prompt)
+    assert out.token_ids == ref.token_ids
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
+    for n, context, drafts, draft_rows, _, _ in seen:
+        keys, _ = _reference(small_draft, context)  # the draft alone on the committed context
+        # the draft's store at the request's slots (every rank) holds what a fresh draft forward computes
+        torch.testing.assert_close(draft_rows, keys, atol=1e-5, rtol=1e-5)
+        last = prompt + ref.token_ids[:n]
+        _, expected = _reference(small_draft, last, K)
+        assert drafts.tolist() == expected
+
+
+def test_vocabulary_and_tensor_parallel_refused(llama_checkpoint, target):
+    config = ModelConfig.from_pretrained(target)
+    other = llama_checkpoint("gqa", vocab_size=320)
+    with pytest.raises(ValueError, match="vocabulary has 320 tokens, the target's 256"):
+        check_draft(config, None, other, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        check_draft(config, None, target, 2)
+    assert check_draft(config, None, target, 1).vocab_size == 256
