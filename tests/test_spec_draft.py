@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.spec import draft_runner as DR
-from cpinfer.engine.spec.draft import DraftProposer, check_draft
+from cpinfer.engine.spec.draft import DraftProposer, check_draft, verify_rank
 from cpinfer.model import ModelConfig, load_model
 from tests.pooled_engine import shard_engines
 
@@ -34,9 +34,9 @@ def small_draft(llama_checkpoint):
     return llama_checkpoint("mqa", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
 
 
-def _reference(path, tokens: list[int], steps: int = 0) -> tuple[torch.Tensor, list[int]]:
+def _reference(path, tokens: list[int], steps: int = 0) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """A fresh single-device forward of `tokens` on the model at `path` (plain causal SDPA): its keys
-    [layers, T, Hkv, D] and its greedy continuation of `steps` tokens."""
+    [layers, T, Hkv, D], its greedy continuation of `steps` tokens and the logits [V] after `tokens`."""
     config, model = load_model(path)
     keys: list[torch.Tensor] = []
 
@@ -48,15 +48,17 @@ def _reference(path, tokens: list[int], steps: int = 0) -> tuple[torch.Tensor, l
                                            scale=config.attention_scale)
         return o.transpose(0, 1)  # [T, H, D]
 
-    seq, first = list(tokens), None
+    seq, first, after = list(tokens), None, None
     with torch.inference_mode():
         for i in range(steps + 1):
             keys.clear()
             hidden = model(torch.tensor(seq), torch.arange(len(seq)), attn)
+            logits = model.compute_logits(hidden[-1:])[0]  # [V]
             first = torch.stack(keys) if first is None else first
+            after = logits if after is None else after
             if i < steps:
-                seq.append(int(torch.argmax(model.compute_logits(hidden[-1:])[0])))
-    return first, seq[len(tokens):]
+                seq.append(int(torch.argmax(logits)))
+    return first, seq[len(tokens):], after
 
 
 def _path_slots(kv) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +84,7 @@ def _run_with_draft(llm, draft_path, prompt, check_at=(1, 6)):
     target rows, path)])."""
     eng = llm.engine
     eng._pool.run(DR.init_draft, str(draft_path), 64)
-    proposer = DraftProposer(eng._pool.run, eng._sample_spec)
+    proposer = DraftProposer(eng._pool.run, eng._sample_spec, eng.kv)
     eng.add_request("r", prompt, GREEDY)
     seen, final = [], None
     while eng.has_unfinished_requests():
@@ -122,11 +124,11 @@ def test_smaller_draft_mirrors_and_drafts_its_own_greedy(engines, target, small_
     assert out.token_ids == ref.token_ids
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
     for n, context, drafts, draft_rows, _, _ in seen:
-        keys, _ = _reference(small_draft, context)  # the draft alone on the committed context
+        keys, _, _ = _reference(small_draft, context)  # the draft alone on the committed context
         # the draft's store at the request's slots (every rank) holds what a fresh draft forward computes
         torch.testing.assert_close(draft_rows, keys, atol=1e-5, rtol=1e-5)
         last = prompt + ref.token_ids[:n]
-        _, expected = _reference(small_draft, last, K)
+        _, expected, _ = _reference(small_draft, last, K)
         assert drafts.tolist() == expected
 
 
@@ -138,3 +140,35 @@ def test_vocabulary_and_tensor_parallel_refused(llama_checkpoint, target):
     with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
         check_draft(config, None, target, 2)
     assert check_draft(config, None, target, 1).vocab_size == 256
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sampled_drafts_are_reproducible_and_keep_q_on_the_verifying_rank(engines, target, small_draft, cp):
+    llm = engines(target, cp, max_kv_tokens_per_rank=1024)
+    eng = llm.engine
+    eng._pool.run(DR.init_draft, str(small_draft), 64)
+    proposer = DraftProposer(eng._pool.run, eng._sample_spec, eng.kv)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_k=40, seed=123)
+    eng.add_request("s", np.random.default_rng(5).integers(3, 256, 41).tolist(), params)
+    while not (eng.requests["s"].out and eng.requests["s"].num_to_compute == 1):
+        eng.step()
+    req = eng.requests["s"]
+    first = proposer.propose([req], [K])[0]
+    q_first = eng._pool.run(DR.take_q, "s")
+    again = proposer.propose([req], [K])[0]
+    q_again = eng._pool.run(DR.take_q, "s")
+    assert len(first) == K and first.tolist() == again.tolist()  # seeded: the same drafts from the same state
+    held = [r for r, q in enumerate(q_first) if q is not None]
+    assert held == [verify_rank(eng.kv, req.kv)]  # kept where the verification will run, nowhere else
+    q, q2 = q_first[held[0]], q_again[held[0]]
+    torch.testing.assert_close(q, q2, atol=0, rtol=0)
+    assert q.shape == (K, 256)
+    torch.testing.assert_close(q.sum(-1), torch.ones(K), atol=1e-5, rtol=0)
+    assert all(float(q[i, d]) > 0 for i, d in enumerate(first.tolist()))  # each draft was drawn from its q row
+    assert all(int((q[i] > 0).sum()) <= 40 for i in range(K))  # the request's top-k applied to the draft's q
+    # q's first row is the draft model's processed distribution after the committed tokens
+    _, _, logits = _reference(small_draft, req.known)
+    torch.testing.assert_close(q[0], DR.draft_probs(logits, eng._sample_spec(req)), atol=1e-5, rtol=1e-4)
+    eng.abort("s")
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -51,12 +51,16 @@ def _tokenizer_vocab(path: str | Path) -> dict | None:
     return AutoTokenizer.from_pretrained(str(p)).get_vocab()
 
 
-def verify_rank(kv) -> int:
-    """The CP rank a request's verification rows go to: its home while its K/V sit on one rank, else the rank
-    its next decode token would take."""
-    if kv.home not in (SPREAD, UNPLACED):
+def verify_rank(manager, kv) -> int:
+    """The CP rank the KV manager will put a request's verification rows on when it has room there (its first
+    choice): the home of a request kept on one rank (placement other than "shard"), else the rank its next decode
+    token would take. Should the manager place them elsewhere, that rank holds no q: it accepts no draft of a
+    sampled request (exact, as plain sampling)."""
+    if manager.n == 1:
+        return 0
+    if kv.home not in (SPREAD, UNPLACED) and manager.placer.mode != "shard":
         return int(kv.home)
-    return int(kv.next_rank)
+    return int(manager._spread_ranks(kv, 1, True)[0])
 
 
 class DraftProposer:
@@ -65,8 +69,8 @@ class DraftProposer:
     run(fn, *args) runs fn on every rank (the engine's pool) and returns the per-rank results; spec(req) gives the
     request's `SampleSpec` for its next output token (the engine's `_sample_spec`)."""
 
-    def __init__(self, run, spec):
-        self.run, self.spec = run, spec
+    def __init__(self, run, spec, manager):
+        self.run, self.spec, self.manager = run, spec, manager
 
     def propose(self, reqs, ks) -> list[np.ndarray]:
         """[k_i] int64 drafted tokens per request (requests with k 0 get none); the K/V of the last known token and
@@ -78,7 +82,7 @@ class DraftProposer:
             kv = req.kv
             assert kv.num_stored == len(req.prompt) + len(req.out) - 1, "a proposal follows a finished prefill"
             seqs.append(DR.DraftSeq(req.request_id, int(req.out[-1] if req.out else req.prompt[-1]), kv.num_stored,
-                                    verify_rank(kv), tuple(kv.runs_array(r) for r in range(len(kv.runs))), int(k),
+                                    verify_rank(self.manager, kv), tuple(kv.runs_array(r) for r in range(len(kv.runs))), int(k),
                                     self.spec(req)))
         drafted: dict[str, np.ndarray] = {}
         if seqs:

@@ -168,15 +168,13 @@ class DraftRunner:
                 fed[j] = token
                 if q is not None:
                     probs[j].append(q)
-        out = {}
+        out, self.q = {}, {}  # a proposal is verified in the step that made it: older q rows are stale
         for j, s in enumerate(seqs):
             if s.rank != me:
                 continue
             out[s.key] = np.asarray(drafted[j], dtype=np.int64)
             if probs[j]:
                 self.q[s.key] = torch.stack(probs[j])  # [k, V]
-            else:
-                self.q.pop(s.key, None)
         return out
 
     @staticmethod
