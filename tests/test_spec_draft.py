@@ -12,7 +12,7 @@ from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.spec import draft_runner as DR
 from cpinfer.engine.spec.draft import DraftProposer, check_draft, verify_rank
 from cpinfer.model import ModelConfig, load_model
-from tests.pooled_engine import shard_engines
+from pooled_engine import shard_engines
 
 GREEDY = SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.0, logprobs=True)
 K = 4
@@ -172,3 +172,29 @@ def test_sampled_drafts_are_reproducible_and_keep_q_on_the_verifying_rank(engine
     eng.abort("s")
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_gguf_draft_resolved_and_tokenizer_mismatch_refused(llama_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    from checkpoints import GGUF_TEST_VOCAB, write_gguf_from_hf
+    from transformers import AutoTokenizer
+
+    from cpinfer.engine.spec.draft import resolve_draft
+
+    hf = llama_checkpoint("gqa", vocab_size=GGUF_TEST_VOCAB["bpe"])
+    config = ModelConfig.from_pretrained(hf)
+    path, draft = resolve_draft(str(write_gguf_from_hf(hf, tmp_path / "draft.gguf")), config, None, 1)
+    assert draft.vocab_size == config.vocab_size and (tmp_path / "draft.gguf").exists()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert check_draft(config, tokenizer, path, 1).vocab_size == config.vocab_size  # its own tokenizer: the same
+    other = tmp_path / "renamed"
+    shutil.copytree(path, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    name = next(t for t, i in vocab.items() if i == 100)
+    vocab["zz-renamed"] = vocab.pop(name)  # the same size, one token spelled differently
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        check_draft(config, tokenizer, other, 1)

@@ -13,6 +13,7 @@ import numpy as np
 from cpinfer.engine.kv.placement import SPREAD, UNPLACED
 from cpinfer.engine.spec import draft_runner as DR
 from cpinfer.model.config import ModelConfig
+from cpinfer.model.resolve import resolve_model
 
 
 def check_draft(target: ModelConfig, tokenizer, draft_path: str | Path, tensor_parallel_size: int) -> ModelConfig:
@@ -39,6 +40,14 @@ def check_draft(target: ModelConfig, tokenizer, draft_path: str | Path, tensor_p
         raise ValueError(f"a draft model with sliding-window or chunked attention ({draft.model_type}) is not "
                          "supported; use a draft with full attention on every layer")
     return draft
+
+
+def resolve_draft(model, target: ModelConfig, tokenizer, tensor_parallel_size: int, revision: str | None = None,
+                  download_dir: str | None = None) -> tuple[str, ModelConfig]:
+    """The draft's checkpoint folder (a folder, a .gguf file converted as the target's, or a Hub id) and config,
+    checked against the target (`check_draft`): what the engine does before any rank starts."""
+    path = str(resolve_model(model, revision=revision, download_dir=download_dir))
+    return path, check_draft(target, tokenizer, path, tensor_parallel_size)
 
 
 def _tokenizer_vocab(path: str | Path) -> dict | None:
