@@ -36,6 +36,7 @@ from cpinfer.engine.output import OutputProcessor
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from cpinfer.engine.spec.config import SpeculativeConfig
 from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.mla_form import check_form, choose_form
 from cpinfer.engine.strategy import choose_for_batch
@@ -98,6 +99,8 @@ class EngineConfig:
     max_logprobs: int = 20  # the largest top_logprobs a request may ask for (vLLM's name and default); -1: the vocabulary
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding: vLLM's keys as a dict (or its JSON
+    # text), parsed into a SpeculativeConfig here (engine/spec/config.py); None: off
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -121,6 +124,7 @@ class EngineConfig:
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
         check_form(self.mla_form)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")

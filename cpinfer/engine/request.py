@@ -43,6 +43,8 @@ class Request:
     text_state: object = None  # its incremental detokenizer and stop-string bookkeeping (output.TextState)
     metrics: dict = dataclasses.field(default_factory=lambda: {"steps": [], "ttit_s": []})
     t_last: float = 0.0
+    spec: object = None  # speculative decoding: its spec.adaptive.SpecState (None: the engine does not speculate)
+    draft: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [k] this step's draft, if any
     _prompt_set: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     @property
