@@ -78,13 +78,16 @@ def _rows(engine, ranks: np.ndarray, slots: np.ndarray, which: str) -> torch.Ten
     return torch.stack([per_rank[r][:, s] for r, s in zip(ranks.tolist(), slots.tolist())], dim=1)
 
 
-def _run_with_draft(llm, draft_path, prompt, check_at=(1, 6)):
+def _spec(path) -> dict:
+    return {"model": str(path), "num_speculative_tokens": K}
+
+
+def _run_with_draft(llm, prompt, check_at=(1, 6)):
     """Generate `prompt` greedily step by step with a draft model loaded; at the given output lengths compare the
     stores and propose K drafts. Returns (output RequestOutput, [(output length, context, drafts, draft rows,
     target rows, path)])."""
     eng = llm.engine
-    eng._pool.run(DR.init_draft, str(draft_path), 64)
-    proposer = DraftProposer(eng._pool.run, eng._sample_spec, eng.kv)
+    proposer = DraftProposer(eng.args.speculative_config, eng)
     eng.add_request("r", prompt, GREEDY)
     seen, final = [], None
     while eng.has_unfinished_requests():
@@ -104,7 +107,8 @@ def _run_with_draft(llm, draft_path, prompt, check_at=(1, 6)):
 def test_draft_equal_to_target_drafts_the_target_continuation(engines, target, cp):
     prompt = np.random.default_rng(cp).integers(3, 256, 45).tolist()
     ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate([prompt], GREEDY)[0]
-    out, seen = _run_with_draft(engines(target, cp, max_kv_tokens_per_rank=1024), target, prompt)
+    out, seen = _run_with_draft(engines(target, cp, max_kv_tokens_per_rank=1024, speculative_config=_spec(target)),
+                                prompt)
     assert out.token_ids == ref.token_ids  # proposing disturbs nothing of the target
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
     assert len(seen) == 2
@@ -120,7 +124,8 @@ def test_draft_equal_to_target_drafts_the_target_continuation(engines, target, c
 def test_smaller_draft_mirrors_and_drafts_its_own_greedy(engines, target, small_draft, cp):
     prompt = np.random.default_rng(10 + cp).integers(3, 256, 38).tolist()
     ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate([prompt], GREEDY)[0]
-    out, seen = _run_with_draft(engines(target, cp, max_kv_tokens_per_rank=1024), small_draft, prompt)
+    out, seen = _run_with_draft(engines(target, cp, max_kv_tokens_per_rank=1024,
+                                        speculative_config=_spec(small_draft)), prompt)
     assert out.token_ids == ref.token_ids
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-4)
     for n, context, drafts, draft_rows, _, _ in seen:
@@ -140,14 +145,18 @@ def test_vocabulary_and_tensor_parallel_refused(llama_checkpoint, target):
     with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
         check_draft(config, None, target, 2)
     assert check_draft(config, None, target, 1).vocab_size == 256
+    from cpinfer.engine.llm import LLM
+
+    for kw, why in (({}, "vocabulary has 320 tokens"), ({"tensor_parallel_size": 2}, "tensor_parallel_size 1 only")):
+        with pytest.raises(ValueError, match=why):  # the engine refuses before any rank starts
+            LLM(str(target), speculative_config=_spec(other if not kw else target), **kw)
 
 
 @pytest.mark.parametrize("cp", [1, 2])
 def test_sampled_drafts_are_reproducible_and_keep_q_on_the_verifying_rank(engines, target, small_draft, cp):
-    llm = engines(target, cp, max_kv_tokens_per_rank=1024)
+    llm = engines(target, cp, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
     eng = llm.engine
-    eng._pool.run(DR.init_draft, str(small_draft), 64)
-    proposer = DraftProposer(eng._pool.run, eng._sample_spec, eng.kv)
+    proposer = DraftProposer(eng.args.speculative_config, eng)
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_k=40, seed=123)
     eng.add_request("s", np.random.default_rng(5).integers(3, 256, 41).tolist(), params)
     while not (eng.requests["s"].out and eng.requests["s"].num_to_compute == 1):

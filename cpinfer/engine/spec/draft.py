@@ -11,7 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from cpinfer.engine.kv.placement import SPREAD, UNPLACED
+from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.engine.request import Request
 from cpinfer.engine.spec import draft_runner as DR
+from cpinfer.engine.spec.proposer import Proposer
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.resolve import resolve_model
 
@@ -72,30 +75,52 @@ def verify_rank(manager, kv) -> int:
     return int(manager._spread_ranks(kv, 1, True)[0])
 
 
-class DraftProposer:
-    """Drafts k tokens per request with the draft model on the ranks.
+def draft_for(args, target: ModelConfig, tokenizer) -> tuple[str, ModelConfig] | None:
+    """The engine's draft model (checkpoint folder, config), checked against the target; None without one."""
+    spec = args.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return resolve_draft(spec.model, target, tokenizer, args.tensor_parallel_size, args.revision, args.download_dir)
 
-    run(fn, *args) runs fn on every rank (the engine's pool) and returns the per-rank results; spec(req) gives the
-    request's `SampleSpec` for its next output token (the engine's `_sample_spec`)."""
 
-    def __init__(self, run, spec, manager):
-        self.run, self.spec, self.manager = run, spec, manager
+def draft_token_bytes(draft: tuple[str, ModelConfig] | None, elem_bytes: int) -> int:
+    """One token's bytes in the draft's KV store on a rank (0 without a draft): it holds the target's slot count."""
+    if draft is None:
+        return 0
+    c = draft[1]
+    return KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), elem_bytes)
 
-    def propose(self, reqs, ks) -> list[np.ndarray]:
-        """[k_i] int64 drafted tokens per request (requests with k 0 get none); the K/V of the last known token and
-        the drafts stay in the draft's scratch rows until the verification's forward writes their slots."""
+
+def load_draft(engine) -> None:
+    """Load the engine's draft model on every rank beside the target (before any forward: the draft's K/V mirror
+    the target's from the first one); scratch rows for every running request's k draft steps."""
+    path = engine.draft[0]
+    scratch = engine.args.max_num_seqs * engine.args.speculative_config.num_speculative_tokens
+    engine._pool.run(DR.init_draft, path, scratch)
+
+
+class DraftProposer(Proposer):
+    """Drafts k tokens per request with the draft model on the ranks (`draft_runner.propose`): every CP rank runs
+    the k steps together, the rank that will verify a request draws its tokens and keeps their q rows."""
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[np.ndarray]:
+        """[k_i] int64 drafted tokens per request (k 0: none); the drafts' K/V stay in the draft's scratch rows
+        until the verification's forward writes their slots."""
+        eng = self.engine
         seqs = []
         for req, k in zip(reqs, ks):
             if k <= 0:
                 continue
             kv = req.kv
-            assert kv.num_stored == len(req.prompt) + len(req.out) - 1, "a proposal follows a finished prefill"
+            if kv.num_stored != len(req.prompt) + len(req.out) - 1:
+                raise RuntimeError(f"draft proposal for {req.request_id}: {kv.num_stored} tokens stored of "
+                                   f"{len(req.prompt) + len(req.out)} known (only the last may be missing)")
             seqs.append(DR.DraftSeq(req.request_id, int(req.out[-1] if req.out else req.prompt[-1]), kv.num_stored,
-                                    verify_rank(self.manager, kv), tuple(kv.runs_array(r) for r in range(len(kv.runs))), int(k),
-                                    self.spec(req)))
+                                    verify_rank(eng.kv, kv), tuple(kv.runs_array(r) for r in range(eng.n)), int(k),
+                                    eng._sample_spec(req)))
         drafted: dict[str, np.ndarray] = {}
         if seqs:
-            for part in self.run(DR.propose, tuple(seqs)):
+            for part in eng._pool.run(DR.propose, tuple(seqs)):
                 drafted.update(part or {})
         empty = np.zeros(0, dtype=np.int64)
         return [drafted.get(req.request_id, empty) if k > 0 else empty for req, k in zip(reqs, ks)]
