@@ -115,8 +115,11 @@ class DraftProposer(Proposer):
             if kv.num_stored != len(req.prompt) + len(req.out) - 1:
                 raise RuntimeError(f"draft proposal for {req.request_id}: {kv.num_stored} tokens stored of "
                                    f"{len(req.prompt) + len(req.out)} known (only the last may be missing)")
+            rank = verify_rank(eng.kv, kv)
+            if not eng.kv._room_for(rank, k + 1, kv.leaf):  # its verification would go elsewhere: no drafts
+                continue
             seqs.append(DR.DraftSeq(req.request_id, int(req.out[-1] if req.out else req.prompt[-1]), kv.num_stored,
-                                    verify_rank(eng.kv, kv), tuple(kv.runs_array(r) for r in range(eng.n)), int(k),
+                                    rank, tuple(kv.runs_array(r) for r in range(eng.n)), int(k),
                                     eng._sample_spec(req)))
         drafted: dict[str, np.ndarray] = {}
         if seqs:

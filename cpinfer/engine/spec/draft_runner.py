@@ -104,7 +104,8 @@ class DraftRunner:
                              ctx.device)
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity + 1 + scratch) if self.config.local_attention else None
-        self.q: dict[str, torch.Tensor] = {}  # request id → [k, V] draft distributions of its last proposal
+        # request id → [k, V] draft distributions of its last proposal, where the target's acceptance reads them
+        self.q: dict[str, torch.Tensor] = getattr(target, "draft_probs", {})
 
     # ------------------------------------------------------------------ one forward of the draft
     def _forward(self, batch: ForwardBatch) -> tuple[BatchAttention, torch.Tensor | None]:
@@ -168,13 +169,15 @@ class DraftRunner:
                 fed[j] = token
                 if q is not None:
                     probs[j].append(q)
-        out, self.q = {}, {}  # a proposal is verified in the step that made it: older q rows are stale
+        kept = self.q
+        kept.clear()  # a proposal is verified in the step that made it: older q rows are stale
+        out = {}
         for j, s in enumerate(seqs):
             if s.rank != me:
                 continue
             out[s.key] = np.asarray(drafted[j], dtype=np.int64)
             if probs[j]:
-                self.q[s.key] = torch.stack(probs[j])  # [k, V]
+                kept[s.key] = torch.stack(probs[j])  # [k, V]
         return out
 
     @staticmethod
