@@ -143,3 +143,6 @@ class EngineStats:
     attention_backend: str = ""  # what rank 0 runs ("auto" resolved on its device)
     attention_timings_ms: dict = dataclasses.field(default_factory=dict)  # backend → ms, when `auto` timed them
     request_prompt_tokens: int = 0  # whole prompts (cached tokens too) of requests whose prefill finished
+    spec: dict = dataclasses.field(default_factory=dict)  # speculative decoding (empty when off): num_drafts (verify
+    # steps), num_draft_tokens, num_accepted_tokens, num_emitted_tokens, accepted_per_pos (accepted drafts by
+    # position), acceptance_rate, mean_accepted_length (accepted drafts per verify step)

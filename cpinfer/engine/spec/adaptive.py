@@ -40,6 +40,8 @@ class SpecState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + the target's own)
+    last_drafted: int = 0  # the latest verify step's drafted / accepted tokens (the proposer's `verified` hook)
+    last_accepted: int = 0
 
     def next_k(self) -> int:
         """Tokens to draft this step (0: decode plainly)."""
@@ -55,6 +57,7 @@ class SpecState:
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         """A verify step of `drafted` tokens kept `accepted` of them and emitted `emitted` tokens in all."""
         self.num_drafts += 1
+        self.last_drafted, self.last_accepted = drafted, accepted
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.num_emitted_tokens += emitted
