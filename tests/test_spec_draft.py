@@ -207,3 +207,49 @@ def test_gguf_draft_resolved_and_tokenizer_mismatch_refused(llama_checkpoint, tm
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="tokenizer differs from the target's"):
         check_draft(config, tokenizer, other, 1)
+
+
+# ---------------------------------------------------------------- the engine speculating with a draft model
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, n).tolist() for n in (29, 45, 61)]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_engine_with_draft_equal_to_target_accepts_every_token(engines, target, cp):
+    prompts = _prompts(20 + cp)
+    ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate(prompts, GREEDY)
+    llm = engines(target, cp, max_kv_tokens_per_rank=1024, speculative_config=_spec(target))
+    outs = llm.generate(prompts, GREEDY)
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
+    spec = llm.engine.stats().spec
+    assert spec["num_draft_tokens"] > 0
+    assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]  # acceptance rate exactly 1
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_engine_with_smaller_draft_equals_plain_greedy(engines, target, small_draft, cp):
+    prompts = _prompts(30 + cp)
+    ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate(prompts, GREEDY)
+    llm = engines(target, cp, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
+    outs = llm.generate(prompts, GREEDY)
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
+    spec = llm.engine.stats().spec
+    assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_engine_seeded_sampling_with_draft_is_reproducible(engines, target, small_draft, cp):
+    prompts = _prompts(40 + cp)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
+    runs = []
+    for _ in range(2):
+        llm = engines(target, cp, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert llm.engine.stats().spec["num_draft_tokens"] > 0
+    assert runs[0] == runs[1]
