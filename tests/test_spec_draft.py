@@ -253,3 +253,37 @@ def test_engine_seeded_sampling_with_draft_is_reproducible(engines, target, smal
         runs.append([o.token_ids for o in llm.generate(prompts, params)])
         assert llm.engine.stats().spec["num_draft_tokens"] > 0
     assert runs[0] == runs[1]
+
+
+def _draft_of(ctx):
+    return ctx.state["draft"]
+
+
+def test_q_missing_on_the_verifying_rank_comes_from_the_mirror(engines, target, small_draft):
+    """A sampled verification on a rank that holds no q rows (drafted elsewhere) takes them from the draft's mirror
+    of the verify forward: the same distributions (up to rounding), hence the same tokens."""
+    prompts = _prompts(50)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_k=50, seed=5)
+    llm = engines(target, 1, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    llm = engines(target, 1, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
+    draft = llm.engine._pool.run(_draft_of)[0]  # rank 0 runs in this process
+    proposed, pairs = {}, []
+    propose, mirror = draft.propose, draft.mirror
+
+    def forgetful_propose(seqs):  # as if every request had been drafted on another rank
+        out = propose(seqs)
+        proposed.update(draft.q)
+        draft.q.clear()
+        return out
+
+    def watched_mirror(batch):
+        mirror(batch)
+        pairs.extend((proposed.pop(s.draft_key), draft.q[s.draft_key].clone())
+                     for s in batch.seqs if s.draft is not None and len(s.draft))
+
+    draft.propose, draft.mirror = forgetful_propose, watched_mirror
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert len(pairs) >= 3
+    for q, again in pairs:
+        torch.testing.assert_close(again, q, atol=1e-5, rtol=1e-4)

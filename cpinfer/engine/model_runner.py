@@ -398,11 +398,10 @@ def execute_batch(ctx, batch: ForwardBatch | bytes) -> RankResult:
     """Run one forward (a ForwardBatch, or its pickle)."""
     if isinstance(batch, bytes):
         batch = pickle.loads(batch)
-    result = ctx.state["runner"].execute(batch)
     draft = ctx.state.get("draft")  # a draft model (`spec/draft_runner.py`) mirrors every forward of the target
     if draft is not None:
         draft.mirror(batch)
-    return result
+    return ctx.state["runner"].execute(batch)
 
 
 def active_cp_ranks(batch: ForwardBatch, n: int) -> np.ndarray:

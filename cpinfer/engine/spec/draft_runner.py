@@ -12,17 +12,15 @@ the acceptance rule there.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from cpinfer.attention.step import HeadLayout
 from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, SeqInput
 from cpinfer.engine.kv.store import KVStore, KVWidths
-from cpinfer.engine.sampling import GREEDY_EPS, SampleSpec, _clean, _plain, _processed
+from cpinfer.engine.sampling import GREEDY_EPS, SampleSpec, scores_of, target_probs
 from cpinfer.model import load_model
 
 _DRAFT_SALT = 0x5DEECE66D  # draws of drafted tokens use their own stream, apart from the target's draws
@@ -52,24 +50,8 @@ class DraftResult:
 
 def draft_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """logits [V] → the distribution a sampled request draws from, [V] fp32: the request's processing (bias, masks,
-    penalties), then temperature, min-p, top-k and top-p, as `sampling.sample` applies them."""
-    scores = _clean(logits.float()) if _plain(spec) else _processed(logits, spec)
-    if bool(torch.isneginf(scores).all()):
-        scores = torch.zeros_like(scores)
-    scores = scores - scores.max()
-    scores = torch.where(torch.isneginf(scores), scores, scores / spec.temperature)
-    if spec.min_p > 0:
-        scores = scores.masked_fill(scores < math.log(spec.min_p), -math.inf)
-    if spec.top_k:
-        kth = torch.topk(scores, min(spec.top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if spec.top_p < 1:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        drop = probs.cumsum(-1) - probs >= spec.top_p
-        drop[0] = False
-        scores[order[drop]] = -math.inf
-    return torch.softmax(scores, dim=-1)
+    penalties), then temperature, min-p, top-k and top-p, exactly as the target's draw and acceptance read it."""
+    return target_probs(scores_of(logits, spec)[1], spec)
 
 
 def _step_spec(spec: SampleSpec, drafted: list[int]) -> SampleSpec:
@@ -136,8 +118,21 @@ class DraftRunner:
             return plan, self.model(ids, pos, attn)
 
     def mirror(self, batch: ForwardBatch) -> None:
-        """The target's forward, run through the draft: the same tokens, positions and slots (no sampling)."""
-        self._forward(dataclasses.replace(batch, cache_ops=()))
+        """The target's forward, run through the draft: the same tokens, positions and slots (no sampling). A
+        sampled verify sequence on this rank whose q rows are not here (the KV manager put its verification on
+        another rank than the one that drafted it) gets them from this forward: its rows 0 .. k-1 are the draft
+        after [last, d_1 .. d_(i-1)], what the draft steps drew d_i from (up to rounding)."""
+        plan, hidden = self._forward(dataclasses.replace(batch, cache_ops=()))
+        me = self.groups.cp_rank
+        for b, s in enumerate(batch.seqs):
+            if (hidden is None or s.draft is None or not len(s.draft) or s.sample is None or s.ranks[0] != me
+                    or s.sample.temperature < GREEDY_EPS or s.draft_key in self.q):
+                continue
+            rows = torch.as_tensor(int(plan.qoff[me, b]) + np.arange(len(s.draft)), device=hidden.device)
+            with torch.inference_mode():
+                logits = self.model.compute_logits(hidden[rows]).cpu()  # [k, V]
+            self.q[s.draft_key] = torch.stack([draft_probs(row, _step_spec(s.sample, s.draft[:i].tolist()))
+                                               for i, row in enumerate(logits)])
 
     # ------------------------------------------------------------------ k draft-only steps
     def propose(self, seqs: tuple[DraftSeq, ...]) -> dict[str, np.ndarray]:
@@ -184,8 +179,7 @@ class DraftRunner:
     def _draw(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, torch.Tensor | None]:
         """(drafted token, its distribution q [V] or None for a greedy request)."""
         if spec.temperature < GREEDY_EPS:
-            scores = _clean(logits.float()) if _plain(spec) else _processed(logits, spec)
-            return int(torch.argmax(scores)), None
+            return int(torch.argmax(scores_of(logits, spec)[1])), None
         q = draft_probs(logits, spec)
         gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step + _DRAFT_SALT) % (2 ** 63))
         return int(torch.multinomial(q, 1, generator=gen)), q
