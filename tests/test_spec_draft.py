@@ -228,6 +228,27 @@ def test_engine_with_draft_equal_to_target_accepts_every_token(engines, target, 
     spec = llm.engine.stats().spec
     assert spec["num_draft_tokens"] > 0
     assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]  # acceptance rate exactly 1
+    # again, from the prefix cache: the draft's K/V of the cached prefixes sit at the target's slots
+    again = llm.generate([p + o.token_ids[:5] for p, o in zip(prompts, ref)], GREEDY)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    spec2 = llm.engine.stats().spec
+    assert spec2["num_draft_tokens"] > spec["num_draft_tokens"]
+    assert spec2["num_accepted_tokens"] == spec2["num_draft_tokens"]
+    plain = engines(target, cp, max_kv_tokens_per_rank=1024).generate([p + o.token_ids[:5] for p, o in
+                                                                       zip(prompts, ref)], GREEDY)
+    assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+
+
+def test_engine_with_draft_preempted_mid_speculation(engines, target, small_draft):
+    prompts = _prompts(60)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0, logprobs=True)
+    ref = engines(target, 1, max_kv_tokens_per_rank=1024).generate(prompts, params)
+    llm = engines(target, 1, max_kv_tokens_per_rank=256, speculative_config=_spec(small_draft))
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0  # recomputed requests: the mirror rewrites their draft K/V
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
 
 
 @pytest.mark.parametrize("cp", [1, 2])
