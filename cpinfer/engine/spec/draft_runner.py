@@ -48,6 +48,16 @@ class DraftResult:
     forward_s: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Proposed:
+    """Where a proposal's k draft rows are: scratch rows row0 .. row0+k-1 of `rank`, positions start ..."""
+
+    rank: int
+    row0: int
+    k: int
+    start: int
+
+
 def draft_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """logits [V] → the distribution a sampled request draws from, [V] fp32: the request's processing (bias, masks,
     penalties), then temperature, min-p, top-k and top-p, exactly as the target's draw and acceptance read it."""
@@ -88,6 +98,7 @@ class DraftRunner:
         self.slot_positions = SlotPositions(cp, capacity + 1 + scratch) if self.config.local_attention else None
         # request id → [k, V] draft distributions of its last proposal, where the target's acceptance reads them
         self.q: dict[str, torch.Tensor] = getattr(target, "draft_probs", {})
+        self.proposed: dict[str, _Proposed] = {}  # request id → where its last proposal's draft rows are
 
     # ------------------------------------------------------------------ one forward of the draft
     def _forward(self, batch: ForwardBatch) -> tuple[BatchAttention, torch.Tensor | None]:
@@ -122,11 +133,13 @@ class DraftRunner:
         sampled verify sequence on this rank whose q rows are not here (the KV manager put its verification on
         another rank than the one that drafted it) gets them from this forward: its rows 0 .. k-1 are the draft
         after [last, d_1 .. d_(i-1)], what the draft steps drew d_i from (up to rounding)."""
-        plan, hidden = self._forward(dataclasses.replace(batch, cache_ops=()))
+        seqs = tuple(self._reuse_drafted(s) for s in batch.seqs)
+        self.proposed = {}
+        plan, hidden = self._forward(dataclasses.replace(batch, seqs=seqs, cache_ops=()))
         me = self.groups.cp_rank
         for b, s in enumerate(batch.seqs):
-            if (hidden is None or s.draft is None or not len(s.draft) or s.sample is None or s.ranks[0] != me
-                    or s.sample.temperature < GREEDY_EPS or s.draft_key in self.q):
+            if (hidden is None or seqs[b] is not s or s.draft is None or not len(s.draft) or s.sample is None
+                    or s.ranks[0] != me or s.sample.temperature < GREEDY_EPS or s.draft_key in self.q):
                 continue
             rows = torch.as_tensor(int(plan.qoff[me, b]) + np.arange(len(s.draft)), device=hidden.device)
             with torch.inference_mode():
@@ -134,12 +147,37 @@ class DraftRunner:
             self.q[s.draft_key] = torch.stack([draft_probs(row, _step_spec(s.sample, s.draft[:i].tolist()))
                                                for i, row in enumerate(logits)])
 
+    def _reuse_drafted(self, s: SeqInput) -> SeqInput:
+        """A verify sequence [last, d_1 .. d_m] placed on the rank that drafted it: the draft steps already computed
+        the K/V of last .. d_(m-1) (scratch rows), which move to their slots; only d_m is left to run. Other
+        sequences unchanged. Every rank decides alike (each knows every proposal's rank, rows and start)."""
+        p = self.proposed.get(s.draft_key) if s.draft is not None else None
+        m = 0 if s.draft is None else len(s.draft)
+        if p is None or not m or m > p.k or p.start != s.start or bool((s.ranks != p.rank).any()):
+            return s
+        if self.groups.cp_rank == p.rank:
+            dev = self.store.k.device
+            src = torch.arange(p.row0, p.row0 + m, device=dev)
+            dst = torch.as_tensor(s.slots[:m], device=dev)
+            self.store.k[:, dst] = self.store.k[:, src]  # [layers, m, Hkv, Dk]
+            if not self.widths.values_in_keys:
+                self.store.v[:, dst] = self.store.v[:, src]
+            self.store.note_written(s.slots[:m])
+        runs = list(s.ctx_runs)
+        moved = np.stack((s.slots[:m], s.slots[:m] + 1), axis=1)  # [m, 2] one run per moved slot
+        runs[p.rank] = np.concatenate((np.asarray(runs[p.rank], dtype=np.int64).reshape(-1, 2), moved))
+        return dataclasses.replace(s, token_ids=s.token_ids[m:], start=s.start + m, ranks=s.ranks[m:],
+                                   slots=s.slots[m:], ctx_runs=tuple(runs), sample=None, next_token=-1,
+                                   prompt_logprobs=False, prompt_top=0, draft=None, draft_key="",
+                                   draft_allowed=None, draft_suppress=0)
+
     # ------------------------------------------------------------------ k draft-only steps
     def propose(self, seqs: tuple[DraftSeq, ...]) -> dict[str, np.ndarray]:
         """k decode steps of the draft for each request (every CP rank runs this together: a request whose K/V
         spread takes part in the ring). Returns the drafts of the requests this rank drafted."""
         me, n = self.groups.cp_rank, self.groups.config.cp
         base = self._scratch_rows(seqs)
+        self.proposed = {s.key: _Proposed(s.rank, base[j], s.k, s.start) for j, s in enumerate(seqs)}
         fed = [s.token for s in seqs]  # the token each request feeds at the next step (known on its rank)
         drafted: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
