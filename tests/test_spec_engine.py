@@ -249,3 +249,41 @@ def test_streaming_and_n_samples(model):
     _speculated(stats)
     steps = [b - a for chunks, _ in finals[True] for a, b in zip(chunks, chunks[1:])]
     assert max(steps) >= 2  # a chunk carried an accepted run
+
+
+def test_structured_output_and_seeded_sampling(quoting, engines):
+    """A JSON-schema grammar: the draft is walked through the grammar and cut where it forbids a token; the output
+    equals plain decoding's under the same grammar. Seeded sampling with speculation gives the same tokens again and
+    at another CP size (every draw derives from the request's seed and the output index)."""
+    from cpinfer.engine.structured import json_schema_grammar
+
+    prompt, ref = quoting
+    grammar = json_schema_grammar({"type": "object", "properties": {"text": {"type": "string"}},
+                                   "required": ["text"], "additionalProperties": False})
+    constrained = _params(max_tokens=32, grammar=grammar)
+    sampled = _params(max_tokens=32, temperature=0.8, top_p=0.95, seed=5)
+    runs = {}
+    for cp in (1, 2):
+        llm = engines(None, cp, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
+        try:
+            if cp == 1:
+                got, _ = _run(llm, [prompt], constrained, shutdown=False)
+                _same(ref(constrained), got)
+                assert got[0].text.startswith("{") and got[0].metrics["spec"]["num_accepted_tokens"] > 0
+            runs[cp] = [_run(llm, [prompt], sampled, shutdown=False)[0][0] for _ in range(2)]
+        finally:
+            llm.shutdown()
+    assert runs[1][0].token_ids == runs[1][1].token_ids == runs[2][0].token_ids == runs[2][1].token_ids
+    assert runs[1][0].metrics["spec"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "mistral"])
+def test_sliding_window_layers(llama_checkpoint, engines, variant):
+    """Models with sliding-window layers: the ranks' slot positions stay valid through rollbacks (a rejected slot
+    is written again by the token that takes it next)."""
+    path = llama_checkpoint(variant, seed=2, max_position_embeddings=2048)
+    ref, _ = _run(engines(path, 1, max_kv_tokens_per_rank=4096), _prompts(0), _params())
+    got, stats = _run(engines(path, 2, placement="shard", max_kv_tokens_per_rank=4096, speculative_config=NGRAM),
+                      _prompts(0), _params())
+    _same(ref, got)
+    _speculated(stats)
