@@ -320,3 +320,30 @@ def test_q_missing_on_the_verifying_rank_comes_from_the_mirror(engines, target, 
     assert len(pairs) >= 3
     for q, again in pairs:
         torch.testing.assert_close(again, q, atol=1e-5, rtol=1e-4)
+
+
+def test_a_draft_whose_constraints_allow_nothing_stops_alone(engines, target, small_draft):
+    import dataclasses
+
+    from cpinfer.engine.spec.draft import verify_rank
+
+    llm = engines(target, 1, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
+    eng = llm.engine
+    for rid, seed in (("a", 1), ("b", 2)):
+        eng.add_request(rid, np.random.default_rng(seed).integers(3, 256, 33).tolist(), GREEDY)
+    while not all(eng.requests[r].out and eng.requests[r].num_to_compute == 1 for r in "ab"):
+        eng.step()
+    seqs = []
+    for rid in "ab":
+        req = eng.requests[rid]
+        spec = eng._sample_spec(req)
+        if rid == "a":
+            spec = dataclasses.replace(spec, allowed=np.zeros(8, dtype=np.int32))  # no token allowed
+        seqs.append(DR.DraftSeq(rid, req.out[-1], req.kv.num_stored, verify_rank(eng.kv, req.kv),
+                                tuple(req.kv.runs_array(r) for r in range(eng.n)), K, spec))
+    drafts = eng._pool.run(DR.propose, tuple(seqs))[0]
+    assert len(drafts["a"]) == 0 and len(drafts["b"]) == K  # the engine goes on; the other request drafts
+    for rid in "ab":
+        eng.abort(rid)
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -196,8 +196,12 @@ class DraftRunner:
                 logits = self.model.compute_logits(hidden[idx]).cpu()  # [len(rows), V] fp32
             for (_, j), row in zip(rows, logits):
                 s = seqs[j]
-                spec = _step_spec(s.sample, drafted[j])
-                token, q = self._draw(row, spec)
+                if len(drafted[j]) < i:  # its drafting stopped (below); it still feeds a token, as every rank
+                    continue  # builds the same step batches
+                try:
+                    token, q = self._draw(row, _step_spec(s.sample, drafted[j]))
+                except Exception:  # noqa: BLE001 - e.g. its constraints allow no token: the drafts so far stand,
+                    continue  # and the verification's own sampling reports the request's error
                 drafted[j].append(token)
                 fed[j] = token
                 if q is not None:
