@@ -217,7 +217,7 @@ def _prompts(seed: int) -> list[list[int]]:
     return [rng.integers(3, 256, n).tolist() for n in (29, 45, 61)]
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp", [1, 2, 3])
 def test_engine_with_draft_equal_to_target_accepts_every_token(engines, target, cp):
     prompts = _prompts(20 + cp)
     ref = engines(target, cp, max_kv_tokens_per_rank=1024).generate(prompts, GREEDY)
