@@ -347,3 +347,46 @@ def test_a_draft_whose_constraints_allow_nothing_stops_alone(engines, target, sm
         eng.abort(rid)
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_sampled_drafts_follow_the_q_rows_kept_for_acceptance(engines, target, small_draft):
+    """The acceptance rule is exact when each d_i is drawn from the q_i it is given: 2,000 seeded first drafts
+    from one context (one propose call per 250 requests) against the kept q_1, chi-square over the top-k cells at
+    the 1e-3 false-alarm threshold (fixed seeds: deterministic)."""
+    import dataclasses
+
+    from cpinfer.engine.spec.draft import verify_rank
+
+    from test_spec_units import _chi2_threshold
+
+    llm = engines(target, 1, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
+    eng = llm.engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.3, top_k=6, seed=1)
+    eng.add_request("c", np.random.default_rng(9).integers(3, 256, 37).tolist(), params)
+    while not (eng.requests["c"].out and eng.requests["c"].num_to_compute == 1):
+        eng.step()
+    req = eng.requests["c"]
+    spec = eng._sample_spec(req)
+    runs = tuple(req.kv.runs_array(r) for r in range(eng.n))
+    rank = verify_rank(eng.kv, req.kv)
+    counts, q1 = np.zeros(256), None
+    for batch in range(8):
+        seqs = tuple(DR.DraftSeq(f"c{batch}-{i}", req.out[-1], req.kv.num_stored, rank, runs, 1,
+                                 dataclasses.replace(spec, seed=1000 * batch + i)) for i in range(250))
+        drafts = eng._pool.run(DR.propose, seqs)[0]
+        q = eng._pool.run(DR.take_q, seqs[0].key)[0][0]  # [V] the same for every seed
+        q1 = q if q1 is None else q1
+        torch.testing.assert_close(q, q1, atol=0, rtol=0)
+        for d in drafts.values():
+            counts[int(d[0])] += 1
+    expected = q1.double().numpy() * counts.sum()
+    cells = expected > 0
+    assert int(cells.sum()) == 6 and counts[~cells].sum() == 0  # top-k of the draft: its support, nothing else
+    stat = float((((counts - expected) ** 2)[cells] / expected[cells]).sum())
+    threshold = _chi2_threshold(int(cells.sum()) - 1)
+    print(f"chi-square of the first drafts against q_1: {stat:.2f} over {int(cells.sum()) - 1} degrees of freedom, "
+          f"threshold {threshold:.2f}")
+    assert stat < threshold
+    eng.abort("c")
+    while eng.has_unfinished_requests():
+        eng.step()
