@@ -390,3 +390,28 @@ def test_sampled_drafts_follow_the_q_rows_kept_for_acceptance(engines, target, s
     eng.abort("c")
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_engine_with_draft_host_tier_and_fp8(engines, target, small_draft):
+    """Prefixes evicted to the host tier come back without draft K/V (weaker drafts, the same output); an FP8
+    target cache with a draft (kept in full precision) gives FP8 plain greedy's output."""
+    prompts, other = _prompts(70), _prompts(71)
+    ref = engines(target, 2, max_kv_tokens_per_rank=1024).generate(prompts, GREEDY)
+    llm = engines(target, 2, max_kv_tokens_per_rank=128, kv_host_gib=0.01, speculative_config=_spec(small_draft))
+    first = llm.generate(prompts, GREEDY)
+    llm.generate(other, GREEDY)  # pushes the first prompts' cache to the host tier
+    again = llm.generate(prompts, GREEDY)
+    stats = llm.engine.stats()
+    assert stats.tiers["host"]["hit_tokens"] > 0 and stats.spec["num_draft_tokens"] > 0
+    for got in (first, again):
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+        for o, r in zip(got, ref):
+            np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
+    ref8 = engines(target, 2, max_kv_tokens_per_rank=1024, kv_cache_dtype="fp8").generate(prompts, GREEDY)
+    llm8 = engines(target, 2, max_kv_tokens_per_rank=1024, kv_cache_dtype="fp8",
+                   speculative_config=_spec(small_draft))
+    got8 = llm8.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got8] == [o.token_ids for o in ref8]
+    for o, r in zip(got8, ref8):
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
+    assert llm8.engine.stats().spec["num_draft_tokens"] > 0
