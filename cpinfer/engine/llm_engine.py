@@ -38,6 +38,7 @@ from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.spec.adaptive import VERIFY_TOKEN_COST, SpecState, StepCost
 from cpinfer.engine.spec.config import SpeculativeConfig
+from cpinfer.engine.spec.draft import draft_for, draft_token_bytes, load_draft
 from cpinfer.engine.spec.registry import check_method, make_proposer
 from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.mla_form import check_form, choose_form
@@ -224,10 +225,15 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(self.model_path, a.generation_config)
         log.info("start-up: model: %s, config and tokenizer read in %.1f s", self.model_path,
                  time.perf_counter() - t0)
+        self.draft = draft_for(a, self.config, self.tokenizer)  # a draft model (path, config), checked; or None
+        if self.draft is not None and a.max_kv_tokens_per_rank is None and a.device == "cpu":
+            capacity = self._default_capacity(a.kv_memory_fraction) // BLOCK * BLOCK  # its store counted too
         capacity = self._start_ranks(capacity)
         self.disk = None  # the opened disk-tier directory
         self._last_sync = 0.0
         try:
+            if self.draft is not None:
+                load_draft(self)
             tiers = self._start_tiers()
             driver_rank = getattr(self._pool, "driver_rank", False)  # rank 0 in this process: it takes local work
             self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer(), tiers,
@@ -269,6 +275,7 @@ class LLMEngine:
         c = self.config
         per_token = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c),
                                                self.elem_bytes, self.args.kv_cache_dtype)
+        per_token += draft_token_bytes(getattr(self, "draft", None), self.elem_bytes)  # a draft's store: same slots
         return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
 
     def _threads_per_rank(self) -> int:

@@ -331,6 +331,7 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
         probe = MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
         probe.start()
     old = ctx.state.get("runner")
+    ctx.state.pop("draft", None)  # a draft model belongs to the runner it was loaded beside
     if old is not None and old.tiers is not None:  # a pool reused by another engine
         old.tiers.close()
     t0 = time.perf_counter()
@@ -400,6 +401,9 @@ def execute_batch(ctx, batch: ForwardBatch | bytes) -> RankResult:
     """Run one forward (a ForwardBatch, or its pickle)."""
     if isinstance(batch, bytes):
         batch = pickle.loads(batch)
+    draft = ctx.state.get("draft")  # a draft model (`spec/draft_runner.py`) mirrors every forward of the target
+    if draft is not None:
+        draft.mirror(batch)
     return ctx.state["runner"].execute(batch)
 
 

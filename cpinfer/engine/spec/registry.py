@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from cpinfer.engine.spec.config import SpeculativeConfig
+from cpinfer.engine.spec.draft import DraftProposer
 from cpinfer.engine.spec.ngram import NgramProposer
 from cpinfer.engine.spec.proposer import Proposer
 
-PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer}
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "draft_model": DraftProposer}
 
 
 def check_method(config: SpeculativeConfig) -> type[Proposer]:
