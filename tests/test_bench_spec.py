@@ -43,22 +43,23 @@ def test_quoting_prompts_hold_the_passage_they_ask_for():
 
 
 def fake_runner(calls):
-    """An engine stand-in: 'plain' decodes 10 tokens at 0.1 s each; with speculation, a quoting prompt (long) 2.5x
-    faster with 3 of 4 drafts accepted, a chat prompt (short) 0.9x with 1 of 4."""
-    def run(model, cp, speculative, prompts, max_tokens, hw):
-        calls.append((cp, speculative, len(prompts), max_tokens, hw["device"]))
-        rows = []
-        for p in prompts:
-            quoting = len(p) > 100
-            tokens = list(range(max_tokens))
-            if speculative is None:
-                rows.append({"tokens": tokens, "decode_s": 0.1 * (max_tokens - 1), "spec": {}})
-            else:
-                speed = 2.5 if quoting else 0.9
-                acc = 3 if quoting else 1
+    """An engine stand-in: 'plain' decodes at 0.1 s per token; with speculation, quoting 2.5x faster with 3 of 4
+    drafts accepted, chat 0.9x with 1 of 4."""
+    def run(model, cp, speculative, workloads, max_tokens, hw):
+        calls.append((cp, speculative, {n: len(p) for n, p in workloads.items()}, max_tokens, hw["device"]))
+        out = {}
+        for name, prompts in workloads.items():
+            rows = []
+            for _ in prompts:
+                tokens = list(range(max_tokens))
+                if speculative is None:
+                    rows.append({"tokens": tokens, "decode_s": 0.1 * (max_tokens - 1), "spec": {}})
+                    continue
+                speed, acc = (2.5, 3) if name == "quoting" else (0.9, 1)
                 rows.append({"tokens": tokens, "decode_s": 0.1 * (max_tokens - 1) / speed,
                              "spec": {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 2 * acc}})
-        return rows
+            out[name] = rows
+        return out
     return run
 
 
@@ -70,7 +71,7 @@ def test_run_writes_the_table_with_a_fake_engine(tmp_path, capsys, monkeypatch):
     assert cli_main(["bench", "spec", "--cp", "1,2", "--tokens", "10", "--requests", "2", "--doc-tokens", "1500",
                      "--write-doc", str(doc), "--json"]) == 0
     cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    assert calls == [(cp, s, 2, 10, "cpu") for cp in (1, 2) for s in (None, cfg, None, cfg)]
+    assert calls == [(cp, s, {"quoting": 2, "chat": 2}, 10, "cpu") for cp in (1, 2) for s in (None, cfg)]
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = {(r["cp"], r["workload"]): r for r in res["rows"]}
     assert set(rows) == {(1, "quoting"), (1, "chat"), (2, "quoting"), (2, "chat")}

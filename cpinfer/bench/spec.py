@@ -87,22 +87,27 @@ def spec_config(args) -> dict:
             "prompt_lookup_min": args.lookup_min}
 
 
-def run_engine(model: str, cp: int, speculative: dict | None, prompts: list[list[int]], max_tokens: int,
-               hw: dict) -> list[dict]:
-    """One engine at CP `cp`, with or without speculation: each prompt generated alone, greedy. Per request: its
-    tokens, its decode seconds (first to last token) and the engine's speculation counters (metrics["spec"])."""
+def run_engine(model: str, cp: int, speculative: dict | None, workloads: dict[str, list[list[int]]],
+               max_tokens: int, hw: dict) -> dict[str, list[dict]]:
+    """One engine at CP `cp`, with or without speculation, for every workload: each prompt generated alone,
+    greedy. Per request: its tokens, its decode seconds (first to last token) and the engine's speculation
+    counters (`metrics["spec"]`)."""
     from cpinfer import LLM, SamplingParams
 
-    longest = max(len(p) for p in prompts) + max_tokens + 16
+    longest = max(len(p) for ps in workloads.values() for p in ps) + max_tokens + 16
     kw = dict(hw, speculative_config=speculative) if speculative else dict(hw)
+    out: dict[str, list[dict]] = {}
     with LLM(model, context_parallel_size=cp, max_model_len=longest, **kw) as llm:
-        llm.generate([prompts[0][-8:]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        rows = []
-        for prompt in prompts:
-            out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
-            rows.append({"tokens": list(out.token_ids), "decode_s": float(sum(out.metrics.get("ttit_s", ()))),
-                         "spec": dict(out.metrics.get("spec") or {})})
-    return rows
+        first = next(iter(workloads.values()))[0]
+        llm.generate([first[-8:]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        for name, prompts in workloads.items():
+            out[name] = []
+            for prompt in prompts:
+                res = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+                out[name].append({"tokens": list(res.token_ids),
+                                  "decode_s": float(sum(res.metrics.get("ttit_s", ()))),
+                                  "spec": dict(res.metrics.get("spec") or {})})
+    return out
 
 
 def _tokens_per_s(row: dict) -> float:
@@ -128,7 +133,7 @@ def summarize(cp: int, workload: str, plain: list[dict], spec: list[dict], k: in
             "target": TARGETS.get(workload)}
 
 
-Runner = Callable[[str, int, "dict | None", list, int, dict], list]
+Runner = Callable[[str, int, "dict | None", dict, int, dict], dict]
 
 
 def measure(args, runner: Runner | None = None) -> dict:
@@ -143,10 +148,9 @@ def measure(args, runner: Runner | None = None) -> dict:
     cfg, runner = spec_config(args), runner or run_engine
     rows = []
     for cp in args.cp:
-        for name, prompts in workloads.items():
-            plain = runner(path, cp, None, prompts, args.tokens, hw)
-            spec = runner(path, cp, cfg, prompts, args.tokens, hw)
-            rows.append(summarize(cp, name, plain, spec, args.k))
+        plain = runner(path, cp, None, workloads, args.tokens, hw)
+        spec = runner(path, cp, cfg, workloads, args.tokens, hw)
+        rows += [summarize(cp, name, plain[name], spec[name], args.k) for name in workloads]
     return {"bench": "spec", "command": command_line(args), "model": args.model or "embedded",
             "hardware": C.hardware_text(hw), "speculative_config": cfg, "doc_tokens": args.doc_tokens,
             "prompt_tokens": {n: [len(p) for p in ps] for n, ps in workloads.items()}, "rows": rows}
