@@ -30,6 +30,12 @@ class SeqInput:
     spread: bool = True  # its keys (cached and new) sit on more than one rank: it takes part in the ring; else all
     # of them, old and new, are on ranks[0] and no other rank needs them
     prompt_top: int = 0  # with prompt_logprobs: also the k most likely tokens at each of those positions
+    # speculative decoding (engine/spec): a verify sequence is [last token, d_1 .. d_k], every token on one rank;
+    # that rank computes the logits of all k+1 rows and keeps the target's distribution (spec/rejection.py)
+    draft: np.ndarray | None = None  # [k] int64 the drafted tokens (token_ids[1:]); None: not a verify sequence
+    draft_key: str = ""  # the request id: what a proposer keeps on the rank for it (a draft model's q rows)
+    draft_allowed: np.ndarray | None = None  # [k+1, ceil(V/32)] int32 grammar bitmask of each row (constrained)
+    draft_suppress: int = 0  # rows (from the first) that still hold back the stop tokens (min_tokens not reached)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,9 @@ class SampleResult:
     logprob: float
     top: tuple[tuple[int, float], ...]
     error: str | None = None  # this request's sampling failed (token is -1): it ends alone, the forward goes on
+    # a verify sequence: the accepted drafts before `token`, each (token id, log-probability, top list) as above;
+    # the request emits extra + (token,) in order (token: the target's correction or bonus token)
+    extra: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,9 @@ from cpinfer.engine.output import OutputProcessor
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from cpinfer.engine.spec.adaptive import SpecState
+from cpinfer.engine.spec.config import SpeculativeConfig
+from cpinfer.engine.spec.registry import check_method, make_proposer
 from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.mla_form import check_form, choose_form
 from cpinfer.engine.strategy import choose_for_batch
@@ -98,6 +101,8 @@ class EngineConfig:
     max_logprobs: int = 20  # the largest top_logprobs a request may ask for (vLLM's name and default); -1: the vocabulary
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding: vLLM's keys as a dict (or its JSON
+    # text), parsed into a SpeculativeConfig here (engine/spec/config.py); None: off
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -121,6 +126,7 @@ class EngineConfig:
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
         check_form(self.mla_form)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")
@@ -186,6 +192,8 @@ class LLMEngine:
                              "kv_cache_dtype='fp8' (static scales)")
         if a.load_format == "auto":
             checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
+        if a.speculative_config is not None:
+            check_method(a.speculative_config)  # a method this build lacks fails before any rank starts
         self.n = a.context_parallel_size
         self.parallel = a.parallel
         self.parallel.check_model(self.config.num_attention_heads, self.config.num_key_value_heads)
@@ -240,7 +248,17 @@ class LLMEngine:
         self.dead_error: str | None = None
         self._counters = {"prompt_tokens": 0, "request_prompt_tokens": 0, "generation_tokens": 0, "forwards": {},
                           "finished": {}}
+        self._counters["spec"] = _spec_counters(a.speculative_config)
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
+        self.proposer = None  # speculative decoding's drafter (engine/spec), built last: it may use the engine
+        if a.speculative_config is not None:
+            try:
+                self.proposer = make_proposer(a.speculative_config, self)
+            except BaseException:
+                self.shutdown()
+                raise
+            self.scheduler.on_release = self.proposer.release
+            log.info("speculative decoding: %s", a.speculative_config.as_dict())
         self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
         log.info("start-up: engine ready in %.1f s", time.perf_counter() - t0)
 
@@ -384,6 +402,9 @@ class LLMEngine:
         return {"mode": mode, "max_rows": a.max_num_seqs}
 
     def shutdown(self) -> None:
+        if getattr(self, "proposer", None) is not None:
+            self.proposer.close()
+            self.proposer = None
         if getattr(self, "_pool", None) is not None:
             if self.dead_error is None:
                 self.flush_tiers()
@@ -529,6 +550,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, tokens, params, seed)
         req.lp_source = self._prompt_logprobs_source(tokens, params)
+        if self.args.speculative_config is not None:
+            req.spec = SpecState(self.args.speculative_config.num_speculative_tokens)
         if params.grammar is not None:
             self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self.requests[request_id] = req
@@ -595,7 +618,10 @@ class LLMEngine:
     def _schedule_forward(self, have_outputs: bool):
         """(scheduled work, its ForwardBatch, the ring choice, the MLA form choice or None), or None when nothing
         can run this step."""
+        self._propose()
         scheduled, ops, restore_failed = self._schedule()
+        for req in self.scheduler.running:  # a draft serves one step only
+            req.draft = None
         if not scheduled:
             self.kv.put_back_ops(ops)  # they go with the next forward
             if self.scheduler.has_work() and not have_outputs and not restore_failed:
@@ -606,6 +632,25 @@ class LLMEngine:
         batch = ForwardBatch(tuple(self._seq_input(s) for s in scheduled), choice.strategy, phase, tuple(ops),
                              "absorbed" if form is None else form.form)
         return scheduled, batch, choice, form
+
+    def _propose(self) -> None:
+        """Speculative decoding: draft tokens for the decoding requests that speculate this step (each one's k from
+        its acceptance: spec/adaptive.py), at most what its max_tokens leaves after the target's own token."""
+        if self.proposer is None:
+            return
+        reqs, ks = [], []
+        for req in self.scheduler.running:
+            req.draft = None
+            if req.spec is None or req.is_prefill or req.request_id in self._matchers:
+                continue
+            k = min(req.spec.next_k(), req.params.max_tokens - len(req.out) - 1)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if reqs:
+            for req, k, draft in zip(reqs, ks, self._on_ranks(self.proposer.propose, reqs, ks)):
+                draft = np.asarray(draft, dtype=np.int64).reshape(-1)[:k]
+                req.draft = draft if len(draft) else None
 
     def _run(self, batch: ForwardBatch) -> list[RankResult]:
         """Every rank runs the forward; what they report about the tiers goes to the tier index."""
@@ -661,7 +706,9 @@ class LLMEngine:
         ring = [s for s in scheduled if s.placement.spread]
         t = sum(len(s.tokens) for s in ring)
         p = sum(s.start for s in ring)
-        return choose_for_batch(self, t, p, _phase(ring), ring=bool(ring)), _phase(scheduled)
+        verify = any(s.draft is not None for s in ring)  # a verify sequence is a partial prefill of k+1 tokens
+        phase = "mixed" if verify and _phase(ring) == "decode" else _phase(ring)
+        return choose_for_batch(self, t, p, phase, ring=bool(ring)), _phase(scheduled)
 
     def _mla_form(self, scheduled: list[ScheduledSeq], strategy: str):
         """MLA models: the forward's attention form (`mla_form.choose_form`); None for other models."""
@@ -678,8 +725,11 @@ class LLMEngine:
         known = len(req.prompt) + len(req.out)
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
+        spec_args = {} if s.draft is None else {  # a verify sequence (engine/spec)
+            "draft": s.draft, "draft_key": req.request_id,
+            "draft_suppress": max(0, req.params.min_tokens - len(req.out)) if spec.suppress else 0}
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
-                        want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0)
+                        want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)
 
     def _sample_spec(self, req: Request) -> SampleSpec:
         """What the sampling rank needs: the stop tokens held back until min_tokens, and the tokens so far when a
@@ -726,6 +776,10 @@ class LLMEngine:
         outputs = []
         for req, why in self.output.process(scheduled, results, time.perf_counter(), host, self._failed,
                                             self._matchers):
+            if req.kv is not None and req.kv.leaf.unverified:  # a verify step: roll back what it does not keep
+                self.kv.truncate(req.kv, min(req.kv.num_stored, len(req.known) - 1))
+                if self.proposer is not None and why is None and req.spec is not None:
+                    self.proposer.verified(req, req.spec.last_drafted, req.spec.last_accepted)
             if why is not None:
                 outputs.append(self._fail(req, why))
                 continue
@@ -792,10 +846,29 @@ class LLMEngine:
                            self.kv.capacity_per_rank, self.kv.prefix_queries, self.kv.prefix_hits,
                            c["prompt_tokens"], c["generation_tokens"], dict(c["forwards"]),
                            self.scheduler.num_preemptions, dict(c["finished"]), self.tier_stats(),
-                           self.attention_backend, dict(self.attention_timings_ms), c["request_prompt_tokens"])
+                           self.attention_backend, dict(self.attention_timings_ms), c["request_prompt_tokens"],
+                           spec=_spec_stats(c["spec"]))
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
+
+
+def _spec_counters(config: SpeculativeConfig | None) -> dict:
+    """The engine's speculative-decoding counters (empty when it does not speculate)."""
+    if config is None:
+        return {}
+    return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
+            "accepted_per_pos": [0] * config.num_speculative_tokens}
+
+
+def _spec_stats(c: dict) -> dict:
+    """The counters with the derived rates (EngineStats.spec)."""
+    if not c:
+        return {}
+    d = c["num_draft_tokens"]
+    return dict(c, accepted_per_pos=list(c["accepted_per_pos"]),
+                acceptance_rate=c["num_accepted_tokens"] / d if d else 0.0,
+                mean_accepted_length=c["num_accepted_tokens"] / c["num_drafts"] if c["num_drafts"] else 0.0)
 
 
 def _check_gib(name: str, value, zero_ok: bool) -> None:

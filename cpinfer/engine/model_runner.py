@@ -30,6 +30,7 @@ from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
+from cpinfer.engine.spec.rejection import row_specs, verify
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
 from cpinfer.tensor_parallel import RowParallelLinear, head_ranges, load_tp_model
@@ -50,6 +51,8 @@ class ModelRunner:
         made on the device, TP1: `loader.random_model`)."""
         self.ctx = ctx
         self.kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
+        self.draft_probs: dict[str, torch.Tensor] = {}  # speculative decoding: request id → [k, vocab] the draft
+        # model's probabilities of its drafts, left on this rank by its proposer for the verify step (engine/spec)
         self.model_path = model_path
         self.kv_scales_source: str | None = None  # static FP8 KV: "checkpoint" or "calibrated" (`_kv_scales`)
         self.groups = build_groups(parallel, ctx.rank, ctx.group)
@@ -233,28 +236,40 @@ class ModelRunner:
         rows, which = [], []
         for b, s in enumerate(batch.seqs):
             if s.sample is not None and s.ranks[-1] == rank:
-                rows.append(int(plan.qoff[rank, b] + plan.counts[rank, b] - 1))  # its last token on this rank
+                last = int(plan.qoff[rank, b] + plan.counts[rank, b] - 1)  # its last token on this rank
+                width = 1 if s.draft is None else len(s.draft) + 1  # a verify sequence: all k+1 rows (one rank)
+                rows.extend(range(last - width + 1, last + 1))
                 which.append(b)
         if not rows:
             return ()
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows, device=hidden.device)]).cpu()
         t1 = time.perf_counter()
         phases["model"] = t1 - t_model
-        out = self._draw(batch, which, logits)
+        out = self._draw(batch, which, logits, self.draft_probs)
         phases["sample"] = time.perf_counter() - t1
         return out
 
     @staticmethod
-    def _draw(batch: ForwardBatch, which: list[int], logits: torch.Tensor) -> tuple[SampleResult, ...]:
-        """Sample sequence which[i] from logits[i] ([len(which), vocab] on the host)."""
-        out = []
-        for b, row_logits in zip(which, logits):
+    def _draw(batch: ForwardBatch, which: list[int], logits: torch.Tensor,
+              draft_probs: dict | None = None) -> tuple[SampleResult, ...]:
+        """Sample sequence which[i] from its rows of logits ([rows, vocab] on the host, in order: one row per
+        sequence, k+1 for a verify sequence, which keeps the target's distribution by spec/rejection.py with its
+        proposer's q rows from draft_probs[draft_key] when it left some, else as deterministic drafts)."""
+        out, at = [], 0
+        for b in which:
+            s = batch.seqs[b]
+            width = 1 if s.draft is None else len(s.draft) + 1
+            rows, at = logits[at:at + width], at + width
             try:
-                token, lp, top = sample(row_logits, batch.seqs[b].sample)
+                if s.draft is None:
+                    out.append(SampleResult(b, *sample(rows[0], s.sample)))
+                    continue
+                q = None if draft_probs is None else draft_probs.pop(s.draft_key, None)  # [k, vocab] or None
+                specs = row_specs(s.sample, s.draft, s.draft_allowed, s.draft_suppress)
+                *extra, (token, lp, top) = verify(rows, s.draft, specs, q)
+                out.append(SampleResult(b, token, lp, top, extra=tuple(extra)))
             except Exception as exc:  # noqa: BLE001 - one request's failure is that request's, not the forward's
                 out.append(SampleResult(b, -1, 0.0, (), f"{type(exc).__name__}: {exc}"))
-                continue
-            out.append(SampleResult(b, token, lp, top))
         return tuple(out)
 
     def _prompt_logprobs(self, batch: ForwardBatch, plan: BatchAttention, hidden: torch.Tensor) -> dict:

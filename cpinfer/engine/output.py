@@ -81,10 +81,40 @@ class OutputProcessor:
             why = failed.get(req.request_id) or samples[b].error
             if why is None:
                 try:
-                    self.take_token(req, samples[b], now, host, matchers.get(req.request_id))
+                    if s.draft is None:
+                        self.take_token(req, samples[b], now, host, matchers.get(req.request_id))
+                    else:
+                        self.take_verified(req, len(s.draft), samples[b], now, host, matchers.get(req.request_id))
                 except Exception as exc:  # noqa: BLE001 - decoding / grammar of this request only
                     why = f"{type(exc).__name__}: {exc}"
             yield req, why
+
+    def take_verified(self, req: Request, drafted: int, res, now: float, host: dict, matcher=None) -> None:
+        """A verify step's tokens (the accepted drafts, then the target's own), one by one as plain decoding would
+        take them: the first that ends the output (stop token or string, max_tokens) ends it and the rest is
+        dropped. The request's and the engine's speculation counters follow."""
+        emitted = [(t, lp, top) for t, lp, top in res.extra] + [(res.token, res.logprob, res.top)]
+        first, taken = len(req.out), 0
+        for token, lp, top in emitted:
+            self.take_token(req, _Token(token, lp, top), now, host, matcher)
+            taken += 1
+            if req.finish_reason is not None:
+                break
+        accepted = len(res.extra)
+        if req.metrics["steps"]:  # this forward's entry: what it drafted, accepted and emitted
+            req.metrics["steps"][-1]["spec"] = {"drafted": drafted, "accepted": accepted, "emitted": taken,
+                                                "first": first}  # the output index of its first emitted token
+        if req.spec is not None:
+            req.spec.record(drafted, accepted, taken)
+            req.metrics["spec"] = req.spec.metrics()
+        c = self.counters.get("spec")
+        if c:
+            c["num_drafts"] += 1
+            c["num_draft_tokens"] += drafted
+            c["num_accepted_tokens"] += accepted
+            c["num_emitted_tokens"] += taken
+            for i in range(min(accepted, len(c["accepted_per_pos"]))):
+                c["accepted_per_pos"][i] += 1
 
     def take_token(self, req: Request, res, now: float, host: dict, matcher=None) -> None:
         """Append a sampled token (with its log-probs and timings), extend the text, and set the finish reason
@@ -195,6 +225,15 @@ class OutputProcessor:
 
 
 _EOS = object()  # an ending by EOS: finish reason "stop" with no stop reason
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """One emitted token of a verify step, shaped as the SampleResult fields take_token reads."""
+
+    token: int
+    logprob: float
+    top: tuple
 
 
 def collect_prompt_logprobs(req: Request, start: int, b: int, results) -> None:

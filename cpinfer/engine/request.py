@@ -43,6 +43,8 @@ class Request:
     text_state: object = None  # its incremental detokenizer and stop-string bookkeeping (output.TextState)
     metrics: dict = dataclasses.field(default_factory=lambda: {"steps": [], "ttit_s": []})
     t_last: float = 0.0
+    spec: object = None  # speculative decoding: its spec.adaptive.SpecState (None: the engine does not speculate)
+    draft: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [k] this step's draft, if any
     _prompt_set: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -141,3 +143,6 @@ class EngineStats:
     attention_backend: str = ""  # what rank 0 runs ("auto" resolved on its device)
     attention_timings_ms: dict = dataclasses.field(default_factory=dict)  # backend → ms, when `auto` timed them
     request_prompt_tokens: int = 0  # whole prompts (cached tokens too) of requests whose prefill finished
+    spec: dict = dataclasses.field(default_factory=dict)  # speculative decoding (empty when off): num_drafts (verify
+    # steps), num_draft_tokens, num_accepted_tokens, num_emitted_tokens, accepted_per_pos (accepted drafts by
+    # position), acceptance_rate, mean_accepted_length (accepted drafts per verify step)

@@ -216,6 +216,13 @@ def _clean(scores: torch.Tensor) -> torch.Tensor:
 
 def _draw(scores: torch.Tensor, spec: SampleSpec) -> int:
     """Temperature, min-p, top-k, top-p, then one draw from the seeded generator (scores have a finite maximum)."""
+    gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2 ** 63))
+    return int(torch.multinomial(target_probs(scores, spec), 1, generator=gen))
+
+
+def target_probs(scores: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+    """[vocab] processed scores (finite maximum) → the distribution a non-greedy draw samples from: temperature,
+    min-p, top-k, top-p applied (speculative decoding's acceptance rule reads the same distribution)."""
     scores = scores - scores.max()  # every score <= 0: no overflow whatever the temperature
     scores = torch.where(torch.isneginf(scores), scores, scores / spec.temperature)  # -inf / inf would be NaN
     if spec.min_p > 0:  # the most likely token has score 0: keep p >= min_p * p_max, i.e. score >= log(min_p)
@@ -229,8 +236,7 @@ def _draw(scores: torch.Tensor, spec: SampleSpec) -> int:
         drop = probs.cumsum(-1) - probs >= spec.top_p  # keep the smallest nucleus (its first token always)
         drop[0] = False
         scores[order[drop]] = _NEG
-    gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2 ** 63))
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen))
+    return torch.softmax(scores, dim=-1)
 
 
 def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float, tuple[tuple[int, float], ...]]:
@@ -238,20 +244,29 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float, tuple[tu
 
     Log-probabilities are of the raw logits (NaN read as -inf); a token the model gives no probability has -inf.
     """
+    raw, scores = scores_of(logits, spec)
+    token = int(torch.argmax(scores)) if spec.temperature < GREEDY_EPS else _draw(scores, spec)
+    return (token,) + token_logprobs(raw, token, spec)
+
+
+def scores_of(logits: torch.Tensor, spec: SampleSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """[vocab] logits → (raw: NaN → -inf, +inf → the largest float; scores: the processed ones a draw or argmax
+    reads, with a finite maximum for a draw)."""
     raw = _clean(logits.float())
     scores = raw if _plain(spec) else _processed(logits, spec)
-    if spec.temperature < GREEDY_EPS:
-        token = int(torch.argmax(scores))  # a plain spec's scores: an argmax over -inf only is token 0, as before
-    else:
-        if scores is raw and bool(torch.isneginf(raw).all()):  # nothing finite: every token equally likely
-            scores = torch.zeros_like(raw)
-        token = _draw(scores, spec)
+    if spec.temperature >= GREEDY_EPS and scores is raw and bool(torch.isneginf(raw).all()):
+        scores = torch.zeros_like(raw)  # nothing finite: every token equally likely
+    return raw, scores  # a plain greedy spec's scores: an argmax over -inf only is token 0, as before
+
+
+def token_logprobs(raw: torch.Tensor, token: int, spec: SampleSpec) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(log p(token), the top_logprobs list) under the model's unmodified distribution (raw, cleaned logits)."""
     if not spec.top_logprobs:  # the chosen token's alone; NaN iff no logit is finite (raw holds no NaN / +inf)
         lp = float(torch.log_softmax(raw, dim=-1)[token])
-        return token, _NEG if math.isnan(lp) else lp, ()
+        return _NEG if math.isnan(lp) else lp, ()
     logprobs = torch.log_softmax(raw, dim=-1) if bool(torch.isfinite(raw).any()) else torch.full_like(raw, _NEG)
     vals, idx = torch.topk(logprobs, min(spec.top_logprobs, logprobs.numel()))
-    return token, float(logprobs[token]), tuple(zip(idx.tolist(), vals.tolist()))
+    return float(logprobs[token]), tuple(zip(idx.tolist(), vals.tolist()))
 
 
 def _plain(spec: SampleSpec) -> bool:

@@ -42,6 +42,7 @@ class ScheduledSeq:
     placement: Placement
     sample: bool  # the last new token is the last known one: sample the next token from its logits
     is_decode: bool
+    draft: np.ndarray | None = None  # [k] speculative decoding: tokens[1:] are drafts to verify (tokens[0] the last)
 
 
 class Scheduler:
@@ -51,6 +52,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.on_release = None  # callable(request) when a request leaves the running set (a proposer's hook)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -127,6 +129,13 @@ class Scheduler:
         tokens = req.token_slice(start, n)
         ctx = tuple(req.kv.runs_array(r) for r in range(self.kv.n))  # before the new tokens are appended
         decode_left = max(0, req.params.max_tokens - len(req.out) - 1)  # decode forwards it may still need
+        draft = req.draft[:budget - 1] if is_decode and req.draft is not None else None
+        if draft is not None and len(draft):  # verify [last, drafts] on one rank; no room: decode plainly
+            tokens = np.concatenate([tokens, draft])
+            placement = self.kv.reserve(req.kv, tokens, decode=True, decode_left=decode_left, verify=len(draft))
+            if placement is not None:
+                return ScheduledSeq(req, tokens, start, ctx, placement, True, True, draft)
+            tokens = tokens[:1]
         placement = self.kv.reserve(req.kv, tokens, decode=is_decode, decode_left=decode_left, later=todo - n)
         if placement is None:
             return None
@@ -187,6 +196,7 @@ class Scheduler:
     # ------------------------------------------------------------------ leaving the running set
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._released(req)
         self.kv.release(req.kv, keep=False)
         req.kv = None
         req.status = RequestStatus.WAITING
@@ -198,6 +208,7 @@ class Scheduler:
         """req computed a hole of its cached path: the hole is filled with its tokens, and req waits again (first in
         line) to match on below it — the segments there come back from their tiers instead of being recomputed."""
         self.running.remove(req)
+        self._released(req)
         req.refilled = req.kv.num_stored
         self.kv.fill_hole(req.kv)
         req.kv = None
@@ -213,6 +224,7 @@ class Scheduler:
             self.kv.count_tier_hits(req.kv.hits, -1)
             req.num_cached = -1
         self.running.remove(req)
+        self._released(req)
         self.kv.release(req.kv, keep=False)
         req.kv = None
         req.status = RequestStatus.WAITING
@@ -222,12 +234,18 @@ class Scheduler:
         """Remove a request (finished, aborted or failed) from whichever queue holds it; free or keep its cache."""
         if req in self.running:
             self.running.remove(req)
+            self._released(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.kv is not None:
             self.kv.release(req.kv, keep=keep_cache)
             req.kv = None
         req.status = RequestStatus.FINISHED
+
+    def _released(self, req: Request) -> None:
+        req.draft = None
+        if self.on_release is not None:
+            self.on_release(req)
 
 
 class _SharedPrefixes:

@@ -41,6 +41,10 @@ class GrowArray:
         self._buf[self.n:self.n + len(values)] = values
         self.n += len(values)
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n values."""
+        self.n = min(self.n, n)
+
     @property
     def view(self) -> np.ndarray:
         return self._buf[:self.n]
@@ -98,6 +102,7 @@ class Node:
         self.on_device = True
         self.host: np.ndarray | None = None  # [len] host-pool slot of each token on its rank
         self.disk: DiskRef | None = None
+        self.unverified = 0  # trailing drafted tokens of a private leaf awaiting verification: never matched
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -167,6 +172,18 @@ def _add_runs(runs: list[list[int]], slots: np.ndarray) -> None:
             runs.append([s0, s1])
 
 
+def _drop_runs(runs: list[list[int]], k: int) -> None:
+    """Remove the last k slots from a run list (the inverse of _add_runs for its last appends)."""
+    while k > 0:
+        s0, s1 = runs[-1]
+        if s1 - s0 <= k:
+            runs.pop()
+            k -= s1 - s0
+        else:
+            runs[-1][1] = s1 - k
+            k = 0
+
+
 class KVManager:
     """Owner of every rank's blocks and of the prefix tree. Pure bookkeeping: no tensors, no processes."""
 
@@ -220,7 +237,7 @@ class KVManager:
             for child in node.children:
                 if len(child) == 0 or (child.is_hole and not through_holes):
                     continue
-                m = min(len(child), limit - done)
+                m = min(len(child) - child.unverified, limit - done)  # drafts being verified are no prefix
                 neq = np.nonzero(child.tokens.view[:m] != tokens[done:done + m])[0]
                 common = int(neq[0]) if len(neq) else m
                 if common > best_len or (common == best_len and common and child.on_device and not best.on_device):
@@ -477,14 +494,16 @@ class KVManager:
         return None
 
     def reserve(self, seq: SeqKV, tokens: np.ndarray, decode: bool = False, decode_left: int = 0,
-                later: int = 0) -> Placement | None:
+                later: int = 0, verify: int = 0) -> Placement | None:
         """Place tokens (appended to seq's leaf at positions num_stored ...), evicting LRU cached segments if needed.
         decode_left: tokens the request may still generate; later: prompt tokens left for later chunks (both only
-        inform the placement). Returns None when even after eviction the blocks are not there (the scheduler then
+        inform the placement). verify: the last `verify` tokens are drafts (speculative decoding, with decode): all
+        the tokens go to the one rank plain decode would pick, and the drafts are never matched as a prefix until
+        `truncate` settles them. Returns None when even after eviction the blocks are not there (the scheduler then
         preempts)."""
         work = Work(len(tokens), seq.num_stored, later, decode_left)
         p_max = int(seq.per_rank.max())
-        chosen = self._choose(seq, work, decode)
+        chosen = self._choose_verify(seq, len(tokens)) if verify else self._choose(seq, work, decode)
         if chosen is None:
             return None
         ranks, decision = chosen
@@ -508,8 +527,68 @@ class KVManager:
         self._fwd_items.append((seq.home if seq.home >= 0 else SPREAD, len(tokens), work.cached, p_max))
         if decode:
             seq.next_rank = (int(ranks[-1]) + 1) % self.n
+        leaf.unverified = verify
         leaf.last_access = time.monotonic()
         return Placement(ranks, slots, seq.home == SPREAD, decision)
+
+    def _choose_verify(self, seq: SeqKV, t: int) -> tuple[np.ndarray, None] | None:
+        """A verify sequence's t tokens, all on one rank: a local sequence's home (else the least-loaded rank with
+        room: it spreads, as a plain decode spill), a spread one's next round-robin rank (as its decode token)."""
+        home = seq.home
+        if self.n == 1:
+            first = 0
+        elif home >= 0 and self.placer.mode != "shard":
+            first = home
+        else:
+            first = int(self._spread_ranks(seq, 1, True)[0])
+        for r in [first] + [r for r in self._load_order() if r != first]:
+            ranks = np.full(t, r, dtype=np.int64)
+            if self._fits(seq, ranks):
+                return ranks, None
+        return None
+
+    def truncate(self, seq: SeqKV, num_tokens: int) -> None:
+        """Keep only the first num_tokens tokens of seq's path: the rejected tail of a verify step leaves its private
+        leaf (never a shared segment: drafts are not matched). Blocks left without a token of the leaf are freed,
+        the leaf's append point on each rank goes back to the first dropped slot, and the slot runs, per-rank counts
+        and usage follow."""
+        leaf = seq.leaf
+        drop = seq.num_stored - num_tokens
+        if drop <= 0:
+            leaf.unverified = 0
+            return
+        keep = len(leaf) - drop
+        if keep < 0 or leaf.children or leaf.owner is None:
+            raise RuntimeError(f"truncate: {drop} tokens are not all in the private leaf of {seq.request_id} "
+                               "(this is a bug)")
+        ranks, slots = leaf.rank.view, leaf.slot.view
+        gone_r, gone_s = ranks[keep:], slots[keep:]
+        counts = np.bincount(gone_r, minlength=self.n)
+        for r in np.flatnonzero(counts).tolist():
+            mine = gone_s[gone_r == r]  # in allocation order
+            first = int(mine[0])
+            kept_r = np.flatnonzero(ranks[:keep] == r)
+            shares = len(kept_r) > 0 and int(slots[kept_r[-1]]) // BLOCK == first // BLOCK  # the leaf keeps a
+            blocks = np.unique(mine // BLOCK)  # token in the first dropped slot's block
+            if shares:
+                blocks = blocks[blocks != first // BLOCK]
+            if len(blocks):
+                self.ranks[r].decref(blocks)
+            if first % BLOCK:  # go on filling that block (another segment of the path, or the leaf, holds it)
+                leaf.tail[r], leaf.tail_held[r] = (first // BLOCK, first % BLOCK), shares
+            else:  # the dropped slots began a block: the next append takes a fresh one (this one, when still free)
+                leaf.tail[r], leaf.tail_held[r] = (first // BLOCK - 1, BLOCK), False
+            _drop_runs(seq.runs[r], len(mine))
+        for a in (leaf.tokens, leaf.rank, leaf.slot):
+            a.truncate(keep)
+        leaf.count -= counts
+        self.used -= counts
+        seq.per_rank -= counts
+        if seq.home != SPREAD:
+            held = np.flatnonzero(seq.per_rank)
+            seq.home = UNPLACED if len(held) == 0 else int(held[0]) if len(held) == 1 else SPREAD
+        seq.num_stored = num_tokens
+        leaf.unverified = 0
 
     def _alloc_slots(self, leaf: Node, r: int, k: int) -> np.ndarray:
         out = []

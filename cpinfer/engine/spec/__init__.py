@@ -1,0 +1,10 @@
+"""Speculative decoding: draft k tokens, verify them in one partial prefill over the sharded KV, keep exactly what
+the target model would produce.
+
+config (`SpeculativeConfig`, vLLM's keys) → proposer (`Proposer` interface, registry; ngram.py: prompt lookup) →
+the scheduler places [last, drafts] on one rank → the rank's rejection.py keeps the target's distribution →
+the KV manager truncates the rejected tail; adaptive.py sets each request's k.
+"""
+from cpinfer.engine.spec.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]

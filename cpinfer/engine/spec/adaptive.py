@@ -1,0 +1,73 @@
+"""Per-request speculation state: its acceptance statistics and the rule that picks how many tokens it drafts next.
+
+The rule (docs/engine.md, "Speculative decoding"): with a per-token acceptance rate a (an exponential average of
+accepted / drafted over its verify steps), a step drafting k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on
+average and costs about 1 + c k plain decode steps (c = VERIFY_TOKEN_COST: each extra row's share of a step). The
+request drafts the k in [1, K] of the largest E(k) / (1 + c k); when even that gain is below 1 it pauses (decodes
+plainly) for a number of steps that doubles each time (8, 16, ... 64), then tries again with k = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+VERIFY_TOKEN_COST = 0.1  # one more verified row, as a share of a plain decode step (ring and KV read paid once)
+EMA = 0.3  # weight of the latest verify step in the acceptance average
+PRIOR = 0.7  # the acceptance assumed before the first verify step
+PAUSE_FIRST, PAUSE_MAX = 8, 64
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verify step of k drafts emits on average at per-token acceptance a (accepted prefix + 1)."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_k(a: float, k_max: int, cost: float = VERIFY_TOKEN_COST) -> tuple[int, float]:
+    """(k in [1, k_max] of the largest expected gain over plain decoding, that gain)."""
+    gains = [(expected_tokens(a, k) / (1.0 + cost * k), k) for k in range(1, k_max + 1)]
+    gain, k = max(gains)
+    return k, gain
+
+
+@dataclasses.dataclass
+class SpecState:
+    """One request's speculation: its next k, pause, and counters (its `metrics["spec"]`)."""
+
+    k_max: int
+    acceptance: float = PRIOR
+    pause: int = 0  # plain decode steps left before it speculates again
+    next_pause: int = PAUSE_FIRST
+    num_drafts: int = 0  # verify steps with at least one drafted token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + the target's own)
+    last_drafted: int = 0  # the latest verify step's drafted / accepted tokens (the proposer's `verified` hook)
+    last_accepted: int = 0
+
+    def next_k(self) -> int:
+        """Tokens to draft this step (0: decode plainly)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return 0 if self.pause > 0 else 1  # the pause's last step probes with one draft
+        k, gain = best_k(self.acceptance, self.k_max)
+        if gain < 1.0:
+            self.pause, self.next_pause = self.next_pause, min(PAUSE_MAX, 2 * self.next_pause)
+            return 0
+        return k
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """A verify step of `drafted` tokens kept `accepted` of them and emitted `emitted` tokens in all."""
+        self.num_drafts += 1
+        self.last_drafted, self.last_accepted = drafted, accepted
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += emitted
+        self.acceptance = (1 - EMA) * self.acceptance + EMA * (accepted / drafted)
+        if best_k(self.acceptance, self.k_max)[1] >= 1.0:
+            self.next_pause = PAUSE_FIRST
+
+    def metrics(self) -> dict:
+        d = self.num_draft_tokens
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": d, "num_accepted_tokens": self.num_accepted_tokens,
+                "num_emitted_tokens": self.num_emitted_tokens,
+                "acceptance_rate": self.num_accepted_tokens / d if d else 0.0,
+                "mean_accepted_length": self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0}

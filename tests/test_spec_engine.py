@@ -1,0 +1,262 @@
+"""Speculative decoding (prompt lookup) on the real engine: greedy outputs and log-probs with speculation equal those
+without — token for token, log-probs within 1e-4 — at CP 1-3 with placement auto and shard, chunked prefill, prefix
+sharing, preemption mid-speculation, the host KV tier, FP8 KV, stop strings inside an accepted run, max_tokens,
+and n > 1 with streaming. Every case asserts that drafts were accepted, so none can pass without speculating.
+One pooled world per CP size serves every engine of the module."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from cpinfer.engine.async_llm import AsyncLLM
+from cpinfer.engine.llm import LLM
+from cpinfer.engine.sampling import SamplingParams
+from cpinfer.model.resolve import resolve_model
+from pooled_engine import PooledLLM
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """get(path, cp, **kw) → an LLM on the module's pool of cp ranks (CP1: in the driver)."""
+    from cpinfer.launch import WorkerPool
+
+    pools: dict[int, WorkerPool] = {}
+
+    def get(path, cp, **kw):
+        kw = dict(context_parallel_size=cp, threads_per_rank=1, **kw)
+        if cp == 1:
+            return LLM(str(path), **kw)
+        if cp not in pools:
+            pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
+        return PooledLLM(str(path), pools[cp], **kw)
+
+    try:
+        yield get
+    finally:
+        for pool in pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def model(llama_checkpoint):
+    return llama_checkpoint("gqa", seed=1, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def text_model(llama_checkpoint, tmp_path_factory):
+    """A tiny random model with the embedded model's tokenizer (stop strings need text)."""
+    src = llama_checkpoint("gqa", seed=4, vocab_size=49152, max_position_embeddings=2048)
+    dst = tmp_path_factory.mktemp("spec_text") / "model"
+    shutil.copytree(src, dst)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model(None) / f, dst / f)
+    return dst
+
+
+def _prompts(seed: int, vocab: int = 256) -> list[list[int]]:
+    """Prompts that repeat a passage (prompt lookup finds matches) and one that does not."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(3, vocab, size=37).tolist()
+    b = rng.integers(3, vocab, size=23).tolist()
+    return [a * 3 + a[:6], b + a + b + a[:9], rng.integers(3, vocab, size=50).tolist()]
+
+
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 40, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **kw})
+
+
+def _run(llm, prompts, params, shutdown=True):
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.kv.check_invariants()
+        stats = llm.engine.stats()
+    finally:
+        if shutdown:
+            llm.shutdown()
+    return outs, stats
+
+
+def _same(ref, got) -> None:
+    """Token-for-token equal, log-probs (chosen and top) within 1e-4."""
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert a.token_ids == b.token_ids, (a.token_ids, b.token_ids)
+        assert a.finish_reason == b.finish_reason and a.text == b.text
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+        for ta, tb in zip(a.top_logprobs, b.top_logprobs):
+            assert list(ta) == list(tb)
+            torch.testing.assert_close(torch.tensor(list(tb.values())), torch.tensor(list(ta.values())),
+                                       atol=1e-4, rtol=0)
+
+
+def _speculated(stats) -> None:
+    assert stats.spec["num_drafts"] > 0 and stats.spec["num_accepted_tokens"] > 0, stats.spec
+
+
+@pytest.fixture(scope="module")
+def reference(model, engines):
+    """The single-rank reference without speculation, per prompt set."""
+    cache = {}
+
+    def get(seed, **kw):
+        key = (seed, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = _run(engines(model, 1, max_kv_tokens_per_rank=4096), _prompts(seed), _params(**kw))[0]
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("cp,placement", [(1, "auto"), (2, "auto"), (2, "shard"), (3, "auto"), (3, "shard")])
+def test_greedy_with_speculation_equals_without(model, engines, reference, cp, placement):
+    outs, stats = _run(engines(model, cp, placement=placement, max_kv_tokens_per_rank=4096,
+                               speculative_config=NGRAM), _prompts(0), _params())
+    _same(reference(0), outs)
+    _speculated(stats)
+    spec = [o.metrics["spec"] for o in outs if "spec" in o.metrics]
+    assert sum(m["num_accepted_tokens"] for m in spec) == stats.spec["num_accepted_tokens"]
+    assert stats.spec["num_emitted_tokens"] == stats.spec["num_drafts"] + stats.spec["num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_chunked_prefill_and_prefix_sharing(model, engines, reference, cp):
+    """Prompts sharing a passage admitted together in 16-token chunks, then the same prompts again (their prefixes
+    now cached, finished requests' leaves holding only verified tokens)."""
+    llm = engines(model, cp, placement="shard" if cp == 3 else "auto", max_kv_tokens_per_rank=4096,
+                  max_num_batched_tokens=16, speculative_config=NGRAM)
+    try:
+        first, _ = _run(llm, _prompts(0), _params(), shutdown=False)
+        again, stats = _run(llm, _prompts(0), _params(), shutdown=False)
+        assert stats.prefix_cache_hits > 0
+    finally:
+        llm.shutdown()
+    _same(reference(0), first)
+    _same(reference(0), again)
+    _speculated(stats)
+
+
+def test_preemption_mid_speculation(model, engines, reference):
+    """A cache too small for every request at once: requests are preempted while they speculate and recomputed."""
+    prompts = _prompts(0) * 3
+    llm = engines(model, 2, max_kv_tokens_per_rank=256, max_num_seqs=9, speculative_config=NGRAM)
+    outs, stats = _run(llm, prompts, _params())
+    assert stats.preemptions > 0
+    _same(reference(0) * 3, outs)
+    _speculated(stats)
+
+
+def test_host_tier_and_fp8(model, engines, reference):
+    """Evicted prefixes go to the host tier and come back; an FP8 cache speculates as it decodes (its reference:
+    FP8 without speculation, on the same ranks)."""
+    llm = engines(model, 2, max_kv_tokens_per_rank=384, kv_host_gib=0.01, speculative_config=NGRAM)
+    try:
+        first, _ = _run(llm, _prompts(0), _params(), shutdown=False)
+        _run(llm, _prompts(1), _params(), shutdown=False)  # pushes the first prompts' cache to the host tier
+        again, stats = _run(llm, _prompts(0), _params(), shutdown=False)
+        assert stats.tiers["host"]["hit_tokens"] > 0
+    finally:
+        llm.shutdown()
+    _same(reference(0), first)
+    _same(reference(0), again)
+    _speculated(stats)
+    ref8, _ = _run(engines(model, 2, max_kv_tokens_per_rank=4096, kv_cache_dtype="fp8"), _prompts(0), _params())
+    got8, stats8 = _run(engines(model, 2, max_kv_tokens_per_rank=4096, kv_cache_dtype="fp8",
+                                speculative_config=NGRAM), _prompts(0), _params())
+    _same(ref8, got8)
+    _speculated(stats8)
+
+
+def _runs(out) -> list[dict]:
+    """The verify steps of an output that emitted two tokens or more (each with `first`: its first token's index)."""
+    return [st["spec"] for st in out.metrics["steps"] if st.get("spec", {}).get("emitted", 0) >= 2]
+
+
+def test_max_tokens_and_stop_token_inside_an_accepted_run(model, engines, reference):
+    """max_tokens at every length up to 12, and a stop token that first occurs inside an accepted run, end the
+    output exactly where plain decoding ends it; the rest of that run is dropped (and its K/V rolled back)."""
+    full = reference(0)
+    llm = engines(model, 2, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
+    try:
+        outs, _ = _run(llm, _prompts(0), _params(), shutdown=False)
+        _same(full, outs)
+        runs = [(o, r) for o in outs for r in _runs(o) if o.token_ids.index(o.token_ids[r["first"]]) == r["first"]]
+        assert runs, "no verify step emitted two tokens whose first is new in the output"
+        o, r = runs[0]
+        b = outs.index(o)
+        stop = o.token_ids[r["first"]]
+        cases = [_params(max_tokens=m) for m in range(1, 13)] + [_params(stop_token_ids=(stop,))]
+        for params in cases:
+            got, _ = _run(llm, [_prompts(0)[b]], params, shutdown=False)
+            n = params.max_tokens if not params.stop_token_ids else r["first"] + 1
+            assert got[0].token_ids == full[b].token_ids[:n]
+            torch.testing.assert_close(torch.tensor(got[0].logprobs), torch.tensor(full[b].logprobs[:n]),
+                                       atol=1e-4, rtol=0)
+        last = got[0].metrics["steps"][-1].get("spec")
+        assert got[0].finish_reason == "stop" and got[0].stop_reason == stop
+        _speculated(llm.engine.stats())
+    finally:
+        llm.shutdown()
+    assert last is None or last["emitted"] <= last["accepted"] + 1
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_stop_strings_inside_an_accepted_run(text_model, engines, cp):
+    """Stop strings taken from the text of tokens inside accepted runs: the text, tokens and log-probs equal plain
+    decoding's, and at least one of them cut a verify step's run short."""
+    prompts = _prompts(3, vocab=49152)
+    ref, _ = _run(engines(text_model, 1, max_kv_tokens_per_rank=4096), prompts, _params())
+    llm = engines(text_model, cp, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
+    try:
+        outs, _ = _run(llm, prompts, _params(), shutdown=False)
+        _same(ref, outs)
+        tok = llm.tokenizer
+        cut_short = 0
+        candidates = [(b, r) for b, o in enumerate(outs) for r in _runs(o)]
+        assert candidates
+        for b, r in candidates[:6]:
+            piece = tok.decode(outs[b].token_ids[r["first"]:r["first"] + 1]).strip()
+            if not piece:
+                continue
+            params = _params(stop=(piece,))
+            want, _ = _run(engines(text_model, 1, max_kv_tokens_per_rank=4096), [prompts[b]], params)
+            got, _ = _run(llm, [prompts[b]], params, shutdown=False)
+            _same(want, got)
+            last = got[0].metrics["steps"][-1].get("spec")
+            cut_short += last is not None and last["emitted"] < last["accepted"] + 1
+        assert cut_short > 0
+        _speculated(llm.engine.stats())
+    finally:
+        llm.shutdown()
+
+
+def test_streaming_and_n_samples(model):
+    """AsyncLLM: three samples of one prompt (the server's n=3) and another prompt stream together; chunks may
+    carry several tokens; the streamed tokens and the finals equal plain decoding's."""
+    prompts = [_prompts(0)[0]] * 3 + [_prompts(0)[1]]
+
+    async def main(allm):
+        async def one(p):
+            chunks, final = [], None
+            async for out in allm.generate(p, _params()):
+                chunks.append(len(out.token_ids))
+                final = out
+            return chunks, final
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    finals = {}
+    for spec in (None, NGRAM):
+        allm = AsyncLLM(str(model), max_kv_tokens_per_rank=4096, speculative_config=spec)
+        try:
+            finals[spec is not None] = asyncio.run(main(allm))
+            stats = allm.stats()
+        finally:
+            allm.shutdown()
+    _same([f for _, f in finals[False]], [f for _, f in finals[True]])
+    _speculated(stats)
+    steps = [b - a for chunks, _ in finals[True] for a, b in zip(chunks, chunks[1:])]
+    assert max(steps) >= 2  # a chunk carried an accepted run
