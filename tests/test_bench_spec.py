@@ -10,6 +10,8 @@ from cpinfer.bench import spec as bench_spec
 from cpinfer.cli import build_parser
 from cpinfer.cli import main as cli_main
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
 
 def test_arguments_and_defaults():
     args = build_parser().parse_args(["bench", "spec"])
@@ -83,5 +85,37 @@ def test_run_writes_the_table_with_a_fake_engine(tmp_path, capsys, monkeypatch):
     text = doc.read_text()
     assert "old" not in text and text.startswith("# Benchmarks") and text.endswith("tail\n")
     assert "### Speculative decoding with prompt lookup" in text and "cpinfer bench spec --cp 1,2 --k 4" in text
-    assert "| CP2 | quoting | 2 | 20 | 10.0 | 25.0 | 2.50x | 0.75 | 3.00 | 4 | yes | met (>= 1.8x) |" in text
-    assert "| CP1 | chat | 2 | 20 | 10.0 | 9.0 | 0.90x | 0.25 | 1.00 | 4 | yes | NOT met (>= 0.95x) |" in text
+    assert "| CP2 | quoting | 2 | 20 | 10.0 | 25.0 | 2.50x | 16 | 0.75 | 3.00 | 4 | yes | met (>= 1.8x) |" in text
+    assert "| CP1 | chat | 2 | 20 | 10.0 | 9.0 | 0.90x | 16 | 0.25 | 1.00 | 4 | yes | NOT met (>= 0.95x) |" in text
+
+
+def test_runs_end_to_end_on_a_tiny_checkpoint_and_keeps_the_greedy_tokens(tmp_path, capsys):
+    """The real engine at CP1 and CP2, with and without n-gram speculation, on a 2-layer random model that wears the
+    embedded model's tokenizer: every output identical, the counters consistent, the table written."""
+    import shutil
+
+    from cpinfer.model.random_checkpoint import write_random_checkpoint
+    from cpinfer.model.resolve import resolve_model
+
+    model = write_random_checkpoint(tmp_path / "tiny", vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                    max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                    tie_word_embeddings=True)  # small layers + tied head: it repeats its input
+    embedded = resolve_model(None)
+    for name in TOKENIZER_FILES:
+        if (embedded / name).is_file():
+            shutil.copy(embedded / name, model / name)
+    doc = tmp_path / "benchmarks.md"
+    assert cli_main(["bench", "spec", "--model", str(model), "--cp", "1,2", "--k", "3", "--lookup-min", "1",
+                     "--lookup-max", "3", "--tokens", "12", "--requests", "2", "--doc-tokens", "300",
+                     "--write-doc", str(doc), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["cp"], r["workload"]) for r in res["rows"]] == [(1, "quoting"), (1, "chat"), (2, "quoting"),
+                                                                (2, "chat")]
+    for r in res["rows"]:
+        assert r["identical"], r            # speculation never changes a greedy output
+        assert r["output_tokens"] == 2 * 12 and r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
+        assert 0 <= r["accepted"] <= r["drafted"] <= 3 * r["verify_steps"]
+    # the tied random model repeats its last token, so prompt lookup drafts and the drafts are accepted
+    assert all(r["drafted"] > 0 and r["accepted"] > 0 for r in res["rows"])
+    assert "| CP2 | chat | 2 | 24 |" in doc.read_text()

@@ -163,18 +163,20 @@ def format_report(res: dict) -> str:
         met = "" if target is None else f"{'met' if r['speedup'] >= target else 'NOT met'} (>= {target:g}x)"
         rows.append([f"CP{r['cp']}", r["workload"], str(r["requests"]), str(r["output_tokens"]),
                      f"{r['plain_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
-                     f"{r['acceptance']:.2f}", f"{r['accepted_per_step']:.2f}", str(r["k"]),
+                     str(r["drafted"]), f"{r['acceptance']:.2f}" if r["drafted"] else "-",
+                     f"{r['accepted_per_step']:.2f}" if r["verify_steps"] else "-", str(r["k"]),
                      "yes" if r["identical"] else "NO", met])
     lens = {n: f"{min(v)}-{max(v)}" for n, v in res["prompt_tokens"].items()}
     cfg = json.dumps(res["speculative_config"])
     return "\n".join([
         f"Model: {res['model']} ({res['hardware']}); speculative_config {cfg}; prompts of "
         + ", ".join(f"{n} {v} tokens" for n, v in lens.items()) + "; greedy, one request at a time.", "",
-        C.fmt_table(["CP", "workload", "requests", "tokens out", "plain tok/s", "spec tok/s", "speedup",
+        C.fmt_table(["CP", "workload", "requests", "tokens out", "plain tok/s", "spec tok/s", "speedup", "drafted",
                      "acceptance", "accepted / step", "k", "same tokens", "target"], rows), "",
         "tok/s: decode tokens per second of one request (median over the workload's requests); speedup: median of "
-        "each request's spec / plain; acceptance: accepted / drafted tokens over the workload; accepted / step: "
-        "accepted tokens per verify step; same tokens: speculation left every greedy output unchanged."])
+        "each request's spec / plain; drafted: tokens proposed by prompt lookup over the workload (none: nothing "
+        "to verify); acceptance: accepted / drafted; accepted / step: accepted tokens per verify step; same tokens: "
+        "speculation left every greedy output unchanged."])
 
 
 def command_line(args) -> str:
