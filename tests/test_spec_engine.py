@@ -6,7 +6,6 @@ One pooled world per CP size serves every engine of the module."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ import torch
 from cpinfer.engine.async_llm import AsyncLLM
 from cpinfer.engine.llm import LLM
 from cpinfer.engine.sampling import SamplingParams
-from cpinfer.model.resolve import resolve_model
 from pooled_engine import PooledLLM
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -31,10 +29,10 @@ def engines():
     def get(path, cp, **kw):
         kw = dict(context_parallel_size=cp, threads_per_rank=1, **kw)
         if cp == 1:
-            return LLM(str(path), **kw)
+            return LLM(None if path is None else str(path), **kw)
         if cp not in pools:
             pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
-        return PooledLLM(str(path), pools[cp], **kw)
+        return PooledLLM(None if path is None else str(path), pools[cp], **kw)
 
     try:
         yield get
@@ -46,17 +44,6 @@ def engines():
 @pytest.fixture(scope="module")
 def model(llama_checkpoint):
     return llama_checkpoint("gqa", seed=1, max_position_embeddings=2048)
-
-
-@pytest.fixture(scope="module")
-def text_model(llama_checkpoint, tmp_path_factory):
-    """A tiny random model with the embedded model's tokenizer (stop strings need text)."""
-    src = llama_checkpoint("gqa", seed=4, vocab_size=49152, max_position_embeddings=2048)
-    dst = tmp_path_factory.mktemp("spec_text") / "model"
-    shutil.copytree(src, dst)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve_model(None) / f, dst / f)
-    return dst
 
 
 def _prompts(seed: int, vocab: int = 256) -> list[list[int]]:
@@ -176,58 +163,60 @@ def _runs(out) -> list[dict]:
     return [st["spec"] for st in out.metrics["steps"] if st.get("spec", {}).get("emitted", 0) >= 2]
 
 
-def test_max_tokens_and_stop_token_inside_an_accepted_run(model, engines, reference):
-    """max_tokens at every length up to 12, and a stop token that first occurs inside an accepted run, end the
-    output exactly where plain decoding ends it; the rest of that run is dropped (and its K/V rolled back)."""
-    full = reference(0)
-    llm = engines(model, 2, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
+PASSAGE = ("The quick brown fox jumps over the lazy dog near the river bank, while the old farmer watches from his "
+           "porch and sips his tea.")
+
+
+@pytest.fixture(scope="module")
+def quoting():
+    """The embedded model asked to repeat a passage (its answer quotes the prompt: long accepted runs), and its
+    plain (non-speculative) greedy decoding on one rank: ref(params) → outputs."""
+    llm = LLM(None, max_kv_tokens_per_rank=4096, threads_per_rank=1)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly: {PASSAGE}"}],
+                                               add_generation_prompt=True, tokenize=False)
+    cache = {}
+
+    def ref(params):
+        key = repr(params)
+        if key not in cache:
+            cache[key] = llm.generate([prompt], params, use_tqdm=False)
+        return cache[key]
     try:
-        outs, _ = _run(llm, _prompts(0), _params(), shutdown=False)
-        _same(full, outs)
-        runs = [(o, r) for o in outs for r in _runs(o) if o.token_ids.index(o.token_ids[r["first"]]) == r["first"]]
-        assert runs, "no verify step emitted two tokens whose first is new in the output"
-        o, r = runs[0]
-        b = outs.index(o)
-        stop = o.token_ids[r["first"]]
-        cases = [_params(max_tokens=m) for m in range(1, 13)] + [_params(stop_token_ids=(stop,))]
-        for params in cases:
-            got, _ = _run(llm, [_prompts(0)[b]], params, shutdown=False)
-            n = params.max_tokens if not params.stop_token_ids else r["first"] + 1
-            assert got[0].token_ids == full[b].token_ids[:n]
-            torch.testing.assert_close(torch.tensor(got[0].logprobs), torch.tensor(full[b].logprobs[:n]),
-                                       atol=1e-4, rtol=0)
-        last = got[0].metrics["steps"][-1].get("spec")
-        assert got[0].finish_reason == "stop" and got[0].stop_reason == stop
-        _speculated(llm.engine.stats())
+        yield prompt, ref
     finally:
         llm.shutdown()
-    assert last is None or last["emitted"] <= last["accepted"] + 1
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-def test_stop_strings_inside_an_accepted_run(text_model, engines, cp):
-    """Stop strings taken from the text of tokens inside accepted runs: the text, tokens and log-probs equal plain
-    decoding's, and at least one of them cut a verify step's run short."""
-    prompts = _prompts(3, vocab=49152)
-    ref, _ = _run(engines(text_model, 1, max_kv_tokens_per_rank=4096), prompts, _params())
-    llm = engines(text_model, cp, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
+def test_stops_inside_accepted_runs(quoting, engines, cp):
+    """Stop tokens and stop strings taken from inside accepted runs (and a stop token with min_tokens), and
+    max_tokens there, end the output exactly where plain decoding ends it — text, tokens and log-probs — and they cut verify steps' runs short
+    (the rest of the run dropped, its K/V rolled back)."""
+    prompt, ref = quoting
+    params = _params(max_tokens=32)
+    llm = engines(None, cp, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
     try:
-        outs, _ = _run(llm, prompts, _params(), shutdown=False)
-        _same(ref, outs)
+        out, _ = _run(llm, [prompt], params, shutdown=False)
+        _same(ref(params), out)
+        o = out[0]
         tok = llm.tokenizer
+        # accepted drafts (not a run's last token) new in the output: plain decoding stops right there
+        picks = [j for r in _runs(o) for j in range(r["first"], r["first"] + r["accepted"])
+                 if o.token_ids[j] not in o.token_ids[:j]]
+        assert len(picks) >= 3, _runs(o)
         cut_short = 0
-        candidates = [(b, r) for b, o in enumerate(outs) for r in _runs(o)]
-        assert candidates
-        for b, r in candidates[:6]:
-            piece = tok.decode(outs[b].token_ids[r["first"]:r["first"] + 1]).strip()
-            if not piece:
-                continue
-            params = _params(stop=(piece,))
-            want, _ = _run(engines(text_model, 1, max_kv_tokens_per_rank=4096), [prompts[b]], params)
-            got, _ = _run(llm, [prompts[b]], params, shutdown=False)
-            _same(want, got)
-            last = got[0].metrics["steps"][-1].get("spec")
-            cut_short += last is not None and last["emitted"] < last["accepted"] + 1
+        for j in picks[1:4]:
+            piece = tok.decode([o.token_ids[j]]).strip()
+            cases = [_params(max_tokens=32, stop_token_ids=(o.token_ids[j],)),
+                     _params(max_tokens=32, stop_token_ids=(o.token_ids[j],), min_tokens=j)]
+            cases += [_params(max_tokens=32, stop=(piece,))] if len(piece) >= 2 else []
+            cases += [_params(max_tokens=m) for m in (j, j + 1)]  # max_tokens inside the run
+            for p in cases:
+                got, _ = _run(llm, [prompt], p, shutdown=False)
+                _same(ref(p), got)
+                assert got[0].finish_reason == ("length" if not p.stop and not p.stop_token_ids else "stop")
+                last = got[0].metrics["steps"][-1].get("spec")
+                cut_short += last is not None and last["emitted"] < last["accepted"] + 1
         assert cut_short > 0
         _speculated(llm.engine.stats())
     finally:
@@ -260,3 +249,29 @@ def test_streaming_and_n_samples(model):
     _speculated(stats)
     steps = [b - a for chunks, _ in finals[True] for a, b in zip(chunks, chunks[1:])]
     assert max(steps) >= 2  # a chunk carried an accepted run
+
+
+def test_structured_output_and_seeded_sampling(quoting, engines):
+    """A JSON-schema grammar: the draft is walked through the grammar and cut where it forbids a token; the output
+    equals plain decoding's under the same grammar. Seeded sampling with speculation gives the same tokens again and
+    at another CP size (every draw derives from the request's seed and the output index)."""
+    from cpinfer.engine.structured import json_schema_grammar
+
+    prompt, ref = quoting
+    grammar = json_schema_grammar({"type": "object", "properties": {"text": {"type": "string"}},
+                                   "required": ["text"], "additionalProperties": False})
+    constrained = _params(max_tokens=32, grammar=grammar)
+    sampled = _params(max_tokens=32, temperature=0.8, top_p=0.95, seed=5)
+    runs = {}
+    for cp in (1, 2):
+        llm = engines(None, cp, max_kv_tokens_per_rank=4096, speculative_config=NGRAM)
+        try:
+            if cp == 1:
+                got, _ = _run(llm, [prompt], constrained, shutdown=False)
+                _same(ref(constrained), got)
+                assert got[0].text.startswith("{") and got[0].metrics["spec"]["num_accepted_tokens"] > 0
+            runs[cp] = [_run(llm, [prompt], sampled, shutdown=False)[0][0] for _ in range(2)]
+        finally:
+            llm.shutdown()
+    assert runs[1][0].token_ids == runs[1][1].token_ids == runs[2][0].token_ids == runs[2][1].token_ids
+    assert runs[1][0].metrics["spec"]["num_accepted_tokens"] > 0

@@ -250,3 +250,48 @@ def test_sampling_keeps_the_target_distribution_of_the_first_two_tokens(proposal
     threshold = _chi2_threshold(df)
     print(f"chi-square {proposal}: {stat:.2f} over {df} degrees of freedom, threshold {threshold:.2f}")
     assert stat < threshold
+
+
+# ---------------------------------------------------------------- metrics and flags
+def test_metrics_and_stats_line_report_speculation():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from cpinfer.server.metrics import EngineCollector, StatsLogger
+
+    spec = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 25, "num_emitted_tokens": 35,
+            "accepted_per_pos": [9, 8, 5, 3], "acceptance_rate": 0.625, "mean_accepted_length": 2.5}
+    state = {"generation_tokens": 0, "spec": {}}
+    reg = CollectorRegistry()
+    reg.register(EngineCollector(lambda: state, lambda: False, "m"))
+    assert b"spec_decode" not in generate_latest(reg)  # not speculating: no series
+    state.update(generation_tokens=35, spec=spec)
+    text = generate_latest(reg).decode()
+    for line in ['vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0',
+                 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 25.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 5.0',
+                 'cpinfer_spec_decode_num_emitted_tokens_total{engine="0",model_name="m"} 35.0',
+                 'cpinfer_spec_decode_acceptance_rate{engine="0",model_name="m"} 0.625',
+                 'cpinfer_spec_decode_mean_accepted_length{engine="0",model_name="m"} 2.5']:
+        assert line in text, line
+    t = [0.0]
+    state.update(generation_tokens=0, spec={})
+    logger = StatsLogger(lambda: state, 1.0, clock=lambda: t[0])
+    logger.line()
+    t[0] = 1.0
+    state.update(generation_tokens=35, spec=spec)
+    assert "speculative acceptance 62.5% (25/40 drafted tokens), mean accepted length 2.50" in logger.line()
+
+
+def test_speculative_config_flag_is_checked_on_the_command_line():
+    import argparse
+
+    from cpinfer.commands.model_args import add_speculative_argument
+
+    parser = argparse.ArgumentParser()
+    add_speculative_argument(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert args.speculative_config.num_speculative_tokens == 3
+    assert parser.parse_args([]).speculative_config is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "ngram", "k": 3}'])

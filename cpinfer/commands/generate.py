@@ -10,7 +10,8 @@ import argparse
 import json
 
 from cpinfer.bench.attention import positive_int
-from cpinfer.commands.model_args import HelpFormatter, add_model_arguments, engine_model_kwargs, resolve_args
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_speculative_argument,
+                                         engine_model_kwargs, resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 
 
@@ -87,7 +88,8 @@ def run(args) -> int:
              max_kv_tokens_per_rank=args.max_kv_tokens_per_rank, max_model_len=args.max_model_len,
              strategy=args.strategy, placement=args.placement, hardware_profile=args.hardware_profile,
              threads_per_rank=args.threads_per_rank, enable_prefix_caching=args.enable_prefix_caching,
-             **engine_kwargs(args), **engine_model_kwargs(args, tokenizer)) as llm:
+             speculative_config=args.speculative_config, **engine_kwargs(args),
+             **engine_model_kwargs(args, tokenizer)) as llm:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:
@@ -154,5 +156,6 @@ def register(subparsers) -> None:
     parser.add_argument("--threads-per-rank", type=positive_int, default=None,
                         help="torch threads per rank (default: cores / CP)")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON object on the last line")
+    add_speculative_argument(parser)
     add_device_arguments(parser)
     parser.set_defaults(func=run)

@@ -75,3 +75,21 @@ def engine_model_kwargs(args, tokenizer) -> dict:
     if tokenizer is not None:
         out["tokenizer"] = str(tokenizer)
     return out
+
+
+def _speculative_json(text: str):
+    """--speculative-config: vLLM's JSON, checked now (a bad key or method is an argument error)."""
+    from cpinfer.engine.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_speculative_argument(parser) -> None:
+    """--speculative-config JSON (serve and generate)."""
+    parser.add_argument("--speculative-config", type=_speculative_json, default=None, metavar="JSON",
+                        help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                             "4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (prompt lookup) or "
+                             "'{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft model); default: off")

@@ -15,8 +15,8 @@ import threading
 
 from cpinfer import __version__
 from cpinfer.bench.attention import positive_int
-from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, engine_model_kwargs, model_name,
-                                         resolve_args)
+from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add_speculative_argument,
+                                         engine_model_kwargs, model_name, resolve_args)
 from cpinfer.device import add_arguments as add_device_arguments
 from cpinfer.device import check_arguments as check_device_arguments
 from cpinfer.device import engine_kwargs as device_kwargs
@@ -137,6 +137,8 @@ def engine_kwargs(args) -> dict:
                 "kv_disk_gib": args.kv_disk_gib, "max_logprobs": args.max_logprobs}
     if args.kv_host_gib:
         kwargs["kv_host_gib"] = args.kv_host_gib
+    if getattr(args, "speculative_config", None) is not None:
+        kwargs["speculative_config"] = args.speculative_config
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(device_kwargs(args))  # --device, --dtype, --attention-backend, --gpu-memory-utilization, ...
     return kwargs
@@ -251,6 +253,7 @@ def register(subparsers) -> None:
     _parallel_arguments(parser)
     _cache_arguments(parser)
     _scheduler_arguments(parser)
+    add_speculative_argument(parser)
     _observability_arguments(parser)
     add_device_arguments(parser)
     parser.set_defaults(func=run)

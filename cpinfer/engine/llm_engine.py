@@ -251,6 +251,7 @@ class LLMEngine:
         self._counters["spec"] = _spec_counters(a.speculative_config)
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
         self.proposer = None  # speculative decoding's drafter (engine/spec), built last: it may use the engine
+        self._draft_rows: dict[str, np.ndarray] = {}  # this step's grammar bitmasks of constrained verify rows
         if a.speculative_config is not None:
             try:
                 self.proposer = make_proposer(a.speculative_config, self)
@@ -639,9 +640,10 @@ class LLMEngine:
         if self.proposer is None:
             return
         reqs, ks = [], []
+        self._draft_rows = {}
         for req in self.scheduler.running:
             req.draft = None
-            if req.spec is None or req.is_prefill or req.request_id in self._matchers:
+            if req.spec is None or req.is_prefill or req.request_id in self._failed:
                 continue
             k = min(req.spec.next_k(), req.params.max_tokens - len(req.out) - 1)
             if k > 0:
@@ -650,7 +652,37 @@ class LLMEngine:
         if reqs:
             for req, k, draft in zip(reqs, ks, self._on_ranks(self.proposer.propose, reqs, ks)):
                 draft = np.asarray(draft, dtype=np.int64).reshape(-1)[:k]
+                if len(draft) and req.request_id in self._matchers:
+                    draft = self._grammar_rows(req, draft)
                 req.draft = draft if len(draft) else None
+
+    def _grammar_rows(self, req: Request, draft: np.ndarray) -> np.ndarray:
+        """A constrained request's draft cut before the first token its grammar forbids (or that completes it), and
+        the grammar's bitmask of each verify row (kept for `_seq_input`): its matcher walks the draft and steps
+        back. A grammar failure here leaves the draft empty (the request's own sampling then reports it)."""
+        matcher = self._matchers[req.request_id]
+        rows, consumed, taken = [], 0, 0
+        try:
+            rows.append(matcher.bitmask())
+            for d in draft.tolist():
+                if not (int(rows[-1][d >> 5]) >> (d & 31)) & 1:
+                    break
+                matcher.consume(d)
+                consumed += 1
+                if matcher.done:  # it would end the output: verify up to the token before it
+                    break
+                rows.append(matcher.bitmask())
+                taken += 1
+        except Exception:  # noqa: BLE001 - decoded plainly; the plain path reports the grammar's error
+            taken = 0
+        try:
+            matcher.rollback(consumed)
+        except Exception as exc:  # noqa: BLE001 - this request's grammar state is lost: it fails alone
+            self._failed[req.request_id] = f"{type(exc).__name__}: {exc}"
+            return draft[:0]
+        if taken:
+            self._draft_rows[req.request_id] = np.stack(rows[:taken + 1])  # [k+1, ceil(V/32)]
+        return draft[:taken]
 
     def _run(self, batch: ForwardBatch) -> list[RankResult]:
         """Every rank runs the forward; what they report about the tiers goes to the tier index."""
@@ -725,8 +757,10 @@ class LLMEngine:
         known = len(req.prompt) + len(req.out)
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
+        rows = self._draft_rows.get(req.request_id)
         spec_args = {} if s.draft is None else {  # a verify sequence (engine/spec)
             "draft": s.draft, "draft_key": req.request_id,
+            "draft_allowed": None if rows is None else rows[:len(s.draft) + 1],
             "draft_suppress": max(0, req.params.min_tokens - len(req.out)) if spec.suppress else 0}
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)

@@ -102,6 +102,12 @@ class Matcher:
         self._m.consume_token(int(token))
         self._check()
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens consumed (speculative decoding walks a draft, then steps back)."""
+        if num_tokens:
+            self._m.rollback(int(num_tokens))
+            self._check()
+
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more (the output must end here)."""

@@ -84,6 +84,7 @@ class EngineCollector:
         yield fwd
         yield from _tier_metrics(self._model, s.get("tiers") or {})
         yield from _vllm_engine_metrics(self._model, s)
+        yield from _spec_metrics(self._model, s.get("spec") or {})
         if s.get("attention_backend"):
             info = GaugeMetricFamily("cpinfer_attention_backend_info", "the attention backend rank 0 runs (1)",
                                      labels=["model_name", "backend"])
@@ -122,6 +123,35 @@ def _tier_metrics(model: str, tiers: dict):
             value = st.get(key)
             if value is not None:
                 fam.add_metric([model, tier], float(value))
+        yield fam
+
+
+def _spec_metrics(model: str, spec: dict):
+    """Speculative decoding (nothing when the engine does not speculate): vLLM's counters (verify steps, drafted and
+    accepted tokens, accepted drafts by position) and cpinfer's emitted tokens, acceptance rate and mean accepted
+    length per verify step."""
+    if not spec:
+        return
+    labels, values = ["model_name", "engine"], [model, _ENGINE]
+    for key, name, doc in (("num_drafts", "vllm:spec_decode_num_drafts", "verify steps (requests with drafts)"),
+                           ("num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "drafted tokens"),
+                           ("num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "accepted drafted tokens"),
+                           ("num_emitted_tokens", "cpinfer_spec_decode_num_emitted_tokens",
+                            "tokens verify steps emitted (accepted drafts + the target's own token)")):
+        fam = CounterMetricFamily(name, doc, labels=labels)
+        fam.add_metric(values, float(spec.get(key, 0)))
+        yield fam
+    pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "accepted drafted tokens by their "
+                              "position in the draft", labels=[*labels, "position"])
+    for i, count in enumerate(spec.get("accepted_per_pos", [])):
+        pos.add_metric([*values, str(i)], float(count))
+    yield pos
+    for key, name, doc in (("acceptance_rate", "cpinfer_spec_decode_acceptance_rate",
+                            "accepted / drafted tokens since start"),
+                           ("mean_accepted_length", "cpinfer_spec_decode_mean_accepted_length",
+                            "accepted drafted tokens per verify step since start")):
+        fam = GaugeMetricFamily(name, doc, labels=labels)
+        fam.add_metric(values, float(spec.get(key, 0.0)))
         yield fam
 
 
@@ -238,7 +268,8 @@ class _VllmHistograms:
 # ---------------------------------------------------------------------------------------------- the stats log line
 class StatsLogger:
     """One log line every `interval` seconds while there is traffic: prompt and generation throughput, running and
-    waiting requests, KV usage per CP rank, and the prefix-cache hit rate over the interval."""
+    waiting requests, KV usage per CP rank, the prefix-cache hit rate over the interval, and the speculative
+    acceptance over it when the engine speculates."""
 
     def __init__(self, stats: Callable[[], Any], interval: float, clock: Callable[[], float] = time.monotonic):
         if not interval > 0:
@@ -264,9 +295,17 @@ class StatsLogger:
         cap = s.get("kv_capacity_per_rank") or 0
         kv = ", ".join(f"{100 * u / cap:.1f}%" if cap else "n/a" for u in s.get("kv_tokens_per_rank") or [])
         rate = f"{100 * hits / queries:.1f}%" if queries else "n/a"
-        return (f"prompt throughput {prompt / dt:.1f} tokens/s, generation throughput {gen / dt:.1f} tokens/s, "
+        text = (f"prompt throughput {prompt / dt:.1f} tokens/s, generation throughput {gen / dt:.1f} tokens/s, "
                 f"running {s.get('num_running', 0)} reqs, waiting {s.get('num_waiting', 0)} reqs, "
                 f"KV cache usage per rank [{kv}], prefix cache hit rate {rate}")
+        sp, pp = s.get("spec") or {}, p.get("spec") or {}
+        drafts = sp.get("num_drafts", 0) - pp.get("num_drafts", 0)
+        if drafts:  # speculating: acceptance over the interval
+            drafted = sp["num_draft_tokens"] - pp.get("num_draft_tokens", 0)
+            accepted = sp["num_accepted_tokens"] - pp.get("num_accepted_tokens", 0)
+            text += (f", speculative acceptance {100 * accepted / max(drafted, 1):.1f}% ({accepted}/{drafted} "
+                     f"drafted tokens), mean accepted length {accepted / drafts:.2f}")
+        return text
 
     def run(self, stop: threading.Event) -> None:
         """Log a line every interval until `stop` is set (a thread's target)."""
