@@ -166,6 +166,22 @@ def test_verify_step_and_gain_at_the_papers_cp4_decode():
     assert speculative.plan_spec(d, K128, 4, 0.0).gain < 1  # nothing accepted: the verify step is pure cost
 
 
+def test_verify_as_an_eager_partial_prefill():
+    """The engine's path today: k + 1 new tokens over the cached context through the prefill ring (pass-Q), eager."""
+    from cpinfer.perf.simulator import decode_kernels_time, simulate_prefill
+
+    d = dep(GTT, 4)
+    spec = speculative.plan_spec(d, K128, 4, 0.7)
+    prefill = simulate_prefill(d, 5, K128 - 1, 1, "pass-q")
+    assert spec.verify_partial.seconds == pytest.approx(prefill.seconds + decode_kernels_time(d, eager=True))
+    assert spec.verify_partial.breakdown["ring_steps"] == pytest.approx(126 * 4 * GTT.ring_step_us * 1e-6)
+    assert spec.gain_partial == pytest.approx(spec.expected_tokens * spec.decode.seconds / spec.verify_partial.seconds)
+    assert spec.gain_partial < 1 < spec.gain  # the eager ring's per-step cost eats the gain at CP4
+    assert speculative.plan_spec(d, K128, 2, 0.7).breakeven_partial is None
+    one = speculative.plan_spec(dep(GTT, 1), K128, 4, 0.7)  # no ring: only the launches differ
+    assert one.verify_partial.breakdown["ring_steps"] == 0 and 1 < one.gain_partial < one.gain
+
+
 def test_breakeven_is_none_when_no_acceptance_pays():
     assert speculative.breakeven_acceptance(2, 3.5) is None
     assert speculative.breakeven_acceptance(2, 0.9) == 0.0
@@ -200,8 +216,11 @@ def test_cli_spec_prints_the_gain(capsys):
     expect = speculative.plan_spec(dep(GTT, 4), K128, 4, 0.7)
     assert got["gain"] == pytest.approx(expect.gain) and got["cp"] == 4
     assert got["expected_tokens"] == pytest.approx(1 + 0.7 + 0.49 + 0.343 + 0.2401)
+    assert got["gain_partial"] == pytest.approx(expect.gain_partial)
+    assert got["verify_partial_s"] == pytest.approx(expect.verify_partial.seconds)
     assert cli_main(argv) == 0
-    assert f"gain {expect.gain:.2f}x decode tokens/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"gain {expect.gain:.2f}x decode tokens/s" in out and f"gain {expect.gain_partial:.2f}x, break-even" in out
     # with P/D the speculation is planned on the decode group
     assert cli_main(BASE + ["--cp", "16", "--prompt-tokens", "128k", "--pd-decode-cp", "1", "--spec-tokens", "2",
                             "--spec-acceptance", "0.5", "--json"]) == 0

@@ -66,17 +66,22 @@ def pd_table() -> str:
 
 def spec_table() -> str:
     """Markdown: n-gram speculation at the paper's CP4 x TP8 decode of Llama3-405B FP8 at 128K (h100-gtt, both
-    rings): the verify step against a decode step, the break-even acceptance and the gain at several acceptances."""
+    rings): the verify step as a decode step against a decode step, the break-even acceptance and the gain at several
+    acceptances; then the same verify step as an eager partial prefill through the prefill ring."""
     lines = ["| ring | k | decode (ms) | verify (ms) | verify / decode | break-even acceptance | " +
-             " | ".join(f"gain at {a:g}" for a in SPEC_ALPHAS) + " |", "|---" * (6 + len(SPEC_ALPHAS)) + "|"]
+             " | ".join(f"gain at {a:g}" for a in SPEC_ALPHAS) + " | as partial prefill (ms) | its break-even "
+             "| its gain at 0.7 |", "|---" * (9 + len(SPEC_ALPHAS)) + "|"]
     for impl in ("paper", "cpinfer"):
         d = build_deployment("llama3-405b", "h100-gtt", 4, 8, "fp8-ffn", implementation=impl)
         for k in SPEC_K:
             plans = [speculative.plan_spec(d, K128, k, a) for a in SPEC_ALPHAS]
-            be = plans[0].breakeven
-            lines.append(f"| {impl} | {k} | {plans[0].decode.seconds * 1e3:.2f} | {plans[0].verify.seconds * 1e3:.2f} "
-                         f"| {plans[0].cost_ratio:.3f} | {'none' if be is None else f'{be:.3f}'} | " +
-                         " | ".join(f"{p.gain:.2f}x" for p in plans) + " |")
+            p0, at07 = plans[0], plans[SPEC_ALPHAS.index(0.7)]
+            be, bp = p0.breakeven, p0.breakeven_partial
+            lines.append(f"| {impl} | {k} | {p0.decode.seconds * 1e3:.2f} | {p0.verify.seconds * 1e3:.2f} "
+                         f"| {p0.cost_ratio:.3f} | {'none' if be is None else f'{be:.3f}'} | " +
+                         " | ".join(f"{p.gain:.2f}x" for p in plans) +
+                         f" | {p0.verify_partial.seconds * 1e3:.1f} | {'none' if bp is None else f'{bp:.3f}'} "
+                         f"| {at07.gain_partial:.2f}x |")
     return "\n".join(lines)
 
 

@@ -243,6 +243,14 @@ def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, win
                 step_sendrecv=comm)
 
 
+def decode_kernels_time(dep: Deployment, eager: bool) -> float:
+    """Kernel slots of one decode-shaped forward: per layer its kernels and the ring's, each a CUDA-graph slot, or
+    when `eager` a host launch (EAGER_KERNEL_US)."""
+    ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
+    slot_us = max(EAGER_KERNEL_US, dep.hardware.kernel_overhead_us) if eager else dep.hardware.kernel_overhead_us
+    return dep.model.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * slot_us * 1e-6
+
+
 def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1, rows: int = 1) -> Estimate:
     """TTIT: one decode step of `batch` sequences with `context_tokens` cached each (ring pass-Q decode).
 
@@ -260,10 +268,7 @@ def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1, rows: 
         per = {k: per[k] + m.window_layers * win[k] for k in keys}
     q = att["queries"]
     breakdown = {k: v * m.n_layers for k, v in _dense_layer(dep, q * rows).items()}
-    ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
-    slot_us = dep.hardware.kernel_overhead_us if dep.decode_graphs else max(EAGER_KERNEL_US,
-                                                                            dep.hardware.kernel_overhead_us)
-    breakdown["kernels"] = m.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * slot_us * 1e-6
+    breakdown["kernels"] = decode_kernels_time(dep, eager=not dep.decode_graphs)
     breakdown = {k: breakdown.get(k, 0.0) + per.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, q * rows)
     padded = q * dep.cp if dep.implementation.pad_decode_batch else batch

@@ -4,14 +4,17 @@ Under CP every decode step pays the ring's latency (Q SendRecv per step, All2All
 and reads the whole KV once. A verify step pays both once for k + 1 query rows (`simulate_decode(..., rows=k+1)`:
 the same decode ring under the same CUDA graph, one Q block of k + 1 rows per sequence, GEMMs and LM head over
 k + 1 rows) and emits E = (1 - a^(k+1)) / (1 - a) tokens on average when each drafted token is accepted with
-probability a independently of the others. Gain = E x t_decode / t_verify. The drafter is prompt lookup (n-gram):
-no model, its time on the host is not counted.
+probability a independently of the others. Gain = E x t_decode / t_verify. The same rows verified as a partial
+prefill through the prefill ring (pass-Q, eager: the per-step ring cost `ring_step_us` on every step of every layer)
+are priced beside it, `simulate_prefill(k + 1 new, context cached)`: that is how cpinfer's engine verifies today
+(docs/engine.md, "Speculative decoding"). The drafter is prompt lookup (n-gram): no model, its time on the host is
+not counted.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpinfer.perf.simulator import Deployment, Estimate, simulate_decode
+from cpinfer.perf.simulator import Deployment, Estimate, decode_kernels_time, simulate_decode, simulate_prefill
 from cpinfer.utils import check_positive
 
 
@@ -51,8 +54,9 @@ class SpecPlan:
     k: int
     acceptance: float
     decode: Estimate         # one decode step (one token per sequence)
-    verify: Estimate         # one verify step (k + 1 rows per sequence)
+    verify: Estimate         # one verify step as a decode step (k + 1 rows per sequence)
     expected_tokens: float   # E, tokens emitted per verify step
+    verify_partial: Estimate  # the same verify step as a partial prefill through the prefill ring (pass-Q, eager)
 
     @property
     def cost_ratio(self) -> float:
@@ -72,34 +76,66 @@ class SpecPlan:
     def breakeven(self) -> float | None:
         return breakeven_acceptance(self.k, self.cost_ratio)
 
+    @property
+    def partial_ratio(self) -> float:
+        return self.verify_partial.seconds / self.decode.seconds
+
+    @property
+    def gain_partial(self) -> float:
+        """The gain when the verify step runs as a partial prefill (the prefill ring, eager)."""
+        return self.expected_tokens / self.partial_ratio
+
+    @property
+    def breakeven_partial(self) -> float | None:
+        return breakeven_acceptance(self.k, self.partial_ratio)
+
     def to_dict(self) -> dict:
         return dict(k=self.k, acceptance=self.acceptance, expected_tokens=self.expected_tokens,
                     decode_s=self.decode.seconds, verify_s=self.verify.seconds, cost_ratio=self.cost_ratio,
                     gain=self.gain, ttit_s=self.ttit_s, breakeven_acceptance=self.breakeven,
-                    verify_breakdown_s=dict(self.verify.breakdown))
+                    verify_breakdown_s=dict(self.verify.breakdown), verify_partial_s=self.verify_partial.seconds,
+                    gain_partial=self.gain_partial, breakeven_acceptance_partial=self.breakeven_partial,
+                    verify_partial_breakdown_s=dict(self.verify_partial.breakdown))
+
+
+def _with_eager_launches(est: Estimate, dep: Deployment) -> Estimate:
+    """A partial prefill of a few rows costed as the eager forward it is: the prefill model prices compute and the
+    ring, not launches, so add one host launch per kernel of a decode-shaped forward (as eager decode pays)."""
+    breakdown = dict(est.breakdown, kernels=est.breakdown.get("kernels", 0.0) + decode_kernels_time(dep, eager=True))
+    return Estimate(est.strategy, sum(breakdown.values()), breakdown, est.detail)
 
 
 def plan_spec(dep: Deployment, context_tokens: int, k: int, acceptance: float, batch: int = 1) -> SpecPlan:
     """Speculation with k drafted tokens at acceptance rate `acceptance` on `dep` (its CP ring decodes), each of
     `batch` sequences holding `context_tokens`."""
     e = expected_tokens(acceptance, k)
+    partial = simulate_prefill(dep, k + 1, context_tokens - 1, batch, "pass-q" if dep.cp > 1 else "pass-kv")
+    partial = _with_eager_launches(partial, dep)
     return SpecPlan(k, float(acceptance), simulate_decode(dep, context_tokens, batch),
-                    simulate_decode(dep, context_tokens, batch, rows=k + 1), e)
+                    simulate_decode(dep, context_tokens, batch, rows=k + 1), e, partial)
+
+
+def _breakeven_words(be: float | None, k: int) -> str:
+    return f"break-even acceptance {be:.3f}" if be is not None else \
+        f"no acceptance pays: a verify step costs more than {k + 1} decode steps"
 
 
 def format_spec(spec: SpecPlan, dep: Deployment, context_tokens: int) -> str:
     """The speculative part of `cpinfer plan --spec-tokens k --spec-acceptance a`."""
-    be = spec.breakeven
     parts = sorted(((key, spec.verify.breakdown[key] - spec.decode.breakdown[key]) for key in spec.verify.breakdown),
                    key=lambda kv: -kv[1])
     extra = ", ".join(f"{key} +{v * 1e3:.2f}" for key, v in parts[:3] if v > 5e-6)
+    ring = spec.verify_partial.breakdown.get("ring_steps", 0.0)
     return "\n".join([
         f"spec      k = {spec.k} drafted tokens, acceptance {spec.acceptance:g}: E = (1 - a^(k+1)) / (1 - a) = "
-        f"{spec.expected_tokens:.3f} tokens per verify step",
-        f"          verify step {spec.verify.seconds * 1e3:.2f} ms ({spec.k + 1} rows per sequence, one ring pass over "
-        f"the KV; vs decode: {extra or 'no component grows'} ms) vs decode step {spec.decode.seconds * 1e3:.2f} ms "
-        f"on CP{dep.cp} x TP{dep.tp} at {context_tokens} context: {spec.cost_ratio:.3f}x",
-        f"          gain {spec.gain:.2f}x decode tokens/s ({spec.ttit_s * 1e3:.2f} ms per token); break-even "
-        + (f"acceptance {be:.3f}" if be is not None else f"not reached: a verify step costs more than {spec.k + 1} "
-           "decode steps"),
+        f"{spec.expected_tokens:.3f} tokens per verify step; decode step {spec.decode.seconds * 1e3:.2f} ms on "
+        f"CP{dep.cp} x TP{dep.tp} at {context_tokens} context",
+        f"          verified as a decode step ({spec.k + 1} rows per sequence in one Q block, one pass over the KV, "
+        f"as decode runs): {spec.verify.seconds * 1e3:.2f} ms ({spec.cost_ratio:.3f}x; "
+        f"{extra or 'no component grows'} ms): gain {spec.gain:.2f}x decode tokens/s "
+        f"({spec.ttit_s * 1e3:.2f} ms per token), {_breakeven_words(spec.breakeven, spec.k)}",
+        f"          verified as a partial prefill ({'the prefill ring, pass-Q' if dep.cp > 1 else 'no ring at CP1'}, "
+        "eager; the engine's path today): "
+        f"{spec.verify_partial.seconds * 1e3:.2f} ms ({spec.partial_ratio:.3f}x, of which per-step ring cost "
+        f"{ring * 1e3:.2f} ms): gain {spec.gain_partial:.2f}x, {_breakeven_words(spec.breakeven_partial, spec.k)}",
     ])
