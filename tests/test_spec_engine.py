@@ -275,3 +275,15 @@ def test_structured_output_and_seeded_sampling(quoting, engines):
             llm.shutdown()
     assert runs[1][0].token_ids == runs[1][1].token_ids == runs[2][0].token_ids == runs[2][1].token_ids
     assert runs[1][0].metrics["spec"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "mistral"])
+def test_sliding_window_layers(llama_checkpoint, engines, variant):
+    """Models with sliding-window layers: the ranks' slot positions stay valid through rollbacks (a rejected slot
+    is written again by the token that takes it next)."""
+    path = llama_checkpoint(variant, seed=2, max_position_embeddings=2048)
+    ref, _ = _run(engines(path, 1, max_kv_tokens_per_rank=4096), _prompts(0), _params())
+    got, stats = _run(engines(path, 2, placement="shard", max_kv_tokens_per_rank=4096, speculative_config=NGRAM),
+                      _prompts(0), _params())
+    _same(ref, got)
+    _speculated(stats)
