@@ -24,6 +24,12 @@ EPILOG = """examples:
                --sweep --ttft-target 10
   # Gemma 3 27B at 128K on 4 H200 x TP2: its 52 sliding-window layers (1024 keys) cost little attention
   cpinfer plan --model gemma-3-27b --hardware h200 --cp 4 --tp 2 --prompt-tokens 131072
+  # prefill 1M on CP16 x TP8, decode on a separate CP2 x TP8 group: KV transfer (bandwidth stated) and TTIT
+  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 16 --tp 8 --prompt-tokens 1m \
+               --kv-cache-dtype fp8 --pd-decode-cp 2
+  # n-gram speculative decoding, 4 drafted tokens accepted at 0.7 each, at the paper's CP4 decode at 128K
+  cpinfer plan --model llama3-405b --hardware h100-gtt --weights fp8-ffn --cp 4 --tp 8 --prompt-tokens 128k \
+               --spec-tokens 4 --spec-acceptance 0.7
   # your cluster: a profile measured by `cpinfer calibrate --out my.json`
   cpinfer plan --model path/to/config.json --hardware my.json --cp 2 --prompt-tokens 16384
 
@@ -86,6 +92,17 @@ def register(subparsers) -> None:
     p.add_argument("--ttft-target", type=float, metavar="SECONDS",
                    help="TTFT target in seconds (required with --sweep)")
     p.add_argument("--max-cp", type=int, metavar="N", default=64, help="largest CP size --sweep tries (default 64)")
+    p.add_argument("--pd-decode-cp", type=int, metavar="M",
+                   help="prefill on CP-N x TP (--cp) and decode on separate groups of CP-M x TP: adds the KV "
+                        "transfer (bytes, bandwidth, total and exposed time) and the decode group's TTIT and memory "
+                        "against decoding on the prefill group")
+    p.add_argument("--pd-decode-groups", type=int, metavar="K", default=None,
+                   help="decode groups with --pd-decode-cp (default 1); the batch is spread over them")
+    p.add_argument("--spec-tokens", type=int, metavar="K",
+                   help="speculative decoding: K drafted tokens verified in one ring step (needs --spec-acceptance); "
+                        "predicts the verify step, tokens per step and the decode tokens/s gain")
+    p.add_argument("--spec-acceptance", type=float, metavar="A",
+                   help="the chance that one drafted token is accepted, in [0, 1) (with --spec-tokens)")
     p.add_argument("--checkpoint", metavar="PATH_OR_ID",
                    help="what the printed command serves (default: the config's folder, or the catalog model's "
                         "Hugging Face repository, its FP8 one for an FP8 weight format when published)")
@@ -114,15 +131,56 @@ def _ending(args, plan, verdict) -> tuple[list[str], dict]:
     lines = [f"decided   {verdict.text}"]
     out = {"decision": verdict.to_dict()}
     if plan is not None:
-        launch = launch_command(plan, args.checkpoint, args.port, args.hardware)
+        pd = None if args.pd_decode_cp is None else (args.pd_decode_cp, args.pd_decode_groups or 1)
+        launch = launch_command(plan, args.checkpoint, args.port, args.hardware, pd, args.spec_tokens)
         lines += launch.lines()
         out["launch"] = launch.to_dict()
     return lines, out
 
 
+def check_extensions(args) -> None:
+    """P/D and speculation flags: complete, in range, and not with --sweep (before any model is built)."""
+    from cpinfer.perf.speculative import check_acceptance
+    from cpinfer.utils import check_positive
+
+    if args.pd_decode_groups is not None and args.pd_decode_cp is None:
+        raise ValueError("--pd-decode-groups needs --pd-decode-cp M (the decode groups' CP size)")
+    if args.pd_decode_cp is not None:
+        check_positive(args.pd_decode_cp, "--pd-decode-cp")
+        check_positive(args.pd_decode_groups or 1, "--pd-decode-groups")
+    if (args.spec_tokens is None) != (args.spec_acceptance is None):
+        raise ValueError("--spec-tokens K and --spec-acceptance A go together: K drafted tokens per verify step, "
+                         "each accepted with probability A in [0, 1)")
+    if args.spec_tokens is not None:
+        check_positive(args.spec_tokens, "--spec-tokens")
+        check_acceptance(args.spec_acceptance, "--spec-acceptance")
+    if args.sweep and (args.pd_decode_cp is not None or args.spec_tokens is not None):
+        raise ValueError("--sweep sizes one colocated CP group; give --cp N to plan --pd-decode-cp or --spec-tokens")
+
+
+def _extensions(args, plan) -> tuple[list[str], dict]:
+    """The P/D and speculation parts of a plan, as text blocks and JSON."""
+    from cpinfer.perf import pd as pd_plan
+    from cpinfer.perf import speculative
+
+    text, out = [], {}
+    dep, batch = plan.deployment, plan.workload.batch
+    if args.pd_decode_cp is not None:
+        pd = pd_plan.plan_pd(plan, args.pd_decode_cp, args.pd_decode_groups or 1)
+        text.append(pd_plan.format_pd(pd))
+        out["pd"] = pd.to_dict()
+        dep, batch = pd.decode, pd.batch_per_group
+    if args.spec_tokens is not None:
+        spec = speculative.plan_spec(dep, plan.workload.context_tokens, args.spec_tokens, args.spec_acceptance, batch)
+        text.append(speculative.format_spec(spec, dep, plan.workload.context_tokens))
+        out["spec"] = dict(spec.to_dict(), cp=dep.cp, tp=dep.tp)
+    return text, out
+
+
 def run(args) -> int:
     from cpinfer.perf import planner, report  # imported on use: keeps `cpinfer --help` fast
 
+    check_extensions(args)
     work = planner.Workload(parse_token_count(args.prompt_tokens, "--prompt-tokens"),
                             parse_token_count(args.cached_tokens, "--cached-tokens"), args.batch)
     kv_dtype = args.act_dtype if args.kv_dtype == "auto" else args.kv_dtype
@@ -154,9 +212,10 @@ def run(args) -> int:
                                    kv_dtype, args.implementation)
     plan = planner.make_plan(dep, work, args.method)
     lines, ending = _ending(args, plan, planner.plan_verdict(plan, args.ttft_target))
+    extra_text, extra = _extensions(args, plan)
     if args.json:
         out = plan.to_dict()
-        out.update(ending)
+        out.update(ending, **extra)
         if args.explain:
             hw = dep.hardware
             out["parameters"] = {k: dict(value=getattr(hw, k), source=hw.sources.get(k, "")) for k in hw.sources
@@ -168,6 +227,8 @@ def run(args) -> int:
         print(report.format_plan(plan))
         if args.explain:
             print("\n" + report.format_explain(plan))
+        for block in extra_text:
+            print("\n" + block)
         if args.ttft_target is not None:
             met = plan.chosen_ttft_s <= args.ttft_target
             print(f"target    TTFT <= {args.ttft_target:g} s: {'met' if met else 'NOT met'}")

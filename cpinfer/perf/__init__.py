@@ -10,6 +10,8 @@ simulator       TTFT (pass-KV / pass-Q), TTIT (pass-Q decode), memory per GPU
 statements      every quantitative statement of the paper's public text, with its source, as a model check
 fit             fits the h100-gtt parameters to those statements; leave-one-out cross-validation
 planner         `cpinfer plan`: one deployment, or the smallest CP meeting a TTFT target; report renders it (--explain)
+pd              prefill on CP-N, decode on separate CP-M groups: the KV transfer (bytes, bandwidth, exposed) and TTIT
+speculative     the decode tokens/s gain of verifying k drafted tokens in one ring step at acceptance a
 planning_doc    regenerates docs/planning.md (python -m cpinfer.perf.planning_doc docs/planning.md)
 """
 from cpinfer.perf.hardware import load_hardware_profile

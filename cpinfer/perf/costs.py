@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from cpinfer.cp.cost_model import AttnShape, memory_rate
+from cpinfer.cp.cost_model import AttnShape, attention_rate, memory_rate
 from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.utils import ceil_div
 
@@ -16,18 +16,20 @@ GEMM_TILE_M = 128  # rows of one GEMM tile on Hopper (CUTLASS / FBGEMM FP8 kerne
 DECODE_SPLITS = 256  # paper §4.1: Flash Decoding with 256 K/V splits
 
 
-def decode_attention_time(hw: HardwareProfile, shape: AttnShape, queries: int, keys: float) -> float:
-    """Flash-decoding (paper §4.1: K/V split 256 ways) of `queries` single-token queries, `keys` cached keys each.
+def decode_attention_time(hw: HardwareProfile, shape: AttnShape, queries: int, keys: float, rows: int = 1) -> float:
+    """Flash-decoding (paper §4.1: K/V split 256 ways) of `queries` sequences, `keys` cached keys each, with `rows`
+    query rows per sequence (1 for decode; k + 1 for a speculative verify step, whose rows share one K/V read).
 
-    Two kernels (split attention, then the combine of the splits) whose time is reading K/V once; under CUDA graphs
-    each still costs at least one kernel slot.
+    Two kernels (split attention, then the combine of the splits) whose time is reading K/V once per sequence (or
+    the rows' FLOPs, if longer); under CUDA graphs each still costs at least one kernel slot.
     """
     if queries <= 0 or keys <= 0:
         return 0.0
-    traffic = queries * (shape.kv_bytes(keys) + 2 * shape.q_bytes(1))
-    combine = queries * shape.heads * DECODE_SPLITS * (shape.head_dim + 1) * 4 / memory_rate(hw)
+    traffic = queries * (shape.kv_bytes(keys) + 2 * rows * shape.q_bytes(1))
+    flops = 4.0 * queries * rows * keys * (shape.pair_dim or shape.head_dim) * shape.heads
+    combine = queries * rows * shape.heads * DECODE_SPLITS * (shape.head_dim + 1) * 4 / memory_rate(hw)
     slot = hw.kernel_overhead_us * 1e-6
-    return max(slot, traffic / memory_rate(hw)) + max(slot, combine)
+    return max(slot, traffic / memory_rate(hw), flops / attention_rate(hw)) + max(slot, combine)
 
 
 def gemm_time(hw: HardwareProfile, m: int, n: int, k: int, weight_bytes: float, fp8: bool) -> float:

@@ -3,6 +3,7 @@ multi-node deployment runs (TP inside a node, CP across nodes: global rank = cp_
 ranks of a group are consecutive and a node holds whole TP groups, or a TP group spans whole nodes)."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from dataclasses import dataclass
@@ -74,10 +75,15 @@ def checkpoint_for(plan: Plan) -> tuple[str, str | None]:
     return found.group(1), note
 
 
-def serve_args(plan: Plan, checkpoint: str, port: int, hardware_arg: str | None, multinode: bool) -> list[str]:
+def serve_args(plan: Plan, checkpoint: str, port: int, hardware_arg: str | None, multinode: bool,
+               pd: tuple[int, int] | None = None, spec_tokens: int | None = None) -> list[str]:
     d, w = plan.deployment, plan.workload
     args = ["--model", checkpoint, "--cp", str(d.cp), "--tp", str(d.tp),
             "--max-model-len", str(w.context_tokens), "--dtype", DTYPE_FLAGS.get(d.act_bytes, "auto")]
+    if pd is not None:
+        args += ["--pd-decode-cp", str(pd[0])] + (["--pd-decode-groups", str(pd[1])] if pd[1] > 1 else [])
+    if spec_tokens:
+        args += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": spec_tokens})]
     if d.fp8_kv:
         args += ["--kv-cache-dtype", "fp8_per_token" if d.kv_scale_bytes else "fp8"]
     if hardware_arg:
@@ -88,15 +94,18 @@ def serve_args(plan: Plan, checkpoint: str, port: int, hardware_arg: str | None,
 
 
 def launch_command(plan: Plan, checkpoint: str | None = None, port: int = DEFAULT_PORT,
-                   hardware_arg: str | None = None) -> Launch:
+                   hardware_arg: str | None = None, pd: tuple[int, int] | None = None,
+                   spec_tokens: int | None = None) -> Launch:
     """The exact command line(s) that start the planned deployment. `hardware_arg`: the profile name or path to
-    hand the engine's cost model (`--hardware-profile`)."""
+    hand the engine's cost model (`--hardware-profile`); `pd`: (decode CP size, decode groups) when prefill and
+    decode run on separate groups ((N + K x M) x TP devices); `spec_tokens`: k of n-gram speculative decoding."""
     d = plan.deployment
-    nodes, per_node = node_layout(d.gpus, d.tp, d.hardware.devices_per_node)
+    gpus = d.gpus if pd is None else (d.cp + pd[0] * pd[1]) * d.tp
+    nodes, per_node = node_layout(gpus, d.tp, d.hardware.devices_per_node)
     note = None
     if checkpoint is None:
         checkpoint, note = checkpoint_for(plan)
-    serve = serve_args(plan, checkpoint, port, hardware_arg, nodes > 1)
+    serve = serve_args(plan, checkpoint, port, hardware_arg, nodes > 1, pd, spec_tokens)
     if nodes == 1:
         command = shlex.join(["cpinfer", "serve", *serve])
     else:

@@ -1,5 +1,6 @@
 """Regenerate the tables and worked examples of docs/planning.md from the model (`python -m cpinfer.perf.planning_doc
-docs/planning.md`): fitted parameters, statements, leave-one-out (from `fit.py`), the §4.2.4 miss-rate grid.
+docs/planning.md`): fitted parameters, statements, leave-one-out (from `fit.py`), the §4.2.4 miss-rate grid, the
+prefill/decode-groups table and the speculative-decoding table.
 
 A generated section sits between <!-- begin:NAME --> and <!-- end:NAME -->; a worked example is the fenced block
 after <!-- plan: ARGS -->, rewritten with `cpinfer plan ARGS` and what it prints.
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from cpinfer.perf import fit
 from cpinfer.perf.catalog import HARDWARE
-from cpinfer.perf.planner import Workload, choose
+from cpinfer.perf import pd, speculative
+from cpinfer.perf.planner import Workload, build_deployment, choose, make_plan
 from cpinfer.perf.statements import K128, dep, ttft
 
 GRID = (1280, 2560, 3200, 4000, 6400, 12800, 19200, 32000, 64000, 128000)  # T, with P + T = 128000 (§4.2.4)
@@ -37,8 +39,55 @@ def miss_rate_grid() -> str:
     return "\n".join(lines)
 
 
+PD_LENGTHS = (128_000, 256_000, 512_000, 1_000_000)  # the paper's 128K ... 1M (§4.1 counts)
+SPEC_K = (1, 2, 3, 4, 6, 8)
+SPEC_ALPHAS = (0.3, 0.5, 0.7, 0.8, 0.9)
+
+
+def pd_table() -> str:
+    """Markdown: Llama3-405B FP8 (fp8-ffn) on h100-gtt, prefill CP16 x TP8, decode on one CP1 or CP2 x TP8 group,
+    bf16 and FP8 KV cache: TTFT, the KV transfer (bytes into a decode device, total, exposed), TTIT against
+    decoding on the prefill group, and whether the decode group holds the context."""
+    lines = ["| tokens | KV cache | decode | TTFT CP16 (s) | GB into a decode device | transfer (s) | exposed (ms) "
+             "| TTIT (ms) | TTIT colocated CP16 (ms) | decode device GB | fits |", "|---" * 11 + "|"]
+    for kv in ("bf16", "fp8"):
+        base = build_deployment("llama3-405b", "h100-gtt", 16, 8, "fp8-ffn", "bf16", kv)
+        for tokens in PD_LENGTHS:
+            plan = make_plan(base, Workload(tokens))
+            for m in (1, 2):
+                p = pd.plan_pd(plan, m)
+                t = p.transfer
+                lines.append(f"| {tokens} | {kv} | CP{m} x TP8 | {plan.chosen_ttft_s:.2f} | "
+                             f"{t.receiver_bytes / 1e9:.2f} | {t.seconds:.3f} | {t.exposed_s * 1e3:.2f} | "
+                             f"{p.ttit.seconds * 1e3:.1f} | {p.colocated_ttit.seconds * 1e3:.1f} | "
+                             f"{p.memory.total_gb:.1f} | {'yes' if p.memory.fits else 'no'} |")
+    return "\n".join(lines)
+
+
+def spec_table() -> str:
+    """Markdown: n-gram speculation at the paper's CP4 x TP8 decode of Llama3-405B FP8 at 128K (h100-gtt, both
+    rings): the verify step as a decode step against a decode step, the break-even acceptance and the gain at several
+    acceptances; then the same verify step as an eager partial prefill through the prefill ring."""
+    lines = ["| ring | k | decode (ms) | verify (ms) | verify / decode | break-even acceptance | " +
+             " | ".join(f"gain at {a:g}" for a in SPEC_ALPHAS) + " | as partial prefill (ms) | its break-even "
+             "| its gain at 0.7 |", "|---" * (9 + len(SPEC_ALPHAS)) + "|"]
+    for impl in ("paper", "cpinfer"):
+        d = build_deployment("llama3-405b", "h100-gtt", 4, 8, "fp8-ffn", implementation=impl)
+        for k in SPEC_K:
+            plans = [speculative.plan_spec(d, K128, k, a) for a in SPEC_ALPHAS]
+            p0, at07 = plans[0], plans[SPEC_ALPHAS.index(0.7)]
+            be, bp = p0.breakeven, p0.breakeven_partial
+            lines.append(f"| {impl} | {k} | {p0.decode.seconds * 1e3:.2f} | {p0.verify.seconds * 1e3:.2f} "
+                         f"| {p0.cost_ratio:.3f} | {'none' if be is None else f'{be:.3f}'} | " +
+                         " | ".join(f"{p.gain:.2f}x" for p in plans) +
+                         f" | {p0.verify_partial.seconds * 1e3:.1f} | {'none' if bp is None else f'{bp:.3f}'} "
+                         f"| {at07.gain_partial:.2f}x |")
+    return "\n".join(lines)
+
+
 SECTIONS = {"parameters": fit.parameter_table, "statements": fit.statement_table,
-            "leave-one-out": lambda: fit.loo_table(fit.leave_one_out()), "miss-rate-grid": miss_rate_grid}
+            "leave-one-out": lambda: fit.loo_table(fit.leave_one_out()), "miss-rate-grid": miss_rate_grid,
+            "pd-table": pd_table, "spec-table": spec_table}
 EXAMPLE = re.compile(r"<!-- plan: (.+?) -->\n```\n.*?```", re.S)
 
 

@@ -219,52 +219,62 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
     return Estimate(strategy, seconds, breakdown, detail)
 
 
-def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, window: int = 0) -> dict:
+def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, window: int = 0, rows: int = 1) -> dict:
     """Ring pass-Q decode attention of one layer (Alg. 4) on the rank holding the most queries, under CUDA graphs.
 
     q = ceil(B/N) queries on the fullest rank, padded or not (the ring's critical path holds that many at every
     step either way; padding adds work on the other ranks, not time). N steps of flash-decoding over this rank's
     ~context/N keys (~min(window, context)/N in a windowed layer, (context mod C + 1)/N in a chunked one), each with the next Q block's SendRecv beside it
     (overlapped) or after it (the paper's decode, §4.3); then All2All of the partial outputs, permute and merge.
+    `rows` query rows per sequence (a speculative verify step: k + 1) travel as one Q block and read the K/V once.
     """
     hw, shape, n = dep.hardware, dep.attn_shape, dep.cp
     q = ceil_div(batch, n)
     keys = context_tokens
     if window:  # a sliding window's last `window` keys, or the keys of the query's own chunk so far
         keys = min(window, context_tokens) if dep.model.local == "sliding" else context_tokens % window + 1
-    op = costs.decode_attention_time(hw, shape, q, ceil_div(keys, n))
-    comm = cost_model.p2p_time(shape.q_bytes(q), dep.link) if n > 1 else 0.0
+    op = costs.decode_attention_time(hw, shape, q, ceil_div(keys, n), rows)
+    comm = cost_model.p2p_time(shape.q_bytes(q * rows), dep.link) if n > 1 else 0.0
     hidden = hw.comm_overlap * op if dep.implementation.overlap_decode_ring else 0.0
     exposed = (n - 1) * max(0.0, comm - hidden)
-    merge = cost_model.merge_time(hw, shape, q, n) + cost_model.permute_time(hw, shape, q, n)
+    merge = cost_model.merge_time(hw, shape, q * rows, n) + cost_model.permute_time(hw, shape, q * rows, n)
     return dict(attention=n * op, sendrecv_exposed=exposed, merge=merge,
-                all2all=cost_model.all2all_time(shape.partial_out_bytes(q), n, dep.link), op=op, queries=q,
+                all2all=cost_model.all2all_time(shape.partial_out_bytes(q * rows), n, dep.link), op=op, queries=q,
                 step_sendrecv=comm)
 
 
-def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1) -> Estimate:
-    """TTIT: one decode step of `batch` sequences with `context_tokens` cached each (ring pass-Q decode)."""
+def decode_kernels_time(dep: Deployment, eager: bool) -> float:
+    """Kernel slots of one decode-shaped forward: per layer its kernels and the ring's, each a CUDA-graph slot, or
+    when `eager` a host launch (EAGER_KERNEL_US)."""
+    ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
+    slot_us = max(EAGER_KERNEL_US, dep.hardware.kernel_overhead_us) if eager else dep.hardware.kernel_overhead_us
+    return dep.model.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * slot_us * 1e-6
+
+
+def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1, rows: int = 1) -> Estimate:
+    """TTIT: one decode step of `batch` sequences with `context_tokens` cached each (ring pass-Q decode).
+
+    `rows` > 1: a speculative verify step, the same ring under the same CUDA graph with `rows` (= k + 1) query rows
+    per sequence: one Q block per step, the K/V read once, GEMMs, LM head and All2All over batch x rows rows."""
     check_positive(context_tokens, "context tokens")
     check_positive(batch, "batch")
+    check_positive(rows, "query rows per sequence")
     m = dep.model
-    att = decode_attention_layer(dep, context_tokens, batch)
+    att = decode_attention_layer(dep, context_tokens, batch, rows=rows)
     keys = ("attention", "sendrecv_exposed", "merge", "all2all")
     per = {k: m.full_layers * att[k] for k in keys}
     if m.window_layers:
-        win = decode_attention_layer(dep, context_tokens, batch, m.window)
+        win = decode_attention_layer(dep, context_tokens, batch, m.window, rows)
         per = {k: per[k] + m.window_layers * win[k] for k in keys}
     q = att["queries"]
-    breakdown = {k: v * m.n_layers for k, v in _dense_layer(dep, q).items()}
-    ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
-    slot_us = dep.hardware.kernel_overhead_us if dep.decode_graphs else max(EAGER_KERNEL_US,
-                                                                            dep.hardware.kernel_overhead_us)
-    breakdown["kernels"] = m.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * slot_us * 1e-6
+    breakdown = {k: v * m.n_layers for k, v in _dense_layer(dep, q * rows).items()}
+    breakdown["kernels"] = decode_kernels_time(dep, eager=not dep.decode_graphs)
     breakdown = {k: breakdown.get(k, 0.0) + per.get(k, 0.0) for k in COMPONENTS}
-    breakdown["gemm"] += _lm_head(dep, q)
+    breakdown["gemm"] += _lm_head(dep, q * rows)
     padded = q * dep.cp if dep.implementation.pad_decode_batch else batch
     detail = dict(queries_per_rank=q, padded_batch=padded, padding_queries=padded - batch,
                   attention_op_us=att["op"] * 1e6, step_sendrecv_us=att["step_sendrecv"] * 1e6,
-                  queries_computed_per_layer=padded * dep.cp, cuda_graphs=dep.decode_graphs)
+                  queries_computed_per_layer=padded * dep.cp, cuda_graphs=dep.decode_graphs, rows_per_seq=rows)
     return Estimate("pass-q" if dep.cp > 1 else "local", sum(breakdown.values()), breakdown, detail)
 
 
