@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 status=0
-.venv/bin/python -m pytest -q "$@" || status=$?
+# the 20 slowest tests close the report: where the suite's time goes
+.venv/bin/python -m pytest -q --durations=20 "$@" || status=$?
 if [ "$status" = 5 ]; then
   echo "test.sh: no tests were collected" >&2
 fi
