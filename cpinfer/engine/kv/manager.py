@@ -531,16 +531,24 @@ class KVManager:
         leaf.last_access = time.monotonic()
         return Placement(ranks, slots, seq.home == SPREAD, decision)
 
-    def _choose_verify(self, seq: SeqKV, t: int) -> tuple[np.ndarray, None] | None:
-        """A verify sequence's t tokens, all on one rank: a local sequence's home (else the least-loaded rank with
-        room: it spreads, as a plain decode spill), a spread one's next round-robin rank (as its decode token)."""
-        home = seq.home
+    def verify_rank(self, seq: SeqKV) -> int:
+        """The rank a verify sequence's tokens go to when it has room there (the first choice of `_choose_verify`):
+        a local sequence's home, a spread one's next round-robin rank (as its decode token). A draft model keeps its
+        proposals' q rows on this rank."""
         if self.n == 1:
-            first = 0
-        elif home >= 0 and self.placer.mode != "shard":
-            first = home
-        else:
-            first = int(self._spread_ranks(seq, 1, True)[0])
+            return 0
+        if seq.home >= 0 and self.placer.mode != "shard":
+            return int(seq.home)
+        return int(self._spread_ranks(seq, 1, True)[0])
+
+    def room_for(self, rank: int, tokens: int, seq: SeqKV) -> bool:
+        """Whether `rank` can take `tokens` more of seq's tokens (evicting unreferenced cached segments if needed)."""
+        return self._room_for(rank, tokens, seq.leaf)
+
+    def _choose_verify(self, seq: SeqKV, t: int) -> tuple[np.ndarray, None] | None:
+        """A verify sequence's t tokens, all on one rank: `verify_rank` (else the least-loaded rank with room: it
+        spreads, as a plain decode spill)."""
+        first = self.verify_rank(seq)
         for r in [first] + [r for r in self._load_order() if r != first]:
             ranks = np.full(t, r, dtype=np.int64)
             if self._fits(seq, ranks):

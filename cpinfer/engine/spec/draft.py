@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-from cpinfer.engine.kv.placement import SPREAD, UNPLACED
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.request import Request
 from cpinfer.engine.spec import draft_runner as DR
@@ -64,15 +63,10 @@ def _tokenizer_vocab(path: str | Path) -> dict | None:
 
 
 def verify_rank(manager, kv) -> int:
-    """The CP rank the KV manager will put a request's verification rows on when it has room there (its first
-    choice): the home of a request kept on one rank (placement other than "shard"), else the rank its next decode
-    token would take. Should the manager place them elsewhere, that rank holds no q: it accepts no draft of a
+    """The CP rank the KV manager will put a request's verification rows on when it has room there
+    (`KVManager.verify_rank`). Should the manager place them elsewhere, that rank holds no q: it accepts no draft of a
     sampled request (exact, as plain sampling)."""
-    if manager.n == 1:
-        return 0
-    if kv.home not in (SPREAD, UNPLACED) and manager.placer.mode != "shard":
-        return int(kv.home)
-    return int(manager._spread_ranks(kv, 1, True)[0])
+    return manager.verify_rank(kv)
 
 
 def draft_for(args, target: ModelConfig, tokenizer) -> tuple[str, ModelConfig] | None:
@@ -116,7 +110,7 @@ class DraftProposer(Proposer):
                 raise RuntimeError(f"draft proposal for {req.request_id}: {kv.num_stored} tokens stored of "
                                    f"{len(req.prompt) + len(req.out)} known (only the last may be missing)")
             rank = verify_rank(eng.kv, kv)
-            if not eng.kv._room_for(rank, k + 1, kv.leaf):  # its verification would go elsewhere: no drafts
+            if not eng.kv.room_for(rank, k + 1, kv):  # its verification would go elsewhere: no drafts
                 continue
             seqs.append(DR.DraftSeq(req.request_id, int(req.out[-1] if req.out else req.prompt[-1]), kv.num_stored,
                                     rank, tuple(kv.runs_array(r) for r in range(eng.n)), int(k),
