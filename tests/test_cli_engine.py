@@ -48,6 +48,25 @@ def test_generate_cp2_json(ckpt, capsys, placement):
         assert "placement: one rank (predicted" in out
 
 
+def test_generate_reports_speculation_and_prefill_decode_groups(ckpt, capsys):
+    """--speculative-config: the drafted / accepted counts are printed (and in --json); --pd-decode-cp: the
+    prefill time and the K/V moved to the decode group."""
+    ids = ",".join(["7", "8", "9", "10"] * 6)  # a repeating prompt: prompt lookup has something to draft
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", ids, "--max-tokens", "8", "--ignore-eos",
+                 "--speculative-config", spec, "--json"]) == 0
+    out = capsys.readouterr().out
+    res = _last_json(out)
+    assert "speculation: " in out and res["spec"]["num_drafts"] > 0, out
+    assert res["spec"]["num_draft_tokens"] >= res["spec"]["num_accepted_tokens"] >= 0
+    assert main(["generate", "--model", str(ckpt), "--cp", "1", "--pd-decode-cp", "1", "--prompt-ids", "1,2,3",
+                 "--max-tokens", "3", "--json"]) == 0
+    out = capsys.readouterr().out
+    res = _last_json(out)
+    assert "prefill/decode: prefill CP 1 in" in out and res["pd"]["transfer_tokens"] == 3, out
+    assert res["pd"]["transfer_bytes"] > 0 and res["token_ids"] and len(res["token_ids"]) == 3
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-ids", "1,x"], "comma-separated token ids"),
     (["--prompt-ids", "1,2", "--cp", "0"], "positive integer"),

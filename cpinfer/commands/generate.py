@@ -56,7 +56,7 @@ def _summary(out, strategy_steps: list[dict]) -> dict:
             "logprobs": out.logprobs, "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
             "ttft_s": m["ttft_s"], "ttit_s": ttit, "ttit_mean_s": sum(ttit) / len(ttit) if ttit else None,
             "strategy": {k: ", ".join(v) for k, v in by_phase.items()}, "placement": placement,
-            "new_tokens_per_rank": first.get("new_tokens_per_rank")}
+            "new_tokens_per_rank": first.get("new_tokens_per_rank"), "spec": m.get("spec"), "pd": m.get("pd")}
 
 
 def _placement_line(p: dict, cp: int) -> str:
@@ -123,6 +123,17 @@ def run(args) -> int:
           f"TTFT {res['ttft_s']:.3f} s; mean TTIT {ttit}")
     print("strategy: " + "; ".join(f"{k} → {v}" for k, v in res["strategy"].items()))
     print("placement: " + _placement_line(res["placement"], args.cp))
+    if res["spec"]:  # speculative decoding
+        sp = res["spec"]
+        print(f"speculation: {sp['num_draft_tokens']} drafted in {sp['num_drafts']} verify steps, "
+              f"{sp['num_accepted_tokens']} accepted ({100 * sp['acceptance_rate']:.0f}%, "
+              f"{sp['mean_accepted_length']:.2f} per step)")
+    if res["pd"]:  # prefill and decode groups
+        pd = res["pd"]
+        print(f"prefill/decode: prefill CP {args.cp} in {pd.get('prefill_s', 0.0):.3f} s; "
+              f"{pd.get('transfer_tokens', 0)} tokens' K/V ({pd.get('transfer_bytes', 0) / (1 << 20):.2f} MiB) to "
+              f"decode group {pd.get('decode_group', 0)} (CP {args.pd_decode_cp}) in "
+              f"{1000 * pd.get('transfer_s', 0.0):.1f} ms")
     if args.json:
         print(json.dumps(res))
     return 0
