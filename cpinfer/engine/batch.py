@@ -39,6 +39,11 @@ class SeqInput:
     draft_q: np.ndarray | None = None  # [k, V] float32 the proposer's probabilities of its drafts, when shipped with
     # the batch (else the rank's ModelRunner.draft_probs[draft_key], else None: deterministic drafts)
 
+    @property
+    def sampled_rows(self) -> int:
+        """Rows whose logits its sampling reads (from its last new token back): 1, or k+1 for a verify sequence."""
+        return 1 if self.draft is None else len(self.draft) + 1
+
 
 @dataclasses.dataclass(frozen=True)
 class ForwardBatch:

@@ -238,8 +238,7 @@ class ModelRunner:
         for b, s in enumerate(batch.seqs):
             if s.sample is not None and s.ranks[-1] == rank:
                 last = int(plan.qoff[rank, b] + plan.counts[rank, b] - 1)  # its last token on this rank
-                width = 1 if s.draft is None else len(s.draft) + 1  # a verify sequence: all k+1 rows (one rank)
-                rows.extend(range(last - width + 1, last + 1))
+                rows.extend(range(last - s.sampled_rows + 1, last + 1))  # a verify sequence: k+1 rows, one rank
                 which.append(b)
         if not rows:
             return ()
@@ -259,8 +258,7 @@ class ModelRunner:
         out, at = [], 0
         for b in which:
             s = batch.seqs[b]
-            width = 1 if s.draft is None else len(s.draft) + 1
-            rows, at = logits[at:at + width], at + width
+            rows, at = logits[at:at + s.sampled_rows], at + s.sampled_rows
             try:
                 if s.draft is None:
                     out.append(SampleResult(b, *sample(rows[0], s.sample)))
