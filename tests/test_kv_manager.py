@@ -365,3 +365,14 @@ def test_without_prefix_caching_finished_requests_free_their_blocks_at_once(n):
     while cached.live:
         cached.step()
     assert sum(cached.kv.tokens_per_rank()) == 57 + 1  # the prompt and the first output token (fed to decode)
+
+
+def test_check_room_refuses_what_an_empty_cache_cannot_hold_and_names_the_knob():
+    kv = KVManager(2, 4 * BLOCK)
+    kv.check_room(3 * BLOCK, BLOCK)  # fits: nothing raised
+    with pytest.raises(ValueError, match=r"KV tokens per rank \(prompt 1000, max_tokens 50, CP=2\) but each rank "
+                                         r"holds 256; raise max_kv_tokens_per_rank or context_parallel_size"):
+        kv.check_room(1000, 50)
+    with pytest.raises(ValueError, match=r"per rank on a decode group \(prompt 1000, max_tokens 50, pd_decode_cp=2\)"
+                                         r" .* raise max_kv_tokens_per_rank or pd_decode_cp, or shorten"):
+        kv.check_room(1000, 50, " on a decode group", "pd_decode_cp=2")

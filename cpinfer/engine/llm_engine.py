@@ -539,12 +539,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                              f"the maximum model length {self.max_model_len} (the model's max_position_embeddings "
                              f"is {self.config.max_position_embeddings}); shorten the prompt or lower max_tokens")
-        need = self.kv.blocks_for_request(total)
-        if need > self.kv.num_blocks:
-            raise ValueError(f"request needs about {need * BLOCK} KV tokens per rank (prompt {len(prompt)}, "
-                             f"max_tokens {params.max_tokens}, CP={self.n}) but each rank holds "
-                             f"{self.kv.capacity_per_rank}; raise max_kv_tokens_per_rank or context_parallel_size, "
-                             "or shorten the request")
+        self.kv.check_room(len(prompt), params.max_tokens)
         return prompt
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:

@@ -227,6 +227,18 @@ class KVManager:
         """Blocks per rank a request of num_tokens (prompt + output) needs at most on an empty cache."""
         return ceil_div(ceil_div(num_tokens, self.n) + 2 * self.n, BLOCK) + 1
 
+    def check_room(self, prompt_tokens: int, max_tokens: int, where: str = "", size: str = "") -> None:
+        """ValueError when a request of prompt_tokens + max_tokens could not fit even in an empty cache; `where`
+        names the ranks' group in the message (e.g. " on a decode group"), `size` the option setting its CP size
+        ("pd_decode_cp=2"; default "CP=N", raised through context_parallel_size)."""
+        need = self.blocks_for_request(prompt_tokens + max_tokens)
+        if need > self.num_blocks:
+            name = size.split("=")[0] if size else "context_parallel_size"
+            raise ValueError(f"request needs about {need * BLOCK} KV tokens per rank{where} (prompt {prompt_tokens}, "
+                             f"max_tokens {max_tokens}, {size or f'CP={self.n}'}) but each rank holds "
+                             f"{self.capacity_per_rank}; raise max_kv_tokens_per_rank or {name}, or shorten the "
+                             "request")
+
     # ------------------------------------------------------------------ prefix matching
     def match(self, tokens: np.ndarray, limit: int, through_holes: bool = False) -> tuple[Node, int, int]:
         """Longest cached prefix of tokens[:limit]: (node, tokens matched inside it, total matched). A hole (K/V

@@ -302,14 +302,8 @@ class PDEngine:
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         tokens = self.prefill.validate(prompt, params)
-        total = len(tokens) + params.max_tokens
-        for i, g in enumerate(self.decode):
-            need = g.kv.blocks_for_request(total)
-            if need > g.kv.num_blocks:
-                raise ValueError(f"request needs about {need * BLOCK} KV tokens per rank on a decode group (prompt "
-                                 f"{len(tokens)}, max_tokens {params.max_tokens}, pd_decode_cp={self.pd.decode_cp}) "
-                                 f"but each rank holds {g.kv.capacity_per_rank}; raise max_kv_tokens_per_rank or "
-                                 "pd_decode_cp, or shorten the request")
+        for g in self.decode:
+            g.kv.check_room(len(tokens), params.max_tokens, " on a decode group", f"pd_decode_cp={self.pd.decode_cp}")
         return tokens
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> Request:
