@@ -100,6 +100,17 @@ def test_llm_takes_a_hub_id_and_the_generation_config_defaults(hub, offline, tmp
     assert generation_defaults(src) == {}  # no generation_config.json: the library's defaults
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert generation_defaults(tmp_path) == {"temperature": 0.0}  # greedy by the model's choice
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "max_new_tokens": 40}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.7, "max_tokens": 40}  # vLLM's default max_tokens
+    from types import SimpleNamespace
+
+    from cpinfer.server.state import OpenAIServer
+
+    server = SimpleNamespace(max_model_len=100, sampling_defaults=generation_defaults(tmp_path))
+    assert [OpenAIServer.default_max_tokens(server, n) for n in (10, 70, 99, 120)] == [40, 30, 1, 1]
+    server.sampling_defaults = {}  # no max_new_tokens: the rest of the context
+    assert OpenAIServer.default_max_tokens(server, 10) == 90
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     with pytest.raises(ValueError, match="expected 'auto', 'vllm' or a folder"):
         generation_defaults(src, str(tmp_path / "none"))
     with LLM(REPO, download_dir=str(cache), threads_per_rank=1, generation_config=str(tmp_path), seed=7) as llm:

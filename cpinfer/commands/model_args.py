@@ -40,7 +40,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_help: str) -> N
                         "repositories; HF_HUB_OFFLINE=1 uses the cache alone")
     g.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                    help="sampling defaults for requests that set none: auto = the model's generation_config.json "
-                        "(temperature, top_p, top_k, min_p, repetition_penalty), vllm = none (temperature 1), or a "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens caps a chat's default "
+                        "max_tokens), vllm = none (temperature 1), or a "
                         "folder holding a generation_config.json (default: auto)")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the sampling of requests that give no seed, so a run repeats (default: 0)")

@@ -228,7 +228,8 @@ _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
 
 def generation_defaults(model_dir: str | os.PathLike, choice: str = "auto") -> dict:
     """The sampling defaults a model's generation_config.json sets (SamplingParams keyword arguments), used when a
-    request sets none. choice: "auto" = the model folder's file, "vllm" = none (the library's own defaults), or a
+    request sets none; `max_new_tokens` becomes the default `max_tokens` (a chat request without one gets the smaller
+    of it and the rest of the context). choice: "auto" = the model folder's file, "vllm" = none (the library's own defaults), or a
     folder holding a generation_config.json."""
     if choice == "vllm":
         return {}
@@ -248,4 +249,7 @@ def generation_defaults(model_dir: str | os.PathLike, choice: str = "auto") -> d
            and not isinstance(raw.get(key), bool)}
     if "top_k" in out:
         out["top_k"] = max(0, int(out["top_k"]))
+    limit = raw.get("max_new_tokens")  # the model's own answer length: the default max_tokens (as in vLLM)
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        out["max_tokens"] = limit
     return out

@@ -55,7 +55,7 @@ async def create_chat_completion(server: OpenAIServer, http_request: Request):
     if not ids:
         raise APIError(400, "messages produced an empty prompt", param="messages", code="invalid_prompt")
     grammar = await server.grammar(req.output_schema(), "tools" if req.tool_mode else "response_format")
-    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, server.max_model_len - len(ids))
+    max_tokens = req.max_completion_tokens or req.max_tokens or server.default_max_tokens(len(ids))
     top = int(req.top_logprobs or 0)
     params = server.sampling_params(req, max_tokens, top, req.logprobs, grammar)
     if req.logprobs and (req.max_completion_tokens or req.max_tokens):  # the default (the rest of the context)

@@ -132,6 +132,12 @@ class OpenAIServer:
         return APIError(500, f"the request failed on the server; the server log has the details under request id "
                              f"{request_id}", code="request_failed")
 
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        """A chat request's max_tokens when it sets none: the rest of the context, or the model's generation_config
+        max_new_tokens when that is smaller."""
+        rest = max(1, self.max_model_len - prompt_tokens)
+        return min(rest, int(self.sampling_defaults.get("max_tokens", rest)))
+
     def sampling_params(self, req: P._SamplingRequest, max_tokens: int, top_logprobs: int, logprobs: bool,
                         grammar: str | None):
         from cpinfer import SamplingParams
@@ -148,7 +154,7 @@ class OpenAIServer:
                            param="logit_bias", code="invalid_parameter")
         kwargs = req.sampling_kwargs(max_tokens, top_logprobs, logprobs)
         for key, value in self.sampling_defaults.items():  # the model's defaults where the request set none
-            if getattr(req, key, None) is None:
+            if key != "max_tokens" and getattr(req, key, None) is None:  # (max_tokens: the caller's default_max_tokens)
                 kwargs[key] = value
         try:
             return SamplingParams(**kwargs, grammar=grammar)
