@@ -19,7 +19,7 @@ def run_once(model_dir, cp: int, tokens: int, budget: int | None, vocab: int, hw
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=max(1, (os.cpu_count() or 1) // cp),
              max_kv_tokens_per_rank=C.kv_capacity(-(-tokens // cp) + 2048), max_num_batched_tokens=budget,
              placement="shard", **(hw or {})) as llm:
-        llm.generate(C.random_prompt(128, vocab, seed=9), SamplingParams(max_tokens=2))  # warm-up
+        llm.generate(C.random_prompt(128, vocab, seed=9), SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         eng = llm.engine
         eng.add_request("chat", C.random_prompt(64, vocab, seed=3),
                         SamplingParams(max_tokens=2000 if budget else 4, temperature=0.0, ignore_eos=True))

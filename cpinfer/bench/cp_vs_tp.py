@@ -35,11 +35,11 @@ def time_layout(model_dir, cp: int, tp: int, tokens: int, vocab: int, repeat: in
     with LLM(str(model_dir), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1,
              placement="shard", max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024),
              **(hw or {})) as llm:
-        llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
+        llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params, use_tqdm=False)  # warm-up
         llm.engine._pool.run(comm_probe)
         ttft, comm = [], []
         for i in range(repeat):
-            out = llm.generate(C.random_prompt(tokens, vocab, seed=i), params)[0]
+            out = llm.generate(C.random_prompt(tokens, vocab, seed=i), params, use_tqdm=False)[0]
             ttft.append(out.metrics["ttft_s"])
             probes = llm.engine._pool.run(comm_probe)
             comm.append(max(p["allreduce_s"] + p["ring_wait_s"] for p in probes))

@@ -18,8 +18,9 @@ def time_decode(model_dir, cp: int, context: int, steps: int, vocab: int, hw: di
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1, placement="shard",  # context split
              max_kv_tokens_per_rank=C.kv_capacity(-(-context // cp) + steps + 512), **(hw or {})) as llm:
-        llm.generate(C.random_prompt(256, vocab, seed=999), SamplingParams(max_tokens=4, ignore_eos=True))
-        out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
+        llm.generate(C.random_prompt(256, vocab, seed=999), SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        out = llm.generate(C.random_prompt(context, vocab, seed=0), params, use_tqdm=False)[0]
     ttit = out.metrics["ttit_s"][1:]  # the first step after prefill is a warm-up
     decode = [s for s in out.metrics["steps"] if s["phase"] == "decode"]
     return {"ttit_s": statistics.median(ttit), "ttit_runs_s": ttit, "prefill_s": out.metrics["ttft_s"],

@@ -86,7 +86,7 @@ def engine_step_s(llm, context: int, steps: int, vocab: int) -> float:
     from cpinfer import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    out = llm.generate(C.random_prompt(context, vocab, seed=context), params)[0]
+    out = llm.generate(C.random_prompt(context, vocab, seed=context), params, use_tqdm=False)[0]
     return statistics.median(out.metrics["ttit_s"][1:])  # the first step after the prefill is a warm-up
 
 
@@ -178,7 +178,8 @@ def measure(args) -> dict:
     with LLM(model, context_parallel_size=1, threads_per_rank=args.threads, placement="local",
              max_kv_tokens_per_rank=C.kv_capacity(max(args.context) + args.steps + 64), **hw) as llm:
         runner = in_process_runner(llm)
-        llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+        llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
         run, weight_bytes = linear_pass(runner.model)
         for ctx in args.context:
             before = time_passes(run, args.floor_reps)

@@ -29,8 +29,9 @@ def engine_ttit(model_dir, cp: int, context: int, steps: int, vocab: int, thread
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=threads, placement=placement,
              max_kv_tokens_per_rank=C.kv_capacity(context + steps + 64), **(hw or {})) as llm:
-        llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-        out = llm.generate(C.random_prompt(context, vocab, seed=0), params)[0]
+        llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        out = llm.generate(C.random_prompt(context, vocab, seed=0), params, use_tqdm=False)[0]
     # the first step after the prefill is a warm-up
     last = out.metrics["steps"][-1]
     where = last["placement"]

@@ -483,10 +483,11 @@ def _engine_prefills(llm, prompts: dict[int, list[int]], max_tokens: int = CHECK
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True, ignore_eos=True)
     cuda = llm.engine.args.device == "cuda"
     for n, prompt in prompts.items():
-        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))  # warm-up
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        outs = [llm.generate([prompt], params)[0] for _ in range(repeat)]
+        outs = [llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(repeat)]
         out = outs[0]
         res[n] = {"out": out, "ttft_s": statistics.median(o.metrics["ttft_s"] for o in outs),
                   "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
@@ -583,7 +584,7 @@ def profile_prefill(llm, prompt: list[int], out: Path, device: str = "cuda", top
 
     cuda = device == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
     averages = prof.key_averages()
     (out / "c-profile.txt").write_text(averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                                       row_limit=60))
@@ -825,8 +826,9 @@ def _decode_run(model_dir: str, prompts: list[list[int]], eager: bool, steps: in
     try:
         params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=True, ignore_eos=True)
         for batch in batches:
-            llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-            outs = llm.generate(prompts[:batch], params)
+            llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)  # warm-up
+            outs = llm.generate(prompts[:batch], params, use_tqdm=False)
             res[batch] = (outs, statistics.median(t for o in outs for t in o.metrics["ttit_s"][1:]))
         replays = sum(llm.engine._pool.run(_graph_replays))
     finally:
@@ -1058,7 +1060,7 @@ def _chat_turns(rec: Recorder, setup: Setup, model_dir: str, load_format: str, c
              max_kv_tokens_per_rank=_capacity(sum(map(len, parts)), 2 * setup.chat_tokens)) as llm:
         for turn, extra in enumerate(parts, 1):
             prompt = prompt + extra
-            out = llm.generate([prompt], params)[0]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
             m = out.metrics
             r = TurnResult(cp, turn, len(prompt), out.num_cached_tokens, list(out.token_ids), list(out.logprobs), "",
                            m["ttft_s"], list(m["ttit_s"]), _strategy(m["steps"], "prefill"),

@@ -45,13 +45,13 @@ def accuracy_and_time(model_dir, prompt: list[int], cps: list[int], max_tokens: 
     for cp in cps:
         for kvd in ("auto",) + FP8_MODES:
             with _engine(model_dir, cp, kvd, len(prompt) // cp + 2 * max_tokens + 1024, hw) as llm:
-                llm.generate([prompt[:64]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-                out = llm.generate([prompt], greedy)[0]
+                llm.generate([prompt[:64]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+                out = llm.generate([prompt], greedy, use_tqdm=False)[0]
                 stats = llm.engine.cache_stats()
                 if cp == cps[0]:
                     full = prompt + (runs[(cp, "auto")]["tokens"] if kvd != "auto" else out.token_ids)[:-1]
                     o = llm.generate([full], SamplingParams(max_tokens=1, prompt_logprobs=True, top_logprobs=1,
-                                                            temperature=0.0))[0]
+                                                            temperature=0.0), use_tqdm=False)[0]
                     top = [max(d, key=d.get) for d in o.prompt_top_logprobs[1:]]
                     forced[kvd] = (o.prompt_logprobs[1:], top)
             runs[(cp, kvd)] = {"tokens": out.token_ids, "prefill_s": out.metrics["ttft_s"],
@@ -78,7 +78,8 @@ def prompt_logprobs(llm, prompts: list[list[int]]) -> list[np.ndarray]:
     from cpinfer import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=True, temperature=0.0)
-    return [np.asarray(llm.generate([p], params)[0].prompt_logprobs[1:], dtype=np.float64) for p in prompts]
+    return [np.asarray(llm.generate([p], params,
+                                    use_tqdm=False)[0].prompt_logprobs[1:], dtype=np.float64) for p in prompts]
 
 
 def _stats(a: np.ndarray, b: np.ndarray) -> dict:
@@ -144,7 +145,7 @@ def passkey(model_dir, tokens: int, cp: int, hw: dict, kvd: str = "fp8") -> dict
     ids += tok("The pass key is", add_special_tokens=False)["input_ids"]
     t0 = time.perf_counter()
     with _engine(model_dir, cp, kvd, len(ids) // cp + 1024, hw) as llm:
-        out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0]
+        out = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
     answer = tok.decode(out.token_ids)
     return {"tokens": len(ids), "cp": cp, "kv_cache_dtype": kvd, "key": key, "answer": answer,
             "found": key in answer, "seconds": time.perf_counter() - t0, "prefill_s": out.metrics["ttft_s"]}

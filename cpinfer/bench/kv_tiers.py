@@ -39,11 +39,11 @@ def sessions(args, hw: dict, vocab: int, **tiers) -> dict:
     history = [list(d) for d in docs]
     ttft: dict[int, list[float]] = {}
     with _llm(args.cp, capacity, hw, **tiers) as llm:
-        llm.generate(C.random_prompt(256, vocab, seed=7), _params(2))  # warm-up
+        llm.generate(C.random_prompt(256, vocab, seed=7), _params(2), use_tqdm=False)  # warm-up
         for turn in range(1, args.turns + 1):
             for i in range(args.sessions):
                 prompt = history[i] + C.random_prompt(args.question, vocab, seed=10_000 * turn + i)
-                out = llm.generate(prompt, _params(args.answer))[0]
+                out = llm.generate(prompt, _params(args.answer), use_tqdm=False)[0]
                 ttft.setdefault(turn, []).append(out.metrics["ttft_s"])
                 history[i] = prompt + out.token_ids
             if turn == 1:
@@ -66,16 +66,16 @@ def restart(args, hw: dict, vocab: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="cpinfer-kv-bench-") as d:
         with _llm(args.cp, capacity, hw, kv_disk_dir=d) as llm:
             prompt1 = doc + C.random_prompt(args.question, vocab, seed=1)
-            out1 = llm.generate(prompt1, _params(args.answer))[0]
+            out1 = llm.generate(prompt1, _params(args.answer), use_tqdm=False)[0]
         written = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
         prompt2 = prompt1 + out1.token_ids + C.random_prompt(args.question, vocab, seed=2)
         t0 = time.perf_counter()
         with _llm(args.cp, capacity, hw, kv_disk_dir=d) as llm:
             start_s = time.perf_counter() - t0
-            out2 = llm.generate(prompt2, _params(args.answer))[0]
+            out2 = llm.generate(prompt2, _params(args.answer), use_tqdm=False)[0]
             disk = llm.cache_stats()["tiers"]["disk"]
     with _llm(args.cp, capacity, hw) as llm:
-        cold = llm.generate(prompt2, _params(args.answer))[0]
+        cold = llm.generate(prompt2, _params(args.answer), use_tqdm=False)[0]
     return {"history_tokens": len(prompt2), "cached_tokens": out2.num_cached_tokens,
             "ttft_restart_s": out2.metrics["ttft_s"], "ttft_cold_s": cold.metrics["ttft_s"],
             "ttft_turn1_s": out1.metrics["ttft_s"], "engine_start_s": start_s, "disk_bytes_written": written,

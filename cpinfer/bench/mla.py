@@ -62,7 +62,7 @@ def stored_bytes_per_token(model_dir, tokens: int, vocab: int) -> float:
     with LLM(str(model_dir), threads_per_rank=1, max_kv_tokens_per_rank=C.kv_capacity(tokens + 64),
              kv_host_gib=0.01) as llm:
         llm.generate(C.random_prompt(tokens, vocab, seed=7), SamplingParams(max_tokens=2, temperature=0.0,
-                                                                            ignore_eos=True))
+                                                                            ignore_eos=True), use_tqdm=False)
         dev = llm.cache_stats()["tiers"]["device"]
     return dev["bytes"] / dev["tokens"]
 

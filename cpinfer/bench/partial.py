@@ -49,11 +49,11 @@ def time_strategy(model_dir, cp: int, strategy: str, grid: list[tuple[int, int]]
              max_kv_tokens_per_rank=C.kv_capacity(-(-need // cp) + 1024), **(hw or {})) as llm:
         for p in ps:
             base = C.random_prompt(p + 1, vocab, seed=p)
-            llm.generate(base, params)  # turn 1: P+1 prompt tokens (+1 output) cached
+            llm.generate(base, params, use_tqdm=False)  # turn 1: P+1 prompt tokens (+1 output) cached
             for t in sorted(t for t, q in grid if q == p):
                 runs = []
                 for i in range(repeat + 1):  # the first is a warm-up for this shape
-                    out = llm.generate(_turn2(base, p, t, vocab, seed=1000 * t + i), params)[0]
+                    out = llm.generate(_turn2(base, p, t, vocab, seed=1000 * t + i), params, use_tqdm=False)[0]
                     if out.num_cached_tokens != p:
                         raise RuntimeError(f"turn 2 reused {out.num_cached_tokens} tokens, expected {p}")
                     runs.append(out.metrics["ttft_s"])

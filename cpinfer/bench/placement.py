@@ -42,9 +42,10 @@ def one_request(model_dir, cp: int, placement: str, context: int, answer: int, v
 
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1, placement=placement,
              max_kv_tokens_per_rank=C.kv_capacity(context + answer + 512)) as llm:
-        llm.generate(C.random_prompt(256, vocab, seed=999), SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate(C.random_prompt(256, vocab, seed=999), SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
         out = llm.generate(C.random_prompt(context, vocab, seed=0),
-                           SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True))[0]
+                           SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     ttft, ttit = out.metrics["ttft_s"], _ttit(out)
     return {"ttft_s": ttft, "ttit_s": ttit, "e2e_s": ttft + answer * ttit, "placement": _where([out]),
             "decision": out.metrics["steps"][0].get("placement_inputs")}
@@ -98,13 +99,14 @@ def burst(model, cp: int, threads: int, placement: str, prompts, output: int, bu
     with LLM(model, context_parallel_size=cp, threads_per_rank=threads, placement=placement,
              max_kv_tokens_per_rank=capacity, max_model_len=longest + output + 64,
              max_num_batched_tokens=budget) as llm:
-        llm.generate(_prompts(1, 64, llm.config.vocab_size, seed=7), SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate(_prompts(1, 64, llm.config.vocab_size, seed=7), SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
         alone = None
         if first is not None:  # the long prompt alone first (a different one of the same length: no cache hit)
             other = _prompts(1, len(first), llm.config.vocab_size, seed=11)[0]
-            alone = llm.generate([other], params)[0]
+            alone = llm.generate([other], params, use_tqdm=False)[0]
         t0 = time.perf_counter()
-        outs = llm.generate(([first] if first else []) + prompts, params)
+        outs = llm.generate(([first] if first else []) + prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
     short = outs[1:] if first else outs
     res = {"wall_s": wall, "output_tok_s": sum(len(o.token_ids) for o in short) / wall,

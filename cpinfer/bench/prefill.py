@@ -24,10 +24,10 @@ def time_engine(model_dir, cp: int, tokens: int, vocab: int, repeat: int, hw: di
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=1, placement="shard",  # the ring's scaling
              max_kv_tokens_per_rank=C.kv_capacity(2 * (tokens // cp + 1) + 1024), **(hw or {})) as llm:
-        llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params)  # warm-up
+        llm.generate(C.random_prompt(min(tokens, 512), vocab, seed=999), params, use_tqdm=False)  # warm-up
         ttft, steps = [], None
         for i in range(repeat):
-            out = llm.generate(C.random_prompt(tokens, vocab, seed=i), params)[0]
+            out = llm.generate(C.random_prompt(tokens, vocab, seed=i), params, use_tqdm=False)[0]
             ttft.append(out.metrics["ttft_s"])
             steps = out.metrics["steps"]
     return {"ttft_s": statistics.median(ttft), "runs_s": ttft, "strategy": steps[0]["strategy"],

@@ -264,7 +264,7 @@ def overhead(url: str, name: str, model_dir: Path, config: Config, args, prompt:
             r = client.post(url + "/v1/completions", json=body)
             r.raise_for_status()
             t1 = time.perf_counter()
-            out = llm.generate([prompt], params)[0]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
             t2 = time.perf_counter()
             if r.json()["usage"]["completion_tokens"] != max_tokens or len(out.token_ids) != max_tokens:
                 raise RuntimeError("the overhead request did not produce max_tokens tokens")

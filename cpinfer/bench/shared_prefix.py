@@ -23,10 +23,11 @@ def run_workload(model_dir, cp: int, doc: int, requests: int, max_tokens: int, v
     capacity = C.kv_capacity(-(-(requests * (doc + 16 + max_tokens)) // cp) + 1024)
     with LLM(str(model_dir), context_parallel_size=cp, threads_per_rank=max(1, (os.cpu_count() or 1) // cp),
              max_kv_tokens_per_rank=capacity, enable_prefix_caching=sharing, **(hw or {})) as llm:
-        llm.generate(C.random_prompt(128, vocab, seed=9), SamplingParams(max_tokens=2))  # warm-up
+        llm.generate(C.random_prompt(128, vocab, seed=9), SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         before = sum(llm.cache_stats()["kv_tokens_per_rank"])
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
         elapsed = time.perf_counter() - t0
         stats = llm.cache_stats()
     return {"e2e_s": elapsed, "kv_tokens_per_rank": stats["kv_tokens_per_rank"],

@@ -99,11 +99,11 @@ def run_engine(model: str, cp: int, speculative: dict | None, workloads: dict[st
     out: dict[str, list[dict]] = {}
     with LLM(model, context_parallel_size=cp, max_model_len=longest, **kw) as llm:
         first = next(iter(workloads.values()))[0]
-        llm.generate([first[-8:]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        llm.generate([first[-8:]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
         for name, prompts in workloads.items():
             out[name] = []
             for prompt in prompts:
-                res = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+                res = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
                 out[name].append({"tokens": list(res.token_ids),
                                   "decode_s": float(sum(res.metrics.get("ttit_s", ()))),
                                   "spec": dict(res.metrics.get("spec") or {})})

@@ -74,9 +74,9 @@ def _decode(model, cp: int, tokens: int, grammar: str | None) -> float:
     with LLM(model, context_parallel_size=cp, max_model_len=1024) as llm:
         msgs = [{"role": "user", "content": "Describe the paper as JSON with title, year and tags."}]
         prompt = llm.encode_chat(msgs)
-        llm.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
+        llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         out = llm.generate([prompt], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
-                                                    grammar=grammar))[0]
+                                                    grammar=grammar), use_tqdm=False)[0]
     return statistics.median(out.metrics["ttit_s"]), len(out.token_ids)
 
 
