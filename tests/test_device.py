@@ -128,6 +128,11 @@ def test_kv_tokens_from_injected_memory_figures():
         int((0.45 * 80 - 21) * GiB // per_token) // BLOCK * BLOCK
     with pytest.raises(ValueError, match=r"no room for the KV cache: gpu_memory_utilization 0.25 of 80.00 GiB"):
         kv_tokens_from_memory(fig, 0.25, per_token, BLOCK)
+    # a draft model loaded after the measurement: its weights and scratch come off the budget first
+    assert kv_tokens_from_memory(fig, 0.9, per_token, BLOCK, reserve=3 * GiB) == \
+        int((0.9 * 80 - 24) * GiB // per_token) // BLOCK * BLOCK
+    with pytest.raises(ValueError, match=r"\+3.00 GiB for the draft model"):
+        kv_tokens_from_memory(fig, 0.3, per_token, BLOCK, reserve=3 * GiB)
     with pytest.raises(ValueError, match="memory figure peak"):
         MemoryFigures(total=GiB, free_at_start=GiB, peak=-1)
 

@@ -210,6 +210,25 @@ def test_gguf_draft_resolved_and_tokenizer_mismatch_refused(llama_checkpoint, tm
         check_draft(config, tokenizer, other, 1)
 
 
+def test_draft_memory_on_a_gpu_is_counted_before_the_kv_cache_is_sized(small_draft):
+    """On CUDA the KV cache is sized from memory before the draft loads: the sizing takes off its weights (counted
+    from the safetensors headers: the model's own parameter count), its scratch rows, and its store's bytes per slot."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from cpinfer.engine.spec.draft import draft_reserve_bytes, draft_token_bytes, draft_weight_bytes
+
+    config = ModelConfig.from_pretrained(small_draft)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(small_draft).parameters())
+    assert draft_weight_bytes((small_draft, config), 2) == 2 * params
+    per_slot = draft_token_bytes((small_draft, config), 2)
+    assert per_slot == 2 * config.num_hidden_layers * config.cached_kv_heads * 2 * config.head_dim
+    args = SimpleNamespace(max_num_seqs=8, speculative_config=SimpleNamespace(num_speculative_tokens=4))
+    assert draft_reserve_bytes(args, (small_draft, config), 2) == 2 * params + (8 * 4 + 1) * per_slot
+    assert draft_reserve_bytes(args, None, 2) == draft_weight_bytes(None, 2) == draft_token_bytes(None, 2) == 0
+
+
 # ---------------------------------------------------------------- the engine speculating with a draft model
 
 def _prompts(seed: int) -> list[list[int]]:

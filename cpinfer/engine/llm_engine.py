@@ -38,7 +38,7 @@ from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.spec.adaptive import VERIFY_TOKEN_COST, SpecState, StepCost
 from cpinfer.engine.spec.config import SpeculativeConfig
-from cpinfer.engine.spec.draft import draft_for, draft_token_bytes, load_draft
+from cpinfer.engine.spec.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
 from cpinfer.engine.spec.registry import check_method, make_proposer
 from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.mla_form import check_form, choose_form
@@ -321,7 +321,10 @@ class LLMEngine:
         sizing = None if capacity is not None else {
             "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
             "utilization": a.gpu_memory_utilization, "block": BLOCK,
-            "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count()))}
+            "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count())),
+            # a draft model loads after the measurement: its store holds the target's slots, plus weights and scratch
+            "extra_bytes_per_token": draft_token_bytes(getattr(self, "draft", None), self.elem_bytes),
+            "reserve_bytes": draft_reserve_bytes(a, getattr(self, "draft", None), self.elem_bytes)}
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down

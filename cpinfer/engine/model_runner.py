@@ -321,7 +321,8 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
                 attention_backend: str | None = None, sizing: dict | None = None, decode: dict | None = None,
                 kv_cache_dtype: str = "auto", load_format: str = "auto") -> dict:
     """Load this rank's model. With a capacity, allocate its KV store now; with None (CUDA), measure instead:
-    `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} → the KV tokens this rank could hold
+    `sizing` = {"tokens", "utilization", "ranks_per_device", "block"} (and a draft model's "extra_bytes_per_token",
+    "reserve_bytes", loaded later) → the KV tokens this rank could hold
     (`kv_capacity`), and its memory figures; the driver then calls `allocate_kv` with the smallest. `decode`: the
     static decode path's mode and bucket bound (`ModelRunner`)."""
     probe = None
@@ -353,8 +354,10 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
     fig = probe.figures()
     info["memory"] = dataclasses.asdict(fig)
     info["kv_bytes_per_token"] = runner.kv_bytes_per_token
-    info["kv_capacity"] = kv_tokens_from_memory(fig, sizing["utilization"], runner.kv_bytes_per_token,
-                                                sizing["block"], sizing["ranks_per_device"])
+    info["kv_capacity"] = kv_tokens_from_memory(fig, sizing["utilization"],
+                                                runner.kv_bytes_per_token + sizing.get("extra_bytes_per_token", 0),
+                                                sizing["block"], sizing["ranks_per_device"],
+                                                sizing.get("reserve_bytes", 0))
     return info
 
 

@@ -37,16 +37,17 @@ class MemoryFigures:
 
 
 def kv_tokens_from_memory(fig: MemoryFigures, utilization: float, bytes_per_token: int, block: int,
-                          ranks_per_device: int = 1) -> int:
+                          ranks_per_device: int = 1, reserve: int = 0) -> int:
     """KV tokens (a multiple of `block`) for one rank: utilization x total / ranks sharing the device (never more
     than was free before the model loaded, when the rank has the device alone), minus the rank's peak and non-torch
-    memory. ValueError, with the figures, when not one block is left."""
+    memory and `reserve` bytes loaded after the measurement (a draft model's weights and scratch rows). ValueError,
+    with the figures, when not one block is left."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     budget = fig.total * utilization / ranks_per_device
     if ranks_per_device == 1:  # memory other processes hold is not ours to take
         budget = min(budget, fig.free_at_start)
-    left = budget - fig.peak - fig.non_torch
+    left = budget - fig.peak - fig.non_torch - reserve
     tokens = int(max(left, 0) // bytes_per_token) // block * block
     if tokens < block:
         others = fig.total - fig.free_at_start
@@ -55,7 +56,8 @@ def kv_tokens_from_memory(fig: MemoryFigures, utilization: float, bytes_per_toke
             f"{f' / {ranks_per_device} ranks' if ranks_per_device > 1 else ''} gives {budget / GiB:.2f} GiB"
             f"{f' ({others / GiB:.2f} GiB were already in use before the model loaded)' if others else ''}, and the "
             f"weights plus a profiling forward peaked at {fig.peak / GiB:.2f} GiB (+{fig.non_torch / GiB:.2f} GiB "
-            f"outside torch), leaving less than one {block}-token block ({block * bytes_per_token / GiB:.3f} GiB); "
+            f"outside torch{f', +{reserve / GiB:.2f} GiB for the draft model' if reserve else ''}), leaving less "
+            f"than one {block}-token block ({block * bytes_per_token / GiB:.3f} GiB); "
             "raise gpu_memory_utilization, lower max_num_batched_tokens, or use more ranks (CP / TP)")
     return tokens
 

@@ -6,6 +6,8 @@ the target's KV manager (placement, prefix caching, preemption, rollback) serves
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +85,30 @@ def draft_token_bytes(draft: tuple[str, ModelConfig] | None, elem_bytes: int) ->
         return 0
     c = draft[1]
     return KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), elem_bytes)
+
+
+def draft_weight_bytes(draft: tuple[str, ModelConfig] | None, elem_bytes: int) -> int:
+    """The draft's weights on one rank (the whole model: drafts run without TP) in the engine's dtype, counted from
+    its safetensors headers (no tensor is read); 0 without a draft."""
+    if draft is None:
+        return 0
+    from safetensors import safe_open
+
+    count = 0
+    for f in sorted(Path(draft[0]).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for name in h.keys():
+                count += math.prod(h.get_slice(name).get_shape())
+    return count * elem_bytes
+
+
+def draft_reserve_bytes(engine_args, draft: tuple[str, ModelConfig] | None, elem_bytes: int) -> int:
+    """What a draft loads on a rank after the KV cache is sized from GPU memory: its weights and its scratch rows
+    (every running request's k draft steps); its store's per-slot bytes are `draft_token_bytes`."""
+    if draft is None:
+        return 0
+    scratch = engine_args.max_num_seqs * engine_args.speculative_config.num_speculative_tokens
+    return draft_weight_bytes(draft, elem_bytes) + (scratch + 1) * draft_token_bytes(draft, elem_bytes)
 
 
 def load_draft(engine) -> None:
