@@ -771,6 +771,8 @@ class _RankLinks:
 
     def _work(self) -> None:
         torch.set_num_threads(self._threads)  # the rank's threads, in this thread too
+        if self.world.ctx.device.type == "cuda":  # the current GPU is a per-thread setting
+            torch.cuda.set_device(self.world.ctx.device)
         while True:
             item = self.inbox.get()
             if item is None:
@@ -1033,8 +1035,13 @@ class JoinedWorld:
                 msg = box[0]
             fn, args, kwargs = msg
             mine = _call(fn, self.ctx, args, kwargs)
-            if self.subsets:
-                _send_frame(self._link, mine)  # an error too: rank 0 reports it before it sees the connection close
+            if self.subsets:  # an error too: rank 0 reports it before it sees the connection close
+                try:
+                    _send_frame(self._link, mine)
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an unpicklable result: an error
+                    mine = ("error", (type(exc).__name__, f"the result of {fn.__name__} cannot be sent: {exc}",
+                                      traceback.format_exc()))
+                    _send_frame(self._link, mine)
             if mine[0] == "error":  # exit now: peers stuck in a collective with us fail at once, torchrun ends the job
                 print(f"rank {self.rank}: {fn.__name__} raised {mine[1][0]}: {mine[1][1]}\n{mine[1][2]}",
                       file=sys.stderr, flush=True)

@@ -155,3 +155,28 @@ def test_two_nodes_serve_then_a_killed_decode_rank_ends_the_driver(model_dir, re
         assert not any(is_alive(p) for p in ranks)
     finally:
         _end(*([server.proc] if server is not None else []), headless)
+
+
+def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tmp_path):
+    """JoinedWorld(subsets=True) on 3 processes: `run` / `run_some` (a group collective on ranks 0-1), rank 0's own
+    2 s call on its worker thread while ranks 1 and 2 answer many calls; a rank that raises is reported with its
+    error, exits, and the world refuses further calls; the others exit 0 when rank 0 closes the world."""
+    port = free_port()
+    out = tmp_path / "seen.json"
+    script = os.path.join(os.path.dirname(__file__), "scripts", "joined_subsets.py")
+    procs = [subprocess.Popen([sys.executable, script, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**ENV, "RANK": str(r), "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port)}) for r in range(3)]
+    try:
+        logs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        _end(*procs)
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0, 1], (codes, "\n---\n".join(logs))
+    seen = json.loads(out.read_text())
+    assert seen["run"] == [0, 1, 2] and seen["run_some"] == [3, 3, None], seen
+    assert seen["rank0"] == [0] and seen["rounds"] >= 10 and 1.9 < seen["waited_s"] < 10, seen
+    assert seen["error"] == [[2], "ValueError", "rank 2 fails on purpose"], seen
+    assert seen["dead_reason"].startswith("rank 2 raised ValueError"), seen
+    assert "the joined world is unusable: rank 2 raised ValueError" in seen["after"], seen
+    assert "rank 2: boom raised ValueError: rank 2 fails on purpose" in logs[2], logs[2]
