@@ -868,8 +868,8 @@ class JoinedWorld:
         else:
             msg = [None]
         dist.broadcast_object_list(msg, src=0, group=self._control)
-        if self.rank == 0:
-            self._links = _RankLinks(self, listen, token, timeout_s)
+        if self.rank == 0:  # every rank connects right after the broadcast: a missing one has failed
+            self._links = _RankLinks(self, listen, token, min(timeout_s, 120.0))
             return
         host, port, token = msg[0]
         sock = socket.create_connection((host, port), timeout=timeout_s)

@@ -180,3 +180,20 @@ def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tm
     assert seen["dead_reason"].startswith("rank 2 raised ValueError"), seen
     assert "the joined world is unusable: rank 2 raised ValueError" in seen["after"], seen
     assert "rank 2: boom raised ValueError: rank 2 fails on purpose" in logs[2], logs[2]
+
+
+def test_torchrun_world_of_the_wrong_size_is_refused_on_every_rank(model_dir, tmp_path):
+    """Prefill CP 2 + decode CP 1 needs 3 processes: torchrun with 2 fails before any model loads, naming both
+    numbers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"pd{port}",
+           "-m", "cpinfer", "generate", str(model_dir), "--cp", "2", "--pd-decode-cp", "1", *ENGINE,
+           "--prompt-ids", "1,2,3"]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        out, _ = agent.communicate(timeout=180)
+    finally:
+        _end(agent)
+    assert agent.returncode != 0, out[-3000:]
+    assert "(2 + 1 x 1) x 1 = 3 ranks, but the launched world has 2 processes" in out, out[-3000:]
