@@ -646,8 +646,8 @@ def _recv_frame(sock: socket.socket) -> Any:
 
 
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay on a decode step's small messages; keep-alive probes find a peer whose machine vanished
-    without closing the connection (within about 20 s where the platform lets us set the intervals)."""
+    """No Nagle delay on a decode step's small messages; on an idle connection, keep-alive probes find a peer whose
+    machine vanished without closing it (within about 20 s where the platform lets us set the intervals)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
@@ -675,7 +675,7 @@ class _RankLinks:
     collect other groups' calls while rank 0 is inside a long one).
 
     The worker thread alone uses this process's data groups (world, roles) once the world is up; the driver thread
-    alone uses the control group (at start-up and at close)."""
+    alone uses the control group (at start-up), so no process group is ever used by two threads at once."""
 
     def __init__(self, world: "JoinedWorld", listen: socket.socket, token: bytes, timeout_s: float):
         self.world = world
