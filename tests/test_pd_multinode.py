@@ -149,6 +149,7 @@ def test_two_nodes_serve_then_a_killed_decode_rank_ends_the_driver(model_dir, re
         code = server.proc.wait(timeout=60)
         took = time.monotonic() - t0
         out = server.output()
+        print(f"node 0 exited {took:.1f} s after the decode rank was killed")
         assert code == 1 and took < 15, (code, took, out[-3000:])
         assert "the engine is dead" in out and "rank 1 is gone" in out, out[-3000:]
         assert headless.wait(timeout=30) == 1
