@@ -19,6 +19,9 @@ import datetime
 import multiprocessing.connection
 import multiprocessing.resource_tracker
 import os
+import pickle
+import queue
+import selectors
 import shutil
 import signal
 import socket
@@ -616,18 +619,214 @@ def heartbeat(ctx) -> int:
     return ctx.rank
 
 
+def _send_frame(sock: socket.socket, obj: Any) -> None:
+    """One control message: its length (8 bytes) then its pickle."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    head = len(data).to_bytes(8, "little")
+    if len(data) < (1 << 16):  # one segment for a decode step's small message
+        sock.sendall(head + data)
+    else:  # a large one without the copy
+        sock.sendall(head)
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("the control connection closed")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> Any:
+    return pickle.loads(_recv_exact(sock, int.from_bytes(_recv_exact(sock, 8), "little")))
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay on a decode step's small messages; on an idle connection, keep-alive probes find a peer whose
+    machine vanished without closing it (within about 20 s where the platform lets us set the intervals)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def control_address() -> str:
+    """The IPv4 address rank 0 listens on for its ranks' control connections: the one this machine reaches
+    MASTER_ADDR through (loopback for a one-machine world; node 0's own address when MASTER_ADDR is node 0). No
+    packet is sent: connecting a UDP socket only picks the route."""
+    try:
+        target = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class _RankLinks:
+    """Rank 0's side of a subset-mode joined world: one TCP connection per other rank (pickled messages, length
+    first), a reader thread that files each rank's answer as it arrives and notices a closed connection at once,
+    and a worker thread that runs rank 0's own share of each call (so the driver thread stays free to submit and
+    collect other groups' calls while rank 0 is inside a long one).
+
+    The worker thread alone uses this process's data groups (world, roles) once the world is up; the driver thread
+    alone uses the control group (at start-up), so no process group is ever used by two threads at once."""
+
+    def __init__(self, world: "JoinedWorld", listen: socket.socket, token: bytes, timeout_s: float):
+        self.world = world
+        self.socks: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + timeout_s
+        listen.settimeout(1.0)
+        try:
+            while len(self.socks) < world.world_size - 1:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, world.world_size)) - set(self.socks))
+                    raise RuntimeError(f"rank(s) {missing} did not open their control connection to rank 0 within "
+                                       f"{timeout_s:.0f} s")
+                try:
+                    conn, _ = listen.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(10.0)
+                try:
+                    hello = _recv_exact(conn, 8 + len(token))
+                except (OSError, ConnectionError):
+                    conn.close()
+                    continue
+                rank = int.from_bytes(hello[:8], "little")
+                if hello[8:] != token or not 0 < rank < world.world_size or rank in self.socks:
+                    conn.close()  # not one of this world's ranks
+                    continue
+                conn.settimeout(None)
+                _tune(conn)
+                self.socks[rank] = conn
+        except BaseException:
+            for s in self.socks.values():
+                s.close()
+            raise
+        finally:
+            listen.close()
+        self.answers: dict[int, tuple] = {}  # rank → (status, payload) of its call in flight
+        self.cond = threading.Condition()
+        self._buffers = {r: bytearray() for r in self.socks}
+        self._wake_r, self._wake_w = os.pipe()  # close() ends the reader's select
+        self._stop = False
+        self._threads = torch.get_num_threads()
+        self.inbox: Any = queue.SimpleQueue()  # rank 0's calls: (fn, args, kwargs) or None to stop
+        self.reader = threading.Thread(target=self._read, name="cpinfer-control-reader", daemon=True)
+        self.worker = threading.Thread(target=self._work, name="cpinfer-rank0-worker", daemon=True)
+        self.reader.start()
+        self.worker.start()
+
+    def _file(self, rank: int, answer: tuple) -> None:
+        with self.cond:
+            if answer[0] == "error" and self.world.dead_reason is None:  # the rank exits (rank 0: stops driving)
+                self.world.dead_reason = f"rank {rank} raised {answer[1][0]}: {answer[1][1]}"
+            self.answers[rank] = answer
+            self.cond.notify_all()
+
+    def _lost(self, rank: int, why: str) -> None:
+        with self.cond:
+            if self.world.dead_reason is None:
+                self.world.dead_reason = f"rank {rank} is gone ({why})"
+            self.cond.notify_all()
+
+    def _read(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        for r, sock in self.socks.items():
+            sel.register(sock, selectors.EVENT_READ, r)
+        left = len(self.socks)
+        try:
+            while not self._stop and left:
+                for key, _ in sel.select(5.0):
+                    rank = key.data
+                    if rank is None or self._stop:  # close() woke us
+                        return
+                    try:
+                        chunk = key.fileobj.recv(1 << 20)
+                    except OSError as exc:
+                        chunk, why = b"", f"its control connection failed: {exc}"
+                    else:
+                        why = "its control connection closed: the process exited"
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        left -= 1
+                        self._lost(rank, why)
+                        continue
+                    buf = self._buffers[rank]
+                    buf += chunk
+                    while len(buf) >= 8 and len(buf) >= 8 + int.from_bytes(buf[:8], "little"):
+                        n = int.from_bytes(buf[:8], "little")
+                        answer = pickle.loads(bytes(buf[8:8 + n]))
+                        del buf[:8 + n]
+                        self._file(rank, answer)
+        finally:
+            sel.close()
+
+    def _work(self) -> None:
+        torch.set_num_threads(self._threads)  # the rank's threads, in this thread too
+        if self.world.ctx.device.type == "cuda":  # the current GPU is a per-thread setting
+            torch.cuda.set_device(self.world.ctx.device)
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            fn, args, kwargs = item
+            self._file(0, _call(fn, self.world.ctx, args, kwargs))  # an error: peers may wait for rank 0 in a
+            # collective, the world is unusable now
+
+    def send(self, rank: int, msg: Any) -> None:
+        if rank == 0:
+            self.inbox.put(msg)
+        else:
+            _send_frame(self.socks[rank], msg)
+
+    def close(self, wait_s: float) -> bool:
+        """Stop the threads and close the connections; True when rank 0's worker has left (it may be stuck in a
+        collective with a dead peer: it is a daemon thread then, and the process may not tear its groups down)."""
+        self._stop = True
+        self.inbox.put(None)
+        os.write(self._wake_w, b"x")
+        self.worker.join(wait_s)
+        self.reader.join(1.0)
+        for s in self.socks.values():
+            try:
+                s.close()
+            except OSError:
+                pass
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        return not self.worker.is_alive()
+
+
 class JoinedWorld:
     """The same `run` interface as `WorkerPool`, over an existing torchrun world: rank 0 drives, the others serve.
 
-    Rank 0 broadcasts each call over a gloo control group, runs it itself, and gathers every rank's result.
-    The control group waits without a deadline-driven failure for idle periods (up to `idle_timeout_s`); the
-    data groups keep `timeout_s`, and torchrun tears the job down if any rank dies. A rank that raises inside a
-    call exits at once (rank 0: stops driving), so its peers' collectives fail on the closed connection instead
-    of waiting for the timeout; `heartbeat` lets an idle driver notice a rank whose process is gone.
+    Broadcast mode (the default; one CP group): rank 0 broadcasts each call over a gloo control group, runs it
+    itself, and gathers every rank's result. The control group waits without a deadline-driven failure for idle
+    periods (up to `idle_timeout_s`); the data groups keep `timeout_s`, and torchrun tears the job down if any rank
+    dies. A rank that raises inside a call exits at once (rank 0: stops driving), so its peers' collectives fail on
+    the closed connection instead of waiting for the timeout; `heartbeat` lets an idle driver notice a rank whose
+    process is gone.
+
+    Subset mode (`subsets=True`, chosen at construction on every rank; prefill / decode groups): calls go to any
+    subset of the ranks, and calls of disjoint subsets are in flight side by side (`submit_some`, `answered`,
+    `wait_any`, `collect_some`, as `WorkerPool`'s). Each rank holds a TCP connection to rank 0 (its address goes
+    out over the control group at start-up, with a token every rank must present); messages are pickles, length
+    first. Rank 0's own share runs on a worker thread fed by a queue; a reader thread files answers as they come
+    and sets `dead_reason` the moment a rank's connection closes (its process exited), so a dead peer is seen in
+    seconds, between calls too.
     """
 
     def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
-                 idle_timeout_s: float = 7 * 24 * 3600.0, device: str | None = None):
+                 idle_timeout_s: float = 7 * 24 * 3600.0, device: str | None = None, subsets: bool = False,
+                 fail_grace_s: float = 2.0):
         if threads_per_rank:
             torch.set_num_threads(threads_per_rank)
         on_gpu = (device or ("cuda" if backend == "nccl" else "cpu")) == "cuda"
@@ -639,18 +838,54 @@ class JoinedWorld:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.timeout_s = timeout_s
+        self.timeout_s, self.fail_grace_s = timeout_s, fail_grace_s
         self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         self.ctx = RankContext(self.rank, self.world_size, dist.group.WORLD, cpu_group, device, {})
         self.dead_reason: str | None = None
         self._closed = False
+        self.subsets = subsets
+        self._links: _RankLinks | None = None  # subset mode, rank 0
+        self._link: socket.socket | None = None  # subset mode, other ranks: the connection to rank 0
+        if subsets:
+            self._open_links(timeout_s)
 
+    def _open_links(self, timeout_s: float) -> None:
+        """Subset mode: rank 0 listens on `control_address()` (an ephemeral port), tells every rank where over the
+        control group, and accepts one connection per rank."""
+        listen, token = None, None
+        if self.rank == 0:
+            host = control_address()
+            listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listen.bind((host, 0))
+                listen.listen(self.world_size)
+            except OSError:
+                listen.close()
+                raise
+            token = os.urandom(16)
+            msg = [(host, listen.getsockname()[1], token)]
+        else:
+            msg = [None]
+        dist.broadcast_object_list(msg, src=0, group=self._control)
+        if self.rank == 0:  # every rank connects right after the broadcast: a missing one has failed
+            self._links = _RankLinks(self, listen, token, min(timeout_s, 120.0))
+            return
+        host, port, token = msg[0]
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock.settimeout(None)
+        _tune(sock)
+        sock.sendall(self.rank.to_bytes(8, "little") + token)
+        self._link = sock
+
+    # ------------------------------------------------------------------ rank 0: calls
     def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
         if self.rank != 0:
             raise RuntimeError("only rank 0 drives a joined world")
         if self.dead_reason is not None:
             raise RuntimeError(f"the joined world is unusable: {self.dead_reason}")
+        if self.subsets:
+            return self.run_some(fn, [args] * self.world_size, kwargs)
         msg = [(fn, args, kwargs)]
         try:
             dist.broadcast_object_list(msg, src=0, group=self._control)
@@ -669,8 +904,105 @@ class JoinedWorld:
             self.dead_reason = f"a rank is unreachable ({type(exc).__name__})"
             raise
 
+    def run_each(self, fn: Callable, args_per_rank: list[tuple], kwargs: dict | None = None) -> list[Any]:
+        """Subset mode: a different argument tuple for each rank."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"need {self.world_size} argument tuples, got {len(args_per_rank)}")
+        return self.run_some(fn, args_per_rank, kwargs)
+
+    def run_some(self, fn: Callable, args_per_rank: list[tuple | None], kwargs: dict | None = None) -> list[Any]:
+        """Subset mode: call `fn` on the ranks whose entry is not None and wait for them (None for the others)."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(f"need {self.world_size} argument tuples (or None), got {len(args_per_rank)}")
+        called = {r: a for r, a in enumerate(args_per_rank) if a is not None}
+        ranks = self.submit_some(fn, called, kwargs)
+        answers = dict(zip(ranks, self.collect_some(ranks, getattr(fn, "__name__", "call"))))
+        return [answers.get(r) for r in range(self.world_size)]
+
+    def submit_some(self, fn: Callable, args_per_rank: dict[int, tuple], kwargs: dict | None = None) -> list[int]:
+        """Subset mode: send `fn(ctx, *args)` to the named ranks (rank 0's share to its worker thread) and return
+        at once; collect with `collect_some(ranks)`, sending those ranks nothing else meanwhile."""
+        self._check_driving()
+        ranks = sorted(args_per_rank)
+        if any(not 0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"ranks {ranks} are not all in [0, {self.world_size})")
+        links = self._links
+        with links.cond:
+            busy = [r for r in ranks if r in links.answers]
+        if busy:
+            raise RuntimeError(f"rank(s) {busy} still hold an answer nobody collected (a bug in the caller)")
+        for r in ranks:
+            try:
+                links.send(r, (fn, tuple(args_per_rank[r]), kwargs or {}))
+            except OSError as exc:
+                links._lost(r, f"its control connection failed: {exc}")
+                raise RuntimeError(f"the joined world failed during {getattr(fn, '__name__', 'call')}: "
+                                   f"{self.dead_reason}") from exc
+        return ranks
+
+    def answered(self, ranks: list[int]) -> bool:
+        """Whether every one of these ranks has answered its submitted call (`collect_some` will not wait)."""
+        links = self._links
+        with links.cond:
+            return all(r in links.answers for r in ranks)
+
+    def wait_any(self, ranks: list[int], timeout_s: float) -> None:
+        """Block until one of these ranks answers (or a rank is gone, or timeout_s passes)."""
+        links = self._links
+        with links.cond:
+            links.cond.wait_for(lambda: self.dead_reason is not None or any(r in links.answers for r in ranks),
+                                timeout_s)
+
+    def collect_some(self, ranks: list[int], what: str = "call") -> list[Any]:
+        """The answers of a `submit_some` call's ranks, in rank order. Raises `RemoteError` when ranks raised (after
+        `fail_grace_s` for the others, which may be stuck in a collective with them), RuntimeError when a rank is
+        gone or none answered within the timeout."""
+        links = self._links
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        first_error = None
+        with links.cond:
+            while True:
+                got = {r: links.answers[r] for r in ranks if r in links.answers}
+                errors = {r: payload for r, (status, payload) in got.items() if status == "error"}
+                if len(got) == len(ranks) or (errors and first_error is not None
+                                              and time.monotonic() - first_error > self.fail_grace_s):
+                    break
+                if errors and first_error is None:
+                    first_error = time.monotonic()
+                if self.dead_reason is not None and not errors:
+                    self._closed_answers(ranks)
+                    raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}")
+                if time.monotonic() > deadline:
+                    self.dead_reason = self.dead_reason or f"no answer to {what} within {self.timeout_s + 30:.0f} s"
+                    raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}")
+                links.cond.wait(0.1 if first_error is not None or self.dead_reason is not None else 1.0)
+            self._closed_answers(ranks)
+        if errors:
+            raise RemoteError(errors)
+        return [got[r][1] for r in ranks]
+
+    def _closed_answers(self, ranks: list[int]) -> None:
+        for r in ranks:
+            self._links.answers.pop(r, None)
+
+    def _check_driving(self) -> None:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 drives a joined world")
+        if not self.subsets:
+            raise RuntimeError("this joined world broadcasts every call to every rank: calls on a subset of the "
+                               "ranks need JoinedWorld(subsets=True) on every rank")
+        if self._closed:
+            raise RuntimeError("the joined world is closed" + (f": {self.dead_reason}" if self.dead_reason else ""))
+        if self.dead_reason is not None:
+            raise RuntimeError(f"the joined world is unusable: {self.dead_reason}")
+
     def heartbeat(self) -> None:
-        """Every rank answers a no-op (raises when one is gone and its connection closed)."""
+        """Every rank answers a no-op (raises when one is gone and its connection closed); in subset mode the reader
+        thread sees a closed connection by itself, so this only reports it."""
+        if self.subsets:
+            if self.dead_reason is not None:
+                raise RuntimeError(f"the joined world is unusable: {self.dead_reason}")
+            return
         self.run(heartbeat)
 
     def _finish(self, mine) -> list[Any]:
@@ -683,21 +1015,41 @@ class JoinedWorld:
             raise RemoteError(errors)
         return [payload for _, payload in gathered]
 
+    # ------------------------------------------------------------------ the other ranks
     def serve_forever(self) -> None:
         """Ranks other than 0: run calls from rank 0 until it shuts down, then exit the process."""
         leave_shutdown_to_driver()
         while True:
-            msg = [None]
-            dist.broadcast_object_list(msg, src=0, group=self._control)
-            if msg[0] is None:
-                break
-            fn, args, kwargs = msg[0]
+            if self.subsets:
+                try:
+                    msg = _recv_frame(self._link)
+                except (OSError, ConnectionError) as exc:
+                    raise RuntimeError(f"rank {self.rank}: the driver (rank 0) is gone: {exc}") from None
+                if msg is None:
+                    break
+            else:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=self._control)
+                if box[0] is None:
+                    break
+                msg = box[0]
+            fn, args, kwargs = msg
             mine = _call(fn, self.ctx, args, kwargs)
+            if self.subsets:  # an error too: rank 0 reports it before it sees the connection close
+                try:
+                    _send_frame(self._link, mine)
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an unpicklable result: an error
+                    mine = ("error", (type(exc).__name__, f"the result of {fn.__name__} cannot be sent: {exc}",
+                                      traceback.format_exc()))
+                    _send_frame(self._link, mine)
             if mine[0] == "error":  # exit now: peers stuck in a collective with us fail at once, torchrun ends the job
                 print(f"rank {self.rank}: {fn.__name__} raised {mine[1][0]}: {mine[1][1]}\n{mine[1][2]}",
                       file=sys.stderr, flush=True)
                 os._exit(1)
-            self._finish(mine)
+            if not self.subsets:
+                self._finish(mine)
+        if self._link is not None:
+            self._link.close()
         dist.destroy_process_group()
         raise SystemExit(0)
 
@@ -705,6 +1057,16 @@ class JoinedWorld:
         if self._closed or self.rank != 0:
             return
         self._closed = True
+        if self._links is not None:
+            for r in self._links.socks:  # ranks inside a call read it when they are done (it waits in the socket)
+                try:
+                    _send_frame(self._links.socks[r], None)
+                except OSError:  # that rank is gone
+                    pass
+            left = self._links.close(wait_s=1.0 if force or self.dead_reason is not None else self.timeout_s)
+            if left:
+                dist.destroy_process_group()
+            return
         if self.dead_reason is None:  # with a peer gone, the broadcast could wait for ever: the job ends with us
             dist.broadcast_object_list([None], src=0, group=self._control)
         dist.destroy_process_group()

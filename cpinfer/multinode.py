@@ -126,9 +126,6 @@ def spec_from_args(args, engine_kwargs: dict) -> NodeSpec | None:
             raise ValueError(f"--node-rank {args.node_rank}{' --headless' if args.headless else ''} needs "
                              "--nnodes >= 2 (one node runs every rank and serves)")
         return None
-    if engine_kwargs.get("pd_decode_cp") is not None:
-        raise ValueError("--pd-decode-cp (prefill and decode on separate groups of ranks) runs on one node for now: "
-                         "leave --nnodes out, or drop --pd-decode-cp to spread one CP group over the nodes")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ValueError("--nnodes launches the ranks itself: under torchrun (RANK and WORLD_SIZE are set) leave "
                          "--nnodes, --node-rank, --master-addr, --master-port and --headless out")
@@ -137,10 +134,20 @@ def spec_from_args(args, engine_kwargs: dict) -> NodeSpec | None:
 
 
 def world_size_of(engine_kwargs: dict) -> int:
-    """The ranks the engine will run with these keyword arguments (validated as the engine does)."""
+    """The ranks the engine will run with these keyword arguments (validated as the engine does): CP x TP, or with
+    prefill / decode groups (N + K x M) x TP, the prefill group's ranks first."""
     from cpinfer.engine.llm_engine import EngineConfig
 
-    return EngineConfig(**engine_kwargs).parallel.world_size
+    kwargs = dict(engine_kwargs)
+    decode_cp, groups = kwargs.pop("pd_decode_cp", None), kwargs.pop("pd_decode_groups", None)
+    parallel = EngineConfig(**kwargs).parallel
+    if decode_cp is None:
+        if groups not in (None, 1):
+            raise ValueError(f"pd_decode_groups ({groups}) needs pd_decode_cp (the decode groups' CP size)")
+        return parallel.world_size
+    from cpinfer.engine.pd.engine import PDConfig
+
+    return PDConfig(parallel.cp, decode_cp, 1 if groups is None else groups, parallel.tp).world_size
 
 
 # ---------------------------------------------------------------- the network
@@ -215,7 +222,7 @@ def join_world(spec: NodeSpec, rank: int, engine_kwargs: dict, listen: socket.so
     from cpinfer.device import comm_backend, gpu_of_rank
     from cpinfer.engine.llm_engine import EngineConfig
 
-    cfg = EngineConfig(**engine_kwargs)
+    cfg = EngineConfig(**{k: v for k, v in engine_kwargs.items() if k not in ("pd_decode_cp", "pd_decode_groups")})
     backend = comm_backend(cfg.device, spec.ranks_per_node, cfg.share_gpus)
     if cfg.device == "cuda":
         torch.cuda.set_device(gpu_of_rank(rank - spec.local_ranks[0]))
@@ -387,9 +394,9 @@ def rank_main() -> int:
     rank = int(os.environ["RANK"])
     try:
         join_world(spec, rank, payload["kwargs"])
-        from cpinfer.engine.llm_engine import LLMEngine
+        from cpinfer.engine.pd import make_engine
 
-        LLMEngine(payload["model"], **payload["kwargs"])  # serves rank 0's calls; returns only by SystemExit
+        make_engine(payload["model"], **payload["kwargs"])  # serves rank 0's calls; returns only by SystemExit
     except Exception as exc:  # noqa: BLE001 - one clear line: the world ended under this rank, or it failed
         print(f"[cpinfer r{rank}] ERROR rank {rank} left the world: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)

@@ -193,10 +193,10 @@ def test_headless_node_exits_in_seconds_when_the_driver_dies(model_dir, tmp_path
     ("generate", ["--cp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--headless"],
      "leave --headless out on --node-rank 0"),
     ("serve", ["--node-rank", "1", "--headless"], "needs --nnodes >= 2"),
-    ("serve", ["--cp", "2", "--pd-decode-cp", "1", "--nnodes", "3", "--master-addr", "127.0.0.1"],
-     "--pd-decode-cp (prefill and decode on separate groups of ranks) runs on one node for now"),
-    ("generate", ["--cp", "1", "--pd-decode-cp", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"],
-     "runs on one node for now"),
+    ("serve", ["--cp", "2", "--pd-decode-cp", "1", "--nnodes", "2", "--master-addr", "127.0.0.1"],
+     "world has 3 ranks, which --nnodes 2 does not divide"),  # prefill and decode groups: (2 + 1) x 1 ranks
+    ("generate", ["--cp", "2", "--pd-decode-cp", "1", "--pd-decode-groups", "2", "--tp", "2", "--nnodes", "3",
+                  "--master-addr", "127.0.0.1"], "world has 8 ranks, which --nnodes 3 does not divide"),
 ])
 def test_bad_multinode_flags_are_refused_before_anything_starts(command, flags, message, capsys, tmp_path):
     """The model path does not exist: the flags are refused first, with the message, and no process starts."""

@@ -29,7 +29,7 @@ from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
 from cpinfer.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
-from cpinfer.launch import WorkerPool, joined_world_requested
+from cpinfer.launch import JoinedWorld, WorkerPool, joined_world_requested
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -75,8 +75,6 @@ def check_pd_args(kwargs: dict) -> None:
     if kwargs.get("placement", "auto") == "local":
         raise ValueError("placement 'local' cannot be combined with pd_decode_cp: the decode group lays out a request's "
                          "K/V itself; use placement 'auto' or 'shard'")
-    if joined_world_requested():
-        raise ValueError("pd_decode_cp runs on the local launcher only for now (not under torchrun)")
     if kwargs.get("device", "auto") == "cuda" and kwargs.get("max_kv_tokens_per_rank") is None:
         raise ValueError("pd_decode_cp on CUDA needs max_kv_tokens_per_rank (the KV cache is not sized from GPU "
                          "memory per role yet)")
@@ -281,8 +279,18 @@ class PDEngine:
                  views[0].ranks, "; ".join(f"decode group {i} CP {self.pd.decode_cp} x TP {self.pd.tp} on ranks "
                                            f"{v.ranks}" for i, v in enumerate(views[1:])), a.device, backend)
 
-    def _make_pool(self, world: int, backend: str, threads: int) -> WorkerPool:
+    def _make_pool(self, world: int, backend: str, threads: int) -> WorkerPool | JoinedWorld:
         a = self.prefill.args
+        if joined_world_requested():  # torchrun / --nnodes: rank 0 drives (and computes), the others serve
+            pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s, device=a.device, subsets=True)
+            if pool.world_size != world:
+                raise ValueError(f"prefill and decode groups need (context_parallel_size + pd_decode_groups x "
+                                 f"pd_decode_cp) x tensor_parallel_size = ({self.pd.prefill_cp} + "
+                                 f"{self.pd.decode_groups} x {self.pd.decode_cp}) x {self.pd.tp} = {world} ranks, but "
+                                 f"the launched world has {pool.world_size} processes")
+            if pool.rank != 0:
+                pool.serve_forever()  # never returns: the process exits when rank 0 shuts the world down
+            return pool
         return WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s, device=a.device,
                           driver_rank=False)
 
