@@ -114,17 +114,19 @@ def _check_spec(llm, outs) -> None:
         assert not any(n.unverified for n in g.kv.nodes.values())
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda l: "%d-%d" % l)
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=lambda l: "%d-%d_k%d" % l)
 def test_ngram_speculation_on_the_decode_group_equals_colocated(pool, llama, reference, layout):
-    n, m = layout
+    n, m, k = layout
     prompts, params = _prompts(0), _params()
-    llm = _pd_llm(pool, llama, context_parallel_size=n, pd_decode_cp=m, speculative_config=NGRAM)
+    llm = _pd_llm(pool, llama, context_parallel_size=n, pd_decode_cp=m, pd_decode_groups=k, speculative_config=NGRAM)
     try:
         got = llm.generate(prompts, params, use_tqdm=False)
         _same(reference(prompts, params), got)
         _check_spec(llm, got)
         assert all(o.metrics["pd"]["transfer_tokens"] + o.metrics["pd"]["decode_cached_tokens"]
                    == len(o.prompt_token_ids) for o in got)  # each handed over once, then speculated there
+        if k > 1:  # both groups took requests; the engine's counters sum theirs
+            assert {o.metrics["pd"]["decode_group"] for o in got} == set(range(k))
     finally:
         llm.shutdown()
 

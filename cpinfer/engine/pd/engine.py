@@ -182,7 +182,7 @@ class GroupEngine(LLMEngine):
         return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
 
     def _start_tiers(self):
-        """No tiers while the world has not started (the KV manager is made without them); `start_tiers` then."""
+        """No tiers while the world has not started (the KV manager is made without them); `start_kv` then."""
         return None if self.view.pool is None else super()._start_tiers()
 
     def start_kv(self, capacity: int | None = None) -> None:
