@@ -189,10 +189,12 @@ def test_each_role_sized_from_its_own_profile(monkeypatch, pool, llama, referenc
     pool.run(FG.install)
     util, budget, seqs = 0.5, 64, 8
     try:
+        tiers = {"kv_host_gib": 0.001} if n == 2 else {}  # a host tier below the measured prefill cache
         llm = _pd_llm(pool, llama, context_parallel_size=n, pd_decode_cp=m, speculative_config=NGRAM,
-                      gpu_memory_utilization=util, max_num_batched_tokens=budget, max_num_seqs=seqs)
+                      gpu_memory_utilization=util, max_num_batched_tokens=budget, max_num_seqs=seqs, **tiers)
         try:
             e = llm.engine
+            assert (e.prefill.kv.tiers is not None) == bool(tiers) and e.decode[0].kv.tiers is None
             tokens = [profile_tokens_per_rank(budget, e.max_model_len, n), seqs * (1 + 4)]
             assert [g.sizing["tokens"] for g in e.groups] == tokens
             per_token = e.kv_bytes_per_token
