@@ -6,6 +6,7 @@ without `max_kv_tokens_per_rank`. One pool of 3 ranks serves every engine of the
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
 import numpy as np
@@ -245,3 +246,21 @@ def test_cuda_pd_without_max_kv_tokens_gets_to_its_ranks(monkeypatch, llama):
     assert prefill["tokens"] == profile_tokens_per_rank(256, 512, 2) == 128
     assert [d["tokens"] for d in decode] == [16 * 5] * 2
     assert all(s["ranks_per_device"] == 1 and s["utilization"] == 0.9 for s in seen["sizings"])
+
+
+def test_cli_generate_speculates_on_the_decode_group(llama, reference, capsys):
+    """`cpinfer generate --pd-decode-cp 1 --speculative-config ngram`: the summary reports the drafts of the decode
+    group and the K/V moved to it, and the tokens equal colocated CP1 without speculation."""
+    from cpinfer.cli import main
+
+    prompt = _prompts(0)[1]
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    assert main(["generate", "--model", str(llama), "--cp", "1", "--pd-decode-cp", "1", "--threads-per-rank", "1",
+                 "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "24", "--ignore-eos", "--seed", "0",
+                 "--speculative-config", spec, "--json"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "speculation: " in out and res["spec"]["num_accepted_tokens"] > 0, out
+    assert res["pd"]["transfer_tokens"] == len(prompt)
+    ref = reference([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, seed=0))
+    assert res["token_ids"] == ref[0].token_ids
