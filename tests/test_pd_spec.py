@@ -156,6 +156,21 @@ def test_multi_turn_history_moves_back_verified_only(pool, llama, reference, lay
         llm.shutdown()
 
 
+def test_preemption_mid_speculation_on_the_decode_group(pool, llama, reference):
+    """A decode group too small for every request at once: requests are preempted while they speculate and recomputed
+    there (in 32-token chunks); outputs still equal the reference."""
+    prompts, params = _prompts(0) * 2, _params(max_tokens=40)
+    llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, speculative_config=NGRAM,
+                  max_num_batched_tokens=32, max_kv_tokens_per_rank=256)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        _same(reference(prompts, params), got)
+        assert llm.engine.decode[0].scheduler.num_preemptions > 0
+        _check_spec(llm, got)
+    finally:
+        llm.shutdown()
+
+
 def test_draft_model_refused_before_any_rank(monkeypatch, llama):
     def refuse(*_a, **_k):
         raise AssertionError("a rank was started")
