@@ -214,8 +214,9 @@ class GroupEngine(LLMEngine):
         super()._propose()
 
     def _process(self, scheduled, results, choice, phase, host: dict, form=None):
-        if self.proposer is not None and phase == "decode":  # plain and verify rows: the adaptive k's cost
-            self._step_cost.add(sum(len(s.tokens) for s in scheduled), host["forward_s"])
+        seconds = host.get("forward_s")  # the group's call, as the P/D driver timed it
+        if self.proposer is not None and phase == "decode" and seconds is not None:  # the adaptive k's cost
+            self._step_cost.add(sum(len(s.tokens) for s in scheduled), seconds)
         return super()._process(scheduled, results, choice, phase, host, form)
 
     def _retire(self, req: Request, keep_cache: bool) -> None:
