@@ -22,6 +22,7 @@ from cpinfer.attention.autoselect import chosen
 from cpinfer.attention.backends import resolve_name
 from cpinfer.distributed import ParallelConfig, build_role_groups
 from cpinfer.engine import model_runner as MR
+from cpinfer.engine.kv.capacity import kv_tokens_from_memory
 
 _TAG_SPAN = 1 << 30  # message tags: transfer ids modulo this
 
@@ -118,13 +119,22 @@ def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
 
 # ---------------------------------------------------------------- functions the P/D driver runs on the ranks
 
-def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dtype: str, capacities: list[int],
-                     attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto",
-                     load_format: str = "auto") -> dict:
+def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dtype: str,
+                     capacities: list[int | None], attention_backend: str | None = None, decode: dict | None = None,
+                     kv_cache_dtype: str = "auto", load_format: str = "auto", sizings: list[dict | None] | None = None
+                     ) -> dict:
     """Every rank: build every role's CP / TP groups (roles = (cp, tp, first global rank) each, prefill first), then
-    this rank's model runner over its role's groups with its role's KV capacity."""
+    this rank's model runner over its role's groups. With its role's capacity, allocate its KV store now; with None
+    (CUDA), measure instead as `model_runner.init_runner` does, with its role's own profile
+    (`sizings[role]` = {"tokens", "utilization", "ranks_per_device", "block"}): the answer's `kv_capacity` is what
+    this rank could hold; the driver then calls `allocate_role_kv` with each role's smallest."""
     groups = build_role_groups([(ParallelConfig(cp, tp), offset) for cp, tp, offset in roles], ctx.rank)
     role = next(i for i, (cp, tp, offset) in enumerate(roles) if offset <= ctx.rank < offset + cp * tp)
+    sizing = None if capacities[role] is not None else sizings[role]
+    probe = None
+    if sizing is not None:
+        probe = MR.MemoryProbe(ctx.device, shared=sizing["ranks_per_device"] > 1)
+        probe.start()
     t0 = time.perf_counter()
     runner = MR.ModelRunner(ctx, model_path, getattr(torch, dtype), groups.config, attention_backend, decode,
                             kv_cache_dtype, load_format, groups=groups)
@@ -132,11 +142,25 @@ def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dt
     runner.backend = resolve_name(attention_backend, ctx.device, layout=runner.layout)
     ctx.state["runner"] = runner
     ctx.state["pd_sends"] = []
+    ctx.state["pd_role"] = role
     choice = chosen(ctx.device, runner.layout, None)
-    runner.allocate_kv(capacities[role])
-    return {"pid": os.getpid(), "attention_backend": runner.backend, "load_s": t1 - t0, "role": role,
+    info = {"pid": os.getpid(), "attention_backend": runner.backend, "load_s": t1 - t0, "role": role,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
             "attention_timings_ms": dict(choice.timings_ms) if choice is not None else {}}
+    if sizing is None:
+        runner.allocate_kv(capacities[role])
+        return info
+    runner.profile_forward(sizing["tokens"])  # this role's largest forward on one of its ranks
+    fig = probe.figures()
+    info["memory"] = dataclasses.asdict(fig)
+    info["kv_capacity"] = kv_tokens_from_memory(fig, sizing["utilization"], runner.kv_bytes_per_token,
+                                                sizing["block"], sizing["ranks_per_device"])
+    return info
+
+
+def allocate_role_kv(ctx, capacities: list[int]) -> None:
+    """Every rank: its KV store at its role's capacity (after `init_role_runner` measured)."""
+    ctx.state["runner"].allocate_kv(capacities[ctx.state["pd_role"]])
 
 
 def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple = ()):

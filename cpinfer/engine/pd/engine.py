@@ -17,18 +17,21 @@ import pickle
 import time
 
 import numpy as np
+import torch
 
 from cpinfer.cp.pd_plan import TransferPlan, plan_transfer
 from cpinfer.device import comm_backend, ranks_on_this_node
 from cpinfer.distributed import ParallelConfig
 from cpinfer.engine.kv import transfer as T
-from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram
+from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.disk_dir import rebuild_index
 from cpinfer.engine.kv.manager import BLOCK, KVManager, SeqKV
-from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
+from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine, _spec_stats
 from cpinfer.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
+from cpinfer.engine.spec.adaptive import SpecState
+from cpinfer.engine.spec.config import SpeculativeConfig
 from cpinfer.launch import JoinedWorld, WorkerPool, joined_world_requested
 from cpinfer.utils import get_logger
 
@@ -75,12 +78,32 @@ def check_pd_args(kwargs: dict) -> None:
     if kwargs.get("placement", "auto") == "local":
         raise ValueError("placement 'local' cannot be combined with pd_decode_cp: the decode group lays out a request's "
                          "K/V itself; use placement 'auto' or 'shard'")
-    if kwargs.get("device", "auto") == "cuda" and kwargs.get("max_kv_tokens_per_rank") is None:
-        raise ValueError("pd_decode_cp on CUDA needs max_kv_tokens_per_rank (the KV cache is not sized from GPU "
-                         "memory per role yet)")
-    for key in ("speculative_config", "num_speculative_tokens", "speculative_model"):
-        if kwargs.get(key):
-            raise ValueError(f"{key} cannot be combined with pd_decode_cp yet")
+    spec = SpeculativeConfig.parse(kwargs.get("speculative_config"))
+    if spec is not None and spec.method != "ngram":
+        raise ValueError("draft_model speculation cannot be combined with pd_decode_cp; use method 'ngram' (a draft "
+                         "model would need its own K/V of every prompt on the decode group)")
+
+
+def role_capacities(capacities: list[int | None], infos: list[dict], ranks: list[list[int]]) -> list[int]:
+    """Each role's KV tokens per rank: as given, or (None: measured) the smallest its own ranks reported, so every
+    rank of a group holds the same number of slots; the roles differ (their profiles and devices do)."""
+    return [c if c is not None else min(infos[r]["kv_capacity"] for r in rs) for c, rs in zip(capacities, ranks)]
+
+
+def _log_role_capacities(groups: list["GroupEngine"], infos: list[dict], views: list[RoleRanks]) -> None:
+    """Each role's KV cache at start: measured (with its profile and its ranks' limits) or given."""
+    gib = float(1 << 30)
+    for g, v in zip(groups, views):
+        cap, per_token = g.kv.capacity_per_rank, infos[v.ranks[0]]["kv_bytes_per_token"]
+        if g.sizing is None:
+            log.info("KV cache: %s group: %d tokens per rank (%.2f GiB each)", g.role, cap, cap * per_token / gib)
+            continue
+        m = infos[v.ranks[0]]["memory"]
+        log.info("KV cache: %s group: %d tokens per rank (%.2f GiB each), from gpu_memory_utilization %.2f of %.1f GiB "
+                 "per GPU after the weights and a profiling forward of %d tokens per rank peaked at %.2f GiB (rank "
+                 "%d); per-rank limits %s", g.role, cap, cap * per_token / gib, g.sizing["utilization"],
+                 m["total"] / gib, g.sizing["tokens"], m["peak"] / gib, v.ranks[0],
+                 [infos[r]["kv_capacity"] for r in v.ranks])
 
 
 class RoleRanks:
@@ -112,12 +135,40 @@ class GroupEngine(LLMEngine):
     def __init__(self, model, ranks: RoleRanks, role: str, world_cp: int, **kwargs):
         self.view, self.role, self.world_cp = ranks, role, world_cp
         self.on_retire = None  # called with (request) before a finished request's K/V are released
+        self.sizing: dict | None = None  # what its ranks profile when the KV cache is sized from GPU memory
         super().__init__(model, **kwargs)
 
-    def _start_ranks(self, capacity: int) -> int:
-        self._pool = self.view  # the world starts later, once every role is validated
+    def _start_ranks(self, capacity: int | None) -> int:
+        """The world starts later, once every role is validated. Capacity None (CUDA): measured then, with this
+        role's profile (`role_sizing`); until then the KV manager holds one block per rank."""
+        self._pool = self.view
         self.rank_pids = []
-        return capacity
+        if capacity is not None:
+            return capacity
+        self.sizing = self.role_sizing()
+        return BLOCK
+
+    def decode_batch_tokens(self) -> int:
+        """A decode group's largest forward: max_num_seqs rows (k + 1 each when it speculates), within
+        max_num_batched_tokens."""
+        a = self.args
+        spec = a.speculative_config
+        rows = a.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        return min(rows, a.max_num_batched_tokens or rows)
+
+    def role_sizing(self) -> dict:
+        """What this role's ranks profile before the KV cache is sized from GPU memory: the prefill group its largest
+        prefill (max_num_batched_tokens, or a whole max_model_len prompt, in its 2N chunks per rank); a decode group
+        its decode batch on each rank (a request's new tokens go to one rank, so one rank may get them all; a
+        request recomputed after preemption there goes in chunks of that size too: `start_kv`)."""
+        a = self.args
+        if self.role == "prefill":
+            tokens = profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n)
+        else:
+            tokens = self.decode_batch_tokens()
+        ranks_here = ranks_on_this_node(self.world_cp * a.tensor_parallel_size)
+        return {"tokens": tokens, "utilization": a.gpu_memory_utilization, "block": BLOCK,
+                "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count()))}
 
     def _default_capacity(self, fraction: float) -> int:
         """The host-RAM share split over every CP rank of the world (all roles), not this group's alone."""
@@ -129,20 +180,42 @@ class GroupEngine(LLMEngine):
         return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
 
     def _start_tiers(self):
-        """No tiers while the world has not started (the KV manager is made without them); `start_tiers` then."""
+        """No tiers while the world has not started (the KV manager is made without them); `start_kv` then."""
         return None if self.view.pool is None else super()._start_tiers()
 
-    def start_tiers(self) -> None:
-        """The host / disk tiers below this group's device cache, once its ranks run (the prefill group's: the
-        system's cache of history)."""
+    def start_kv(self, capacity: int | None = None) -> None:
+        """Once its ranks run: this group's KV manager at its measured capacity (None: as made), over the host / disk
+        tiers below its device cache (the prefill group's: the system's cache of history). A decode group sized from
+        GPU memory schedules at most its profiled decode batch per forward (`role_sizing`)."""
         tiers = self._start_tiers()
-        if tiers is None:
+        if tiers is None and capacity is None:
             return
         a = self.args
-        self.kv = KVManager(self.n, self.kv.capacity_per_rank, a.enable_prefix_caching, self._placer(), tiers)
+        self.kv = KVManager(self.n, capacity or self.kv.capacity_per_rank, a.enable_prefix_caching, self._placer(),
+                            tiers)
         if self.disk is not None:
             rebuild_index(self.kv, self.disk, tiers.layout)
-        self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
+        budget = a.max_num_batched_tokens
+        if self.sizing is not None and self.role != "prefill":
+            budget = self.sizing["tokens"]
+        on_release = self.scheduler.on_release  # the proposer's hook
+        self.scheduler = Scheduler(self.kv, SchedulerConfig(budget, a.max_num_seqs))
+        self.scheduler.on_release = on_release
+
+    def _propose(self) -> None:
+        """A decode group speculates (ngram) on the requests handed to it: the prefill group made them without
+        speculation state (it never decodes), so each starts its own here, at its first decode step."""
+        if self.proposer is not None:
+            for req in self.scheduler.running:
+                if req.spec is None:
+                    req.spec = SpecState(self.args.speculative_config.num_speculative_tokens)
+        super()._propose()
+
+    def _process(self, scheduled, results, choice, phase, host: dict, form=None):
+        seconds = host.get("forward_s")  # the group's call, as the P/D driver timed it
+        if self.proposer is not None and phase == "decode" and seconds is not None:  # the adaptive k's cost
+            self._step_cost.add(sum(len(s.tokens) for s in scheduled), seconds)
+        return super()._process(scheduled, results, choice, phase, host, form)
 
     def _retire(self, req: Request, keep_cache: bool) -> None:
         if self.on_retire is not None and keep_cache and req.kv is not None:
@@ -227,8 +300,9 @@ class PDEngine:
         base = dict(kwargs, in_process=False)
         roles = self.pd.roles
         views = [RoleRanks(range(off, off + cp * tp)) for cp, tp, off in roles]
-        # every role validated (model, TP divisibility, sizes) before a rank starts
-        self.prefill = GroupEngine(model, views[0], "prefill", self.pd.cp_ranks, **base)
+        # every role validated (model, TP divisibility, sizes) before a rank starts; the prefill group never
+        # decodes, so it never speculates: the decode groups do
+        self.prefill = GroupEngine(model, views[0], "prefill", self.pd.cp_ranks, **dict(base, speculative_config=None))
         decode_kw = dict(base, context_parallel_size=self.pd.decode_cp, kv_host_gib=0.0, kv_disk_dir=None,
                          kv_disk_gib=None)  # the KV tiers sit below the prefill group's tree alone
         self.decode = [GroupEngine(model, views[1 + g], f"decode{g}", self.pd.cp_ranks, **decode_kw)
@@ -262,14 +336,19 @@ class PDEngine:
         try:
             for v in views:
                 v.pool = self._pool
-            caps = [g.kv.capacity_per_rank for g in self.groups]
+            caps = [None if g.sizing is not None else g.kv.capacity_per_rank for g in self.groups]
             infos = self._pool.run(T.init_role_runner, self.pd.roles, self.prefill.model_path, a.dtype, caps,
                                    self.prefill.attention_backend, self.prefill.decode_config(backend),
-                                   a.kv_cache_dtype, a.load_format)
-            self.prefill.start_tiers()
+                                   a.kv_cache_dtype, a.load_format, [g.sizing for g in self.groups])
+            sized = role_capacities(caps, infos, [v.ranks for v in views])
+            if None in caps:  # measured: every rank of a role holds its role's smallest
+                self._pool.run(T.allocate_role_kv, sized)
+            for g, cap, given in zip(self.groups, sized, caps):
+                g.start_kv(cap if given is None else None)
         except BaseException:
             self._pool.close(force=True)
             raise
+        _log_role_capacities(self.groups, infos, views)
         self.rank_pids = [i["pid"] for i in infos]
         for g, v in zip(self.groups, views):
             g.rank_pids = [self.rank_pids[r] for r in v.ranks]
@@ -549,8 +628,10 @@ class PDEngine:
         """A finished request's stored tokens that the prefill tree lacks (its answer) move there, so the chat's
         next turn finds its whole history cached; without room there they are dropped (recomputed if needed)."""
         dseq = req.kv
-        stored = dseq.num_stored
-        if stored == 0:
+        # verified rows only: drafts still awaiting verification (speculation) are no history; the engine truncates
+        # them before a request retires, so this bound only guards that rule
+        stored = min(dseq.num_stored - dseq.leaf.unverified, len(req.prompt) + len(req.out) - 1)
+        if stored <= 0:
             return
         kv = self.prefill.kv
         known = req.known_array()[:stored + 1]
@@ -682,7 +763,16 @@ class PDEngine:
                            p.prefix_cache_queries, p.prefix_cache_hits, p.prompt_tokens,
                            sum(s.generation_tokens for s in parts), merged, sum(s.preemptions for s in parts),
                            finished, p.tiers, p.attention_backend, p.attention_timings_ms, p.request_prompt_tokens,
-                           self.pd_stats())
+                           self.pd_stats(), spec=self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's counters summed over the decode groups (the prefill group never speculates)."""
+        parts = [g._counters["spec"] for g in self.decode if g._counters["spec"]]
+        if not parts:
+            return {}
+        total = {k: sum(c[k] for c in parts) for k in parts[0] if k != "accepted_per_pos"}
+        total["accepted_per_pos"] = [sum(col) for col in zip(*(c["accepted_per_pos"] for c in parts))]
+        return _spec_stats(total)
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(T.MR.ring_wait)
