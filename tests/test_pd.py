@@ -107,6 +107,16 @@ def test_plan_maps_every_token_once_grouped_per_pair():
         idx = np.flatnonzero((src_r == p.src) & (dst_r == p.dst))  # position order inside the pair
         np.testing.assert_array_equal(p.src_slots, src_s[idx])
         np.testing.assert_array_equal(p.dst_slots, dst_s[idx])
+        np.testing.assert_array_equal(p.positions, idx)
+
+
+def _window_bytes(engine, pd: dict, stored: int) -> int:
+    """The bytes a handoff of positions [cached, stored) moves: every row of a full-attention layer, the rows at
+    positions >= stored - window of a sliding-window layer (one layer's share of kv_bytes_per_token each)."""
+    windows = engine.prefill.config.windows
+    per_layer = engine.kv_bytes_per_token // len(windows)
+    pos = np.arange(pd["decode_cached_tokens"], stored)
+    return sum(per_layer * (len(pos) if w is None else int((pos >= stored - w).sum())) for w in windows)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "%d-%d_k%d_tp%d" % l)
@@ -236,9 +246,48 @@ def test_families_and_fp8_equal_colocated(pools, family_checkpoint, family, layo
         worst = _assert_same(want, got)
         per_token = llm.engine.kv_bytes_per_token
         print(f"P/D {n}->{m} {variant} kv {kv_dtype}: max |d logprob| {worst:.2e}, {per_token} bytes/token")
+        for o in got:  # full-attention layers: every row; windowed ones: the window's
+            pd = o.metrics["pd"]
+            assert pd["transfer_bytes"] == _window_bytes(llm.engine, pd, len(o.prompt_token_ids))
+            if variant not in ("gemma3", "gpt_oss"):
+                assert pd["transfer_bytes"] == pd["transfer_tokens"] * per_token
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda l: "%d-%d" % l)
+@pytest.mark.parametrize("variant", ["gemma3", "gpt_oss"])
+def test_window_rows_only_and_decode_side_sharing(pools, family_checkpoint, variant, layout):
+    """Sliding-window layers send only the rows a decode still sees (positions >= S - W): the bytes are exactly
+    full_layers x S + window_layers x min(S, W) rows, and the outputs equal colocated CP1. Requests sharing a long
+    document on the decode group: one that needs none of the rows the first did not send shares the whole document;
+    a shorter one whose window reaches rows the first did not send matches only up to them and gets the rest sent."""
+    n, m = layout
+    path = family_checkpoint(variant)
+    rng = np.random.default_rng(17)
+    doc = rng.integers(3, 250, size=60).tolist()
+    a = doc + rng.integers(3, 250, size=20).tolist()  # S = 80: sends doc rows >= 64 only on windowed layers
+    c = doc + rng.integers(3, 250, size=20).tolist()  # S = 80: needs rows >= 64 (its own): shares the document
+    b = doc[:50] + rng.integers(3, 250, size=5).tolist()  # S = 55: needs doc rows >= 39, which a did not send
+    ref = _reference(path, [a, c, b])
+    llm = _pd_llm(pools(n + m), path, context_parallel_size=n, pd_decode_cp=m, placement="shard")
+    eng = llm.engine
+    try:
+        windows = [w for w in eng.prefill.config.windows if w is not None]
+        assert windows and len(windows) < len(eng.prefill.config.windows)  # both kinds of layer
+        w = max(windows)
+        got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in (a, c, b)]  # one after another
+        _assert_same(ref, got)
         for o in got:
             pd = o.metrics["pd"]
-            assert pd["transfer_bytes"] == pd["transfer_tokens"] * per_token
+            assert pd["transfer_bytes"] == _window_bytes(eng, pd, len(o.prompt_token_ids)), pd
+        full = eng.kv_bytes_per_token // len(eng.prefill.config.windows)
+        s = len(a)
+        assert got[0].metrics["pd"]["transfer_bytes"] == full * (
+            sum(s if x is None else min(s, x) for x in eng.prefill.config.windows))
+        assert got[1].metrics["pd"]["decode_cached_tokens"] == len(doc)  # the document, shared
+        assert got[2].metrics["pd"]["decode_cached_tokens"] == len(b) - w  # cut at its window's first row
+        eng.decode[0].kv.check_invariants()
     finally:
         llm.shutdown()
 
@@ -343,6 +392,13 @@ def test_decode_steps_go_on_during_a_long_prefill(pools, tmp_path_factory):
         during = int(((times > lm["arrival_time"]) & (times < lm["first_token_time"])).sum())
         print(f"chat tokens during the long prefill ({lm['ttft_s']:.2f} s): {during}")
         assert during >= 3, (during, lm["ttft_s"])  # decode steps overlapped the prefill forward
+        # the long prompt's sends rode its prefill forward, one message per (prefill rank, decode rank, layer),
+        # each posted right after its layer was written; the chat kept decoding while they were incomplete
+        pd = lm["pd"]
+        assert pd["placed_early"] and pd["send_messages"] == pd["send_messages_in_forward"] == 2 * 4, sorted(pd.items())
+        moving = int(((times > pd["t_placed"]) & (times < pd["t_runnable"])).sum())
+        print(f"chat tokens while the long prompt's K/V moved ({pd['t_runnable'] - pd['t_placed']:.2f} s): {moving}")
+        assert moving >= 2, (moving, pd)
     finally:
         llm.shutdown()
 
