@@ -51,6 +51,7 @@ class KVRecv:
     slots: np.ndarray  # [T] this rank's slots the rows go to, in the sender's order
     positions: np.ndarray  # [T]
     stored: int | None = None
+    in_forward: bool = False  # its sends ride the sender's forward (messages are posted in the senders' order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +169,9 @@ class RankTransfers:
         store, n_layers = self.store, self.store.k.shape[0]
         windows = self.runner.windows
         self.sends = [m for m in self.sends if not m.done.is_set()]  # delivered copies are dropped
-        for s in sends:
-            keep = layer_rows(windows, s.positions, s.stored)
-            for layer in layers:
+        keeps = [layer_rows(windows, s.positions, s.stored) for s in sends]
+        for layer in layers:  # layer-major, as the receivers post them (NCCL matches a pair's messages in order)
+            for s, keep in zip(sends, keeps):
                 slots = _layer_slots(s.slots, keep[layer])
                 if not len(slots):
                     continue
@@ -189,11 +190,23 @@ class RankTransfers:
 
     # ---------------------------------------------------------------- receiving
     def post_recvs(self, recvs) -> None:
-        store, n_layers = self.store, self.store.k.shape[0]
+        """Post the receives of these orders, in the order their senders post them: each run of orders posted
+        before the senders' forwards or inside them, layer by layer."""
+        runs = []
         for r in recvs:
-            keep = layer_rows(self.runner.windows, r.positions, r.stored)
             self.left.setdefault(r.tid, 0)
-            for layer in range(n_layers):
+            if runs and runs[-1][0].in_forward == r.in_forward:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        for run in runs:
+            self._post_run(run)
+
+    def _post_run(self, recvs) -> None:
+        store, n_layers = self.store, self.store.k.shape[0]
+        keeps = [layer_rows(self.runner.windows, r.positions, r.stored) for r in recvs]
+        for layer in range(n_layers):
+            for r, keep in zip(recvs, keeps):
                 slots = _layer_slots(r.slots, keep[layer])
                 if not len(slots):
                     continue

@@ -2,9 +2,10 @@
 
 Ranks [0, N·TP) are the prefill group; decode group g holds the next M·TP ranks. Each group has its own engine
 (`GroupEngine`: an `LLMEngine` over its ranks, with its own KV manager and scheduler). The prefill group runs
-every prompt and never decodes; when a prompt's first token is sampled, the request moves to the least-loaded
-decode group, which reserves slots for its prompt in its own layout, receives the K/V straight from the prefill
-ranks (`kv/transfer.py`, planned by `cp/pd_plan.py`) and decodes it. A finished answer's K/V move back to the
+every prompt and never decodes. When the forward that completes a prompt is scheduled, the least-loaded decode
+group reserves slots for it in its own layout, and the prefill ranks send each layer's K/V straight there as that
+forward writes it (`kv/transfer.py`, planned by `cp/pd_plan.py`); once the first token is sampled the request
+belongs to that group, which decodes it when all its rows are in. A finished answer's K/V move back to the
 prefill ranks' prefix tree, so a chat's next turn recomputes none of its history. The groups' forwards run side
 by side: the driver submits each idle group's next call without waiting and handles whichever returns first.
 """
@@ -741,7 +742,7 @@ class PDEngine:
                 self._order(src, s_rank, "sends").append(T.KVSend(tid, d_rank, pair.src_slots, pair.positions,
                                                                   stored, in_forward))
                 self._order(dst, d_rank, "recvs").append(T.KVRecv(tid, s_rank, pair.dst_slots, pair.positions,
-                                                                  stored))
+                                                                  stored, in_forward))
                 ranks.add(d_rank)
         if self.groups[dst].config.local_attention:  # windowed layers: every rank mirrors the slots' positions
             mirror = T.SlotMirror(plan.dst_ranks, plan.dst_slots, plan.positions)
