@@ -159,8 +159,11 @@ def test_pd_equals_transformers(pools, llama, layout):
         llm.shutdown()
 
 
-def test_chunked_prefill_and_preemption_on_the_decode_group(pools, llama):
-    """Chunked prefill on the prefill group, and preemption on a small decode group (it recomputes there)."""
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_chunked_prefill_and_preemption_on_the_decode_group(pools, family_checkpoint, variant):
+    """Chunked prefill on the prefill group, and preemption on a small decode group (it recomputes there; with
+    sliding windows, from rows of which only the window was sent)."""
+    llama = family_checkpoint(variant)
     prompts = _prompts(seed=3, lengths=(45, 52, 38))
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
     ref = _reference(llama, prompts, params)
@@ -288,6 +291,40 @@ def test_window_rows_only_and_decode_side_sharing(pools, family_checkpoint, vari
         assert got[1].metrics["pd"]["decode_cached_tokens"] == len(doc)  # the document, shared
         assert got[2].metrics["pd"]["decode_cached_tokens"] == len(b) - w  # cut at its window's first row
         eng.decode[0].kv.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoint, variant):
+    """Requests placed on the decode group when their last prefill forward was scheduled, that end at their first
+    token (max_tokens=1, a stop token): their rows still arrive and their decode slots are released (kept as that
+    group's prefix cache), nothing decodes them; a later request sharing their document there is exact (a windowed
+    model's partial rows included) and shares it."""
+    path = family_checkpoint(variant)
+    rng = np.random.default_rng(23)
+    doc = rng.integers(3, 250, size=60).tolist()
+    a, b = doc + rng.integers(3, 250, size=20).tolist(), doc + rng.integers(3, 250, size=20).tolist()
+    d = rng.integers(3, 250, size=33).tolist()
+    first = _reference(path, [d])[0].token_ids[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
+    stop = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, stop_token_ids=[first])
+    ref = _reference(path, [a, d], [one, stop]) + _reference(path, [b])
+    llm = _pd_llm(pools(3), path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    eng = llm.engine
+    try:
+        got = llm.generate([a, d], [one, stop], use_tqdm=False)
+        assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
+        assert all(o.metrics["pd"]["placed_early"] for o in got)
+        dec = eng.decode[0]
+        assert not dec.requests and not any(h for h in eng._pending.values()) and not eng._transfers
+        assert not any(nd.ref for nd in dec.kv.nodes.values()) and dec.kv.used.sum() > 0  # kept as cache
+        dec.kv.check_invariants()
+        got += llm.generate([b], GREEDY, use_tqdm=False)
+        _assert_same(ref, got)
+        assert got[2].metrics["pd"]["decode_cached_tokens"] == len(doc)  # a's rows, left on the decode group
+        for g in eng.groups:
+            g.kv.check_invariants()
     finally:
         llm.shutdown()
 

@@ -322,7 +322,6 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
     finally:
         runner.on_kv_written = None
     if riding:  # a rank idle in the forward, or a path without the per-layer hook: every layer left, now
-        figures["layers_in_forward"] = len(posted)
         rt.post_sends(riding, [layer for layer in range(layers) if layer not in set(posted)], figures)
     t0 = time.perf_counter()
     done, failed = rt.settle(orders.wait)
