@@ -303,7 +303,7 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
     """One call of a group's rank: tier cache operations decided before the orders (a segment evicted to make room
     for received rows is copied down first), the transfer orders, then the forward when there is one — whose layers
     post the prompt sends riding it as each is written — then the receives that are in. Returns (RankResult or
-    None, transfer figures: bytes sent, per transfer id the messages / bytes posted here, the layers posted from
+    None, transfer figures: bytes sent, per transfer id the messages / bytes posted here and how many of them from
     inside the forward, the transfers complete here `recv_bytes`, those failed here `failed`)."""
     runner = ctx.state["runner"]
     events = runner.apply_cache_ops(cache_ops) if cache_ops else ()
@@ -311,18 +311,19 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
     rt = transfers_of(ctx, runner)
     riding = [s for s in orders.sends if s.in_forward]
     layers = runner.store.k.shape[0]
-    posted: list[int] = []
+    posted: set[int] = set()
     if riding and batch is not None:
         def written(layer: int) -> None:  # layer's rows of this forward are in the store: its messages go now
-            rt.post_sends(riding, (layer,), figures, inside=True)
-            posted.append(layer)
+            if layer not in posted:  # (once, should a model attend with a layer twice)
+                rt.post_sends(riding, (layer,), figures, inside=True)
+                posted.add(layer)
         runner.on_kv_written = written
     try:
         result = runner.execute(pickle.loads(batch)) if batch is not None else None
     finally:
         runner.on_kv_written = None
     if riding:  # a rank idle in the forward, or a path without the per-layer hook: every layer left, now
-        rt.post_sends(riding, [layer for layer in range(layers) if layer not in set(posted)], figures)
+        rt.post_sends(riding, [layer for layer in range(layers) if layer not in posted], figures)
     t0 = time.perf_counter()
     done, failed = rt.settle(orders.wait)
     figures.update(recv_bytes=done, failed=failed, recv_wait_s=time.perf_counter() - t0, tier_events=events,

@@ -782,7 +782,9 @@ class PDEngine:
         c["transfer_s"] += seconds
         pd = info["req"].metrics.setdefault("pd", {})
         if info["kind"] == "handoff":
-            pd.update(transfer_bytes=nbytes, transfer_s=seconds, t_arrived=now)
+            # the part of it after the first token (none when every row was in before the prefill call was back)
+            pd.update(transfer_bytes=nbytes, transfer_s=seconds, t_arrived=now,
+                      transfer_exposed_s=max(0.0, now - pd["t_first"]) if "t_first" in pd else 0.0)
         else:
             c["move_back_bytes"] += nbytes
             pd.update(move_back_bytes=nbytes, move_back_s=seconds)
