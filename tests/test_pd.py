@@ -361,6 +361,53 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama):
         llm.shutdown()
 
 
+def _hold_receives(ctx, calls: int) -> None:
+    """On a rank: its next `calls` calls report no receive in (the messages stay pending), then as usual."""
+    from cpinfer.engine.kv import transfer
+
+    real, left = transfer.RankTransfers.settle, [calls]
+
+    def held(self, wait):
+        if left[0] > 0:
+            left[0] -= 1
+            return {}, {}
+        transfer.RankTransfers.settle = real
+        return real(self, wait)
+
+    transfer.RankTransfers.settle = held
+
+
+def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llama):
+    """A request whose first token is sampled (it belongs to its decode group now) and whose rows are not all in yet
+    is aborted: it never decodes, its decode blocks are freed once the rows are in, later requests are exact."""
+    prompts = _prompts(seed=19, lengths=(44, 31))[:2]
+    ref = _reference(llama, prompts)
+    pool = pools(3)
+    llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    eng = llm.engine
+    try:
+        pool.run_some(_hold_receives, [None, None, (40,)])  # the decode rank
+        eng.add_request("v", prompts[0], GREEDY)
+        outs = {}
+        dec = eng.decode[0]
+        while "v" not in dec.requests:  # joined: first token sampled, moved to the decode group
+            for o in eng.step():
+                outs[o.request_id] = o
+        h = eng._pending[1][0]
+        assert h.req.request_id == "v" and h.ready and h.tid in eng._transfers  # its rows not reported in yet
+        eng.abort("v")
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id] = o
+        assert outs["v"].finish_reason == "abort" and len(outs["v"].token_ids) == 1
+        assert not dec.requests and not any(nd.ref for nd in dec.kv.nodes.values())
+        for g in eng.groups:
+            g.kv.check_invariants()
+        _assert_same(ref, llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+
+
 def test_pd_metrics_exported():
     from cpinfer.engine.request import EngineStats
     from cpinfer.server.metrics import ServerMetrics
