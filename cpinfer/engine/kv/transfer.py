@@ -139,13 +139,15 @@ class _Waiter:
     def _loop(self) -> None:
         while True:
             m = self.q.get()
+            if m is None:  # closed: its rank's transfers were replaced (a new engine on these ranks)
+                return
             try:
                 m.work.wait()
             except Exception as exc:  # noqa: BLE001 - this message did not arrive: its transfer fails here
                 m.error = f"{type(exc).__name__}: {exc}"
             m.done.set()
 
-    def put(self, m: _Message) -> None:
+    def put(self, m: _Message | None) -> None:
         self.q.put(m)
 
 
@@ -270,8 +272,12 @@ def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
 
 
 def transfers_of(ctx, runner) -> RankTransfers:
+    """This rank's transfers in flight, for its current model runner (made at its first call)."""
     rt = ctx.state.get("pd_transfers")
     if rt is None or rt.runner is not runner:
+        if rt is not None:  # the waiters of an earlier engine's runner end once their works are done
+            rt._send_wait.put(None)
+            rt._recv_wait.put(None)
         rt = ctx.state["pd_transfers"] = RankTransfers(ctx, runner)
     return rt
 
