@@ -107,6 +107,16 @@ def test_plan_maps_every_token_once_grouped_per_pair():
         idx = np.flatnonzero((src_r == p.src) & (dst_r == p.dst))  # position order inside the pair
         np.testing.assert_array_equal(p.src_slots, src_s[idx])
         np.testing.assert_array_equal(p.dst_slots, dst_s[idx])
+        np.testing.assert_array_equal(p.positions, idx)
+
+
+def _window_bytes(engine, pd: dict, stored: int) -> int:
+    """The bytes a handoff of positions [cached, stored) moves: every row of a full-attention layer, the rows at
+    positions >= stored - window of a sliding-window layer (one layer's share of kv_bytes_per_token each)."""
+    windows = engine.prefill.config.windows
+    per_layer = engine.kv_bytes_per_token // len(windows)
+    pos = np.arange(pd["decode_cached_tokens"], stored)
+    return sum(per_layer * (len(pos) if w is None else int((pos >= stored - w).sum())) for w in windows)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "%d-%d_k%d_tp%d" % l)
@@ -149,8 +159,11 @@ def test_pd_equals_transformers(pools, llama, layout):
         llm.shutdown()
 
 
-def test_chunked_prefill_and_preemption_on_the_decode_group(pools, llama):
-    """Chunked prefill on the prefill group, and preemption on a small decode group (it recomputes there)."""
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_chunked_prefill_and_preemption_on_the_decode_group(pools, family_checkpoint, variant):
+    """Chunked prefill on the prefill group, and preemption on a small decode group (it recomputes there; with
+    sliding windows, from rows of which only the window was sent)."""
+    llama = family_checkpoint(variant)
     prompts = _prompts(seed=3, lengths=(45, 52, 38))
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=True)
     ref = _reference(llama, prompts, params)
@@ -236,9 +249,82 @@ def test_families_and_fp8_equal_colocated(pools, family_checkpoint, family, layo
         worst = _assert_same(want, got)
         per_token = llm.engine.kv_bytes_per_token
         print(f"P/D {n}->{m} {variant} kv {kv_dtype}: max |d logprob| {worst:.2e}, {per_token} bytes/token")
+        for o in got:  # full-attention layers: every row; windowed ones: the window's
+            pd = o.metrics["pd"]
+            assert pd["transfer_bytes"] == _window_bytes(llm.engine, pd, len(o.prompt_token_ids))
+            if variant not in ("gemma3", "gpt_oss"):
+                assert pd["transfer_bytes"] == pd["transfer_tokens"] * per_token
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=lambda l: "%d-%d" % l)
+@pytest.mark.parametrize("variant", ["gemma3", "gpt_oss"])
+def test_window_rows_only_and_decode_side_sharing(pools, family_checkpoint, variant, layout):
+    """Sliding-window layers send only the rows a decode still sees (positions >= S - W): the bytes are exactly
+    full_layers x S + window_layers x min(S, W) rows, and the outputs equal colocated CP1. Requests sharing a long
+    document on the decode group: one that needs none of the rows the first did not send shares the whole document;
+    a shorter one whose window reaches rows the first did not send matches only up to them and gets the rest sent."""
+    n, m = layout
+    path = family_checkpoint(variant)
+    rng = np.random.default_rng(17)
+    doc = rng.integers(3, 250, size=60).tolist()
+    a = doc + rng.integers(3, 250, size=20).tolist()  # S = 80: sends doc rows >= 64 only on windowed layers
+    c = doc + rng.integers(3, 250, size=20).tolist()  # S = 80: needs rows >= 64 (its own): shares the document
+    b = doc[:50] + rng.integers(3, 250, size=5).tolist()  # S = 55: needs doc rows >= 39, which a did not send
+    ref = _reference(path, [a, c, b])
+    llm = _pd_llm(pools(n + m), path, context_parallel_size=n, pd_decode_cp=m, placement="shard")
+    eng = llm.engine
+    try:
+        windows = [w for w in eng.prefill.config.windows if w is not None]
+        assert windows and len(windows) < len(eng.prefill.config.windows)  # both kinds of layer
+        w = max(windows)
+        got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in (a, c, b)]  # one after another
+        _assert_same(ref, got)
         for o in got:
             pd = o.metrics["pd"]
-            assert pd["transfer_bytes"] == pd["transfer_tokens"] * per_token
+            assert pd["transfer_bytes"] == _window_bytes(eng, pd, len(o.prompt_token_ids)), pd
+        full = eng.kv_bytes_per_token // len(eng.prefill.config.windows)
+        s = len(a)
+        assert got[0].metrics["pd"]["transfer_bytes"] == full * (
+            sum(s if x is None else min(s, x) for x in eng.prefill.config.windows))
+        assert got[1].metrics["pd"]["decode_cached_tokens"] == len(doc)  # the document, shared
+        assert got[2].metrics["pd"]["decode_cached_tokens"] == len(b) - w  # cut at its window's first row
+        eng.decode[0].kv.check_invariants()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("variant", ["gqa", "gemma3"])
+def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoint, variant):
+    """Requests placed on the decode group when their last prefill forward was scheduled, that end at their first
+    token (max_tokens=1, a stop token): their rows still arrive and their decode slots are released (kept as that
+    group's prefix cache), nothing decodes them; a later request sharing their document there is exact (a windowed
+    model's partial rows included) and shares it."""
+    path = family_checkpoint(variant)
+    rng = np.random.default_rng(23)
+    doc = rng.integers(3, 250, size=60).tolist()
+    a, b = doc + rng.integers(3, 250, size=20).tolist(), doc + rng.integers(3, 250, size=20).tolist()
+    d = rng.integers(3, 250, size=33).tolist()
+    first = _reference(path, [d])[0].token_ids[0]
+    one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
+    stop = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, stop_token_ids=[first])
+    ref = _reference(path, [a, d], [one, stop]) + _reference(path, [b])
+    llm = _pd_llm(pools(3), path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    eng = llm.engine
+    try:
+        got = llm.generate([a, d], [one, stop], use_tqdm=False)
+        assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
+        assert all(o.metrics["pd"]["placed_early"] for o in got)
+        dec = eng.decode[0]
+        assert not dec.requests and not any(h for h in eng._pending.values()) and not eng._transfers
+        assert not any(nd.ref for nd in dec.kv.nodes.values()) and dec.kv.used.sum() > 0  # kept as cache
+        dec.kv.check_invariants()
+        got += llm.generate([b], GREEDY, use_tqdm=False)
+        _assert_same(ref, got)
+        assert got[2].metrics["pd"]["decode_cached_tokens"] == len(doc)  # a's rows, left on the decode group
+        for g in eng.groups:
+            g.kv.check_invariants()
     finally:
         llm.shutdown()
 
@@ -271,6 +357,53 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama):
         for g in eng.groups:
             g.kv.check_invariants()
         assert not any(nd.ref for nd in dec.kv.nodes.values())  # no block held by a request any more
+    finally:
+        llm.shutdown()
+
+
+def _hold_receives(ctx, calls: int) -> None:
+    """On a rank: its next `calls` calls report no receive in (the messages stay pending), then as usual."""
+    from cpinfer.engine.kv import transfer
+
+    real, left = transfer.RankTransfers.settle, [calls]
+
+    def held(self, wait):
+        if left[0] > 0:
+            left[0] -= 1
+            return {}, {}
+        transfer.RankTransfers.settle = real
+        return real(self, wait)
+
+    transfer.RankTransfers.settle = held
+
+
+def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llama):
+    """A request whose first token is sampled (it belongs to its decode group now) and whose rows are not all in yet
+    is aborted: it never decodes, its decode blocks are freed once the rows are in, later requests are exact."""
+    prompts = _prompts(seed=19, lengths=(44, 31))[:2]
+    ref = _reference(llama, prompts)
+    pool = pools(3)
+    llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    eng = llm.engine
+    try:
+        pool.run_some(_hold_receives, [None, None, (40,)])  # the decode rank
+        eng.add_request("v", prompts[0], GREEDY)
+        outs = {}
+        dec = eng.decode[0]
+        while "v" not in dec.requests:  # joined: first token sampled, moved to the decode group
+            for o in eng.step():
+                outs[o.request_id] = o
+        h = eng._pending[1][0]
+        assert h.req.request_id == "v" and h.ready and h.tid in eng._transfers  # its rows not reported in yet
+        eng.abort("v")
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id] = o
+        assert outs["v"].finish_reason == "abort" and len(outs["v"].token_ids) == 1
+        assert not dec.requests and not any(nd.ref for nd in dec.kv.nodes.values())
+        for g in eng.groups:
+            g.kv.check_invariants()
+        _assert_same(ref, llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
         llm.shutdown()
 
@@ -343,6 +476,13 @@ def test_decode_steps_go_on_during_a_long_prefill(pools, tmp_path_factory):
         during = int(((times > lm["arrival_time"]) & (times < lm["first_token_time"])).sum())
         print(f"chat tokens during the long prefill ({lm['ttft_s']:.2f} s): {during}")
         assert during >= 3, (during, lm["ttft_s"])  # decode steps overlapped the prefill forward
+        # the long prompt's sends rode its prefill forward, one message per (prefill rank, decode rank, layer),
+        # each posted right after its layer was written; the chat kept decoding while they were incomplete
+        pd = lm["pd"]
+        assert pd["placed_early"] and pd["send_messages"] == pd["send_messages_in_forward"] == 2 * 4, sorted(pd.items())
+        moving = int(((times > pd["t_placed"]) & (times < pd["t_runnable"])).sum())
+        print(f"chat tokens while the long prompt's K/V moved ({pd['t_runnable'] - pd['t_placed']:.2f} s): {moving}")
+        assert moving >= 2, (moving, pd)
     finally:
         llm.shutdown()
 

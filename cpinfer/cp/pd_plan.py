@@ -2,7 +2,7 @@
 
 Pure data from two layouts: where each token's K/V sit in the source group (CP rank, slot) and where the
 destination group's KV manager reserved them (CP rank, slot). Tokens are grouped per (source rank, destination
-rank) pair, in position order, so each pair moves in one message per layer group, never one per token.
+rank) pair, in position order, so each pair moves in one message per layer, never one per token.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class PairSlots:
     dst: int  # destination CP rank (in its group)
     src_slots: np.ndarray  # [T] int64
     dst_slots: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64: the tokens' positions (a windowed layer sends only the recent ones)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,8 @@ def plan_transfer(positions: np.ndarray, src_ranks: np.ndarray, src_slots: np.nd
         order = np.argsort(key, kind="stable")  # stable: position order inside each pair
         bounds = np.flatnonzero(np.diff(key[order])) + 1
         for idx in np.split(order, bounds):
-            pairs.append(PairSlots(int(src_ranks[idx[0]]), int(dst_ranks[idx[0]]), src_slots[idx], dst_slots[idx]))
+            pairs.append(PairSlots(int(src_ranks[idx[0]]), int(dst_ranks[idx[0]]), src_slots[idx], dst_slots[idx],
+                                   positions[idx]))
     return TransferPlan(positions, dst_ranks, dst_slots, tuple(pairs))
 
 

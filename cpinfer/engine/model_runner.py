@@ -77,6 +77,7 @@ class ModelRunner:
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
+        self.on_kv_written = None  # callable(layer) after a forward wrote that layer's K/V (P/D sends: kv/transfer.py)
         self.chunks = self.config.chunks  # per layer: its attention chunk or None
         self.slot_positions: SlotPositions | None = None  # set with the KV store when a layer has a window / chunk
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
@@ -185,6 +186,7 @@ class ModelRunner:
         t_plan = time.perf_counter()
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         steps = []  # ring timings of every layer, read after the forward
+        written = self.on_kv_written
 
         def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
             # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
@@ -193,6 +195,8 @@ class ModelRunner:
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[layer].index_copy_(0, slots, v)
+            if written is not None:  # a P/D prefill rank: this layer's rows go to the decode group now
+                written(layer)
             return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
                             self.chunks[layer], sinks, store_used=store.used,
                             codecs=None if codecs is None else codecs[layer], expand=expand)

@@ -1,17 +1,25 @@
 """The rank side of moving K/V between a prefill group and a decode group: point-to-point sends and receives of
-stored rows, on the world group (NCCL on GPUs, gloo on CPUs), one message per (source, destination) pair with every
-layer in it. Rows travel as stored: an FP8 cache's bytes, MLA's latent, each TP rank its own heads.
+stored rows, on the world group (NCCL on GPUs, gloo on CPUs), one message per (source, destination, layer) of a
+transfer. Rows travel as stored: an FP8 cache's bytes, MLA's latent, each TP rank its own heads. A sliding-window
+layer sends only the rows a decode after the transfer can still see (`layer_rows`).
 
-A rank applies a call's `TransferOrders` before its forward: it copies the rows it sends and posts the sends
-(non-blocking: it goes on at once, the copies stay alive until they are delivered), then receives what it is sent
-and writes it into its slots. The driver makes a request runnable only after the call that received its rows came
-back, so nothing is ever computed from rows that have not all arrived.
+Sends never wait. A prompt's sends ride the prefill forward that completes it: each layer's rows are copied and
+posted as soon as that layer has written them (`ModelRunner.on_kv_written`), and the copies stay alive until they
+are delivered. Other sends (an answer moving back, a prompt handed over late) are posted before the call's forward.
+Receives are posted in the call that carries their orders and not waited for: every later call writes the messages
+that have come in and reports the transfers whose every message on this rank is in (`recv_bytes`) or failed. A
+call told to `wait` (its group has nothing else to run) blocks until every pending receive is in. The driver makes
+a request runnable only when every rank has reported its transfer in, so nothing is ever computed from rows that
+have not all arrived. gloo's point-to-point works only complete inside `wait()`, so a background thread per
+direction waits on them in order and flags each one done (`_Waiter`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import pickle
+import queue
+import threading
 import time
 
 import numpy as np
@@ -24,14 +32,17 @@ from cpinfer.distributed import ParallelConfig, build_role_groups
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.kv.capacity import kv_tokens_from_memory
 
-_TAG_SPAN = 1 << 30  # message tags: transfer ids modulo this
+_TAG_SPAN = 1 << 30  # message tags: (transfer id, layer) modulo this
 
 
 @dataclasses.dataclass(frozen=True)
 class KVSend:
-    tid: int  # the transfer's id (the message tag)
+    tid: int  # the transfer's id (with the layer: the message tag)
     peer: int  # global rank of the receiver
     slots: np.ndarray  # [T] this rank's slots, in the order the receiver writes them
+    positions: np.ndarray  # [T] their positions (windowed layers keep those a later decode still sees)
+    stored: int | None = None  # tokens the request stores once sent (S); None: every row of every layer
+    in_forward: bool = False  # posted layer by layer inside this call's forward (else before it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +50,9 @@ class KVRecv:
     tid: int
     peer: int  # global rank of the sender
     slots: np.ndarray  # [T] this rank's slots the rows go to, in the sender's order
+    positions: np.ndarray  # [T]
+    stored: int | None = None
+    in_forward: bool = False  # its sends ride the sender's forward (messages are posted in the senders' order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,66 +69,218 @@ class TransferOrders:
     sends: tuple[KVSend, ...] = ()
     recvs: tuple[KVRecv, ...] = ()
     mirrors: tuple[SlotMirror, ...] = ()
+    wait: bool = False  # block until every pending receive of this rank is in (the group has nothing else to run)
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.recvs or self.mirrors)
+        return bool(self.sends or self.recvs or self.mirrors or self.wait)
 
 
-def _rows(store, slots: torch.Tensor) -> torch.Tensor:
-    """[layers, T, Hkv, W] the stored rows of these slots, K then V channels side by side (MLA: the latent only)."""
-    k = store.k.index_select(1, slots)
+def layer_rows(windows, positions: np.ndarray, stored: int | None) -> list[np.ndarray | None]:
+    """Per layer, the entries of a message's [T] tokens it carries: None for all of them (a full-attention layer,
+    or `stored` None), else those at positions >= stored - window (the rows a decode at position >= stored can
+    still see, one spare), possibly none. Sender and receiver compute the same lists from the same orders."""
+    out = []
+    for w in windows:
+        if w is None or stored is None:
+            out.append(None)
+        else:
+            out.append(np.flatnonzero(np.asarray(positions) >= stored - w))
+    return out
+
+
+def _layer_slots(slots: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    return slots if keep is None else slots[keep]
+
+
+def _rows(store, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """[T, Hkv, W] one layer's stored rows of these slots, K then V channels side by side (MLA: the latent only)."""
+    k = store.k[layer].index_select(0, slots)
     if store.widths.values_in_keys:
         return k.contiguous()
-    return torch.cat([k, store.v.index_select(1, slots)], dim=-1)
+    return torch.cat([k, store.v[layer].index_select(0, slots)], dim=-1)
 
 
-def _write_rows(store, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def _write_rows(store, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
     dk = store.k.shape[-1]
-    store.k.index_copy_(1, slots, rows[..., :dk])
+    store.k[layer].index_copy_(0, slots, rows[..., :dk])
     if not store.widths.values_in_keys:
-        store.v.index_copy_(1, slots, rows[..., dk:])
+        store.v[layer].index_copy_(0, slots, rows[..., dk:])
     store.note_written(slots.cpu().numpy())
 
 
 def row_shape(store, num_tokens: int) -> tuple[int, ...]:
+    """[T, Hkv, W] of one layer's message."""
     width = store.k.shape[-1] + (0 if store.widths.values_in_keys else store.v.shape[-1])
-    return (store.k.shape[0], num_tokens, store.k.shape[2], width)
+    return (num_tokens, store.k.shape[2], width)
+
+
+def _tag(tid: int, layer: int, num_layers: int) -> int:
+    return (tid * num_layers + layer) % _TAG_SPAN
+
+
+class _Message:
+    """One posted send or receive: its work, its buffer (alive until done) and, for a receive, where it goes."""
+
+    __slots__ = ("work", "buf", "tid", "layer", "slots", "done", "error")
+
+    def __init__(self, work, buf, tid: int, layer: int, slots: torch.Tensor | None = None):
+        self.work, self.buf, self.tid, self.layer, self.slots = work, buf, tid, layer, slots
+        self.done = threading.Event()
+        self.error: str | None = None
+
+
+class _Waiter:
+    """A daemon thread that waits on posted works in order and flags each done (gloo completes point-to-point works
+    only inside `wait()`, which releases the GIL: the rank's forwards go on meanwhile)."""
+
+    def __init__(self):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="kv-transfer-wait").start()
+
+    def _loop(self) -> None:
+        while True:
+            m = self.q.get()
+            if m is None:  # closed: its rank's transfers were replaced (a new engine on these ranks)
+                return
+            try:
+                m.work.wait()
+            except Exception as exc:  # noqa: BLE001 - this message did not arrive: its transfer fails here
+                m.error = f"{type(exc).__name__}: {exc}"
+            m.done.set()
+
+    def put(self, m: _Message | None) -> None:
+        self.q.put(m)
+
+
+class RankTransfers:
+    """A rank's transfers in flight: sends whose copies must outlive the call, receives not yet written."""
+
+    def __init__(self, ctx, runner):
+        self.ctx, self.runner, self.store = ctx, runner, runner.store
+        self.host = ctx.group is not None and dist.get_backend(ctx.group) == "gloo" and ctx.device.type != "cpu"
+        self.sends: list[_Message] = []
+        self.recvs: list[_Message] = []
+        self.left: dict[int, int] = {}  # transfer id → its messages still expected here
+        self.got: dict[int, int] = {}  # transfer id → bytes written here
+        self.failed: dict[int, str] = {}  # transfer id → why a message of it failed here
+        self._send_wait, self._recv_wait = _Waiter(), _Waiter()
+
+    # ---------------------------------------------------------------- sending
+    def post_sends(self, sends, layers, figures: dict, inside: bool = False) -> None:
+        """Copy and post these sends' messages of these layers (one per send and layer that has rows); `inside`:
+        from inside the forward, right after the layer was written."""
+        store, n_layers = self.store, self.store.k.shape[0]
+        windows = self.runner.windows
+        self.sends = [m for m in self.sends if not m.done.is_set()]  # delivered copies are dropped
+        keeps = [layer_rows(windows, s.positions, s.stored) for s in sends]
+        for layer in layers:  # layer-major, as the receivers post them (NCCL matches a pair's messages in order)
+            for s, keep in zip(sends, keeps):
+                slots = _layer_slots(s.slots, keep[layer])
+                if not len(slots):
+                    continue
+                rows = _rows(store, layer, torch.as_tensor(slots, device=self.ctx.device))
+                rows = rows.cpu() if self.host else rows
+                m = _Message(dist.isend(rows, s.peer, group=self.ctx.group, tag=_tag(s.tid, layer, n_layers)), rows,
+                             s.tid, layer)
+                self._send_wait.put(m)
+                self.sends.append(m)
+                nbytes = rows.numel() * rows.element_size()
+                figures["sent_bytes"] = figures.get("sent_bytes", 0) + nbytes
+                per = figures.setdefault("sends", {}).setdefault(s.tid, {"messages": 0, "in_forward": 0, "bytes": 0})
+                per["messages"] += 1
+                per["in_forward"] += inside
+                per["bytes"] += nbytes
+
+    # ---------------------------------------------------------------- receiving
+    def post_recvs(self, recvs) -> None:
+        """Post the receives of these orders, in the order their senders post them: each run of orders posted
+        before the senders' forwards or inside them, layer by layer."""
+        runs = []
+        for r in recvs:
+            self.left.setdefault(r.tid, 0)
+            if runs and runs[-1][0].in_forward == r.in_forward:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        for run in runs:
+            self._post_run(run)
+
+    def _post_run(self, recvs) -> None:
+        store, n_layers = self.store, self.store.k.shape[0]
+        keeps = [layer_rows(self.runner.windows, r.positions, r.stored) for r in recvs]
+        for layer in range(n_layers):
+            for r, keep in zip(recvs, keeps):
+                slots = _layer_slots(r.slots, keep[layer])
+                if not len(slots):
+                    continue
+                try:
+                    buf = torch.empty(row_shape(store, len(slots)), dtype=store.k.dtype,
+                                      device="cpu" if self.host else self.ctx.device)
+                    work = dist.irecv(buf, r.peer, group=self.ctx.group, tag=_tag(r.tid, layer, n_layers))
+                except Exception as exc:  # noqa: BLE001 - e.g. no memory for the buffer
+                    self.failed[r.tid] = f"{type(exc).__name__}: {exc}"
+                    continue
+                m = _Message(work, buf, r.tid, layer, torch.as_tensor(slots, device=self.ctx.device))
+                self._recv_wait.put(m)
+                self.recvs.append(m)
+                self.left[r.tid] += 1
+
+    def settle(self, wait: bool) -> tuple[dict, dict]:
+        """Write the receives that are in (all of them first when `wait`); returns ({transfer id: bytes} of the
+        transfers whose every message here is in, {transfer id: why} of those that failed here and have no message
+        left in flight)."""
+        still = []
+        for m in self.recvs:
+            if wait:
+                m.done.wait()
+            if not m.done.is_set():
+                still.append(m)
+                continue
+            self.left[m.tid] -= 1
+            if m.error is not None:
+                self.failed.setdefault(m.tid, m.error)
+            elif m.tid not in self.failed:  # rows of a transfer that failed here are never written
+                try:
+                    _write_rows(self.store, m.layer, m.slots, m.buf.to(self.ctx.device))
+                    self.got[m.tid] = self.got.get(m.tid, 0) + m.buf.numel() * m.buf.element_size()
+                except Exception as exc:  # noqa: BLE001 - the rows of this transfer are not (all) here: never used
+                    self.failed[m.tid] = f"{type(exc).__name__}: {exc}"
+        self.recvs = still
+        done, failed = {}, {}
+        for tid in [t for t, n in self.left.items() if n == 0]:
+            del self.left[tid]
+            if tid in self.failed:
+                failed[tid] = self.failed.pop(tid)
+            else:
+                done[tid] = self.got.get(tid, 0)
+            self.got.pop(tid, None)
+        return done, failed
 
 
 def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
-    """Post this rank's sends, receive its rows and write them, mirror slot positions. Returns the bytes sent, the
-    bytes received per transfer id, the seconds spent waiting for rows, and the transfers that failed here (id →
-    why: the driver ends their requests alone)."""
-    store = runner.store
-    host = ctx.group is not None and dist.get_backend(ctx.group) == "gloo" and ctx.device.type != "cpu"
-    pending = [p for p in ctx.state.get("pd_sends", []) if not p[0].is_completed()]  # copies still in flight
-    sent, received = 0, {}  # bytes posted; bytes received per transfer id
-    for s in orders.sends:
-        rows = _rows(store, torch.as_tensor(s.slots, device=ctx.device))
-        rows = rows.cpu() if host else rows
-        pending.append((dist.isend(rows, s.peer, group=ctx.group, tag=s.tid % _TAG_SPAN), rows))
-        sent += rows.numel() * rows.element_size()
-    ctx.state["pd_sends"] = pending
-    t0 = time.perf_counter()
-    works, failed = [], {}  # failed: transfer id → why its rows are not usable here (that request alone fails)
-    for r in orders.recvs:
-        try:
-            buf = torch.empty(row_shape(store, len(r.slots)), dtype=store.k.dtype,
-                              device="cpu" if host else ctx.device)
-            works.append((dist.irecv(buf, r.peer, group=ctx.group, tag=r.tid % _TAG_SPAN), buf, r))
-        except Exception as exc:  # noqa: BLE001 - e.g. no memory for the buffer
-            failed[r.tid] = f"{type(exc).__name__}: {exc}"
-    for work, buf, r in works:
-        try:
-            work.wait()
-            _write_rows(store, torch.as_tensor(r.slots, device=ctx.device), buf.to(ctx.device))
-            received[r.tid] = received.get(r.tid, 0) + buf.numel() * buf.element_size()
-        except Exception as exc:  # noqa: BLE001 - the rows of this transfer are not (all) here: never used
-            failed[r.tid] = f"{type(exc).__name__}: {exc}"
+    """Before a call's forward: post this rank's sends that do not ride the forward, post its receives (not waited
+    for), mirror slot positions. Returns the call's transfer figures so far."""
+    rt = transfers_of(ctx, runner)
+    figures: dict = {}
+    early = [s for s in orders.sends if not s.in_forward]
+    if early:
+        rt.post_sends(early, range(runner.store.k.shape[0]), figures)
+    rt.post_recvs(orders.recvs)
     if runner.slot_positions is not None:
         for m in orders.mirrors:
             runner.slot_positions.pos[m.ranks, m.slots] = m.positions
-    return {"sent_bytes": sent, "recv_bytes": received, "recv_wait_s": time.perf_counter() - t0, "failed": failed}
+    return figures
+
+
+def transfers_of(ctx, runner) -> RankTransfers:
+    """This rank's transfers in flight, for its current model runner (made at its first call)."""
+    rt = ctx.state.get("pd_transfers")
+    if rt is None or rt.runner is not runner:
+        if rt is not None:  # the waiters of an earlier engine's runner end once their works are done
+            rt._send_wait.put(None)
+            rt._recv_wait.put(None)
+        rt = ctx.state["pd_transfers"] = RankTransfers(ctx, runner)
+    return rt
 
 
 # ---------------------------------------------------------------- functions the P/D driver runs on the ranks
@@ -165,11 +331,31 @@ def allocate_role_kv(ctx, capacities: list[int]) -> None:
 
 def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple = ()):
     """One call of a group's rank: tier cache operations decided before the orders (a segment evicted to make room
-    for received rows is copied down first), the transfer orders, then the forward when there is one. Returns
-    (RankResult or None, transfer figures)."""
+    for received rows is copied down first), the transfer orders, then the forward when there is one — whose layers
+    post the prompt sends riding it as each is written — then the receives that are in. Returns (RankResult or
+    None, transfer figures: bytes sent, per transfer id the messages / bytes posted here and how many of them from
+    inside the forward, the transfers complete here `recv_bytes`, those failed here `failed`)."""
     runner = ctx.state["runner"]
     events = runner.apply_cache_ops(cache_ops) if cache_ops else ()
     figures = apply_orders(ctx, runner, orders) if orders else {}
-    figures["tier_events"] = events
-    result = runner.execute(pickle.loads(batch)) if batch is not None else None
+    rt = transfers_of(ctx, runner)
+    riding = [s for s in orders.sends if s.in_forward]
+    layers = runner.store.k.shape[0]
+    posted: set[int] = set()
+    if riding and batch is not None:
+        def written(layer: int) -> None:  # layer's rows of this forward are in the store: its messages go now
+            if layer not in posted:  # (once, should a model attend with a layer twice)
+                rt.post_sends(riding, (layer,), figures, inside=True)
+                posted.add(layer)
+        runner.on_kv_written = written
+    try:
+        result = runner.execute(pickle.loads(batch)) if batch is not None else None
+    finally:
+        runner.on_kv_written = None
+    if riding:  # a rank idle in the forward, or a path without the per-layer hook: every layer left, now
+        rt.post_sends(riding, [layer for layer in range(layers) if layer not in posted], figures)
+    t0 = time.perf_counter()
+    done, failed = rt.settle(orders.wait)
+    figures.update(recv_bytes=done, failed=failed, recv_wait_s=time.perf_counter() - t0, tier_events=events,
+                   recv_pending=len(rt.recvs))
     return result, figures

@@ -2,9 +2,10 @@
 
 Ranks [0, N·TP) are the prefill group; decode group g holds the next M·TP ranks. Each group has its own engine
 (`GroupEngine`: an `LLMEngine` over its ranks, with its own KV manager and scheduler). The prefill group runs
-every prompt and never decodes; when a prompt's first token is sampled, the request moves to the least-loaded
-decode group, which reserves slots for its prompt in its own layout, receives the K/V straight from the prefill
-ranks (`kv/transfer.py`, planned by `cp/pd_plan.py`) and decodes it. A finished answer's K/V move back to the
+every prompt and never decodes. When the forward that completes a prompt is scheduled, the least-loaded decode
+group reserves slots for it in its own layout, and the prefill ranks send each layer's K/V straight there as that
+forward writes it (`kv/transfer.py`, planned by `cp/pd_plan.py`); once the first token is sampled the request
+belongs to that group, which decodes it when all its rows are in. A finished answer's K/V move back to the
 prefill ranks' prefix tree, so a chat's next turn recomputes none of its history. The groups' forwards run side
 by side: the driver submits each idle group's next call without waiting and handles whichever returns first.
 """
@@ -233,11 +234,15 @@ class GroupEngine(LLMEngine):
 
 @dataclasses.dataclass
 class _Handoff:
-    """A request moving to decode group `group`: runnable once its transfer's receiving call has come back."""
+    """A request moving to decode group `group`: runnable once every rank of it has its transfer's rows in."""
 
     req: Request
     tid: int | None  # None: nothing to move (the decode group had the whole prompt cached)
     plan_tokens: int
+    group: int = 0
+    dseq: SeqKV | None = None  # its path on the decode group (req.kv once it has left the prefill group)
+    ready: bool = True  # False while the prefill forward that completes its prompt is out
+    drop: bool = False  # it ended on the prefill side (finished at its first token, aborted, failed there)
     abort: bool = False
     failed: str | None = None  # why its transfer failed (it then ends with an error)
 
@@ -248,6 +253,8 @@ class _Call:
     recv_tids: set
     t0: float
     t_schedule: float
+    early: list = dataclasses.field(default_factory=list)  # handoffs placed when this prefill forward was scheduled
+    send_reqs: dict = dataclasses.field(default_factory=dict)  # transfer id → request, of this call's handoff sends
 
 
 def path_layout(seq: SeqKV) -> tuple[np.ndarray, np.ndarray]:
@@ -310,6 +317,16 @@ class PDEngine:
         self.groups: list[GroupEngine] = [self.prefill, *self.decode]
         for g in self.decode:
             g.on_retire = lambda req, g=g: self._move_back(g, req)
+        # sliding-window layers send only the rows a decode still sees: per decode slot, whether its row is there
+        # for every layer (False: a windowed layer's row was not sent); a match never ends where a window needs one
+        wins = [w for w in self.prefill.config.windows if w is not None]
+        self._w_min, self._w_max = (min(wins), max(wins)) if wins else (None, None)
+        self._complete: dict[int, np.ndarray] = {}
+        self._match_from: int | None = None  # while a handoff attaches: the first position its decode needs
+        if wins:
+            for i, g in enumerate(self.decode, start=1):
+                self._complete[i] = np.ones((self.pd.decode_cp, g.kv.capacity_per_rank + 1), dtype=bool)
+                g.kv.match = self._windowed_match(i, g.kv.match)
         self._orders: dict[int, dict[int, dict]] = {}  # group → global rank → {"sends", "recvs", "mirrors"}
         self._inflight: dict[int, _Call] = {}
         self._pending: dict[int, list[_Handoff]] = {i: [] for i in range(1, len(self.groups))}
@@ -422,11 +439,12 @@ class PDEngine:
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self._parked) or any(g.requests for g in self.groups) or bool(self._outputs)
-                or bool(self._orders) or bool(self._inflight))  # answers' K/V still moving back
+                or bool(self._orders) or bool(self._inflight)  # answers' K/V still moving back
+                or any(self._pending.values()) or bool(self._transfers))  # rows still arriving
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Submit the next call of every idle group (prefill first, so the sends a decode group waits for are out
+        """Submit the next call of every idle group (prefill first, so the sends a decode group receives are out
         before it), then handle whichever group's call comes back first."""
         self._check_alive()
         outputs, self._outputs = self._outputs, []
@@ -458,8 +476,15 @@ class PDEngine:
         if not receiving and g.scheduler.has_work():
             held = bool(outputs) or (i == PREFILL and bool(self._parked)) or bool(self._pending.get(i))
             forward = self._on_ranks(g._schedule_forward, held)
+        early = []
+        if forward is not None and i == PREFILL:  # prompts this forward completes: their decode slots now, and
+            early = self._place_early(forward[0])  # their sends ride this very forward, layer by layer
+        elif forward is not None and i in self._complete:
+            for s in forward[0]:  # rows this decode forward computes are there for every layer
+                self._complete[i][s.placement.ranks, s.placement.slots] = True
         orders = self._orders.pop(i, {})
-        if forward is None and not orders:
+        awaiting = i != PREFILL and any(t["dst"] == i and t["ranks"] for t in self._transfers.values())
+        if forward is None and not orders and not awaiting:
             return outputs
         # tier operations decided since the last call (e.g. a segment evicted for a moved-back answer's slots) run
         # before the orders write received rows; a forward's own go with its batch
@@ -468,15 +493,20 @@ class PDEngine:
         blob = None
         if forward is not None:
             blob = pickle.dumps(forward[1], protocol=pickle.HIGHEST_PROTOCOL)
-        recv_tids = set()
+        recv_tids, send_reqs = set(), {}
         args = {}
         for r in g.view.ranks:
             o = orders.get(r, {})
-            to = T.TransferOrders(tuple(o.get("sends", ())), tuple(o.get("recvs", ())), tuple(o.get("mirrors", ())))
+            # a call without a forward has nothing else to do: it blocks until every pending receive is in
+            to = T.TransferOrders(tuple(o.get("sends", ())), tuple(o.get("recvs", ())), tuple(o.get("mirrors", ())),
+                                  wait=forward is None)
             recv_tids.update(rv.tid for rv in to.recvs)
+            send_reqs.update((sd.tid, self._transfers[sd.tid]["req"]) for sd in to.sends  # a prompt's handoff
+                             if sd.tid in self._transfers and self._transfers[sd.tid]["kind"] == "handoff")
             args[r] = (to, blob, ops)
         self._on_ranks(self._pool.submit_some, T.role_call, args)
-        self._inflight[i] = _Call(forward, recv_tids, time.perf_counter(), time.perf_counter() - t0)
+        self._inflight[i] = _Call(forward, recv_tids, time.perf_counter(), time.perf_counter() - t0, early,
+                                  send_reqs)
         if i == PREFILL:  # their rows are copied at this call's start, before any later write or cache operation
             for seq in self._sent_after_call:
                 self.prefill.kv.release(seq, keep=True)
@@ -499,17 +529,26 @@ class PDEngine:
         t1 = time.perf_counter()
         self._busy_s[i] += t1 - call.t0
         results = [a[0] for a in answers]
-        arrived, failed = {}, {}
-        for _, fig in answers:
+        settled = set()
+        for rank, (_, fig) in zip(g.view.ranks, answers):
             for tid, nbytes in fig.get("recv_bytes", {}).items():
-                arrived[tid] = arrived.get(tid, 0) + nbytes
-            failed.update(fig.get("failed", {}))
+                settled.add(self._rank_settled(tid, rank, nbytes, None))
+            for tid, why in fig.get("failed", {}).items():
+                settled.add(self._rank_settled(tid, rank, 0, why))
+            for tid, per in fig.get("sends", {}).items():  # what the sending ranks posted, and when
+                req = call.send_reqs.get(tid)
+                if req is not None:
+                    pd = req.metrics.setdefault("pd", {})
+                    for key, v in (("send_messages", per["messages"]),
+                                   ("send_messages_in_forward", per["in_forward"])):
+                        pd[key] = pd.get(key, 0) + v
         g._tier_events([fig.get("tier_events", ()) for _, fig in answers])
-        for tid, why in failed.items():
-            self._transfer_failed(tid, why)
-        for tid, nbytes in arrived.items():
-            if tid not in failed:
-                self._arrived(tid, nbytes, t1)
+        for tid in sorted(t for t in settled if t is not None):
+            info = self._transfers[tid]
+            if info["why"] is not None:
+                self._transfer_failed(tid, info["why"])
+            else:
+                self._arrived(tid, info["bytes"], t1)
         outputs = []
         if call.forward is not None:
             scheduled, batch, choice, form = call.forward
@@ -521,12 +560,23 @@ class PDEngine:
             g._tier_events(results)
             outputs += g._process(scheduled, results, choice, batch.phase, host, form)
             if i == PREFILL:
-                self._leave_prefill(scheduled, t1)
+                self._leave_prefill(scheduled, t1, call.early)
         if i != PREFILL:
             self._promote(i)
         outputs += self._outputs
         self._outputs = []
         return outputs
+
+    def _rank_settled(self, tid: int, rank: int, nbytes: int, why: str | None) -> int | None:
+        """One rank has every message of transfer tid in (or failed); the id once every rank has."""
+        info = self._transfers.get(tid)
+        if info is None:
+            return None
+        info["ranks"].discard(rank)
+        info["bytes"] += nbytes
+        if why is not None and info["why"] is None:
+            info["why"] = why
+        return None if info["ranks"] else tid
 
     def _on_ranks(self, fn, *args):
         try:
@@ -540,24 +590,61 @@ class PDEngine:
             raise EngineDeadError(f"the engine failed: {self.dead_error}") from exc
 
     # ------------------------------------------------------------------ prefill → decode
-    def _leave_prefill(self, scheduled, now: float) -> None:
-        """Requests whose prompt is done (first token sampled, not finished) leave the prefill group; their prompt's
-        K/V stay in its prefix tree once sent."""
+    def _place_early(self, scheduled) -> list[_Handoff]:
+        """The prompts the forward being submitted completes (a first token will be sampled): each one's decode
+        group, its slots there and its transfer, now — the sends ride this forward. Requests waiting for room go
+        first: while some do, later ones wait behind them (placed after their forward, as they are)."""
+        out = []
         for s in scheduled:
             req = s.request
-            if (req.request_id not in self.prefill.requests or req.finish_reason is not None or not req.out
-                    or req.is_prefill or req not in self.prefill.scheduler.running):
+            if self._parked or not s.sample or s.is_decode or s.draft is not None:
+                continue
+            stored = s.start + len(s.tokens)
+            if stored != req.kv.num_stored:
+                continue
+            for i in self._group_order():
+                h = self._reserve(i, req, stored, early=True)
+                if h is not None:
+                    out.append(h)
+                    break
+        return out
+
+    def _leave_prefill(self, scheduled, now: float, early: list[_Handoff]) -> None:
+        """Requests whose prompt is done (first token sampled, not finished) leave the prefill group; their prompt's
+        K/V stay in its prefix tree once sent. Those placed when the forward was scheduled move to their decode
+        group; the others wait for room (`_parked`)."""
+        placed = {h.req.request_id: h for h in early}
+        for s in scheduled:
+            req = s.request
+            h = placed.get(req.request_id)
+            left = (req.request_id in self.prefill.requests and req.finish_reason is None and bool(req.out)
+                    and not req.is_prefill and req in self.prefill.scheduler.running
+                    and req.request_id not in self.prefill._aborts)  # an abort of it is applied there next step
+            if h is not None:
+                h.ready = True
+                if not left:  # it ended at its first token, failed, or is aborted: its rows are freed once in
+                    h.drop = True
+                    continue
+            if not left:
                 continue
             self.prefill.scheduler.running.remove(req)
             del self.prefill.requests[req.request_id]
-            req.metrics["pd"] = {"prefill_s": now - req.arrival, "t_first": now}
-            self._parked.append(req)
+            pd = req.metrics.setdefault("pd", {})
+            pd.update(prefill_s=now - req.arrival, t_first=now)
+            if h is None:
+                self._parked.append(req)
+                continue
+            self.prefill.kv.release(req.kv, keep=True)  # its sends' rows were copied inside the forward
+            self._join(h, 0.0)
+        for h in early:
+            self._promote(h.group)
         self._place_parked()
 
     def _group_order(self) -> list[int]:
-        """Decode groups, least loaded first (requests held, then KV tokens stored)."""
+        """Decode groups, least loaded first (requests held or on their way, then KV tokens stored)."""
         return sorted(range(1, len(self.groups)),
-                      key=lambda i: (len(self.groups[i].requests), int(self.groups[i].kv.used.sum()), i))
+                      key=lambda i: (len(self.groups[i].requests) + sum(not h.ready for h in self._pending[i]),
+                                     int(self.groups[i].kv.used.sum()), i))
 
     def _place_parked(self) -> None:
         still = []
@@ -566,52 +653,81 @@ class PDEngine:
                 still.append(req)
         self._parked = still
 
-    def _hand_to(self, i: int, req: Request) -> bool:
-        """Reserve req's prompt on decode group i (what its prefix tree lacks) and queue the transfer; False when it
-        has no room now."""
+    def _reserve(self, i: int, req: Request, stored: int, early: bool) -> _Handoff | None:
+        """Reserve req's first `stored` tokens on decode group i (what its prefix tree lacks) and queue the transfer
+        from the prefill ranks (riding the prefill forward being submitted when `early`, else the prefill group's
+        next call); None when the group has no room now."""
         g = self.groups[i]
-        stored = req.kv.num_stored  # the prompt (and any output recomputed before): positions 0 .. stored-1
-        known = req.known_array()[:stored + 1]
-        dseq = g.kv.attach(req.request_id, known)
+        known = req.known_array()
+        # attach never matches the last entry (a first token, maybe not sampled yet): a stand-in is enough
+        self._match_from = None if self._w_max is None else stored - self._w_max  # the rows its decode will see
+        try:
+            dseq = g.kv.attach(req.request_id, np.append(known[:stored], 0))
+        finally:
+            self._match_from = None
         m = dseq.num_stored
-        decode_left = max(0, req.params.max_tokens - len(req.out))
+        decode_left = max(0, req.params.max_tokens - max(1, len(req.out)))  # the first token is the prefill's
         placement = None
         if m < stored:
             g.kv.begin_forward()
             placement = g.kv.reserve(dseq, known[m:stored], decode=False, decode_left=decode_left)
             if placement is None:
                 g.kv.release(dseq, keep=False)
-                return False
+                return None
         tid = None
         if placement is not None:
             src_r, src_s = path_layout(req.kv)
-            plan = plan_transfer(np.arange(m, stored), src_r[m:], src_s[m:], placement.ranks, placement.slots)
-            tid = self._queue(PREFILL, i, plan, req, "handoff")
+            plan = plan_transfer(np.arange(m, stored), src_r[m:stored], src_s[m:stored], placement.ranks,
+                                 placement.slots)
+            tid = self._queue(PREFILL, i, plan, req, "handoff", stored=stored, in_forward=early)
+            if i in self._complete:  # windowed layers get the rows at positions >= stored - window only
+                self._complete[i][plan.dst_ranks, plan.dst_slots] = plan.positions >= stored - self._w_min
+        pd = req.metrics.setdefault("pd", {})
+        pd.update(decode_group=i - 1, transfer_tokens=stored - m, transfer_bytes=0, transfer_s=0.0,
+                  decode_cached_tokens=m, t_placed=time.perf_counter(), placed_early=early)
+        h = _Handoff(req, tid, stored - m, group=i, dseq=dseq, ready=not early)
+        self._pending[i].append(h)
+        self._counters["handoffs"] += 1
+        return h
+
+    def _hand_to(self, i: int, req: Request) -> bool:
+        """A parked request (first token sampled): reserve its prompt on decode group i and queue the transfer on
+        the prefill group's next call; False when the group has no room now."""
+        h = self._reserve(i, req, req.kv.num_stored, early=False)
+        if h is None:
+            return False
         # the prompt stays in the prefill tree; its blocks stay held until the call whose start copies them is out
-        if tid is None:
+        if h.tid is None:
             self.prefill.kv.release(req.kv, keep=True)
         else:
             self._sent_after_call.append(req.kv)
-        req.kv = dseq
+        pd = req.metrics["pd"]
+        self._join(h, pd["t_placed"] - pd.get("t_first", pd["t_placed"]))
+        self._promote(i)
+        return True
+
+    def _join(self, h: _Handoff, waited: float) -> None:
+        """The request of a handoff becomes decode group h.group's (it runs once its rows are in: `_promote`)."""
+        req, g = h.req, self.groups[h.group]
+        req.kv = h.dseq
         g.requests[req.request_id] = req
         matcher = self.prefill._matchers.pop(req.request_id, None)
         if matcher is not None:
             g._matchers[req.request_id] = matcher
-        pd = req.metrics.setdefault("pd", {})
-        now = time.perf_counter()
-        pd.update(decode_group=i - 1, decode_wait_s=now - pd.get("t_first", now), transfer_tokens=stored - m,
-                  transfer_bytes=0, transfer_s=0.0, decode_cached_tokens=m, t_placed=now)
-        self._pending[i].append(_Handoff(req, tid, stored - m))
-        self._counters["handoffs"] += 1
-        self._promote(i)
-        return True
+        req.metrics["pd"]["decode_wait_s"] = waited
 
     def _promote(self, i: int) -> None:
         """Handoffs of group i whose rows (and every earlier handoff's) have arrived start decoding."""
         g, pending = self.groups[i], self._pending[i]
-        while pending and (pending[0].tid is None or pending[0].tid not in self._transfers):
+        while pending and pending[0].ready and (pending[0].tid is None or pending[0].tid not in self._transfers):
             h = pending.pop(0)
             req = h.req
+            if h.drop:  # it ended on the prefill side: the rows are in (kept as cache) or failed (dropped)
+                nodes = _path_ids(h.dseq)
+                g.kv.release(h.dseq, keep=h.failed is None)
+                if h.failed is not None:
+                    _drop_unused(g.kv, nodes)
+                continue
             if h.failed is not None:  # its rows did not all arrive: it ends alone, its decode blocks are freed
                 nodes = _path_ids(req.kv)
                 self._outputs.append(g._fail(req, f"K/V transfer to the decode group failed: {h.failed}"))
@@ -621,7 +737,46 @@ class PDEngine:
                 g.abort(req.request_id)
                 continue
             req.status = RequestStatus.RUNNING
+            req.metrics.setdefault("pd", {})["t_runnable"] = time.perf_counter()
             g.scheduler.running.append(req)
+
+    def _windowed_match(self, i: int, match):
+        """Decode group i's prefix match, cut before a windowed layer's row that the request needs and that was not
+        sent. A handoff of S tokens (`_match_from` = S - window) needs the rows at positions >= S - window: the match
+        ends at the first missing one there (the rest is sent, each row the window needs with it). Otherwise (a
+        request recomputing after a preemption) the match ends at the longest m whose positions [m - window, m) all
+        have every layer's row, as the recomputed queries from m on see them."""
+        kv = self.groups[i].kv
+        ok = self._complete[i]
+
+        def windowed(tokens, limit, through_holes=False):
+            node, inside, matched = match(tokens, limit, through_holes)
+            if matched == 0 or ok.all():
+                return node, inside, matched
+            need = self._match_from
+            nodes, p = [], node
+            while p is not kv.root:
+                nodes.append(p)
+                p = p.parent
+            nodes.reverse()
+            ranks = np.concatenate([n.rank.view for n in nodes])[:matched]
+            slots = np.concatenate([n.slot.view for n in nodes])[:matched]
+            bad = ~ok[ranks, slots]  # [matched]: a windowed layer's row missing at that position
+            if not bad[max(0, matched - self._w_max if need is None else need):].any():
+                return node, inside, matched
+            if need is not None:  # the first missing row the handoff needs
+                best = max(0, need) + int(np.flatnonzero(bad[max(0, need):])[0])
+            else:
+                before = np.concatenate([[0], np.cumsum(bad)])  # missing rows before each position
+                ends = np.arange(matched + 1)
+                fine = before[ends] == before[np.maximum(0, ends - self._w_max)]
+                best = int(np.flatnonzero(fine).max())
+            if best == 0:
+                return kv.root, 0, 0
+            n = next(n for n in nodes if n.pos0 < best <= n.pos0 + len(n))
+            return n, best - n.pos0, best
+
+        return windowed
 
     # ------------------------------------------------------------------ decode → prefill (the answer's K/V)
     def _move_back(self, g: GroupEngine, req: Request) -> None:
@@ -647,8 +802,13 @@ class PDEngine:
             self._counters["move_backs_skipped"] += 1
             return
         src_r, src_s = path_layout(dseq)
+        i = self.groups.index(g)
+        if i in self._complete and not self._complete[i][src_r[m:], src_s[m:]].all():
+            kv.release(pseq, keep=False)  # windowed rows the decode group never had: the prefill tree recomputes
+            self._counters["move_backs_skipped"] += 1
+            return
         plan = plan_transfer(np.arange(m, stored), src_r[m:], src_s[m:], placement.ranks, placement.slots)
-        tid = self._queue(self.groups.index(g), PREFILL, plan, req, "move_back")
+        tid = self._queue(i, PREFILL, plan, req, "move_back")
         # in the tree now (received at the start of the prefill's next call, before its forward reads them), held
         # until then so that nothing evicts or writes its slots first
         self._transfers[tid]["hold"] = pseq
@@ -656,21 +816,29 @@ class PDEngine:
         self._counters["move_backs"] += 1
 
     # ------------------------------------------------------------------ transfers
-    def _queue(self, src: int, dst: int, plan: TransferPlan, req: Request, kind: str) -> int:
-        """Orders for the next call of both groups: per (source, destination) CP pair and TP index one message."""
+    def _queue(self, src: int, dst: int, plan: TransferPlan, req: Request, kind: str, stored: int | None = None,
+               in_forward: bool = False) -> int:
+        """Orders for the next call of both groups: per (source, destination) CP pair, TP index and layer one
+        message. stored: the request's tokens once sent (windowed layers send positions >= stored - window only;
+        None: every row); in_forward: the sends ride the source's forward being submitted, layer by layer."""
         tid = next(self._tids)
         tp = self.pd.tp
         s_off, d_off = self.pd.roles[src][2], self.pd.roles[dst][2]
+        ranks = set()  # destination ranks that report the transfer in
         for pair in plan.pairs:
             for t in range(tp):
                 s_rank, d_rank = s_off + pair.src * tp + t, d_off + pair.dst * tp + t
-                self._order(src, s_rank, "sends").append(T.KVSend(tid, d_rank, pair.src_slots))
-                self._order(dst, d_rank, "recvs").append(T.KVRecv(tid, s_rank, pair.dst_slots))
+                self._order(src, s_rank, "sends").append(T.KVSend(tid, d_rank, pair.src_slots, pair.positions,
+                                                                  stored, in_forward))
+                self._order(dst, d_rank, "recvs").append(T.KVRecv(tid, s_rank, pair.dst_slots, pair.positions,
+                                                                  stored, in_forward))
+                ranks.add(d_rank)
         if self.groups[dst].config.local_attention:  # windowed layers: every rank mirrors the slots' positions
             mirror = T.SlotMirror(plan.dst_ranks, plan.dst_slots, plan.positions)
             for r in self.groups[dst].view.ranks:
                 self._order(dst, r, "mirrors").append(mirror)
-        self._transfers[tid] = {"t0": time.perf_counter(), "req": req, "kind": kind}
+        self._transfers[tid] = {"t0": time.perf_counter(), "req": req, "kind": kind, "dst": dst, "ranks": ranks,
+                                "bytes": 0, "why": None}
         return tid
 
     def _transfer_failed(self, tid: int, why: str) -> None:
@@ -686,9 +854,9 @@ class PDEngine:
             bad = next((h for h in pending if h.tid == tid), None)
             if bad is None:
                 continue
-            nodes = _path_ids(bad.req.kv)
+            nodes = _path_ids(bad.dseq)
             for h in pending[pending.index(bad):]:
-                if h is bad or _path_ids(h.req.kv) & nodes:
+                if h is bad or _path_ids(h.dseq) & nodes:
                     h.failed = why if h is bad else f"its cached prefix came with a failed transfer ({why})"
 
     def _order(self, group: int, rank: int, kind: str) -> list:
@@ -703,7 +871,9 @@ class PDEngine:
         c["transfer_s"] += seconds
         pd = info["req"].metrics.setdefault("pd", {})
         if info["kind"] == "handoff":
-            pd.update(transfer_bytes=nbytes, transfer_s=seconds, t_arrived=now)
+            # the part of it after the first token (none when every row was in before the prefill call was back)
+            pd.update(transfer_bytes=nbytes, transfer_s=seconds, t_arrived=now,
+                      transfer_exposed_s=max(0.0, now - pd["t_first"]) if "t_first" in pd else 0.0)
         else:
             c["move_back_bytes"] += nbytes
             pd.update(move_back_bytes=nbytes, move_back_s=seconds)
@@ -757,7 +927,8 @@ class PDEngine:
         for s in parts:
             for k, v in s.requests_finished.items():
                 finished[k] = finished.get(k, 0) + v
-        return EngineStats(sum(s.num_running for s in parts) + sum(len(h) for h in self._pending.values()),
+        on_way = sum(1 for p in self._pending.values() for h in p if h.ready and not h.drop)
+        return EngineStats(sum(s.num_running for s in parts) + on_way,
                            sum(s.num_waiting for s in parts) + len(self._parked),
                            [t for s in parts for t in s.kv_tokens_per_rank], p.kv_capacity_per_rank,
                            p.prefix_cache_queries, p.prefix_cache_hits, p.prompt_tokens,
