@@ -90,8 +90,8 @@ def keyed_engines(**defaults):
             if key not in local:
                 local[key] = LLM(str(path), **kw)
             return local[key]
-        if world in current and current[world][0] == key:
-            return current[world][1]
+        if world in current and current[world][0] == key and current[world][1].engine._pool is not None:
+            return current[world][1]  # (not when a test has shut it down itself)
         if world in current:
             current.pop(world)[1].shutdown()
         if world not in pools:
