@@ -160,6 +160,23 @@ def _worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbo
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    _exit_rank()
+
+
+def _exit_rank() -> None:
+    """End a rank process that has left its group, at once: the interpreter's teardown and the C++ libraries' exit
+    work after it (gloo's, the thread pools') take 1-5 s per pool on a busy CPU, and now and then hang until the
+    pool's close kills the rank. The rank holds nothing that needs them: its output is flushed here, and the driver
+    waits for the KV tiers' disk writes before it closes the pool."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to write
+            pass
+    os._exit(0)
 
 
 _DRIVER_HOSTS = threading.Lock()  # held while a pool's rank 0 lives in this process (torch's default group)

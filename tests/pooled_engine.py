@@ -67,3 +67,44 @@ def shard_engines():
     finally:
         for pool in pools.values():
             pool.close()
+
+
+def keyed_engines(**defaults):
+    """A module fixture's body for modules that ask for many (checkpoint, CP, options) engines: yields
+    `get(path, cp, tp=1, **kw)`, the LLM of those arguments (`defaults` under `kw`), made on first use and reused
+    while it is its pool's newest. CP1 x TP1 runs in the driver process (one LLM per key, kept for the module); more
+    ranks run on one `WorkerPool` per world size, spawned once for the module (rank 0 in the driver when this
+    process can host it, as a real engine's pool would be). A pool serves one engine at a time: asking for other
+    arguments on the same world size shuts the previous engine down first (its K/V goes with it)."""
+    from cpinfer.launch import WorkerPool, driver_can_host_rank
+
+    local: dict[tuple, LLM] = {}
+    pools: dict[int, WorkerPool] = {}
+    current: dict[int, tuple] = {}  # world size -> (key, the engine on that pool now)
+
+    def get(path, cp, tp=1, **kw):
+        kw = dict(context_parallel_size=cp, tensor_parallel_size=tp, **{**defaults, **kw})
+        key = (str(path), tuple(sorted(kw.items())))
+        world = cp * tp
+        if world == 1:
+            if key not in local:
+                local[key] = LLM(str(path), **kw)
+            return local[key]
+        if world in current and current[world][0] == key and current[world][1].engine._pool is not None:
+            return current[world][1]  # (not when a test has shut it down itself)
+        if world in current:
+            current.pop(world)[1].shutdown()
+        if world not in pools:
+            pools[world] = WorkerPool(world, threads_per_rank=kw.get("threads_per_rank", 1),
+                                      timeout_s=kw.get("timeout_s", 120), driver_rank=driver_can_host_rank())
+        llm = PooledLLM(str(path), pools[world], **kw)
+        current[world] = (key, llm)
+        return llm
+
+    try:
+        yield get
+    finally:
+        for llm in [*local.values(), *(llm for _, llm in current.values())]:
+            llm.shutdown()
+        for pool in pools.values():
+            pool.close()

@@ -5,23 +5,16 @@ import torch
 
 from cpinfer import LLM, SamplingParams
 from hf_oracle import check_against_hf, prompts_for
+from pooled_engine import keyed_engines
 
 GREEDY = dict(temperature=0.0, logprobs=True)
-_LLMS = {}
 
 
 @pytest.fixture(scope="module")
 def engine():
-    """`engine(path, cp, **kw)`: one LLM per (checkpoint, CP, options) for the whole module."""
-    def get(path, cp, **kw):
-        key = (str(path), cp, tuple(sorted(kw.items())))
-        if key not in _LLMS:
-            _LLMS[key] = LLM(str(path), context_parallel_size=cp, threads_per_rank=1, timeout_s=120, **kw)
-        return _LLMS[key]
-    yield get
-    for llm in _LLMS.values():
-        llm.shutdown()
-    _LLMS.clear()
+    """`engine(path, cp, **kw)`: the LLM of (checkpoint, CP, options), reused until another one is asked for on the
+    same number of ranks; one pool of ranks per CP size serves the module (tests/pooled_engine.py)."""
+    yield from keyed_engines(threads_per_rank=1, timeout_s=120)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "mqa", "mha", "tied", "llama3"])

@@ -11,11 +11,18 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is not installed: the Triton engine path cannot be checked")
 
-from cpinfer import LLM, SamplingParams  # noqa: E402
+from cpinfer import SamplingParams  # noqa: E402
 from checkpoints import load_hf_model  # noqa: E402
 from hf_oracle import check_against_hf, prompts_for  # noqa: E402
+from pooled_engine import keyed_engines  # noqa: E402
 
 BF16_TOL = 0.08  # logprob; HF bf16 itself differs from HF fp32 by ~0.03 on these models
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """`engines(path, cp, **kw)`: an LLM on one pool of ranks per world size shared by the module."""
+    yield from keyed_engines(threads_per_rank=1, timeout_s=300)
 
 
 def _shared_prefix_prompts(vocab):
@@ -24,15 +31,14 @@ def _shared_prefix_prompts(vocab):
     return [base + a, base + b, c]
 
 
-def test_engine_cp2_triton_matches_hf(llama_checkpoint):
+def test_engine_cp2_triton_matches_hf(llama_checkpoint, engines):
     """CP2 with the Triton backend (interpreter), fp32: the tokens and log-probs HF gives (the CPU backend is held
     to the same oracle in test_engine.py): a conversation's second turn, a branch off its shared prefix and an
     unrelated prompt in one batch, all on the cached, sharded KV."""
     path = llama_checkpoint("gqa", max_position_embeddings=1024)
     prompts = _shared_prefix_prompts(256)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, prompt_logprobs=True, ignore_eos=True)
-    with LLM(str(path), context_parallel_size=2, attention_backend="triton", threads_per_rank=1, timeout_s=300,
-             max_kv_tokens_per_rank=1024, placement="shard") as llm:
+    with engines(path, 2, attention_backend="triton", max_kv_tokens_per_rank=1024, placement="shard") as llm:
         first = llm.generate(prompts[:1], params)  # prompt log-probs too (they bypass the prefix cache)
         turn2 = [prompts[0] + first[0].token_ids + [7, 8, 9]] + prompts[1:]  # a second turn, a branch, another
         second = llm.generate(turn2, dataclasses.replace(params, prompt_logprobs=False))
@@ -42,14 +48,13 @@ def test_engine_cp2_triton_matches_hf(llama_checkpoint):
     assert second[1].num_cached_tokens >= 24  # the branch read the shared prefix from the cache
 
 
-def test_engine_bf16_matches_hf_bf16(llama_checkpoint):
+def test_engine_bf16_matches_hf_bf16(llama_checkpoint, engines):
     """dtype="bfloat16" on CPU at CP2: every generated and prompt log-prob within a bf16 tolerance of HF in bf16,
     each generated token within that tolerance of HF's best, and measurably not fp32."""
     path = llama_checkpoint("gqa", max_position_embeddings=1024)
     prompts = _shared_prefix_prompts(256)
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=True, prompt_logprobs=True, ignore_eos=True)
-    with LLM(str(path), context_parallel_size=2, dtype="bfloat16", threads_per_rank=1, timeout_s=300,
-             max_kv_tokens_per_rank=1024, placement="shard") as llm:
+    with engines(path, 2, dtype="bfloat16", max_kv_tokens_per_rank=1024, placement="shard") as llm:
         outs = llm.generate(prompts, params)
     hf16 = load_hf_model(path).to(torch.bfloat16)
     hf32 = load_hf_model(path)

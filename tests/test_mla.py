@@ -142,22 +142,21 @@ LATENT_ROW = 3 * (16 + 8) * 4  # deepseek_v3 tiny: 3 layers x (latent 16 + rotar
 
 
 @pytest.mark.parametrize("form", ["auto", "expanded"])
-def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, tmp_path, form):
+def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpoint, engines, tmp_path, form):
     """CP2 with a device cache of about one conversation: histories go to the host pool and to disk as latent rows
     ([tokens, 1, layers, 1, 24]: keys only, the values inside them), come back exact; the tiers count 288 bytes a
     token; a CP1 engine restarted on the same directory reads them (re-placed) and answers as transformers. In
     either MLA form: "expanded" up-projects the restored latent rows like any other."""
     from safetensors import safe_open
 
-    from cpinfer import LLM, SamplingParams
+    from cpinfer import SamplingParams
     from hf_oracle import check_against_hf, prompts_for
 
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     kv_dir = tmp_path / "kv"
-    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_num_batched_tokens=96, mla_form=form)
+    kw = dict(kv_disk_dir=kv_dir, max_num_batched_tokens=96, mla_form=form)  # placement "shard", 1 thread a rank
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=4))]
-    with LLM(str(path), context_parallel_size=2, max_kv_tokens_per_rank=192,
-             kv_host_gib=128 * LATENT_ROW / (1 << 30), **kw) as llm:
+    with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=128 * LATENT_ROW / (1 << 30), **kw) as llm:
         first = []
         for d in docs:  # one at a time: each pushes the one before down a tier
             first += llm.generate([d], SamplingParams(max_tokens=6, **GREEDY))
@@ -175,7 +174,7 @@ def test_tiers_keep_the_latent_across_a_restart_at_another_cp_size(llama_checkpo
     with safe_open(str(files[0]), framework="pt") as f:
         assert tuple(f.get_slice("kv").get_shape()[1:]) == (1, 3, 1, 24)
         assert "latent16+rope8" in f.metadata()["layout"]
-    with LLM(str(path), context_parallel_size=1, max_kv_tokens_per_rank=2048, **kw) as llm:
+    with engines(path, 1, max_kv_tokens_per_rank=2048, **kw) as llm:
         out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **GREEDY))
         check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
         assert out[0].num_cached_tokens >= len(docs[0]) + 5
@@ -187,7 +186,8 @@ def _host_pool_slots(ctx):
 
 
 @pytest.mark.parametrize("write_through", [True, False])
-def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, tmp_path, monkeypatch, write_through):
+def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, engines, tmp_path, monkeypatch,
+                                                             write_through):
     """CP 2 x TP 2 with a small device cache, a host pool and a disk: histories evicted to the host pool (TP rank 0
     of each CP rank holds it; TP rank 1 none) and to disk come back broadcast to both TP ranks and answer as
     transformers; the host tier counts the latent once (288 bytes a token, not 576). Without write-through, what
@@ -195,7 +195,7 @@ def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, tm
     them until the file is written)."""
     import functools
 
-    from cpinfer import LLM, SamplingParams
+    from cpinfer import SamplingParams
     from cpinfer.engine import llm_engine
     from hf_oracle import check_against_hf, prompts_for
 
@@ -203,9 +203,8 @@ def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, tm
                                                                     write_through=write_through))
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=6))]
-    with LLM(str(path), context_parallel_size=2, tensor_parallel_size=2, placement="shard", threads_per_rank=1,
-             max_kv_tokens_per_rank=192, max_num_batched_tokens=96, kv_disk_dir=tmp_path / "kv",
-             kv_host_gib=128 * LATENT_ROW / (1 << 30)) as llm:
+    with engines(path, 2, 2, max_kv_tokens_per_rank=192, max_num_batched_tokens=96, kv_disk_dir=tmp_path / "kv",
+                 kv_host_gib=128 * LATENT_ROW / (1 << 30)) as llm:  # placement "shard", 1 thread a rank
         assert llm.engine._pool.run(_host_pool_slots) == [128, 0, 128, 0]  # ranks (cp, tp) = 00, 01, 10, 11
         first = [llm.generate([d], SamplingParams(max_tokens=6, **GREEDY))[0] for d in docs]
         turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
@@ -229,17 +228,17 @@ def test_bench_measures_the_ring_message_of_the_latent():
     assert message_bytes_per_token(cfg, 64) == {"mla": 576 * 4, "per_head": 16 * 320 * 4}
 
 
-def test_tp2_writes_the_latent_once_and_any_tp_size_reads_it(llama_checkpoint, tmp_path):
+def test_tp2_writes_the_latent_once_and_any_tp_size_reads_it(llama_checkpoint, engines, tmp_path):
     """Under TP every rank caches the same latent: only TP rank 0 writes it (one file per CP shard, its bytes
     counted once); an engine at TP1, then one at TP2 again, restore it and answer as transformers."""
-    from cpinfer import LLM, SamplingParams
+    from cpinfer import SamplingParams
     from hf_oracle import check_against_hf, prompts_for
 
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     kv_dir = tmp_path / "kv"
-    kw = dict(placement="shard", threads_per_rank=1, kv_disk_dir=kv_dir, max_kv_tokens_per_rank=2048)
+    kw = dict(kv_disk_dir=kv_dir, max_kv_tokens_per_rank=2048)  # placement "shard", 1 thread a rank
     doc = [3] + prompts_for(256, [150], seed=8)[0]
-    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+    with engines(path, 1, 2, **kw) as llm:
         first = llm.generate([doc], SamplingParams(max_tokens=6, **GREEDY))
         check_against_hf(path, first, [doc], 6, check_prompt_lp=False)
         llm.engine.sync_tiers(force=True)
@@ -250,7 +249,7 @@ def test_tp2_writes_the_latent_once_and_any_tp_size_reads_it(llama_checkpoint, t
     assert files and all(".t0." in f for f in files), files
     turn2 = doc + first[0].token_ids + [5]
     for tp in (1, 2):
-        with LLM(str(path), tensor_parallel_size=tp, **kw) as llm:
+        with engines(path, 1, tp, **kw) as llm:
             out = llm.generate([turn2], SamplingParams(max_tokens=6, **GREEDY))
             check_against_hf(path, out, [turn2], 6, check_prompt_lp=False)
             assert out[0].num_cached_tokens == (len(doc) + 5 if tp == 1 else len(turn2) - 1)  # (TP1 wrote turn 2)

@@ -6,12 +6,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from cpinfer import AsyncLLM, LLM, SamplingParams
+from cpinfer import AsyncLLM, SamplingParams
 from cpinfer.engine.kv.manager import BLOCK
 from hf_oracle import check_against_hf, prompts_for
+from pooled_engine import keyed_engines
 
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
-_LLMS = {}
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +21,11 @@ def model(llama_checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    def get(cp, **kw):
-        kw.setdefault("placement", "shard")  # these tests exercise the ring; tests/test_placement.py the rest
-        key = (cp, tuple(sorted(kw.items())))
-        if key not in _LLMS:
-            _LLMS[key] = LLM(str(model), context_parallel_size=cp, threads_per_rank=1, timeout_s=120, **kw)
-        return _LLMS[key]
-    yield get
-    for llm in _LLMS.values():
-        llm.shutdown()
-    _LLMS.clear()
+    """`engine(cp, **kw)`: the LLM of (CP, options), reused until another one is asked for on the same number of
+    ranks; one pool of ranks per CP size serves the module (tests/pooled_engine.py)."""
+    # placement "shard": these tests exercise the ring; tests/test_placement.py the rest
+    for get in keyed_engines(threads_per_rank=1, timeout_s=120, placement="shard"):
+        yield lambda cp, **kw: get(model, cp, **kw)
 
 
 def _total(llm) -> int:

@@ -16,11 +16,11 @@ from cpinfer import LLM, SamplingParams
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.perf.hardware import load_hardware_profile
 from hf_oracle import check_against_hf, prompts_for
+from pooled_engine import keyed_engines
 
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 SPIED = ("batch_isend_irecv", "all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
          "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "barrier", "send", "recv")
-_LLMS = {}
 
 
 # ---------------------------------------------------------------- run on every rank
@@ -90,18 +90,24 @@ def fast_profile(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model, fast_profile):
-    def get(cp, **kw):
-        kw.setdefault("hardware_profile", fast_profile)
-        key = (cp, tuple(sorted(kw.items())))
-        if key not in _LLMS:
-            _LLMS[key] = LLM(str(model), context_parallel_size=cp, threads_per_rank=1, timeout_s=120, **kw)
-            _LLMS[key].engine._pool.run(install_spy)
-        return _LLMS[key]
-    yield get
-    for llm in _LLMS.values():
-        llm.engine._pool.run(remove_spy)
-        llm.shutdown()
-    _LLMS.clear()
+    """`engine(cp, **kw)`: the LLM of (CP, options) with spies on its ranks, reused until another one is asked for
+    on the same number of ranks; one pool of ranks per CP size serves the module (tests/pooled_engine.py), rank 0 in
+    this process as a real engine's."""
+    spied: list = []
+    for get in keyed_engines(threads_per_rank=1, timeout_s=120, hardware_profile=fast_profile):
+        def spied_engine(cp, **kw):
+            llm = get(model, cp, **kw)
+            if not any(llm is other for other in spied):  # a new engine: spy on its model (the pool's may be older)
+                llm.engine._pool.run(remove_spy)
+                llm.engine._pool.run(install_spy)
+                spied.append(llm)
+            return llm
+        try:
+            yield spied_engine
+        finally:  # rank 0 runs in this process: its torch.distributed functions must not stay wrapped
+            for llm in spied:
+                if llm.engine._pool is not None:  # the pools' engines now (the others were shut down)
+                    llm.engine._pool.run(remove_spy)
 
 
 def spies(llm) -> list[dict]:

@@ -20,6 +20,7 @@ from cpinfer.perf.planner import build_deployment
 from cpinfer.perf.simulator import memory_per_gpu
 from cpinfer.tensor_parallel import load_tp_model
 from fp8_checkpoint import write_fp8_pair
+from pooled_engine import keyed_engines
 
 KINDS = {"dense": ("gqa", {}), "moe": ("mixtral", {}), "mla": ("deepseek_v3", {"attention_bias": False})}
 FP8_GPU = HARDWARE["h100-sxm"]    # a profile with FP8 GEMMs: FP8 linears stay FP8
@@ -94,15 +95,21 @@ def test_routed_experts_are_dequantized_in_the_plan_as_in_the_engine(checkpoints
     assert saved < engine_weight_bytes(plain) - experts  # not even the experts' size: they were not shrunk
 
 
+@pytest.fixture(scope="module")
+def engines():
+    """`engines(path, cp, **kw)`: an LLM on one pool of ranks per world size shared by the module."""
+    yield from keyed_engines(threads_per_rank=1)
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_planned_kv_per_rank_equals_the_engine_cache(checkpoints, kind):
+def test_planned_kv_per_rank_equals_the_engine_cache(checkpoints, engines, kind):
     """CP2, one 101-token prompt spread over both ranks: the fuller rank's KV bytes as the planner predicts them."""
-    from cpinfer import LLM, SamplingParams
+    from cpinfer import SamplingParams
 
     plain = checkpoints[kind][0]
     dep = build_deployment(load_model_spec(plain), CPU, 2, 1, "fp32", "fp32", "fp32")
     prompt = list(range(3, 104))
-    with LLM(str(plain), context_parallel_size=2, placement="shard") as llm:
+    with engines(plain, 2, placement="shard") as llm:
         llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
         stats = llm.cache_stats()
     per_rank = max(stats["kv_tokens_per_rank"]) * stats["kv_bytes_per_token"]

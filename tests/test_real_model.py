@@ -37,11 +37,22 @@ class HFOracle:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     @torch.no_grad()
-    def greedy(self, prompt: list[int], steps: int, stop_at_eos: bool):
-        """(prompt log-probs [len-1], greedy tokens, their log-probs), decoding with HF's own KV cache."""
-        out = self.model(torch.tensor([prompt]), use_cache=True)
-        lp = out.logits[0].float().log_softmax(-1)                                  # [P, vocab]
-        prompt_lp = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    def greedy(self, prompt: list[int], steps: int, stop_at_eos: bool, history=None):
+        """(prompt log-probs [len-1], greedy tokens, their log-probs, (the tokens in HF's KV cache, that cache)),
+        decoding with HF's own KV cache. `history` = (tokens, cache) of an earlier call: the K/V of its longest
+        common prefix with `prompt` are reused (as the engine reuses a chat's first turn) and only the rest is
+        computed; then the prompt log-probs cover the computed part only."""
+        start, past = 0, None
+        if history is not None:
+            seen, past = history
+            while start < min(len(seen), len(prompt) - 1) and seen[start] == prompt[start]:
+                start += 1
+            assert past.get_seq_length() == len(seen)
+            if start < len(seen):
+                past.crop(start - len(seen))  # (this transformers takes how many tokens to drop, as a negative)
+        out = self.model(torch.tensor([prompt[start:]]), past_key_values=past, use_cache=True)
+        lp = out.logits[0].float().log_softmax(-1)                                  # [P - start, vocab]
+        prompt_lp = lp[torch.arange(len(prompt) - start - 1), torch.tensor(prompt[start + 1:])]
         last, past, tokens, lps = lp[-1], out.past_key_values, [], []
         for _ in range(steps):
             t = int(last.argmax())
@@ -51,7 +62,8 @@ class HFOracle:
                 break
             out = self.model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
             last, past = out.logits[0, -1].float().log_softmax(-1), out.past_key_values
-        return prompt_lp, tokens, torch.tensor(lps)
+        fed = tokens if not (stop_at_eos and tokens and tokens[-1] == self.eos) else tokens[:-1]
+        return prompt_lp, tokens, torch.tensor(lps), (list(prompt) + fed, past)
 
 
 def _document(tok) -> str:
@@ -85,13 +97,13 @@ def _reference() -> dict:
     doc = _document(hf.tok)
     turn1 = [{"role": "user", "content": f"{doc}\n\n{Q1}"}]
     p1 = hf.chat_ids(turn1)
-    prompt_lp, tokens, lps = hf.greedy(p1, STEPS, stop_at_eos=False)
+    prompt_lp, tokens, lps, history = hf.greedy(p1, STEPS, stop_at_eos=False)
     answer = tokens[:TURN_STEPS]
     answer = answer[:answer.index(hf.eos) + 1] if hf.eos in answer else answer
     turn2 = turn1 + [{"role": "assistant", "content": hf.tok.decode(answer, skip_special_tokens=True)},
                      {"role": "user", "content": Q2}]
     p2 = hf.chat_ids(turn2)
-    _, tokens2, lps2 = hf.greedy(p2, TURN_STEPS, stop_at_eos=True)
+    _, tokens2, lps2, _ = hf.greedy(p2, TURN_STEPS, stop_at_eos=True, history=history)  # turn 1's K/V reused
     return dict(hf=hf, turn1=turn1, turn2=turn2, p1=p1, p2=p2, prompt_lp=prompt_lp, tokens=tokens, lps=lps,
                 answer=answer, tokens2=tokens2, lps2=lps2)
 

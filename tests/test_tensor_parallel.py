@@ -12,9 +12,16 @@ from cpinfer import LLM, SamplingParams
 from cpinfer.distributed import ParallelConfig
 from cpinfer.launch import free_port
 from hf_oracle import check_against_hf, prompts_for
+from pooled_engine import keyed_engines
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_generate.py"
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """`engines(path, cp, tp, **kw)`: an LLM on one pool of ranks per world size shared by the module."""
+    yield from keyed_engines(threads_per_rank=1, timeout_s=120)
 
 
 @pytest.mark.parametrize("variant,cp,tp,placement", [
@@ -22,11 +29,10 @@ GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
     ("mqa", 2, 2, "local"),  # 1 KV head, TP2: the KV head is replicated on both TP ranks; each request on 1 CP rank
     ("gqa", 1, 4, "shard"),  # 2 KV heads, TP4: each KV head replicated twice
 ])
-def test_cp_tp_exact_with_partial_prefill_and_decode(llama_checkpoint, variant, cp, tp, placement):
+def test_cp_tp_exact_with_partial_prefill_and_decode(llama_checkpoint, engines, variant, cp, tp, placement):
     path = llama_checkpoint(variant, max_position_embeddings=2048)
     prompts = prompts_for(256, [23, 70], seed=cp * 10 + tp)
-    with LLM(str(path), context_parallel_size=cp, tensor_parallel_size=tp, threads_per_rank=1, timeout_s=120,
-             max_kv_tokens_per_rank=2048, placement=placement) as llm:
+    with engines(path, cp, tp, max_kv_tokens_per_rank=2048, placement=placement) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, prompt_logprobs=True, **GREEDY))
         check_against_hf(path, outs, prompts, 10)
         turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
