@@ -108,3 +108,25 @@ def keyed_engines(**defaults):
             llm.shutdown()
         for pool in pools.values():
             pool.close()
+
+
+def pd_llm(pool, path, **kwargs) -> LLM:
+    """An `LLM` over a prefill / decode engine whose world is the shared `pool` (its size must be the P/D world's:
+    (N + K·M) × TP); one rank thread each. The pool outlives the engine."""
+    from cpinfer.engine.pd.engine import PDEngine
+
+    class _PooledPD(PDEngine):
+        def _make_pool(self, world, backend, threads):
+            if world != pool.world_size:
+                raise ValueError(f"the pool has {pool.world_size} ranks, the P/D world needs {world}")
+            return pool
+
+        def shutdown(self) -> None:
+            for g in self.groups:
+                g.shutdown()
+            self._pool = None  # the module's pool outlives the engine
+
+    llm = LLM.__new__(LLM)
+    llm.engine = _PooledPD(str(path), threads_per_rank=1, **kwargs)
+    llm._ids = itertools.count()
+    return llm

@@ -39,6 +39,40 @@ def write_tiny_tokenizer(directory: Path) -> Path:
     return directory
 
 
+def served_checkpoint(llama_checkpoint, tmp_path_factory, name: str, **config) -> Path:
+    """A copy of the tiny GQA checkpoint (vocabulary = the tiny tokenizer's ids; `config` overrides) in a fresh
+    folder `name`, with the tiny tokenizer beside it: what a served model needs."""
+    import shutil
+
+    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB, **config)
+    dst = tmp_path_factory.mktemp(name)
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    return write_tiny_tokenizer(dst)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment a process started with ({} when it is gone or not readable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def kill_trees(*procs: subprocess.Popen) -> None:
+    """Kill what is left of these launched processes (every descendant first) and reap them."""
+    for p in procs:
+        if p.poll() is None:
+            for pid in [*descendants(p.pid), p.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        p.wait(timeout=30)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

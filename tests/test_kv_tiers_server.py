@@ -6,14 +6,13 @@ next start removes, and its index agrees with the files; /metrics shows the tier
 from __future__ import annotations
 
 import re
-import shutil
 import time
 
 import httpx
 import pytest
 
 from cpinfer.engine.kv.tier_store import WRITE_DELAY_ENV
-from server_utils import TINY_VOCAB, ServerProcess, write_tiny_tokenizer
+from server_utils import ServerProcess, served_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 MAX_LEN = 512
@@ -24,11 +23,7 @@ TURN = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
-    dst = tmp_path_factory.mktemp("tier_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "tier_model")
 
 
 def _chat(srv: ServerProcess, messages: list) -> dict:

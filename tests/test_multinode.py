@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ import torch
 
 from cpinfer.cli import main
 from cpinfer.multinode import NodeSpec, interface_toward
-from server_utils import TINY_VOCAB, ServerProcess, descendants, free_port, is_alive, write_tiny_tokenizer
+from server_utils import ServerProcess, descendants, free_port, is_alive, kill_trees, served_checkpoint
 
 PROMPT = list(range(3, 43))  # 40 tokens: 20 per CP rank, spread (placement shard) so the ring crosses nodes
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -34,26 +33,10 @@ def _start(args: list[str], log) -> subprocess.Popen:
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _end(*procs: subprocess.Popen) -> None:
-    """Kill what is left of the launched nodes (every descendant first), and reap them."""
-    for p in procs:
-        if p.poll() is None:
-            for pid in [*descendants(p.pid), p.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        p.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
     """The tiny GQA checkpoint with the tiny byte-level tokenizer beside it (the server needs one)."""
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
-    dst = tmp_path_factory.mktemp("multinode_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "multinode_model")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +64,7 @@ def test_generate_over_two_nodes_cp2_tp2_matches_one_process(model_dir, referenc
         out = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
         assert codes == [0, 0], "\n---\n".join(o[-3000:] for o in out)
     finally:
-        _end(driver, headless)
+        kill_trees(driver, headless)
     res = json.loads(out[0].strip().splitlines()[-1])
     assert res["token_ids"] == reference[0]
     torch.testing.assert_close(torch.tensor(res["logprobs"]), torch.tensor(reference[1]), atol=1e-4, rtol=0)
@@ -107,7 +90,7 @@ def _serve_pair(model_dir, tmp_path) -> tuple[ServerProcess, subprocess.Popen]:
     try:
         server = ServerProcess([*common, "--node-rank", "0"], start_timeout=240)
     except BaseException:
-        _end(headless)
+        kill_trees(headless)
         raise
     return server, headless
 
@@ -133,7 +116,7 @@ def test_serve_over_two_nodes_matches_one_process_and_a_dead_node_ends_the_serve
         time.sleep(0.5)
         assert not any(is_alive(p) for p in ranks)  # the headless node's rank died with its launcher
     finally:
-        _end(server.proc, headless)
+        kill_trees(server.proc, headless)
 
 
 def test_sigterm_to_every_node_stops_the_world_cleanly(model_dir, tmp_path):
@@ -151,7 +134,7 @@ def test_sigterm_to_every_node_stops_the_world_cleanly(model_dir, tmp_path):
         assert "the driver ended the world; every rank of this node exited" in out[1], out[1][-3000:]
         assert not any(is_alive(p) for p in ranks)
     finally:
-        _end(server.proc, headless)
+        kill_trees(server.proc, headless)
 
 
 def test_headless_node_exits_in_seconds_when_the_driver_dies(model_dir, tmp_path):
@@ -174,7 +157,7 @@ def test_headless_node_exits_in_seconds_when_the_driver_dies(model_dir, tmp_path
         assert "rank 1 left the world" in out and "the world is gone" in out, out[-3000:]
         assert not any(is_alive(p) for p in ranks)
     finally:
-        _end(server.proc, headless)
+        kill_trees(server.proc, headless)
 
 
 # ---------------------------------------------------------------------------------------------- bad flags

@@ -5,7 +5,6 @@ so the ranks start once per module.
 """
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -14,34 +13,11 @@ import torch
 from checkpoints import write_hf_checkpoint
 from cpinfer.cp.pd_plan import plan_transfer
 from cpinfer.engine.llm import LLM
-from cpinfer.engine.pd.engine import PDEngine
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
+from pooled_engine import pd_llm as _pd_llm
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
-
-
-class _PooledPD(PDEngine):
-    def __init__(self, model, pool, **kwargs):
-        self._shared = pool
-        super().__init__(model, **kwargs)
-
-    def _make_pool(self, world, backend, threads):
-        if world != self._shared.world_size:
-            raise ValueError(f"the pool has {self._shared.world_size} ranks, the P/D world needs {world}")
-        return self._shared
-
-    def shutdown(self) -> None:
-        for g in self.groups:
-            g.shutdown()
-        self._pool = None  # the module's pool outlives the engine
-
-
-def _pd_llm(pool, path, **kw) -> LLM:
-    llm = LLM.__new__(LLM)
-    llm.engine = _PooledPD(str(path), pool, threads_per_rank=1, **kw)
-    llm._ids = itertools.count()
-    return llm
 
 
 @pytest.fixture(scope="module")

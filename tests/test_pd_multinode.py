@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from server_utils import TINY_VOCAB, ServerProcess, descendants, free_port, is_alive, write_tiny_tokenizer
+from server_utils import ServerProcess, descendants, environ_of, free_port, is_alive, kill_trees, served_checkpoint
 
 PROMPT = list(range(3, 43))  # 40 tokens, spread over the prefill ranks (placement shard): the ring crosses them
 MAX_TOKENS = 6
@@ -23,35 +22,10 @@ ENGINE = ["--device", "cpu", "--threads-per-rank", "1", "--placement", "shard", 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _end(*procs: subprocess.Popen) -> None:
-    """Kill what is left of the launched processes (every descendant first), and reap them."""
-    for p in procs:
-        if p.poll() is None:
-            for pid in [*descendants(p.pid), p.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        p.wait(timeout=30)
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
-
-
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
     """The tiny GQA checkpoint with the tiny byte-level tokenizer beside it (the server needs one)."""
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
-    dst = tmp_path_factory.mktemp("pd_multinode_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "pd_multinode_model")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +61,7 @@ def test_torchrun_prefill_cp2_decode_cp1_matches_one_process(model_dir, referenc
         out = (tmp_path / "torchrun.log").read_text()
         assert code == 0, out[-4000:]
     finally:
-        _end(agent)
+        kill_trees(agent)
     res = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
     _check(res, reference, 1)
     assert "prefill/decode: prefill CP 2" in out and "to decode group 0 (CP 1)" in out, out[-3000:]
@@ -116,7 +90,7 @@ def test_two_nodes_prefill_cp2_decode_cp2_matches_one_process(model_dir, referen
         out = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
         assert codes == [0, 0], "\n---\n".join(o[-3000:] for o in out)
     finally:
-        _end(driver, headless)
+        kill_trees(driver, headless)
     res = json.loads(out[0].strip().splitlines()[-1])
     _check(res, reference, 2)
     assert "runs ranks 2..3" in out[1] and "the driver ended the world" in out[1], out[1][-2000:]
@@ -143,7 +117,7 @@ def test_two_nodes_serve_then_a_killed_decode_rank_ends_the_driver(model_dir, re
         torch.testing.assert_close(torch.tensor(choice["logprobs"]["token_logprobs"]), torch.tensor(reference[1]),
                                    atol=1e-4, rtol=0)
         ranks = descendants(headless.pid)
-        assert [_environ(p).get("RANK") for p in ranks] == ["1"], ranks
+        assert [environ_of(p).get("RANK") for p in ranks] == ["1"], ranks
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
         code = server.proc.wait(timeout=60)
@@ -155,7 +129,7 @@ def test_two_nodes_serve_then_a_killed_decode_rank_ends_the_driver(model_dir, re
         assert headless.wait(timeout=30) == 1
         assert not any(is_alive(p) for p in ranks)
     finally:
-        _end(*([server.proc] if server is not None else []), headless)
+        kill_trees(*([server.proc] if server is not None else []), headless)
 
 
 def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tmp_path):
@@ -171,7 +145,7 @@ def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tm
     try:
         logs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
-        _end(*procs)
+        kill_trees(*procs)
     codes = [p.returncode for p in procs]
     assert codes == [0, 0, 1], (codes, "\n---\n".join(logs))
     seen = json.loads(out.read_text())
@@ -195,6 +169,6 @@ def test_torchrun_world_of_the_wrong_size_is_refused_on_every_rank(model_dir, tm
     try:
         out, _ = agent.communicate(timeout=180)
     finally:
-        _end(agent)
+        kill_trees(agent)
     assert agent.returncode != 0, out[-3000:]
     assert "(2 + 1 x 1) x 1 = 3 ranks, but the launched world has 2 processes" in out, out[-3000:]

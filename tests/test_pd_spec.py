@@ -5,7 +5,6 @@ memory sizing on CPU with injected figures (`fake_gpu_memory.py`), and a CUDA P/
 without `max_kv_tokens_per_rank`. One pool of 3 ranks serves every engine of the module."""
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 
@@ -21,31 +20,13 @@ from cpinfer.engine.llm import LLM
 from cpinfer.engine.pd import engine as PD
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
+from pooled_engine import pd_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-class _PooledPD(PD.PDEngine):
-    def __init__(self, model, pool, **kwargs):
-        self._shared = pool
-        super().__init__(model, **kwargs)
-
-    def _make_pool(self, world, backend, threads):
-        if world != self._shared.world_size:
-            raise ValueError(f"the pool has {self._shared.world_size} ranks, the P/D world needs {world}")
-        return self._shared
-
-    def shutdown(self) -> None:
-        for g in self.groups:
-            g.shutdown()
-        self._pool = None  # the module's pool outlives the engine
-
-
 def _pd_llm(pool, path, **kw) -> LLM:
-    llm = LLM.__new__(LLM)
-    llm.engine = _PooledPD(str(path), pool, threads_per_rank=1, placement="shard", **kw)
-    llm._ids = itertools.count()
-    return llm
+    return pd_llm(pool, path, placement="shard", **kw)
 
 
 @pytest.fixture(scope="module")

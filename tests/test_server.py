@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,8 +21,8 @@ import torch
 import cpinfer
 
 from hub_cache import write_hub_cache
-from server_utils import (TINY_VOCAB, ServerProcess, descendants, free_port, in_thread, is_alive, port_is_free,
-                          rank_pids, write_tiny_tokenizer)
+from server_utils import (ServerProcess, TINY_VOCAB, descendants, environ_of, free_port, in_thread, is_alive,
+                          kill_trees, port_is_free, rank_pids, served_checkpoint)
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(300)
@@ -43,11 +42,7 @@ VLLM_ARGS = ["-tp", "1", "--enable-prefix-caching", "--enable-auto-tool-choice",
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
     """The tiny GQA checkpoint (vocabulary = the tiny tokenizer's 261 ids) with tokenizer files beside it."""
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
-    dst = tmp_path_factory.mktemp("served_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "served_model")
 
 
 @pytest.fixture(scope="module")
@@ -684,12 +679,6 @@ def test_special_token_text_in_content_stays_text(server):
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = open(f"/proc/{pid}/environ", "rb").read()
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 def test_torchrun_two_nodes_serve_cp2(model_dir, offline):
@@ -717,9 +706,9 @@ def test_torchrun_two_nodes_serve_cp2(model_dir, offline):
         assert got.choices[0].message.content == want.text
         torch.testing.assert_close(torch.tensor([t.logprob for t in got.choices[0].logprobs.content]),
                                    torch.tensor(want.logprobs), atol=1e-4, rtol=0)
-        workers = [p for a in agents for p in descendants(a.pid) if _environ(p).get("RANK") in ("0", "1")
+        workers = [p for a in agents for p in descendants(a.pid) if environ_of(p).get("RANK") in ("0", "1")
                    and "cpinfer" in open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")]
-        rank0 = [p for p in workers if _environ(p).get("RANK") == "0"]
+        rank0 = [p for p in workers if environ_of(p).get("RANK") == "0"]
         assert len(rank0) == 1, workers
         # stop the job as systemd would, mid-stream: SIGTERM to both agents, which forward it to their workers;
         # rank 1 leaves shutdown to rank 0, which lets the stream finish and then stops the engine
@@ -744,14 +733,7 @@ def test_torchrun_two_nodes_serve_cp2(model_dir, offline):
         assert not any(package in line for o in outs for line in o.splitlines() if line.startswith('  File "')), \
             "\n".join(o[-3000:] for o in outs)  # (a checkout named cpinfer/ holds .venv: match the package only)
     finally:
-        for a in agents:
-            if a.poll() is None:
-                for p in [*descendants(a.pid), a.pid]:
-                    try:
-                        os.kill(p, signal.SIGKILL)
-                    except OSError:
-                        pass
-                a.wait(timeout=30)
+        kill_trees(*agents)
 
 
 def test_bench_serve_against_the_running_server(server, tmp_path):

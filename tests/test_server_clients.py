@@ -7,14 +7,13 @@ and penalties through the `openai` SDK; vLLM's `bench serve` request shape.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from server_utils import TINY_VOCAB, ServerProcess, write_tiny_tokenizer
+from server_utils import ServerProcess, served_checkpoint
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(400)
@@ -28,11 +27,7 @@ SERVE_ARGS = ["--cp", "2", "--served-model-name", NAME, "--max-model-len", str(M
 
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
-    dst = tmp_path_factory.mktemp("clients_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "clients_model")
 
 
 @pytest.fixture(scope="module")

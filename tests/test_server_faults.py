@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import time
@@ -15,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import TINY_VOCAB, ServerProcess, descendants, in_thread, is_alive, write_tiny_tokenizer
+from server_utils import ServerProcess, descendants, in_thread, is_alive, served_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,11 +24,7 @@ ARGS = ["--served-model-name", "tiny", "--threads-per-rank", "1", "--max-kv-toke
 
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB, max_position_embeddings=16384)
-    dst = tmp_path_factory.mktemp("faults_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "faults_model", max_position_embeddings=16384)
 
 
 def _rss_mb(pid: int) -> float:

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import threading
@@ -22,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_utils import (TINY_VOCAB, ServerProcess, descendants, is_alive, is_loopback, listening_addresses,
-                          port_is_free, rank_pids, write_tiny_tokenizer)
+from server_utils import (ServerProcess, TINY_VOCAB, descendants, is_alive, is_loopback, listening_addresses,
+                          port_is_free, rank_pids, served_checkpoint)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,11 +38,7 @@ FUZZ_EXAMPLES = {"chat": 150, "completions": 100, "tokenize": 50, "raw": 40}
 
 @pytest.fixture(scope="module")
 def model_dir(llama_checkpoint, tmp_path_factory):
-    src = llama_checkpoint("gqa", vocab_size=TINY_VOCAB)
-    dst = tmp_path_factory.mktemp("hardened_model")
-    for f in src.iterdir():
-        shutil.copy(f, dst / f.name)
-    return write_tiny_tokenizer(dst)
+    return served_checkpoint(llama_checkpoint, tmp_path_factory, "hardened_model")
 
 
 @pytest.fixture(scope="module")
