@@ -337,15 +337,18 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama):
         llm.shutdown()
 
 
-def _hold_receives(ctx, calls: int) -> None:
-    """On a rank: its next `calls` calls report no receive in (the messages stay pending), then as usual."""
+def _hold_receives(ctx, flag: str) -> None:
+    """On a rank: while the file `flag` exists its calls report no receive in (the messages stay pending), then as
+    usual. A file, not a number of calls: an idle decode group's calls come back at once while a prefill forward
+    runs, so any count would be a guess about the machine's speed."""
+    import os
+
     from cpinfer.engine.kv import transfer
 
-    real, left = transfer.RankTransfers.settle, [calls]
+    real = transfer.RankTransfers.settle
 
     def held(self, wait):
-        if left[0] > 0:
-            left[0] -= 1
+        if os.path.exists(flag):
             return {}, {}
         transfer.RankTransfers.settle = real
         return real(self, wait)
@@ -353,7 +356,7 @@ def _hold_receives(ctx, calls: int) -> None:
     transfer.RankTransfers.settle = held
 
 
-def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llama):
+def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llama, tmp_path):
     """A request whose first token is sampled (it belongs to its decode group now) and whose rows are not all in yet
     is aborted: it never decodes, its decode blocks are freed once the rows are in, later requests are exact."""
     prompts = _prompts(seed=19, lengths=(44, 31))[:2]
@@ -361,8 +364,10 @@ def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llam
     pool = pools(3)
     llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
+    flag = tmp_path / "hold"
+    flag.touch()
     try:
-        pool.run_some(_hold_receives, [None, None, (40,)])  # the decode rank
+        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
         eng.add_request("v", prompts[0], GREEDY)
         outs = {}
         dec = eng.decode[0]
@@ -372,6 +377,7 @@ def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llam
         h = eng._pending[1][0]
         assert h.req.request_id == "v" and h.ready and h.tid in eng._transfers  # its rows not reported in yet
         eng.abort("v")
+        flag.unlink()  # the rows may come in now
         while eng.has_unfinished_requests():
             for o in eng.step():
                 outs[o.request_id] = o
@@ -381,6 +387,7 @@ def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llam
             g.kv.check_invariants()
         _assert_same(ref, llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
+        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
         llm.shutdown()
 
 
