@@ -353,16 +353,21 @@ def init_runner(ctx, model_path: str, dtype: str, capacity: int | None, cp: int 
         runner.allocate_kv(capacity)
         info["kv_s"] = time.perf_counter() - t2
         return info
-    runner.profile_forward(sizing["tokens"])
+    info.update(measure_kv(runner, probe, sizing))
     info["kv_s"] = time.perf_counter() - t2
-    fig = probe.figures()
-    info["memory"] = dataclasses.asdict(fig)
-    info["kv_bytes_per_token"] = runner.kv_bytes_per_token
-    info["kv_capacity"] = kv_tokens_from_memory(fig, sizing["utilization"],
-                                                runner.kv_bytes_per_token + sizing.get("extra_bytes_per_token", 0),
-                                                sizing["block"], sizing["ranks_per_device"],
-                                                sizing.get("reserve_bytes", 0))
     return info
+
+
+def measure_kv(runner: ModelRunner, probe: MemoryProbe, sizing: dict) -> dict:
+    """After the weights loaded under `probe`: a profiling forward of `sizing["tokens"]` on this rank, then the KV
+    tokens this rank could hold (`kv_tokens_from_memory`, a draft model's bytes counted) and its memory figures."""
+    runner.profile_forward(sizing["tokens"])
+    fig = probe.figures()
+    return {"memory": dataclasses.asdict(fig), "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "kv_capacity": kv_tokens_from_memory(fig, sizing["utilization"],
+                                                 runner.kv_bytes_per_token + sizing.get("extra_bytes_per_token", 0),
+                                                 sizing["block"], sizing["ranks_per_device"],
+                                                 sizing.get("reserve_bytes", 0))}
 
 
 def allocate_kv(ctx, capacity: int) -> None:

@@ -30,7 +30,6 @@ from cpinfer.attention.autoselect import chosen
 from cpinfer.attention.backends import resolve_name
 from cpinfer.distributed import ParallelConfig, build_role_groups
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.kv.capacity import kv_tokens_from_memory
 
 _TAG_SPAN = 1 << 30  # message tags: (transfer id, layer) modulo this
 
@@ -166,13 +165,16 @@ class RankTransfers:
         self._send_wait, self._recv_wait = _Waiter(), _Waiter()
 
     # ---------------------------------------------------------------- sending
-    def post_sends(self, sends, layers, figures: dict, inside: bool = False) -> None:
-        """Copy and post these sends' messages of these layers (one per send and layer that has rows); `inside`:
-        from inside the forward, right after the layer was written."""
+    def keeps(self, orders) -> list[list[np.ndarray | None]]:
+        """Per send or receive order, per layer, the entries of its tokens that travel (`layer_rows`): worked out
+        once per call, not once per layer posted."""
+        return [layer_rows(self.runner.windows, o.positions, o.stored) for o in orders]
+
+    def post_sends(self, sends, keeps, layers, figures: dict, inside: bool = False) -> None:
+        """Copy and post these sends' messages of these layers (one per send and layer that has rows; `keeps`:
+        `self.keeps(sends)`); `inside`: from inside the forward, right after the layer was written."""
         store, n_layers = self.store, self.store.k.shape[0]
-        windows = self.runner.windows
         self.sends = [m for m in self.sends if not m.done.is_set()]  # delivered copies are dropped
-        keeps = [layer_rows(windows, s.positions, s.stored) for s in sends]
         for layer in layers:  # layer-major, as the receivers post them (NCCL matches a pair's messages in order)
             for s, keep in zip(sends, keeps):
                 slots = _layer_slots(s.slots, keep[layer])
@@ -207,7 +209,7 @@ class RankTransfers:
 
     def _post_run(self, recvs) -> None:
         store, n_layers = self.store, self.store.k.shape[0]
-        keeps = [layer_rows(self.runner.windows, r.positions, r.stored) for r in recvs]
+        keeps = self.keeps(recvs)
         for layer in range(n_layers):
             for r, keep in zip(recvs, keeps):
                 slots = _layer_slots(r.slots, keep[layer])
@@ -264,7 +266,7 @@ def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
     figures: dict = {}
     early = [s for s in orders.sends if not s.in_forward]
     if early:
-        rt.post_sends(early, range(runner.store.k.shape[0]), figures)
+        rt.post_sends(early, rt.keeps(early), range(runner.store.k.shape[0]), figures)
     rt.post_recvs(orders.recvs)
     if runner.slot_positions is not None:
         for m in orders.mirrors:
@@ -307,7 +309,6 @@ def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dt
     t1 = time.perf_counter()
     runner.backend = resolve_name(attention_backend, ctx.device, layout=runner.layout)
     ctx.state["runner"] = runner
-    ctx.state["pd_sends"] = []
     ctx.state["pd_role"] = role
     choice = chosen(ctx.device, runner.layout, None)
     info = {"pid": os.getpid(), "attention_backend": runner.backend, "load_s": t1 - t0, "role": role,
@@ -316,11 +317,7 @@ def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dt
     if sizing is None:
         runner.allocate_kv(capacities[role])
         return info
-    runner.profile_forward(sizing["tokens"])  # this role's largest forward on one of its ranks
-    fig = probe.figures()
-    info["memory"] = dataclasses.asdict(fig)
-    info["kv_capacity"] = kv_tokens_from_memory(fig, sizing["utilization"], runner.kv_bytes_per_token,
-                                                sizing["block"], sizing["ranks_per_device"])
+    info.update(MR.measure_kv(runner, probe, sizing))  # this role's largest forward on one of its ranks
     return info
 
 
@@ -340,12 +337,13 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
     figures = apply_orders(ctx, runner, orders) if orders else {}
     rt = transfers_of(ctx, runner)
     riding = [s for s in orders.sends if s.in_forward]
+    keeps = rt.keeps(riding)
     layers = runner.store.k.shape[0]
     posted: set[int] = set()
     if riding and batch is not None:
         def written(layer: int) -> None:  # layer's rows of this forward are in the store: its messages go now
             if layer not in posted:  # (once, should a model attend with a layer twice)
-                rt.post_sends(riding, (layer,), figures, inside=True)
+                rt.post_sends(riding, keeps, (layer,), figures, inside=True)
                 posted.add(layer)
         runner.on_kv_written = written
     try:
@@ -353,7 +351,7 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
     finally:
         runner.on_kv_written = None
     if riding:  # a rank idle in the forward, or a path without the per-layer hook: every layer left, now
-        rt.post_sends(riding, [layer for layer in range(layers) if layer not in posted], figures)
+        rt.post_sends(riding, keeps, [layer for layer in range(layers) if layer not in posted], figures)
     t0 = time.perf_counter()
     done, failed = rt.settle(orders.wait)
     figures.update(recv_bytes=done, failed=failed, recv_wait_s=time.perf_counter() - t0, tier_events=events,
