@@ -296,6 +296,16 @@ class LLMEngine:
                           self.elem_bytes, share)
         return Placer("auto", self.n, model)
 
+    def memory_sizing(self, tokens: int, ranks_here: int) -> dict:
+        """What each rank measures when the KV cache is sized from GPU memory (`model_runner.measure_kv`): a
+        profiling forward of `tokens`, the memory utilization, the ranks sharing a GPU, and a draft model's bytes
+        (it loads after the measurement: its store holds the target's slots, plus its weights and scratch rows)."""
+        a, draft = self.args, getattr(self, "draft", None)
+        return {"tokens": tokens, "utilization": a.gpu_memory_utilization, "block": BLOCK,
+                "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count())),
+                "extra_bytes_per_token": draft_token_bytes(draft, self.elem_bytes),
+                "reserve_bytes": draft_reserve_bytes(a, draft, self.elem_bytes)}
+
     def _start_ranks(self, capacity: int | None) -> int:
         """Start the ranks and load the model; with capacity None (CUDA), size the KV cache from each GPU's memory.
         Returns the KV capacity per rank."""
@@ -318,13 +328,8 @@ class LLMEngine:
             self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
                                     device=a.device, driver_rank=driver)
         backend_name = a.attention_backend  # each rank resolves it on its device
-        sizing = None if capacity is not None else {
-            "tokens": profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n),
-            "utilization": a.gpu_memory_utilization, "block": BLOCK,
-            "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count())),
-            # a draft model loads after the measurement: its store holds the target's slots, plus weights and scratch
-            "extra_bytes_per_token": draft_token_bytes(getattr(self, "draft", None), self.elem_bytes),
-            "reserve_bytes": draft_reserve_bytes(a, getattr(self, "draft", None), self.elem_bytes)}
+        sizing = None if capacity is not None else self.memory_sizing(
+            profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n), ranks_here)
         try:
             if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
                 self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down

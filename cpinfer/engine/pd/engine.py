@@ -18,7 +18,6 @@ import pickle
 import time
 
 import numpy as np
-import torch
 
 from cpinfer.cp.pd_plan import TransferPlan, plan_transfer
 from cpinfer.device import comm_backend, ranks_on_this_node
@@ -167,9 +166,7 @@ class GroupEngine(LLMEngine):
             tokens = profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n)
         else:
             tokens = self.decode_batch_tokens()
-        ranks_here = ranks_on_this_node(self.world_cp * a.tensor_parallel_size)
-        return {"tokens": tokens, "utilization": a.gpu_memory_utilization, "block": BLOCK,
-                "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count()))}
+        return self.memory_sizing(tokens, ranks_on_this_node(self.world_cp * a.tensor_parallel_size))
 
     def _default_capacity(self, fraction: float) -> int:
         """The host-RAM share split over every CP rank of the world (all roles), not this group's alone."""
@@ -257,15 +254,26 @@ class _Call:
     send_reqs: dict = dataclasses.field(default_factory=dict)  # transfer id → request, of this call's handoff sends
 
 
+def _path(node) -> list:
+    """The segments from the root's child down to `node` (the root excluded), root first."""
+    nodes = []
+    while node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    return nodes
+
+
+def _layout(nodes: list) -> tuple[np.ndarray, np.ndarray]:
+    """([S] rank, [S] slot) of these segments' positions, in order."""
+    empty = [np.zeros(0, dtype=np.int64)]
+    return (np.concatenate([n.rank.view for n in nodes] or empty),
+            np.concatenate([n.slot.view for n in nodes] or empty))
+
+
 def path_layout(seq: SeqKV) -> tuple[np.ndarray, np.ndarray]:
     """([S] rank, [S] slot) of positions 0 .. S-1 of a request's cached path (S = num_stored)."""
-    nodes, p = [], seq.leaf
-    while p.parent is not None:
-        nodes.append(p)
-        p = p.parent
-    nodes.reverse()
-    ranks = np.concatenate([n.rank.view for n in nodes] or [np.zeros(0, dtype=np.int64)])
-    slots = np.concatenate([n.slot.view for n in nodes] or [np.zeros(0, dtype=np.int64)])
+    ranks, slots = _layout(_path(seq.leaf))
     if len(ranks) != seq.num_stored:
         raise RuntimeError(f"path of {seq.request_id} holds {len(ranks)} tokens, expected {seq.num_stored} (a bug)")
     return ranks, slots
@@ -273,11 +281,7 @@ def path_layout(seq: SeqKV) -> tuple[np.ndarray, np.ndarray]:
 
 def _path_ids(seq: SeqKV) -> set[int]:
     """Ids of the segments of a request's cached path (the root excluded)."""
-    ids, p = set(), seq.leaf
-    while p.parent is not None:
-        ids.add(p.id)
-        p = p.parent
-    return ids
+    return {n.id for n in _path(seq.leaf)}
 
 
 def _drop_unused(kv: KVManager, ids: set[int]) -> None:
@@ -754,14 +758,9 @@ class PDEngine:
             if matched == 0 or ok.all():
                 return node, inside, matched
             need = self._match_from
-            nodes, p = [], node
-            while p is not kv.root:
-                nodes.append(p)
-                p = p.parent
-            nodes.reverse()
-            ranks = np.concatenate([n.rank.view for n in nodes])[:matched]
-            slots = np.concatenate([n.slot.view for n in nodes])[:matched]
-            bad = ~ok[ranks, slots]  # [matched]: a windowed layer's row missing at that position
+            nodes = _path(node)
+            ranks, slots = _layout(nodes)
+            bad = ~ok[ranks[:matched], slots[:matched]]  # [matched]: a windowed layer's row missing at that position
             if not bad[max(0, matched - self._w_max if need is None else need):].any():
                 return node, inside, matched
             if need is not None:  # the first missing row the handoff needs
