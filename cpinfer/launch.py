@@ -672,15 +672,19 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+def source_address_toward(host: str) -> str:
+    """This machine's IPv4 address on the route to `host` (OSError when there is none). No packet is sent:
+    connecting a UDP socket only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
 def control_address() -> str:
     """The IPv4 address rank 0 listens on for its ranks' control connections: the one this machine reaches
-    MASTER_ADDR through (loopback for a one-machine world; node 0's own address when MASTER_ADDR is node 0). No
-    packet is sent: connecting a UDP socket only picks the route."""
+    MASTER_ADDR through (loopback for a one-machine world; node 0's own address when MASTER_ADDR is node 0)."""
     try:
-        target = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            return s.getsockname()[0]
+        return source_address_toward(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     except OSError:
         return "127.0.0.1"
 

@@ -161,14 +161,15 @@ def resolve_ipv4(host: str) -> str:
 
 def interface_toward(host: str) -> str | None:
     """The name of the network interface this node reaches `host` through ("lo" for 127.0.0.1), or None when it
-    cannot be told (not Linux, no route). No packet is sent: connecting a UDP socket only picks the route."""
+    cannot be told (not Linux, no route)."""
+    from cpinfer.launch import source_address_toward
+
     try:
         import fcntl
         import struct
 
+        source = source_address_toward(resolve_ipv4(host))
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((resolve_ipv4(host), 9))
-            source = s.getsockname()[0]
             for _, name in socket.if_nameindex():
                 try:  # SIOCGIFADDR: the interface's IPv4 address
                     raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
