@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from cpinfer.engine.sampling import SamplingParams
-from cpinfer.engine.spec import draft_runner as DR
-from cpinfer.engine.spec.draft import DraftProposer, check_draft, verify_rank
+from cpinfer.engine.spec_decode import draft_runner as DR
+from cpinfer.engine.spec_decode.draft import DraftProposer, check_draft, verify_rank
 from cpinfer.model import ModelConfig, load_model
 from pooled_engine import shard_engines
 
@@ -191,7 +191,7 @@ def test_gguf_draft_resolved_and_tokenizer_mismatch_refused(llama_checkpoint, tm
     from checkpoints import GGUF_TEST_VOCAB, write_gguf_from_hf
     from transformers import AutoTokenizer
 
-    from cpinfer.engine.spec.draft import resolve_draft
+    from cpinfer.engine.spec_decode.draft import resolve_draft
 
     hf = llama_checkpoint("gqa", vocab_size=GGUF_TEST_VOCAB["bpe"])
     config = ModelConfig.from_pretrained(hf)
@@ -217,7 +217,7 @@ def test_draft_memory_on_a_gpu_is_counted_before_the_kv_cache_is_sized(small_dra
 
     from transformers import AutoModelForCausalLM
 
-    from cpinfer.engine.spec.draft import draft_reserve_bytes, draft_token_bytes, draft_weight_bytes
+    from cpinfer.engine.spec_decode.draft import draft_reserve_bytes, draft_token_bytes, draft_weight_bytes
 
     config = ModelConfig.from_pretrained(small_draft)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(small_draft).parameters())
@@ -344,7 +344,7 @@ def test_q_missing_on_the_verifying_rank_comes_from_the_mirror(engines, target, 
 def test_a_draft_whose_constraints_allow_nothing_stops_alone(engines, target, small_draft):
     import dataclasses
 
-    from cpinfer.engine.spec.draft import verify_rank
+    from cpinfer.engine.spec_decode.draft import verify_rank
 
     llm = engines(target, 1, max_kv_tokens_per_rank=1024, speculative_config=_spec(small_draft))
     eng = llm.engine
@@ -374,7 +374,7 @@ def test_sampled_drafts_follow_the_q_rows_kept_for_acceptance(engines, target, s
     the 1e-3 false-alarm threshold (fixed seeds: deterministic)."""
     import dataclasses
 
-    from cpinfer.engine.spec.draft import verify_rank
+    from cpinfer.engine.spec_decode.draft import verify_rank
 
     from test_spec_units import _chi2_threshold
 

@@ -13,11 +13,11 @@ from cpinfer.engine.kv.placement import Placer
 from cpinfer.engine.request import Request, RequestStatus
 from cpinfer.engine.sampling import SampleSpec, SamplingParams, sample
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
-from cpinfer.engine.spec import adaptive
-from cpinfer.engine.spec.config import SpeculativeConfig
-from cpinfer.engine.spec.ngram import ngram_draft
-from cpinfer.engine.spec.registry import check_method, make_proposer
-from cpinfer.engine.spec.rejection import row_specs, verify
+from cpinfer.engine.spec_decode import adaptive
+from cpinfer.engine.spec_decode.config import SpeculativeConfig
+from cpinfer.engine.spec_decode.ngram import ngram_draft
+from cpinfer.engine.spec_decode.registry import check_method, make_proposer
+from cpinfer.engine.spec_decode.rejection import row_specs, verify
 
 
 # ---------------------------------------------------------------- config
@@ -44,7 +44,7 @@ def test_config_parses_vllm_keys_and_refuses_unknown_ones():
 def test_registry_builds_ngram_and_names_what_is_missing():
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
     assert make_proposer(c).propose([Request("a", [1, 2, 3, 1, 2], SamplingParams(), 0)], [2])[0].tolist() == [3, 1]
-    from cpinfer.engine.spec.registry import PROPOSERS
+    from cpinfer.engine.spec_decode.registry import PROPOSERS
     if "draft_model" not in PROPOSERS:
         with pytest.raises(ValueError, match="not available"):
             check_method(SpeculativeConfig.parse({"model": "x", "num_speculative_tokens": 2}))

@@ -91,7 +91,7 @@ def add_pd_arguments(g) -> None:
 
 def _speculative_json(text: str):
     """--speculative-config: vLLM's JSON, checked now (a bad key or method is an argument error)."""
-    from cpinfer.engine.spec.config import SpeculativeConfig
+    from cpinfer.engine.spec_decode.config import SpeculativeConfig
 
     try:
         return SpeculativeConfig.parse(text)

@@ -30,7 +30,7 @@ class SeqInput:
     spread: bool = True  # its keys (cached and new) sit on more than one rank: it takes part in the ring; else all
     # of them, old and new, are on ranks[0] and no other rank needs them
     prompt_top: int = 0  # with prompt_logprobs: also the k most likely tokens at each of those positions
-    # speculative decoding (engine/spec): a verify sequence is [last token, d_1 .. d_k], every token on one rank;
+    # speculative decoding (engine/spec_decode): a verify sequence is [last token, d_1 .. d_k], every token on one rank;
     # that rank computes the logits of all k+1 rows and keeps the target's distribution (spec/rejection.py)
     draft: np.ndarray | None = None  # [k] int64 the drafted tokens (token_ids[1:]); None: not a verify sequence
     draft_key: str = ""  # the request id: what a proposer keeps on the rank for it (a draft model's q rows)

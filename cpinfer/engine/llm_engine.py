@@ -36,10 +36,10 @@ from cpinfer.engine.output import OutputProcessor
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from cpinfer.engine.spec.adaptive import VERIFY_TOKEN_COST, SpecState, StepCost
-from cpinfer.engine.spec.config import SpeculativeConfig
-from cpinfer.engine.spec.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
-from cpinfer.engine.spec.registry import check_method, make_proposer
+from cpinfer.engine.spec_decode.adaptive import VERIFY_TOKEN_COST, SpecState, StepCost
+from cpinfer.engine.spec_decode.config import SpeculativeConfig
+from cpinfer.engine.spec_decode.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
+from cpinfer.engine.spec_decode.registry import check_method, make_proposer
 from cpinfer.engine.structured import GrammarCompiler, Matcher
 from cpinfer.engine.mla_form import check_form, choose_form
 from cpinfer.engine.strategy import choose_for_batch
@@ -103,7 +103,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
     speculative_config: SpeculativeConfig | None = None  # speculative decoding: vLLM's keys as a dict (or its JSON
-    # text), parsed into a SpeculativeConfig here (engine/spec/config.py); None: off
+    # text), parsed into a SpeculativeConfig here (engine/spec_decode/config.py); None: off
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -256,7 +256,7 @@ class LLMEngine:
                           "finished": {}}
         self._counters["spec"] = _spec_counters(a.speculative_config)
         self.output = OutputProcessor(self.tokenizer, self.config.eos_token_ids, self._counters)
-        self.proposer = None  # speculative decoding's drafter (engine/spec), built last: it may use the engine
+        self.proposer = None  # speculative decoding's drafter (engine/spec_decode), built last: it may use the engine
         self._draft_rows: dict[str, np.ndarray] = {}  # this step's grammar bitmasks of constrained verify rows
         self._step_cost = StepCost()  # decode forwards' seconds against their rows (the adaptive k's cost)
         if a.speculative_config is not None:
@@ -778,7 +778,7 @@ class LLMEngine:
         next_token = int(req.token_slice(end, 1)[0]) if end < known else -1
         want_lp = req.params.prompt_logprobs and s.start < len(req.prompt) - 1
         rows = self._draft_rows.get(req.request_id)
-        spec_args = {} if s.draft is None else {  # a verify sequence (engine/spec)
+        spec_args = {} if s.draft is None else {  # a verify sequence (engine/spec_decode)
             "draft": s.draft, "draft_key": req.request_id,
             "draft_allowed": None if rows is None else rows[:len(s.draft) + 1],
             "draft_q": None if (draft_q or {}).get(req.request_id) is None else draft_q[req.request_id][:len(s.draft)],

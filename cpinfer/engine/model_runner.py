@@ -30,7 +30,7 @@ from cpinfer.engine.kv.ops import FromHost, LoadEntry
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
-from cpinfer.engine.spec.rejection import row_specs, verify
+from cpinfer.engine.spec_decode.rejection import row_specs, verify
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
 from cpinfer.tensor_parallel import RowParallelLinear, head_ranges, load_tp_model
@@ -53,7 +53,7 @@ class ModelRunner:
         self.ctx = ctx
         self.kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
         self.draft_probs: dict[str, torch.Tensor] = {}  # speculative decoding: request id → [k, vocab] the draft
-        # model's probabilities of its drafts, left on this rank by its proposer for the verify step (engine/spec)
+        # model's probabilities of its drafts, left on this rank by its proposer for the verify step (engine/spec_decode)
         self.model_path = model_path
         self.kv_scales_source: str | None = None  # static FP8 KV: "checkpoint" or "calibrated" (`_kv_scales`)
         self.groups = groups if groups is not None else build_groups(parallel, ctx.rank, ctx.group)

@@ -30,8 +30,8 @@ from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine, _spec_stats
 from cpinfer.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
-from cpinfer.engine.spec.adaptive import SpecState
-from cpinfer.engine.spec.config import SpeculativeConfig
+from cpinfer.engine.spec_decode.adaptive import SpecState
+from cpinfer.engine.spec_decode.config import SpeculativeConfig
 from cpinfer.launch import JoinedWorld, WorkerPool, joined_world_requested
 from cpinfer.utils import get_logger
 

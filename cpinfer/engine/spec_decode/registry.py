@@ -1,10 +1,10 @@
 """The speculative-decoding methods: method name → the proposer class built with (config, engine)."""
 from __future__ import annotations
 
-from cpinfer.engine.spec.config import SpeculativeConfig
-from cpinfer.engine.spec.draft import DraftProposer
-from cpinfer.engine.spec.ngram import NgramProposer
-from cpinfer.engine.spec.proposer import Proposer
+from cpinfer.engine.spec_decode.config import SpeculativeConfig
+from cpinfer.engine.spec_decode.draft import DraftProposer
+from cpinfer.engine.spec_decode.ngram import NgramProposer
+from cpinfer.engine.spec_decode.proposer import Proposer
 
 PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "draft_model": DraftProposer}
 

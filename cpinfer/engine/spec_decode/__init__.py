@@ -5,6 +5,6 @@ config (`SpeculativeConfig`, vLLM's keys) → proposer (`Proposer` interface, re
 the scheduler places [last, drafts] on one rank → the rank's rejection.py keeps the target's distribution →
 the KV manager truncates the rejected tail; adaptive.py sets each request's k.
 """
-from cpinfer.engine.spec.config import SpeculativeConfig
+from cpinfer.engine.spec_decode.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

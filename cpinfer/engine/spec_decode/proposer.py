@@ -11,7 +11,7 @@ import abc
 import numpy as np
 
 from cpinfer.engine.request import Request
-from cpinfer.engine.spec.config import SpeculativeConfig
+from cpinfer.engine.spec_decode.config import SpeculativeConfig
 
 
 class Proposer(abc.ABC):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cpinfer.engine.request import Request
-from cpinfer.engine.spec.proposer import Proposer
+from cpinfer.engine.spec_decode.proposer import Proposer
 
 
 def ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:

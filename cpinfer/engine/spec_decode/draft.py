@@ -14,8 +14,8 @@ import numpy as np
 
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.request import Request
-from cpinfer.engine.spec import draft_runner as DR
-from cpinfer.engine.spec.proposer import Proposer
+from cpinfer.engine.spec_decode import draft_runner as DR
+from cpinfer.engine.spec_decode.proposer import Proposer
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.resolve import resolve_model
 
