@@ -17,7 +17,7 @@ from checkpoints import write_hf_checkpoint
 from cpinfer.engine.kv.capacity import kv_tokens_from_memory, profile_tokens_per_rank
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm import LLM
-from cpinfer.engine.pd import engine as PD
+from cpinfer.engine.pd import driver as PD
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm
