@@ -145,7 +145,7 @@ def world_size_of(engine_kwargs: dict) -> int:
         if groups not in (None, 1):
             raise ValueError(f"pd_decode_groups ({groups}) needs pd_decode_cp (the decode groups' CP size)")
         return parallel.world_size
-    from cpinfer.engine.pd.driver import PDConfig
+    from cpinfer.engine.pd import PDConfig
 
     return PDConfig(parallel.cp, decode_cp, 1 if groups is None else groups, parallel.tp).world_size
 

@@ -113,7 +113,7 @@ def keyed_engines(**defaults):
 def pd_llm(pool, path, **kwargs) -> LLM:
     """An `LLM` over a prefill / decode engine whose world is the shared `pool` (its size must be the P/D world's:
     (N + K·M) × TP); one rank thread each. The pool outlives the engine."""
-    from cpinfer.engine.pd.driver import PDEngine
+    from cpinfer.engine.pd import PDEngine
 
     class _PooledPD(PDEngine):
         def _make_pool(self, world, backend, threads):

@@ -17,7 +17,7 @@ from checkpoints import write_hf_checkpoint
 from cpinfer.engine.kv.capacity import kv_tokens_from_memory, profile_tokens_per_rank
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm import LLM
-from cpinfer.engine.pd import driver as PD
+from cpinfer.engine import pd as PD
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm
@@ -155,7 +155,7 @@ def test_preemption_mid_speculation_on_the_decode_group(pool, llama, reference):
 def test_draft_model_refused_before_any_rank(monkeypatch, llama):
     def refuse(*_a, **_k):
         raise AssertionError("a rank was started")
-    monkeypatch.setattr(PD, "WorkerPool", refuse)
+    monkeypatch.setattr("cpinfer.engine.pd.driver.WorkerPool", refuse)
     with pytest.raises(ValueError, match="draft_model speculation cannot be combined with pd_decode_cp; use method "
                                          "'ngram'"):
         LLM(str(llama), context_parallel_size=2, pd_decode_cp=1,
