@@ -19,10 +19,10 @@ import time
 
 from cpinfer.device import comm_backend, ranks_on_this_node
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.kv import transfer as T
 from cpinfer.engine.llm_engine import EngineDeadError, _spec_stats
 from cpinfer.engine.pd.group import GroupEngine
 from cpinfer.engine.pd.handoffs import PREFILL, Handoff, Handoffs
+from cpinfer.engine.pd.ranks import allocate_role_kv, init_role_runner, role_call
 from cpinfer.engine.pd.roles import PDConfig, RoleRanks, check_pd_args, log_role_capacities, role_capacities
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SamplingParams
@@ -104,12 +104,12 @@ class PDEngine:
         rank's, then each group's KV manager over it. Returns what each rank reported."""
         a, p = self.prefill.args, self.prefill
         caps = [None if g.sizing is not None else g.kv.capacity_per_rank for g in self.groups]
-        infos = self._pool.run(T.init_role_runner, self.pd.roles, p.model_path, a.dtype, caps, p.attention_backend,
+        infos = self._pool.run(init_role_runner, self.pd.roles, p.model_path, a.dtype, caps, p.attention_backend,
                                p.decode_config(backend), a.kv_cache_dtype, a.load_format,
                                [g.sizing for g in self.groups])
         sized = role_capacities(caps, infos, [v.ranks for v in views])
         if None in caps:  # measured: every rank of a role holds its role's smallest
-            self._pool.run(T.allocate_role_kv, sized)
+            self._pool.run(allocate_role_kv, sized)
         for g, cap, given in zip(self.groups, sized, caps):
             g.start_kv(cap if given is None else None)
         return infos
@@ -215,7 +215,7 @@ class PDEngine:
         blob = None if forward is None else pickle.dumps(forward[1], protocol=pickle.HIGHEST_PROTOCOL)
         per_rank, send_reqs = h.transfers.rank_orders(g.view.ranks, orders, wait=forward is None)
         args = {r: (to, blob, ops) for r, to in per_rank.items()}
-        self._on_ranks(self._pool.submit_some, T.role_call, args)
+        self._on_ranks(self._pool.submit_some, role_call, args)
         self._inflight[i] = _Call(forward, time.perf_counter(), time.perf_counter() - t0, early, send_reqs)
         if i == PREFILL:
             h.prefill_call_out()
