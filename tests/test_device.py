@@ -13,7 +13,8 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.kv.capacity import (MemoryFigures, kv_tokens_from_host_ram, kv_tokens_from_memory,
                                         profile_tokens_per_rank)
 from cpinfer.engine.kv.manager import BLOCK
-from cpinfer.engine.llm_engine import EngineConfig, LLMEngine
+from cpinfer.engine.config import EngineConfig
+from cpinfer.engine.llm_engine import LLMEngine
 
 GiB = 1 << 30
 CUDA_MISSING = not torch.cuda.is_available()

@@ -6,7 +6,8 @@ the one owner of every rank's blocks) → batch (typed driver↔rank messages) �
 """
 from cpinfer.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream
 from cpinfer.engine.llm import LLM
-from cpinfer.engine.llm_engine import EngineConfig, EngineDeadError, LLMEngine
+from cpinfer.engine.config import EngineConfig
+from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine
 from cpinfer.engine.request import EngineStats, RequestOutput
 from cpinfer.engine.sampling import SamplingParams
 
