@@ -18,6 +18,7 @@ from cpinfer.engine.kv.capacity import kv_tokens_from_memory, profile_tokens_per
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm import LLM
 from cpinfer.engine import pd as PD
+from cpinfer.engine.pd.group import RoleStartup
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm
@@ -178,7 +179,7 @@ def test_each_role_sized_from_its_own_profile(monkeypatch, pool, llama, referenc
     prefill budget, the decode ranks their decode batch (max_num_seqs x (k + 1)); each role's ranks allocate the
     smallest capacity of that role, the start-up log names each, and the engine serves requests within them."""
     n, m = layout
-    monkeypatch.setattr(PD.GroupEngine, "_default_capacity", lambda self, fraction: None)  # as on CUDA
+    monkeypatch.setattr(RoleStartup, "default_capacity", lambda self, fraction: None)  # as on CUDA
     records = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append

@@ -2,7 +2,8 @@
 
 request (state) → scheduler (queues, token budget, preemption) → kv_manager (radix tree over the sharded cache,
 the one owner of every rank's blocks) → batch (typed driver↔rank messages) → model_runner + attention (SPMD ranks)
-→ llm_engine (step loop) → llm (offline `LLM`) / async_llm (`AsyncLLM` for the server).
+→ llm_engine (step loop; config: its arguments, startup: its start-up) → llm (offline `LLM`) / async_llm
+(`AsyncLLM` for the server).
 """
 from cpinfer.engine.async_llm import AsyncLLM, RequestFailedError, RequestStream
 from cpinfer.engine.llm import LLM

@@ -1,5 +1,5 @@
-"""`EngineConfig`: the engine's arguments, validated before any rank starts (vLLM's engine-argument names; the CP
-and TP sizes of paper §3, placement and the KV tiers of §4, speculative decoding and the decode path's options)."""
+"""`EngineConfig`: the engine's arguments (vLLM's names where vLLM has them), validated before any rank starts: the
+CP × TP layout (paper §3, §4.1), placement (§3.5.1), the persistent KV cache and its tiers (§3.3), decoding."""
 from __future__ import annotations
 
 import dataclasses

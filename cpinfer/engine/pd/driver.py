@@ -105,7 +105,7 @@ class PDEngine:
         a, p = self.prefill.args, self.prefill
         caps = [None if g.sizing is not None else g.kv.capacity_per_rank for g in self.groups]
         infos = self._pool.run(init_role_runner, self.pd.roles, p.model_path, a.dtype, caps, p.attention_backend,
-                               p.decode_config(backend), a.kv_cache_dtype, a.load_format,
+                               p.startup.decode_config(backend), a.kv_cache_dtype, a.load_format,
                                [g.sizing for g in self.groups])
         sized = role_capacities(caps, infos, [v.ranks for v in views])
         if None in caps:  # measured: every rank of a role holds its role's smallest
