@@ -311,31 +311,8 @@ class PDEngine:
         return out
 
     def stats(self) -> EngineStats:
-        parts = [g.stats() for g in self.groups]
-        p = parts[0]
-        merged, finished = {}, {}
-        for s in parts:
-            for k, v in s.forwards.items():
-                merged[k] = merged.get(k, 0) + v
-        for s in parts:
-            for k, v in s.requests_finished.items():
-                finished[k] = finished.get(k, 0) + v
-        return EngineStats(sum(s.num_running for s in parts) + self.handoffs.on_way(),
-                           sum(s.num_waiting for s in parts) + len(self.handoffs.parked),
-                           [t for s in parts for t in s.kv_tokens_per_rank], p.kv_capacity_per_rank,
-                           p.prefix_cache_queries, p.prefix_cache_hits, p.prompt_tokens,
-                           sum(s.generation_tokens for s in parts), merged, sum(s.preemptions for s in parts),
-                           finished, p.tiers, p.attention_backend, p.attention_timings_ms, p.request_prompt_tokens,
-                           self.pd_stats(), spec=self._spec_stats())
-
-    def _spec_stats(self) -> dict:
-        """Speculative decoding's counters summed over the decode groups (the prefill group never speculates)."""
-        parts = [g._counters["spec"] for g in self.decode if g._counters["spec"]]
-        if not parts:
-            return {}
-        total = {k: sum(c[k] for c in parts) for k in parts[0] if k != "accepted_per_pos"}
-        total["accepted_per_pos"] = [sum(col) for col in zip(*(c["accepted_per_pos"] for c in parts))]
-        return _spec_stats(total)
+        return _merged_stats([g.stats() for g in self.groups], self.handoffs.on_way(), len(self.handoffs.parked),
+                             self.pd_stats(), _decode_spec_stats(self.decode))
 
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
@@ -352,3 +329,32 @@ class PDEngine:
         if self._pool is not None:
             self._pool.close(force=self.dead_error is not None)
             self._pool = None
+
+
+def _merged_stats(parts: list[EngineStats], on_way: int, parked: int, pd: dict, spec: dict) -> EngineStats:
+    """The groups' stats as one engine's (prefill first): requests on their way count as running, parked ones as
+    waiting; the prefix cache, tiers and attention backend are the prefill group's."""
+    p = parts[0]
+    merged, finished = {}, {}
+    for s in parts:
+        for k, v in s.forwards.items():
+            merged[k] = merged.get(k, 0) + v
+    for s in parts:
+        for k, v in s.requests_finished.items():
+            finished[k] = finished.get(k, 0) + v
+    return EngineStats(sum(s.num_running for s in parts) + on_way, sum(s.num_waiting for s in parts) + parked,
+                       [t for s in parts for t in s.kv_tokens_per_rank], p.kv_capacity_per_rank,
+                       p.prefix_cache_queries, p.prefix_cache_hits, p.prompt_tokens,
+                       sum(s.generation_tokens for s in parts), merged, sum(s.preemptions for s in parts),
+                       finished, p.tiers, p.attention_backend, p.attention_timings_ms, p.request_prompt_tokens,
+                       pd, spec=spec)
+
+
+def _decode_spec_stats(decode: list[GroupEngine]) -> dict:
+    """Speculative decoding's counters summed over the decode groups (the prefill group never speculates)."""
+    parts = [g._counters["spec"] for g in decode if g._counters["spec"]]
+    if not parts:
+        return {}
+    total = {k: sum(c[k] for c in parts) for k in parts[0] if k != "accepted_per_pos"}
+    total["accepted_per_pos"] = [sum(col) for col in zip(*(c["accepted_per_pos"] for c in parts))]
+    return _spec_stats(total)
