@@ -136,7 +136,7 @@ def spec_from_args(args, engine_kwargs: dict) -> NodeSpec | None:
 def world_size_of(engine_kwargs: dict) -> int:
     """The ranks the engine will run with these keyword arguments (validated as the engine does): CP x TP, or with
     prefill / decode groups (N + K x M) x TP, the prefill group's ranks first."""
-    from cpinfer.engine.llm_engine import EngineConfig
+    from cpinfer.engine.config import EngineConfig
 
     kwargs = dict(engine_kwargs)
     decode_cp, groups = kwargs.pop("pd_decode_cp", None), kwargs.pop("pd_decode_groups", None)
@@ -145,7 +145,7 @@ def world_size_of(engine_kwargs: dict) -> int:
         if groups not in (None, 1):
             raise ValueError(f"pd_decode_groups ({groups}) needs pd_decode_cp (the decode groups' CP size)")
         return parallel.world_size
-    from cpinfer.engine.pd.engine import PDConfig
+    from cpinfer.engine.pd import PDConfig
 
     return PDConfig(parallel.cp, decode_cp, 1 if groups is None else groups, parallel.tp).world_size
 
@@ -221,7 +221,7 @@ def join_world(spec: NodeSpec, rank: int, engine_kwargs: dict, listen: socket.so
     import torch.distributed as dist
 
     from cpinfer.device import comm_backend, gpu_of_rank
-    from cpinfer.engine.llm_engine import EngineConfig
+    from cpinfer.engine.config import EngineConfig
 
     cfg = EngineConfig(**{k: v for k, v in engine_kwargs.items() if k not in ("pd_decode_cp", "pd_decode_groups")})
     backend = comm_backend(cfg.device, spec.ranks_per_node, cfg.share_gpus)

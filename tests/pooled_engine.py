@@ -2,7 +2,8 @@
 
 Spawning ranks dominates the time of a multi-process engine test, so one pool per world size serves engines of
 many checkpoints in turn: each engine re-initialises the ranks' model runner (`init_runner`) with its own model
-and leaves the pool running when it shuts down. The driver side (scheduler, KV manager) is the real `LLMEngine`.
+(its start-up's `start_ranks`) and leaves the pool running when it shuts down. The driver side (scheduler, KV
+manager) is the real `LLMEngine`.
 """
 from __future__ import annotations
 
@@ -11,23 +12,28 @@ import itertools
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.llm import LLM
 from cpinfer.engine.llm_engine import LLMEngine
+from cpinfer.engine.startup import EngineStartup
+
+
+class _PooledStartup(EngineStartup):
+    def start_ranks(self, capacity: int) -> int:
+        e = self.engine
+        if e._shared_pool.world_size != e.parallel.world_size:
+            raise ValueError(f"the pool has {e._shared_pool.world_size} ranks, the engine needs "
+                             f"{e.parallel.world_size}")
+        e._pool = e._shared_pool
+        infos = e._pool.run(MR.init_runner, e.model_path, e.args.dtype, capacity, e.n, e.args.tensor_parallel_size,
+                            e.attention_backend, None, self.decode_config("gloo"), e.args.kv_cache_dtype)
+        e.rank_pids = [i["pid"] for i in infos]
+        return capacity
 
 
 class _PooledEngine(LLMEngine):
+    startup_class = _PooledStartup
+
     def __init__(self, model, pool, **kwargs):
         self._shared_pool = pool
         super().__init__(model, **kwargs)
-
-    def _start_ranks(self, capacity: int) -> int:
-        if self._shared_pool.world_size != self.parallel.world_size:
-            raise ValueError(f"the pool has {self._shared_pool.world_size} ranks, the engine needs "
-                             f"{self.parallel.world_size}")
-        self._pool = self._shared_pool
-        infos = self._pool.run(MR.init_runner, self.model_path, self.args.dtype, capacity, self.n,
-                               self.args.tensor_parallel_size, self.attention_backend, None,
-                               self.decode_config("gloo"), self.args.kv_cache_dtype)
-        self.rank_pids = [i["pid"] for i in infos]
-        return capacity
 
     def shutdown(self) -> None:
         if getattr(self, "_pool", None) is not None and self.dead_error is None:
@@ -113,7 +119,7 @@ def keyed_engines(**defaults):
 def pd_llm(pool, path, **kwargs) -> LLM:
     """An `LLM` over a prefill / decode engine whose world is the shared `pool` (its size must be the P/D world's:
     (N + K·M) × TP); one rank thread each. The pool outlives the engine."""
-    from cpinfer.engine.pd.engine import PDEngine
+    from cpinfer.engine.pd import PDEngine
 
     class _PooledPD(PDEngine):
         def _make_pool(self, world, backend, threads):

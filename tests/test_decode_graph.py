@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the static decode path's attention is the 
 
 from cpinfer import LLM, SamplingParams  # noqa: E402
 from cpinfer.engine.decode_tables import bucket_sizes, split_rows  # noqa: E402
-from cpinfer.engine.llm_engine import LLMEngine  # noqa: E402
+from cpinfer.engine.startup import EngineStartup  # noqa: E402
 from cpinfer.launch import WorkerPool  # noqa: E402
 from pooled_engine import PooledLLM  # noqa: E402
 
@@ -191,14 +191,14 @@ def _decode_config(**args):
                                                                 "max_num_seqs": 16, "kv_cache_dtype": "auto",
                                                                 **args}),
                                  parallel=types.SimpleNamespace(world_size=args.pop("world", 2)), config=config)
-    return LLMEngine.decode_config(fake, args.pop("comm", "nccl"))
+    return EngineStartup(fake).decode_config(args.pop("comm", "nccl"))
 
 
 def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     """CUDA: graphs unless enforce_eager; a gloo world (ranks sharing a GPU) cannot capture; CPU: off unless asked."""
-    from cpinfer.engine import llm_engine
+    from cpinfer.engine import startup
 
-    monkeypatch.setattr(llm_engine, "backend_problem", lambda name, device: "")  # Triton usable everywhere here
+    monkeypatch.setattr(startup, "backend_problem", lambda name, device: "")  # Triton usable everywhere here
     assert _decode_config(device="cuda")["mode"] == "graph"
     assert _decode_config(device="cuda", enforce_eager=True)["mode"] == "off"
     assert _decode_config(device="cuda", enforce_eager=True, static_decode=True)["mode"] == "eager"
@@ -207,7 +207,7 @@ def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     assert _decode_config(device="cpu")["mode"] == "off"
     assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16}
     assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "graph"  # MLA: values inside the keys
-    monkeypatch.setattr(llm_engine, "backend_problem", lambda name, device: "no triton")
+    monkeypatch.setattr(startup, "backend_problem", lambda name, device: "no triton")
     assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning
 
 

@@ -13,7 +13,8 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.kv.capacity import (MemoryFigures, kv_tokens_from_host_ram, kv_tokens_from_memory,
                                         profile_tokens_per_rank)
 from cpinfer.engine.kv.manager import BLOCK
-from cpinfer.engine.llm_engine import EngineConfig, LLMEngine
+from cpinfer.engine.config import EngineConfig
+from cpinfer.engine.startup import EngineStartup
 
 GiB = 1 << 30
 CUDA_MISSING = not torch.cuda.is_available()
@@ -41,7 +42,7 @@ def no_ranks(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("a rank was started")
     for name in ("WorkerPool", "InProcessWorld", "JoinedWorld"):
-        monkeypatch.setattr(f"cpinfer.engine.llm_engine.{name}", refuse)
+        monkeypatch.setattr(f"cpinfer.engine.startup.{name}", refuse)
 
 
 # ---------------------------------------------------------------- Must 1: device, dtype, GPUs per node
@@ -171,7 +172,7 @@ class _FakeProbe:
 def test_engine_sizes_its_cache_from_the_profiled_figures(monkeypatch, random_checkpoint):
     """The CUDA sizing path end to end on CPU: the rank runs the profiling forward, the memory figures are injected,
     every rank's capacity comes back, the engine takes it, logs it and serves requests within it."""
-    monkeypatch.setattr(LLMEngine, "_default_capacity", lambda self, fraction: None)  # as on CUDA
+    monkeypatch.setattr(EngineStartup, "default_capacity", lambda self, fraction: None)  # as on CUDA
     monkeypatch.setattr(MR, "MemoryProbe", _FakeProbe)
     forwards = []
     real = MR.ModelRunner.profile_forward

@@ -124,3 +124,14 @@ def test_no_two_modules_import_each_other():
 def test_no_longer_import_loops():
     loops = import_loops(import_graph())
     assert not loops, "import loops:\n" + "\n".join("  " + " -> ".join(loop) for loop in loops)
+
+
+def test_the_kv_package_imports_nothing_above_it():
+    """engine/kv/ sits below the model runner and the engine: no module of it imports them (a P/D role's runner
+    start-up, which needs the runner, lives in engine/pd/ranks.py)."""
+    above = {"cpinfer.engine.model_runner", "cpinfer.engine.llm_engine", "cpinfer.engine.startup"}
+    graph = import_graph()
+    kv = [m for m in graph if m == "cpinfer.engine.kv" or m.startswith("cpinfer.engine.kv.")]
+    assert len(kv) > 5
+    bad = sorted((m, t) for m in kv for t in graph[m] & above)
+    assert not bad, "engine/kv/ imports from above it:\n" + "\n".join(f"  {m} -> {t}" for m, t in bad)

@@ -348,7 +348,7 @@ def test_each_tier_lets_go_of_its_least_recently_used_first():
 
 
 def test_tier_options_are_checked():
-    from cpinfer.engine.llm_engine import EngineConfig
+    from cpinfer.engine.config import EngineConfig
 
     for bad, fragment in ((dict(kv_host_gib=-1), "kv_host_gib"), (dict(kv_host_gib=float("inf")), "kv_host_gib"),
                           (dict(kv_host_gib="1"), "kv_host_gib"), (dict(kv_disk_gib=0), "kv_disk_gib"),

@@ -196,11 +196,10 @@ def test_tp2_keeps_one_host_copy_of_the_latent_per_cp_shard(llama_checkpoint, en
     import functools
 
     from cpinfer import SamplingParams
-    from cpinfer.engine import llm_engine
+    from cpinfer.engine import startup
     from hf_oracle import check_against_hf, prompts_for
 
-    monkeypatch.setattr(llm_engine, "TierConfig", functools.partial(llm_engine.TierConfig,
-                                                                    write_through=write_through))
+    monkeypatch.setattr(startup, "TierConfig", functools.partial(startup.TierConfig, write_through=write_through))
     path = llama_checkpoint("deepseek_v3", max_position_embeddings=2048)
     docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=6))]
     with engines(path, 2, 2, max_kv_tokens_per_rank=192, max_num_batched_tokens=96, kv_disk_dir=tmp_path / "kv",

@@ -293,7 +293,8 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
         assert all(o.metrics["pd"]["placed_early"] for o in got)
         dec = eng.decode[0]
-        assert not dec.requests and not any(h for h in eng._pending.values()) and not eng._transfers
+        assert not dec.requests and not any(h for h in eng.handoffs.pending.values())
+        assert not eng.handoffs.transfers.in_flight
         assert not any(nd.ref for nd in dec.kv.nodes.values()) and dec.kv.used.sum() > 0  # kept as cache
         dec.kv.check_invariants()
         got += llm.generate([b], GREEDY, use_tqdm=False)
@@ -316,10 +317,10 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama):
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, GREEDY)
         outs = {}
-        while not eng._pending[1]:  # until a handoff is queued (its rows not yet received)
+        while not eng.handoffs.pending[1]:  # until a handoff is queued (its rows not yet received)
             for o in eng.step():
                 outs[o.request_id] = o
-        victim = eng._pending[1][0].req.request_id
+        victim = eng.handoffs.pending[1][0].req.request_id
         eng.abort(victim)
         while eng.has_unfinished_requests():
             for o in eng.step():
@@ -374,8 +375,9 @@ def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llam
         while "v" not in dec.requests:  # joined: first token sampled, moved to the decode group
             for o in eng.step():
                 outs[o.request_id] = o
-        h = eng._pending[1][0]
-        assert h.req.request_id == "v" and h.ready and h.tid in eng._transfers  # its rows not reported in yet
+        h = eng.handoffs.pending[1][0]
+        assert h.req.request_id == "v" and h.ready
+        assert h.tid in eng.handoffs.transfers.in_flight  # its rows not reported in yet
         eng.abort("v")
         flag.unlink()  # the rows may come in now
         while eng.has_unfinished_requests():

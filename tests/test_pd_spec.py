@@ -17,7 +17,8 @@ from checkpoints import write_hf_checkpoint
 from cpinfer.engine.kv.capacity import kv_tokens_from_memory, profile_tokens_per_rank
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm import LLM
-from cpinfer.engine.pd import engine as PD
+from cpinfer.engine import pd as PD
+from cpinfer.engine.pd.group import RoleStartup
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm
@@ -155,7 +156,7 @@ def test_preemption_mid_speculation_on_the_decode_group(pool, llama, reference):
 def test_draft_model_refused_before_any_rank(monkeypatch, llama):
     def refuse(*_a, **_k):
         raise AssertionError("a rank was started")
-    monkeypatch.setattr(PD, "WorkerPool", refuse)
+    monkeypatch.setattr("cpinfer.engine.pd.driver.WorkerPool", refuse)
     with pytest.raises(ValueError, match="draft_model speculation cannot be combined with pd_decode_cp; use method "
                                          "'ngram'"):
         LLM(str(llama), context_parallel_size=2, pd_decode_cp=1,
@@ -178,7 +179,7 @@ def test_each_role_sized_from_its_own_profile(monkeypatch, pool, llama, referenc
     prefill budget, the decode ranks their decode batch (max_num_seqs x (k + 1)); each role's ranks allocate the
     smallest capacity of that role, the start-up log names each, and the engine serves requests within them."""
     n, m = layout
-    monkeypatch.setattr(PD.GroupEngine, "_default_capacity", lambda self, fraction: None)  # as on CUDA
+    monkeypatch.setattr(RoleStartup, "default_capacity", lambda self, fraction: None)  # as on CUDA
     records = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append

@@ -81,13 +81,13 @@ def _decode(model, cp: int, tokens: int, grammar: str | None) -> float:
 
 
 def measure(args) -> dict:
-    from cpinfer.engine.llm_engine import _load_tokenizer
+    from cpinfer.engine.startup import load_tokenizer
     from cpinfer.engine.structured import json_schema_grammar
     from cpinfer.model.config import ModelConfig
     from cpinfer.model.resolve import resolve_model
 
     path = str(resolve_model(args.model))
-    tok, cfg = _load_tokenizer(path), ModelConfig.from_pretrained(path)
+    tok, cfg = load_tokenizer(path), ModelConfig.from_pretrained(path)
     ids = tok.encode(json.dumps(DOCUMENT, separators=(",", ":")), add_special_tokens=False)
     libs = {"llguidance": _llguidance(tok, cfg.vocab_size, list(cfg.eos_token_ids), ids, args.reps)}
     xg = _xgrammar(tok, cfg.vocab_size, ids, args.reps)

@@ -1,59 +1,38 @@
 """`LLMEngine`: the step-wise engine the offline `LLM`, the asyncio `AsyncLLM` and the server are thin layers over.
 
 `step()` is three parts: the scheduler picks this forward's work (and the KV manager the slot of every new token),
-the ranks run it (`model_runner.execute_batch`, SPMD), and the driver turns sampled tokens into outputs, stopping
-and releasing requests. Requests come and go between steps (`add_request`, `abort`).
+the ranks run it (`model_runner.execute_batch`, SPMD; paper §3's CP ring inside), and the driver turns sampled tokens
+into outputs, stopping and releasing requests. Requests come and go between steps (`add_request`, `abort`); start-up
+(model, ranks, KV cache sizing, tiers) is `startup.py`, the arguments `config.py`.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 import pickle
 import random
 import time
-from pathlib import Path
 
 import numpy as np
-import torch
 
-from cpinfer.attention.backends import NAMES as ATTENTION_BACKENDS
-from cpinfer.attention.backends import _unusable as backend_problem
-from cpinfer.attention.backends import resolve_name
-from cpinfer.device import check_gpus, comm_backend, ranks_on_this_node, resolve_device, resolve_dtype
-from cpinfer.distributed import ParallelConfig
 from cpinfer.engine import model_runner as MR
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
-from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
-from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
-from cpinfer.engine.kv.fp8 import check_kv_cache_dtype, layout_dtype, per_token
-from cpinfer.engine.kv.manager import BLOCK, KVManager
+from cpinfer.engine.config import EngineConfig
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
-from cpinfer.engine.kv.placement import PLACEMENTS, CostModel, Placer
 from cpinfer.engine.kv.store import KVStore, KVWidths
-from cpinfer.engine.kv.tiers import TierConfig
+from cpinfer.engine.mla_form import choose_form
 from cpinfer.engine.output import OutputProcessor
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
 from cpinfer.engine.sampling import SampleSpec, SamplingParams
 from cpinfer.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from cpinfer.engine.spec_decode.adaptive import VERIFY_TOKEN_COST, SpecState, StepCost
 from cpinfer.engine.spec_decode.config import SpeculativeConfig
-from cpinfer.engine.spec_decode.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
-from cpinfer.engine.spec_decode.registry import check_method, make_proposer
-from cpinfer.engine.structured import GrammarCompiler, Matcher
-from cpinfer.engine.mla_form import check_form, choose_form
+from cpinfer.engine.spec_decode.registry import make_proposer
+from cpinfer.engine.startup import EngineStartup
 from cpinfer.engine.strategy import choose_for_batch
-from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool, driver_can_host_rank,
-                            joined_world_requested)
-from cpinfer.model.config import ModelConfig
-from cpinfer.model.loader import checkpoint_files
-from cpinfer.model.resolve import generation_defaults, resolve_model, resolve_tokenizer
-from cpinfer.perf.hardware import load_hardware_profile
-from cpinfer.perf.models import load_model_spec
+from cpinfer.engine.structured import GrammarCompiler, Matcher
+from cpinfer.launch import InProcessWorld, WorkerPool
 from cpinfer.utils import get_logger
 
 log = get_logger()
-LOAD_FORMATS = ("auto", "dummy")
 _RESTORE_ROUNDS = 4  # schedule again at once after failed restores, this many times in one step
 
 
@@ -61,188 +40,19 @@ class EngineDeadError(RuntimeError):
     """A rank died or the engine failed: no request can be served any more."""
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Validated engine arguments (everything is checked before a rank starts)."""
-
-    context_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    device: str = "auto"  # "auto" (CUDA when available, else CPU), "cpu", "cuda"; resolved here
-    dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
-    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "fp8" (e4m3, static scales) or "fp8_per_token"
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 64
-    enable_prefix_caching: bool = True
-    max_kv_tokens_per_rank: int | None = None
-    kv_memory_fraction: float = 0.25  # CPU: share of host RAM for the KV cache of all ranks
-    gpu_memory_utilization: float = 0.9  # CUDA: share of each GPU for weights, activations and the KV cache
-    share_gpus: bool = False  # CUDA: allow more ranks than GPUs on a node (gloo through host memory; slow)
-    strategy: str = "auto"
-    mla_form: str = "auto"  # multi-head latent attention: "auto" (per forward, by FLOPs: `mla_form.py`), "absorbed" or
-    # "expanded" (every forward in that form: tests and benchmarks); other models ignore it
-    placement: str = "auto"  # "auto" (cost model) | "shard" (always 2N-chunk sharding) | "local" (one rank)
-    hardware_profile: str | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False  # CUDA: never capture CUDA graphs; decode runs the dynamic eager path
-    static_decode: bool | None = None  # the static-shape decode path: None = exactly when CUDA graphs are on;
-    # True also without graphs (eager; on CPU it needs TRITON_INTERPRET=1: the path's attention is Triton's)
-    threads_per_rank: int | None = None
-    timeout_s: float = 600.0
-    in_process: bool = True  # rank 0 runs inside the driver process (CP1 x TP1; CP>1 or TP>1 on CPU when this
-    # process hosts no other engine's rank 0): what it does alone needs no message to another process
-    kv_host_gib: float = 0.0  # host tier: GiB of host memory per rank for K/V evicted from the device (0: none)
-    kv_disk_dir: str | None = None  # disk tier: a directory for evicted / finished K/V, kept across restarts
-    kv_disk_gib: float | None = None  # its bound (None: half the disk's free space at start)
-    tokenizer: str | None = None  # a tokenizer folder or Hub id other than the model's own
-    revision: str | None = None  # the Hub revision (branch, tag or commit) of a model given by Hub id
-    download_dir: str | None = None  # the Hugging Face cache folder to download to / read from (default: the Hub's)
-    seed: int = 0  # seeds the per-request seeds of requests that give none (reproducible runs)
-    generation_config: str = "auto"  # "auto": generation_config.json's sampling defaults; "vllm": none; or a folder
-    max_logprobs: int = 20  # the largest top_logprobs a request may ask for (vLLM's name and default); -1: the vocabulary
-    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
-    # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
-    speculative_config: SpeculativeConfig | None = None  # speculative decoding: vLLM's keys as a dict (or its JSON
-    # text), parsed into a SpeculativeConfig here (engine/spec_decode/config.py); None: off
-
-    def __post_init__(self):
-        for name in ("context_parallel_size", "tensor_parallel_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        device = resolve_device(self.device)  # ValueError naming CUDA when it was asked for and is missing
-        object.__setattr__(self, "device", device)
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, device))
-        object.__setattr__(self, "kv_cache_dtype", check_kv_cache_dtype(self.kv_cache_dtype))
-        if self.kv_cache_dtype != "auto" and self.static_decode:
-            raise ValueError(f"static_decode=True and kv_cache_dtype={self.kv_cache_dtype!r} cannot be combined: the "
-                             "static decode path reads a full-precision KV cache (use static_decode=None or False)")
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if device == "cuda":  # more ranks than GPUs on this node fails now, naming both numbers
-            check_gpus(ranks_on_this_node(self.parallel.world_size), self.share_gpus)
-        if self.strategy not in ("auto", "pass-kv", "pass-q"):
-            raise ValueError(f"strategy must be 'auto', 'pass-kv' or 'pass-q', got {self.strategy!r}")
-        m = self.max_logprobs
-        if isinstance(m, bool) or not isinstance(m, int) or m < -1:
-            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
-        check_form(self.mla_form)
-        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
-                             f"got {self.load_format!r}")
-        if self.load_format == "dummy" and self.tensor_parallel_size > 1:
-            raise ValueError("load_format='dummy' (random weights) supports tensor_parallel_size 1 only, got "
-                             f"{self.tensor_parallel_size}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.static_decode not in (None, True, False):
-            raise ValueError(f"static_decode must be None (auto), True or False, got {self.static_decode!r}")
-        if self.static_decode:
-            problem = backend_problem("triton", torch.device(device))
-            if problem:
-                raise ValueError(f"static_decode=True runs decode attention in the Triton kernel, which cannot run "
-                                 f"on {device}: {problem}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(repr(p) for p in PLACEMENTS)}, "
-                             f"got {self.placement!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.max_kv_tokens_per_rank is not None and self.max_kv_tokens_per_rank < BLOCK:
-            raise ValueError(f"max_kv_tokens_per_rank must be >= {BLOCK}, got {self.max_kv_tokens_per_rank}")
-        if not 0 < self.kv_memory_fraction <= 0.9:
-            raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
-        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)  # validates both
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("tokenizer", "revision", "download_dir", "generation_config"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
-                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-        _check_gib("kv_host_gib", self.kv_host_gib, zero_ok=True)
-        if self.kv_disk_gib is not None:
-            _check_gib("kv_disk_gib", self.kv_disk_gib, zero_ok=False)
-        if self.kv_disk_dir is not None:
-            if not isinstance(self.kv_disk_dir, (str, os.PathLike)) or not str(self.kv_disk_dir):
-                raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
-            object.__setattr__(self, "kv_disk_dir", str(self.kv_disk_dir))
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(self.context_parallel_size, self.tensor_parallel_size)
-
-
 class LLMEngine:
     """Driver of N×M ranks: `add_request`, `abort`, `step() -> list[RequestOutput]`, `has_unfinished_requests()`."""
+
+    startup_class = EngineStartup  # its start-up's steps; an engine over other ranks gives a subclass (startup.py)
 
     def __init__(self, model: str | None = None, **kwargs):
         self.dead_error: str | None = None
         self.args = EngineConfig(**kwargs)
         a = self.args
-        # None → the embedded default; .gguf → converted once; load_format "dummy" needs no weight files
         t0 = time.perf_counter()
-        self.model_path = str(resolve_model(model, weights=a.load_format == "auto", revision=a.revision,
-                                            download_dir=a.download_dir))
-        self.config = ModelConfig.from_pretrained(self.model_path)  # validates the directory before starting ranks
-        if per_token(self.args.kv_cache_dtype) and self.config.values_in_keys:
-            raise ValueError(f"kv_cache_dtype={self.args.kv_cache_dtype!r} is not supported for {self.config.model_type} "
-                             "(multi-head latent attention: the values are the cached latent's first channels); use "
-                             "kv_cache_dtype='fp8' (static scales)")
-        if a.load_format == "auto":
-            checkpoint_files(Path(self.model_path))  # raises ValueError when no weights are there
-        if a.speculative_config is not None:
-            check_method(a.speculative_config)  # a method this build lacks fails before any rank starts
-        self.n = a.context_parallel_size
-        self.parallel = a.parallel
-        self.parallel.check_model(self.config.num_attention_heads, self.config.num_key_value_heads)
-        if self.config.intermediate_size % a.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size {a.tensor_parallel_size} must divide intermediate_size "
-                             f"({self.config.intermediate_size})")
-        trained = self.config.max_position_embeddings
-        self.max_model_len = a.max_model_len or trained
-        self.max_logprobs = self.config.vocab_size if a.max_logprobs == -1 else a.max_logprobs
-        if self.max_model_len > trained:
-            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: quality beyond the "
-                        "trained context is not guaranteed", self.max_model_len, trained)
-        self.strategy = a.strategy
-        # a catalog name or a `cpinfer calibrate` JSON; loaded now so a bad path fails before any rank starts
-        self.hardware = load_hardware_profile(a.hardware_profile or ("cpu-gloo" if a.device == "cpu" else "h100-gtt"))
-        self.elem_bytes = getattr(torch, a.dtype).itemsize
-        capacity = a.max_kv_tokens_per_rank
-        if capacity is None and a.device == "cpu":
-            capacity = self._default_capacity(a.kv_memory_fraction)
-        capacity = None if capacity is None else capacity // BLOCK * BLOCK  # None: measured on the GPUs
-        # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
-        # start; the ranks resolve it again on their devices (torch-flash's probe runs there) and report the result
-        self.attention_backend = resolve_name(a.attention_backend, torch.device(a.device), probe=False)
-        self.attention_timings_ms: dict = {}  # backend → ms of `auto`'s timing on rank 0 (empty: not timed)
-        tokenizer_dir = self.model_path if a.tokenizer is None else str(
-            resolve_tokenizer(a.tokenizer, download_dir=a.download_dir))
-        self.tokenizer = _load_tokenizer(tokenizer_dir)
-        self.generation_defaults = generation_defaults(self.model_path, a.generation_config)
-        log.info("start-up: model: %s, config and tokenizer read in %.1f s", self.model_path,
-                 time.perf_counter() - t0)
-        self.draft = draft_for(a, self.config, self.tokenizer)  # a draft model (path, config), checked; or None
-        if self.draft is not None and a.max_kv_tokens_per_rank is None and a.device == "cpu":
-            capacity = self._default_capacity(a.kv_memory_fraction) // BLOCK * BLOCK  # its store counted too
-        capacity = self._start_ranks(capacity)
-        self.disk = None  # the opened disk-tier directory
-        self._last_sync = 0.0
-        try:
-            if self.draft is not None:
-                load_draft(self)
-            tiers = self._start_tiers()
-            driver_rank = getattr(self._pool, "driver_rank", False)  # rank 0 in this process: it takes local work
-            self.kv = KVManager(self.n, capacity, a.enable_prefix_caching, self._placer(), tiers,
-                                preferred_rank=0 if driver_rank and self.parallel.tp == 1 else None)
-            if self.disk is not None:
-                rebuild_index(self.kv, self.disk, tiers.layout)
-        except BaseException:
-            self.shutdown()
-            raise
+        self._last_sync = 0.0  # when `sync_tiers` last polled the ranks
+        self.startup = self.startup_class(self)
+        self.startup.run(model)  # model_path, config, tokenizer, the ranks (_pool), kv, disk, ...: startup.py
         self._mirrors_slots = self.config.local_attention  # windowed / chunked layers: ranks keep SlotPositions
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
@@ -251,7 +61,6 @@ class LLMEngine:
         self._failed: dict[str, str] = {}  # request id → why it fails at the end of this step (its own fault)
         self._aborts: list[str] = []
         self._rng = random.Random(a.seed)
-        self.dead_error: str | None = None
         self._counters = {"prompt_tokens": 0, "request_prompt_tokens": 0, "generation_tokens": 0, "forwards": {},
                           "finished": {}}
         self._counters["spec"] = _spec_counters(a.speculative_config)
@@ -270,248 +79,86 @@ class LLMEngine:
         self.last_step_host: dict = {}  # the last step's host timings (AsyncLLM adds its streaming time)
         log.info("start-up: engine ready in %.1f s", time.perf_counter() - t0)
 
-    # ------------------------------------------------------------------ set-up
-    def _default_capacity(self, fraction: float) -> int:
-        c = self.config
-        per_token = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c),
-                                               self.elem_bytes, self.args.kv_cache_dtype)
-        per_token += draft_token_bytes(getattr(self, "draft", None), self.elem_bytes)  # a draft's store: same slots
-        return kv_tokens_from_host_ram(fraction, self.n, per_token, BLOCK, self.max_model_len)
-
-    def _threads_per_rank(self) -> int:
-        return self.args.threads_per_rank or max(1, (os.cpu_count() or 1) // self.parallel.world_size)
-
-    def _placer(self) -> Placer:
-        """The placement policy; "auto" predicts costs for this model on the engine's hardware profile. CPU ranks
-        share the machine: one runs at its threads' share of the cores (the profile describes the whole machine)."""
-        a = self.args
-        if a.placement != "auto" or self.n == 1:
-            return Placer(a.placement, self.n)
-        share = 1.0
-        if a.device == "cpu":
-            cores = os.cpu_count() or 1
-            here = ranks_on_this_node(self.parallel.world_size)
-            share = min(1.0, min(self._threads_per_rank(), cores / here) / cores)
-        model = CostModel(load_model_spec(self.model_path), self.hardware, self.n, a.tensor_parallel_size,
-                          self.elem_bytes, share)
-        return Placer("auto", self.n, model)
-
-    def memory_sizing(self, tokens: int, ranks_here: int) -> dict:
-        """What each rank measures when the KV cache is sized from GPU memory (`model_runner.measure_kv`): a
-        profiling forward of `tokens`, the memory utilization, the ranks sharing a GPU, and a draft model's bytes
-        (it loads after the measurement: its store holds the target's slots, plus its weights and scratch rows)."""
-        a, draft = self.args, getattr(self, "draft", None)
-        return {"tokens": tokens, "utilization": a.gpu_memory_utilization, "block": BLOCK,
-                "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count())),
-                "extra_bytes_per_token": draft_token_bytes(draft, self.elem_bytes),
-                "reserve_bytes": draft_reserve_bytes(a, draft, self.elem_bytes)}
-
-    def _start_ranks(self, capacity: int | None) -> int:
-        """Start the ranks and load the model; with capacity None (CUDA), size the KV cache from each GPU's memory.
-        Returns the KV capacity per rank."""
-        a = self.args
-        world = self.parallel.world_size
-        threads = self._threads_per_rank()
-        ranks_here = ranks_on_this_node(world)
-        backend = comm_backend(a.device, ranks_here, a.share_gpus)
-        if a.device == "cuda" and backend == "gloo":
-            log.warning("%d ranks share %d GPU(s): tensors go over gloo through host memory (slow; for checks)",
-                        ranks_here, torch.cuda.device_count())
+    # ------------------------------------------------------------------ one step: schedule → run → process
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule a forward → run it on the ranks → process its results into outputs."""
+        self._check_alive()
         t0 = time.perf_counter()
-        if joined_world_requested():  # under torchrun: join it; only rank 0 comes back from here
-            self._pool = JoinedWorld(backend, a.threads_per_rank, a.timeout_s, device=a.device)
-            self.parallel.check_world(self._pool.world_size)
-        elif world == 1 and a.in_process:  # one rank: run it in this process, no IPC per step
-            self._pool = InProcessWorld(a.device, threads, a.timeout_s)
-        else:  # on CPU rank 0 runs here too (no IPC for what it does alone), unless this process hosts another
-            driver = a.in_process and (a.device, backend) == ("cpu", "gloo") and driver_can_host_rank()
-            self._pool = WorkerPool(world, backend=backend, threads_per_rank=threads, timeout_s=a.timeout_s,
-                                    device=a.device, driver_rank=driver)
-        backend_name = a.attention_backend  # each rank resolves it on its device
-        sizing = None if capacity is not None else self.memory_sizing(
-            profile_tokens_per_rank(a.max_num_batched_tokens, self.max_model_len, self.n), ranks_here)
-        try:
-            if isinstance(self._pool, JoinedWorld) and self._pool.rank != 0:
-                self._pool.serve_forever()  # never returns: the process exits when rank 0 shuts down
-            log.info("start-up: ranks: %d (CP %d x TP %d) on %s over %s started in %.1f s", world, self.n,
-                     a.tensor_parallel_size, a.device, backend, time.perf_counter() - t0)
-            infos = self._pool.run(MR.init_runner, self.model_path, a.dtype, capacity, self.n,
-                                   a.tensor_parallel_size, backend_name, sizing, self.decode_config(backend),
-                                   a.kv_cache_dtype, a.load_format)
-            _log_start_stages(infos, a.dtype, a.load_format)
-            self.rank_pids = [i["pid"] for i in infos]
-            self.attention_backend = infos[0].get("attention_backend", self.attention_backend)  # what rank 0 runs
-            self.attention_timings_ms = infos[0].get("attention_timings_ms", {})  # how auto chose it, if it timed
-            if capacity is None:
-                capacity = min(i["kv_capacity"] for i in infos)  # every rank holds the same number of slots
-                self._pool.run(MR.allocate_kv, capacity)
-                _log_gpu_capacity(capacity, infos, sizing)
-            log.info("start-up: KV cache: %d tokens per CP rank (%.1f MiB each) sized and allocated in %.1f s",
-                     capacity, capacity * self.kv_bytes_per_token / (1 << 20),
-                     max(i.get("kv_s", 0.0) for i in infos))
-        except RemoteError as exc:  # e.g. a missing or mis-shaped tensor: the loader's message, as ValueError
-            self._pool.close(force=True)
-            if exc.exception_type == "ValueError":
-                raise ValueError(exc.errors[min(exc.errors)][1]) from None
-            raise
-        except BaseException:
-            self._pool.close(force=True)
-            raise
-        return capacity
+        self.last_step_host = {}  # this step's, once it runs a forward
+        outputs = self._apply_aborts()
+        forward = self._schedule_forward(bool(outputs))
+        if forward is None:
+            return outputs
+        scheduled, batch, choice, form = forward
+        t1 = time.perf_counter()
+        results = self._run(batch)
+        t2 = time.perf_counter()
+        # host seconds of this step, shared by its requests' step metrics (docs/engine.md, "Metrics")
+        host = {"schedule_s": t1 - t0, "forward_s": t2 - t1,
+                **{f"rank0_{k}_s": v for k, v in results[0].phases.items()}, "detokenize_s": 0.0}
+        self.last_step_host = host
+        if self.proposer is not None and batch.phase == "decode":  # plain and verify rows: the adaptive k's cost
+            self._step_cost.add(sum(len(s.tokens) for s in scheduled), t2 - t1)
+        outputs += self._process(scheduled, results, choice, batch.phase, host, form)
+        host["process_s"] = time.perf_counter() - t2  # tokens, stop checks, detokenizing, outputs
+        return outputs
 
-    def _start_tiers(self) -> TierConfig | None:
-        """Host pools and disk writers on the ranks, and the disk directory, when asked for (None: no tiers)."""
-        a = self.args
-        if not a.kv_host_gib and a.kv_disk_dir is None:
+    def _schedule_forward(self, have_outputs: bool):
+        """(scheduled work, its ForwardBatch, the ring choice, the MLA form choice or None), or None when nothing
+        can run this step."""
+        self._propose()
+        scheduled, ops, restore_failed = self._schedule()
+        batch_q = {s.request.request_id: s.request.draft_q for s in scheduled if s.draft is not None}  # [k, V] each
+        for req in self.scheduler.running:  # a draft serves one step only
+            req.draft = req.draft_q = None
+        if not scheduled:
+            self.kv.put_back_ops(ops)  # they go with the next forward
+            if self.scheduler.has_work() and not have_outputs and not restore_failed:
+                raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
             return None
-        if not a.enable_prefix_caching:
-            log.warning("kv_host_gib / kv_disk_dir need prefix caching, which is off: no KV tiers")
-            return None
-        per_rank = self._pool.run(MR.kv_token_bytes)  # one token's bytes on each rank (its TP share of heads)
-        host_slots = int(a.kv_host_gib * (1 << 30)) // max(per_rank)
-        if a.kv_host_gib and host_slots < BLOCK:
-            raise ValueError(f"kv_host_gib {a.kv_host_gib} holds fewer than {BLOCK} tokens per rank "
-                             f"({max(per_rank)} bytes each)")
-        token_bytes = sum(per_rank[:a.tensor_parallel_size])  # a CP rank's token over its TP ranks
-        layout, disk_dir, disk_bytes = None, None, 0
-        if a.kv_disk_dir is not None:
-            self.disk = open_disk_dir(a.kv_disk_dir, a.kv_disk_gib)
-            c = self.config
-            layout = model_layout(self.model_path, checkpoint_files(Path(self.model_path)), self.disk,
-                                  layout_dtype(a.dtype, a.kv_cache_dtype), c.num_hidden_layers, c.cached_kv_heads,
-                                  c.kv_key_width, a.tensor_parallel_size, c.kv_row)
-            disk_dir, disk_bytes = str(self.disk.path), self.disk.bound
-        writable = self.disk is not None and self.disk.writable
-        shared = self.config.values_in_keys and a.tensor_parallel_size > 1  # MLA: one latent copy per CP shard
-        self._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, self.n, shared)
-        once = per_rank[0] if self.config.values_in_keys else 0  # the latent counted once, not per TP rank
-        config = TierConfig(host_slots, disk_dir, disk_bytes, token_bytes, layout, a.tensor_parallel_size,
-                            writable=writable, disk_token_bytes=once, host_token_bytes=once)
-        log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
-                 f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
-        return config
+        choice, phase = self._choose(scheduled)
+        form = self._mla_form(scheduled, choice.strategy)
+        seqs = tuple(self._seq_input(s, batch_q) for s in scheduled)
+        batch = ForwardBatch(seqs, choice.strategy, phase, tuple(ops), "absorbed" if form is None else form.form)
+        return scheduled, batch, choice, form
 
-    def decode_config(self, comm: str) -> dict:
-        """The ranks' decode path: {"mode": "graph" (CUDA graphs per batch-size bucket), "eager" (the same static
-        path without capture) or "off" (the dynamic path), "max_rows": the largest bucket}. `comm`: the tensors'
-        torch.distributed backend (a gloo collective cannot be captured in a CUDA graph)."""
-        a = self.args
-        graphs = a.device == "cuda" and not a.enforce_eager
-        static = graphs if a.static_decode is None else a.static_decode
-        if static and backend_problem("triton", torch.device(a.device)):
-            log.warning("CUDA graphs for decode are off: their attention is the Triton kernel, and %s",
-                        backend_problem("triton", torch.device(a.device)))
-            static = False
-        if graphs and static and comm == "gloo" and self.parallel.world_size > 1:
-            log.warning("decode runs without CUDA graphs: its collectives go over gloo (ranks sharing a GPU), which "
-                        "a graph cannot capture")
-            graphs = False
-        widths = KVWidths.of(self.config)
-        if static and widths.key != widths.value and not widths.values_in_keys and a.static_decode is None:
-            log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
-                        "values (or values inside the keys, as MLA's), and this model's differ")
-            static = False
-        if static and a.kv_cache_dtype != "auto":
-            log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
-                        "kv_cache_dtype is %s", a.kv_cache_dtype)
-            static = False
-        mode = "off" if not static else "graph" if graphs else "eager"
-        return {"mode": mode, "max_rows": a.max_num_seqs}
+    def _run(self, batch: ForwardBatch) -> list[RankResult]:
+        """Every rank runs the forward; what they report about the tiers goes to the tier index."""
+        results: list[RankResult] = self._on_ranks(self._run_batch, batch)
+        self._tier_events(results)
+        key = f"{batch.phase}/{batch.strategy}"
+        self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
+        return results
 
-    def shutdown(self) -> None:
-        if getattr(self, "proposer", None) is not None:
-            self.proposer.close()
-            self.proposer = None
-        if getattr(self, "_pool", None) is not None:
-            if self.dead_error is None:
-                self.flush_tiers()
-            self._pool.close(force=self.dead_error is not None)
-            self._pool = None
-        if getattr(self, "disk", None) is not None:
-            self.disk.close()
-            self.disk = None
-
-    # ------------------------------------------------------------------ tiers
-    def flush_tiers(self) -> None:
-        """Send the cache operations still waiting, wait for every disk write, and account them (shutdown)."""
-        tiers = getattr(getattr(self, "kv", None), "tiers", None)
-        if tiers is None:
-            return
-        try:
-            if self.disk is not None and tiers.save_ancestors():  # every entry's prefix on disk too
-                log.info("KV disk tier: wrote the prefixes that entries on disk depend on")
-            self.sync_tiers(force=True)
-            if self.disk is not None:
-                self._tier_events(self._pool.run(MR.flush_tiers))
-                self.sync_tiers(force=True)  # deletions and forgets the acks asked for
-                self._pool.run(MR.flush_tiers)
-                log.info("KV disk tier %s: %d entries (%.2f GiB) on disk", self.disk.path, len(tiers.entries),
-                         tiers.disk_used / (1 << 30))
-        except Exception as exc:  # noqa: BLE001 - shutting down: say so, do not mask the shutdown
-            log.error("KV tiers: flushing at shutdown failed: %s", exc)
-
-    def sync_tiers(self, force: bool = False) -> None:
-        """Between steps (idle server): send waiting cache operations (background disk writes) and read what the
-        ranks report. Cheap when there is nothing to do."""
-        tiers = self.kv.tiers if self._pool is not None else None
-        if tiers is None or not (force or tiers.ops or tiers.unacked):
-            return
-        now = time.monotonic()
-        if not (force or tiers.ops) and now - self._last_sync < 0.25:  # only acks to collect: poll calmly
-            return
-        self._last_sync = now
-        ops = self.kv.take_ops()
-        self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
-
-    def _tier_events(self, per_rank) -> list:
-        """Hand what the ranks reported (a list per rank of events, or of RankResults) to the tier index."""
-        events = []
-        for item in per_rank:
-            events.extend(item.tier_events if isinstance(item, RankResult) else (item or ()))
-        if events and self.kv.tiers is not None:
-            self.kv.tiers.on_events(events)
-        return events
-
-    def _restore(self, ops: list, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Apply cache operations that restore K/V (from host or disk) before the forward, in their own call: a
-        failed restore (damaged bytes, a vanished file, an I/O error) requeues only the requests whose prefix needed
-        it, and the bad copy is dropped (a disk entry from the index and the directory). Returns the scheduled
-        work that can run."""
-        events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
-        failed = {ev.node: ev.tier for ev in events if ev.kind == "load_failed"}
-        if not failed:
-            return scheduled
-        for ev in events:
-            if ev.kind == "load_failed":
-                log.warning("KV %s tier: restoring a cached prefix failed on rank %d (%s); it is recomputed",
-                            ev.tier or "disk", ev.rank, ev.error)
-        keep = []
+    def _process(self, scheduled, results: list[RankResult], choice, phase, host: dict,
+                 form=None) -> list[RequestOutput]:
+        """The forward's results → request state and outputs (engine/output.py); finished requests leave."""
+        step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs,
+                     "host": host}
+        if form is not None:  # MLA: the forward's attention form and the FLOPs of both
+            step_info["mla"] = form.as_metrics()
         for s in scheduled:
-            p, hit = s.request.kv.leaf, False
-            while p is not None and not hit:
-                hit, p = p.id in failed, p.parent
-            if hit:
-                self.scheduler.requeue(s.request)
-            else:
-                keep.append(s)
-        self.kv.discard(failed)
-        return keep
-
-    def _schedule(self) -> tuple[list[ScheduledSeq], list, bool]:
-        """The next forward's work, its cache operations, and whether a restore failed. Restores run first; when
-        one fails, the requests that needed it are scheduled again at once without it (each failure removes a bad
-        copy; after a few rounds the rest waits for the next step)."""
-        failed = False
-        for _ in range(_RESTORE_ROUNDS):
-            scheduled = self.scheduler.schedule()
-            ops = self.kv.take_ops()  # K/V moving between tiers, decided while scheduling
-            if not any(isinstance(op, (LoadEntry, FromHost)) for op in ops):
-                return scheduled, ops, failed
-            kept = self._on_ranks(self._restore, ops, scheduled)
-            failed |= len(kept) < len(scheduled)
-            if kept or not self.scheduler.waiting:
-                return kept, [], failed
-        return [], [], failed
+            s.request.metrics["steps"].append(self._step_metrics(step_info, s))
+        outputs = []
+        for req, why in self.output.process(scheduled, results, time.perf_counter(), host, self._failed,
+                                            self._matchers):
+            if req.kv is not None and req.kv.leaf.unverified:  # a verify step: roll back what it does not keep
+                self.kv.truncate(req.kv, min(req.kv.num_stored, len(req.known) - 1))
+                if self.proposer is not None and why is None and req.spec is not None:
+                    self.proposer.verified(req, req.spec.last_drafted, req.spec.last_accepted)
+            if why is not None:
+                outputs.append(self._fail(req, why))
+                continue
+            if req.finish_reason is not None:
+                self._retire(req, keep_cache=True)
+            outputs.append(self.output.output(req))
+        for rid in [r for r in self._failed if r not in self.requests]:
+            del self._failed[rid]
+        for s in scheduled:  # a hole's tokens recomputed: it is filled, the request matches on below it
+            kv = s.request.kv
+            if kv is not None and kv.fill_until == kv.num_stored:
+                self.scheduler.refill(s.request)
+        return outputs
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt, params: SamplingParams) -> list[int]:
@@ -605,48 +252,59 @@ class LLMEngine:
                 self.dead_error = reason
         return self.dead_error
 
-    # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
-        """One engine step: schedule a forward → run it on the ranks → process its results into outputs."""
-        self._check_alive()
-        t0 = time.perf_counter()
-        self.last_step_host = {}  # this step's, once it runs a forward
-        outputs = self._apply_aborts()
-        forward = self._schedule_forward(bool(outputs))
-        if forward is None:
-            return outputs
-        scheduled, batch, choice, form = forward
-        t1 = time.perf_counter()
-        results = self._run(batch)
-        t2 = time.perf_counter()
-        # host seconds of this step, shared by its requests' step metrics (docs/engine.md, "Metrics")
-        host = {"schedule_s": t1 - t0, "forward_s": t2 - t1,
-                **{f"rank0_{k}_s": v for k, v in results[0].phases.items()}, "detokenize_s": 0.0}
-        self.last_step_host = host
-        if self.proposer is not None and batch.phase == "decode":  # plain and verify rows: the adaptive k's cost
-            self._step_cost.add(sum(len(s.tokens) for s in scheduled), t2 - t1)
-        outputs += self._process(scheduled, results, choice, batch.phase, host, form)
-        host["process_s"] = time.perf_counter() - t2  # tokens, stop checks, detokenizing, outputs
+    # ------------------------------------------------------------------ scheduling a forward
+    def _apply_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in self._aborts:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.finish_reason = "abort"
+            self._retire(req, keep_cache=False)
+            outputs.append(self.output.output(req))
+        self._aborts = []
         return outputs
 
-    def _schedule_forward(self, have_outputs: bool):
-        """(scheduled work, its ForwardBatch, the ring choice, the MLA form choice or None), or None when nothing
-        can run this step."""
-        self._propose()
-        scheduled, ops, restore_failed = self._schedule()
-        batch_q = {s.request.request_id: s.request.draft_q for s in scheduled if s.draft is not None}  # [k, V] each
-        for req in self.scheduler.running:  # a draft serves one step only
-            req.draft = req.draft_q = None
-        if not scheduled:
-            self.kv.put_back_ops(ops)  # they go with the next forward
-            if self.scheduler.has_work() and not have_outputs and not restore_failed:
-                raise RuntimeError("scheduler stalled: no request fits the cache state (this is a bug)")
-            return None
-        choice, phase = self._choose(scheduled)
-        form = self._mla_form(scheduled, choice.strategy)
-        seqs = tuple(self._seq_input(s, batch_q) for s in scheduled)
-        batch = ForwardBatch(seqs, choice.strategy, phase, tuple(ops), "absorbed" if form is None else form.form)
-        return scheduled, batch, choice, form
+    def _schedule(self) -> tuple[list[ScheduledSeq], list, bool]:
+        """The next forward's work, its cache operations, and whether a restore failed. Restores run first; when
+        one fails, the requests that needed it are scheduled again at once without it (each failure removes a bad
+        copy; after a few rounds the rest waits for the next step)."""
+        failed = False
+        for _ in range(_RESTORE_ROUNDS):
+            scheduled = self.scheduler.schedule()
+            ops = self.kv.take_ops()  # K/V moving between tiers, decided while scheduling
+            if not any(isinstance(op, (LoadEntry, FromHost)) for op in ops):
+                return scheduled, ops, failed
+            kept = self._on_ranks(self._restore, ops, scheduled)
+            failed |= len(kept) < len(scheduled)
+            if kept or not self.scheduler.waiting:
+                return kept, [], failed
+        return [], [], failed
+
+    def _restore(self, ops: list, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Apply cache operations that restore K/V (from host or disk) before the forward, in their own call: a
+        failed restore (damaged bytes, a vanished file, an I/O error) requeues only the requests whose prefix needed
+        it, and the bad copy is dropped (a disk entry from the index and the directory). Returns the scheduled
+        work that can run."""
+        events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
+        failed = {ev.node: ev.tier for ev in events if ev.kind == "load_failed"}
+        if not failed:
+            return scheduled
+        for ev in events:
+            if ev.kind == "load_failed":
+                log.warning("KV %s tier: restoring a cached prefix failed on rank %d (%s); it is recomputed",
+                            ev.tier or "disk", ev.rank, ev.error)
+        keep = []
+        for s in scheduled:
+            p, hit = s.request.kv.leaf, False
+            while p is not None and not hit:
+                hit, p = p.id in failed, p.parent
+            if hit:
+                self.scheduler.requeue(s.request)
+            else:
+                keep.append(s)
+        self.kv.discard(failed)
+        return keep
 
     def _propose(self) -> None:
         """Speculative decoding: draft tokens for the decoding requests that speculate this step (each one's k from
@@ -703,55 +361,6 @@ class LLMEngine:
         if taken:
             self._draft_rows[req.request_id] = np.stack(rows[:taken + 1])  # [k+1, ceil(V/32)]
         return draft[:taken]
-
-    def _run(self, batch: ForwardBatch) -> list[RankResult]:
-        """Every rank runs the forward; what they report about the tiers goes to the tier index."""
-        results: list[RankResult] = self._on_ranks(self._run_batch, batch)
-        self._tier_events(results)
-        key = f"{batch.phase}/{batch.strategy}"
-        self._counters["forwards"][key] = self._counters["forwards"].get(key, 0) + 1
-        return results
-
-    def _on_ranks(self, fn, *args):
-        """fn(*args), which runs something on the ranks: any failure there kills the engine."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            self.dead_error = f"{type(exc).__name__}: {exc}"
-            raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
-
-    def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
-        """Every rank runs the batch, except that a local rank with no token and no ring to serve is not even sent
-        it (unless sliding-window layers need every rank to mirror every batch's slot positions). Rank processes
-        receive it pickled once (not once per rank); rank 0, when it runs in this process, takes it as it is."""
-        if isinstance(self._pool, InProcessWorld):
-            return self._pool.run(MR.execute_batch, batch)
-        if not isinstance(self._pool, WorkerPool):
-            return self._pool.run(MR.execute_batch, pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
-        active = np.repeat(MR.active_cp_ranks(batch, self.n) | self._mirrors_slots, self.parallel.tp)
-        here = bool(self._pool.driver_rank and active[0])  # rank 0 is this process: it takes the batch as it is
-        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL) if active[int(here):].any() else None
-        args = [((batch,) if here and r == 0 else (blob,)) if on else None for r, on in enumerate(active)]
-        results = self._pool.run_some(MR.execute_batch, args)
-        return [RankResult((), {}, 0.0, 0.0, idle=True) if res is None else res for res in results]
-
-    def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
-        if self._pool is None:
-            raise RuntimeError("the engine has been shut down")
-
-    def _apply_aborts(self) -> list[RequestOutput]:
-        outputs = []
-        for rid in self._aborts:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            req.finish_reason = "abort"
-            self._retire(req, keep_cache=False)
-            outputs.append(self.output.output(req))
-        self._aborts = []
-        return outputs
 
     def _choose(self, scheduled: list[ScheduledSeq]):
         """(the ring variant of the sequences that spread over ranks, or no ring; the forward's phase)."""
@@ -810,45 +419,37 @@ class LLMEngine:
             self._failed[req.request_id] = f"{type(exc).__name__}: {exc}"
             return None
 
-    def _fail(self, req: Request, why: str) -> RequestOutput:
-        """End one request whose own work failed (sampling, grammar, output): free its private blocks."""
-        log.warning("request %s failed: %s", req.request_id, why)
-        req.finish_reason = "error"
-        self._retire(req, keep_cache=False)
-        out = self.output.output(req)
-        out.error = why
-        return out
+    # ------------------------------------------------------------------ running it on the ranks
+    def _run_batch(self, batch: ForwardBatch) -> list[RankResult]:
+        """Every rank runs the batch, except that a local rank with no token and no ring to serve is not even sent
+        it (unless sliding-window layers need every rank to mirror every batch's slot positions). Rank processes
+        receive it pickled once (not once per rank); rank 0, when it runs in this process, takes it as it is."""
+        if isinstance(self._pool, InProcessWorld):
+            return self._pool.run(MR.execute_batch, batch)
+        if not isinstance(self._pool, WorkerPool):
+            return self._pool.run(MR.execute_batch, pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+        active = np.repeat(MR.active_cp_ranks(batch, self.n) | self._mirrors_slots, self.parallel.tp)
+        here = bool(self._pool.driver_rank and active[0])  # rank 0 is this process: it takes the batch as it is
+        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL) if active[int(here):].any() else None
+        args = [((batch,) if here and r == 0 else (blob,)) if on else None for r, on in enumerate(active)]
+        results = self._pool.run_some(MR.execute_batch, args)
+        return [RankResult((), {}, 0.0, 0.0, idle=True) if res is None else res for res in results]
 
-    def _process(self, scheduled, results: list[RankResult], choice, phase, host: dict,
-                 form=None) -> list[RequestOutput]:
-        """The forward's results → request state and outputs (engine/output.py); finished requests leave."""
-        step_info = {"phase": phase, "strategy": choice.strategy, "method": choice.method, "inputs": choice.inputs,
-                     "host": host}
-        if form is not None:  # MLA: the forward's attention form and the FLOPs of both
-            step_info["mla"] = form.as_metrics()
-        for s in scheduled:
-            s.request.metrics["steps"].append(self._step_metrics(step_info, s))
-        outputs = []
-        for req, why in self.output.process(scheduled, results, time.perf_counter(), host, self._failed,
-                                            self._matchers):
-            if req.kv is not None and req.kv.leaf.unverified:  # a verify step: roll back what it does not keep
-                self.kv.truncate(req.kv, min(req.kv.num_stored, len(req.known) - 1))
-                if self.proposer is not None and why is None and req.spec is not None:
-                    self.proposer.verified(req, req.spec.last_drafted, req.spec.last_accepted)
-            if why is not None:
-                outputs.append(self._fail(req, why))
-                continue
-            if req.finish_reason is not None:
-                self._retire(req, keep_cache=True)
-            outputs.append(self.output.output(req))
-        for rid in [r for r in self._failed if r not in self.requests]:
-            del self._failed[rid]
-        for s in scheduled:  # a hole's tokens recomputed: it is filled, the request matches on below it
-            kv = s.request.kv
-            if kv is not None and kv.fill_until == kv.num_stored:
-                self.scheduler.refill(s.request)
-        return outputs
+    def _on_ranks(self, fn, *args):
+        """fn(*args), which runs something on the ranks: any failure there kills the engine."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.dead_error = f"{type(exc).__name__}: {exc}"
+            raise EngineDeadError(f"the engine failed during a forward: {self.dead_error}") from exc
 
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
+        if self._pool is None:
+            raise RuntimeError("the engine has been shut down")
+
+    # ------------------------------------------------------------------ its results
     def _step_metrics(self, step_info: dict, s: ScheduledSeq) -> dict:
         """One forward in a request's metrics: the forward's phase and ring strategy, where this request's new
         tokens went and whether its keys spread over ranks (with the prediction when the placement decided)."""
@@ -856,6 +457,15 @@ class LLMEngine:
                    new_tokens_per_rank=np.bincount(s.placement.ranks, minlength=self.n).tolist())
         if s.placement.decision is not None:
             out["placement_inputs"] = s.placement.decision.as_metrics()
+        return out
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """End one request whose own work failed (sampling, grammar, output): free its private blocks."""
+        log.warning("request %s failed: %s", req.request_id, why)
+        req.finish_reason = "error"
+        self._retire(req, keep_cache=False)
+        out = self.output.output(req)
+        out.error = why
         return out
 
     def _retire(self, req: Request, keep_cache: bool) -> None:
@@ -867,6 +477,60 @@ class LLMEngine:
         self._failed.pop(req.request_id, None)
         f = self._counters["finished"]
         f[req.finish_reason] = f.get(req.finish_reason, 0) + 1
+
+    # ------------------------------------------------------------------ tiers and shutdown
+    def flush_tiers(self) -> None:
+        """Send the cache operations still waiting, wait for every disk write, and account them (shutdown)."""
+        tiers = getattr(getattr(self, "kv", None), "tiers", None)
+        if tiers is None:
+            return
+        try:
+            if self.disk is not None and tiers.save_ancestors():  # every entry's prefix on disk too
+                log.info("KV disk tier: wrote the prefixes that entries on disk depend on")
+            self.sync_tiers(force=True)
+            if self.disk is not None:
+                self._tier_events(self._pool.run(MR.flush_tiers))
+                self.sync_tiers(force=True)  # deletions and forgets the acks asked for
+                self._pool.run(MR.flush_tiers)
+                log.info("KV disk tier %s: %d entries (%.2f GiB) on disk", self.disk.path, len(tiers.entries),
+                         tiers.disk_used / (1 << 30))
+        except Exception as exc:  # noqa: BLE001 - shutting down: say so, do not mask the shutdown
+            log.error("KV tiers: flushing at shutdown failed: %s", exc)
+
+    def sync_tiers(self, force: bool = False) -> None:
+        """Between steps (idle server): send waiting cache operations (background disk writes) and read what the
+        ranks report. Cheap when there is nothing to do."""
+        tiers = self.kv.tiers if self._pool is not None else None
+        if tiers is None or not (force or tiers.ops or tiers.unacked):
+            return
+        now = time.monotonic()
+        if not (force or tiers.ops) and now - self._last_sync < 0.25:  # only acks to collect: poll calmly
+            return
+        self._last_sync = now
+        ops = self.kv.take_ops()
+        self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
+
+    def _tier_events(self, per_rank) -> list:
+        """Hand what the ranks reported (a list per rank of events, or of RankResults) to the tier index."""
+        events = []
+        for item in per_rank:
+            events.extend(item.tier_events if isinstance(item, RankResult) else (item or ()))
+        if events and self.kv.tiers is not None:
+            self.kv.tiers.on_events(events)
+        return events
+
+    def shutdown(self) -> None:
+        if getattr(self, "proposer", None) is not None:
+            self.proposer.close()
+            self.proposer = None
+        if getattr(self, "_pool", None) is not None:
+            if self.dead_error is None:
+                self.flush_tiers()
+            self._pool.close(force=self.dead_error is not None)
+            self._pool = None
+        if getattr(self, "disk", None) is not None:
+            self.disk.close()
+            self.disk = None
 
     # ------------------------------------------------------------------ introspection
     def cache_stats(self) -> dict:
@@ -926,41 +590,6 @@ def _spec_stats(c: dict) -> dict:
                 mean_accepted_length=c["num_accepted_tokens"] / c["num_drafts"] if c["num_drafts"] else 0.0)
 
 
-def _check_gib(name: str, value, zero_ok: bool) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not (value >= 0 if zero_ok else value > 0)):
-        raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} number of GiB, got {value!r}")
-
-
 def _phase(scheduled: list[ScheduledSeq]) -> str:
     decodes = sum(s.is_decode for s in scheduled)
     return "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
-
-
-def _log_start_stages(infos: list[dict], dtype: str, load_format: str) -> None:
-    """The weights and warm-up stages of start-up, with the slowest rank's time."""
-    what = "random weights (load_format dummy)" if load_format == "dummy" else "weights"
-    log.info("start-up: %s: loaded in %s on every rank in %.1f s", what, dtype,
-             max(i.get("load_s", 0.0) for i in infos))
-    log.info("start-up: warm-up: attention backend %s ready in %.1f s", infos[0].get("attention_backend"),
-             max(i.get("warmup_s", 0.0) for i in infos))
-
-
-def _log_gpu_capacity(capacity: int, infos: list[dict], sizing: dict) -> None:
-    m = infos[0]["memory"]
-    gib = float(1 << 30)
-    log.info("KV cache: %d tokens per rank (%.2f GiB each), from gpu_memory_utilization %.2f of %.1f GiB per GPU "
-             "(%d rank(s) per GPU) after the weights and a profiling forward of %d tokens per rank peaked at "
-             "%.2f GiB (rank 0; %.2f GiB were in use before loading); per-rank limits %s",
-             capacity, capacity * infos[0]["kv_bytes_per_token"] / gib, sizing["utilization"], m["total"] / gib,
-             sizing["ranks_per_device"], sizing["tokens"], m["peak"] / gib, (m["total"] - m["free_at_start"]) / gib,
-             [i["kv_capacity"] for i in infos])
-
-
-def _load_tokenizer(path: str):
-    p = Path(path)
-    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(p))

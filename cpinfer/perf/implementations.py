@@ -58,7 +58,7 @@ CPINFER = Implementation(
                     "dequantized to the compute dtype at load",
         fp8_kv_mla="cpinfer/engine/kv/fp8.py: MLA's latent row in e4m3 with static scales (kv_cache_dtype 'fp8'; "
                    "the per-token format is refused for MLA)",
-        fp8_kv_graphs="cpinfer/engine/llm_engine.py decode_config: with an FP8 KV cache decode runs the dynamic "
+        fp8_kv_graphs="cpinfer/engine/startup.py decode_config: with an FP8 KV cache decode runs the dynamic "
                       "eager path, no CUDA graphs",
         mla_graphs="cpinfer/engine/decode_graph.py: the static decode path (CUDA graphs) runs MLA with the latent "
                    "keys as values and keeps the output's first kv_lora_rank channels"))
