@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from cpinfer.launch.calls import CallBook
 from cpinfer.launch.common import run_call
 
 
@@ -69,6 +70,48 @@ def control_address() -> str:
         return "127.0.0.1"
 
 
+def accept_ranks(listen: socket.socket, token: bytes, world_size: int, timeout_s: float) -> dict[int, socket.socket]:
+    """Rank 0: one connection from each other rank, which says its rank and presents the world's token first;
+    closes `listen` when done."""
+    socks: dict[int, socket.socket] = {}
+    deadline = time.monotonic() + timeout_s
+    listen.settimeout(1.0)
+    try:
+        while len(socks) < world_size - 1:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, world_size)) - set(socks))
+                raise RuntimeError(f"rank(s) {missing} did not open their control connection to rank 0 within "
+                                   f"{timeout_s:.0f} s")
+            try:
+                conn, _ = listen.accept()
+            except socket.timeout:
+                continue
+            rank = _hello(conn, token)
+            if rank is None or not 0 < rank < world_size or rank in socks:
+                conn.close()  # not one of this world's ranks
+                continue
+            conn.settimeout(None)
+            tune(conn)
+            socks[rank] = conn
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise
+    finally:
+        listen.close()
+    return socks
+
+
+def _hello(conn: socket.socket, token: bytes) -> int | None:
+    """The rank a new connection says it is, or None when it does not present the token within 10 s."""
+    conn.settimeout(10.0)
+    try:
+        hello = recv_exact(conn, 8 + len(token))
+    except (OSError, ConnectionError):
+        return None
+    return int.from_bytes(hello[:8], "little") if hello[8:] == token else None
+
+
 class RankLinks:
     """Rank 0's side of a subset-mode joined world: one TCP connection per other rank (pickled messages, length
     first), a reader thread that files each rank's answer as it arrives and notices a closed connection at once,
@@ -78,57 +121,29 @@ class RankLinks:
     The worker thread alone uses this process's data groups (world, roles) once the world is up; the driver thread
     alone uses the control group (at start-up), so no process group is ever used by two threads at once."""
 
-    def __init__(self, world: "JoinedWorld", listen: socket.socket, token: bytes, timeout_s: float):
+    def __init__(self, world: "JoinedWorld", listen: socket.socket, token: bytes, timeout_s: float,
+                 book: CallBook):
         self.world = world
-        self.socks: dict[int, socket.socket] = {}
-        deadline = time.monotonic() + timeout_s
-        listen.settimeout(1.0)
-        try:
-            while len(self.socks) < world.world_size - 1:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(1, world.world_size)) - set(self.socks))
-                    raise RuntimeError(f"rank(s) {missing} did not open their control connection to rank 0 within "
-                                       f"{timeout_s:.0f} s")
-                try:
-                    conn, _ = listen.accept()
-                except socket.timeout:
-                    continue
-                conn.settimeout(10.0)
-                try:
-                    hello = recv_exact(conn, 8 + len(token))
-                except (OSError, ConnectionError):
-                    conn.close()
-                    continue
-                rank = int.from_bytes(hello[:8], "little")
-                if hello[8:] != token or not 0 < rank < world.world_size or rank in self.socks:
-                    conn.close()  # not one of this world's ranks
-                    continue
-                conn.settimeout(None)
-                tune(conn)
-                self.socks[rank] = conn
-        except BaseException:
-            for s in self.socks.values():
-                s.close()
-            raise
-        finally:
-            listen.close()
-        self.answers: dict[int, tuple] = {}  # rank → (status, payload) of its call in flight
+        self.socks = accept_ranks(listen, token, world.world_size, timeout_s)  # rank -> its connection
+        self.book = book  # the world's calls in flight; the reader files replies in it, always under `cond`
         self.cond = threading.Condition()
         self._buffers = {r: bytearray() for r in self.socks}
         self._wake_r, self._wake_w = os.pipe()  # close() ends the reader's select
         self._stop = False
         self._threads = torch.get_num_threads()
-        self.inbox: Any = queue.SimpleQueue()  # rank 0's calls: (fn, args, kwargs) or None to stop
+        self.inbox: Any = queue.SimpleQueue()  # rank 0's calls: (call id, fn, args, kwargs) or None to stop
         self.reader = threading.Thread(target=self._read, name="cpinfer-control-reader", daemon=True)
         self.worker = threading.Thread(target=self._work, name="cpinfer-rank0-worker", daemon=True)
         self.reader.start()
         self.worker.start()
 
-    def _file(self, rank: int, answer: tuple) -> None:
+    def _file(self, rank: int, reply: tuple) -> None:
+        """reply: (call id, status, payload); a stale one is dropped (a rank that raised exits all the same)."""
+        call, status, payload = reply
         with self.cond:
-            if answer[0] == "error" and self.world.dead_reason is None:  # the rank exits (rank 0: stops driving)
-                self.world.dead_reason = f"rank {rank} raised {answer[1][0]}: {answer[1][1]}"
-            self.answers[rank] = answer
+            if status == "error" and self.world.dead_reason is None:  # the rank exits (rank 0: stops driving)
+                self.world.dead_reason = f"rank {rank} raised {payload[0]}: {payload[1]}"
+            self.book.file(call, rank, status, payload)
             self.cond.notify_all()
 
     def _lost(self, rank: int, why: str) -> None:
@@ -178,9 +193,9 @@ class RankLinks:
             item = self.inbox.get()
             if item is None:
                 return
-            fn, args, kwargs = item
-            self._file(0, run_call(fn, self.world.ctx, args, kwargs))  # an error: peers may wait for rank 0 in a
-            # collective, the world is unusable now
+            call, fn, args, kwargs = item
+            # an error: peers may wait for rank 0 in a collective, the world is unusable now
+            self._file(0, (call, *run_call(fn, self.world.ctx, args, kwargs)))
 
     def send(self, rank: int, msg: Any) -> None:
         if rank == 0:

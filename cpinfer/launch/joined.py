@@ -7,7 +7,6 @@ import datetime
 import os
 import pickle
 import socket
-import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -16,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.device import check_gpus, gpu_of_rank
+from cpinfer.launch.calls import CallBook
 from cpinfer.launch.common import RankContext, RemoteError, heartbeat, run_call
 from cpinfer.launch.control import RankLinks, control_address, recv_frame, send_frame, tune
-from cpinfer.launch.rank import leave_shutdown_to_driver
+from cpinfer.launch.rank import exit_after_error, leave_shutdown_to_driver
 
 
 class JoinedWorld:
@@ -37,7 +37,7 @@ class JoinedWorld:
     out over the control group at start-up, with a token every rank must present); messages are pickles, length
     first. Rank 0's own share runs on a worker thread fed by a queue; a reader thread files answers as they come
     and sets `dead_reason` the moment a rank's connection closes (its process exited), so a dead peer is seen in
-    seconds, between calls too.
+    seconds, between calls too. In both modes a call carries an id and each reply the id it answers (`CallBook`).
     """
 
     def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
@@ -60,6 +60,7 @@ class JoinedWorld:
         self.ctx = RankContext(self.rank, self.world_size, dist.group.WORLD, cpu_group, device, {})
         self.dead_reason: str | None = None
         self._closed = False
+        self._book = CallBook()  # rank 0: the calls in flight (subset mode: its links' reader files the replies)
         self.subsets = subsets
         self._links: RankLinks | None = None  # subset mode, rank 0
         self._link: socket.socket | None = None  # subset mode, other ranks: the connection to rank 0
@@ -85,7 +86,7 @@ class JoinedWorld:
             msg = [None]
         dist.broadcast_object_list(msg, src=0, group=self._control)
         if self.rank == 0:  # every rank connects right after the broadcast: a missing one has failed
-            self._links = RankLinks(self, listen, token, min(timeout_s, 120.0))
+            self._links = RankLinks(self, listen, token, min(timeout_s, 120.0), self._book)
             return
         host, port, token = msg[0]
         sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -102,7 +103,8 @@ class JoinedWorld:
             raise RuntimeError(f"the joined world is unusable: {self.dead_reason}")
         if self.subsets:
             return self.run_some(fn, [args] * self.world_size, kwargs)
-        msg = [(fn, args, kwargs)]
+        call = self._book.open(range(self.world_size), getattr(fn, "__name__", "call"))
+        msg = [(call, fn, args, kwargs)]
         try:
             dist.broadcast_object_list(msg, src=0, group=self._control)
         except Exception as exc:  # a peer's connection closed: its process is gone
@@ -111,9 +113,10 @@ class JoinedWorld:
         mine = run_call(fn, self.ctx, args, kwargs)
         if mine[0] == "error" and fn is not heartbeat:  # peers may wait in a collective for us: do not gather
             self.dead_reason = f"rank 0 raised {mine[1][0]} during {getattr(fn, '__name__', 'a call')}"
+            self._book.take(range(self.world_size))
             raise RemoteError({0: mine[1]})
         try:
-            return self._finish(mine)
+            return self._finish(call, mine)
         except RemoteError:
             raise
         except Exception as exc:
@@ -142,64 +145,72 @@ class JoinedWorld:
         ranks = sorted(args_per_rank)
         if any(not 0 <= r < self.world_size for r in ranks):
             raise ValueError(f"ranks {ranks} are not all in [0, {self.world_size})")
-        links = self._links
+        links, what = self._links, getattr(fn, "__name__", "call")
         with links.cond:
-            busy = [r for r in ranks if r in links.answers]
+            busy = [r for r in ranks if r in self._book.replies]
+            if not busy:
+                call = self._book.open(ranks, what)
         if busy:
             raise RuntimeError(f"rank(s) {busy} still hold an answer nobody collected (a bug in the caller)")
         for r in ranks:
             try:
-                links.send(r, (fn, tuple(args_per_rank[r]), kwargs or {}))
+                links.send(r, (call, fn, tuple(args_per_rank[r]), kwargs or {}))
             except OSError as exc:
                 links._lost(r, f"its control connection failed: {exc}")
-                raise RuntimeError(f"the joined world failed during {getattr(fn, '__name__', 'call')}: "
-                                   f"{self.dead_reason}") from exc
+                raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}") from exc
         return ranks
 
     def answered(self, ranks: list[int]) -> bool:
         """Whether every one of these ranks has answered its submitted call (`collect_some` will not wait)."""
-        links = self._links
-        with links.cond:
-            return all(r in links.answers for r in ranks)
+        with self._links.cond:
+            return self._book.has(ranks)
 
     def wait_any(self, ranks: list[int], timeout_s: float) -> None:
         """Block until one of these ranks answers (or a rank is gone, or timeout_s passes)."""
         links = self._links
         with links.cond:
-            links.cond.wait_for(lambda: self.dead_reason is not None or any(r in links.answers for r in ranks),
+            links.cond.wait_for(lambda: self.dead_reason is not None or any(r in self._book.replies for r in ranks),
                                 timeout_s)
 
     def collect_some(self, ranks: list[int], what: str = "call") -> list[Any]:
         """The answers of a `submit_some` call's ranks, in rank order. Raises `RemoteError` when ranks raised (after
         `fail_grace_s` for the others, which may be stuck in a collective with them), RuntimeError when a rank is
-        gone or none answered within the timeout."""
-        links = self._links
-        deadline = time.monotonic() + self.timeout_s + 30.0
-        first_error = None
-        with links.cond:
-            while True:
-                got = {r: links.answers[r] for r in ranks if r in links.answers}
-                errors = {r: payload for r, (status, payload) in got.items() if status == "error"}
-                if len(got) == len(ranks) or (errors and first_error is not None
-                                              and time.monotonic() - first_error > self.fail_grace_s):
-                    break
-                if errors and first_error is None:
-                    first_error = time.monotonic()
-                if self.dead_reason is not None and not errors:
-                    self._closed_answers(ranks)
-                    raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}")
-                if time.monotonic() > deadline:
-                    self.dead_reason = self.dead_reason or f"no answer to {what} within {self.timeout_s + 30:.0f} s"
-                    raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}")
-                links.cond.wait(0.1 if first_error is not None or self.dead_reason is not None else 1.0)
-            self._closed_answers(ranks)
+        gone or none answered within the timeout. Whatever happens, those calls end here: a reply still to come is
+        dropped when it arrives."""
+        with self._links.cond:
+            try:
+                self._await(ranks, what)
+            finally:
+                got = self._book.take(ranks)
+        errors = {r: payload for r, (status, payload) in got.items() if status == "error"}
         if errors:
             raise RemoteError(errors)
         return [got[r][1] for r in ranks]
 
-    def _closed_answers(self, ranks: list[int]) -> None:
-        for r in ranks:
-            self._links.answers.pop(r, None)
+    def _await(self, ranks: list[int], what: str) -> None:
+        """Under the links' condition: wait until every one of `ranks` has answered, or some raised and the others
+        stayed silent for `fail_grace_s`; RuntimeError when a rank is gone or nothing came within the timeout."""
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        first_error = None
+        while True:
+            errors = self._book.errors(ranks)
+            if self._book.has(ranks) or (errors and first_error is not None
+                                         and time.monotonic() - first_error > self.fail_grace_s):
+                return
+            if errors and first_error is None:
+                first_error = time.monotonic()
+            if self.dead_reason is not None and not errors:
+                raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}")
+            if time.monotonic() > deadline:
+                self.dead_reason = self.dead_reason or f"no answer to {what} within {self.timeout_s + 30:.0f} s"
+                raise RuntimeError(f"the joined world failed during {what}: {self.dead_reason}")
+            self._links.cond.wait(0.1 if first_error is not None or self.dead_reason is not None else 1.0)
+
+    def abandon(self, ranks: list[int]) -> None:
+        """Subset mode: give up the calls in flight on these ranks without collecting them (an engine closing with
+        a call in flight): their replies are dropped when they come."""
+        with self._links.cond:
+            self._book.take(ranks)
 
     def _check_driving(self) -> None:
         if self.rank != 0:
@@ -221,53 +232,62 @@ class JoinedWorld:
             return
         self.run(heartbeat)
 
-    def _finish(self, mine) -> list[Any]:
+    def _finish(self, call: int, mine: tuple) -> list[Any]:
+        """Broadcast mode: gather every rank's (call id, status, payload) for call `call` at rank 0 and return the
+        payloads in rank order (RemoteError when ranks raised); a reply to another call is dropped, and fails it."""
         gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0, group=self._control)
+        dist.gather_object((call, *mine), gathered, dst=0, group=self._control)
         if self.rank != 0:
             return []
-        errors = {r: payload for r, (status, payload) in enumerate(gathered) if status == "error"}
+        for r, (answered, status, payload) in enumerate(gathered):
+            self._book.file(answered, r, status, payload)
+        replies = self._book.take(range(self.world_size))
+        errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
         if errors:
             raise RemoteError(errors)
-        return [payload for _, payload in gathered]
+        missing = [r for r in range(self.world_size) if r not in replies]
+        if missing:
+            raise RuntimeError(f"rank(s) {missing} answered another call than call {call}")
+        return [replies[r][1] for r in range(self.world_size)]
 
     # ------------------------------------------------------------------ the other ranks
     def serve_forever(self) -> None:
         """Ranks other than 0: run calls from rank 0 until it shuts down, then exit the process."""
         leave_shutdown_to_driver()
-        while True:
-            if self.subsets:
-                try:
-                    msg = recv_frame(self._link)
-                except (OSError, ConnectionError) as exc:
-                    raise RuntimeError(f"rank {self.rank}: the driver (rank 0) is gone: {exc}") from None
-                if msg is None:
-                    break
-            else:
-                box = [None]
-                dist.broadcast_object_list(box, src=0, group=self._control)
-                if box[0] is None:
-                    break
-                msg = box[0]
-            fn, args, kwargs = msg
+        while (msg := self._next_call()) is not None:
+            call, fn, args, kwargs = msg  # call: its id, which the reply carries back
             mine = run_call(fn, self.ctx, args, kwargs)
             if self.subsets:  # an error too: rank 0 reports it before it sees the connection close
-                try:
-                    send_frame(self._link, mine)
-                except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an unpicklable result: an error
-                    mine = ("error", (type(exc).__name__, f"the result of {fn.__name__} cannot be sent: {exc}",
-                                      traceback.format_exc()))
-                    send_frame(self._link, mine)
+                mine = self._send_reply(call, fn, mine)
             if mine[0] == "error":  # exit now: peers stuck in a collective with us fail at once, torchrun ends the job
-                print(f"rank {self.rank}: {fn.__name__} raised {mine[1][0]}: {mine[1][1]}\n{mine[1][2]}",
-                      file=sys.stderr, flush=True)
-                os._exit(1)
+                exit_after_error(self.rank, fn.__name__, mine[1])
             if not self.subsets:
-                self._finish(mine)
+                self._finish(call, mine)
         if self._link is not None:
             self._link.close()
         dist.destroy_process_group()
         raise SystemExit(0)
+
+    def _next_call(self) -> tuple | None:
+        """A rank other than 0: the next call (call id, fn, args, kwargs) from rank 0, None when it shuts down."""
+        if not self.subsets:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            return box[0]
+        try:
+            return recv_frame(self._link)
+        except (OSError, ConnectionError) as exc:
+            raise RuntimeError(f"rank {self.rank}: the driver (rank 0) is gone: {exc}") from None
+
+    def _send_reply(self, call: int, fn: Callable, mine: tuple) -> tuple:
+        """Subset mode: reply (call id, status, payload) to rank 0; what was sent (an unpicklable result: an error)."""
+        try:
+            send_frame(self._link, (call, *mine))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            mine = ("error", (type(exc).__name__, f"the result of {fn.__name__} cannot be sent: {exc}",
+                              traceback.format_exc()))
+            send_frame(self._link, (call, *mine))
+        return mine
 
     def close(self, force: bool = False) -> None:
         if self._closed or self.rank != 0:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cpinfer.device import check_gpus
+from cpinfer.launch.calls import START_UP, CallBook
 from cpinfer.launch.common import RemoteError, describe_exit
 from cpinfer.launch.driver import DRIVER_HOSTS, DriverRank
 from cpinfer.launch.rank import worker_main
@@ -54,9 +55,13 @@ class WorkerPool:
     `driver_rank=True` (gloo on CPU only) makes this process rank 0: its share of a call runs in the calling
     thread, without the pickle, pipe and process wake-ups of a round trip (about half a millisecond, a large share
     of a short decode step), and a call only on rank 0 needs no message at all. Rank 0 then holds torch's default
-    process group, so one such pool at a time per process (`driver_can_host_rank`). A rank process that raises while rank 0 waits for
-    it in a collective rings an alarm: the watcher kills the rank processes after `fail_grace_s`, which ends rank
-    0's collective at once (gloo sees the closed connections), and the call raises the rank's own error.
+    process group, so one such pool at a time per process (`driver_can_host_rank`). A rank process that raises
+    while rank 0 waits for it in a collective rings an alarm: the watcher kills the rank processes after
+    `fail_grace_s`, which ends rank 0's collective at once (gloo sees the closed connections), and the call raises
+    the rank's own error.
+
+    Every call carries an id and every reply the id of the call it answers (`calls.CallBook`): a reply to a call
+    that was abandoned, superseded or never collected is dropped with a warning, never returned to another call.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", threads_per_rank: int | None = 1,
@@ -97,38 +102,41 @@ class WorkerPool:
         self._proc_of: dict[int, Any] = {}
         self._closed = self._closing = False
         self._driver: DriverRank | None = None  # rank 0, when it is this process
-        self._driver_call = 0  # driver_rank: the number of the call rank 0 is in, from its first send (0: none)
-        self._calls = 0  # calls sent so far (numbers them from 1)
+        self._driver_call = 0  # driver_rank: the id of the call rank 0 is in, from its first send (0: none)
+        self._book = CallBook()  # the calls in flight: which reply each rank owes (stale ones are dropped)
         self._alarmed: int | None = None  # the rank whose error made the watcher end the pool
-        first = 1 if driver_rank else 0
-        for rank in range(first, world_size):
-            in_recv, in_send = ctx.Pipe(duplex=False)  # driver -> rank
-            out_recv, out_send = ctx.Pipe(duplex=False)  # rank -> driver
-            alarm_recv, alarm_send = ctx.Pipe(duplex=False) if driver_rank else (None, None)
-            p = ctx.Process(
-                target=worker_main,
-                args=(rank, world_size, store_path, backend, threads_per_rank, timeout_s, in_recv, out_send,
-                      device, alarm_send),
-                daemon=True,
-            )
-            p.start()
-            in_recv.close()  # the rank's ends live in the rank: a dead rank then reads as EOF here
-            out_send.close()
-            if alarm_send is not None:
-                alarm_send.close()
-                self._alarms[rank] = alarm_recv
-            self._inboxes[rank], self._outboxes[rank], self._proc_of[rank] = in_send, out_recv, p
+        for rank in range(1 if driver_rank else 0, world_size):
+            self._spawn(ctx, rank, (world_size, store_path, backend, threads_per_rank, timeout_s), device,
+                        driver_rank)
         if driver_rank:
             self._driver = DriverRank(store_path, world_size, threads_per_rank, timeout_s)
         self._watcher = threading.Thread(target=self._watch, name="cpinfer-rank-watcher", daemon=True)
         self._watcher.start()
         try:
-            self._collect(what="start-up")
+            self._book.expect(self._proc_of, START_UP, "start-up")
+            self._collect("start-up", sorted(self._proc_of))
             if self._driver is not None:
                 self._driver.wait_joined(self)
         except BaseException:
             self.close(force=True)
             raise
+
+    def _spawn(self, ctx, rank: int, world: tuple, device: str, alarm: bool) -> None:
+        """Start rank process `rank` with its pipes; world: (size, store path, backend, threads, timeout_s)."""
+        in_recv, in_send = ctx.Pipe(duplex=False)  # driver -> rank
+        out_recv, out_send = ctx.Pipe(duplex=False)  # rank -> driver
+        alarm_recv, alarm_send = ctx.Pipe(duplex=False) if alarm else (None, None)
+        size, store_path, backend, threads, timeout_s = world
+        p = ctx.Process(target=worker_main, daemon=True,
+                        args=(rank, size, store_path, backend, threads, timeout_s, in_recv, out_send, device,
+                              alarm_send))
+        p.start()
+        in_recv.close()  # the rank's ends live in the rank: a dead rank then reads as EOF here
+        out_send.close()
+        if alarm_send is not None:
+            alarm_send.close()
+            self._alarms[rank] = alarm_recv
+        self._inboxes[rank], self._outboxes[rank], self._proc_of[rank] = in_send, out_recv, p
 
     def _exited(self, rank: int) -> str:
         """Why rank process `rank` is gone (it has exited or is exiting)."""
@@ -179,50 +187,14 @@ class WorkerPool:
             self.dead_reason = self._exited(sentinels[ready[0]])
             return
 
-    def _collect(self, what: str, ranks: list[int] | None = None, mine: tuple | None = None) -> list[Any]:
-        """The answers of `ranks` (default: all rank processes) to the call just sent, in rank order; `mine` is
-        rank 0's (status, payload) when it ran here."""
-        pending = {self._outboxes[r]: r for r in (self._proc_of if ranks is None else ranks)}
-        results: dict[int, Any] = {}
-        errors: dict[int, tuple[str, str, str]] = {}
-        deadline = time.monotonic() + self.timeout_s + 30.0
-        first_error = None
-        if mine is not None:
-            if mine[0] == "error":
-                errors[0] = mine[1]
-                first_error = time.monotonic()
-            else:
-                results[0] = mine[1]
-        while pending:
-            if len(pending) == 1:  # one poll syscall (a decode step of a local request waits on one rank)
-                conn = next(iter(pending))
-                ready = [conn] if conn.poll(0.1) else []
-            else:
-                ready = multiprocessing.connection.wait(list(pending), timeout=0.1)
-            for conn in ready:
-                r = pending.pop(conn)
-                try:
-                    rank, status, payload = conn.recv()
-                except (EOFError, OSError):  # the rank exited: the watcher names how
-                    if self._alarmed is not None and errors:  # killed by the watcher after its error (read)
-                        continue
-                    self.dead_reason = self.dead_reason or self._exited(r)
-                    self._fail(what)
-                if status == "error":
-                    errors[rank] = payload
-                    first_error = first_error or time.monotonic()
-                else:
-                    results[rank] = payload
-            if ready or not pending:
-                continue
-            now = time.monotonic()
-            if self.dead_reason is not None or now > deadline:
-                self._fail(what)
-            if first_error is not None and now - first_error > self.fail_grace_s:
-                self.close(force=True)  # the silent ranks wait in a collective for the failed one: end them
-                self.dead_reason = (f"rank {min(errors)} raised during {what} while rank(s) "
-                                    f"{sorted(pending.values())} were still inside it")
-                raise RemoteError(errors)
+    def _collect(self, what: str, ranks: list[int]) -> list[Any]:
+        """The replies of `ranks` to the calls they owe, in rank order (rank 0's is in when it ran here). Whatever
+        happens, those calls end here: a reply still to come is dropped when it arrives."""
+        try:
+            self._await(what, ranks)
+        finally:
+            replies = self._book.take(ranks)
+        errors = {r: payload for r, (status, payload) in replies.items() if status == "error"}
         if self._alarmed is not None:  # rank 0's error came from the processes killed under it: report theirs
             if len(errors) > 1:
                 del errors[0]
@@ -230,7 +202,56 @@ class WorkerPool:
             raise RemoteError(errors or {self._alarmed: ("RuntimeError", self.dead_reason, "")})
         if errors:
             raise RemoteError(errors)
-        return [results[r] for r in sorted(results)]
+        return [replies[r][1] for r in ranks]
+
+    def _await(self, what: str, ranks: list[int]) -> None:
+        """Read replies until every one of `ranks` has answered its call, or its pipe closed after the watcher killed
+        it for another rank's error; else `_fail`, or `RemoteError` when ranks raised and the rest stay silent for
+        `fail_grace_s`."""
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        first_error, gone = None, set()
+        while True:
+            errors = self._book.errors(ranks)
+            if errors and first_error is None:
+                first_error = time.monotonic()
+            pending = [r for r in ranks if r not in self._book.replies and r not in gone]
+            if not pending:
+                return
+            ready = self._ready(pending, 0.1)
+            for r in ready:
+                if self._read_reply(r):
+                    continue
+                if self._alarmed is not None and errors:  # killed by the watcher after its error (read)
+                    gone.add(r)
+                    continue
+                self.dead_reason = self.dead_reason or self._exited(r)  # the rank exited: the watcher names how
+                self._fail(what)
+            if ready:
+                continue
+            now = time.monotonic()
+            if self.dead_reason is not None or now > deadline:
+                self._fail(what)
+            if first_error is not None and now - first_error > self.fail_grace_s:
+                self.close(force=True)  # the silent ranks wait in a collective for the failed one: end them
+                self.dead_reason = (f"rank {min(errors)} raised during {what} while rank(s) {pending} were still "
+                                    "inside it")
+                raise RemoteError(errors)
+
+    def _ready(self, ranks: list[int], timeout_s: float) -> list[int]:
+        """The ranks among these whose pipe has a message (or closed), after waiting up to timeout_s."""
+        if len(ranks) == 1:  # one poll syscall (a decode step of a local request waits on one rank)
+            return ranks if self._outboxes[ranks[0]].poll(timeout_s) else []
+        rank_of = {self._outboxes[r]: r for r in ranks}
+        return [rank_of[c] for c in multiprocessing.connection.wait(list(rank_of), timeout=timeout_s)]
+
+    def _read_reply(self, rank: int) -> bool:
+        """File one reply of rank process `rank` (dropped if stale); False when its pipe closed (it exited)."""
+        try:
+            call, sender, status, payload = self._outboxes[rank].recv()
+        except (EOFError, OSError):
+            return False
+        self._book.file(call, sender, status, payload)
+        return True
 
     def _fail(self, what: str) -> None:
         self.close(force=True)
@@ -250,74 +271,92 @@ class WorkerPool:
 
     def run_some(self, fn: Callable, args_per_rank: list[tuple | None], kwargs: dict | None = None) -> list[Any]:
         """Like `run_each`; a rank whose entry is None is not called at all (its result is None)."""
-        if self._closed:
-            raise RuntimeError("worker pool is closed" + (f": {self.dead_reason}" if self.dead_reason else ""))
-        if self.dead_reason is not None:
-            self._fail(getattr(fn, "__name__", "call"))
+        what = getattr(fn, "__name__", "call")
+        self._check_open(what)
         if len(args_per_rank) != self.world_size:
             raise ValueError(f"need {self.world_size} argument tuples (or None), got {len(args_per_rank)}")
         called = [r for r, args in enumerate(args_per_rank) if args is not None]
-        remote = [r for r in called if r in self._proc_of]
-        what = getattr(fn, "__name__", "call")
-        self._calls += 1
+        call = self._book.open(called, what)
         here = self._driver is not None and args_per_rank[0] is not None
         # the watcher's cue that rank 0 is in this call, set before any rank process can fail in it
-        self._driver_call = self._calls if here else 0
-        mine = None
+        self._driver_call = call if here else 0
         try:
-            for r in remote:
-                try:
-                    self._inboxes[r].send((fn, tuple(args_per_rank[r]), kwargs or {}, self._calls))
-                except (BrokenPipeError, EOFError, OSError):  # the rank is gone
-                    self.dead_reason = self.dead_reason or self._exited(r)
-                    self._fail(what)
+            self._send(call, fn, {r: args_per_rank[r] for r in called if r in self._proc_of}, kwargs, what)
             if here:
-                try:
-                    mine = ("ok", fn(self._driver.ctx, *args_per_rank[0], **(kwargs or {})))
-                except Exception as exc:  # noqa: BLE001 - the same shape as a rank process's error
-                    mine = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
-                except BaseException:  # Ctrl-C here: the ranks may wait for rank 0 in a collective
-                    self.close(force=True)
-                    raise
+                self._run_here(call, fn, args_per_rank[0], kwargs)
         finally:
             self._driver_call = 0
-        answers = dict(zip([0] * (mine is not None) + remote, self._collect(what, remote, mine)))
+        answers = dict(zip(called, self._collect(what, called)))
         return [answers.get(r) for r in range(self.world_size)]
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError("worker pool is closed" + (f": {self.dead_reason}" if self.dead_reason else ""))
+        if self.dead_reason is not None:
+            self._fail(what)
+
+    def _send(self, call: int, fn: Callable, args_per_rank: dict[int, tuple], kwargs: dict | None,
+              what: str) -> None:
+        """Call `call` of `fn` to these rank processes: (fn, args, kwargs, call id) down each one's pipe."""
+        for r, args in args_per_rank.items():
+            try:
+                self._inboxes[r].send((fn, tuple(args), kwargs or {}, call))
+            except (BrokenPipeError, EOFError, OSError):  # the rank is gone
+                self.dead_reason = self.dead_reason or self._exited(r)
+                self._fail(what)
+
+    def _run_here(self, call: int, fn: Callable, args: tuple, kwargs: dict | None) -> None:
+        """Rank 0's share of call `call`, in this thread; its reply is filed as a rank process's would be."""
+        try:
+            reply = ("ok", fn(self._driver.ctx, *args, **(kwargs or {})))
+        except Exception as exc:  # noqa: BLE001 - the same shape as a rank process's error
+            reply = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
+        except BaseException:  # Ctrl-C here: the ranks may wait for rank 0 in a collective
+            self.close(force=True)
+            raise
+        self._book.file(call, 0, *reply)
 
     def submit_some(self, fn: Callable, args_per_rank: dict[int, tuple]) -> list[int]:
         """Send `fn(ctx, *args)` to the rank processes named in `args_per_rank` and return at once, without waiting
         for them: groups of ranks with calls in flight side by side (prefill and decode groups). The caller
-        collects each submission with `collect_some(ranks)` and sends those ranks nothing else meanwhile. Needs
-        every named rank to be a process (not rank 0 in this process)."""
-        if self._closed:
-            raise RuntimeError("worker pool is closed" + (f": {self.dead_reason}" if self.dead_reason else ""))
+        collects each submission with `collect_some(ranks)`, or gives it up with `abandon(ranks)`, and sends those
+        ranks nothing else meanwhile. Needs every named rank to be a process (not rank 0 in this process)."""
         what = getattr(fn, "__name__", "call")
-        if self.dead_reason is not None:
-            self._fail(what)
+        self._check_open(what)
         ranks = sorted(args_per_rank)
         if any(r not in self._proc_of for r in ranks):
             raise ValueError(f"submit_some needs rank processes, got ranks {ranks} (rank 0 runs here)")
-        self._calls += 1
-        for r in ranks:
-            try:
-                self._inboxes[r].send((fn, tuple(args_per_rank[r]), {}, self._calls))
-            except (BrokenPipeError, EOFError, OSError):  # the rank is gone
-                self.dead_reason = self.dead_reason or self._exited(r)
-                self._fail(what)
+        self._send(self._book.open(ranks, what), fn, {r: args_per_rank[r] for r in ranks}, None, what)
         return ranks
 
     def answered(self, ranks: list[int]) -> bool:
         """Whether every one of these ranks has answered its submitted call (`collect_some` will not wait)."""
-        return all(self._outboxes[r].poll(0) for r in ranks)
+        for r in ranks:
+            while r not in self._book.replies and self._outboxes[r].poll(0):
+                if not self._read_reply(r):  # the rank exited: collecting says how
+                    return True
+        return self._book.has(ranks)
 
     def wait_any(self, ranks: list[int], timeout_s: float) -> None:
-        """Block until one of these ranks answers (or a rank dies, or timeout_s passes)."""
-        if self.dead_reason is None and ranks:
-            multiprocessing.connection.wait([self._outboxes[r] for r in ranks], timeout=timeout_s)
+        """Block until one of these ranks answers (or a rank dies, or timeout_s passes); stale replies that come
+        in meanwhile are dropped."""
+        deadline = time.monotonic() + timeout_s
+        while self.dead_reason is None and ranks and not any(r in self._book.replies for r in ranks):
+            ready = self._ready(ranks, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return
+            for r in ready:
+                if not self._read_reply(r):  # the rank exited: the watcher names how
+                    return
 
     def collect_some(self, ranks: list[int], what: str = "call") -> list[Any]:
         """The answers of a `submit_some` call's ranks, in rank order (waits for them; errors as `run`'s)."""
         return self._collect(what, ranks)
+
+    def abandon(self, ranks: list[int]) -> None:
+        """Give up the calls in flight on these ranks without collecting them (an engine closing with a call in
+        flight): their replies are dropped when they come; the ranks take new calls after finishing those."""
+        self._book.take(ranks)
 
     def close(self, force: bool = False) -> None:
         if self._closed:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.device import gpu_of_rank
+from cpinfer.launch.calls import START_UP
 from cpinfer.launch.common import RankContext, bind_to_loopback
 
 
@@ -35,7 +36,8 @@ def leave_shutdown_to_driver() -> None:
 
 
 def worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox, outbox, device_type="cpu",
-                 alarm=None):
+                alarm=None):
+    """A local rank process: join the world, then answer the driver's calls in order until told to stop."""
     set_parent_death_signal()
     leave_shutdown_to_driver()
     os.environ["RANK"] = str(rank)
@@ -53,30 +55,42 @@ def worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox
         group = dist.group.WORLD
         cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         ctx = RankContext(rank, world_size, group, cpu_group, device, {})
-        outbox.send((rank, "ready", None))
+        outbox.send((START_UP, rank, "ready", None))
     except Exception as exc:  # noqa: BLE001 - report start-up failure to the driver
-        outbox.send((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        outbox.send((START_UP, rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
         return
-    while True:
-        try:
-            msg = inbox.recv()
-        except EOFError:  # the driver is gone
-            break
-        if msg is None:
-            break
-        fn, args, kwargs, call = msg
-        try:
-            result = fn(ctx, *args, **kwargs)
-            outbox.send((rank, "ok", result))  # pickled here: an unpicklable result is this call's error
-        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
-            outbox.send((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
-            if alarm is not None:  # the driver may be inside this call as rank 0: its watcher reads this at once
-                alarm.send_bytes(call.to_bytes(8, "little"))
+    _answer_calls(ctx, inbox, outbox, alarm)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
     exit_rank()
+
+
+def _answer_calls(ctx: RankContext, inbox, outbox, alarm) -> None:
+    """Run each call from the driver's pipe and reply `(call id, rank, status, payload)`, until None or EOF."""
+    while True:
+        try:
+            msg = inbox.recv()
+        except EOFError:  # the driver is gone
+            return
+        if msg is None:
+            return
+        fn, args, kwargs, call = msg  # call: its id, which the reply carries back
+        try:
+            result = fn(ctx, *args, **kwargs)
+            outbox.send((call, ctx.rank, "ok", result))  # pickled here: an unpicklable result is this call's error
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver
+            outbox.send((call, ctx.rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+            if alarm is not None:  # the driver may be inside this call as rank 0: its watcher reads this at once
+                alarm.send_bytes(call.to_bytes(8, "little"))
+
+
+def exit_after_error(rank: int, what: str, error: tuple[str, str, str]) -> None:
+    """A joined world's rank whose call raised: say so on stderr and exit at once (peers stuck in a collective with
+    it then fail at once, and torchrun ends the job). error: (type name, message, traceback)."""
+    print(f"rank {rank}: {what} raised {error[0]}: {error[1]}\n{error[2]}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def exit_rank() -> None:
