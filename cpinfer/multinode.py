@@ -376,7 +376,7 @@ def run_headless(spec: NodeSpec, model: str, engine_kwargs: dict) -> int:
 
 def _set_parent_death_signal(parent: int) -> None:
     """Die with the process that started this rank (Linux), also when it died before this call."""
-    from cpinfer.launch import _set_parent_death_signal as pdeathsig
+    from cpinfer.launch import set_parent_death_signal as pdeathsig
 
     pdeathsig()
     if os.getppid() != parent:

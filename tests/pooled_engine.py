@@ -128,6 +128,7 @@ def pd_llm(pool, path, **kwargs) -> LLM:
             return pool
 
         def shutdown(self) -> None:
+            self._abandon_inflight()  # the next engine on the pool must not read their replies
             for g in self.groups:
                 g.shutdown()
             self._pool = None  # the module's pool outlives the engine

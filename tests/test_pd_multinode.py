@@ -134,7 +134,8 @@ def test_two_nodes_serve_then_a_killed_decode_rank_ends_the_driver(model_dir, re
 
 def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tmp_path):
     """JoinedWorld(subsets=True) on 3 processes: `run` / `run_some` (a group collective on ranks 0-1), rank 0's own
-    2 s call on its worker thread while ranks 1 and 2 answer many calls; a rank that raises is reported with its
+    2 s call on its worker thread while ranks 1 and 2 answer many calls; an abandoned call's late replies are
+    dropped; a rank that raises is reported with its
     error, exits, and the world refuses further calls; the others exit 0 when rank 0 closes the world."""
     port = free_port()
     out = tmp_path / "seen.json"
@@ -151,6 +152,8 @@ def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tm
     seen = json.loads(out.read_text())
     assert seen["run"] == [0, 1, 2] and seen["run_some"] == [3, 3, None], seen
     assert seen["rank0"] == [0] and seen["rounds"] >= 10 and 1.9 < seen["waited_s"] < 10, seen
+    assert seen["fresh"] == [[0, "new"], None, [2, "new"], None, [1, "new"], None], seen  # never an "old" reply
+    assert seen["dropped"] == 3, seen
     assert seen["error"] == [[2], "ValueError", "rank 2 fails on purpose"], seen
     assert seen["dead_reason"].startswith("rank 2 raised ValueError"), seen
     assert "the joined world is unusable: rank 2 raised ValueError" in seen["after"], seen

@@ -1,6 +1,7 @@
 """One rank of a 3-rank joined world in subset mode (started with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT):
-rank 0 drives and checks that calls on disjoint ranks are in flight side by side, then that a rank which raises is
-reported; it writes what it saw to the file named by argv[1]."""
+rank 0 drives and checks that calls on disjoint ranks are in flight side by side, that the late replies of an
+abandoned call are dropped, then that a rank which raises is reported; it writes what it saw to the file named by
+argv[1]."""
 import json
 import sys
 import time
@@ -29,6 +30,11 @@ def make_group(ctx, group_ranks: list[int]) -> None:
     ctx.state[tuple(group_ranks)] = dist.new_group(group_ranks)
 
 
+def tagged(ctx, seconds: float, tag: str) -> list:
+    time.sleep(seconds)
+    return [ctx.rank, tag]
+
+
 def boom(ctx) -> None:
     raise ValueError(f"rank {ctx.rank} fails on purpose")
 
@@ -50,6 +56,12 @@ def main(out: str) -> None:
         assert w.collect_some([1, 2]) == [1, 2]
         rounds += 1
     seen.update(rounds=rounds, rank0=w.collect_some([0]), waited_s=time.monotonic() - t0)
+    # a call given up while the ranks are inside it: its late replies are dropped, the next call gets its own
+    w.abandon(w.submit_some(tagged, {0: (0.5, "old"), 1: (0.5, "old"), 2: (0.5, "old")}))
+    seen["fresh"] = w.run_some(tagged, [(0.0, "new"), None, (0.0, "new")])
+    seen["fresh"] += w.run_some(tagged, [None, (0.0, "new"), None])
+    time.sleep(0.2)  # the reader files (drops) what is still in flight
+    seen["dropped"] = w._book.dropped
     w.submit_some(boom, {2: ()})
     try:
         w.collect_some([2], "boom")

@@ -317,6 +317,13 @@ class PDEngine:
     def ring_wait_s(self) -> list[float]:
         return self._pool.run(MR.ring_wait)
 
+    def _abandon_inflight(self) -> None:
+        """Calls still in flight at shutdown are given up: the pool drops their late replies."""
+        for i in list(getattr(self, "_inflight", ())):
+            if self._pool is not None:
+                self._pool.abandon(self.groups[i].view.ranks)
+            del self._inflight[i]
+
     def shutdown(self) -> None:
         if self._pool is not None and self.dead_error is None:
             try:  # calls still in flight come back first (then the prefill tiers flush on their own ranks)
@@ -324,6 +331,7 @@ class PDEngine:
                     self._finish(i)
             except Exception as exc:  # noqa: BLE001 - shutting down: say so, do not mask the shutdown
                 log.error("P/D shutdown: a call in flight failed: %s", exc)
+        self._abandon_inflight()
         for g in getattr(self, "groups", ()):
             g.shutdown()
         if self._pool is not None:
