@@ -16,6 +16,7 @@ from cpinfer.engine.llm import LLM
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm as _pd_llm
+from wait_utils import async_wait_until, settle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 
@@ -169,8 +170,11 @@ def test_multi_turn_history_cached_on_the_prefill_group(pools, llama, layout):
         _assert_same(_reference(llama, [turn2], GREEDY), second)
         history = len(first.prompt_token_ids) + len(first.token_ids) - 1  # the last answer token has no K/V yet
         assert second[0].num_cached_tokens == history, (second[0].num_cached_tokens, history)
+        # each answer moves back once its request retires; generate does not wait for the second's rows: settle
+        assert settle(llm.engine) == []
         s = llm.engine.pd_stats()
-        assert s["move_backs"] == 2 and s["move_back_bytes"] == (len(first.token_ids) - 1) * llm.engine.kv_bytes_per_token
+        moved = len(first.token_ids) - 1 + len(second[0].token_ids) - 1  # both answers, less their last tokens
+        assert s["move_backs"] == 2 and s["move_back_bytes"] == moved * llm.engine.kv_bytes_per_token, s
         for g in llm.engine.groups:
             g.kv.check_invariants()
     finally:
@@ -293,8 +297,11 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
         assert all(o.metrics["pd"]["placed_early"] for o in got)
         dec = eng.decode[0]
-        assert not dec.requests and not any(h for h in eng.handoffs.pending.values())
-        assert not eng.handoffs.transfers.in_flight
+        assert not dec.requests  # ended on the prefill side: never decode group's requests
+        # generate returns with their outputs; their rows may still be on their way (a loaded machine): wait for them
+        assert settle(eng) == []  # nothing more to output: the rows only arrive
+        assert not any(h for h in eng.handoffs.pending.values()) and not eng.handoffs.transfers.in_flight
+        assert not dec.requests
         assert not any(nd.ref for nd in dec.kv.nodes.values()) and dec.kv.used.sum() > 0  # kept as cache
         dec.kv.check_invariants()
         got += llm.generate([b], GREEDY, use_tqdm=False)
@@ -529,10 +536,12 @@ def test_async_engine_streams_over_pd(llama):
             if len(out.token_ids) >= 3:
                 break
         await stream.aclose()
-        for _ in range(200):
-            await asyncio.sleep(0.02)
-            if allm.stats().num_running == 0 and allm.stats().num_waiting == 0:
-                break
+
+        def freed():  # the abort reaches the engine loop and is applied there: no time is promised, wait with a bound
+            st = allm.stats()
+            return st.num_running == 0 and st.num_waiting == 0 and st.requests_finished.get("abort", 0) >= 1
+
+        await async_wait_until(freed, what="the early-closed stream aborted and freed")
         return finals
 
     prompts = prompts_for(256, [30, 50, 70], seed=61)
