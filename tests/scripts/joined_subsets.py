@@ -50,7 +50,7 @@ def main(out: str) -> None:
     t0 = time.monotonic()
     w.submit_some(nap, {0: (2.0,)})
     rounds = 0
-    while not w.answered([0]) and time.monotonic() - t0 < 30:
+    while not w.answered([0]) and time.monotonic() - t0 < 60:  # a bound for a loaded machine; 2 s when idle
         w.submit_some(nap, {1: (0.01,), 2: (0.01,)})
         w.wait_any([1, 2], 5.0)
         assert w.collect_some([1, 2]) == [1, 2]
