@@ -276,11 +276,12 @@ def test_window_rows_only_and_decode_side_sharing(pools, family_checkpoint, vari
 
 
 @pytest.mark.parametrize("variant", ["gqa", "gemma3"])
-def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoint, variant):
+def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoint, variant, tmp_path):
     """Requests placed on the decode group when their last prefill forward was scheduled, that end at their first
-    token (max_tokens=1, a stop token): their rows still arrive and their decode slots are released (kept as that
-    group's prefix cache), nothing decodes them; a later request sharing their document there is exact (a windowed
-    model's partial rows included) and shares it."""
+    token (max_tokens=1, a stop token): their outputs come back while their rows are still on their way (held on
+    the decode rank here, as a slow machine may leave them), the rows then arrive and their decode slots are released
+    (kept as that group's prefix cache), nothing decodes them; a later request sharing their document there is exact
+    (a windowed model's partial rows included) and shares it."""
     path = family_checkpoint(variant)
     rng = np.random.default_rng(23)
     doc = rng.integers(3, 250, size=60).tolist()
@@ -290,15 +291,21 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
     one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
     stop = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, stop_token_ids=[first])
     ref = _reference(path, [a, d], [one, stop]) + _reference(path, [b])
-    llm = _pd_llm(pools(3), path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    pool = pools(3)
+    llm = _pd_llm(pool, path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
+    flag = tmp_path / "hold"
+    flag.touch()
     try:
+        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
         got = llm.generate([a, d], [one, stop], use_tqdm=False)
         assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
         assert all(o.metrics["pd"]["placed_early"] for o in got)
         dec = eng.decode[0]
         assert not dec.requests  # ended on the prefill side: never decode group's requests
-        # generate returns with their outputs; their rows may still be on their way (a loaded machine): wait for them
+        # generate returns with their outputs, not waiting for their rows (held: surely still on their way)
+        assert eng.handoffs.transfers.in_flight and any(eng.handoffs.pending.values()) and eng.has_unfinished_requests()
+        flag.unlink()  # the rows may come in now: wait for them (bounded), however slow the machine
         assert settle(eng) == []  # nothing more to output: the rows only arrive
         assert not any(h for h in eng.handoffs.pending.values()) and not eng.handoffs.transfers.in_flight
         assert not dec.requests
@@ -310,6 +317,7 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         for g in eng.groups:
             g.kv.check_invariants()
     finally:
+        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
         llm.shutdown()
 
 
