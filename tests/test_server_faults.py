@@ -168,12 +168,12 @@ def test_a_damaged_disk_tier_never_takes_the_server_down(model_dir, tmp_path):
     s2 = ServerProcess(args)
     try:
         assert [_chat(s2, c) for c in chats] == first  # damaged ones recomputed, the others restored
-        assert httpx.get(s2.url + "/health").status_code == 200
+        assert httpx.get(s2.url + "/health", timeout=30).status_code == 200
         for f in sorted(d.glob("*.safetensors")):  # live: damage every entry now on disk, delete one
             _damage_kv(f)
         next(iter(sorted(d.glob("*.safetensors"))), d / "none").unlink(missing_ok=True)
         assert [_chat(s2, c) for c in chats[::-1]] == first[::-1]
-        assert httpx.get(s2.url + "/health").status_code == 200
+        assert httpx.get(s2.url + "/health", timeout=30).status_code == 200
         text = s2.output()
         assert "is recomputed" in text
         assert "scheduler stalled" not in text and "engine loop stopped" not in text and "Traceback" not in text
