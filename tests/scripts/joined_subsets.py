@@ -60,7 +60,9 @@ def main(out: str) -> None:
     w.abandon(w.submit_some(tagged, {0: (0.5, "old"), 1: (0.5, "old"), 2: (0.5, "old")}))
     seen["fresh"] = w.run_some(tagged, [(0.0, "new"), None, (0.0, "new")])
     seen["fresh"] += w.run_some(tagged, [None, (0.0, "new"), None])
-    time.sleep(0.2)  # the reader files (drops) what is still in flight
+    deadline = time.monotonic() + 60  # the reader files (drops) what is still in flight: polled, bounded
+    while w._book.dropped < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     seen["dropped"] = w._book.dropped
     w.submit_some(boom, {2: ()})
     try:
