@@ -6,6 +6,8 @@ so the ranks start once per module.
 from __future__ import annotations
 
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from cpinfer.engine.llm import LLM
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm as _pd_llm
-from wait_utils import async_wait_until, settle
+from wait_utils import SETTLE_S, async_wait_until, settle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 
@@ -321,35 +323,49 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         llm.shutdown()
 
 
-def test_abort_mid_transfer_frees_both_sides(pools, llama):
+def test_abort_mid_transfer_frees_both_sides(pools, llama, tmp_path):
     """A request aborted after its prompt left the prefill group, before its rows arrived, ends alone: its decode
-    blocks are freed once the rows are in (nothing decodes from them), the other request's output is unchanged."""
+    blocks are freed once the rows are in (nothing decodes from them), the other request's output is unchanged.
+    The decode rank holds its receives until the abort: on a busy machine the rows may otherwise be in before any
+    step boundary shows the handoff pending."""
     prompts = _prompts(seed=11, lengths=(50, 30))[:2]
     ref = _reference(llama, prompts)
-    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    pool = pools(3)
+    llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
+    dec = eng.decode[0]
+    flag = tmp_path / "hold"
+    flag.touch()
     try:
+        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, GREEDY)
         outs = {}
-        while not eng.handoffs.pending[1]:  # until a handoff is queued (its rows not yet received)
+
+        def joined():  # a handoff whose request left the prefill group for the decode group
+            return next((h for h in eng.handoffs.pending[1] if h.ready and h.req.request_id in dec.requests), None)
+
+        deadline = time.monotonic() + SETTLE_S
+        while joined() is None:
+            assert eng.has_unfinished_requests() and time.monotonic() < deadline, "no request left the prefill group"
             for o in eng.step():
                 outs[o.request_id] = o
-        victim = eng.handoffs.pending[1][0].req.request_id
+        h = joined()
+        victim = h.req.request_id
+        assert h.tid in eng.handoffs.transfers.in_flight  # its rows not received (held)
         eng.abort(victim)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                outs[o.request_id] = o
+        flag.unlink()  # the rows may come in now
+        outs.update((o.request_id, o) for o in settle(eng))
         assert outs[victim].finish_reason == "abort"
         assert len(outs[victim].token_ids) == 1  # only the prefill's first token: it never decoded
         other = "r1" if victim == "r0" else "r0"
         _assert_same([ref[int(other[1])]], [outs[other]])
-        dec = eng.decode[0]
         assert not dec.requests and not dec.scheduler.running
         for g in eng.groups:
             g.kv.check_invariants()
         assert not any(nd.ref for nd in dec.kv.nodes.values())  # no block held by a request any more
     finally:
+        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
         llm.shutdown()
 
 
