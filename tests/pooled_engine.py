@@ -128,10 +128,22 @@ def pd_llm(pool, path, **kwargs) -> LLM:
             return pool
 
         def shutdown(self) -> None:
-            self._abandon_inflight()  # the next engine on the pool must not read their replies
-            for g in self.groups:
-                g.shutdown()
-            self._pool = None  # the module's pool outlives the engine
+            # the ranks serve the module's next engine: nothing of this one may still be on its way there (a call
+            # whose reply the next engine would read, sends without their receives). Every request is aborted and
+            # the engine stepped until idle (transfers and moved-back answers in), with a bound; what is still in
+            # flight after all (a failure) is abandoned: the pool drops its late replies.
+            from wait_utils import settle
+
+            try:
+                if self._pool is not None and self.dead_error is None:
+                    for rid in list(self.requests):
+                        self.abort(rid)
+                    settle(self)
+            finally:
+                self._abandon_inflight()
+                for g in self.groups:
+                    g.shutdown()
+                self._pool = None  # the module's pool outlives the engine
 
     llm = LLM.__new__(LLM)
     llm.engine = _PooledPD(str(path), threads_per_rank=1, **kwargs)

@@ -216,6 +216,16 @@ def in_thread(fn, *args) -> tuple[threading.Thread, list]:
     return t, box
 
 
+def metric_values(url: str) -> dict[str, float]:
+    """The server's /metrics samples: {"name{labels}": value}."""
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
 def _socket_inodes(pid: int) -> set[str]:
     inodes = set()
     try:

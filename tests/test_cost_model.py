@@ -179,10 +179,10 @@ def test_spreading_pays_for_long_prompts_not_for_short_ones():
 def test_predict_attention_is_cheap_enough_to_call_per_forward():
     kw = dict(new=3000, cached=90000, ranks=8, tp=8, layers=80)
     predict_attention(GTT, SHAPE, **kw)
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: the call's cost, not the wait for a core on a busy machine
     for i in range(200):
         predict_attention(GTT, SHAPE, **(kw | {"new": 3000 + i}))
-    assert (time.perf_counter() - start) / 200 < 2e-3
+    assert (time.process_time() - start) / 200 < 2e-3
 
 
 @pytest.mark.parametrize("kw,msg", [

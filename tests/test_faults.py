@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from cpinfer.launch import RemoteError, WorkerPool, driver_can_host_rank
 from server_utils import is_loopback, listening_addresses
+from wait_utils import DEAD_RANK_SEEN_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,7 +52,7 @@ def _pid(ctx):
 
 
 def _ended(pool) -> bool:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # polled: a loaded machine reaps slowly, a process left behind still fails
     while any(p.is_alive() for p in pool._procs) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(p.is_alive() for p in pool._procs)
@@ -75,20 +76,22 @@ def test_a_rank_raising_inside_a_collective_fails_the_call_in_seconds(pool):
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="fails inside the forward"):
         pool.run(_raise_on_last_rank_else_wait)
-    assert time.monotonic() - t0 < 15  # the collective timeout is 120 s
+    assert time.monotonic() - t0 < DEAD_RANK_SEEN_S  # the collective timeout is 120 s
     assert "raised" in pool.dead_reason
     assert _ended(pool)  # the waiting rank was ended too
 
 
 @pytest.mark.parametrize("driver_rank", [False, True], ids=["ranks in processes", "rank 0 in this process"])
-def test_a_rank_killed_while_idle_is_seen_within_two_seconds(driver_rank):
+def test_a_rank_killed_while_idle_is_seen_in_seconds(driver_rank):
+    """Within 2 s on an idle machine (the watcher wakes on the process sentinel); a loaded one is allowed
+    DEAD_RANK_SEEN_S, far below the 120 s collective timeout."""
     with WorkerPool(2, timeout_s=120, driver_rank=driver_rank) as pool:
         pids = pool.run(_pid)
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
-        while pool.dead_reason is None and time.monotonic() - t0 < 10:
+        while pool.dead_reason is None and time.monotonic() - t0 < 60:
             time.sleep(0.01)
-        assert time.monotonic() - t0 < 2.0, pool.dead_reason
+        assert time.monotonic() - t0 < DEAD_RANK_SEEN_S, pool.dead_reason
         assert pool.dead_reason == "rank 1 exited (killed by SIGKILL)"
         with pytest.raises(RuntimeError, match="rank 1 exited"):
             pool.run(_pid)
@@ -134,7 +137,7 @@ def test_rank_0_in_this_process_is_never_stuck_in_a_collective(fault):
             threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL)).start()
             with pytest.raises(RuntimeError, match=r"rank 1 exited \(killed by SIGKILL\)"):
                 pool.run(_barrier_after, 30.0)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < DEAD_RANK_SEEN_S  # (the collective timeout is 60 s; the barrier's sleep 30 s)
         assert _ended(pool)
         with pytest.raises(RuntimeError):
             pool.run(_pid)

@@ -10,6 +10,7 @@ from cpinfer import AsyncLLM, SamplingParams
 from cpinfer.engine.kv.manager import BLOCK
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import keyed_engines
+from wait_utils import async_wait_until
 
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 
@@ -169,10 +170,12 @@ def test_async_stream_deltas_concatenate_to_the_output(model):
             if len(out.token_ids) >= 3:
                 break
         await stream.aclose()
-        for _ in range(200):
-            await asyncio.sleep(0.02)
-            if allm.stats().num_running == 0 and allm.stats().num_waiting == 0:
-                break
+
+        def freed():  # the abort reaches the engine loop and is applied there: no time is promised, wait with a bound
+            st = allm.stats()
+            return st.num_running == 0 and st.num_waiting == 0 and st.requests_finished.get("abort", 0) >= 1
+
+        await async_wait_until(freed, what="the early-closed stream aborted and freed")
         return results
 
     prompts = prompts_for(256, [30, 50, 70], seed=60)

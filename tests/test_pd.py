@@ -6,6 +6,8 @@ so the ranks start once per module.
 from __future__ import annotations
 
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from cpinfer.engine.llm import LLM
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm as _pd_llm
+from wait_utils import SETTLE_S, async_wait_until, settle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)
 
@@ -169,8 +172,11 @@ def test_multi_turn_history_cached_on_the_prefill_group(pools, llama, layout):
         _assert_same(_reference(llama, [turn2], GREEDY), second)
         history = len(first.prompt_token_ids) + len(first.token_ids) - 1  # the last answer token has no K/V yet
         assert second[0].num_cached_tokens == history, (second[0].num_cached_tokens, history)
+        # each answer moves back once its request retires; generate does not wait for the second's rows: settle
+        assert settle(llm.engine) == []
         s = llm.engine.pd_stats()
-        assert s["move_backs"] == 2 and s["move_back_bytes"] == (len(first.token_ids) - 1) * llm.engine.kv_bytes_per_token
+        moved = len(first.token_ids) - 1 + len(second[0].token_ids) - 1  # both answers, less their last tokens
+        assert s["move_backs"] == 2 and s["move_back_bytes"] == moved * llm.engine.kv_bytes_per_token, s
         for g in llm.engine.groups:
             g.kv.check_invariants()
     finally:
@@ -272,11 +278,12 @@ def test_window_rows_only_and_decode_side_sharing(pools, family_checkpoint, vari
 
 
 @pytest.mark.parametrize("variant", ["gqa", "gemma3"])
-def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoint, variant):
+def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoint, variant, tmp_path):
     """Requests placed on the decode group when their last prefill forward was scheduled, that end at their first
-    token (max_tokens=1, a stop token): their rows still arrive and their decode slots are released (kept as that
-    group's prefix cache), nothing decodes them; a later request sharing their document there is exact (a windowed
-    model's partial rows included) and shares it."""
+    token (max_tokens=1, a stop token): their outputs come back while their rows are still on their way (held on
+    the decode rank here, as a slow machine may leave them), the rows then arrive and their decode slots are released
+    (kept as that group's prefix cache), nothing decodes them; a later request sharing their document there is exact
+    (a windowed model's partial rows included) and shares it."""
     path = family_checkpoint(variant)
     rng = np.random.default_rng(23)
     doc = rng.integers(3, 250, size=60).tolist()
@@ -286,15 +293,24 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
     one = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True)
     stop = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, stop_token_ids=[first])
     ref = _reference(path, [a, d], [one, stop]) + _reference(path, [b])
-    llm = _pd_llm(pools(3), path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    pool = pools(3)
+    llm = _pd_llm(pool, path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
+    flag = tmp_path / "hold"
+    flag.touch()
     try:
+        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
         got = llm.generate([a, d], [one, stop], use_tqdm=False)
         assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
         assert all(o.metrics["pd"]["placed_early"] for o in got)
         dec = eng.decode[0]
-        assert not dec.requests and not any(h for h in eng.handoffs.pending.values())
-        assert not eng.handoffs.transfers.in_flight
+        assert not dec.requests  # ended on the prefill side: never decode group's requests
+        # generate returns with their outputs, not waiting for their rows (held: surely still on their way)
+        assert eng.handoffs.transfers.in_flight and any(eng.handoffs.pending.values()) and eng.has_unfinished_requests()
+        flag.unlink()  # the rows may come in now: wait for them (bounded), however slow the machine
+        assert settle(eng) == []  # nothing more to output: the rows only arrive
+        assert not any(h for h in eng.handoffs.pending.values()) and not eng.handoffs.transfers.in_flight
+        assert not dec.requests
         assert not any(nd.ref for nd in dec.kv.nodes.values()) and dec.kv.used.sum() > 0  # kept as cache
         dec.kv.check_invariants()
         got += llm.generate([b], GREEDY, use_tqdm=False)
@@ -303,38 +319,53 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         for g in eng.groups:
             g.kv.check_invariants()
     finally:
+        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
         llm.shutdown()
 
 
-def test_abort_mid_transfer_frees_both_sides(pools, llama):
+def test_abort_mid_transfer_frees_both_sides(pools, llama, tmp_path):
     """A request aborted after its prompt left the prefill group, before its rows arrived, ends alone: its decode
-    blocks are freed once the rows are in (nothing decodes from them), the other request's output is unchanged."""
+    blocks are freed once the rows are in (nothing decodes from them), the other request's output is unchanged.
+    The decode rank holds its receives until the abort: on a busy machine the rows may otherwise be in before any
+    step boundary shows the handoff pending."""
     prompts = _prompts(seed=11, lengths=(50, 30))[:2]
     ref = _reference(llama, prompts)
-    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
+    pool = pools(3)
+    llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
+    dec = eng.decode[0]
+    flag = tmp_path / "hold"
+    flag.touch()
     try:
+        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, GREEDY)
         outs = {}
-        while not eng.handoffs.pending[1]:  # until a handoff is queued (its rows not yet received)
+
+        def joined():  # a handoff whose request left the prefill group for the decode group
+            return next((h for h in eng.handoffs.pending[1] if h.ready and h.req.request_id in dec.requests), None)
+
+        deadline = time.monotonic() + SETTLE_S
+        while joined() is None:
+            assert eng.has_unfinished_requests() and time.monotonic() < deadline, "no request left the prefill group"
             for o in eng.step():
                 outs[o.request_id] = o
-        victim = eng.handoffs.pending[1][0].req.request_id
+        h = joined()
+        victim = h.req.request_id
+        assert h.tid in eng.handoffs.transfers.in_flight  # its rows not received (held)
         eng.abort(victim)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                outs[o.request_id] = o
+        flag.unlink()  # the rows may come in now
+        outs.update((o.request_id, o) for o in settle(eng))
         assert outs[victim].finish_reason == "abort"
         assert len(outs[victim].token_ids) == 1  # only the prefill's first token: it never decoded
         other = "r1" if victim == "r0" else "r0"
         _assert_same([ref[int(other[1])]], [outs[other]])
-        dec = eng.decode[0]
         assert not dec.requests and not dec.scheduler.running
         for g in eng.groups:
             g.kv.check_invariants()
         assert not any(nd.ref for nd in dec.kv.nodes.values())  # no block held by a request any more
     finally:
+        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
         llm.shutdown()
 
 
@@ -529,10 +560,12 @@ def test_async_engine_streams_over_pd(llama):
             if len(out.token_ids) >= 3:
                 break
         await stream.aclose()
-        for _ in range(200):
-            await asyncio.sleep(0.02)
-            if allm.stats().num_running == 0 and allm.stats().num_waiting == 0:
-                break
+
+        def freed():  # the abort reaches the engine loop and is applied there: no time is promised, wait with a bound
+            st = allm.stats()
+            return st.num_running == 0 and st.num_waiting == 0 and st.requests_finished.get("abort", 0) >= 1
+
+        await async_wait_until(freed, what="the early-closed stream aborted and freed")
         return finals
 
     prompts = prompts_for(256, [30, 50, 70], seed=61)

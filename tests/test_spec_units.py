@@ -75,11 +75,11 @@ def test_ngram_draft_is_cheap_on_a_long_context():
     import time
     tokens = np.random.default_rng(0).integers(0, 50000, size=20000)
     tokens[-8:] = tokens[1000:1008]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: the draft's cost, not the wait for a core on a busy machine
     for _ in range(10):
         d = ngram_draft(tokens, 5, 2, 5)
     assert d.tolist() == tokens[1008:1013].tolist()
-    assert (time.perf_counter() - t0) / 10 < 0.01
+    assert (time.process_time() - t0) / 10 < 0.01
 
 
 # ---------------------------------------------------------------- KV rollback

@@ -13,6 +13,7 @@ from cpinfer import SamplingParams
 from cpinfer.engine.kv.disk_files import read_header
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import shard_engines
+from wait_utils import wait_until
 
 pytest.importorskip("transformers")
 
@@ -37,14 +38,14 @@ def _turn(llm, prompts, path, steps=OUT):
     return outs
 
 
-def _entry_files(d, tokens, pos0=0):
+def _entry_files(d, tokens, pos0=0, must=True):
     """The files of the entry holding `tokens` from position pos0 (its token path starts with them)."""
     out = []
     for f in sorted(d.glob("*.safetensors")):
         h = read_header(f)
         if h.pos0 == pos0 and np.array_equal(h.path[:len(tokens)], tokens):
             out.append(f)
-    assert out, "no entry holds those tokens"
+    assert out or not must, "no entry holds those tokens"
     return out
 
 
@@ -108,7 +109,9 @@ def test_live_damage_of_an_evicted_chat_is_a_cache_miss(ckpt, engines, tmp_path,
     with engines(ckpt, cp, max_kv_tokens_per_rank={1: 320, 2: 192}[cp], kv_disk_dir=d,
                  max_num_batched_tokens=96) as llm:
         first = [_turn(llm, [doc], ckpt)[0] for doc in docs]  # each evicts the one before: A (0) is on disk
-        bad = _entry_files(d, docs[0])
+        # the rank's writer thread writes it in the background (its rows read from memory until then): wait for
+        # the file, however busy the machine, so that the damage is what A's next turn reads
+        bad = wait_until(lambda: _entry_files(d, docs[0], must=False), what="chat A's entry written")
         damage(bad[0], "kv")
         caplog.set_level(logging.WARNING, logger="cpinfer")
         turn2 = [doc + o.token_ids + [5] for doc, o in zip(docs, first)]
