@@ -7,6 +7,7 @@ Variants: "gqa" (4:1), "mqa", "mha", "tied", "llama3" (see tests/checkpoints.py)
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,3 +50,23 @@ def llama_checkpoint(tmp_path_factory) -> Callable[..., Path]:
 def random_checkpoint(tmp_path_factory) -> Callable[..., Path]:
     """`make(*, seed=0, dtype=torch.float32, **config_overrides) -> dir` (torch + safetensors only)."""
     return _cached_factory(tmp_path_factory, write_random_checkpoint, "rand_llama")
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def cpinfer_warnings():
+    """The messages of the warnings (and worse) the `cpinfer` logger emits during the test (it does not propagate
+    to the root logger, so pytest's caplog does not see them)."""
+    handler = _Warnings()
+    logger = logging.getLogger("cpinfer")
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)

@@ -3,7 +3,6 @@ a call nobody awaits any more (abandoned when an engine closed, or left by a cal
 with a warning instead of being read by the next call on the same ranks. One pool serves every test here."""
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
@@ -20,24 +19,6 @@ def _tagged(ctx, seconds: float, tag: str) -> dict:
     return {"rank": ctx.rank, "tag": tag}
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def warnings():
-    handler = _Warnings()
-    logger = logging.getLogger("cpinfer")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
-
-
 @pytest.fixture(scope="module")
 def pool():
     p = WorkerPool(3, timeout_s=60, fail_grace_s=1.0, driver_rank=driver_can_host_rank())
@@ -49,26 +30,27 @@ def _stale(messages: list[str]) -> list[str]:
     return [m for m in messages if m.startswith("dropped a stale reply")]
 
 
-def test_an_abandoned_call_s_late_replies_are_dropped_not_read_by_the_next_call(pool, warnings):
+def test_an_abandoned_call_s_late_replies_are_dropped_not_read_by_the_next_call(pool, cpinfer_warnings):
     dropped = pool._book.dropped
     ranks = pool.submit_some(_tagged, {1: (0.5, "old"), 2: (0.5, "old")})  # slow on the ranks
     pool.abandon(ranks)  # the engine closed with it in flight
     assert pool.run(_tagged, 0.0, "new") == [{"rank": r, "tag": "new"} for r in range(3)]
     assert pool._book.dropped == dropped + 2
-    assert len(_stale(warnings)) == 2 and all("(ok) of rank" in m and "call" in m for m in _stale(warnings))
-    assert all("old" not in m for m in warnings)  # a short description, no payload
+    stale = _stale(cpinfer_warnings)
+    assert len(stale) == 2 and all("(ok) of rank" in m and "call" in m for m in stale)
+    assert all("old" not in m for m in cpinfer_warnings)  # a short description, no payload
 
 
-def test_a_submission_left_uncollected_is_superseded_and_polling_skips_its_reply(pool, warnings):
+def test_a_submission_left_uncollected_is_superseded_and_polling_skips_its_reply(pool, cpinfer_warnings):
     pool.submit_some(_tagged, {1: (0.3, "lost")})  # a caller that failed mid-call: never collected nor abandoned
     ranks = pool.submit_some(_tagged, {1: (0.0, "mine")})
-    assert any("was not collected" in m for m in warnings)
+    assert any("was not collected" in m for m in cpinfer_warnings)
     deadline = time.monotonic() + 30
     while not pool.answered(ranks) and time.monotonic() < deadline:
         pool.wait_any(ranks, 0.5)  # wakes for the stale reply too, which is dropped
     assert pool.answered(ranks)
     assert pool.collect_some(ranks) == [{"rank": 1, "tag": "mine"}]
-    assert len(_stale(warnings)) == 1
+    assert len(_stale(cpinfer_warnings)) == 1
 
 
 def test_the_call_book_keeps_only_the_awaited_reply():

@@ -5,7 +5,7 @@ so the ranks start once per module.
 """
 from __future__ import annotations
 
-
+import contextlib
 import time
 
 import numpy as np
@@ -296,10 +296,7 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
     pool = pools(3)
     llm = _pd_llm(pool, path, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
-    flag = tmp_path / "hold"
-    flag.touch()
-    try:
-        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
+    with _decode_receives_held(pool, llm, tmp_path) as release:
         got = llm.generate([a, d], [one, stop], use_tqdm=False)
         assert [o.finish_reason for o in got] == ["length", "stop"] and all(len(o.token_ids) == 1 for o in got)
         assert all(o.metrics["pd"]["placed_early"] for o in got)
@@ -307,7 +304,7 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         assert not dec.requests  # ended on the prefill side: never decode group's requests
         # generate returns with their outputs, not waiting for their rows (held: surely still on their way)
         assert eng.handoffs.transfers.in_flight and any(eng.handoffs.pending.values()) and eng.has_unfinished_requests()
-        flag.unlink()  # the rows may come in now: wait for them (bounded), however slow the machine
+        release()  # the rows may come in now: wait for them (bounded), however slow the machine
         assert settle(eng) == []  # nothing more to output: the rows only arrive
         assert not any(h for h in eng.handoffs.pending.values()) and not eng.handoffs.transfers.in_flight
         assert not dec.requests
@@ -318,9 +315,6 @@ def test_ending_at_the_first_token_after_early_placement(pools, family_checkpoin
         assert got[2].metrics["pd"]["decode_cached_tokens"] == len(doc)  # a's rows, left on the decode group
         for g in eng.groups:
             g.kv.check_invariants()
-    finally:
-        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
-        llm.shutdown()
 
 
 def test_abort_mid_transfer_frees_both_sides(pools, llama, tmp_path):
@@ -334,10 +328,7 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama, tmp_path):
     llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
     dec = eng.decode[0]
-    flag = tmp_path / "hold"
-    flag.touch()
-    try:
-        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
+    with _decode_receives_held(pool, llm, tmp_path) as release:
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, GREEDY)
         outs = {}
@@ -354,7 +345,7 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama, tmp_path):
         victim = h.req.request_id
         assert h.tid in eng.handoffs.transfers.in_flight  # its rows not received (held)
         eng.abort(victim)
-        flag.unlink()  # the rows may come in now
+        release()  # the rows may come in now
         outs.update((o.request_id, o) for o in settle(eng))
         assert outs[victim].finish_reason == "abort"
         assert len(outs[victim].token_ids) == 1  # only the prefill's first token: it never decoded
@@ -364,8 +355,20 @@ def test_abort_mid_transfer_frees_both_sides(pools, llama, tmp_path):
         for g in eng.groups:
             g.kv.check_invariants()
         assert not any(nd.ref for nd in dec.kv.nodes.values())  # no block held by a request any more
+
+
+@contextlib.contextmanager
+def _decode_receives_held(pool, llm, tmp_path):
+    """The decode rank (rank 2 of the module's 3-rank pool) reports no receive in until the yielded `release()` is
+    called. The block's end releases it too (never leave the module's decode rank holding its receives), then shuts
+    `llm` down."""
+    flag = tmp_path / "hold"
+    flag.touch()
+    try:
+        pool.run_some(_hold_receives, [None, None, (str(flag),)])
+        yield lambda: flag.unlink(missing_ok=True)
     finally:
-        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
+        flag.unlink(missing_ok=True)
         llm.shutdown()
 
 
@@ -396,10 +399,7 @@ def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llam
     pool = pools(3)
     llm = _pd_llm(pool, llama, context_parallel_size=2, pd_decode_cp=1, placement="shard")
     eng = llm.engine
-    flag = tmp_path / "hold"
-    flag.touch()
-    try:
-        pool.run_some(_hold_receives, [None, None, (str(flag),)])  # the decode rank
+    with _decode_receives_held(pool, llm, tmp_path) as release:
         eng.add_request("v", prompts[0], GREEDY)
         outs = {}
         dec = eng.decode[0]
@@ -410,18 +410,13 @@ def test_abort_after_joining_the_decode_group_before_the_rows_are_in(pools, llam
         assert h.req.request_id == "v" and h.ready
         assert h.tid in eng.handoffs.transfers.in_flight  # its rows not reported in yet
         eng.abort("v")
-        flag.unlink()  # the rows may come in now
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                outs[o.request_id] = o
+        release()  # the rows may come in now
+        outs.update((o.request_id, o) for o in settle(eng))
         assert outs["v"].finish_reason == "abort" and len(outs["v"].token_ids) == 1
         assert not dec.requests and not any(nd.ref for nd in dec.kv.nodes.values())
         for g in eng.groups:
             g.kv.check_invariants()
         _assert_same(ref, llm.generate(prompts, GREEDY, use_tqdm=False))
-    finally:
-        flag.unlink(missing_ok=True)  # never leave the module's decode rank holding its receives
-        llm.shutdown()
 
 
 def test_pd_metrics_exported():

@@ -18,30 +18,39 @@ DEAD_RANK_SEEN_S = 15.0
 DEAD_NODE_EXIT_S = 30.0
 
 
-def wait_until(cond, timeout: float = SETTLE_S, interval: float = 0.02, what: str = "the condition"):
-    """Poll `cond()` until it returns a true value (returned) or `timeout` seconds pass (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
+class _Bound:
+    """`cond()` polled against a deadline: `check()` is its value when true, None while time is left, and an
+    AssertionError once `timeout` seconds have passed (so a hang still fails)."""
+
+    def __init__(self, cond, timeout: float, what: str):
+        self.cond, self.timeout, self.what = cond, timeout, what
+        self.deadline = time.monotonic() + timeout
+
+    def check(self):
+        got = self.cond()
         if got:
             return got
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.0f} s")
+        if time.monotonic() >= self.deadline:
+            raise AssertionError(f"{self.what} not reached within {self.timeout:.0f} s")
+        return None
+
+
+def wait_until(cond, timeout: float = SETTLE_S, interval: float = 0.02, what: str = "the condition"):
+    """Poll `cond()` until it returns a true value (returned) or `timeout` seconds pass (AssertionError)."""
+    bound = _Bound(cond, timeout, what)
+    while not (got := bound.check()):
         time.sleep(interval)
+    return got
 
 
 async def async_wait_until(cond, timeout: float = SETTLE_S, interval: float = 0.02, what: str = "the condition"):
     """`wait_until` inside an event loop: awaits between polls, so the engine's loop keeps running."""
     import asyncio
 
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.0f} s")
+    bound = _Bound(cond, timeout, what)
+    while not (got := bound.check()):
         await asyncio.sleep(interval)
+    return got
 
 
 def settle(engine, timeout: float = SETTLE_S) -> list:

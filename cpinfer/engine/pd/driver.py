@@ -19,7 +19,7 @@ import time
 
 from cpinfer.device import comm_backend, ranks_on_this_node
 from cpinfer.engine import model_runner as MR
-from cpinfer.engine.llm_engine import EngineDeadError, _spec_stats
+from cpinfer.engine.llm_engine import EngineDeadError, LLMEngine, _spec_stats
 from cpinfer.engine.pd.group import GroupEngine
 from cpinfer.engine.pd.handoffs import PREFILL, Handoff, Handoffs
 from cpinfer.engine.pd.ranks import allocate_role_kv, init_role_runner, role_call
@@ -274,11 +274,7 @@ class PDEngine:
             raise EngineDeadError(f"the engine failed: {self.dead_error}") from exc
 
     # ------------------------------------------------------------------ health, stats, shutdown
-    def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_error}")
-        if self._pool is None:
-            raise RuntimeError("the engine has been shut down")
+    _check_alive = LLMEngine._check_alive  # the same two checks, on this engine's dead_error and pool
 
     def check_ranks(self) -> str | None:
         if self.dead_error is None and self._pool is not None and self._pool.dead_reason is not None:
