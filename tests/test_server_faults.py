@@ -9,13 +9,14 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import httpx
 import pytest
 
 from server_utils import ServerProcess, descendants, in_thread, is_alive, metric_values, served_checkpoint
-from wait_utils import wait_until
+from wait_utils import SETTLE_S, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,3 +182,58 @@ def test_a_damaged_disk_tier_never_takes_the_server_down(model_dir, tmp_path):
         assert s2.stop() == 0
         s2.close()
     assert not (d / "notes.txt").exists() and (d / ".quarantine" / "notes.txt").exists()
+
+
+def _queue(values: dict, prefix: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(prefix + "{"))
+
+
+def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch):
+    """The queue gauges (/metrics, both namings) and the stats line read the request as running during its step: the
+    prefill's forward is held here until the gauges were read (no guess at how long a step takes)."""
+    import uvicorn
+
+    from cpinfer import AsyncLLM
+    from cpinfer.engine.llm_engine import LLMEngine
+    from cpinfer.server.app import ServerConfig, build_app
+    from cpinfer.server.metrics import StatsLogger
+    from server_utils import free_port
+
+    entered, release = threading.Event(), threading.Event()
+    forward = LLMEngine._run
+
+    def held(self, batch):
+        if batch.phase == "prefill" and not release.is_set():
+            entered.set()
+            release.wait(SETTLE_S)
+        return forward(self, batch)
+
+    monkeypatch.setattr(LLMEngine, "_run", held)
+    allm = AsyncLLM(str(model_dir), context_parallel_size=1, threads_per_rank=1, max_kv_tokens_per_rank=4096)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(allm, ServerConfig("tiny")), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: server.started, what="the in-process server listening")
+        stats = StatsLogger(allm.stats, 60)
+        stats.line()  # the first call sets the interval's start
+        request, box = in_thread(lambda: httpx.post(url + "/v1/completions", timeout=SETTLE_S, json={
+            "model": "tiny", "prompt": "a long prompt " * 40, "max_tokens": 4, "ignore_eos": True}))
+        wait_until(entered.is_set, what="the prefill's forward started")
+        during = metric_values(url)
+        line = stats.line()
+        release.set()
+        request.join(SETTLE_S)
+        assert box and not isinstance(box[0], BaseException) and box[0].status_code == 200, box
+        for name in ("cpinfer_num_requests", "vllm:num_requests"):
+            assert (_queue(during, f"{name}_running"), _queue(during, f"{name}_waiting")) == (1, 0), during
+        assert line is not None and "running 1 reqs, waiting 0 reqs" in line, line
+        wait_until(lambda: _queue(metric_values(url), "cpinfer_num_requests_running") == 0, what="the request done")
+    finally:
+        release.set()
+        server.should_exit = True
+        serving.join(SETTLE_S)
+        allm.shutdown()

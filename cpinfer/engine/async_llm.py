@@ -12,6 +12,7 @@ ranks every few tens of milliseconds, so a rank that dies while the engine is id
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -98,6 +99,9 @@ class AsyncLLM:
         self._stop = threading.Event()
         self.dead_error: str | None = None
         self._snapshot = (self.engine.cache_stats(), self.engine.stats())  # refreshed by the engine thread
+        # (running, waiting): published by the engine thread whenever they change, a long step's forward included
+        self._queue = self.engine.queue_counts()
+        self.engine.before_forward = self._publish_queue
         self._thread = threading.Thread(target=self._run, name="cpinfer-engine", daemon=True)
         self._thread.start()
 
@@ -174,10 +178,19 @@ class AsyncLLM:
         return dict(self._snapshot[0])
 
     def stats(self):
-        """`EngineStats` as of the last engine step."""
-        return self._snapshot[1]
+        """`EngineStats` as of the last engine step, but for the queue sizes: those are the engine's now (a request
+        counts as running while its step's forward is in progress)."""
+        running, waiting = self._queue
+        return dataclasses.replace(self._snapshot[1], num_running=running, num_waiting=waiting)
 
     # ------------------------------------------------------------------ the engine thread
+    def _publish_queue(self) -> None:
+        self._queue = self.engine.queue_counts()
+
+    def _publish(self) -> None:
+        self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+        self._publish_queue()
+
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None and self._loop is not None and not self._loop.is_closed():
@@ -211,12 +224,13 @@ class AsyncLLM:
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished_requests())
+                self._publish_queue()  # requests just queued wait
                 dead = self.engine.check_ranks()  # a sentinel fired, even with nothing to do
                 if dead is not None:
                     raise EngineDeadError(dead)
                 if not self.engine.has_unfinished_requests():
                     self.engine.sync_tiers()  # idle: background disk writes go out, their acks come back
-                    self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                    self._publish()
                     if time.monotonic() - last_busy > _HEARTBEAT_S:
                         self.engine.heartbeat()
                         last_busy = time.monotonic()
@@ -224,7 +238,7 @@ class AsyncLLM:
                 outputs = self.engine.step()
                 t0 = time.perf_counter()
                 last_busy = time.monotonic()
-                self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                self._publish()
                 for out in outputs:
                     if out.error is not None:
                         self._deliver(out.request_id, RequestFailedError(out.request_id, out.error))
