@@ -237,3 +237,38 @@ def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch
         server.should_exit = True
         serving.join(SETTLE_S)
         allm.shutdown()
+
+
+def test_a_storm_of_disconnecting_clients_logs_no_traceback(model_dir):
+    """Non-streamed requests whose clients close the connection while they run: each is aborted, the log has no
+    traceback (nor an unretrieved future), and the server goes on serving."""
+    srv = ServerProcess(["--model", str(model_dir), "--cp", "1", *ARGS, "--log-level", "info"])
+    n = 24
+    socks = []
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "storm", "max_tokens": 600, "ignore_eos": True}).encode()
+        for _ in range(n):
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=SETTLE_S)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            socks.append(sock)
+
+        def in_engine() -> float:
+            m = metric_values(srv.url)
+            return _queue(m, "cpinfer_num_requests_running") + _queue(m, "cpinfer_num_requests_waiting")
+
+        wait_until(lambda: in_engine() == n, what="every request in the engine")
+        for sock in socks:
+            sock.close()
+        wait_until(lambda: in_engine() == 0, what="every request ended")
+        m = metric_values(srv.url)
+        aborted = sum(v for k, v in m.items() if k.startswith("cpinfer_requests_total{") and 'outcome="abort"' in k)
+        assert 1 <= aborted <= n, m
+        assert _stream(srv.url, 8)["finish"] == "length"  # the server goes on
+        out = srv.output()
+        for bad in ("Traceback", "never retrieved", "Exception in ASGI", "CancelledError"):
+            assert bad not in out, out[-3000:]
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
