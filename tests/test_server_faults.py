@@ -1,7 +1,8 @@
 """Operators' bad days against `cpinfer serve` (a tiny random Llama on 127.0.0.1): SIGTERM to the whole process
 group mid-stream (systemd's default stop) lets in-flight requests finish and exits 0 with no process left; a client
 that stops reading a stream is cut off after the stall timeout, its request aborted, and the server's memory stays
-flat meanwhile.
+flat meanwhile; the queue gauges count a request as running during its (held) step; streams still running at the
+graceful timeout end with an "abort" chunk and [DONE]; a storm of disconnecting clients logs no traceback.
 """
 from __future__ import annotations
 
@@ -237,6 +238,43 @@ def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch
         server.should_exit = True
         serving.join(SETTLE_S)
         allm.shutdown()
+
+
+def _read_events(url: str, path: str, body: dict, lines: list) -> None:
+    """A stream's `data:` lines, appended to `lines` as they come (read to the end of the body)."""
+    with httpx.stream("POST", url + path, json=body, timeout=SETTLE_S) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+
+
+def test_sigterm_past_the_graceful_timeout_ends_streams_with_abort_and_done(model_dir):
+    """Streams that cannot finish within --graceful-timeout end whole: a last chunk with finish_reason "abort", then
+    [DONE]; the log has no traceback and the server exits 0."""
+    srv = ServerProcess(["--model", str(model_dir), "--cp", "1", "--graceful-timeout", "4", *ARGS])
+    try:
+        common = {"model": "tiny", "max_tokens": 8000, "stream": True, "ignore_eos": True, "temperature": 0}
+        text, chat = [], []
+        t1, b1 = in_thread(_read_events, srv.url, "/v1/completions", {**common, "prompt": "hello world"}, text)
+        t2, b2 = in_thread(_read_events, srv.url, "/v1/chat/completions",
+                           {**common, "messages": [{"role": "user", "content": "hi"}]}, chat)
+        wait_until(lambda: len(text) >= 3 and len(chat) >= 3, what="both streams flowing")
+        srv.proc.send_signal(signal.SIGTERM)
+        t1.join(SETTLE_S)
+        t2.join(SETTLE_S)
+        assert srv.proc.wait(timeout=SETTLE_S) == 0, srv.output()[-3000:]
+        assert b1 == [None] and b2 == [None], (b1, b2)  # read to the end: no incomplete body
+        for lines in (text, chat):
+            assert lines[-1] == "[DONE]", lines[-3:]
+            last = json.loads(lines[-2])
+            assert last["choices"][0]["finish_reason"] == "abort", last
+        out = srv.output()
+        assert "Traceback" not in out and "Exception in ASGI" not in out, out[-3000:]
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()
+        srv.close()
 
 
 def test_a_storm_of_disconnecting_clients_logs_no_traceback(model_dir):

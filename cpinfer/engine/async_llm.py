@@ -43,9 +43,11 @@ class RequestFailedError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's outputs; the last has `finished=True`."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str):
+    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int]):
         self.owner, self.request_id = owner, request_id
+        self._prompt = prompt_token_ids
         self._pending = None  # the newest output (or error) the reader has not taken yet
+        self._latest: RequestOutput | None = None  # the newest output put, taken or not
         self._ready = asyncio.Event()
         self._done = False
         self.coalesced = 0  # outputs replaced by a newer one before the reader took them
@@ -55,8 +57,17 @@ class RequestStream:
             return  # an error or the final output is waiting: nothing replaces it
         if self._pending is not None:
             self.coalesced += 1
+        if isinstance(item, RequestOutput):
+            self._latest = item
         self._pending = item
         self._ready.set()
+
+    def _cut(self) -> None:  # called on the event loop
+        """End the stream now: a final output with what was generated so far and finish_reason "abort"."""
+        last = self._latest or RequestOutput(request_id=self.request_id, prompt_token_ids=self._prompt, token_ids=[],
+                                             text="", logprobs=None, prompt_logprobs=None, num_cached_tokens=0,
+                                             finish_reason=None, metrics={})
+        self._put(dataclasses.replace(last, finished=True, finish_reason="abort", stop_reason=None))
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -152,7 +163,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         tokens = self.engine.validate(prompt, params)
         self._loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, list(tokens))
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, tokens, params))
         return stream
@@ -169,6 +180,22 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a queued or running request (no-op for unknown or finished ones)."""
         self._inbox.put(("abort", request_id, None, None))
+
+    def abort_all(self) -> int:
+        """End every open stream at once with a final output whose finish_reason is "abort" (what it generated so
+        far), without waiting for a running step; the engine frees the requests at its next step. Thread-safe;
+        returns how many streams were open."""
+        loop, rids = self._loop, list(self._streams)
+        if loop is not None and not loop.is_closed() and rids:
+            loop.call_soon_threadsafe(self._cut, rids)
+        return len(rids)
+
+    def _cut(self, rids: list[str]) -> None:
+        for rid in rids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._cut()
+            self.abort(rid)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -267,7 +267,8 @@ class OpenAIServer:
                 pass
 
     def finished(self, out, endpoint: str, t0: float) -> None:
-        self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length") else "stop")
+        self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length", "abort")
+                             else "stop")
         m = out.metrics or {}
         e2e = time.monotonic() - t0
         self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), e2e, len(out.prompt_token_ids),
