@@ -6,6 +6,7 @@ graceful timeout end with an "abort" chunk and [DONE]; a storm of disconnecting 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -189,15 +190,15 @@ def _queue(values: dict, prefix: str) -> float:
     return sum(v for k, v in values.items() if k.startswith(prefix + "{"))
 
 
-def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch):
-    """The queue gauges (/metrics, both namings) and the stats line read the request as running during its step: the
-    prefill's forward is held here until the gauges were read (no guess at how long a step takes)."""
+@contextlib.contextmanager
+def _held_prefill_server(model_dir, monkeypatch):
+    """An in-process server over a CP1 `AsyncLLM` whose prefill forwards wait for `release` (set it to let them
+    run): yields (engine, url, entered, release), `entered` set once a prefill's forward is held."""
     import uvicorn
 
     from cpinfer import AsyncLLM
     from cpinfer.engine.llm_engine import LLMEngine
     from cpinfer.server.app import ServerConfig, build_app
-    from cpinfer.server.metrics import StatsLogger
     from server_utils import free_port
 
     entered, release = threading.Event(), threading.Event()
@@ -216,9 +217,22 @@ def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch
                                            log_level="warning", lifespan="off"))
     serving = threading.Thread(target=server.run, daemon=True)
     serving.start()
-    url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: server.started, what="the in-process server listening")
+        yield allm, f"http://127.0.0.1:{port}", entered, release
+    finally:
+        release.set()
+        server.should_exit = True
+        serving.join(SETTLE_S)
+        allm.shutdown()
+
+
+def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch):
+    """The queue gauges (/metrics, both namings) and the stats line read the request as running during its step: the
+    prefill's forward is held here until the gauges were read (no guess at how long a step takes)."""
+    from cpinfer.server.metrics import StatsLogger
+
+    with _held_prefill_server(model_dir, monkeypatch) as (allm, url, entered, release):
         stats = StatsLogger(allm.stats, 60)
         stats.line()  # the first call sets the interval's start
         request, box = in_thread(lambda: httpx.post(url + "/v1/completions", timeout=SETTLE_S, json={
@@ -233,11 +247,25 @@ def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch
             assert (_queue(during, f"{name}_running"), _queue(during, f"{name}_waiting")) == (1, 0), during
         assert line is not None and "running 1 reqs, waiting 0 reqs" in line, line
         wait_until(lambda: _queue(metric_values(url), "cpinfer_num_requests_running") == 0, what="the request done")
-    finally:
+
+
+def test_abort_all_ends_a_stream_whose_prefill_is_still_running(model_dir, monkeypatch):
+    """What SIGTERM's cut relies on: `abort_all` ends a stream at once, last chunk "abort" and [DONE], even while
+    its step's forward is still running (held here); the engine frees the request after that step."""
+    with _held_prefill_server(model_dir, monkeypatch) as (allm, url, entered, release):
+        lines: list = []
+        reader, box = in_thread(_read_events, url, "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+            "logprobs": True, "top_logprobs": 2}, lines)
+        wait_until(entered.is_set, what="the prefill's forward started")
+        assert allm.abort_all() == 1
+        reader.join(SETTLE_S)
+        assert not release.is_set() and box == [None], box  # ended while the forward was still held
+        assert lines[-1] == "[DONE]", lines
+        assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "abort", lines
         release.set()
-        server.should_exit = True
-        serving.join(SETTLE_S)
-        allm.shutdown()
+        wait_until(lambda: (allm.stats().num_running, allm.stats().num_waiting) == (0, 0), what="the request freed")
+        assert allm.stats().requests_finished.get("abort") == 1
 
 
 def _read_events(url: str, path: str, body: dict, lines: list) -> None:
