@@ -1,21 +1,24 @@
 """Operators' bad days against `cpinfer serve` (a tiny random Llama on 127.0.0.1): SIGTERM to the whole process
 group mid-stream (systemd's default stop) lets in-flight requests finish and exits 0 with no process left; a client
 that stops reading a stream is cut off after the stall timeout, its request aborted, and the server's memory stays
-flat meanwhile.
+flat meanwhile; the queue gauges count a request as running during its (held) step; streams still running at the
+graceful timeout end with an "abort" chunk and [DONE]; a storm of disconnecting clients logs no traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import httpx
 import pytest
 
 from server_utils import ServerProcess, descendants, in_thread, is_alive, metric_values, served_checkpoint
-from wait_utils import wait_until
+from wait_utils import SETTLE_S, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -181,3 +184,157 @@ def test_a_damaged_disk_tier_never_takes_the_server_down(model_dir, tmp_path):
         assert s2.stop() == 0
         s2.close()
     assert not (d / "notes.txt").exists() and (d / ".quarantine" / "notes.txt").exists()
+
+
+def _queue(values: dict, prefix: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(prefix + "{"))
+
+
+@contextlib.contextmanager
+def _held_prefill_server(model_dir, monkeypatch):
+    """An in-process server over a CP1 `AsyncLLM` whose prefill forwards wait for `release` (set it to let them
+    run): yields (engine, url, entered, release), `entered` set once a prefill's forward is held."""
+    import uvicorn
+
+    from cpinfer import AsyncLLM
+    from cpinfer.engine.llm_engine import LLMEngine
+    from cpinfer.server.app import ServerConfig, build_app
+    from server_utils import free_port
+
+    entered, release = threading.Event(), threading.Event()
+    forward = LLMEngine._run
+
+    def held(self, batch):
+        if batch.phase == "prefill" and not release.is_set():
+            entered.set()
+            release.wait(SETTLE_S)
+        return forward(self, batch)
+
+    monkeypatch.setattr(LLMEngine, "_run", held)
+    allm = AsyncLLM(str(model_dir), context_parallel_size=1, threads_per_rank=1, max_kv_tokens_per_rank=4096)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(allm, ServerConfig("tiny")), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    try:
+        wait_until(lambda: server.started, what="the in-process server listening")
+        yield allm, f"http://127.0.0.1:{port}", entered, release
+    finally:
+        release.set()
+        server.should_exit = True
+        serving.join(SETTLE_S)
+        allm.shutdown()
+
+
+def test_queue_gauges_count_a_request_while_its_step_runs(model_dir, monkeypatch):
+    """The queue gauges (/metrics, both namings) and the stats line read the request as running during its step: the
+    prefill's forward is held here until the gauges were read (no guess at how long a step takes)."""
+    from cpinfer.server.metrics import StatsLogger
+
+    with _held_prefill_server(model_dir, monkeypatch) as (allm, url, entered, release):
+        stats = StatsLogger(allm.stats, 60)
+        stats.line()  # the first call sets the interval's start
+        request, box = in_thread(lambda: httpx.post(url + "/v1/completions", timeout=SETTLE_S, json={
+            "model": "tiny", "prompt": "a long prompt " * 40, "max_tokens": 4, "ignore_eos": True}))
+        wait_until(entered.is_set, what="the prefill's forward started")
+        during = metric_values(url)
+        line = stats.line()
+        release.set()
+        request.join(SETTLE_S)
+        assert box and not isinstance(box[0], BaseException) and box[0].status_code == 200, box
+        for name in ("cpinfer_num_requests", "vllm:num_requests"):
+            assert (_queue(during, f"{name}_running"), _queue(during, f"{name}_waiting")) == (1, 0), during
+        assert line is not None and "running 1 reqs, waiting 0 reqs" in line, line
+        wait_until(lambda: _queue(metric_values(url), "cpinfer_num_requests_running") == 0, what="the request done")
+
+
+def test_abort_all_ends_a_stream_whose_prefill_is_still_running(model_dir, monkeypatch):
+    """What SIGTERM's cut relies on: `abort_all` ends a stream at once, last chunk "abort" and [DONE], even while
+    its step's forward is still running (held here); the engine frees the request after that step."""
+    with _held_prefill_server(model_dir, monkeypatch) as (allm, url, entered, release):
+        lines: list = []
+        reader, box = in_thread(_read_events, url, "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+            "logprobs": True, "top_logprobs": 2}, lines)
+        wait_until(entered.is_set, what="the prefill's forward started")
+        assert allm.abort_all() == 1
+        reader.join(SETTLE_S)
+        assert not release.is_set() and box == [None], box  # ended while the forward was still held
+        assert lines[-1] == "[DONE]", lines
+        assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "abort", lines
+        release.set()
+        wait_until(lambda: (allm.stats().num_running, allm.stats().num_waiting) == (0, 0), what="the request freed")
+        assert allm.stats().requests_finished.get("abort") == 1
+
+
+def _read_events(url: str, path: str, body: dict, lines: list) -> None:
+    """A stream's `data:` lines, appended to `lines` as they come (read to the end of the body)."""
+    with httpx.stream("POST", url + path, json=body, timeout=SETTLE_S) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+
+
+def test_sigterm_past_the_graceful_timeout_ends_streams_with_abort_and_done(model_dir):
+    """Streams that cannot finish within --graceful-timeout end whole: a last chunk with finish_reason "abort", then
+    [DONE]; the log has no traceback and the server exits 0."""
+    srv = ServerProcess(["--model", str(model_dir), "--cp", "1", "--graceful-timeout", "4", *ARGS])
+    try:
+        common = {"model": "tiny", "max_tokens": 8000, "stream": True, "ignore_eos": True, "temperature": 0}
+        text, chat = [], []
+        t1, b1 = in_thread(_read_events, srv.url, "/v1/completions", {**common, "prompt": "hello world"}, text)
+        t2, b2 = in_thread(_read_events, srv.url, "/v1/chat/completions",
+                           {**common, "messages": [{"role": "user", "content": "hi"}]}, chat)
+        wait_until(lambda: len(text) >= 3 and len(chat) >= 3, what="both streams flowing")
+        srv.proc.send_signal(signal.SIGTERM)
+        t1.join(SETTLE_S)
+        t2.join(SETTLE_S)
+        assert srv.proc.wait(timeout=SETTLE_S) == 0, srv.output()[-3000:]
+        assert b1 == [None] and b2 == [None], (b1, b2)  # read to the end: no incomplete body
+        for lines in (text, chat):
+            assert lines[-1] == "[DONE]", lines[-3:]
+            last = json.loads(lines[-2])
+            assert last["choices"][0]["finish_reason"] == "abort", last
+        out = srv.output()
+        assert "Traceback" not in out and "Exception in ASGI" not in out, out[-3000:]
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()
+        srv.close()
+
+
+def test_a_storm_of_disconnecting_clients_logs_no_traceback(model_dir):
+    """Non-streamed requests whose clients close the connection while they run: each is aborted, the log has no
+    traceback (nor an unretrieved future), and the server goes on serving."""
+    srv = ServerProcess(["--model", str(model_dir), "--cp", "1", *ARGS, "--log-level", "info"])
+    n = 24
+    socks = []
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "storm", "max_tokens": 600, "ignore_eos": True}).encode()
+        for _ in range(n):
+            sock = socket.create_connection(("127.0.0.1", srv.port), timeout=SETTLE_S)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            socks.append(sock)
+
+        def in_engine() -> float:
+            m = metric_values(srv.url)
+            return _queue(m, "cpinfer_num_requests_running") + _queue(m, "cpinfer_num_requests_waiting")
+
+        wait_until(lambda: in_engine() == n, what="every request in the engine")
+        for sock in socks:
+            sock.close()
+        wait_until(lambda: in_engine() == 0, what="every request ended")
+        m = metric_values(srv.url)
+        aborted = sum(v for k, v in m.items() if k.startswith("cpinfer_requests_total{") and 'outcome="abort"' in k)
+        assert 1 <= aborted <= n, m
+        assert _stream(srv.url, 8)["finish"] == "length"  # the server goes on
+        out = srv.output()
+        for bad in ("Traceback", "never retrieved", "Exception in ASGI", "CancelledError"):
+            assert bad not in out, out[-3000:]
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()

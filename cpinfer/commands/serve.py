@@ -99,6 +99,24 @@ def _watch_engine(engine, server, stop: threading.Event) -> None:
             return
 
 
+def cut_after(graceful_timeout: float) -> float:
+    """Seconds into a graceful shutdown at which requests still running are aborted: 5 s before uvicorn would
+    cancel them (half the timeout when that is shorter), so each ends with its final chunk rather than mid-body."""
+    return max(graceful_timeout - 5.0, graceful_timeout / 2)
+
+
+def _cut_at_graceful_timeout(engine, server, stop: threading.Event, after_s: float) -> None:
+    """Once uvicorn is stopping, wait `after_s`, then end every request still running with finish_reason "abort"
+    (a stream then sends its last chunk and [DONE]; a whole response is returned with what was generated)."""
+    while not server.should_exit:
+        if stop.wait(0.1):
+            return
+    if not stop.wait(after_s):
+        count = engine.abort_all()
+        if count:
+            log.warning("the graceful shutdown timeout is near: %d request(s) still running are aborted", count)
+
+
 def _run_until_signal(server) -> str:
     """Run uvicorn until SIGINT / SIGTERM; in-flight requests end first. uvicorn re-raises the signal it caught
     once it has stopped, to the handler that was installed before it: ours records it, so the process goes on to
@@ -240,6 +258,8 @@ def run(args) -> int:
                  getattr(engine, "rank_pids", None) or _rank_pids())
         if args.exit_on_engine_death:
             threading.Thread(target=_watch_engine, args=(engine, server, stop_watch), daemon=True).start()
+        threading.Thread(target=_cut_at_graceful_timeout, daemon=True,
+                         args=(engine, server, stop_watch, cut_after(args.graceful_timeout))).start()
         if args.stats_interval > 0 and not args.disable_log_stats:
             stats = StatsLogger(engine.stats, args.stats_interval)
             threading.Thread(target=stats.run, args=(stop_watch,), daemon=True).start()

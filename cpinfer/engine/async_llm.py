@@ -12,6 +12,7 @@ ranks every few tens of milliseconds, so a rank that dies while the engine is id
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -42,9 +43,11 @@ class RequestFailedError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's outputs; the last has `finished=True`."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str):
+    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int]):
         self.owner, self.request_id = owner, request_id
+        self._prompt = prompt_token_ids
         self._pending = None  # the newest output (or error) the reader has not taken yet
+        self._latest: RequestOutput | None = None  # the newest output put, taken or not
         self._ready = asyncio.Event()
         self._done = False
         self.coalesced = 0  # outputs replaced by a newer one before the reader took them
@@ -54,8 +57,17 @@ class RequestStream:
             return  # an error or the final output is waiting: nothing replaces it
         if self._pending is not None:
             self.coalesced += 1
+        if isinstance(item, RequestOutput):
+            self._latest = item
         self._pending = item
         self._ready.set()
+
+    def _cut(self) -> None:  # called on the event loop
+        """End the stream now: a final output with what was generated so far and finish_reason "abort"."""
+        last = self._latest or RequestOutput(request_id=self.request_id, prompt_token_ids=self._prompt, token_ids=[],
+                                             text="", logprobs=None, prompt_logprobs=None, num_cached_tokens=0,
+                                             finish_reason=None, metrics={})
+        self._put(dataclasses.replace(last, finished=True, finish_reason="abort", stop_reason=None))
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -98,6 +110,9 @@ class AsyncLLM:
         self._stop = threading.Event()
         self.dead_error: str | None = None
         self._snapshot = (self.engine.cache_stats(), self.engine.stats())  # refreshed by the engine thread
+        # (running, waiting): published by the engine thread whenever they change, a long step's forward included
+        self._queue = self.engine.queue_counts()
+        self.engine.before_forward = self._publish_queue
         self._thread = threading.Thread(target=self._run, name="cpinfer-engine", daemon=True)
         self._thread.start()
 
@@ -148,7 +163,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         tokens = self.engine.validate(prompt, params)
         self._loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, list(tokens))
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, tokens, params))
         return stream
@@ -166,6 +181,22 @@ class AsyncLLM:
         """Abort a queued or running request (no-op for unknown or finished ones)."""
         self._inbox.put(("abort", request_id, None, None))
 
+    def abort_all(self) -> int:
+        """End every open stream at once with a final output whose finish_reason is "abort" (what it generated so
+        far), without waiting for a running step; the engine frees the requests at its next step. Thread-safe;
+        returns how many streams were open."""
+        loop, rids = self._loop, list(self._streams)
+        if loop is not None and not loop.is_closed() and rids:
+            loop.call_soon_threadsafe(self._cut, rids)
+        return len(rids)
+
+    def _cut(self, rids: list[str]) -> None:
+        for rid in rids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._cut()
+            self.abort(rid)
+
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
@@ -174,10 +205,19 @@ class AsyncLLM:
         return dict(self._snapshot[0])
 
     def stats(self):
-        """`EngineStats` as of the last engine step."""
-        return self._snapshot[1]
+        """`EngineStats` as of the last engine step, but for the queue sizes: those are the engine's now (a request
+        counts as running while its step's forward is in progress)."""
+        running, waiting = self._queue
+        return dataclasses.replace(self._snapshot[1], num_running=running, num_waiting=waiting)
 
     # ------------------------------------------------------------------ the engine thread
+    def _publish_queue(self) -> None:
+        self._queue = self.engine.queue_counts()
+
+    def _publish(self) -> None:
+        self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+        self._publish_queue()
+
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None and self._loop is not None and not self._loop.is_closed():
@@ -211,12 +251,13 @@ class AsyncLLM:
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished_requests())
+                self._publish_queue()  # requests just queued wait
                 dead = self.engine.check_ranks()  # a sentinel fired, even with nothing to do
                 if dead is not None:
                     raise EngineDeadError(dead)
                 if not self.engine.has_unfinished_requests():
                     self.engine.sync_tiers()  # idle: background disk writes go out, their acks come back
-                    self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                    self._publish()
                     if time.monotonic() - last_busy > _HEARTBEAT_S:
                         self.engine.heartbeat()
                         last_busy = time.monotonic()
@@ -224,7 +265,7 @@ class AsyncLLM:
                 outputs = self.engine.step()
                 t0 = time.perf_counter()
                 last_busy = time.monotonic()
-                self._snapshot = (self.engine.cache_stats(), self.engine.stats())
+                self._publish()
                 for out in outputs:
                     if out.error is not None:
                         self._deliver(out.request_id, RequestFailedError(out.request_id, out.error))

@@ -44,6 +44,7 @@ class LLMEngine:
     """Driver of N×M ranks: `add_request`, `abort`, `step() -> list[RequestOutput]`, `has_unfinished_requests()`."""
 
     startup_class = EngineStartup  # its start-up's steps; an engine over other ranks gives a subclass (startup.py)
+    before_forward = None  # called (no arguments) on the stepping thread once a step is scheduled, before its forward
 
     def __init__(self, model: str | None = None, **kwargs):
         self.dead_error: str | None = None
@@ -90,6 +91,8 @@ class LLMEngine:
         if forward is None:
             return outputs
         scheduled, batch, choice, form = forward
+        if self.before_forward is not None:
+            self.before_forward()
         t1 = time.perf_counter()
         results = self._run(batch)
         t2 = time.perf_counter()
@@ -237,6 +240,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now; call it on the thread that steps the engine."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def heartbeat(self) -> None:
         """Idle liveness check of ranks without a process sentinel (a torchrun world): raises if one is gone."""

@@ -219,7 +219,8 @@ class OpenAIServer:
 
     async def collect(self, rids: list[str], streams: list, http_request: Request, endpoint: str, t0: float):
         """Drain every stream to its final output (a list, in order); abort them all if the client goes away first
-        (None) or one fails (raised as an APIError)."""
+        (None) or one fails (raised as an APIError). Every task started here is awaited or cancelled and its outcome
+        read, so a disconnect leaves nothing for asyncio to report."""
 
         async def drain(stream):
             last = None
@@ -227,36 +228,28 @@ class OpenAIServer:
                 last = out
             return last
 
-        async def disconnected():
-            while True:
-                message = await http_request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-
         works = [asyncio.ensure_future(drain(s)) for s in streams]
-        everything, watch = asyncio.ensure_future(asyncio.gather(*works)), asyncio.ensure_future(disconnected())
+        watch = asyncio.ensure_future(_disconnected(http_request))
         try:
-            done, _ = await asyncio.wait({everything, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if everything in done:
-                outs = everything.result()  # raises what a stream raised
-                for out in outs:
-                    self.finished(out, endpoint, t0)
-                return outs
-            self.metrics.outcome(endpoint, "abort")
-            return None
+            if not await _all_before(works, watch):
+                log.info("request %s: the client disconnected before the response; aborted", rids[0])
+                self.metrics.outcome(endpoint, "abort")
+                return None
+            outs = [w.result() for w in works]
+            for out in outs:
+                self.finished(out, endpoint, t0)
+            return outs
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - a dead rank, this request's own failure, or a bug
             raise self.failure(exc, rids[0]) from None
         finally:
-            watch.cancel()
-            if not everything.done():
-                everything.cancel()
+            _settle(watch)
             for rid, work, stream in zip(rids, works, streams):
                 if not work.done():
-                    work.cancel()
                     self.abort(rid)
                     await self._close(stream)
+                _settle(work)
 
     def abort(self, request_id: str) -> None:
         try:
@@ -274,7 +267,8 @@ class OpenAIServer:
                 pass
 
     def finished(self, out, endpoint: str, t0: float) -> None:
-        self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length") else "stop")
+        self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length", "abort")
+                             else "stop")
         m = out.metrics or {}
         e2e = time.monotonic() - t0
         self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), e2e, len(out.prompt_token_ids),
@@ -335,6 +329,35 @@ class OpenAIServer:
                     await self._close(stream)
                 self.metrics.outcome(endpoint, "abort")
         yield "data: [DONE]\n\n"
+
+
+async def _disconnected(http_request: Request) -> None:
+    """Returns once the client has closed the connection."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _all_before(works: list, watch) -> bool:
+    """True once every work is done, False if `watch` ends first; the first work that fails raises its error."""
+    pending = set(works)
+    while pending:
+        done, pending = await asyncio.wait({*pending, watch}, return_when=asyncio.FIRST_COMPLETED)
+        for work in done - {watch}:
+            if work.exception() is not None:
+                raise work.exception()
+        pending.discard(watch)
+        if watch in done and pending:
+            return False
+    return True
+
+
+def _settle(task) -> None:
+    """Cancel a task still running; read a finished one's error (reported once already, or not needed): asyncio
+    then has no "exception was never retrieved" to log."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 def _events(chunks: Callable, i: int, out, progress: Progress) -> str:

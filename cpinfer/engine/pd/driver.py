@@ -46,6 +46,8 @@ class _Call:
 class PDEngine:
     """Prefill group + decode groups behind `LLMEngine`'s interface (`add_request`, `abort`, `step`, ...)."""
 
+    before_forward = None  # as LLMEngine's: called once the step's calls are submitted, before waiting for them
+
     def __init__(self, model: str | None = None, pd_decode_cp: int | None = None, pd_decode_groups: int = 1,
                  **kwargs):
         self.dead_error: str | None = None
@@ -187,6 +189,8 @@ class PDEngine:
                 raise RuntimeError(f"P/D engine stalled: {len(self.handoffs.parked)} request(s) wait for a decode "
                                    "group, nothing runs (this is a bug)")
             return outputs
+        if self.before_forward is not None:
+            self.before_forward()
         for i in self._wait_any():
             outputs += self._finish(i)
         return outputs
@@ -305,6 +309,12 @@ class PDEngine:
         out["kv_tokens_per_rank"] = [t for g in self.groups for t in g.kv.tokens_per_rank()]
         out["pd"] = self.pd_stats()
         return out
+
+    def queue_counts(self) -> tuple[int, int]:
+        """(running, waiting) as `stats()` counts them; call it on the thread that steps the engine."""
+        counts = [g.queue_counts() for g in self.groups]
+        return (sum(r for r, _ in counts) + self.handoffs.on_way(),
+                sum(w for _, w in counts) + len(self.handoffs.parked))
 
     def stats(self) -> EngineStats:
         return _merged_stats([g.stats() for g in self.groups], self.handoffs.on_way(), len(self.handoffs.parked),
