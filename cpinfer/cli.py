@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from cpinfer.launch.common import set_cli_program
+
+    set_cli_program(True)  # a rank that dies is never told to guard a script: this program is not one
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad input: one clear line, no traceback
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        set_cli_program(False)
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None):
