@@ -13,13 +13,19 @@ COMMANDS = ["demo", "serve", "generate", "bench", "plan", "calibrate"]
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose "unrecognized arguments" error names the closest flag it knows."""
+    """An ArgumentParser whose "unrecognized arguments" error says why for an option it knows it lacks (`unsupported`:
+    another tool's option → what to do instead, set by a command), else names the closest flag it knows."""
+
+    unsupported: dict[str, str] = {}
 
     def suggest(self, unknown: list[str]) -> str:
         known = sorted(self._option_string_actions)
         words = []
         for arg in unknown:
             flag = arg.split("=", 1)[0]
+            if flag in self.unsupported:
+                words.append(f"{arg} ({self.unsupported[flag]})")
+                continue
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6) if flag.startswith("-") else []
             words.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
         return f"unrecognized arguments: {' '.join(words)}"
