@@ -150,6 +150,24 @@ def test_a_max_model_len_set_beyond_the_kv_cache_is_refused_before_any_rank_star
         LLM(str(path), max_kv_tokens_per_rank=256, max_model_len=1024, threads_per_rank=1)
 
 
+def test_a_measured_kv_cache_too_small_for_max_model_len_stops_the_ranks(llama_checkpoint, monkeypatch):
+    """On CUDA the capacity is known once the ranks measured it: a max_model_len it cannot hold is refused then, and
+    the ranks are stopped (here the measurement is stood in for by a smaller capacity than the one asked for)."""
+    import multiprocessing
+
+    from cpinfer.engine.startup import EngineStartup
+
+    before = set(multiprocessing.active_children())  # the module's pooled engines' ranks stay
+    measured = EngineStartup.start_ranks
+    monkeypatch.setattr(EngineStartup, "start_ranks", lambda self, capacity: measured(self, capacity) // 4)
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    with pytest.raises(ValueError, match=r"max_model_len 1000 does not fit the KV cache: 512 KV tokens per rank x CP 2 "
+                                         r"hold at most 888 tokens"):
+        LLM(str(path), context_parallel_size=2, max_kv_tokens_per_rank=2048, max_model_len=1000, threads_per_rank=1,
+            in_process=False)
+    assert not set(multiprocessing.active_children()) - before  # this engine's rank process was stopped
+
+
 def test_the_model_s_context_is_lowered_to_what_the_kv_cache_holds(llama_checkpoint, engine):
     """max_model_len not given: the model's 4096 is lowered, with one warning naming both numbers, to what 256 tokens
     per rank hold for one request; a request of exactly that length runs, one token more is refused."""
