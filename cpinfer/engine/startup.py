@@ -117,7 +117,8 @@ class EngineStartup:
         cache = (f"{capacity} KV tokens per rank x CP {e.n}{where} hold at most {holds} tokens for one request "
                  f"(prompt + output)")
         more = "raise max_kv_tokens_per_rank" if a.max_kv_tokens_per_rank is not None else (
-            "raise gpu_memory_utilization" if a.device == "cuda" else "give the KV cache more memory")
+            "raise gpu_memory_utilization" if a.device == "cuda" else
+            "set max_kv_tokens_per_rank (the default is kv_memory_fraction of RAM)")
         if holds < 2:
             raise ValueError(f"the KV cache holds no request: {cache}; {more} or context_parallel_size")
         if a.max_model_len is not None:
