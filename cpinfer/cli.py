@@ -13,13 +13,19 @@ COMMANDS = ["demo", "serve", "generate", "bench", "plan", "calibrate"]
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose "unrecognized arguments" error names the closest flag it knows."""
+    """An ArgumentParser whose "unrecognized arguments" error says why for an option it knows it lacks (`unsupported`:
+    another tool's option → what to do instead, set by a command), else names the closest flag it knows."""
+
+    unsupported: dict[str, str] = {}
 
     def suggest(self, unknown: list[str]) -> str:
         known = sorted(self._option_string_actions)
         words = []
         for arg in unknown:
             flag = arg.split("=", 1)[0]
+            if flag in self.unsupported:
+                words.append(f"{arg} ({self.unsupported[flag]})")
+                continue
             close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6) if flag.startswith("-") else []
             words.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
         return f"unrecognized arguments: {' '.join(words)}"
@@ -53,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from cpinfer.launch.common import set_cli_program
+
+    set_cli_program(True)  # a rank that dies is never told to guard a script: this program is not one
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad input: one clear line, no traceback
@@ -61,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        set_cli_program(False)
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None):

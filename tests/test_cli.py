@@ -235,3 +235,29 @@ def test_generate_gguf_file_and_max_model_len(tmp_path, monkeypatch, capsys, cpi
     assert main(["generate", "--model", str(gguf), "--max-model-len", "300", *long, "--json"]) == 0
     assert any("300" in m and "256" in m and "not guaranteed" in m for m in cpinfer_warnings)
     assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]) == 10
+
+
+def test_serve_fits_max_model_len_to_the_kv_cache(capsys):
+    """2048 KV tokens per rank at CP 1 hold 1982 tokens for one request, less than the embedded model's 8192: a
+    --max-model-len 8192 is refused before any rank starts; left to the model, the served max_model_len is lowered
+    (one warning with both numbers), /v1/models says so, and a chat request without max_tokens is accepted."""
+    import httpx
+
+    from server_utils import ServerProcess
+
+    assert _exit_code(["serve", "--max-kv-tokens-per-rank", "2048", "--max-model-len", "8192", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert ("cpinfer serve: error: max_model_len 8192 does not fit the KV cache: 2048 KV tokens per rank x CP 1 hold "
+            "at most 1982 tokens for one request (prompt + output); lower max_model_len to 1982 or less") in err, err
+    server = ServerProcess(["--max-kv-tokens-per-rank", "2048", "--threads-per-rank", "1", "--log-level", "warning"])
+    try:
+        assert httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"] == 1982
+        body = {"messages": [{"role": "user", "content": "Hello"}], "stream": True, "temperature": 0}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            assert next(r.iter_lines()).startswith("data: ")  # accepted and streaming: enough (then disconnect)
+        assert server.stop() == 0
+        warned = [line for line in server.output().splitlines() if "max_model_len lowered" in line]
+        assert len(warned) == 1 and "from 8192 (the model's max_position_embeddings) to 1982" in warned[0], warned
+    finally:
+        server.close()

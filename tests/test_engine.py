@@ -132,11 +132,66 @@ def test_capacity_rejection_leaves_engine_serving(llama_checkpoint, engine):
     llm = engine(path, 2, max_kv_tokens_per_rank=512)
     prompt = prompts_for(256, [100])[0]
     first = llm.generate([prompt], SamplingParams(max_tokens=4, **GREEDY))[0]
-    with pytest.raises(ValueError, match="KV tokens per rank"):
+    assert llm.engine.max_model_len == 2 * (7 * 64 - 4)  # lowered: what 512 tokens per rank x CP 2 hold
+    with pytest.raises(ValueError, match=r"maximum model length 888 \(what the KV cache holds for one request; the "
+                                         r"model's max_position_embeddings is 4096\)"):
         llm.generate([prompts_for(256, [1500])[0]], SamplingParams(max_tokens=4))
     again = llm.generate([prompt + first.token_ids + [7, 8]], SamplingParams(max_tokens=4, **GREEDY))[0]
     assert again.num_cached_tokens == len(prompt) + len(first.token_ids) - 1  # the cache survived
     check_against_hf(path, [again], [prompt + first.token_ids + [7, 8]], 4, check_prompt_lp=False)
+
+
+def test_a_max_model_len_set_beyond_the_kv_cache_is_refused_before_any_rank_starts(llama_checkpoint):
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    with pytest.raises(ValueError, match=r"max_model_len 1024 does not fit the KV cache: 256 KV tokens per rank x CP 1 "
+                                         r"hold at most 190 tokens for one request \(prompt \+ output\); lower "
+                                         r"max_model_len to 190 or less, or raise max_kv_tokens_per_rank or "
+                                         r"context_parallel_size"):
+        LLM(str(path), max_kv_tokens_per_rank=256, max_model_len=1024, threads_per_rank=1)
+
+
+def test_a_measured_kv_cache_too_small_for_max_model_len_stops_the_ranks(llama_checkpoint, monkeypatch):
+    """On CUDA the capacity is known once the ranks measured it: a max_model_len it cannot hold is refused then, and
+    the ranks are stopped (here the measurement is stood in for by a smaller capacity than the one asked for)."""
+    import multiprocessing
+
+    from cpinfer.engine.startup import EngineStartup
+
+    before = set(multiprocessing.active_children())  # the module's pooled engines' ranks stay
+    measured = EngineStartup.start_ranks
+    monkeypatch.setattr(EngineStartup, "start_ranks", lambda self, capacity: measured(self, capacity) // 4)
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    with pytest.raises(ValueError, match=r"max_model_len 1000 does not fit the KV cache: 512 KV tokens per rank x CP 2 "
+                                         r"hold at most 888 tokens"):
+        LLM(str(path), context_parallel_size=2, max_kv_tokens_per_rank=2048, max_model_len=1000, threads_per_rank=1,
+            in_process=False)
+    assert not set(multiprocessing.active_children()) - before  # this engine's rank process was stopped
+
+
+def test_the_model_s_context_is_lowered_to_what_the_kv_cache_holds(llama_checkpoint, engine):
+    """max_model_len not given: the model's 4096 is lowered, with one warning naming both numbers, to what 256 tokens
+    per rank hold for one request; a request of exactly that length runs, one token more is refused."""
+    import logging
+
+    path = llama_checkpoint("gqa", max_position_embeddings=4096)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("cpinfer").addHandler(handler)
+    try:
+        llm = engine(path, 1, max_kv_tokens_per_rank=256)
+    finally:
+        logging.getLogger("cpinfer").removeHandler(handler)
+    assert llm.engine.max_model_len == 190
+    warned = [r.getMessage() for r in records if "max_model_len lowered" in r.getMessage()]
+    assert warned == ["max_model_len lowered from 4096 (the model's max_position_embeddings) to 190: 256 KV tokens per "
+                      "rank x CP 1 hold at most 190 tokens for one request (prompt + output); raise "
+                      "max_kv_tokens_per_rank or context_parallel_size to serve the model's whole context"], warned
+    prompt = prompts_for(256, [180])[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))[0]
+    assert len(out.token_ids) == 10
+    with pytest.raises(ValueError, match="= 191 exceeds the maximum model length 190"):
+        llm.generate([prompt], SamplingParams(max_tokens=11))
 
 
 def test_lru_eviction_under_pressure(llama_checkpoint, engine):

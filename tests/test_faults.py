@@ -7,9 +7,13 @@ freed within seconds too.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from server_utils import is_loopback, listening_addresses
 from wait_utils import DEAD_RANK_SEEN_S
 
 pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _raise_on_last_rank_else_wait(ctx):
@@ -92,11 +97,54 @@ def test_a_rank_killed_while_idle_is_seen_in_seconds(driver_rank):
         while pool.dead_reason is None and time.monotonic() - t0 < 60:
             time.sleep(0.01)
         assert time.monotonic() - t0 < DEAD_RANK_SEEN_S, pool.dead_reason
-        assert pool.dead_reason == "rank 1 exited (killed by SIGKILL)"
-        with pytest.raises(RuntimeError, match="rank 1 exited"):
+        assert pool.dead_reason == (f"rank 1 (pid {pids[1]}) was killed by SIGKILL: check the rank's output above "
+                                    "and the system log (out of memory?)")
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL") as failed:
             pool.run(_pid)
-        with pytest.raises(RuntimeError, match="closed: rank 1 exited"):  # even a call only rank 0 would answer
-            pool.run_some(_pid, [(), None])
+        assert "__main__" not in str(failed.value)  # no script guard hint: the rank was killed, not a script's fault
+        with pytest.raises(RuntimeError, match=r"closed: rank 1 \(pid \d+\) was killed"):  # even a call only rank 0
+            pool.run_some(_pid, [(), None])  # would answer
+
+
+def test_a_rank_death_names_the_rank_its_fate_and_what_to_do(monkeypatch):
+    """The `__main__` guard is suggested only where it can be the cause: a rank that exited with an error while the
+    pool started, under a user's script; never for a killed rank, a rank lost later, or the cpinfer command line."""
+    from cpinfer.launch import common
+
+    check = "check the rank's output above and the system log (out of memory?)"
+    monkeypatch.setattr(common, "user_script_program", lambda: True)
+    assert common.rank_death(1, 42, -9, starting=True) == f"rank 1 (pid 42) was killed by SIGKILL: {check}"
+    assert common.rank_death(2, 43, 1, starting=False) == f"rank 2 (pid 43) exited with code 1: {check}"
+    guard = common.rank_death(1, 42, 1, starting=True)
+    assert guard.startswith("rank 1 (pid 42) exited with code 1 during start-up: see its output above")
+    assert 'needs an `if __name__ == "__main__":` guard' in guard
+    monkeypatch.setattr(common, "user_script_program", lambda: False)  # the cpinfer command line (serve, generate)
+    assert common.rank_death(1, 42, 1, starting=True) == f"rank 1 (pid 42) exited with code 1 during start-up: {check}"
+
+
+def test_user_script_program_is_false_under_the_command_line(monkeypatch):
+    from cpinfer.launch import common
+
+    monkeypatch.setitem(common._PROGRAM, "cli", True)
+    assert not common.user_script_program()
+    monkeypatch.setitem(common._PROGRAM, "cli", False)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "/home/user/train.py", raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    assert common.user_script_program()
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    """A script that starts ranks at import: each spawned rank imports it again and fails at start-up; the error
+    names the rank, its exit and the missing guard."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from cpinfer.launch import WorkerPool\nWorkerPool(2, timeout_s=60).close()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"worker pool failed during start-up: rank \d \(pid \d+\) exited with code 1 during start-up: "
+                     r"see its output above; a script that starts ranks needs an `if __name__ == \"__main__\":` guard",
+                     last), proc.stderr[-3000:]
 
 
 def test_rank_0_in_this_process_runs_calls_here_and_frees_its_slot_on_close():
@@ -135,7 +183,7 @@ def test_rank_0_in_this_process_is_never_stuck_in_a_collective(fault):
             assert "rank 0 raised" in pool.dead_reason
         else:
             threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL)).start()
-            with pytest.raises(RuntimeError, match=r"rank 1 exited \(killed by SIGKILL\)"):
+            with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {pids[1]}\) was killed by SIGKILL: check"):
                 pool.run(_barrier_after, 30.0)
         assert time.monotonic() - t0 < DEAD_RANK_SEEN_S  # (the collective timeout is 60 s; the barrier's sleep 30 s)
         assert _ended(pool)

@@ -376,3 +376,19 @@ def test_check_room_refuses_what_an_empty_cache_cannot_hold_and_names_the_knob()
     with pytest.raises(ValueError, match=r"per rank on a decode group \(prompt 1000, max_tokens 50, pd_decode_cp=2\)"
                                          r" .* raise max_kv_tokens_per_rank or pd_decode_cp, or shorten"):
         kv.check_room(1000, 50, " on a decode group", "pd_decode_cp=2")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("capacity", [64, 128, 256, 2048, 4160])
+def test_request_tokens_held_is_the_longest_request_check_room_admits(n, capacity):
+    """The bound a max_model_len is fitted to at start-up (engine/startup.py): every request within it fits an empty
+    cache, one token more does not."""
+    from cpinfer.engine.kv.manager import request_tokens_held
+
+    kv = KVManager(n, capacity)
+    held = request_tokens_held(n, capacity)
+    assert kv.request_tokens_held == held
+    if held > 0:
+        kv.check_room(held - 1, 1)
+    with pytest.raises(ValueError, match="KV tokens per rank"):
+        kv.check_room(held, 1)

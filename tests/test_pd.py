@@ -576,6 +576,25 @@ def test_async_engine_streams_over_pd(llama):
     assert set(stats.pd["utilization"]) == {"prefill", "decode0"}
 
 
+def test_max_model_len_is_what_every_group_holds(pools, llama):
+    """The model's 512 tokens: the prefill group (CP 2 x 512 KV tokens per rank) holds 888 for one request, the
+    decode group (CP 1) 446. Set by the user it is refused, naming the decode group; else every group serves 446."""
+    with pytest.raises(ValueError, match=r"max_model_len 500 does not fit the KV cache: 512 KV tokens per rank x CP 1 "
+                                         r"on the decode0 group hold at most 446 tokens"):
+        LLM(str(llama), context_parallel_size=2, pd_decode_cp=1, max_kv_tokens_per_rank=512, max_model_len=500,
+            threads_per_rank=1)
+    llm = _pd_llm(pools(3), llama, context_parallel_size=2, pd_decode_cp=1, placement="shard",
+                  max_kv_tokens_per_rank=512)
+    try:
+        assert llm.engine.max_model_len == 446
+        assert [g.max_model_len for g in llm.engine.groups] == [446, 446]
+        with pytest.raises(ValueError, match=r"= 447 exceeds the maximum model length 446 \(what the KV cache holds"):
+            llm.generate([[5] * 440], SamplingParams(max_tokens=7))
+        assert len(llm.generate([[5] * 440], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids) == 6
+    finally:
+        llm.shutdown()
+
+
 def test_dead_decode_rank_is_seen_in_seconds(pools, llama):
     """Last in the module (it kills a rank of the 3-rank pool): a decode rank that dies ends the engine at the next
     step with the reason, within seconds, instead of hanging."""

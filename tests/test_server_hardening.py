@@ -365,7 +365,10 @@ def test_a_rank_killed_while_busy_is_seen_in_seconds_and_the_server_exits_1(serv
     assert server.proc.wait(timeout=60) == 1, server.output()[-2000:]  # a supervisor restarts it
     _assert_gone(everything)
     assert port_is_free(server.port)
-    assert "engine is dead" in server.output()  # the reason is in the log
+    out = server.output()
+    assert "engine is dead" in out  # the reason is in the log: which rank, how it ended, what to look at
+    assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL: check the rank's output above and the system log", out)
+    assert "__main__" not in out  # no script guard to add: serve is not a user's script
 
 
 def test_a_rank_killed_while_idle_turns_health_503_in_seconds_without_internals(model_dir):

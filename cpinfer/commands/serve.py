@@ -88,6 +88,29 @@ def _rank_pids() -> list[int]:
 
 EXIT_ENGINE_DEAD = 1
 
+_SEE = "see docs/serving.md, Coming from vLLM"
+# vLLM's options that `serve` does not take, each refused with why and what to give instead (docs/serving.md)
+VLLM_UNSUPPORTED = {
+    **dict.fromkeys(("--pipeline-parallel-size", "-pp"), "vLLM's; pipeline parallelism is not supported: use --cp "
+                                                         "and -tp"),
+    **dict.fromkeys(("--data-parallel-size", "-dp"), "vLLM's; data parallelism is not supported: run one server "
+                                                     "per replica"),
+    "--quantization": "vLLM's; not supported: the checkpoint's own format decides",
+    **dict.fromkeys(("--enable-lora", "--lora-modules"), "vLLM's; LoRA adapters are not supported"),
+    "--trust-remote-code": "vLLM's; no remote code runs: only the families in docs/models.md",
+    "--tokenizer-mode": f"vLLM's; not supported ({_SEE})",
+    "--tokenizer-revision": f"vLLM's; not supported ({_SEE})",
+    "--block-size": "vLLM's; not supported: the KV cache's block size is fixed",
+    "--limit-mm-per-prompt": "vLLM's; not supported: text only",
+    **dict.fromkeys(("--task", "--runner"), "vLLM's; not supported: generation only"),
+    "--uvicorn-log-level": "vLLM's name: use --log-level",
+    "--disable-uvicorn-access-log": "vLLM's; cpinfer logs no access lines unless --access-log",
+    **dict.fromkeys(("--decode-context-parallel-size", "-dcp"), "vLLM's name: use --cp (context parallelism for "
+                                                                "prefill and decode)"),
+    "--swap-space": "vLLM's; use --kv-host-gib (a host tier for evicted K/V)",
+    "--enable-chunked-prefill": "vLLM's; chunked prefill is always on: --max-num-batched-tokens sets the chunk",
+}
+
 
 def _watch_engine(engine, server, stop: threading.Event) -> None:
     """Stop uvicorn (gracefully: in-flight responses end with their error) once the engine is dead."""
@@ -295,6 +318,7 @@ def register(subparsers) -> None:
     add_device_arguments(parser)
     multinode.add_arguments(parser)
     parser.set_defaults(func=run)
+    parser.unsupported = VLLM_UNSUPPORTED
 
 
 def _frontend_arguments(parser) -> None:

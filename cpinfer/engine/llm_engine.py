@@ -195,8 +195,8 @@ class LLMEngine:
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                             f"the maximum model length {self.max_model_len} (the model's max_position_embeddings "
-                             f"is {self.config.max_position_embeddings}); shorten the prompt or lower max_tokens")
+                             f"the maximum model length {self.max_model_len} ({self.max_model_len_note}); shorten the "
+                             "prompt or lower max_tokens")
         self.kv.check_room(len(prompt), params.max_tokens)
         return prompt
 

@@ -16,7 +16,7 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
 from cpinfer.engine.kv.fp8 import layout_dtype, per_token
-from cpinfer.engine.kv.manager import BLOCK, KVManager
+from cpinfer.engine.kv.manager import BLOCK, KVManager, request_tokens_held
 from cpinfer.engine.kv.placement import CostModel, Placer
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tiers import TierConfig
@@ -49,6 +49,8 @@ class EngineStartup:
         t0 = time.perf_counter()
         self.read_model(model)
         capacity = self.initial_capacity()
+        if capacity is not None:  # given or a share of RAM: max_model_len is checked against it before ranks start
+            self.fit_max_model_len(capacity)
         # "auto" resolves here ($CPINFER_ATTENTION_BACKEND, installed packages), so a bad choice fails before ranks
         # start; the ranks resolve it again on their devices (torch-flash's probe runs there) and report the result
         e.attention_backend = resolve_name(a.attention_backend, torch.device(a.device), probe=False)
@@ -61,6 +63,7 @@ class EngineStartup:
         capacity = self.start_ranks(capacity)
         e.disk = None  # the opened disk-tier directory
         try:
+            self.fit_max_model_len(capacity)  # measured on the GPUs (or a draft's share of RAM): checked now
             if e.draft is not None:
                 load_draft(e)
             self.make_kv(capacity, self.start_tiers())
@@ -92,6 +95,7 @@ class EngineStartup:
                              f"({e.config.intermediate_size})")
         trained = e.config.max_position_embeddings
         e.max_model_len = a.max_model_len or trained
+        e.max_model_len_note = f"the model's max_position_embeddings is {trained}"  # why it is what it is
         e.max_logprobs = e.config.vocab_size if a.max_logprobs == -1 else a.max_logprobs
         if e.max_model_len > trained:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: quality beyond the "
@@ -100,6 +104,35 @@ class EngineStartup:
         # a catalog name or a `cpinfer calibrate` JSON; loaded now so a bad path fails before any rank starts
         e.hardware = load_hardware_profile(a.hardware_profile or ("cpu-gloo" if a.device == "cpu" else "h100-gtt"))
         e.elem_bytes = getattr(torch, a.dtype).itemsize
+
+    def fit_max_model_len(self, capacity: int) -> None:
+        """A max_model_len the KV cache cannot hold for one request (`capacity` tokens per rank over this engine's CP
+        ranks, as the KV manager counts blocks) is refused when the user set it, else lowered to what the cache holds,
+        with a warning (as vLLM): every request within max_model_len then fits an empty cache."""
+        e, a = self.engine, self.engine.args
+        holds = request_tokens_held(e.n, capacity)
+        if e.max_model_len <= holds:
+            return
+        where = self.capacity_where()
+        cache = (f"{capacity} KV tokens per rank x CP {e.n}{where} hold at most {holds} tokens for one request "
+                 f"(prompt + output)")
+        more = "raise max_kv_tokens_per_rank" if a.max_kv_tokens_per_rank is not None else (
+            "raise gpu_memory_utilization" if a.device == "cuda" else
+            "set max_kv_tokens_per_rank (the default is kv_memory_fraction of RAM)")
+        if holds < 2:
+            raise ValueError(f"the KV cache holds no request: {cache}; {more} or context_parallel_size")
+        if a.max_model_len is not None:
+            raise ValueError(f"max_model_len {e.max_model_len} does not fit the KV cache: {cache}; lower max_model_len "
+                             f"to {holds} or less, or {more} or context_parallel_size")
+        log.warning("max_model_len lowered from %d (the model's max_position_embeddings) to %d: %s; %s or "
+                    "context_parallel_size to serve the model's whole context", e.max_model_len, holds, cache, more)
+        e.max_model_len = holds
+        e.max_model_len_note = (f"what the KV cache holds for one request; the model's max_position_embeddings is "
+                                f"{e.config.max_position_embeddings}")
+
+    def capacity_where(self) -> str:
+        """Which ranks a capacity message speaks of ("" for the engine's own; a P/D role names its group)."""
+        return ""
 
     def read_tokenizer(self) -> None:
         """The tokenizer (the model's own, or the one named) and the checkpoint's generation defaults."""

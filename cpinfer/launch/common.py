@@ -6,6 +6,7 @@ import dataclasses
 import os
 import signal
 import socket
+import sys
 import traceback
 from typing import Any
 
@@ -59,6 +60,44 @@ def bind_to_loopback() -> None:
     if lo is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+_PROGRAM = {"cli": False}  # whether the `cpinfer` command line (cli.main) is the program running now
+
+
+def set_cli_program(running: bool) -> None:
+    """cli.main marks the `cpinfer` command line as the program (its ranks never re-import a user's script)."""
+    _PROGRAM["cli"] = bool(running)
+
+
+def user_script_program() -> bool:
+    """Whether this process runs a user's script that spawned ranks import again (where the script needs an
+    `if __name__ == "__main__":` guard): a `__main__` module with a file that is not the cpinfer command line."""
+    if _PROGRAM["cli"]:
+        return False
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) is None:  # python -c, an interactive session, an embedding program
+        return False
+    spec = getattr(main, "__spec__", None)
+    return spec is None or not (spec.name or "").startswith("cpinfer.")  # python -m cpinfer: the command line
+
+
+def rank_death(rank: int, pid: int | None, code: int | None, starting: bool) -> str:
+    """What happened to a rank process that exited unasked, and what to do about it. The `__main__` guard is named
+    only where it can be the cause: a rank that exited with an error while the pool started, under a user's script."""
+    who = f"rank {rank}" + (f" (pid {pid})" if pid is not None else "")
+    if code is not None and code < 0:
+        fate = f"was {describe_exit(code)}"
+    elif code is None:
+        fate = "is exiting"
+    else:
+        fate = f"exited with code {code}" + (" during start-up" if starting else "")
+    if starting and code is not None and code > 0 and user_script_program():
+        hint = ("see its output above; a script that starts ranks needs an `if __name__ == \"__main__\":` guard "
+                "(each rank is a spawned process that imports the script again)")
+    else:
+        hint = "check the rank's output above and the system log (out of memory?)"
+    return f"{who} {fate}: {hint}"
 
 
 def describe_exit(code: int | None) -> str:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from cpinfer.device import check_gpus
 from cpinfer.launch.calls import START_UP, CallBook
-from cpinfer.launch.common import RemoteError, describe_exit
+from cpinfer.launch.common import RemoteError, rank_death
 from cpinfer.launch.driver import DRIVER_HOSTS, DriverRank
 from cpinfer.launch.rank import worker_main
 
@@ -105,6 +105,7 @@ class WorkerPool:
         self._driver_call = 0  # driver_rank: the id of the call rank 0 is in, from its first send (0: none)
         self._book = CallBook()  # the calls in flight: which reply each rank owes (stale ones are dropped)
         self._alarmed: int | None = None  # the rank whose error made the watcher end the pool
+        self._starting = True  # until every rank has joined (a rank's death then may be a script's missing guard)
         for rank in range(1 if driver_rank else 0, world_size):
             self._spawn(ctx, rank, (world_size, store_path, backend, threads_per_rank, timeout_s), device,
                         driver_rank)
@@ -120,6 +121,7 @@ class WorkerPool:
         except BaseException:
             self.close(force=True)
             raise
+        self._starting = False
 
     def _spawn(self, ctx, rank: int, world: tuple, device: str, alarm: bool) -> None:
         """Start rank process `rank` with its pipes; world: (size, store path, backend, threads, timeout_s)."""
@@ -139,9 +141,10 @@ class WorkerPool:
         self._inboxes[rank], self._outboxes[rank], self._proc_of[rank] = in_send, out_recv, p
 
     def _exited(self, rank: int) -> str:
-        """Why rank process `rank` is gone (it has exited or is exiting)."""
-        self._proc_of[rank].join(timeout=1)
-        return f"rank {rank} exited ({describe_exit(self._proc_of[rank].exitcode)})"
+        """Why rank process `rank` is gone (it has exited or is exiting) and what to do about it."""
+        proc = self._proc_of[rank]
+        proc.join(timeout=1)
+        return rank_death(rank, proc.pid, proc.exitcode, self._starting)
 
     @property
     def driver_rank(self) -> bool:
@@ -255,8 +258,7 @@ class WorkerPool:
 
     def _fail(self, what: str) -> None:
         self.close(force=True)
-        why = (f"{self.dead_reason} (see its output above; a script that starts ranks needs an "
-               "`if __name__ == \"__main__\":` guard)") if self.dead_reason else "no answer in time"
+        why = self.dead_reason or f"no answer in time ({self.timeout_s:g} s + 30 s)"
         raise RuntimeError(f"worker pool failed during {what}: {why}; the pool was shut down")
 
     def run(self, fn: Callable, *args, **kwargs) -> list[Any]:

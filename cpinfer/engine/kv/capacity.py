@@ -64,12 +64,14 @@ def kv_tokens_from_memory(fig: MemoryFigures, utilization: float, bytes_per_toke
 
 def kv_tokens_from_host_ram(fraction: float, ranks: int, bytes_per_token: int, block: int, max_model_len: int,
                             total_bytes: int | None = None) -> int:
-    """CPU: `fraction` of host RAM split over the ranks, capped at 4 x max_model_len (a multiple of `block`).
+    """CPU: `fraction` of host RAM split over the ranks, capped at 4 x max_model_len, or at what one max_model_len
+    request needs on a rank where that is more (a tiny max_model_len), in whole blocks of `block` tokens.
     The share is rounded to a whole byte once and divided in integers after, so float rounding never loses a token
     (and with it a block): a share of exactly k x ranks x bytes_per_token bytes gives k tokens on any machine."""
     total = total_bytes if total_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     tokens = round(total * fraction) // ranks // bytes_per_token
-    return max(block, min(tokens, 4 * max_model_len)) // block * block
+    one_request = (ceil_div(ceil_div(max_model_len, ranks) + 2 * ranks, block) + 1) * block  # KVManager's count
+    return max(block, min(tokens, max(4 * max_model_len, one_request))) // block * block
 
 
 def profile_tokens_per_rank(max_num_batched_tokens: int | None, max_model_len: int, cp: int) -> int:

@@ -23,6 +23,14 @@ from cpinfer.utils import ceil_div
 BLOCK = 64  # slots per allocation block
 
 
+def request_tokens_held(num_ranks: int, capacity_tokens_per_rank: int) -> int:
+    """The longest request (prompt + output tokens) that `KVManager.check_room` admits on an empty cache of
+    `num_ranks` ranks of this capacity: the largest T with `blocks_for_request(T)` <= the blocks of a rank (0: none).
+    It is what a max_model_len can be at most for every admitted request to fit."""
+    blocks = capacity_tokens_per_rank // BLOCK
+    return max(0, num_ranks * ((blocks - 1) * BLOCK - 2 * num_ranks))
+
+
 class GrowArray:
     """An int64 array with amortised O(1) appends (decode appends one token at a time to long segments)."""
 
@@ -226,6 +234,11 @@ class KVManager:
     def blocks_for_request(self, num_tokens: int) -> int:
         """Blocks per rank a request of num_tokens (prompt + output) needs at most on an empty cache."""
         return ceil_div(ceil_div(num_tokens, self.n) + 2 * self.n, BLOCK) + 1
+
+    @property
+    def request_tokens_held(self) -> int:
+        """The longest request (prompt + output) this cache can hold (`check_room` admits it when empty)."""
+        return request_tokens_held(self.n, self.capacity_per_rank)
 
     def check_room(self, prompt_tokens: int, max_tokens: int, where: str = "", size: str = "") -> None:
         """ValueError when a request of prompt_tokens + max_tokens could not fit even in an empty cache; `where`

@@ -65,7 +65,15 @@ class PDEngine:
         self._t_start = time.perf_counter()
         self.last_step_host: dict = {}
         self._start_world(views)
+        self._fit_max_model_len()
         log.info("start-up: P/D engine ready in %.1f s", time.perf_counter() - t0)
+
+    def _fit_max_model_len(self) -> None:
+        """Every group serves the smallest max_model_len a group's KV cache holds (each lowered its own, or refused
+        one the user set): a request passes through the prefill group and one decode group."""
+        least = min(self.groups, key=lambda g: g.max_model_len)
+        for g in self.groups:
+            g.max_model_len, g.max_model_len_note = least.max_model_len, least.max_model_len_note
 
     # ------------------------------------------------------------------ set-up
     def _make_groups(self, model, views: list[RoleRanks], base: dict) -> list[GroupEngine]:

@@ -31,6 +31,17 @@ class RoleStartup(EngineStartup):
         e.sizing = self.role_sizing()
         return BLOCK
 
+    def fit_max_model_len(self, capacity: int) -> None:
+        """Checked against the role's own capacity; one measured on the GPUs is checked once the world has started
+        (`GroupEngine.start_kv`), not against the one-block placeholder before."""
+        e = self.engine
+        if e.sizing is not None and e.view.pool is None:
+            return
+        super().fit_max_model_len(capacity)
+
+    def capacity_where(self) -> str:
+        return f" on the {self.engine.role} group"
+
     def role_sizing(self) -> dict:
         """What this role's ranks profile before the KV cache is sized from GPU memory: the prefill group its largest
         prefill (max_num_batched_tokens, or a whole max_model_len prompt, in its 2N chunks per rank); a decode group
@@ -87,6 +98,8 @@ class GroupEngine(LLMEngine):
         if tiers is None and capacity is None:
             return
         a = self.args
+        if capacity is not None:  # measured: max_model_len is checked against it now
+            self.startup.fit_max_model_len(capacity)
         self.startup.make_kv(capacity or self.kv.capacity_per_rank, tiers)
         budget = a.max_num_batched_tokens
         if self.sizing is not None and self.role != "prefill":
