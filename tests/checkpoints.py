@@ -106,6 +106,10 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                     "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
                     "topk_method": "group_limited_greedy", "moe_intermediate_size": 32, "n_shared_experts": 2,
                     "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": False},
+    # MiniMax-M2: q/k norms over all heads, partial RoPE (rotary_dim 8 of head_dim 16), 4 experts of 32, top 2,
+    # sigmoid routing with the block's correction bias
+    "minimax_m2": {"model_type": "minimax_m2", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "intermediate_size": 32, "rotary_dim": 8, "rope_theta": 10000.0},
 }
 # Parameters that transformers initialises to zeros or ones (or leaves constant): tests randomise them.
 _RANDOMISED_SUFFIXES = ("norm.weight", ".bias", "_bias", ".sinks")

@@ -21,10 +21,12 @@ pytest.importorskip("transformers")
 # / V2: multi-head latent attention (the cache and the ring carry the 16 + 8 latent), with / without low-rank
 # queries, YaRN's softmax mscale (V3), group-limited routing over 8 experts in 4 groups with a correction bias (V3)
 # or softmax group_limited_greedy (V2), shared experts, layer 0 dense; TP 2 splits the heads, the latent replicated.
+# MiniMax-M2: q/k norms over all heads, RoPE on 8 of 16 channels, sigmoid routing with the block's correction bias
+# (TP refused: its norm spans every head).
 FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                    "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
                    "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v3": "deepseek_v3",
-                   "deepseek_v2": "deepseek_v2"}
+                   "deepseek_v2": "deepseek_v2", "minimax_m2": "minimax_m2"}
 WINDOWED = ["mistral", "qwen2", "gemma3"]
 TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
        "llama4_text", "deepseek_v3", "deepseek_v2"]

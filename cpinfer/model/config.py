@@ -51,6 +51,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' channels of q (of k) (MiniMax-M2)
     norm_style: str = "llama"
     hidden_act: str = "silu"
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
@@ -173,6 +174,13 @@ class ModelConfig:
     def cached_kv_heads(self) -> int:
         """KV heads the cache holds per token (unsharded): MLA's one latent head, else num_key_value_heads."""
         return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def tensor_parallel_refusal(self) -> str | None:
+        """Why tensor parallelism cannot split this model (None: it can); the engine refuses TP > 1 with it."""
+        if self.qk_norm_all_heads:
+            return "its q/k RMSNorm spans every attention head (MiniMax-M2's qk_norm_type 'per_layer')"
+        return None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: full causal attention)."""

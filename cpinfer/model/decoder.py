@@ -68,9 +68,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:  # per head, over head_dim, before RoPE
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_style)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_style)
+        self.qk_norm_all_heads = config.qk_norm_all_heads  # MiniMax-M2: over every head's channels at once
+        if config.qk_norm:  # per head, over head_dim (or over all heads), before RoPE
+            q_dim, k_dim = (config.q_size, config.kv_size) if config.qk_norm_all_heads else (config.head_dim,) * 2
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, config.norm_style)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, config.norm_style)
         else:
             self.q_norm = self.k_norm = None
         self.rope = apply_rope_interleaved if config.rope_interleaved else apply_rope
@@ -100,10 +102,12 @@ class Attention(nn.Module):
         n = x.shape[0]
         d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
         h, hkv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
-        q = self.q_proj(x).view(n, h, d)  # [L, H, D]
-        k = self.k_proj(x).view(n, hkv, d)  # [L, Hkv, D]
+        q, k = self.q_proj(x), self.k_proj(x)  # [L, H * D], [L, Hkv * D]
+        if self.qk_norm_all_heads:  # (TP refuses this family: the statistic spans every rank's heads)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(n, h, d), k.view(n, hkv, d)  # [L, H, D], [L, Hkv, D]
         v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)

@@ -315,6 +315,31 @@ def _read_deepseek_v2(d: dict, kw: dict) -> None:
     _read_deepseek(d, kw, v3=False)
 
 
+def _read_minimax_m2(d: dict, kw: dict) -> None:
+    """MiniMax-M2 / M2.1 / M2.5: full attention on every layer, q and k each RMS-normed over all their heads' channels
+    at once (`qk_norm_type` "per_layer", before the head split), partial RoPE (`rotary_dim`, else
+    `partial_rotary_factor`); every MLP a sparse block `block_sparse_moe` (w1 gate, w3 up, w2 down) routed by sigmoid
+    scores, top-k chosen with the block's selection-only `e_score_correction_bias`, weights renormalised.
+    Multi-token-prediction modules (`num_mtp_modules`) are a draft head, not part of the model, and are ignored."""
+    for key, allowed in (("qk_norm_type", (None, "per_layer")), ("use_qk_norm", (None, True)),
+                         ("scoring_func", (None, "sigmoid")), ("use_routing_bias", (None, True)),
+                         ("routed_scaling_factor", (None, 1, 1.0))):
+        if d.get(key) not in allowed:
+            raise ValueError(f"unsupported {key}={d[key]!r} for model_type 'minimax_m2': cpinfer (as transformers) "
+                             f"supports {[a for a in allowed if a is not None]}")
+    n, head_dim = d["num_hidden_layers"], int(d.get("head_dim") or 128)
+    params = dict(d.get("rope_parameters") or {})
+    if d.get("rotary_dim"):  # the released checkpoints' key, as transformers converts it
+        params.setdefault("partial_rotary_factor", int(d["rotary_dim"]) / head_dim)
+    rope = parse_rope(d, params, d.get("rope_theta", 5000000.0), partial=True)
+    kw.update(qk_norm=True, qk_norm_all_heads=True, rope={t: rope for t in LAYER_TYPES},
+              mlp_module="block_sparse_moe", moe_layers=tuple(range(n)))
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d) or 1,
+                          intermediate_size=int(d["intermediate_size"]), scoring="sigmoid", norm_topk_prob=True,
+                          hidden_act=kw["hidden_act"], expert_proj_names=("w1", "w3", "w2"),
+                          score_correction_bias=True, correction_bias_on_block=True)
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "Llama 2/3/3.1/3.2, SmolLM2: GQA, RoPE (llama3 scaling), SwiGLU",
            _read_llama),
@@ -347,6 +372,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V2 / V2-Lite / V2.5: multi-head latent attention, "
            "softmax greedy or group-limited routing, shared experts", _read_deepseek_v2, default_head_dim=64,
            own_routing=True),
+    Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMax-M2 / M2.1 / M2.5: full attention with q/k RMSNorm over all "
+           "heads, partial RoPE, sigmoid top-k experts chosen with a correction bias (MTP modules ignored)",
+           _read_minimax_m2, default_head_dim=128, own_routing=True),
 )}
 
 
@@ -416,21 +444,29 @@ def check_unsupported(d: dict[str, Any], routing: bool = True) -> None:
                              f"cpinfer supports {key} in {[a for a in allowed if a is not None]} here")
 
 
-def parse_rope(d: dict[str, Any], params: dict | None, theta: float, nested: bool = False) -> RopeConfig:
+def parse_rope(d: dict[str, Any], params: dict | None, theta: float, nested: bool = False,
+               partial: bool = False) -> RopeConfig:
     """One `RopeConfig` from a rope dict (5.x `rope_parameters` or 4.x `rope_scaling`, which wins when both are
-    given, as in transformers) with `theta` as the fallback `rope_theta`. `nested`: a per-layer-type dict."""
+    given, as in transformers) with `theta` as the fallback `rope_theta`. `nested`: a per-layer-type dict.
+    `partial`: the family rotates part of each head as transformers does (`partial_rotary_factor`; Gemma 4's
+    "proportional" type), else a factor other than 1 is refused."""
     if not nested:
         params = d.get("rope_scaling") or params
     params = dict(params or {})
-    if params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+    fraction = float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if fraction != 1.0 and not partial:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "dynamic", "yarn", "longrope", "llama3"):
-        raise ValueError(f"unsupported rope type {rope_type!r}: cpinfer supports default, linear, dynamic, yarn, "
-                         "longrope, llama3")
+    types = ("default", "linear", "dynamic", "yarn", "longrope", "llama3") + (("proportional",) if partial else ())
+    if rope_type not in types:
+        raise ValueError(f"unsupported rope type {rope_type!r}: cpinfer supports {', '.join(types)}")
     kw: dict[str, Any] = {"rope_type": rope_type, "theta": float(params.get("rope_theta", theta))}
+    if fraction != 1.0:
+        kw["partial_rotary_factor"] = fraction
     if rope_type == "default":
         return RopeConfig(**kw)
+    if rope_type == "proportional":
+        return RopeConfig(**kw, factor=None if params.get("factor") is None else float(params["factor"]))
     if params.get("factor") is not None:
         kw["factor"] = float(params["factor"])
     if rope_type in ("llama3", "yarn", "longrope"):

@@ -201,11 +201,12 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def _ignorable(name: str, model: CausalLM) -> bool:
-    """Non-parameters HF may store, an lm_head a tied checkpoint may still carry, and DeepSeek-V3's multi-token
-    prediction layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
+    """Non-parameters HF may store, an lm_head a tied checkpoint may still carry, and DeepSeek-V3's (MiniMax-M2's)
+    multi-token prediction layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
     tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
     mtp = _LAYER.match(name)
-    extra_layer = model.config.mla is not None and mtp is not None and int(mtp[1]) >= model.config.num_hidden_layers
+    mtp_family = model.config.mla is not None or model.config.model_type == "minimax_m2"
+    extra_layer = mtp_family and mtp is not None and int(mtp[1]) >= model.config.num_hidden_layers
     return tied_head or extra_layer or name.endswith(_IGNORED_SUFFIXES)
 
 
