@@ -131,3 +131,122 @@ def test_minimax_m2_mtp_layers_skipped_and_tp_refused_before_any_rank(tmp_path, 
     with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported for model_type 'minimax_m2': its "
                                          "q/k RMSNorm spans every attention head"):
         LLM(str(path), tensor_parallel_size=2)
+
+
+# ---------------------------------------------------------------- Gemma 4
+
+def _gemma4(**over) -> dict:
+    """A Gemma 4 text config.json as the Hub writes it (global_head_dim / num_global_key_value_heads), small."""
+    return {"model_type": "gemma4_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 16,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "global_head_dim": 16, "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 8,
+            "layer_types": ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+            + ["sliding_attention"], "num_kv_shared_layers": 3, "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 64, **over}
+
+
+def test_gemma4_config_reading():
+    """The last layer is forced global (as transformers does); global layers take global_head_dim and, with
+    attention_k_eq_v, num_global_key_value_heads; the cache holds the widest; layers 3-5 share the K/V of the last
+    earlier layer of their type (sliding: 1, global: 2) and get double-wide MLPs."""
+    c = ModelConfig(**config_kwargs(_gemma4()))
+    assert c.layer_types[-1] == "full_attention" and c.layer_types[2] == "full_attention"
+    assert c.layer_head_dims == (8, 8, 16, 8, 8, 16) and c.layer_kv_heads == (2, 2, 1, 2, 2, 1)
+    assert (c.head_dim, c.num_key_value_heads, c.padded_heads) == (16, 2, True)
+    assert c.kv_source_layers == (0, 1, 2, 1, 1, 2) and c.layer_intermediate_sizes == (16, 16, 16, 32, 32, 32)
+    assert c.k_eq_v_layers == (2, 5) and c.value_norm and c.layer_scalar and c.attention_scale == 1.0
+    assert (c.per_layer_input_size, c.per_layer_vocab_size) == (4, 64) and not c.moe_beside_mlp
+    assert c.rope["full_attention"] == RopeConfig(rope_type="proportional", theta=1e6, partial_rotary_factor=0.25)
+    assert c.rope["sliding_attention"] == RopeConfig(theta=1e4) and c.norm_style == "fp32" and c.tie_word_embeddings
+    assert "Gemma 4" in c.tensor_parallel_refusal
+    plain = ModelConfig(**config_kwargs(_gemma4(attention_k_eq_v=False, num_kv_shared_layers=0,
+                                                hidden_size_per_layer_input=0)))
+    assert plain.layer_kv_heads == (2,) * 6 and not plain.k_eq_v_layers and not plain.kv_source_layers
+    assert not plain.layer_intermediate_sizes and not plain.per_layer_input_size
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all' is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    ({"num_kv_shared_layers": 6}, "num_kv_shared_layers=6: cpinfer supports 0 to num_hidden_layers - 1"),
+    ({"num_kv_shared_layers": 4}, r"no earlier layer of type \['full_attention'\]"),
+    ({"per_layer_config": {"2": {"intermediate_size": 8}}},
+     r"per_layer_config\['2'\] overrides \['intermediate_size'"),
+    ({"per_layer_config": {"full_attention": {"head_dim": 8}}}, "per_layer_config key 'full_attention'"),
+    ({"global_head_dim": 7}, "layer 2: head size 7 must be even"),
+    ({"num_key_value_heads": 4, "num_global_key_value_heads": 3},
+     r"layer 2: 3 KV heads must divide num_key_value_heads \(4\)"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "llama4", "rope_theta": 1e6}}}, "unsupported rope type"),
+])
+def test_gemma4_refusals_name_the_field(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**config_kwargs(_gemma4(**bad)))
+
+
+def test_gemma4_router_matches_transformers():
+    """RMS-normed input times its scale / sqrt(hidden), softmax, top k renormalised, times the expert's scale."""
+    from transformers.models.gemma4 import modeling_gemma4 as hf
+
+    from cpinfer.model.gemma4 import Gemma4Router
+
+    d = _gemma4(enable_moe_block=True, num_experts=6, top_k_experts=3, moe_intermediate_size=8)
+    cfg = ModelConfig(**config_kwargs(d))
+    hf_cfg = transformers.AutoConfig.for_model("gemma4_text", **{k: v for k, v in d.items() if k != "model_type"})
+    ref = hf.Gemma4TextRouter(hf_cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(1.0, 0.3)
+    ours = Gemma4Router(32, cfg.moe, cfg.rms_norm_eps)
+    ours.load_state_dict(ref.state_dict())
+    x = 3 * torch.randn(40, 32)
+    _, want_w, want_i = ref(x)
+    got_w, got_i = ours(x)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w)
+
+
+def test_gemma4_tp_refused_before_any_rank_and_shared_kv_weights_skipped(tmp_path, no_ranks):
+    """TP 2 is refused before any rank starts; the K/V weights a checkpoint may still hold for a KV-sharing layer
+    are not loaded (transformers skips them too), any other unexpected tensor still fails."""
+    from safetensors.torch import load_file, save_file
+
+    from cpinfer.model import load_model
+
+    path = write_hf_checkpoint(tmp_path / "g4", "gemma4")
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 is not supported for model_type 'gemma4_text': "
+                                         "Gemma 4's per-layer head sizes"):
+        LLM(str(path), tensor_parallel_size=2)
+    file = next(path.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    tensors["model.layers.4.self_attn.k_proj.weight"] = torch.zeros(32, 64)  # layer 4 reuses layer 2's K/V
+    tensors["model.layers.5.self_attn.v_norm.weight"] = torch.zeros(32)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    load_model(str(path))
+    tensors["model.layers.2.self_attn.v_norm.weight"] = torch.zeros(16)  # layer 2 has its own K/V: no such weight
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        load_model(str(path))
+
+
+def test_gemma4_released_multimodal_folder_serves_its_text_model(llama_checkpoint):
+    """A `gemma4` folder (Gemma4ForConditionalGeneration: text_config nested, the text weights under
+    model.language_model.) reads as the text family and answers as transformers' multimodal model on text: prompt
+    log-probs within 1e-4, greedy tokens equal, a second turn from the cache (CP 1; the CP paths are the text
+    family's, tests/test_families.py)."""
+    from cpinfer import SamplingParams
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = llama_checkpoint("gemma4_folder", max_position_embeddings=2048)
+    text = ModelConfig(**config_kwargs(tiny_config("gemma4")))
+    folder = ModelConfig.from_pretrained(path)
+    assert folder.weights_prefix == "model.language_model." and folder.model_type == "gemma4_text"
+    assert folder.layer_head_dims == text.layer_head_dims and folder.kv_source_layers == text.kv_source_layers
+    greedy = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+    with LLM(str(path), threads_per_rank=1, max_num_batched_tokens=48, max_kv_tokens_per_rank=2048) as llm:
+        prompts = prompts_for(256, [5, 90], seed=3)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, prompt_logprobs=True, **greedy))
+        check_against_hf(path, outs, prompts, 6)
+        turn2 = [p + o.token_ids + [7, 8] for p, o in zip(prompts, outs)]
+        outs2 = llm.generate(turn2, SamplingParams(max_tokens=5, **greedy))
+        assert [o.num_cached_tokens for o in outs2] == [len(p) + 5 for p in prompts]
+        check_against_hf(path, outs2, turn2, 5, check_prompt_lp=False)

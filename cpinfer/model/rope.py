@@ -50,8 +50,8 @@ def _proportional(head_dim: int, s: RopeConfig) -> Tensor:
     """Gemma 4's global layers: the first int(f * head_dim // 2) pairs keep the frequencies of the full head_dim,
     the other pairs have frequency 0 (cos 1, sin 0: not rotated); all divided by `factor` (default 1)."""
     angles = int(s.partial_rotary_factor * head_dim // 2)
-    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32, device="cpu")
-    inv_freq[:angles] = 1.0 / (s.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    rotated = 1.0 / (s.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device="cpu")))
     return inv_freq / (s.factor or 1.0)
 
 
