@@ -65,7 +65,7 @@ def _minimax(**over) -> dict:
             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "rotary_dim": 8, "rope_theta": 5000000, "num_local_experts": 8, "num_experts_per_tok": 2,
             "scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True, "qk_norm_type": "per_layer",
-            "num_mtp_modules": 3, "mtp_transformer_layers": 1, **over}
+            "num_mtp_modules": 3, "mtp_transformer_layers": 1, "attn_type_list": [1, 1, 1], **over}
 
 
 def test_minimax_m2_config_reading():
@@ -84,6 +84,7 @@ def test_minimax_m2_config_reading():
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"use_routing_bias": False}, "use_routing_bias=False"),
     ({"routed_scaling_factor": 2.0}, "routed_scaling_factor=2.0"),
+    ({"attn_type_list": [1, 0, 1]}, r"attn_type_list=\[1, 0, 1\] is not supported"),
 ])
 def test_minimax_m2_refusals_name_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -328,6 +328,10 @@ def _read_minimax_m2(d: dict, kw: dict) -> None:
             raise ValueError(f"unsupported {key}={d[key]!r} for model_type 'minimax_m2': cpinfer (as transformers) "
                              f"supports {[a for a in allowed if a is not None]}")
     n, head_dim = d["num_hidden_layers"], int(d.get("head_dim") or 128)
+    kinds = d.get("attn_type_list")
+    if kinds is not None and any(k != 1 for k in kinds):  # 0: MiniMax-01's lightning attention, not this family's
+        raise ValueError(f"attn_type_list={kinds!r} is not supported for model_type 'minimax_m2': cpinfer supports "
+                         "full softmax attention (1) on every layer")
     params = dict(d.get("rope_parameters") or {})
     if d.get("rotary_dim"):  # the released checkpoints' key, as transformers converts it
         params.setdefault("partial_rotary_factor", int(d["rotary_dim"]) / head_dim)
