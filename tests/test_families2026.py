@@ -251,3 +251,42 @@ def test_gemma4_released_multimodal_folder_serves_its_text_model(llama_checkpoin
         outs2 = llm.generate(turn2, SamplingParams(max_tokens=5, **greedy))
         assert [o.num_cached_tokens for o in outs2] == [len(p) + 5 for p in prompts]
         check_against_hf(path, outs2, turn2, 5, check_prompt_lp=False)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from pooled_engine import shard_engines
+
+    yield from shard_engines()
+
+
+GEMMA4_ROW = 6 * 2 * 2 * 32 * 4  # the gemma4 variant's cache row: 6 layers x 2 KV heads x (K + V) x 32 channels fp32
+
+
+def test_gemma4_kv_sharing_and_padded_rows_through_the_tiers_and_a_restart(llama_checkpoint, engines, tmp_path):
+    """CP 2 with a device cache of about one conversation: histories go to the host pool and to disk (every layer's
+    padded rows, the sharing layers' copies of their sources' K/V included), come back exact; a CP 1 engine restarted
+    on the same directory reads them (re-placed) and answers as transformers."""
+    from cpinfer import SamplingParams
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = llama_checkpoint("gemma4", max_position_embeddings=2048)
+    greedy = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+    kw = dict(kv_disk_dir=tmp_path / "kv", max_num_batched_tokens=96)
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=4))]
+    with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=128 * GEMMA4_ROW / (1 << 30), **kw) as llm:
+        first = []
+        for d in docs:  # one at a time: each pushes the one before down a tier
+            first += llm.generate([d], SamplingParams(max_tokens=6, **greedy))
+        check_against_hf(path, first, docs, 6, check_prompt_lp=False)
+        turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
+        outs = [llm.generate([t], SamplingParams(max_tokens=6, **greedy))[0] for t in turn2[::-1]]
+        check_against_hf(path, outs, turn2[::-1], 6, check_prompt_lp=False)
+        assert [o.num_cached_tokens for o in outs] == [len(d) + 5 for d in docs[::-1]]
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] > 0 and t["disk"]["hit_tokens"] > 0, t
+        assert t["device"]["bytes"] == t["device"]["tokens"] * GEMMA4_ROW
+    with engines(path, 1, max_kv_tokens_per_rank=2048, **kw) as llm:
+        out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **greedy))
+        check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
+        assert out[0].num_cached_tokens >= len(docs[0]) + 5

@@ -1,7 +1,8 @@
 """The one decoder every family runs (RMSNorm, GQA attention with RoPE, gated MLP or mixture of experts) over
 packed, token-major inputs; the family's options (`ModelConfig`) switch biases, q/k norms, Gemma's norms and
 scales, NoPE layers (with Llama 4's temperature tuning) and sparse MLP layers (`moe.py`) on or off; DeepSeek's
-multi-head latent attention (`mla.py`) replaces the GQA attention.
+multi-head latent attention (`mla.py`) replaces the GQA attention; MiniMax-M2's q/k norms span all heads; Gemma 4's
+per-layer head sizes, KV sharing and value norm are attention options here, its layer extras in `gemma4.py`.
 
 No distributed code: attention is an injected `AttentionFn` (it reads each layer's window and scale from the
 config), and each layer derives its head counts from its projection weights, so tensor parallelism can slice
