@@ -1,8 +1,8 @@
 """Frozen, self-validating model configuration read from a Hugging Face `config.json` of a supported family.
 
 One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 / 4, SmolLM3, MiniMax-M2 and the
-mixtures of experts) as options of one decoder: biases, q/k norms, norm style, activation, embedding scale, sandwich norms,
-attention scale, attention sinks, per layer its type (full, sliding-window or chunked attention), its RoPE (or
+mixtures of experts) as options of one decoder: biases, q/k norms, norm style, activation, embedding scale, sandwich
+norms, attention scale, attention sinks, per layer its type (full, sliding-window or chunked attention), its RoPE (or
 none: NoPE) and its MLP (dense, or the sparse block a `MoEConfig` describes). The family-specific reading lives in
 `families.py`; both the transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer
 type) layouts are accepted.
