@@ -290,3 +290,23 @@ def test_gemma4_kv_sharing_and_padded_rows_through_the_tiers_and_a_restart(llama
         out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **greedy))
         check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
         assert out[0].num_cached_tokens >= len(docs[0]) + 5
+
+
+def test_gemma4_speculative_decoding_keeps_transformers_greedy_tokens(llama_checkpoint, engines):
+    """Prompt-lookup speculation at CP 2 on Gemma 4: every verify step writes the drafts' K/V into every layer (the
+    sharing layers' copies included) and rolls the rejected ones back; the tokens stay transformers' greedy ones."""
+    import numpy as np
+
+    from cpinfer import SamplingParams
+    from hf_oracle import check_against_hf
+
+    path = llama_checkpoint("gemma4", max_position_embeddings=2048)
+    rng = np.random.default_rng(5)
+    a = rng.integers(3, 256, size=29).tolist()
+    prompts = [a * 3 + a[:5], rng.integers(3, 256, size=40).tolist() + a + a[:7]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    with engines(path, 2, max_kv_tokens_per_rank=1024, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=True, ignore_eos=True))
+        assert llm.engine.stats().spec["num_drafts"] > 0
+        llm.engine.kv.check_invariants()
+    check_against_hf(path, outs, prompts, 16, check_prompt_lp=False)
