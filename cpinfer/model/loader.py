@@ -27,6 +27,7 @@ from cpinfer.model.quant import Fp8Slice, checkpoint_tensors, native_candidates,
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+UNIT_SCALES = ("layer_scalar", "router.scale", "per_expert_scale")  # random weights: around 1, as norms are
 _SHARED_KV_WEIGHTS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.")
 
 
@@ -74,6 +75,8 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device
         t = torch.empty(p.shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             t.normal_(identity, 0.1, generator=gen)
+        elif name.endswith(UNIT_SCALES):  # multipliers whose identity is 1 (Gemma 4)
+            t.normal_(1.0, 0.1, generator=gen)
         elif name.endswith("self_attn.sinks"):
             t.normal_(0.0, 1.0, generator=gen)
         else:
