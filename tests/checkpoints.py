@@ -106,9 +106,31 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                     "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
                     "topk_method": "group_limited_greedy", "moe_intermediate_size": 32, "n_shared_experts": 2,
                     "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": False},
+    # MiniMax-M2: q/k norms over all heads, partial RoPE (rotary_dim 8 of head_dim 16), 4 experts of 32, top 2,
+    # sigmoid routing with the block's correction bias
+    "minimax_m2": {"model_type": "minimax_m2", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "intermediate_size": 32, "rotary_dim": 8, "rope_theta": 10000.0},
+    # Gemma 4 text, every option on: 6 layers (sliding 16 / global), global heads 32 wide with 1 KV head (keys as
+    # values), sliding heads 16 with 2; layers 4-5 reuse the K/V of layers 2-3 (double-wide MLPs); per-layer inputs
+    # of 8; 4 experts of 16, top 2, beside each dense MLP; final soft-capping
+    "gemma4": {"model_type": "gemma4_text", "num_hidden_layers": 6, "num_attention_heads": 4, "head_dim": 16,
+               "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+               "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 3,
+               "num_kv_shared_layers": 2, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+               "vocab_size_per_layer_input": 256, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+               "moe_intermediate_size": 16, "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
+               "hidden_activation": "gelu_pytorch_tanh", "rope_theta": None, "rope_parameters": {
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                      "rope_theta": 1e6}}},
 }
+# Gemma 4 as released: the multimodal folder (Gemma4ForConditionalGeneration, no vision / audio tower here) whose
+# text_config is the "gemma4" variant; its text model's weights under model.language_model.
+TINY_VARIANTS["gemma4_folder"] = {**dict.fromkeys(TINY_BASE), "model_type": "gemma4", "tie_word_embeddings": True,
+                                  "text_config": {k: v for k, v in {**TINY_BASE, **TINY_VARIANTS["gemma4"]}.items()
+                                                  if v is not None}}
 # Parameters that transformers initialises to zeros or ones (or leaves constant): tests randomise them.
-_RANDOMISED_SUFFIXES = ("norm.weight", ".bias", "_bias", ".sinks")
+_RANDOMISED_SUFFIXES = ("norm.weight", ".bias", "_bias", ".sinks", "router.scale", "per_expert_scale")
 
 
 def tiny_config(variant: str = "gqa", **overrides: Any) -> dict[str, Any]:
@@ -143,6 +165,8 @@ def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: in
         for name, b in model.named_buffers():  # DeepSeek-V3's selection-only router bias (a buffer there)
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
+                b.add_(0.1 * torch.randn_like(b))
     save = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(directory), **save)
     if layout == "hf4":

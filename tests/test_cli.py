@@ -34,6 +34,17 @@ def test_help_lists_commands():
     assert res.returncode == 0 and "attention" in res.stdout
 
 
+def test_serve_and_generate_help_list_every_family():
+    from cpinfer.model.families import FAMILIES
+
+    for command in ("serve", "generate"):
+        res = _cpinfer(command, "--help")
+        text = " ".join(res.stdout.split())  # argparse wraps lines
+        assert res.returncode == 0 and "Families (config.json model_type, docs/models.md):" in text
+        assert all(name in text for name in FAMILIES) and {"minimax_m2", "gemma4_text", "gemma4"} <= set(
+            text.replace(",", " ").split())
+
+
 def test_bench_attention_json_last_line():
     res = _cpinfer("bench", "attention", "--cp", "1,2", "--tokens", "256", "--repeat", "1", "--json")
     assert res.returncode == 0, res.stderr

@@ -21,11 +21,16 @@ pytest.importorskip("transformers")
 # / V2: multi-head latent attention (the cache and the ring carry the 16 + 8 latent), with / without low-rank
 # queries, YaRN's softmax mscale (V3), group-limited routing over 8 experts in 4 groups with a correction bias (V3)
 # or softmax group_limited_greedy (V2), shared experts, layer 0 dense; TP 2 splits the heads, the latent replicated.
+# MiniMax-M2: q/k norms over all heads, RoPE on 8 of 16 channels, sigmoid routing with the block's correction bias
+# (TP refused: its norm spans every head). Gemma 4: window 16 on layers 0, 2, 4; global heads twice as wide with
+# keys as values (the cache padded to them); layers 4-5 reuse the K/V of 2-3; per-layer inputs; experts beside the
+# dense MLPs (TP refused).
 FAMILY_VARIANTS = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                    "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
                    "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v3": "deepseek_v3",
-                   "deepseek_v2": "deepseek_v2"}
-WINDOWED = ["mistral", "qwen2", "gemma3"]
+                   "deepseek_v2": "deepseek_v2", "minimax_m2": "minimax_m2",
+                   "gemma4_text": "gemma4"}
+WINDOWED = ["mistral", "qwen2", "gemma3", "gemma4_text"]
 TP2 = ["qwen2", "qwen3", "gemma3", "mistral", "smollm3", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
        "llama4_text", "deepseek_v3", "deepseek_v2"]
 GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)

@@ -19,7 +19,8 @@ from checkpoints import load_hf_model  # noqa: E402
 # family -> tiny variant (tests/checkpoints.py)
 FAMILIES = {"llama": "gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
             "smollm3": "smollm3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral",
-            "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+            "gpt_oss": "gpt_oss", "llama4_text": "llama4", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
+            "minimax_m2": "minimax_m2", "gemma4_text": "gemma4"}
 # every family block-wise (DeepSeek / Qwen3 style: every linear, experts included); row-wise (fbgemm: MLPs and
 # experts only, attention left out by modules_to_not_convert) on a dense, a windowed and two MoE families; every
 # other scheme on Llama, compressed-tensors per channel on Qwen3-MoE's per-expert tensors, and fused experts

@@ -90,6 +90,9 @@ class EngineStartup:
         e.n = a.context_parallel_size
         e.parallel = a.parallel
         e.parallel.check_model(e.config.num_attention_heads, e.config.num_key_value_heads)
+        if a.tensor_parallel_size > 1 and e.config.tensor_parallel_refusal:
+            raise ValueError(f"tensor_parallel_size {a.tensor_parallel_size} is not supported for model_type "
+                             f"{e.config.model_type!r}: {e.config.tensor_parallel_refusal}; use context parallelism")
         if e.config.intermediate_size % a.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size {a.tensor_parallel_size} must divide intermediate_size "
                              f"({e.config.intermediate_size})")

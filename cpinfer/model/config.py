@@ -1,8 +1,8 @@
 """Frozen, self-validating model configuration read from a Hugging Face `config.json` of a supported family.
 
-One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3, SmolLM3 and the mixtures of
-experts) as options of one decoder: biases, q/k norms, norm style, activation, embedding scale, sandwich norms,
-attention scale, attention sinks, per layer its type (full, sliding-window or chunked attention), its RoPE (or
+One `ModelConfig` describes every family (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 / 4, SmolLM3, MiniMax-M2 and the
+mixtures of experts) as options of one decoder: biases, q/k norms, norm style, activation, embedding scale, sandwich
+norms, attention scale, attention sinks, per layer its type (full, sliding-window or chunked attention), its RoPE (or
 none: NoPE) and its MLP (dense, or the sparse block a `MoEConfig` describes). The family-specific reading lives in
 `families.py`; both the transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`, per layer
 type) layouts are accepted.
@@ -51,6 +51,7 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' channels of q (of k) (MiniMax-M2)
     norm_style: str = "llama"
     hidden_act: str = "silu"
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
@@ -66,6 +67,23 @@ class ModelConfig:
     mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2) instead of GQA
     quantization: QuantMethod | None = None  # FP8 checkpoints: the linear method of `quantization_config`
+    # Gemma 4 (each empty / off for the other families). Per layer: its head size and KV heads (the cache holds
+    # head_dim x num_key_value_heads, the largest; a smaller layer is padded exactly: zero channels, repeated KV
+    # heads), the layer whose K/V it attends (itself, or an earlier one of its type: KV sharing) and its dense MLP
+    # width; layers whose values are their key projection (attention_k_eq_v); a weightless RMSNorm of the values;
+    # a learned scalar on each layer's output; per-layer input embeddings of per_layer_input_size channels per layer
+    # over per_layer_vocab_size tokens; routed experts beside each layer's dense MLP (`moe` then describes them).
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    kv_source_layers: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    k_eq_v_layers: tuple[int, ...] = ()
+    value_norm: bool = False
+    layer_scalar: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    moe_beside_mlp: bool = False
+    weights_prefix: str = ""  # a multimodal folder: its text model's weights are "<prefix>..." (read as "model...")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -120,11 +138,63 @@ class ModelConfig:
             raise ValueError("moe_layers are given but no MoEConfig (moe)")
         if self.mlp_module not in MLP_MODULES:
             raise ValueError(f"unsupported mlp_module {self.mlp_module!r}: cpinfer supports {MLP_MODULES}")
+        self._check_gemma4_layers()
         if self.attn_temperature is not None:
             attn_scale, floor_scale = self.attn_temperature
             if not (attn_scale >= 0 and floor_scale > 0):
                 raise ValueError(f"attn_temperature needs attn_scale >= 0 and floor_scale > 0, got "
                                  f"{self.attn_temperature}")
+
+    def _check_gemma4_layers(self) -> None:
+        """Per-layer head sizes and KV heads fit the cache; a shared layer reads an earlier, unshared layer of its
+        own type and shape."""
+        n = self.num_hidden_layers
+        for name in ("layer_head_dims", "layer_kv_heads", "kv_source_layers", "layer_intermediate_sizes"):
+            value = tuple(getattr(self, name))
+            object.__setattr__(self, name, value)
+            if value and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries but num_hidden_layers is {n}")
+        for i in range(n):
+            d, kv = self.layer_head_dim(i), self.layer_kv_head_count(i)
+            if d % 2 or not 0 < d <= self.head_dim:
+                raise ValueError(f"layer {i}: head size {d} must be even and at most head_dim {self.head_dim}")
+            if kv < 1 or self.num_key_value_heads % kv or self.num_attention_heads % kv:
+                raise ValueError(f"layer {i}: {kv} KV heads must divide num_key_value_heads "
+                                 f"({self.num_key_value_heads}) and num_attention_heads ({self.num_attention_heads})")
+            src = self.kv_source(i)
+            if src != i and not (0 <= src < i and self.kv_source(src) == src and
+                                 self.layer_types[src] == self.layer_types[i] and
+                                 (self.layer_head_dim(src), self.layer_kv_head_count(src)) == (d, kv)):
+                raise ValueError(f"layer {i} cannot reuse the K/V of layer {src}: it must be an earlier layer with "
+                                 "its own K/V, of the same type and shape")
+        bad = [i for i in self.k_eq_v_layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"k_eq_v_layers {bad} out of range for {n} layers")
+        if self.per_layer_input_size < 0 or (self.per_layer_input_size and self.per_layer_vocab_size < 1):
+            raise ValueError("per-layer input embeddings need per_layer_input_size >= 0 and a vocabulary >= 1, got "
+                             f"{self.per_layer_input_size} and {self.per_layer_vocab_size}")
+        if self.moe_beside_mlp and self.moe is None:
+            raise ValueError("moe_beside_mlp needs a MoEConfig (moe)")
+
+    def layer_head_dim(self, layer: int) -> int:
+        """The head size of a layer's queries, keys and values (Gemma 4's global layers: wider)."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_kv_head_count(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V this layer attends: itself, or (KV sharing) an earlier layer's."""
+        return self.kv_source_layers[layer] if self.kv_source_layers else layer
+
+    def layer_intermediate(self, layer: int) -> int:
+        return self.layer_intermediate_sizes[layer] if self.layer_intermediate_sizes else self.intermediate_size
+
+    @property
+    def padded_heads(self) -> bool:
+        """Whether layers differ in head size or KV heads (each then pads to the cache's shape)."""
+        return any((self.layer_head_dim(i), self.layer_kv_head_count(i)) != (self.head_dim, self.num_key_value_heads)
+                   for i in range(self.num_hidden_layers))
 
     # Derived sizes (unsharded).
     @property
@@ -173,6 +243,17 @@ class ModelConfig:
     def cached_kv_heads(self) -> int:
         """KV heads the cache holds per token (unsharded): MLA's one latent head, else num_key_value_heads."""
         return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def tensor_parallel_refusal(self) -> str | None:
+        """Why tensor parallelism cannot split this model (None: it can); the engine refuses TP > 1 with it."""
+        if self.qk_norm_all_heads:
+            return "its q/k RMSNorm spans every attention head (MiniMax-M2's qk_norm_type 'per_layer')"
+        if self.padded_heads or self.kv_source_layers or self.per_layer_input_size or self.moe_beside_mlp \
+                or self.layer_intermediate_sizes:
+            return ("Gemma 4's per-layer head sizes, shared KV, per-layer inputs, double-wide or parallel expert MLPs "
+                    "are not split by tensor parallelism here")
+        return None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: full causal attention)."""

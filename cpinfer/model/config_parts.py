@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from cpinfer.utils import check_divisible, check_positive
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
@@ -47,6 +47,7 @@ class MoEConfig:
     topk_group: int = 1
     group_score: str = "top2_sum"
     score_correction_bias: bool = False
+    correction_bias_on_block: bool = False  # MiniMax-M2 stores it as `<mlp>.e_score_correction_bias`, not the gate's
     routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
@@ -146,6 +147,9 @@ class RopeConfig:
     attention_factor: float | None = None  # yarn, longrope: explicit cos/sin scale (None: derived from factor)
     short_factor: tuple[float, ...] | None = None  # longrope
     long_factor: tuple[float, ...] | None = None  # longrope
+    # partial RoPE: the first int(head_dim * f) channels rotate (MiniMax-M2's rotary_dim); "proportional" (Gemma 4's
+    # global layers) keeps the full head_dim's frequencies for the first int(f * head_dim // 2) pairs, zero after
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         t = self.rope_type
@@ -163,3 +167,5 @@ class RopeConfig:
                              f"{self.low_freq_factor} and {self.high_freq_factor}")
         if t == "longrope" and (self.short_factor is None or self.long_factor is None):
             raise ValueError("longrope rope scaling needs short_factor and long_factor lists")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")

@@ -1,7 +1,8 @@
 """The one decoder every family runs (RMSNorm, GQA attention with RoPE, gated MLP or mixture of experts) over
 packed, token-major inputs; the family's options (`ModelConfig`) switch biases, q/k norms, Gemma's norms and
 scales, NoPE layers (with Llama 4's temperature tuning) and sparse MLP layers (`moe.py`) on or off; DeepSeek's
-multi-head latent attention (`mla.py`) replaces the GQA attention.
+multi-head latent attention (`mla.py`) replaces the GQA attention; MiniMax-M2's q/k norms span all heads; Gemma 4's
+per-layer head sizes, KV sharing and value norm are attention options here, its layer extras in `gemma4.py`.
 
 No distributed code: attention is an injected `AttentionFn` (it reads each layer's window and scale from the
 config), and each layer derives its head counts from its projection weights, so tensor parallelism can slice
@@ -63,16 +64,27 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:  # per head, over head_dim, before RoPE
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_style)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_style)
+        d, hkv = config.layer_head_dim(layer_idx), config.layer_kv_head_count(layer_idx)  # Gemma 4: per layer
+        self.head_dim = d
+        # Gemma 4: the cache's (KV heads, head size) when this layer's are smaller (padded exactly on the way in)
+        self.cache_shape = (config.num_key_value_heads, config.head_dim) if config.padded_heads else None
+        self.kv_source = config.kv_source(layer_idx)  # != layer_idx: attends an earlier layer's K/V (no k/v here)
+        self._kv_heads = hkv
+        self.keeps_kv = any(config.kv_source(j) == layer_idx != j for j in range(config.num_hidden_layers))
+        own_kv = self.kv_source == layer_idx
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=config.qkv_bias) if own_kv else None
+        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=config.qkv_bias) \
+            if own_kv and layer_idx not in config.k_eq_v_layers else None  # k_eq_v: values from the key projection
+        self.o_proj = nn.Linear(config.num_attention_heads * d, config.hidden_size, bias=config.o_bias)
+        self.qk_norm_all_heads = config.qk_norm_all_heads  # MiniMax-M2: over every head's channels at once
+        if config.qk_norm:  # per head, over head_dim (or over all heads), before RoPE
+            q_dim, k_dim = (config.q_size, config.kv_size) if config.qk_norm_all_heads else (d, d)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, config.norm_style)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, config.norm_style) if own_kv else None
         else:
             self.q_norm = self.k_norm = None
+        self.v_norm_eps = config.rms_norm_eps if config.value_norm else None  # Gemma 4: weightless, per head
         self.rope = apply_rope_interleaved if config.rope_interleaved else apply_rope
         use_rope = layer_idx not in config.nope_layers
         self.l2_eps = config.rms_norm_eps if config.qk_l2_norm and use_rope else None  # after RoPE, RoPE layers
@@ -84,26 +96,36 @@ class Attention(nn.Module):
         return self.q_proj.weight.shape[0] // self.head_dim
 
     @property
-    def num_kv_heads(self) -> int:
+    def num_kv_heads(self) -> int:  # the KV heads the cache holds for this layer
+        if self.cache_shape is not None:
+            return self.cache_shape[0]
+        if self.k_proj is None:  # a KV-sharing layer: its source's (TP refuses such models)
+            return self._kv_heads
         return self.k_proj.weight.shape[0] // self.head_dim
 
     @property
-    def key_width(self) -> int:  # channels per KV head of a key (and of a value): head_dim
-        return self.head_dim
+    def key_width(self) -> int:  # channels per KV head of a key (and of a value): head_dim (the cache's, padded)
+        return self.head_dim if self.cache_shape is None else self.cache_shape[1]
 
     value_width = key_width
 
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
-                q_scale: Tensor | None = None) -> Tensor:
+                q_scale: Tensor | None = None, kv_share: dict | None = None) -> Tensor:
         """x [L, hidden], cos/sin [L, D/2] (None: a NoPE layer), q_scale [L] fp32 or None -> [L, hidden] (a
-        partial sum when o_proj is TP-sliced)."""
+        partial sum when o_proj is TP-sliced). `kv_share` (Gemma 4's KV sharing): layer -> this forward's (k, v) as
+        given to attention; a layer with its own K/V leaves its pair there, a sharing layer attends its source's
+        (and so writes the same rows into its own cache: every tier and transfer sees an ordinary layer)."""
+        if self.k_proj is None or self.cache_shape is not None or self.v_proj is None or self.v_norm_eps:
+            return self._forward_per_layer_shape(x, cos, sin, attn, q_scale, kv_share)
         n = x.shape[0]
         d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
         h, hkv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
-        q = self.q_proj(x).view(n, h, d)  # [L, H, D]
-        k = self.k_proj(x).view(n, hkv, d)  # [L, Hkv, D]
+        q, k = self.q_proj(x), self.k_proj(x)  # [L, H * D], [L, Hkv * D]
+        if self.qk_norm_all_heads:  # (TP refuses this family: the statistic spans every rank's heads)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(n, h, d), k.view(n, hkv, d)  # [L, H, D], [L, Hkv, D]
         v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
@@ -111,11 +133,56 @@ class Attention(nn.Module):
             q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
         if q_scale is not None:
             q = (q * q_scale[:, None, None]).to(q.dtype)
+        if kv_share is not None and self.keeps_kv:
+            kv_share[self.layer_idx] = (k, v)
         if self.sinks is None:
             out = attn(self.layer_idx, q, k, v)  # [L, H, D]
         else:
             out = attn(self.layer_idx, q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(n, h * d))
+
+    def _forward_per_layer_shape(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
+                                 q_scale: Tensor | None, kv_share: dict | None) -> Tensor:
+        """Gemma 4's attention: per-head q / k norms then RoPE, values from v_proj (or the key projection, before
+        its norm) through a weightless RMSNorm; K/V of an earlier layer on a sharing layer; a layer smaller than
+        the cache pads q / k / v with zero channels (no change to q.k or to the first D output channels) and
+        repeats its KV heads (each query head still reads its own group's K/V), then keeps the first D channels."""
+        n, d = x.shape[0], self.head_dim
+        h = self.q_proj.weight.shape[0] // d
+        q = self.q_proj(x).view(n, h, d)  # [L, H, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        if cos is not None:
+            q = self.rope(q, cos, sin)
+        if q_scale is not None:
+            q = (q * q_scale[:, None, None]).to(q.dtype)
+        if self.k_proj is None:  # KV sharing: the source layer's keys and values of these tokens
+            k, v = kv_share[self.kv_source]
+        else:
+            hkv = self.k_proj.weight.shape[0] // d
+            raw_k = self.k_proj(x).view(n, hkv, d)  # [L, Hkv, D]
+            v = raw_k if self.v_proj is None else self.v_proj(x).view(n, hkv, d)
+            k = self.k_norm(raw_k) if self.k_norm is not None else raw_k
+            if cos is not None:
+                k = self.rope(k, cos, sin)
+            if self.v_norm_eps is not None:
+                v = F.rms_norm(v.float(), (d,), eps=self.v_norm_eps).to(v.dtype)
+            if self.cache_shape is not None:
+                k, v = self._pad_kv(k), self._pad_kv(v)  # [L, Hkv_cache, D_cache]
+            if kv_share is not None and self.keeps_kv:
+                kv_share[self.layer_idx] = (k, v)
+        if self.cache_shape is not None and d < self.cache_shape[1]:
+            q = F.pad(q, (0, self.cache_shape[1] - d))  # [L, H, D_cache]
+        out = attn(self.layer_idx, q, k, v) if self.sinks is None else attn(self.layer_idx, q, k, v, sinks=self.sinks)
+        return self.o_proj(out[..., :d].reshape(n, h * d))
+
+    def _pad_kv(self, t: Tensor) -> Tensor:
+        """[L, Hkv, D] -> [L, Hkv_cache, D_cache]: each KV head repeated for Hkv_cache / Hkv consecutive heads, zero
+        channels after D."""
+        heads, width = self.cache_shape
+        if t.shape[1] != heads:
+            t = t.repeat_interleave(heads // t.shape[1], dim=1)
+        return F.pad(t, (0, width - t.shape[2])) if t.shape[2] != width else t
 
 
 def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
@@ -125,7 +192,7 @@ def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 
     if config.layer_is_moe(layer_idx):
         return SparseMoE(config.hidden_size, config.moe, dense)
-    return dense(config.intermediate_size)
+    return dense(config.layer_intermediate(layer_idx))  # (Gemma 4: double-wide on its KV-sharing layers)
 
 
 class DecoderLayer(nn.Module):
@@ -151,11 +218,13 @@ class DecoderLayer(nn.Module):
         return self._modules[self.mlp_name]
 
     def forward(self, h: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
-                q_scale: Tensor | None = None) -> Tensor:  # [L, hidden]
+                q_scale: Tensor | None = None, kv_share: dict | None = None) -> Tensor:  # [L, hidden]
+        extra = () if kv_share is None else (kv_share,)  # (KV sharing: Gemma 4's attention only)
         if self.sandwich:
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale))
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale,
+                                                                 *extra))
             return h + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale, *extra)
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -163,7 +232,13 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        layer_cls = DecoderLayer
+        if config.layer_scalar or config.per_layer_input_size or config.moe_beside_mlp:  # Gemma 4
+            from cpinfer.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
+            layer_cls = Gemma4DecoderLayer
+            if config.per_layer_input_size:
+                PerLayerInputs.add_to(self, config)
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
 
 
@@ -176,11 +251,13 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        ropes: dict[RopeConfig, RotaryEmbedding] = {}
-        for rope in config.rope.values():  # one table of frequencies per distinct RoPE (Gemma 3: two)
-            if rope not in ropes:
-                ropes[rope] = RotaryEmbedding(config.head_dim, rope, config.max_position_embeddings)
-        self.layer_rotary = [None if config.layer_rope(i) is None else ropes[config.layer_rope(i)]
+        ropes: dict[tuple[RopeConfig, int], RotaryEmbedding] = {}
+        for i in range(config.num_hidden_layers):  # one table of frequencies per distinct RoPE and head size
+            rope, dim = config.layer_rope(i), config.layer_head_dim(i)  # (Gemma 3: two; Gemma 4: two head sizes)
+            if rope is not None and (rope, dim) not in ropes:
+                ropes[(rope, dim)] = RotaryEmbedding(dim, rope, config.max_position_embeddings)
+        self.layer_rotary = [None if config.layer_rope(i) is None else ropes[(config.layer_rope(i),
+                                                                               config.layer_head_dim(i))]
                              for i in range(config.num_hidden_layers)]  # None: a NoPE layer
         self.embed_scale = config.hidden_size ** 0.5 if config.embed_scale else None
         if config.tie_word_embeddings:
@@ -210,6 +287,15 @@ class CausalLM(nn.Module):
         temp = self.config.attn_temperature  # Llama 4: NoPE layers scale queries by their global position
         q_scale = None if temp is None else attn_temperature(positions, *temp)  # [L] fp32
         h = self.embed(input_ids)                                        # [L, hidden]
+        c = self.config
+        if c.per_layer_input_size or c.kv_source_layers:  # Gemma 4's per-layer inputs and shared K/V
+            from cpinfer.model.gemma4 import PerLayerInputs
+            per_layer = PerLayerInputs.compute(self.model, c, input_ids, h) if c.per_layer_input_size else None
+            kv_share: dict | None = {} if c.kv_source_layers else None
+            for i, (layer, rotary) in enumerate(zip(self.model.layers, self.layer_rotary)):
+                extra = {} if per_layer is None else {"per_layer_input": per_layer[:, i]}
+                h = layer(h, *tables[id(rotary)], attn, q_scale if rotary is None else None, kv_share, **extra)
+            return self.model.norm(h)
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             scale = q_scale if rotary is None else None
             h = layer(h, *tables[id(rotary)], attn, scale)

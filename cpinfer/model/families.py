@@ -315,6 +315,127 @@ def _read_deepseek_v2(d: dict, kw: dict) -> None:
     _read_deepseek(d, kw, v3=False)
 
 
+def _read_minimax_m2(d: dict, kw: dict) -> None:
+    """MiniMax-M2 / M2.1 / M2.5: full attention on every layer, q and k each RMS-normed over all their heads' channels
+    at once (`qk_norm_type` "per_layer", before the head split), partial RoPE (`rotary_dim`, else
+    `partial_rotary_factor`); every MLP a sparse block `block_sparse_moe` (w1 gate, w3 up, w2 down) routed by sigmoid
+    scores, top-k chosen with the block's selection-only `e_score_correction_bias`, weights renormalised.
+    Multi-token-prediction modules (`num_mtp_modules`) are a draft head, not part of the model, and are ignored."""
+    for key, allowed in (("qk_norm_type", (None, "per_layer")), ("use_qk_norm", (None, True)),
+                         ("scoring_func", (None, "sigmoid")), ("use_routing_bias", (None, True)),
+                         ("routed_scaling_factor", (None, 1, 1.0))):
+        if d.get(key) not in allowed:
+            raise ValueError(f"unsupported {key}={d[key]!r} for model_type 'minimax_m2': cpinfer (as transformers) "
+                             f"supports {[a for a in allowed if a is not None]}")
+    n, head_dim = d["num_hidden_layers"], int(d.get("head_dim") or 128)
+    kinds = d.get("attn_type_list")
+    if kinds is not None and any(k != 1 for k in kinds):  # 0: MiniMax-01's lightning attention, not this family's
+        raise ValueError(f"attn_type_list={kinds!r} is not supported for model_type 'minimax_m2': cpinfer supports "
+                         "full softmax attention (1) on every layer")
+    params = dict(d.get("rope_parameters") or {})
+    if d.get("rotary_dim"):  # the released checkpoints' key, as transformers converts it
+        params.setdefault("partial_rotary_factor", int(d["rotary_dim"]) / head_dim)
+    rope = parse_rope(d, params, d.get("rope_theta", 5000000.0), partial=True)
+    kw.update(qk_norm=True, qk_norm_all_heads=True, rope={t: rope for t in LAYER_TYPES},
+              mlp_module="block_sparse_moe", moe_layers=tuple(range(n)))
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d) or 1,
+                          intermediate_size=int(d["intermediate_size"]), scoring="sigmoid", norm_topk_prob=True,
+                          hidden_act=kw["hidden_act"], expert_proj_names=("w1", "w3", "w2"),
+                          score_correction_bias=True, correction_bias_on_block=True)
+
+
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+
+
+def _gemma4_shapes(d: dict, types: list[str]) -> tuple[list[int], list[int]]:
+    """Each layer's (head size, KV heads): `per_layer_config` (what transformers saves: layer -> overrides), else
+    global layers take `global_head_dim` (default 512) and, with attention_k_eq_v, `num_global_key_value_heads`."""
+    n, head_dim = d["num_hidden_layers"], int(d.get("head_dim") or 256)
+    kv = int(d.get("num_key_value_heads") or d["num_attention_heads"])
+    per_layer = d.get("per_layer_config")
+    if per_layer is None:
+        over: dict = {"head_dim": d.get("global_head_dim", 512)}
+        if d.get("attention_k_eq_v") and d.get("num_global_key_value_heads") is not None:
+            over["num_key_value_heads"] = d["num_global_key_value_heads"]
+        per_layer = {i: over for i, t in enumerate(types) if t == "full_attention"}
+    dims, heads = [head_dim] * n, [kv] * n
+    for key, over in per_layer.items():
+        if not str(key).isdigit() or not 0 <= int(key) < n:
+            raise ValueError(f"per_layer_config key {key!r}: cpinfer supports layer indices 0..{n - 1}")
+        bad = sorted(set(over) - {"head_dim", "num_key_value_heads"})
+        if bad:
+            raise ValueError(f"per_layer_config[{key!r}] overrides {bad}: cpinfer supports head_dim and "
+                             "num_key_value_heads per layer")
+        dims[int(key)] = int(over.get("head_dim", head_dim))
+        heads[int(key)] = int(over.get("num_key_value_heads", kv))
+    return dims, heads
+
+
+def _gemma4_kv_sources(d: dict, types: list[str]) -> list[int]:
+    """transformers' KV sharing: the last `num_kv_shared_layers` layers each attend the K/V of the last earlier
+    layer of their own type that computes its own."""
+    n, shared = d["num_hidden_layers"], int(d.get("num_kv_shared_layers") or 0)
+    if not 0 <= shared < n:
+        raise ValueError(f"num_kv_shared_layers={shared}: cpinfer supports 0 to num_hidden_layers - 1 ({n - 1}) "
+                         "(some earlier layer must compute the K/V the shared layers reuse)")
+    first = n - shared
+    producers = {t: max(i for i in range(first) if types[i] == t) for t in set(types[:first])}
+    missing = sorted(set(types[first:]) - set(producers))
+    if missing:
+        raise ValueError(f"num_kv_shared_layers={shared}: no earlier layer of type {missing} computes the K/V its "
+                         "shared layers would reuse")
+    return [i if i < first else producers[types[i]] for i in range(n)]
+
+
+def _read_gemma4(d: dict, kw: dict) -> None:
+    """Gemma 4 text (E2B, E4B, 26B-A4B, 31B): sliding and global layers (the last one global), per-head q/k RMSNorm
+    and a weightless value norm, softmax scale 1, RoPE per layer type (global: "proportional", on a quarter of a
+    wider head, `global_head_dim`, with its own KV heads; values = keys' projection when `attention_k_eq_v`), the
+    last `num_kv_shared_layers` layers reusing an earlier layer's K/V (their MLP double-wide with
+    `use_double_wide_mlp`), per-layer input embeddings (`hidden_size_per_layer_input`), routed experts beside the
+    dense MLP (`enable_moe_block`), a learned scalar per layer, weight * x̂ RMSNorms, final logit soft-capping."""
+    if d.get("use_bidirectional_attention") not in (None, "vision"):
+        raise ValueError(f"use_bidirectional_attention={d['use_bidirectional_attention']!r} is not supported: "
+                         "cpinfer serves causal decoders (None or 'vision', which leaves text causal)")
+    for key in ("attn_logit_softcapping",):
+        if d.get(key) is not None:
+            raise ValueError(f"{key}={d[key]!r} is not supported for model_type {d.get('model_type')!r}")
+    n = d["num_hidden_layers"]
+    types = list(d.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                          for i in range(n)])
+    types[-1] = "full_attention"  # as transformers forces it
+    dims, heads = _gemma4_shapes(d, types)
+    sources = _gemma4_kv_sources(d, types)
+    params = d.get("rope_parameters") or _GEMMA4_ROPE
+    rope = {t: parse_rope(d, params.get(t) or _GEMMA4_ROPE[t], _GEMMA4_ROPE[t]["rope_theta"], nested=True,
+                          partial=True) for t in ("full_attention", "sliding_attention")}
+    bias = bool(d.get("attention_bias", False))
+    kw.update(layer_types=tuple(types), sliding_window=int(d.get("sliding_window") or 512), qk_norm=True,
+              qkv_bias=bias, o_bias=bias, norm_style="fp32", embed_scale=True, sandwich_norm=True,
+              hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh", query_pre_attn_scalar=1.0,
+              final_logit_softcapping=d.get("final_logit_softcapping"), rope=rope,
+              tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), head_dim=max(dims),
+              num_key_value_heads=max(heads), layer_head_dims=tuple(dims), layer_kv_heads=tuple(heads),
+              value_norm=True, layer_scalar=True,
+              k_eq_v_layers=tuple(i for i, t in enumerate(types) if t == "full_attention")
+              if d.get("attention_k_eq_v") else ())
+    if any(s != i for i, s in enumerate(sources)):
+        kw["kv_source_layers"] = tuple(sources)
+        if d.get("use_double_wide_mlp"):
+            kw["layer_intermediate_sizes"] = tuple(kw["intermediate_size"] * (2 if s != i else 1)
+                                                   for i, s in enumerate(sources))
+    per_layer = d.get("hidden_size_per_layer_input", 256)  # transformers' default: on
+    if per_layer:
+        kw.update(per_layer_input_size=int(per_layer),
+                  per_layer_vocab_size=int(d.get("vocab_size_per_layer_input") or 262144))
+    if d.get("enable_moe_block"):
+        kw["moe_beside_mlp"] = True
+        kw["moe"] = MoEConfig(num_experts=int(d.get("num_experts") or 0), top_k=int(d.get("top_k_experts") or 0),
+                              intermediate_size=int(d.get("moe_intermediate_size") or 0), norm_topk_prob=True,
+                              hidden_act=kw["hidden_act"])
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", "Llama 2/3/3.1/3.2, SmolLM2: GQA, RoPE (llama3 scaling), SwiGLU",
            _read_llama),
@@ -347,6 +468,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V2 / V2-Lite / V2.5: multi-head latent attention, "
            "softmax greedy or group-limited routing, shared experts", _read_deepseek_v2, default_head_dim=64,
            own_routing=True),
+    Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMax-M2 / M2.1 / M2.5: full attention with q/k RMSNorm over all "
+           "heads, partial RoPE, sigmoid top-k experts chosen with a correction bias (MTP modules ignored)",
+           _read_minimax_m2, default_head_dim=128, own_routing=True),
+    Family("gemma4_text", "Gemma4ForCausalLM", "Gemma 4 text (E2B, E4B, 26B-A4B, 31B): sliding / global layers with "
+           "wider global heads and proportional RoPE, KV shared across layers, per-layer input embeddings, experts "
+           "beside the dense MLP, q/k/v norms (a released multimodal 'gemma4' folder: its text model)", _read_gemma4,
+           default_head_dim=256),
 )}
 
 
@@ -367,8 +495,23 @@ def family_of(d: dict[str, Any]) -> Family:
     return FAMILIES[model_type]
 
 
+# Multimodal folders whose text model cpinfer serves: model_type -> (the text family, the checkpoint's prefix of the
+# text model's weights, read as "model."; the other towers' weights are not loaded)
+NESTED_TEXT_MODELS = {"gemma4": ("gemma4_text", "model.language_model.")}
+
+
 def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
     """`ModelConfig` keyword arguments from a Hugging Face config dict (ValueError naming what is unsupported)."""
+    nested = NESTED_TEXT_MODELS.get(d.get("model_type"))
+    if nested is not None:  # the text model of a multimodal folder: its `text_config`
+        if not isinstance(d.get("text_config"), dict):
+            raise ValueError(f"a {d['model_type']!r} config needs a text_config (the text model cpinfer serves)")
+        text = {**d["text_config"], "model_type": nested[0]}
+        if "tie_word_embeddings" in d:  # transformers ties by the outer config's flag
+            text["tie_word_embeddings"] = d["tie_word_embeddings"]
+        kw = config_kwargs(text)
+        kw["weights_prefix"] = nested[1]
+        return kw
     family = family_of(d)
     missing = [k for k in _REQUIRED_KEYS if k not in d]
     if missing:
@@ -416,21 +559,29 @@ def check_unsupported(d: dict[str, Any], routing: bool = True) -> None:
                              f"cpinfer supports {key} in {[a for a in allowed if a is not None]} here")
 
 
-def parse_rope(d: dict[str, Any], params: dict | None, theta: float, nested: bool = False) -> RopeConfig:
+def parse_rope(d: dict[str, Any], params: dict | None, theta: float, nested: bool = False,
+               partial: bool = False) -> RopeConfig:
     """One `RopeConfig` from a rope dict (5.x `rope_parameters` or 4.x `rope_scaling`, which wins when both are
-    given, as in transformers) with `theta` as the fallback `rope_theta`. `nested`: a per-layer-type dict."""
+    given, as in transformers) with `theta` as the fallback `rope_theta`. `nested`: a per-layer-type dict.
+    `partial`: the family rotates part of each head as transformers does (`partial_rotary_factor`; Gemma 4's
+    "proportional" type), else a factor other than 1 is refused."""
     if not nested:
         params = d.get("rope_scaling") or params
     params = dict(params or {})
-    if params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+    fraction = float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if fraction != 1.0 and not partial:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "dynamic", "yarn", "longrope", "llama3"):
-        raise ValueError(f"unsupported rope type {rope_type!r}: cpinfer supports default, linear, dynamic, yarn, "
-                         "longrope, llama3")
+    types = ("default", "linear", "dynamic", "yarn", "longrope", "llama3") + (("proportional",) if partial else ())
+    if rope_type not in types:
+        raise ValueError(f"unsupported rope type {rope_type!r}: cpinfer supports {', '.join(types)}")
     kw: dict[str, Any] = {"rope_type": rope_type, "theta": float(params.get("rope_theta", theta))}
+    if fraction != 1.0:
+        kw["partial_rotary_factor"] = fraction
     if rope_type == "default":
         return RopeConfig(**kw)
+    if rope_type == "proportional":
+        return RopeConfig(**kw, factor=None if params.get("factor") is None else float(params["factor"]))
     if params.get("factor") is not None:
         kw["factor"] = float(params["factor"])
     if rope_type in ("llama3", "yarn", "longrope"):

@@ -27,6 +27,8 @@ from cpinfer.model.quant import Fp8Slice, checkpoint_tensors, native_candidates,
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+UNIT_SCALES = ("layer_scalar", "router.scale", "per_expert_scale")  # random weights: around 1, as norms are
+_SHARED_KV_WEIGHTS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.")
 
 
 class SafeSlice(Protocol):
@@ -73,6 +75,8 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device
         t = torch.empty(p.shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             t.normal_(identity, 0.1, generator=gen)
+        elif name.endswith(UNIT_SCALES):  # multipliers whose identity is 1 (Gemma 4)
+            t.normal_(1.0, 0.1, generator=gen)
         elif name.endswith("self_attn.sinks"):
             t.normal_(0.0, 1.0, generator=gen)
         else:
@@ -102,7 +106,13 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
         for file in checkpoint_files(path):
             f = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(f.keys(), f))
+        prefix = model.config.weights_prefix  # a multimodal folder: the text model's weights, the towers skipped
         for name, sl in checkpoint_tensors(handles, method, native):
+            if prefix:
+                if name.startswith(prefix):
+                    name = "model." + name[len(prefix):]
+                elif name.startswith("model."):
+                    continue
             if name not in expected:
                 if stacks.accepts(name):
                     stacks.add(name, slicer(name, sl))
@@ -201,11 +211,17 @@ def _check_dir(path: str | Path) -> Path:
 
 
 def _ignorable(name: str, model: CausalLM) -> bool:
-    """Non-parameters HF may store, an lm_head a tied checkpoint may still carry, and DeepSeek-V3's multi-token
-    prediction layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
+    """Non-parameters HF may store, an lm_head a tied checkpoint may still carry, a KV-sharing layer's own K/V
+    weights (Gemma 4: unused, as transformers skips them), and DeepSeek-V3's (MiniMax-M2's) multi-token prediction
+    layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
     tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
     mtp = _LAYER.match(name)
-    extra_layer = model.config.mla is not None and mtp is not None and int(mtp[1]) >= model.config.num_hidden_layers
+    if mtp is not None and int(mtp[1]) < model.config.num_hidden_layers:
+        layer = int(mtp[1])
+        if model.config.kv_source(layer) != layer and name[mtp.end():].startswith(_SHARED_KV_WEIGHTS):
+            return True
+    mtp_family = model.config.mla is not None or model.config.model_type == "minimax_m2"
+    extra_layer = mtp_family and mtp is not None and int(mtp[1]) >= model.config.num_hidden_layers
     return tied_head or extra_layer or name.endswith(_IGNORED_SUFFIXES)
 
 

@@ -35,19 +35,21 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
         self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.score_correction_bias \
-            else None
+            and not cfg.correction_bias_on_block else None
         self.top_k, self.scoring, self.normalize = cfg.top_k, cfg.scoring, cfg.norm_topk_prob
         self.n_group, self.topk_group, self.group_score = cfg.n_group, cfg.topk_group, cfg.group_score
         self.scaling = cfg.routed_scaling_factor
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [L, hidden] -> (weights [L, k] fp32, experts [L, k] int64)."""
+    def forward(self, x: Tensor, correction: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [L, hidden] -> (weights [L, k] fp32, experts [L, k] int64). `correction` [E]: the selection-only bias
+        when the block holds it (MiniMax-M2), else the router's own."""
         logits = F.linear(x, self.weight, self.bias).float()  # [L, E]
         scores = logits.softmax(-1) if self.scoring == "softmax" else logits.sigmoid()
-        if self.e_score_correction_bias is None and self.n_group == 1:
+        bias = self.e_score_correction_bias if correction is None else correction
+        if bias is None and self.n_group == 1:
             weights, experts = torch.topk(scores, self.top_k, dim=-1)  # [L, k] each
         else:
-            choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+            choice = scores if bias is None else scores + bias.float()
             experts = torch.topk(self._eligible(choice), self.top_k, dim=-1).indices  # [L, k]
             weights = scores.gather(1, experts)  # [L, k]: the bias only chooses
         if self.normalize:
@@ -231,6 +233,8 @@ class SparseMoE(nn.Module):
         self._modules[cfg.shared_name] = mlp_factory(cfg.shared_intermediate_size) if cfg.shared_intermediate_size \
             else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if cfg.shared_expert_gate else None
+        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.correction_bias_on_block \
+            else None
 
     @property
     def route(self) -> Router:
@@ -243,7 +247,7 @@ class SparseMoE(nn.Module):
         return self._modules.get(self.shared_name)
 
     def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
-        weights, experts = self.route(x)  # [L, k] each
+        weights, experts = self.route(x, self.e_score_correction_bias)  # [L, k] each
         out = self.experts(x, weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [L, hidden]

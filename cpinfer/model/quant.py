@@ -337,6 +337,9 @@ class NativePlan:
     kernels: frozenset[str]
 
 
+_NOT_SCALES = ("router.per_expert_scale",)  # model parameters named like a scale (Gemma 4's router)
+
+
 def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: NativePlan | None = None,
                        ) -> Iterator[tuple[str, Any]]:
     """Every weight of a checkpoint as (name, lazy slice): FP8 weights come dequantized to fp32 (their scales
@@ -371,7 +374,7 @@ def checkpoint_tensors(handles: dict, method: QuantMethod | None, native: Native
             else:
                 yield name, TensorSlice(scheme.dequantize(name, w, s))
             continue
-        if method is not None and name.endswith(("_scale", "_scale_inv")):
+        if method is not None and name.endswith(("_scale", "_scale_inv")) and not name.endswith(_NOT_SCALES):
             raise ValueError(f"checkpoint tensor {name!r} looks like an FP8 scale but no FP8 weight uses it")
         yield name, f.get_slice(name)
 

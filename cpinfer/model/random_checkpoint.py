@@ -51,7 +51,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
     """HF-named tensors of every parameter of `config`'s family; norms are their identity plus small noise and
     biases are random, so that a mis-mapped norm or bias is caught by tests; attention sinks are ~N(0, 1) logits
     (the size of attention scores), so that a sink merged twice or not at all shows."""
-    from cpinfer.model.loader import build_model  # late: the loader imports this package
+    from cpinfer.model.loader import UNIT_SCALES, build_model  # late: the loader imports this package
 
     gen = torch.Generator().manual_seed(seed)
     identity = 0.0 if config.norm_style == "gemma" else 1.0  # gemma norms scale by (1 + weight)
@@ -60,6 +60,8 @@ def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
         noise = torch.randn(*p.shape, generator=gen)
         if name.endswith("norm.weight"):
             sd[name] = (identity + 0.1 * noise).to(dtype)
+        elif name.endswith(UNIT_SCALES):
+            sd[name] = (1.0 + 0.1 * noise).to(dtype)
         elif name.endswith("self_attn.sinks"):
             sd[name] = noise.to(dtype)
         else:

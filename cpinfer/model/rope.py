@@ -26,6 +26,10 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig | None = None,
     """(inverse frequencies [head_dim // 2] fp32 on CPU, cos/sin scale) of one RoPE; always on CPU."""
     rope = rope or RopeConfig()
     t, base = rope.rope_type, rope.theta
+    if t == "proportional":
+        return _proportional(head_dim, rope), 1.0
+    if rope.partial_rotary_factor != 1.0:  # as transformers: every other type over the rotated channels only
+        head_dim = int(head_dim * rope.partial_rotary_factor)
     if t == "dynamic":  # transformers' formula at sequence length factor x max_position_embeddings
         seq_len = rope.factor * max_position_embeddings
         base = base * ((rope.factor * seq_len / max_position_embeddings) - (rope.factor - 1)) ** (
@@ -40,6 +44,15 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig | None = None,
     if t == "longrope":
         return _longrope(head_dim, rope, max_position_embeddings)
     return inv_freq, 1.0
+
+
+def _proportional(head_dim: int, s: RopeConfig) -> Tensor:
+    """Gemma 4's global layers: the first int(f * head_dim // 2) pairs keep the frequencies of the full head_dim,
+    the other pairs have frequency 0 (cos 1, sin 0: not rotated); all divided by `factor` (default 1)."""
+    angles = int(s.partial_rotary_factor * head_dim // 2)
+    rotated = 1.0 / (s.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device="cpu")))
+    return inv_freq / (s.factor or 1.0)
 
 
 def _llama3_scale(inv_freq: Tensor, s: RopeConfig) -> Tensor:
@@ -108,8 +121,12 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float = 1.0) -> tup
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [L, H, D] by per-token angles (cos, sin [L, D/2]); math in fp32, result in x.dtype.
 
-    Pairs are (i, i + D/2) — HF's `x * cos + rotate_half(x) * sin` with cos/sin repeated over both halves.
+    Pairs are (i, i + D/2) — HF's `x * cos + rotate_half(x) * sin` with cos/sin repeated over both halves. Partial
+    RoPE (cos/sin narrower than D/2: R/2 columns): the first R channels rotate as a head of R, the rest pass as is.
     """
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]      # [L, H, D/2] each
