@@ -55,6 +55,7 @@ class LLMEngine:
         self.startup = self.startup_class(self)
         self.startup.run(model)  # model_path, config, tokenizer, the ranks (_pool), kv, disk, ...: startup.py
         self._mirrors_slots = self.config.local_attention  # windowed / chunked layers: ranks keep SlotPositions
+        self._mirrors_slots |= self.config.hybrid  # hybrid: every rank advances its replica of every state
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
@@ -399,6 +400,9 @@ class LLMEngine:
             "draft_allowed": None if rows is None else rows[:len(s.draft) + 1],
             "draft_q": None if (draft_q or {}).get(req.request_id) is None else draft_q[req.request_id][:len(s.draft)],
             "draft_suppress": max(0, req.params.min_tokens - len(req.out)) if spec.suppress else 0}
+        if req.kv.state_out >= 0:  # hybrid models: from its state slot; every later forward from its live one
+            spec_args.update(state_in=req.kv.state_in, state_out=req.kv.state_out)
+            req.kv.state_in = req.kv.state_out
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)
 

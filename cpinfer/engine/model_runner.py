@@ -27,7 +27,9 @@ from cpinfer.engine.decode_graph import StaticDecode
 from cpinfer.engine.kv import fp8 as kv_fp8
 from cpinfer.engine.kv.capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
+from cpinfer.engine.kv.state_store import StateStore
 from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.engine.recurrent import RecurrentRunner
 from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
 from cpinfer.engine.spec_decode.rejection import row_specs, verify
@@ -67,7 +69,7 @@ class ModelRunner:
             self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
-        attn = self.model.model.layers[0].self_attn
+        attn = self.model.model.layers[self.config.attention_layers[0]].self_attn  # (a hybrid's first may be recurrent)
         self.n_kv = attn.num_kv_heads  # this TP rank's KV heads (MLA: the one latent head, on every TP rank)
         self.widths = KVWidths.of(self.config)
         self.layout = HeadLayout(attn.num_heads, self.n_kv, self.widths.key, dtype)  # what attention gets
@@ -86,6 +88,8 @@ class ModelRunner:
         self.tiers: RankTiers | None = None  # host pool and disk writer, when the engine has tiers
         self.decode = dict(decode or {"mode": "off"})
         self.static: StaticDecode | None = None  # made with the KV store when the decode mode is not "off"
+        self.states: StateStore | None = None  # hybrid models: every state slot's replica (`kv/state_store.py`)
+        self.recurrent_exchange_s = 0.0  # hybrid models under CP: seconds in the recurrent layers' exchanges
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -121,12 +125,20 @@ class ModelRunner:
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
+        if self.config.hybrid:
+            self.states = StateStore(self.state_layers(), self.dtype, self.ctx.device)
         if self.decode["mode"] != "off":
             if self.widths.key != self.widths.value and not self.widths.values_in_keys:
                 raise ValueError("the static decode path (decode mode 'eager' / 'graph') takes one head size for "
                                  "keys and values, or values inside the keys (MLA); this model's differ: use decode "
                                  "mode 'off'")
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
+
+    def state_layers(self) -> dict:
+        """Recurrent layer -> (state shape, conv kernel, conv channels) of its mixer (hybrid models)."""
+        layers = self.model.model.layers
+        return {i: (layers[i].linear_attn.state_shape, layers[i].linear_attn.kernel, layers[i].linear_attn.conv_channels)
+                for i in self.config.recurrent_layers}
 
     def profile_forward(self, tokens: int) -> None:
         """A forward of `tokens` new tokens on this rank alone, for its activation peak: every layer's tensors and
@@ -142,8 +154,14 @@ class ModelRunner:
             del ring
             return acc_out.to(q.dtype)
 
+        recurrent = None
+        if self.config.hybrid:  # one sequence from a zero state (the recurrence's activations, no exchange)
+            from cpinfer.model.recurrent.reference import ReferenceRecurrence
+
+            recurrent = ReferenceRecurrence()
+            recurrent.set_batch([0] * tokens)
         with torch.inference_mode():
-            hidden = self.model(ids, pos, attn)  # [L, hidden]
+            hidden = self.model(ids, pos, attn, recurrent)  # [L, hidden]
             rows = hidden[:min(tokens, _LOGIT_CHUNK)]
             logits = self.model.compute_logits(rows)  # [min(L, chunk), vocab] fp32, as prompt log-probs use
             torch.logsumexp(logits, dim=-1)
@@ -175,7 +193,15 @@ class ModelRunner:
         store = self.store
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         codecs = store.codecs
+        recurrent = None
+        if self.states is not None:  # hybrid: the recurrent layers' runner (every rank keeps every state replica)
+            recurrent = RecurrentRunner(batch, rank, n, self.groups.cp_group, self.states,
+                                        lambda b: plan.qoff[rank, b] + np.arange(plan.counts[rank, b]))
         if plan.idle:  # no token here and no ring in this forward: nothing to run
+            if recurrent is not None and n > 1:  # ... but the recurrent layers' exchanges and replicas
+                with torch.inference_mode():
+                    recurrent.replicate(self.model)
+                self.recurrent_exchange_s += recurrent.exchange_s
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store.note_written(plan.slots)
         expanded = batch.mla_form == "expanded" and store.widths.values_in_keys
@@ -204,7 +230,9 @@ class ModelRunner:
         attn.mla_form = "expanded" if expanded else "absorbed"  # what MLA layers give attention (`model/mla.py`)
         phases = {"plan": t_plan - t0}
         with torch.inference_mode():
-            hidden = self.model(ids, pos, attn)  # [L, hidden]
+            hidden = self.model(ids, pos, attn, recurrent)  # [L, hidden]
+            if recurrent is not None:
+                self.recurrent_exchange_s += recurrent.exchange_s
             if self.groups.tp_rank == 0:
                 samples = self._sample(batch, plan, hidden, phases, t_plan)
                 prompt_lp = self._prompt_logprobs(batch, plan, hidden)

@@ -13,6 +13,8 @@ from cpinfer.attention.backends import _unusable as backend_problem
 from cpinfer.attention.backends import resolve_name
 from cpinfer.device import comm_backend, ranks_on_this_node
 from cpinfer.engine import model_runner as MR
+from cpinfer.engine import hybrid
+from cpinfer.engine.kv.state_store import StateSlots
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
 from cpinfer.engine.kv.fp8 import layout_dtype, per_token
@@ -83,6 +85,7 @@ class EngineStartup:
             raise ValueError(f"kv_cache_dtype={a.kv_cache_dtype!r} is not supported for {e.config.model_type} "
                              "(multi-head latent attention: the values are the cached latent's first channels); use "
                              "kv_cache_dtype='fp8' (static scales)")
+        hybrid.check(e.config, a, pd_role=hasattr(e, "view"))  # features that do not carry recurrent states yet
         if a.load_format == "auto":
             checkpoint_files(Path(e.model_path))  # raises ValueError when no weights are there
         if a.speculative_config is not None:
@@ -182,6 +185,10 @@ class EngineStartup:
         a = e.args
         graphs = a.device == "cuda" and not a.enforce_eager
         static = graphs if a.static_decode is None else a.static_decode
+        if static and e.config.hybrid:  # (static_decode=True was refused before any rank started)
+            log.warning("decode runs without CUDA graphs: the static decode path does not update the recurrent "
+                        "states of a hybrid model")
+            static = graphs = False
         if static and backend_problem("triton", torch.device(a.device)):
             log.warning("CUDA graphs for decode are off: their attention is the Triton kernel, and %s",
                         backend_problem("triton", torch.device(a.device)))
@@ -307,6 +314,8 @@ class EngineStartup:
         driver_rank = getattr(e._pool, "driver_rank", False)  # rank 0 in this process: it takes local work
         e.kv = KVManager(e.n, capacity, a.enable_prefix_caching, self.placer(), tiers,
                          preferred_rank=0 if driver_rank and e.parallel.tp == 1 else None)
+        if e.config.hybrid:  # a live state slot per running request, the rest for snapshots (kv/state_store.py)
+            e.kv.enable_states(StateSlots(hybrid.state_slots(a.max_num_seqs)))
         if e.disk is not None:
             rebuild_index(e.kv, e.disk, tiers.layout)
 
@@ -316,6 +325,9 @@ class EngineStartup:
         e, a = self.engine, self.engine.args
         if a.placement != "auto" or e.n == 1:
             return Placer(a.placement, e.n)
+        if e.config.hybrid:  # the cost model does not know the recurrent layers yet: every prompt 2N-sharded
+            log.info("placement auto: hybrid model, no cost model for its recurrent layers yet: placement 'shard'")
+            return Placer("shard", e.n)
         share = 1.0
         if a.device == "cpu":
             cores = os.cpu_count() or 1

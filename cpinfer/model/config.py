@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpinfer.model.config_parts import ACTIVATIONS, LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.config_parts import (ACTIVATIONS, LAYER_TYPES, RECURRENT_LAYER_TYPES, MLAConfig, MoEConfig,
+                                        RopeConfig)
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
@@ -66,6 +67,12 @@ class ModelConfig:
     mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2) instead of GQA
     quantization: QuantMethod | None = None  # FP8 checkpoints: the linear method of `quantization_config`
+    # hybrid families (Qwen3-Next, Qwen3.5): the recurrent mixer of the "linear_attention" layers (a
+    # `recurrent.gdn.GDNConfig`), attention's sigmoid output gate (q_proj doubled), partial RoPE (the first
+    # rotary_dim channels of each head rotate; None: all)
+    recurrent: Any = None
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -96,7 +103,12 @@ class ModelConfig:
         if "chunked_attention" in self.layer_types and "chunked_attention" not in self.rope and \
                 "full_attention" in self.rope:  # chunked layers rotate like the global ones unless told otherwise
             object.__setattr__(self, "rope", {**self.rope, "chunked_attention": self.rope["full_attention"]})
-        missing = sorted(set(self.layer_types) - set(self.rope))
+        if any(t in RECURRENT_LAYER_TYPES for t in self.layer_types) and self.recurrent is None:
+            raise ValueError(f"layer_types has linear_attention layers but model_type {self.model_type!r} defines no "
+                             "recurrent mixer for them (the hybrid families qwen3_next, qwen3_5, qwen3_5_moe do)")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim = {self.head_dim}], got {self.rotary_dim}")
+        missing = sorted(set(self.layer_types) - set(self.rope) - set(RECURRENT_LAYER_TYPES))
         if missing:
             raise ValueError(f"no RoPE parameters for layer type(s) {missing}")
         for name, allowed in (("norm_style", NORM_STYLES), ("hidden_act", ACTIVATIONS)):
@@ -198,8 +210,27 @@ class ModelConfig:
         return any(w is not None for w in self.windows) or any(c is not None for c in self.chunks)
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
-        """The RoPE of a layer, None on a NoPE layer."""
-        return None if layer in self.nope_layers else self.rope[self.layer_types[layer]]
+        """The RoPE of a layer, None on a NoPE layer (and on a recurrent one)."""
+        if layer in self.nope_layers or self.layer_is_recurrent(layer):
+            return None
+        return self.rope[self.layer_types[layer]]
+
+    def layer_is_recurrent(self, layer: int) -> bool:
+        """Whether a layer is a recurrent mixer (linear attention: a state, no KV cache)."""
+        return self.layer_types[layer] in RECURRENT_LAYER_TYPES
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_is_recurrent(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.layer_is_recurrent(i))
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer is recurrent (the engine then keeps per-request states beside the KV cache)."""
+        return bool(self.recurrent_layers)
 
     def layer_is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -208,6 +239,11 @@ class ModelConfig:
     def rope_theta(self) -> float:
         """The RoPE base of the global (full-attention) layers, or of the sliding ones when every layer slides."""
         return self.rope.get("full_attention", next(iter(self.rope.values()))).theta
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels of each query / key head that RoPE rotates (partial RoPE: rotary_dim)."""
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":

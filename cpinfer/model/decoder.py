@@ -59,12 +59,24 @@ class MLP(nn.Module):
         return self.down_proj(g.mul_(self.up_proj(x)))
 
 
+class RecurrentFn(Protocol):
+    """(layer_idx, mixer, u [L, C], side) -> o [L, H, Dv] fp32: a recurrent layer's stages 2-4 (conv with each
+    sequence's tail, recurrence inputs, run from each sequence's state; `model/recurrent/__init__.py`) over the
+    packed tokens, the caller keeping tails and states. `side`: the mixer's per-token side inputs ([L, ...] each)."""
+
+    def __call__(self, layer_idx: int, mixer: nn.Module, u: Tensor, side: tuple) -> Tensor:
+        ...
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=config.qkv_bias)
+        # Qwen3-Next / Qwen3.5: q_proj also yields a per-channel output gate (each head's [q ; gate] side by side)
+        self.q_per_head = 2 if config.attn_output_gate else 1
+        self.rotary_dim = config.rotary_dim  # partial RoPE: the first rotary_dim channels rotate (None: all)
+        self.q_proj = nn.Linear(config.hidden_size, config.q_size * self.q_per_head, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
@@ -81,7 +93,7 @@ class Attention(nn.Module):
 
     @property
     def num_heads(self) -> int:  # from the weights, so a TP-sliced q_proj means fewer local heads
-        return self.q_proj.weight.shape[0] // self.head_dim
+        return self.q_proj.weight.shape[0] // (self.head_dim * self.q_per_head)
 
     @property
     def num_kv_heads(self) -> int:
@@ -99,13 +111,22 @@ class Attention(nn.Module):
         partial sum when o_proj is TP-sliced)."""
         n = x.shape[0]
         d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
-        h, hkv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
-        q = self.q_proj(x).view(n, h, d)  # [L, H, D]
+        h, hkv = self.q_proj.weight.shape[0] // (d * self.q_per_head), self.k_proj.weight.shape[0] // d
+        gate = None
+        if self.q_per_head == 2:
+            q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [L, H, D] each
+            gate = gate.reshape(n, h * d)
+        else:
+            q = self.q_proj(x).view(n, h, d)  # [L, H, D]
         k = self.k_proj(x).view(n, hkv, d)  # [L, Hkv, D]
         v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:
+        if cos is not None and self.rotary_dim is not None and self.rotary_dim < d:  # partial RoPE
+            r = self.rotary_dim
+            q = torch.cat((self.rope(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+            k = torch.cat((self.rope(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+        elif cos is not None:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if self.l2_eps is not None:
             q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
@@ -115,7 +136,10 @@ class Attention(nn.Module):
             out = attn(self.layer_idx, q, k, v)  # [L, H, D]
         else:
             out = attn(self.layer_idx, q, k, v, sinks=self.sinks)
-        return self.o_proj(out.reshape(n, h * d))
+        out = out.reshape(n, h * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
@@ -128,6 +152,15 @@ def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
     return dense(config.intermediate_size)
 
 
+def make_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """A recurrent layer's mixer from the config's recurrent mixer config."""
+    from cpinfer.model.recurrent.gdn import GDNConfig, GatedDeltaNet
+
+    if isinstance(config.recurrent, GDNConfig):
+        return GatedDeltaNet(config.recurrent, config.hidden_size, config.rms_norm_eps, layer_idx)
+    raise ValueError(f"unsupported recurrent mixer config {type(config.recurrent).__name__}")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block; with `sandwich_norm` (Gemma 3) the attention and MLP outputs are normed too. The MLP sits
     under the checkpoint's name (`mlp`, Mixtral's `block_sparse_moe`, Llama 4's `feed_forward`)."""
@@ -136,7 +169,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, style = config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(config.hidden_size, eps, style)
-        self.self_attn = MLAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
+        self.recurrent = config.layer_is_recurrent(layer_idx)
+        if self.recurrent:  # a linear-attention mixer in place of attention (`linear_attn` in the checkpoint)
+            self.linear_attn = make_mixer(config, layer_idx)
+        else:
+            self.self_attn = MLAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, style)  # Llama: before the MLP
         self.mlp_name = config.mlp_module
         setattr(self, self.mlp_name, make_mlp(config, layer_idx))
@@ -150,12 +187,23 @@ class DecoderLayer(nn.Module):
         """The layer's MLP, whatever the checkpoint calls it (replace it with `setattr(layer, layer.mlp_name, m)`)."""
         return self._modules[self.mlp_name]
 
+    def mix(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn, q_scale: Tensor | None,
+            recurrent: RecurrentFn | None) -> Tensor:
+        """The token mixer: attention, or the layer's recurrence through `recurrent`."""
+        if self.recurrent:
+            if recurrent is None:
+                raise ValueError(f"layer {self.linear_attn.layer_idx} is a recurrent (linear attention) layer: the "
+                                 "forward needs a recurrent callback (RecurrentFn)")
+            return self.linear_attn(x, recurrent)
+        return self.self_attn(x, cos, sin, attn, q_scale)
+
     def forward(self, h: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
-                q_scale: Tensor | None = None) -> Tensor:  # [L, hidden]
+                q_scale: Tensor | None = None, recurrent: RecurrentFn | None = None) -> Tensor:  # [L, hidden]
         if self.sandwich:
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale))
+            h = h + self.post_attention_layernorm(self.mix(self.input_layernorm(h), cos, sin, attn, q_scale,
+                                                           recurrent))
             return h + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale)
+        h = h + self.mix(self.input_layernorm(h), cos, sin, attn, q_scale, recurrent)
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -179,7 +227,7 @@ class CausalLM(nn.Module):
         ropes: dict[RopeConfig, RotaryEmbedding] = {}
         for rope in config.rope.values():  # one table of frequencies per distinct RoPE (Gemma 3: two)
             if rope not in ropes:
-                ropes[rope] = RotaryEmbedding(config.head_dim, rope, config.max_position_embeddings)
+                ropes[rope] = RotaryEmbedding(config.rope_dim, rope, config.max_position_embeddings)
         self.layer_rotary = [None if config.layer_rope(i) is None else ropes[config.layer_rope(i)]
                              for i in range(config.num_hidden_layers)]  # None: a NoPE layer
         self.embed_scale = config.hidden_size ** 0.5 if config.embed_scale else None
@@ -202,8 +250,10 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         return h
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """input_ids, positions [L] int64 (any sequences, any order) -> hidden [L, hidden] after the final norm."""
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn,
+                recurrent: RecurrentFn | None = None) -> Tensor:
+        """input_ids, positions [L] int64 (any sequences, any order; a hybrid's tokens of one sequence in order)
+        -> hidden [L, hidden] after the final norm. `recurrent` runs the recurrent layers (hybrid families)."""
         tables = {id(r): r for r in self.layer_rotary if r is not None}
         tables = {k: r.cos_sin(positions) for k, r in tables.items()}  # [L, D/2] fp32 each, shared by layers
         tables[id(None)] = (None, None)                                   # NoPE layers
@@ -212,7 +262,7 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)                                        # [L, hidden]
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             scale = q_scale if rotary is None else None
-            h = layer(h, *tables[id(rotary)], attn, scale)
+            h = layer(h, *tables[id(rotary)], attn, scale, recurrent)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -27,6 +27,8 @@ from cpinfer.model.quant import Fp8Slice, checkpoint_tensors, native_candidates,
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_TEXT_PREFIX = "model.language_model."  # Qwen3.5 folders hold the text model under this prefix
+_HYBRID_EXTRAS = ("model.visual.", "mtp.")  # tensors of Qwen3.5 / Qwen3-Next folders outside the text decoder
 
 
 class SafeSlice(Protocol):
@@ -103,6 +105,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
             f = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(f.keys(), f))
         for name, sl in checkpoint_tensors(handles, method, native):
+            if name.startswith(_TEXT_PREFIX):  # a multimodal folder's text model (Qwen3.5): model.language_model.*
+                name = "model." + name[len(_TEXT_PREFIX):]
             if name not in expected:
                 if stacks.accepts(name):
                     stacks.add(name, slicer(name, sl))
@@ -204,6 +208,8 @@ def _ignorable(name: str, model: CausalLM) -> bool:
     """Non-parameters HF may store, an lm_head a tied checkpoint may still carry, and DeepSeek-V3's multi-token
     prediction layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
     tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+    if model.config.hybrid and name.startswith(_HYBRID_EXTRAS):  # Qwen3.5 / Qwen3-Next: vision tower, MTP head
+        return True
     mtp = _LAYER.match(name)
     extra_layer = model.config.mla is not None and mtp is not None and int(mtp[1]) >= model.config.num_hidden_layers
     return tied_head or extra_layer or name.endswith(_IGNORED_SUFFIXES)

@@ -236,7 +236,7 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x).view(n, hk, 2 * dk + 2 * r * dv)
         q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
         b, a = torch.split(self.in_proj_ba(x).view(n, hk, 2 * r), [r, r], dim=-1)
-        u = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+        u = torch.cat((q.reshape(n, cfg.key_dim), k.reshape(n, cfg.key_dim), v.reshape(n, cfg.value_dim)), dim=-1)
         return u, (z.reshape(n, hv, dv), b.reshape(n, hv), a.reshape(n, hv))
 
     def conv(self, u: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
@@ -276,7 +276,7 @@ class GatedDeltaNet(nn.Module):
         """Stage 5: o [T, Hv, Dv] fp32 -> gated RMSNorm with z, out_proj -> [T, hidden]."""
         z = side[0]
         y = self.norm(o.to(x.dtype), z)  # [T, Hv, Dv]
-        return self.out_proj(y.reshape(o.shape[0], -1))
+        return self.out_proj(y.reshape(o.shape[0], self.cfg.value_dim))
 
     def forward(self, x: Tensor, recurrent) -> Tensor:
         """x [L, hidden] (any sequences, packed) -> [L, hidden]; `recurrent(layer_idx, mixer, u, side)` runs the
