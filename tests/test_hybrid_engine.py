@@ -22,7 +22,7 @@ def engines():
     pools: dict[int, WorkerPool] = {}
 
     def get(path, cp, **kw):
-        kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=2048, **kw)
+        kw = dict(dict(context_parallel_size=cp, max_kv_tokens_per_rank=2048), **kw)
         if cp == 1:
             return LLM(str(path), threads_per_rank=1, **kw)
         if cp not in pools:
@@ -81,3 +81,36 @@ def test_unsupported_features_are_refused_before_ranks_start(llama_checkpoint, k
     path = llama_checkpoint("qwen3_5")
     with pytest.raises(ValueError, match=f"hybrid .*{feature}"):
         LLM(str(path), max_kv_tokens_per_rank=2048, **kw)
+
+
+@pytest.mark.parametrize("cp", [1, 3])
+def test_snapshot_interval_lets_a_shared_document_hit(llama_checkpoint, engines, cp):
+    """With a snapshot every 32 tokens, prefill chunks of 40 leave snapshots at 40, 80 and 120: a second request on
+    the same 120-token document continues from the one at its end, a third (sharing 100 tokens) from 80."""
+    path = llama_checkpoint("qwen3_next", max_position_embeddings=2048)
+    doc = prompts_for(256, [120], seed=11)[0]
+    with engines(path, cp, max_num_batched_tokens=40, state_snapshot_interval=32) as llm:
+        prompts = [doc + [5, 6, 7], doc + [8, 9], doc[:100] + [10, 11, 12]]
+        outs = [llm.generate([p], SamplingParams(max_tokens=4, **GREEDY))[0] for p in prompts]
+        assert [o.num_cached_tokens for o in outs] == [0, 120, 80]
+        check_against_hf(path, outs, prompts, 4, check_prompt_lp=False)
+        stats = llm.cache_stats()["state_cache"]
+        assert stats["snapshots"] >= 4 and stats["in_use"] == stats["snapshots"]  # nothing running: no live slot
+        assert stats["bytes_per_rank"] == stats["slots"] * stats["bytes_per_slot"] > 0
+
+
+@pytest.mark.parametrize("cp, cap", [(1, 588), (2, 396)])
+def test_preemption_recomputes_and_stays_exact(llama_checkpoint, engines, cp, cap):
+    """Two requests that overflow the cache together (the state cache's ~204 tokens' worth of bytes come out of
+    max_kv_tokens_per_rank): preempted requests free their live state and recompute from a snapshot or the start."""
+    path = llama_checkpoint("qwen3_5", max_position_embeddings=2048)
+    with engines(path, cp, max_kv_tokens_per_rank=cap, max_num_seqs=2, max_num_batched_tokens=64) as llm:
+        eng = llm.engine
+        assert llm.cache_stats()["kv_capacity_per_rank"] == (384 if cp == 1 else 192)
+        prompts = prompts_for(256, [150, 150], seed=1)
+        before = eng.stats().preemptions
+        outs = llm.generate(prompts, SamplingParams(max_tokens=90, **GREEDY))
+        assert eng.stats().preemptions > before
+        check_against_hf(path, outs, prompts, 90, check_prompt_lp=False)
+        eng.kv.check_invariants()
+        assert eng.kv.states.in_use == eng.kv.state_snapshots  # every live slot went back

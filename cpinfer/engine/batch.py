@@ -42,6 +42,7 @@ class SeqInput:
     # the sequence's start) and the one they leave its state in (`engine/kv/state_store.py`)
     state_in: int = -1
     state_out: int = -1
+    state_copy: int = -1  # also leave the state after this forward in this slot (a snapshot: --state-snapshot-interval)
 
     @property
     def sampled_rows(self) -> int:

@@ -42,3 +42,16 @@ def check(config, args, pd_role: bool = False) -> None:
     if problem is not None:
         raise ValueError(f"model_type {config.model_type!r} is a hybrid (linear-attention) model; cpinfer does not "
                          f"run it with {problem}")
+
+
+def state_bytes_per_slot(config, elem_bytes: int) -> int:
+    """One state slot's bytes on a rank: per recurrent layer the fp32 state and the conv tail (compute dtype). The
+    mixer config (`config.recurrent`) gives `state_shape` (H, Dk, Dv), `conv_kernel` and `conv_channels`."""
+    r = config.recurrent
+    h, dk, dv = r.state_shape
+    return len(config.recurrent_layers) * (h * dk * dv * 4 + (r.conv_kernel - 1) * r.conv_channels * elem_bytes)
+
+
+def state_bytes(config, elem_bytes: int, max_num_seqs: int) -> int:
+    """The state cache's bytes on each rank (every rank keeps a replica of every slot)."""
+    return state_slots(max_num_seqs) * state_bytes_per_slot(config, elem_bytes)

@@ -74,7 +74,7 @@ class RecurrentRunner:
                 for sh in mine:
                     sh.rows = rows[at:at + sh.e - sh.a]
                     at += sh.e - sh.a
-        top = max([max(s.state_in, s.state_out) for s in batch.seqs] + [-1])
+        top = max([max(s.state_in, s.state_out, s.state_copy) for s in batch.seqs] + [-1])
         store.ensure(top + 1)
         self.exchange_s = 0.0  # seconds in the exchanges, for benchmarks
 
@@ -126,8 +126,9 @@ class RecurrentRunner:
                     out[torch.as_tensor(sh.rows, device=dev)] = o
                 state = Affine.from_tensor(maps[sh.index], (h, dk, dk), (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
-            if s.state_out >= 0:
-                self.store.save(layer, s.state_out, state, tail)
+            for slot in (s.state_out, s.state_copy):
+                if slot >= 0:
+                    self.store.save(layer, slot, state, tail)
         return out
 
     def _run_alone(self, layer: int, mixer, seq: list[Shard], u: Tensor, side: tuple, out: Tensor) -> None:
@@ -142,8 +143,9 @@ class RecurrentRunner:
         inp = mixer.inputs(conv, tuple(x[rows] for x in side))
         o, state = mixer.run(inp, state)
         out[rows] = o
-        if s.state_out >= 0:
-            self.store.save(layer, s.state_out, state, tail)
+        for slot in (s.state_out, s.state_copy):
+            if slot >= 0:
+                self.store.save(layer, slot, state, tail)
 
     def _before(self, seq: list[Shard], a: int, tail_in: Tensor, halo: Tensor, k1: int) -> Tensor:
         """The K-1 pre-conv rows before offset a of the sequence's new tokens: from the gathered shard ends (every

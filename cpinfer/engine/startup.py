@@ -151,7 +151,21 @@ class EngineStartup:
         capacity = a.max_kv_tokens_per_rank
         if capacity is None and a.device == "cpu":
             capacity = self.default_capacity(a.kv_memory_fraction)
+        if capacity is not None and self.engine.config.hybrid:  # the state cache is paid from the same budget
+            capacity -= self.state_tokens()
+            if capacity < BLOCK:
+                raise ValueError(f"max_kv_tokens_per_rank leaves no room for K/V after the recurrent state cache of this "
+                                 f"hybrid model ({self.state_tokens()} tokens' worth per rank for "
+                                 f"{hybrid.state_slots(a.max_num_seqs)} state slots): raise it or lower max_num_seqs")
         return None if capacity is None else capacity // BLOCK * BLOCK
+
+    def state_tokens(self) -> int:
+        """Hybrid models: the KV tokens per rank the state cache's bytes are worth (counted in the capacity)."""
+        e = self.engine
+        c = e.config
+        token = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), e.elem_bytes,
+                                        e.args.kv_cache_dtype)
+        return -(-hybrid.state_bytes(c, e.elem_bytes, e.args.max_num_seqs) // token)
 
     def default_capacity(self, fraction: float) -> int:
         """KV tokens per rank in `fraction` of host RAM, split over the CP ranks (a draft's store counted too)."""
@@ -175,7 +189,8 @@ class EngineStartup:
         return {"tokens": tokens, "utilization": a.gpu_memory_utilization, "block": BLOCK,
                 "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count())),
                 "extra_bytes_per_token": draft_token_bytes(draft, e.elem_bytes),
-                "reserve_bytes": draft_reserve_bytes(a, draft, e.elem_bytes)}
+                "reserve_bytes": draft_reserve_bytes(a, draft, e.elem_bytes)
+                + (hybrid.state_bytes(e.config, e.elem_bytes, a.max_num_seqs) if e.config.hybrid else 0)}
 
     def decode_config(self, comm: str) -> dict:
         """The ranks' decode path: {"mode": "graph" (CUDA graphs per batch-size bucket), "eager" (the same static
@@ -315,7 +330,7 @@ class EngineStartup:
         e.kv = KVManager(e.n, capacity, a.enable_prefix_caching, self.placer(), tiers,
                          preferred_rank=0 if driver_rank and e.parallel.tp == 1 else None)
         if e.config.hybrid:  # a live state slot per running request, the rest for snapshots (kv/state_store.py)
-            e.kv.enable_states(StateSlots(hybrid.state_slots(a.max_num_seqs)))
+            e.kv.enable_states(StateSlots(hybrid.state_slots(a.max_num_seqs)), a.state_snapshot_interval)
         if e.disk is not None:
             rebuild_index(e.kv, e.disk, tiers.layout)
 

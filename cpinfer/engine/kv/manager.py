@@ -227,12 +227,31 @@ class KVManager:
         # host / disk tiers below the device (a TierConfig), or None: evicted segments are dropped
         self.tiers = Tiers(tiers, num_ranks, self._lost) if tiers is not None and tiers.enabled else None
         self.states: StateSlots | None = None  # hybrid models: the state slots (`enable_states`)
+        self.state_interval = 0  # ... and a snapshot every this many tokens of a sequence (0: at turn ends only)
         self.begin_forward()
 
-    def enable_states(self, slots: StateSlots) -> None:
+    def enable_states(self, slots: StateSlots, interval: int = 0) -> None:
         """Hybrid (linear-attention) models: every request holds a live state slot, finished ones leave snapshots in
-        the tree, and a prefix match is cut back to the last snapshot inside it."""
-        self.states = slots
+        the tree (and running ones one every `interval` tokens), and a prefix match is cut back to the last
+        snapshot inside it."""
+        self.states, self.state_interval = slots, interval
+
+    def interval_snapshot(self, seq: SeqKV, start: int, end: int) -> int:
+        """A forward of seq's tokens start .. end-1 that passes a multiple of the snapshot interval: a state slot
+        for the state at `end`, kept as a snapshot of its leaf (the ranks copy the state there after the forward);
+        -1 when no snapshot is due or no slot is free."""
+        iv = self.state_interval
+        if self.states is None or not iv or not self.enable_prefix_caching or end // iv == start // iv:
+            return -1
+        leaf = seq.leaf
+        if end != leaf.pos0 + len(leaf) or end in leaf.snapshots:
+            return -1
+        try:
+            slot = self._state_slot()
+        except RuntimeError:
+            return -1
+        leaf.snapshots[end] = slot
+        return slot
 
     # ------------------------------------------------------------------ capacity
     @property
