@@ -2,19 +2,21 @@
 layer's conv and recurrence for the batch's sequences from their state slots, exact under any CP sharding.
 
 Per recurrent layer, with N > 1 CP ranks (mixer-agnostic: any mixer with the staged shape of
-`model/recurrent/__init__.py`: `conv`, `inputs`, `run`, `summary`, `kernel`, `conv_channels`, `state_shape`):
+`model/recurrent/__init__.py`: `conv`, `inputs`, `run`, `summary`, `kernel`, `conv_channels`, `state_shape`, and
+optionally `side_shapes`, the per-token shapes of its side inputs):
 
-1. halo exchange: each shard (a run of consecutive new tokens of one sequence on one rank) publishes its last
-   kernel - 1 pre-conv rows (one all-reduce of a zero-padded [shards, K-1, C] buffer, in an order every rank
-   derives from the batch). Every row a shard's conv needs before its first token is among the last K-1 rows of
-   an earlier shard, or in the sequence's cached tail (the state slot's).
-2. each rank convolves its shards, computes their recurrence inputs and their affine maps (`summary`);
-3. summary exchange: one all-reduce of the [shards, |M| + |B|] fp32 maps (fixed size per shard, independent of
-   its length);
-4. every rank composes, per sequence in order, the maps of the shards before each of its own into that shard's
-   starting state (from the sequence's state_in slot), runs its shards, and — every rank, not only those with
-   tokens — composes all of them into the sequence's final state, which it writes with the new conv tail into the
-   state_out slot of its replica. A rank with no token in the forward still takes part (`replicate`).
+1. row exchange: the shards (runs of consecutive new tokens of one sequence on one rank; the same list on every
+   rank, derived from the batch) publish rows in one all-reduce of a zero-padded buffer. A short shard (one whose
+   pre-conv rows and side inputs take fewer bytes than its affine map: a decode token, a verify run) ships all of
+   them, and every rank runs it itself; a long one ships its last kernel - 1 pre-conv rows. Every row a shard's
+   conv needs before its first token is among those, or in the sequence's cached tail (the state slot's).
+2. each rank convolves its long shards, computes their recurrence inputs and their affine maps (`summary`);
+3. map exchange: one all-reduce of the long shards' [|M| + |B|] fp32 maps (fixed size per shard, independent of
+   its length); none when every shard is short (decode).
+4. every rank goes through each sequence's shards in order from its state_in slot: a short shard is run, a long
+   one's map applied (after running it from that starting state where it is this rank's); the final state and the
+   new conv tail go into the state_out slot (and state_copy, a snapshot) of its replica. A rank with no token in
+   the forward still takes part (`replicate`), so every rank keeps every state.
 
 With one rank the shards run one after the other from the state slot (no summary, no exchange).
 """
@@ -89,42 +91,71 @@ class RecurrentRunner:
             for seq in self.seqs:
                 self._run_alone(layer, mixer, seq, u, side, out)
             return out
-        # 1. the last K-1 pre-conv rows of every shard, to everyone
-        halo = torch.zeros(self.num_shards, k1, mixer.conv_channels, dtype=dtype, device=dev)
+        # 1. rows to everyone: a short shard's every pre-conv row and side inputs (cheaper than its map: every rank
+        # then runs it itself), a long one's last K-1 pre-conv rows (the conv halo of whatever follows it)
+        c = mixer.conv_channels
+        shapes = getattr(mixer, "side_shapes", None)  # per-token shapes of the side inputs (None: maps only)
+        widths = [] if shapes is None else [int(np.prod(x)) for x in shapes]
+        m_size, b_size = h * dk * dk, h * dk * dv
+        per_row = (c + sum(widths)) * torch.finfo(dtype).bits // 8
+        layout, n_rows, n_maps = {}, 0, 0  # shard index -> (raw, first row, rows, map index)
         for seq in self.seqs:
             for sh in seq:
-                if sh.r == self.rank:
-                    rows = u[torch.as_tensor(sh.rows[-k1:], device=dev)]
-                    halo[sh.index, k1 - rows.shape[0]:] = rows
-        self._all_reduce(halo)
-        # 2. conv, inputs, maps of my shards
-        m_size, b_size = h * dk * dk, h * dk * dv
-        maps = torch.zeros(self.num_shards, m_size + b_size, dtype=torch.float32, device=dev)
-        inputs = {}
+                t = sh.e - sh.a
+                raw = shapes is not None and t * per_row <= (m_size + b_size) * 4
+                rows = t if raw else k1
+                layout[sh.index] = (raw, n_rows, rows, -1 if raw else n_maps)
+                n_rows += rows
+                n_maps += not raw
+        buf = torch.zeros(n_rows, c + sum(widths), dtype=dtype, device=dev)
         for seq in self.seqs:
-            if not any(sh.r == self.rank for sh in seq):
-                continue
-            _, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
             for sh in seq:
                 if sh.r != self.rank:
                     continue
-                idx = torch.as_tensor(sh.rows, device=dev)
-                conv, _ = mixer.conv(u[idx], self._before(seq, sh.a, tail_in, halo, k1))
-                inp = mixer.inputs(conv, tuple(x[idx] for x in side))
-                inputs[sh.index] = inp
-                maps[sh.index] = mixer.summary(inp).to_tensor()
-        # 3. every shard's map, to everyone
-        self._all_reduce(maps)
+                raw, at, rows, _ = layout[sh.index]
+                idx = torch.as_tensor(sh.rows[-rows:], device=dev)
+                buf[at + rows - len(idx):at + rows, :c] = u[idx]
+                if raw:
+                    buf[at:at + rows, c:] = torch.cat([x[idx].reshape(len(idx), -1) for x in side], dim=1)
+        self._all_reduce(buf)
+        halo = (buf, layout)
+        # 2. conv, inputs: my long shards (and their maps), every short shard (on every rank)
+        maps = torch.zeros(n_maps, m_size + b_size, dtype=torch.float32, device=dev)
+        inputs = {}
+        for seq in self.seqs:
+            _, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
+            for sh in seq:
+                raw, at, rows, m = layout[sh.index]
+                if raw:
+                    part = buf[at:at + rows]
+                    sides = torch.split(part[:, c:], widths, dim=1)
+                    side_rows = tuple(x.reshape(rows, *shape) for x, shape in zip(sides, shapes))
+                    conv, _ = mixer.conv(part[:, :c], self._before(seq, sh.a, tail_in, halo, k1))
+                    inputs[sh.index] = mixer.inputs(conv, side_rows)
+                elif sh.r == self.rank:
+                    idx = torch.as_tensor(sh.rows, device=dev)
+                    conv, _ = mixer.conv(u[idx], self._before(seq, sh.a, tail_in, halo, k1))
+                    inputs[sh.index] = mixer.inputs(conv, tuple(x[idx] for x in side))
+                    maps[m] = mixer.summary(inputs[sh.index]).to_tensor()
+        # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
+        if n_maps:
+            self._all_reduce(maps)
         # 4. starting states, my outputs, every sequence's final state and tail
         for seq in self.seqs:
             s = self.batch.seqs[seq[0].b]
             state, tail_in = self.store.load(layer, s.state_in)
             state = torch.zeros(h, dk, dv, dtype=torch.float32, device=dev) if state is None else state.clone()
             for sh in seq:
+                raw, _, _, m = layout[sh.index]
+                if raw:
+                    o, state = mixer.run(inputs[sh.index], state)
+                    if sh.r == self.rank:
+                        out[torch.as_tensor(sh.rows, device=dev)] = o
+                    continue
                 if sh.r == self.rank:
                     o, _ = mixer.run(inputs[sh.index], state)
                     out[torch.as_tensor(sh.rows, device=dev)] = o
-                state = Affine.from_tensor(maps[sh.index], (h, dk, dk), (h, dk, dv)).apply(state)
+                state = Affine.from_tensor(maps[m], (h, dk, dk), (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
             for slot in (s.state_out, s.state_copy):
                 if slot >= 0:
@@ -147,16 +178,19 @@ class RecurrentRunner:
             if slot >= 0:
                 self.store.save(layer, slot, state, tail)
 
-    def _before(self, seq: list[Shard], a: int, tail_in: Tensor, halo: Tensor, k1: int) -> Tensor:
-        """The K-1 pre-conv rows before offset a of the sequence's new tokens: from the gathered shard ends (every
-        one of those rows is among its shard's last K-1), the cached tail for offsets below 0."""
+    def _before(self, seq: list[Shard], a: int, tail_in: Tensor, halo, k1: int) -> Tensor:
+        """The K-1 pre-conv rows before offset a of the sequence's new tokens: from the gathered rows (a short
+        shard's every row, a long one's last K-1: every row a conv needs before a shard is among them), the cached
+        tail for offsets below 0."""
+        buf, layout = halo
         rows = []
         for p in range(a - k1, a):
             if p < 0:
                 rows.append(tail_in[k1 + p])
                 continue
             sh = next(x for x in seq if x.a <= p < x.e)
-            rows.append(halo[sh.index, k1 - (sh.e - p)])
+            raw, at, n, _ = layout[sh.index]
+            rows.append(buf[at + (p - sh.a) if raw else at + n - (sh.e - p), :tail_in.shape[1]])
         return torch.stack(rows) if rows else tail_in[:0]
 
     def _all_reduce(self, t: Tensor) -> None:

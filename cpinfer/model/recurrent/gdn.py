@@ -224,6 +224,12 @@ class GatedDeltaNet(nn.Module):
     def state_shape(self) -> tuple[int, int, int]:
         return self.cfg.state_shape
 
+    @property
+    def side_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of the side inputs (z, b, a): what the engine ships for a short shard."""
+        hv = self.cfg.num_value_heads
+        return ((hv, self.cfg.value_head_dim), (hv,), (hv,))
+
     def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
         """Stage 1: x [T, hidden] -> (u [T, C] = [q | k | v] before the conv, (z [T, Hv, Dv], b, a [T, Hv]))."""
         cfg, n = self.cfg, x.shape[0]
