@@ -99,14 +99,18 @@ def test_snapshot_interval_lets_a_shared_document_hit(llama_checkpoint, engines,
         assert stats["bytes_per_rank"] == stats["slots"] * stats["bytes_per_slot"] > 0
 
 
-@pytest.mark.parametrize("cp, cap", [(1, 588), (2, 396)])
+@pytest.mark.parametrize("cp, cap", [(1, 792), (2, 600)])
 def test_preemption_recomputes_and_stays_exact(llama_checkpoint, engines, cp, cap):
-    """Two requests that overflow the cache together (the state cache's ~204 tokens' worth of bytes come out of
-    max_kv_tokens_per_rank): preempted requests free their live state and recompute from a snapshot or the start."""
+    """Two requests that overflow the cache together (the state cache's 408 tokens' worth of bytes come out of
+    max_kv_tokens_per_rank; a token's K/V counts the 2 attention layers only): preempted requests free their live
+    state and recompute from the start."""
     path = llama_checkpoint("qwen3_5", max_position_embeddings=2048)
     with engines(path, cp, max_kv_tokens_per_rank=cap, max_num_seqs=2, max_num_batched_tokens=64) as llm:
         eng = llm.engine
-        assert llm.cache_stats()["kv_capacity_per_rank"] == (384 if cp == 1 else 192)
+        stats = llm.cache_stats()
+        assert stats["kv_capacity_per_rank"] == (384 if cp == 1 else 192)
+        assert stats["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # attention layers x (K, V) x KV heads x head_dim
+        assert stats["state_cache"]["bytes_per_rank"] == 408 * stats["kv_bytes_per_token"]
         prompts = prompts_for(256, [150, 150], seed=1)
         before = eng.stats().preemptions
         outs = llm.generate(prompts, SamplingParams(max_tokens=90, **GREEDY))

@@ -566,7 +566,7 @@ class LLMEngine:
     def kv_bytes_per_token(self) -> int:
         """One token's K/V bytes on one CP rank (every layer, every KV head: its TP ranks together)."""
         c = self.config
-        return KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), self.elem_bytes,
+        return KVStore.bytes_per_token(c.num_kv_layers, c.cached_kv_heads, KVWidths.of(c), self.elem_bytes,
                                           self.args.kv_cache_dtype)
 
     def tier_stats(self) -> dict:

@@ -89,12 +89,13 @@ class ModelRunner:
         self.decode = dict(decode or {"mode": "off"})
         self.static: StaticDecode | None = None  # made with the KV store when the decode mode is not "off"
         self.states: StateStore | None = None  # hybrid models: every state slot's replica (`kv/state_store.py`)
+        self.kv_layer = {l: i for i, l in enumerate(self.config.attention_layers)}  # model layer -> KV store layer
         self.recurrent_exchange_s = 0.0  # hybrid models under CP: seconds in the recurrent layers' exchanges
 
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, self.widths, self.dtype.itemsize,
+        return KVStore.bytes_per_token(c.num_kv_layers, self.n_kv, self.widths, self.dtype.itemsize,
                                        self.kv_cache_dtype)
 
     def _kv_scales(self):
@@ -120,7 +121,7 @@ class ModelRunner:
 
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
-        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device,
+        self.store = KVStore(c.num_kv_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device,
                              self.kv_cache_dtype, self._kv_scales())
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
@@ -214,18 +215,21 @@ class ModelRunner:
         steps = []  # ring timings of every layer, read after the forward
         written = self.on_kv_written
 
+        kv_of = self.kv_layer  # model layer -> its KV store layer (a hybrid's recurrent layers have none)
+
         def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
             # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
+            kv = kv_of[layer]
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
-                k, v = kv_fp8.encode_rows(codecs[layer], k, v, store.widths.values_in_keys)
-            store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
+                k, v = kv_fp8.encode_rows(codecs[kv], k, v, store.widths.values_in_keys)
+            store.k[kv].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
-                store.v[layer].index_copy_(0, slots, v)
+                store.v[kv].index_copy_(0, slots, v)
             if written is not None:  # a P/D prefill rank: this layer's rows go to the decode group now
                 written(layer)
-            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
+            return plan.run(q, k, v, store.k[kv], store.v[kv], self.scale, steps, self.windows[layer],
                             self.chunks[layer], sinks, store_used=store.used,
-                            codecs=None if codecs is None else codecs[layer], expand=expand)
+                            codecs=None if codecs is None else codecs[kv], expand=expand)
 
         attn.mla_form = "expanded" if expanded else "absorbed"  # what MLA layers give attention (`model/mla.py`)
         phases = {"plan": t_plan - t0}

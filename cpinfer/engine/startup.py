@@ -163,7 +163,7 @@ class EngineStartup:
         """Hybrid models: the KV tokens per rank the state cache's bytes are worth (counted in the capacity)."""
         e = self.engine
         c = e.config
-        token = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), e.elem_bytes,
+        token = KVStore.bytes_per_token(c.num_kv_layers, c.cached_kv_heads, KVWidths.of(c), e.elem_bytes,
                                         e.args.kv_cache_dtype)
         return -(-hybrid.state_bytes(c, e.elem_bytes, e.args.max_num_seqs) // token)
 
@@ -171,7 +171,7 @@ class EngineStartup:
         """KV tokens per rank in `fraction` of host RAM, split over the CP ranks (a draft's store counted too)."""
         e = self.engine
         c = e.config
-        per_token_bytes = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c),
+        per_token_bytes = KVStore.bytes_per_token(c.num_kv_layers, c.cached_kv_heads, KVWidths.of(c),
                                                   e.elem_bytes, e.args.kv_cache_dtype)
         per_token_bytes += draft_token_bytes(getattr(e, "draft", None), e.elem_bytes)  # a draft's store: same slots
         return kv_tokens_from_host_ram(fraction, e.n, per_token_bytes, BLOCK, e.max_model_len)

@@ -228,6 +228,11 @@ class ModelConfig:
         return tuple(i for i in range(self.num_hidden_layers) if not self.layer_is_recurrent(i))
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that hold a KV cache (the attention layers: every layer but a hybrid's recurrent ones)."""
+        return len(self.attention_layers)
+
+    @property
     def hybrid(self) -> bool:
         """Whether some layer is recurrent (the engine then keeps per-request states beside the KV cache)."""
         return bool(self.recurrent_layers)
