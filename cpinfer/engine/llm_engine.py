@@ -404,7 +404,7 @@ class LLMEngine:
         if req.kv.state_out >= 0:  # hybrid models: from its state slot; every later forward from its live one
             spec_args.update(state_in=req.kv.state_in, state_out=req.kv.state_out,
                              state_copy=self.kv.interval_snapshot(req.kv, s.start, end))
-            req.kv.state_in = req.kv.state_out
+            self.kv.consume_state_in(req.kv)
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)
 

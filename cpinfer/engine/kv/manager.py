@@ -228,6 +228,8 @@ class KVManager:
         self.tiers = Tiers(tiers, num_ranks, self._lost) if tiers is not None and tiers.enabled else None
         self.states: StateSlots | None = None  # hybrid models: the state slots (`enable_states`)
         self.state_interval = 0  # ... and a snapshot every this many tokens of a sequence (0: at turn ends only)
+        self._state_pins: dict[int, int] = {}  # snapshot slot -> requests attached to it that have not read it yet
+        self._state_fresh: set[int] = set()  # snapshot slots this forward writes (state_copy): not evicted before
         self.begin_forward()
 
     def enable_states(self, slots: StateSlots, interval: int = 0) -> None:
@@ -251,7 +253,20 @@ class KVManager:
         except RuntimeError:
             return -1
         leaf.snapshots[end] = slot
+        self._state_fresh.add(slot)
         return slot
+
+    def consume_state_in(self, seq: SeqKV) -> None:
+        """seq's next forward reads its state_in: every later one reads its live slot (the snapshot is free to go)."""
+        self._unpin(seq)
+        seq.state_in = seq.state_out
+
+    def _unpin(self, seq: SeqKV) -> None:
+        slot = seq.state_in
+        if slot >= 0 and slot != seq.state_out and slot in self._state_pins:
+            self._state_pins[slot] -= 1
+            if not self._state_pins[slot]:
+                del self._state_pins[slot]
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -350,6 +365,8 @@ class KVManager:
             seq.fill_until, seq.fill_hole = matched + len(hole), hole.id
         if self.states is not None:
             seq.state_in, seq.state_out = (snapshot if matched else -1), self._state_slot()
+            if seq.state_in >= 0:  # read by its first forward: not evicted before
+                self._state_pins[seq.state_in] = self._state_pins.get(seq.state_in, 0) + 1
         return seq
 
     def _last_snapshot(self, node: Node, matched: int) -> tuple[int, int]:
@@ -365,15 +382,18 @@ class KVManager:
         return 0, -1
 
     def _state_slot(self) -> int:
-        """A free state slot, evicting the least recently used snapshots of unreferenced segments if needed."""
+        """A free state slot, evicting the least recently used snapshot if needed (unreferenced segments' first;
+        never one a request attached to has yet to read, nor one this forward writes)."""
         slot = self.states.alloc()
         while slot is None:
-            held = [nd for nd in self.nodes.values() if nd.snapshots and nd.ref == 0 and nd.owner is None]
+            held = [(nd.ref > 0 or nd.owner is not None, nd.last_access, pos, nd)
+                    for nd in self.nodes.values() for pos, sl in nd.snapshots.items()
+                    if sl not in self._state_pins and sl not in self._state_fresh]
             if not held:
-                raise RuntimeError(f"no free state slot: all {self.states.max_slots} are live or locked (this is a "
-                                   "bug: the engine sizes them for max_num_seqs)")
-            victim = min(held, key=lambda nd: nd.last_access)
-            self._drop_snapshots(victim)
+                raise RuntimeError(f"no free state slot: all {self.states.max_slots} are live or about to be read "
+                                   "(this is a bug: the engine keeps 2 x max_num_seqs + 64)")
+            _, _, pos, victim = min(held, key=lambda x: x[:3])
+            self.states.free(victim.snapshots.pop(pos))
             slot = self.states.alloc()
         return slot
 
@@ -490,6 +510,7 @@ class KVManager:
         self._fwd_load = ForwardLoad(np.zeros(self.n))
         self._fwd_costed = 0  # items already in _fwd_load (costs are predicted only when a decision needs them)
         self._floor = floor_s
+        self._state_fresh = set()
 
     def forward_load(self) -> ForwardLoad:
         """This forward's predicted compute per rank from what was placed so far (the placement's view)."""
@@ -807,6 +828,8 @@ class KVManager:
             p = p.parent
         if keep and self.tiers is not None:
             self.tiers.write_through(path[::-1])
+        if self.states is not None:
+            self._unpin(seq)
         if self.states is not None and seq.state_out >= 0:  # the live state: a snapshot at its end, or freed
             if keep and len(leaf) and seq.num_stored == leaf.pos0 + len(leaf):
                 old = leaf.snapshots.get(seq.num_stored)
