@@ -83,3 +83,16 @@ def test_affine_algebra_and_flattening():
     torch.testing.assert_close(d1.then(d2).apply(s2), d2.apply(d1.apply(s2)))
     with pytest.raises(ValueError, match="per-head decay"):
         d1.then(a)
+
+
+@pytest.mark.parametrize("t", [3, 100])
+def test_outputs_as_a_function_of_the_starting_state(t):
+    """summary_with_outputs: one scan gives the map and o0 + om S, the run's outputs from any state S."""
+    q, k, v, g, beta = _inputs(t, seed=5)
+    inp = _ours(q, k, v, g, beta)
+    s0 = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(6))
+    amap, o0, om = gdn.summary_with_outputs(inp, chunk=32)
+    o, s = gdn.run(inp, s0, chunk=32)
+    torch.testing.assert_close(gdn.outputs_from(o0, om, s0), o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(amap.apply(s0), s, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gdn.outputs_from(o0, om, None), gdn.run(inp, None, chunk=32)[0], atol=1e-5, rtol=1e-5)

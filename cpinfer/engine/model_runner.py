@@ -465,3 +465,8 @@ def active_cp_ranks(batch: ForwardBatch, n: int) -> np.ndarray:
 
 def ring_wait(ctx) -> float:
     return ctx.state["runner"].ring_wait_s
+
+
+def recurrent_exchange(ctx) -> float:
+    """Seconds this rank spent in the recurrent layers' exchanges so far (hybrid models under CP)."""
+    return ctx.state["runner"].recurrent_exchange_s

@@ -10,7 +10,9 @@ optionally `side_shapes`, the per-token shapes of its side inputs):
    pre-conv rows and side inputs take fewer bytes than its affine map: a decode token, a verify run) ships all of
    them, and every rank runs it itself; a long one ships its last kernel - 1 pre-conv rows. Every row a shard's
    conv needs before its first token is among those, or in the sequence's cached tail (the state slot's).
-2. each rank convolves its long shards, computes their recurrence inputs and their affine maps (`summary`);
+2. each rank convolves its long shards, computes their recurrence inputs and their affine maps (`summary`; with a
+   mixer's `summary_with_outputs`, in the same pass the outputs as a function of the starting state, finished by
+   `outputs_from` in step 4 instead of a second run);
 3. map exchange: one all-reduce of the long shards' [|M| + |B|] fp32 maps (fixed size per shard, independent of
    its length); none when every shard is short (decode).
 4. every rank goes through each sequence's shards in order from its state_in slot: a short shard is run, a long
@@ -121,6 +123,7 @@ class RecurrentRunner:
         halo = (buf, layout)
         # 2. conv, inputs: my long shards (and their maps), every short shard (on every rank)
         maps = torch.zeros(n_maps, m_size + b_size, dtype=torch.float32, device=dev)
+        deferred = hasattr(mixer, "summary_with_outputs")  # else: summary, then a run from the starting state
         inputs = {}
         for seq in self.seqs:
             _, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
@@ -135,8 +138,12 @@ class RecurrentRunner:
                 elif sh.r == self.rank:
                     idx = torch.as_tensor(sh.rows, device=dev)
                     conv, _ = mixer.conv(u[idx], self._before(seq, sh.a, tail_in, halo, k1))
-                    inputs[sh.index] = mixer.inputs(conv, tuple(x[idx] for x in side))
-                    maps[m] = mixer.summary(inputs[sh.index]).to_tensor()
+                    inp = mixer.inputs(conv, tuple(x[idx] for x in side))
+                    if deferred:  # the map and the outputs as a function of the starting state, in one pass
+                        amap, *inputs[sh.index] = mixer.summary_with_outputs(inp)
+                    else:
+                        amap, inputs[sh.index] = mixer.summary(inp), inp
+                    maps[m] = amap.to_tensor()
         # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
         if n_maps:
             self._all_reduce(maps)
@@ -153,7 +160,8 @@ class RecurrentRunner:
                         out[torch.as_tensor(sh.rows, device=dev)] = o
                     continue
                 if sh.r == self.rank:
-                    o, _ = mixer.run(inputs[sh.index], state)
+                    o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
+                        mixer.run(inputs[sh.index], state)[0]
                     out[torch.as_tensor(sh.rows, device=dev)] = o
                 state = Affine.from_tensor(maps[m], (h, dk, dk), (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)

@@ -109,18 +109,37 @@ def run(inp: GDNInputs, state: Tensor | None, chunk: int = DEFAULT_CHUNK) -> tup
 
 def summary(inp: GDNInputs, chunk: int = DEFAULT_CHUNK) -> Affine:
     """The run's map Affine(M [H, Dk, Dk], B [H, Dk, Dv]): state [0 | I] with values [v | 0], one scan."""
+    return _augmented(inp, chunk, False)[0]
+
+
+def summary_with_outputs(inp: GDNInputs, chunk: int = DEFAULT_CHUNK) -> tuple[Affine, Tensor, Tensor]:
+    """The run's map and its outputs as a function of the incoming state, from the same scan: (map, o0 [T, H, Dv]
+    the outputs from a zero state, om [T, H, Dk] = q_t^T M_{<=t}), so that from any state S the outputs are
+    `outputs_from(o0, om, S)` = o0 + om S — one pass for a shard whose starting state is known only later (CP)."""
+    return _augmented(inp, chunk, True)
+
+
+def outputs_from(o0: Tensor, om: Tensor, state: Tensor | None) -> Tensor:
+    """o0 [T, H, Dv] + om [T, H, Dk] · state [H, Dk, Dv] (None: a zero state)."""
+    return o0 if state is None else o0 + torch.einsum("thk,hkv->thv", om, state.float())
+
+
+def _augmented(inp: GDNInputs, chunk: int, want_out: bool):
     t, h, dk, dv = inp.q.shape[0], inp.q.shape[1], inp.q.shape[2], inp.v.shape[2]
     dev = inp.q.device
     s0 = torch.cat((torch.zeros(h, dk, dv, dtype=torch.float32, device=dev),
                     torch.eye(dk, dtype=torch.float32, device=dev).expand(h, dk, dk)), dim=-1)  # [H, Dk, Dv + Dk]
     v = torch.cat((inp.v, inp.v.new_zeros(t, h, dk)), dim=-1)  # [T, H, Dv + Dk]
     if t == 0:
-        s = s0
+        o, s = v.new_zeros(0, h, dv + dk), s0
     elif t < _STEP_BELOW:
-        _, s = _steps(GDNInputs(inp.q, inp.k, v, inp.g, inp.beta), s0)
+        o, s = _steps(GDNInputs(inp.q, inp.k, v, inp.g, inp.beta), s0)
     else:
-        _, s = _scan(inp.q, inp.k, v, inp.g, inp.beta, s0, chunk, False)
-    return Affine(s[..., dv:].contiguous(), s[..., :dv].contiguous())
+        o, s = _scan(inp.q, inp.k, v, inp.g, inp.beta, s0, chunk, want_out)
+    amap = Affine(s[..., dv:].contiguous(), s[..., :dv].contiguous())
+    if not want_out:
+        return amap, None, None
+    return amap, o[..., :dv].contiguous(), o[..., dv:].contiguous()
 
 
 def _steps(inp: GDNInputs, s: Tensor) -> tuple[Tensor, Tensor]:
@@ -277,6 +296,14 @@ class GatedDeltaNet(nn.Module):
     @staticmethod
     def summary(inp: GDNInputs) -> Affine:
         return summary(inp)
+
+    @staticmethod
+    def summary_with_outputs(inp: GDNInputs) -> tuple[Affine, Tensor, Tensor]:
+        return summary_with_outputs(inp)
+
+    @staticmethod
+    def outputs_from(o0: Tensor, om: Tensor, state: Tensor | None) -> Tensor:
+        return outputs_from(o0, om, state)
 
     def output(self, o: Tensor, side: tuple[Tensor, Tensor, Tensor], x: Tensor) -> Tensor:
         """Stage 5: o [T, Hv, Dv] fp32 -> gated RMSNorm with z, out_proj -> [T, hidden]."""
