@@ -73,8 +73,8 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device
     identity = 0.0 if config.norm_style == "gemma" else 1.0
     for name, p in list(model.named_parameters()):  # meta: names and shapes only
         t = torch.empty(p.shape, dtype=dtype, device=device)
-        if name.endswith("norm.weight"):
-            t.normal_(identity, 0.1, generator=gen)
+        if name.endswith("norm.weight"):  # a Gated DeltaNet's gated norm scales by its weight, whatever the style
+            t.normal_(1.0 if name.endswith("linear_attn.norm.weight") else identity, 0.1, generator=gen)
         elif name.endswith("self_attn.sinks"):
             t.normal_(0.0, 1.0, generator=gen)
         else:
