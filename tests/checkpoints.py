@@ -123,6 +123,24 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                       "rope_theta": 1e6}}},
+    # linear-attention hybrids (Gated DeltaNet): 4 layers, linear / full alternating (full_attention_interval 2),
+    # partial RoPE (half of head_dim 16), GQA 4:2 in attention and 2 key : 4 value heads in the recurrence
+    "qwen3_next": {"model_type": "qwen3_next", "head_dim": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "full_attention_interval": 2, "partial_rotary_factor": 0.5,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                   "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                   "mlp_only_layers": [1], "norm_topk_prob": True},
+    "qwen3_5": {"model_type": "qwen3_5_text", "head_dim": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "partial_rotary_factor": 0.5,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                "linear_value_head_dim": 8, "linear_conv_kernel_dim": 3},
+    "qwen3_5_moe": {"model_type": "qwen3_5_moe_text", "head_dim": 16, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "full_attention_interval": 2,
+                    "partial_rotary_factor": 0.5, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
 }
 # Gemma 4 as released: the multimodal folder (Gemma4ForConditionalGeneration, no vision / audio tower here) whose
 # text_config is the "gemma4" variant; its text model's weights under model.language_model.
@@ -162,6 +180,8 @@ def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: in
                 p.add_(0.1 * torch.randn_like(p))
             elif ".experts." in name or name.endswith(("router.weight", "gate.weight")):  # routers, experts
                 p.normal_(0.0, 0.1)
+            elif name.endswith("A_log"):  # Gated DeltaNet decays: slow enough that states carry far
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.5).log())
         for name, b in model.named_buffers():  # DeepSeek-V3's selection-only router bias (a buffer there)
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)

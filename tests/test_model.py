@@ -227,7 +227,7 @@ def test_family_options_and_windows():
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "layer_types": ["chunked_attention"] * 2},
      "chunked_attention layers but attention_chunk_size is not set"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "layer_types": ["linear_attention"] * 2},
-     "unsupported layer type(s) ['linear_attention']"),
+     "linear_attention layers but model_type 'qwen2' defines no recurrent mixer"),
 ])
 def test_config_rejects_unsupported(override, message):
     d = {**random_config_dict(), **override}

@@ -44,6 +44,16 @@ def _gib(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -176,6 +186,7 @@ def engine_kwargs(args) -> dict:
                 "max_num_seqs": args.max_num_seqs, "max_kv_tokens_per_rank": args.max_kv_tokens_per_rank,
                 "threads_per_rank": args.threads_per_rank, "kv_disk_dir": args.kv_disk_dir,
                 "kv_disk_gib": args.kv_disk_gib, "max_logprobs": args.max_logprobs,
+                "state_snapshot_interval": getattr(args, "state_snapshot_interval", None),
                 "pd_decode_cp": getattr(args, "pd_decode_cp", None),  # prefill / decode groups
                 "pd_decode_groups": getattr(args, "pd_decode_groups", None)}
     if args.kv_host_gib:
@@ -409,6 +420,13 @@ def _cache_arguments(parser) -> None:
     g.add_argument("--kv-disk-gib", type=_gib, default=None, metavar="G",
                    help="bound of the disk KV tier in GiB, least recently used entries deleted beyond it "
                         "(default: half the disk's free space at start)")
+    g.add_argument("--state-snapshot-interval", type=_non_negative_int, default=None, metavar="N",
+                   help="hybrid (linear-attention) models (qwen3_next, qwen3_5, qwen3_5_moe): keep a recurrent-state "
+                        "snapshot every N tokens of a prompt, so that requests sharing a long document continue "
+                        "from inside it (a prefix match is usable only up to its last snapshot); default 0: "
+                        "snapshots at the end of each request only. Hybrids run at any CP size with TP 1; KV "
+                        "tiers, speculative decoding, FP8 KV, P/D groups and CUDA graphs are refused or off for "
+                        "them")
 
 
 def _scheduler_arguments(parser) -> None:

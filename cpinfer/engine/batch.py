@@ -38,6 +38,11 @@ class SeqInput:
     draft_suppress: int = 0  # rows (from the first) that still hold back the stop tokens (min_tokens not reached)
     draft_q: np.ndarray | None = None  # [k, V] float32 the proposer's probabilities of its drafts, when shipped with
     # the batch (else the rank's ModelRunner.draft_probs[draft_key], else None: deterministic drafts)
+    # hybrid (linear-attention) models: the state slot its recurrent layers start from (-1: a zero state and tail,
+    # the sequence's start) and the one they leave its state in (`engine/kv/state_store.py`)
+    state_in: int = -1
+    state_out: int = -1
+    state_copy: int = -1  # also leave the state after this forward in this slot (a snapshot: --state-snapshot-interval)
 
     @property
     def sampled_rows(self) -> int:

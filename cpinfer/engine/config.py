@@ -63,6 +63,9 @@ class EngineConfig:
     max_logprobs: int = 20  # the largest top_logprobs a request may ask for (vLLM's name and default); -1: the vocabulary
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of its config's shape made
     # on each rank's device in the compute dtype (benchmarks of shapes without a checkpoint; TP1; no weight files)
+    state_snapshot_interval: int = 0  # hybrid models: keep a recurrent-state snapshot every this many tokens of a
+    # sequence (at the first forward end past each multiple), so a later request sharing a long document can continue
+    # from inside it; 0: snapshots at the end of each request only
     speculative_config: SpeculativeConfig | None = None  # speculative decoding: vLLM's keys as a dict (or its JSON
     # text), parsed into a SpeculativeConfig here (engine/spec_decode/config.py); None: off
 
@@ -117,6 +120,10 @@ class EngineConfig:
         if not 0 < self.kv_memory_fraction <= 0.9:
             raise ValueError(f"kv_memory_fraction must be in (0, 0.9], got {self.kv_memory_fraction}")
         SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)  # validates both
+        v = self.state_snapshot_interval
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"state_snapshot_interval must be an integer >= 0 (0: snapshots at request ends only), "
+                             f"got {v!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         for name in ("tokenizer", "revision", "download_dir", "generation_config"):

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from cpinfer.engine import model_runner as MR
+from cpinfer.engine import hybrid
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.config import EngineConfig
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
@@ -55,6 +56,7 @@ class LLMEngine:
         self.startup = self.startup_class(self)
         self.startup.run(model)  # model_path, config, tokenizer, the ranks (_pool), kv, disk, ...: startup.py
         self._mirrors_slots = self.config.local_attention  # windowed / chunked layers: ranks keep SlotPositions
+        self._mirrors_slots |= self.config.hybrid  # hybrid: every rank advances its replica of every state
         self.scheduler = Scheduler(self.kv, SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs))
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
@@ -399,6 +401,10 @@ class LLMEngine:
             "draft_allowed": None if rows is None else rows[:len(s.draft) + 1],
             "draft_q": None if (draft_q or {}).get(req.request_id) is None else draft_q[req.request_id][:len(s.draft)],
             "draft_suppress": max(0, req.params.min_tokens - len(req.out)) if spec.suppress else 0}
+        if req.kv.state_out >= 0:  # hybrid models: from its state slot; every later forward from its live one
+            spec_args.update(state_in=req.kv.state_in, state_out=req.kv.state_out,
+                             state_copy=self.kv.interval_snapshot(req.kv, s.start, end))
+            self.kv.consume_state_in(req.kv)
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)
 
@@ -544,13 +550,23 @@ class LLMEngine:
         return {"kv_tokens_per_rank": self.kv.tokens_per_rank(), "kv_capacity_per_rank": self.kv.capacity_per_rank,
                 "kv_cache_dtype": self.args.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
-                "tiers": self.tier_stats()}
+                "tiers": self.tier_stats(), **self.state_stats()}
+
+    def state_stats(self) -> dict:
+        """Hybrid models: the recurrent state cache (slots, those in use, snapshots in the prefix tree, bytes per rank,
+        counted in the KV capacity); {} for the others."""
+        slots = self.kv.states
+        if slots is None:
+            return {}
+        per_slot = hybrid.state_bytes_per_slot(self.config, self.elem_bytes)
+        return {"state_cache": {"slots": slots.max_slots, "in_use": slots.in_use, "snapshots": self.kv.state_snapshots,
+                                "bytes_per_slot": per_slot, "bytes_per_rank": slots.max_slots * per_slot}}
 
     @property
     def kv_bytes_per_token(self) -> int:
         """One token's K/V bytes on one CP rank (every layer, every KV head: its TP ranks together)."""
         c = self.config
-        return KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c), self.elem_bytes,
+        return KVStore.bytes_per_token(c.num_kv_layers, c.cached_kv_heads, KVWidths.of(c), self.elem_bytes,
                                           self.args.kv_cache_dtype)
 
     def tier_stats(self) -> dict:

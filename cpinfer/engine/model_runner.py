@@ -27,7 +27,9 @@ from cpinfer.engine.decode_graph import StaticDecode
 from cpinfer.engine.kv import fp8 as kv_fp8
 from cpinfer.engine.kv.capacity import MemoryProbe, kv_tokens_from_memory
 from cpinfer.engine.kv.ops import FromHost, LoadEntry
+from cpinfer.engine.kv.state_store import StateStore
 from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.engine.recurrent import RecurrentRunner
 from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
 from cpinfer.engine.spec_decode.rejection import row_specs, verify
@@ -67,7 +69,7 @@ class ModelRunner:
             self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
-        attn = self.model.model.layers[0].self_attn
+        attn = self.model.model.layers[self.config.attention_layers[0]].self_attn  # (a hybrid's first may be recurrent)
         self.n_kv = attn.num_kv_heads  # this TP rank's KV heads (MLA: the one latent head, on every TP rank)
         self.widths = KVWidths.of(self.config)
         self.layout = HeadLayout(attn.num_heads, self.n_kv, self.widths.key, dtype)  # what attention gets
@@ -86,11 +88,14 @@ class ModelRunner:
         self.tiers: RankTiers | None = None  # host pool and disk writer, when the engine has tiers
         self.decode = dict(decode or {"mode": "off"})
         self.static: StaticDecode | None = None  # made with the KV store when the decode mode is not "off"
+        self.states: StateStore | None = None  # hybrid models: every state slot's replica (`kv/state_store.py`)
+        self.kv_layer = {l: i for i, l in enumerate(self.config.attention_layers)}  # model layer -> KV store layer
+        self.recurrent_exchange_s = 0.0  # hybrid models under CP: seconds in the recurrent layers' exchanges
 
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return KVStore.bytes_per_token(c.num_hidden_layers, self.n_kv, self.widths, self.dtype.itemsize,
+        return KVStore.bytes_per_token(c.num_kv_layers, self.n_kv, self.widths, self.dtype.itemsize,
                                        self.kv_cache_dtype)
 
     def _kv_scales(self):
@@ -116,17 +121,25 @@ class ModelRunner:
 
     def allocate_kv(self, capacity: int) -> None:
         c = self.config
-        self.store = KVStore(c.num_hidden_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device,
+        self.store = KVStore(c.num_kv_layers, capacity, self.n_kv, self.widths, self.dtype, self.ctx.device,
                              self.kv_cache_dtype, self._kv_scales())
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
         self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
+        if self.config.hybrid:
+            self.states = StateStore(self.state_layers(), self.dtype, self.ctx.device)
         if self.decode["mode"] != "off":
             if self.widths.key != self.widths.value and not self.widths.values_in_keys:
                 raise ValueError("the static decode path (decode mode 'eager' / 'graph') takes one head size for "
                                  "keys and values, or values inside the keys (MLA); this model's differ: use decode "
                                  "mode 'off'")
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
+
+    def state_layers(self) -> dict:
+        """Recurrent layer -> (state shape, conv kernel, conv channels) of its mixer (hybrid models)."""
+        layers = self.model.model.layers
+        return {i: (layers[i].linear_attn.state_shape, layers[i].linear_attn.kernel, layers[i].linear_attn.conv_channels)
+                for i in self.config.recurrent_layers}
 
     def profile_forward(self, tokens: int) -> None:
         """A forward of `tokens` new tokens on this rank alone, for its activation peak: every layer's tensors and
@@ -142,8 +155,14 @@ class ModelRunner:
             del ring
             return acc_out.to(q.dtype)
 
+        recurrent = None
+        if self.config.hybrid:  # one sequence from a zero state (the recurrence's activations, no exchange)
+            from cpinfer.model.recurrent.reference import ReferenceRecurrence
+
+            recurrent = ReferenceRecurrence()
+            recurrent.set_batch([0] * tokens)
         with torch.inference_mode():
-            hidden = self.model(ids, pos, attn)  # [L, hidden]
+            hidden = self.model(ids, pos, attn, recurrent)  # [L, hidden]
             rows = hidden[:min(tokens, _LOGIT_CHUNK)]
             logits = self.model.compute_logits(rows)  # [min(L, chunk), vocab] fp32, as prompt log-probs use
             torch.logsumexp(logits, dim=-1)
@@ -175,7 +194,15 @@ class ModelRunner:
         store = self.store
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         codecs = store.codecs
+        recurrent = None
+        if self.states is not None:  # hybrid: the recurrent layers' runner (every rank keeps every state replica)
+            recurrent = RecurrentRunner(batch, rank, n, self.groups.cp_group, self.states,
+                                        lambda b: plan.qoff[rank, b] + np.arange(plan.counts[rank, b]))
         if plan.idle:  # no token here and no ring in this forward: nothing to run
+            if recurrent is not None and n > 1:  # ... but the recurrent layers' exchanges and replicas
+                with torch.inference_mode():
+                    recurrent.replicate(self.model)
+                self.recurrent_exchange_s += recurrent.exchange_s
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store.note_written(plan.slots)
         expanded = batch.mla_form == "expanded" and store.widths.values_in_keys
@@ -188,23 +215,28 @@ class ModelRunner:
         steps = []  # ring timings of every layer, read after the forward
         written = self.on_kv_written
 
+        kv_of = self.kv_layer  # model layer -> its KV store layer (a hybrid's recurrent layers have none)
+
         def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
             # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
+            kv = kv_of[layer]
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
-                k, v = kv_fp8.encode_rows(codecs[layer], k, v, store.widths.values_in_keys)
-            store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
+                k, v = kv_fp8.encode_rows(codecs[kv], k, v, store.widths.values_in_keys)
+            store.k[kv].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
-                store.v[layer].index_copy_(0, slots, v)
+                store.v[kv].index_copy_(0, slots, v)
             if written is not None:  # a P/D prefill rank: this layer's rows go to the decode group now
                 written(layer)
-            return plan.run(q, k, v, store.k[layer], store.v[layer], self.scale, steps, self.windows[layer],
+            return plan.run(q, k, v, store.k[kv], store.v[kv], self.scale, steps, self.windows[layer],
                             self.chunks[layer], sinks, store_used=store.used,
-                            codecs=None if codecs is None else codecs[layer], expand=expand)
+                            codecs=None if codecs is None else codecs[kv], expand=expand)
 
         attn.mla_form = "expanded" if expanded else "absorbed"  # what MLA layers give attention (`model/mla.py`)
         phases = {"plan": t_plan - t0}
         with torch.inference_mode():
-            hidden = self.model(ids, pos, attn)  # [L, hidden]
+            hidden = self.model(ids, pos, attn, recurrent)  # [L, hidden]
+            if recurrent is not None:
+                self.recurrent_exchange_s += recurrent.exchange_s
             if self.groups.tp_rank == 0:
                 samples = self._sample(batch, plan, hidden, phases, t_plan)
                 prompt_lp = self._prompt_logprobs(batch, plan, hidden)
@@ -433,3 +465,8 @@ def active_cp_ranks(batch: ForwardBatch, n: int) -> np.ndarray:
 
 def ring_wait(ctx) -> float:
     return ctx.state["runner"].ring_wait_s
+
+
+def recurrent_exchange(ctx) -> float:
+    """Seconds this rank spent in the recurrent layers' exchanges so far (hybrid models under CP)."""
+    return ctx.state["runner"].recurrent_exchange_s

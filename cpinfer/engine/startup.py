@@ -13,6 +13,8 @@ from cpinfer.attention.backends import _unusable as backend_problem
 from cpinfer.attention.backends import resolve_name
 from cpinfer.device import comm_backend, ranks_on_this_node
 from cpinfer.engine import model_runner as MR
+from cpinfer.engine import hybrid
+from cpinfer.engine.kv.state_store import StateSlots
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.disk_dir import model_layout, open_disk_dir, rebuild_index
 from cpinfer.engine.kv.fp8 import layout_dtype, per_token
@@ -83,6 +85,7 @@ class EngineStartup:
             raise ValueError(f"kv_cache_dtype={a.kv_cache_dtype!r} is not supported for {e.config.model_type} "
                              "(multi-head latent attention: the values are the cached latent's first channels); use "
                              "kv_cache_dtype='fp8' (static scales)")
+        hybrid.check(e.config, a, pd_role=hasattr(e, "view"))  # features that do not carry recurrent states yet
         if a.load_format == "auto":
             checkpoint_files(Path(e.model_path))  # raises ValueError when no weights are there
         if a.speculative_config is not None:
@@ -151,13 +154,27 @@ class EngineStartup:
         capacity = a.max_kv_tokens_per_rank
         if capacity is None and a.device == "cpu":
             capacity = self.default_capacity(a.kv_memory_fraction)
+        if capacity is not None and self.engine.config.hybrid:  # the state cache is paid from the same budget
+            capacity -= self.state_tokens()
+            if capacity < BLOCK:
+                raise ValueError(f"max_kv_tokens_per_rank leaves no room for K/V after the recurrent state cache of this "
+                                 f"hybrid model ({self.state_tokens()} tokens' worth per rank for "
+                                 f"{hybrid.state_slots(a.max_num_seqs)} state slots): raise it or lower max_num_seqs")
         return None if capacity is None else capacity // BLOCK * BLOCK
+
+    def state_tokens(self) -> int:
+        """Hybrid models: the KV tokens per rank the state cache's bytes are worth (counted in the capacity)."""
+        e = self.engine
+        c = e.config
+        token = KVStore.bytes_per_token(c.num_kv_layers, c.cached_kv_heads, KVWidths.of(c), e.elem_bytes,
+                                        e.args.kv_cache_dtype)
+        return -(-hybrid.state_bytes(c, e.elem_bytes, e.args.max_num_seqs) // token)
 
     def default_capacity(self, fraction: float) -> int:
         """KV tokens per rank in `fraction` of host RAM, split over the CP ranks (a draft's store counted too)."""
         e = self.engine
         c = e.config
-        per_token_bytes = KVStore.bytes_per_token(c.num_hidden_layers, c.cached_kv_heads, KVWidths.of(c),
+        per_token_bytes = KVStore.bytes_per_token(c.num_kv_layers, c.cached_kv_heads, KVWidths.of(c),
                                                   e.elem_bytes, e.args.kv_cache_dtype)
         per_token_bytes += draft_token_bytes(getattr(e, "draft", None), e.elem_bytes)  # a draft's store: same slots
         return kv_tokens_from_host_ram(fraction, e.n, per_token_bytes, BLOCK, e.max_model_len)
@@ -175,7 +192,8 @@ class EngineStartup:
         return {"tokens": tokens, "utilization": a.gpu_memory_utilization, "block": BLOCK,
                 "ranks_per_device": -(-ranks_here // max(1, torch.cuda.device_count())),
                 "extra_bytes_per_token": draft_token_bytes(draft, e.elem_bytes),
-                "reserve_bytes": draft_reserve_bytes(a, draft, e.elem_bytes)}
+                "reserve_bytes": draft_reserve_bytes(a, draft, e.elem_bytes)
+                + (hybrid.state_bytes(e.config, e.elem_bytes, a.max_num_seqs) if e.config.hybrid else 0)}
 
     def decode_config(self, comm: str) -> dict:
         """The ranks' decode path: {"mode": "graph" (CUDA graphs per batch-size bucket), "eager" (the same static
@@ -185,6 +203,10 @@ class EngineStartup:
         a = e.args
         graphs = a.device == "cuda" and not a.enforce_eager
         static = graphs if a.static_decode is None else a.static_decode
+        if static and e.config.hybrid:  # (static_decode=True was refused before any rank started)
+            log.warning("decode runs without CUDA graphs: the static decode path does not update the recurrent "
+                        "states of a hybrid model")
+            static = graphs = False
         if static and backend_problem("triton", torch.device(a.device)):
             log.warning("CUDA graphs for decode are off: their attention is the Triton kernel, and %s",
                         backend_problem("triton", torch.device(a.device)))
@@ -310,6 +332,8 @@ class EngineStartup:
         driver_rank = getattr(e._pool, "driver_rank", False)  # rank 0 in this process: it takes local work
         e.kv = KVManager(e.n, capacity, a.enable_prefix_caching, self.placer(), tiers,
                          preferred_rank=0 if driver_rank and e.parallel.tp == 1 else None)
+        if e.config.hybrid:  # a live state slot per running request, the rest for snapshots (kv/state_store.py)
+            e.kv.enable_states(StateSlots(hybrid.state_slots(a.max_num_seqs)), a.state_snapshot_interval)
         if e.disk is not None:
             rebuild_index(e.kv, e.disk, tiers.layout)
 
@@ -319,6 +343,9 @@ class EngineStartup:
         e, a = self.engine, self.engine.args
         if a.placement != "auto" or e.n == 1:
             return Placer(a.placement, e.n)
+        if e.config.hybrid:  # the cost model does not know the recurrent layers yet: every prompt 2N-sharded
+            log.info("placement auto: hybrid model, no cost model for its recurrent layers yet: placement 'shard'")
+            return Placer("shard", e.n)
         share = 1.0
         if a.device == "cpu":
             cores = os.cpu_count() or 1

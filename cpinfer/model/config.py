@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpinfer.model.config_parts import ACTIVATIONS, LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.config_parts import (ACTIVATIONS, LAYER_TYPES, RECURRENT_LAYER_TYPES, MLAConfig, MoEConfig,
+                                        RopeConfig)
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
@@ -84,6 +85,12 @@ class ModelConfig:
     per_layer_vocab_size: int = 0
     moe_beside_mlp: bool = False
     weights_prefix: str = ""  # a multimodal folder: its text model's weights are "<prefix>..." (read as "model...")
+    # hybrid families (Qwen3-Next, Qwen3.5): the recurrent mixer of the "linear_attention" layers (a
+    # `recurrent.gdn.GDNConfig`), attention's sigmoid output gate (q_proj doubled), partial RoPE (the first
+    # rotary_dim channels of each head rotate; None: all)
+    recurrent: Any = None
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -114,7 +121,12 @@ class ModelConfig:
         if "chunked_attention" in self.layer_types and "chunked_attention" not in self.rope and \
                 "full_attention" in self.rope:  # chunked layers rotate like the global ones unless told otherwise
             object.__setattr__(self, "rope", {**self.rope, "chunked_attention": self.rope["full_attention"]})
-        missing = sorted(set(self.layer_types) - set(self.rope))
+        if any(t in RECURRENT_LAYER_TYPES for t in self.layer_types) and self.recurrent is None:
+            raise ValueError(f"layer_types has linear_attention layers but model_type {self.model_type!r} defines no "
+                             "recurrent mixer for them (the hybrid families qwen3_next, qwen3_5, qwen3_5_moe do)")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim = {self.head_dim}], got {self.rotary_dim}")
+        missing = sorted(set(self.layer_types) - set(self.rope) - set(RECURRENT_LAYER_TYPES))
         if missing:
             raise ValueError(f"no RoPE parameters for layer type(s) {missing}")
         for name, allowed in (("norm_style", NORM_STYLES), ("hidden_act", ACTIVATIONS)):
@@ -179,6 +191,10 @@ class ModelConfig:
     def layer_head_dim(self, layer: int) -> int:
         """The head size of a layer's queries, keys and values (Gemma 4's global layers: wider)."""
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def layer_rope_dim(self, layer: int) -> int:
+        """The channels of a layer's head its RoPE tables are built for (partial RoPE of the hybrids: rotary_dim)."""
+        return self.rotary_dim or self.layer_head_dim(layer)
 
     def layer_kv_head_count(self, layer: int) -> int:
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_key_value_heads
@@ -279,8 +295,32 @@ class ModelConfig:
         return any(w is not None for w in self.windows) or any(c is not None for c in self.chunks)
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
-        """The RoPE of a layer, None on a NoPE layer."""
-        return None if layer in self.nope_layers else self.rope[self.layer_types[layer]]
+        """The RoPE of a layer, None on a NoPE layer (and on a recurrent one)."""
+        if layer in self.nope_layers or self.layer_is_recurrent(layer):
+            return None
+        return self.rope[self.layer_types[layer]]
+
+    def layer_is_recurrent(self, layer: int) -> bool:
+        """Whether a layer is a recurrent mixer (linear attention: a state, no KV cache)."""
+        return self.layer_types[layer] in RECURRENT_LAYER_TYPES
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_is_recurrent(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.layer_is_recurrent(i))
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that hold a KV cache (the attention layers: every layer but a hybrid's recurrent ones)."""
+        return len(self.attention_layers)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer is recurrent (the engine then keeps per-request states beside the KV cache)."""
+        return bool(self.recurrent_layers)
 
     def layer_is_moe(self, layer: int) -> bool:
         return layer in self.moe_layers

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from cpinfer.utils import check_divisible, check_positive
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+RECURRENT_LAYER_TYPES = ("linear_attention",)  # a recurrent mixer (`model/recurrent`), no KV cache
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
 EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)

@@ -60,6 +60,15 @@ class MLP(nn.Module):
         return self.down_proj(g.mul_(self.up_proj(x)))
 
 
+class RecurrentFn(Protocol):
+    """(layer_idx, mixer, u [L, C], side) -> o [L, H, Dv] fp32: a recurrent layer's stages 2-4 (conv with each
+    sequence's tail, recurrence inputs, run from each sequence's state; `model/recurrent/__init__.py`) over the
+    packed tokens, the caller keeping tails and states. `side`: the mixer's per-token side inputs ([L, ...] each)."""
+
+    def __call__(self, layer_idx: int, mixer: nn.Module, u: Tensor, side: tuple) -> Tensor:
+        ...
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -72,7 +81,10 @@ class Attention(nn.Module):
         self._kv_heads = hkv
         self.keeps_kv = any(config.kv_source(j) == layer_idx != j for j in range(config.num_hidden_layers))
         own_kv = self.kv_source == layer_idx
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * d, bias=config.qkv_bias)
+        # Qwen3-Next / Qwen3.5: q_proj also yields a per-channel output gate (each head's [q ; gate] side by side)
+        self.q_per_head = 2 if config.attn_output_gate else 1
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * d * self.q_per_head,
+                                bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=config.qkv_bias) if own_kv else None
         self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=config.qkv_bias) \
             if own_kv and layer_idx not in config.k_eq_v_layers else None  # k_eq_v: values from the key projection
@@ -93,7 +105,7 @@ class Attention(nn.Module):
 
     @property
     def num_heads(self) -> int:  # from the weights, so a TP-sliced q_proj means fewer local heads
-        return self.q_proj.weight.shape[0] // self.head_dim
+        return self.q_proj.weight.shape[0] // (self.head_dim * self.q_per_head)
 
     @property
     def num_kv_heads(self) -> int:  # the KV heads the cache holds for this layer
@@ -119,15 +131,21 @@ class Attention(nn.Module):
             return self._forward_per_layer_shape(x, cos, sin, attn, q_scale, kv_share)
         n = x.shape[0]
         d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
-        h, hkv = self.q_proj.weight.shape[0] // d, self.k_proj.weight.shape[0] // d
-        q, k = self.q_proj(x), self.k_proj(x)  # [L, H * D], [L, Hkv * D]
+        h, hkv = self.q_proj.weight.shape[0] // (d * self.q_per_head), self.k_proj.weight.shape[0] // d
+        gate = None
+        if self.q_per_head == 2:  # (partial RoPE: the tables are narrower than D/2, `apply_rope` rotates the first)
+            q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [L, H, D] each
+            q, gate = q.reshape(n, h * d), gate.reshape(n, h * d)
+        else:
+            q = self.q_proj(x)  # [L, H * D]
+        k = self.k_proj(x)  # [L, Hkv * D]
         if self.qk_norm_all_heads:  # (TP refuses this family: the statistic spans every rank's heads)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(n, h, d), k.view(n, hkv, d)  # [L, H, D], [L, Hkv, D]
         v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cos is not None:
+        if cos is not None:  # (partial RoPE: tables of rotary_dim / 2 columns; `apply_rope` rotates the first channels)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if self.l2_eps is not None:
             q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
@@ -139,7 +157,10 @@ class Attention(nn.Module):
             out = attn(self.layer_idx, q, k, v)  # [L, H, D]
         else:
             out = attn(self.layer_idx, q, k, v, sinks=self.sinks)
-        return self.o_proj(out.reshape(n, h * d))
+        out = out.reshape(n, h * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def _forward_per_layer_shape(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
                                  q_scale: Tensor | None, kv_share: dict | None) -> Tensor:
@@ -195,6 +216,15 @@ def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
     return dense(config.layer_intermediate(layer_idx))  # (Gemma 4: double-wide on its KV-sharing layers)
 
 
+def make_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """A recurrent layer's mixer from the config's recurrent mixer config."""
+    from cpinfer.model.recurrent.gdn import GDNConfig, GatedDeltaNet
+
+    if isinstance(config.recurrent, GDNConfig):
+        return GatedDeltaNet(config.recurrent, config.hidden_size, config.rms_norm_eps, layer_idx)
+    raise ValueError(f"unsupported recurrent mixer config {type(config.recurrent).__name__}")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block; with `sandwich_norm` (Gemma 3) the attention and MLP outputs are normed too. The MLP sits
     under the checkpoint's name (`mlp`, Mixtral's `block_sparse_moe`, Llama 4's `feed_forward`)."""
@@ -203,7 +233,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, style = config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(config.hidden_size, eps, style)
-        self.self_attn = MLAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
+        self.recurrent = config.layer_is_recurrent(layer_idx)
+        if self.recurrent:  # a linear-attention mixer in place of attention (`linear_attn` in the checkpoint)
+            self.linear_attn = make_mixer(config, layer_idx)
+        else:
+            self.self_attn = MLAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, style)  # Llama: before the MLP
         self.mlp_name = config.mlp_module
         setattr(self, self.mlp_name, make_mlp(config, layer_idx))
@@ -217,14 +251,26 @@ class DecoderLayer(nn.Module):
         """The layer's MLP, whatever the checkpoint calls it (replace it with `setattr(layer, layer.mlp_name, m)`)."""
         return self._modules[self.mlp_name]
 
+    def mix(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn, q_scale: Tensor | None,
+            recurrent: RecurrentFn | None, extra: tuple = ()) -> Tensor:
+        """The token mixer: attention (`extra`: Gemma 4's KV-sharing dict), or the layer's recurrence through
+        `recurrent`."""
+        if self.recurrent:
+            if recurrent is None:
+                raise ValueError(f"layer {self.linear_attn.layer_idx} is a recurrent (linear attention) layer: the "
+                                 "forward needs a recurrent callback (RecurrentFn)")
+            return self.linear_attn(x, recurrent)
+        return self.self_attn(x, cos, sin, attn, q_scale, *extra)
+
     def forward(self, h: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
-                q_scale: Tensor | None = None, kv_share: dict | None = None) -> Tensor:  # [L, hidden]
+                q_scale: Tensor | None = None, kv_share: dict | None = None,
+                recurrent: RecurrentFn | None = None) -> Tensor:  # [L, hidden]
         extra = () if kv_share is None else (kv_share,)  # (KV sharing: Gemma 4's attention only)
         if self.sandwich:
-            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale,
-                                                                 *extra))
+            h = h + self.post_attention_layernorm(self.mix(self.input_layernorm(h), cos, sin, attn, q_scale,
+                                                           recurrent, extra))
             return h + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(h)))
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, q_scale, *extra)
+        h = h + self.mix(self.input_layernorm(h), cos, sin, attn, q_scale, recurrent, extra)
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -253,11 +299,11 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         ropes: dict[tuple[RopeConfig, int], RotaryEmbedding] = {}
         for i in range(config.num_hidden_layers):  # one table of frequencies per distinct RoPE and head size
-            rope, dim = config.layer_rope(i), config.layer_head_dim(i)  # (Gemma 3: two; Gemma 4: two head sizes)
+            rope, dim = config.layer_rope(i), config.layer_rope_dim(i)  # (Gemma 3: two; Gemma 4: two head sizes)
             if rope is not None and (rope, dim) not in ropes:
                 ropes[(rope, dim)] = RotaryEmbedding(dim, rope, config.max_position_embeddings)
         self.layer_rotary = [None if config.layer_rope(i) is None else ropes[(config.layer_rope(i),
-                                                                               config.layer_head_dim(i))]
+                                                                               config.layer_rope_dim(i))]
                              for i in range(config.num_hidden_layers)]  # None: a NoPE layer
         self.embed_scale = config.hidden_size ** 0.5 if config.embed_scale else None
         if config.tie_word_embeddings:
@@ -279,8 +325,10 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         return h
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn) -> Tensor:
-        """input_ids, positions [L] int64 (any sequences, any order) -> hidden [L, hidden] after the final norm."""
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionFn,
+                recurrent: RecurrentFn | None = None) -> Tensor:
+        """input_ids, positions [L] int64 (any sequences, any order; a hybrid's tokens of one sequence in order)
+        -> hidden [L, hidden] after the final norm. `recurrent` runs the recurrent layers (hybrid families)."""
         tables = {id(r): r for r in self.layer_rotary if r is not None}
         tables = {k: r.cos_sin(positions) for k, r in tables.items()}  # [L, D/2] fp32 each, shared by layers
         tables[id(None)] = (None, None)                                   # NoPE layers
@@ -298,7 +346,7 @@ class CausalLM(nn.Module):
             return self.model.norm(h)
         for layer, rotary in zip(self.model.layers, self.layer_rotary):
             scale = q_scale if rotary is None else None
-            h = layer(h, *tables[id(rotary)], attn, scale)
+            h = layer(h, *tables[id(rotary)], attn, scale, recurrent=recurrent)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

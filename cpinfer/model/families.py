@@ -26,6 +26,8 @@ class Family:
     read: Callable[[dict[str, Any], dict[str, Any]], None]  # (config.json, kwargs so far) -> fills kwargs
     default_head_dim: int | None = None  # transformers' default when config.json has no head_dim
     own_routing: bool = False  # the reader takes DeepSeek's router keys (n_group, topk_method, ...) itself
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # config.json -> the dict read (a
+    # multimodal folder's text_config, keys the family leaves out)
 
 
 def _read_llama(d: dict, kw: dict) -> None:
@@ -434,6 +436,94 @@ def _read_gemma4(d: dict, kw: dict) -> None:
         kw["moe"] = MoEConfig(num_experts=int(d.get("num_experts") or 0), top_k=int(d.get("top_k_experts") or 0),
                               intermediate_size=int(d.get("moe_intermediate_size") or 0), norm_topk_prob=True,
                               hidden_act=kw["hidden_act"])
+def _hybrid_layer_types(d: dict) -> tuple[str, ...]:
+    """Qwen3-Next / Qwen3.5: `layer_types` (linear_attention / full_attention), else every
+    `full_attention_interval`-th layer full attention (default 4), the others Gated DeltaNet."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        interval = int(d.get("full_attention_interval", 4))
+        if interval < 1:
+            raise ValueError(f"full_attention_interval must be >= 1, got {interval}")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    bad = sorted(set(types) - {"full_attention", "linear_attention"})
+    if bad:
+        raise ValueError(f"unsupported layer_types {bad} for model_type {d.get('model_type')!r}: cpinfer supports "
+                         "'full_attention' and 'linear_attention' here")
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
+    return tuple(types)
+
+
+def _read_gated_deltanet_hybrid(d: dict, kw: dict, layout: str) -> None:
+    """The Qwen3-Next / Qwen3.5 decoder: Gated DeltaNet layers (`linear_attn`) between gated full-attention
+    layers (q_proj doubled into a sigmoid output gate, (1 + w) q/k norms, partial RoPE), (1 + w) RMSNorms."""
+    from cpinfer.model.recurrent.gdn import GDNConfig  # late: the recurrent package imports torch modules
+
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    partial = float(params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+    for key in ("mrope_section", "mrope_interleaved"):  # Qwen3.5's multimodal RoPE: text positions are 1-D
+        params.pop(key, None)
+    rotary = int(kw["head_dim"] * partial)
+    if not 0 < rotary <= kw["head_dim"] or rotary % 2:
+        raise ValueError(f"partial_rotary_factor={partial} gives {rotary} rotary channels of head_dim "
+                         f"{kw['head_dim']}: need an even number in (0, head_dim]")
+    flat = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling", "partial_rotary_factor")}
+    rope = parse_rope(flat, params, params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    kw["rope"] = {"full_attention": rope}
+    bias = bool(d.get("attention_bias", False))
+    kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True, norm_style="gemma", attn_output_gate=True,
+              rotary_dim=None if rotary == kw["head_dim"] else rotary, layer_types=_hybrid_layer_types(d))
+    act = d.get("hidden_act", "silu")
+    kw["recurrent"] = GDNConfig(num_key_heads=int(d.get("linear_num_key_heads", 16)),
+                                num_value_heads=int(d.get("linear_num_value_heads", 32)),
+                                key_head_dim=int(d.get("linear_key_head_dim", 128)),
+                                value_head_dim=int(d.get("linear_value_head_dim", 128)),
+                                conv_kernel=int(d.get("linear_conv_kernel_dim", 4)), layout=layout, activation=act)
+
+
+def _hybrid_moe(d: dict, kw: dict, layers: tuple[int, ...], normalise: bool) -> None:
+    """The Qwen-Next / Qwen3.5 sparse block: softmax top-k experts plus a shared expert gated by sigmoid(x w)."""
+    if not layers:
+        return
+    shared = int(d.get("shared_expert_intermediate_size") or 0)
+    kw["moe_layers"] = layers
+    kw["moe"] = MoEConfig(num_experts=_num_experts(d), top_k=_top_k(d) or 1,
+                          intermediate_size=int(d["moe_intermediate_size"]), norm_topk_prob=normalise,
+                          hidden_act=kw["hidden_act"], shared_intermediate_size=shared,
+                          shared_expert_gate=bool(shared))
+
+
+def _read_qwen3_next(d: dict, kw: dict) -> None:
+    """Qwen3-Next: in_proj_qkvz / in_proj_ba (interleaved per key head); sparse layers as Qwen3-MoE's
+    (decoder_sparse_step, mlp_only_layers), top-k renormalised when norm_topk_prob (default true)."""
+    _read_gated_deltanet_hybrid(d, kw, "qkvz")
+    _hybrid_moe(d, kw, _sparse_layers(d), bool(d.get("norm_topk_prob", True)))
+
+
+def _read_qwen3_5(d: dict, kw: dict) -> None:
+    """Qwen3.5 dense (text): in_proj_qkv / in_proj_z / in_proj_b / in_proj_a; dense MLPs."""
+    _read_gated_deltanet_hybrid(d, kw, "split")
+
+
+def _read_qwen3_5_moe(d: dict, kw: dict) -> None:
+    """Qwen3.5-MoE (text): every layer's MLP is the sparse block, top-k always renormalised."""
+    _read_gated_deltanet_hybrid(d, kw, "split")
+    _hybrid_moe(d, kw, tuple(range(d["num_hidden_layers"])), True)
+
+
+def _text_of(d: dict) -> dict:
+    """A multimodal Qwen3.5 folder (model_type qwen3_5 / qwen3_5_moe): its text_config, read as the text model
+    (the loader maps model.language_model.* to model.* and skips the vision tower); the MoE text config has no
+    dense intermediate_size (no layer is dense): the experts' size stands in."""
+    text = dict(d.get("text_config") or d)
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "quantization_config"):
+        if key not in text and key in d:
+            text[key] = d[key]
+    text["model_type"] = d["model_type"]
+    if "intermediate_size" not in text and "moe_intermediate_size" in text:
+        text["intermediate_size"] = text["moe_intermediate_size"]
+    return text
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -475,6 +565,18 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            "wider global heads and proportional RoPE, KV shared across layers, per-layer input embeddings, experts "
            "beside the dense MLP, q/k/v norms (a released multimodal 'gemma4' folder: its text model)", _read_gemma4,
            default_head_dim=256),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3-Next: Gated DeltaNet layers (a recurrent state) with one "
+           "gated full-attention layer in 4 (partial RoPE, q/k norm), top-k experts plus a gated shared expert",
+           _read_qwen3_next, default_head_dim=256),
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5 / 3.6 dense, text: Gated DeltaNet + gated full "
+           "attention (3:1), dense MLPs", _read_qwen3_5, default_head_dim=256, prepare=_text_of),
+    Family("qwen3_5", "Qwen3_5ForConditionalGeneration", "Qwen3.5 dense folder (its text model; the vision "
+           "tower is not loaded)", _read_qwen3_5, default_head_dim=256, prepare=_text_of),
+    Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3.5-MoE, text: Gated DeltaNet + gated full "
+           "attention, every MLP top-k experts plus a gated shared expert", _read_qwen3_5_moe,
+           default_head_dim=256, prepare=_text_of),
+    Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE folder (e.g. 397B-A17B; its text "
+           "model)", _read_qwen3_5_moe, default_head_dim=256, prepare=_text_of),
 )}
 
 
@@ -513,6 +615,8 @@ def config_kwargs(d: dict[str, Any]) -> dict[str, Any]:
         kw["weights_prefix"] = nested[1]
         return kw
     family = family_of(d)
+    if family.prepare is not None:
+        d = family.prepare(d)
     missing = [k for k in _REQUIRED_KEYS if k not in d]
     if missing:
         raise ValueError(f"config is missing required key(s) {missing}")

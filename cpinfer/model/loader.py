@@ -29,6 +29,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 UNIT_SCALES = ("layer_scalar", "router.scale", "per_expert_scale")  # random weights: around 1, as norms are
 _SHARED_KV_WEIGHTS = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.")
+_TEXT_PREFIX = "model.language_model."  # Qwen3.5 folders hold the text model under this prefix
+_HYBRID_EXTRAS = ("model.visual.", "mtp.")  # tensors of Qwen3.5 / Qwen3-Next folders outside the text decoder
 
 
 class SafeSlice(Protocol):
@@ -73,8 +75,8 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32, device
     identity = 0.0 if config.norm_style == "gemma" else 1.0
     for name, p in list(model.named_parameters()):  # meta: names and shapes only
         t = torch.empty(p.shape, dtype=dtype, device=device)
-        if name.endswith("norm.weight"):
-            t.normal_(identity, 0.1, generator=gen)
+        if name.endswith("norm.weight"):  # a Gated DeltaNet's gated norm scales by its weight, whatever the style
+            t.normal_(1.0 if name.endswith("linear_attn.norm.weight") else identity, 0.1, generator=gen)
         elif name.endswith(UNIT_SCALES):  # multipliers whose identity is 1 (Gemma 4)
             t.normal_(1.0, 0.1, generator=gen)
         elif name.endswith("self_attn.sinks"):
@@ -113,6 +115,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
                     name = "model." + name[len(prefix):]
                 elif name.startswith("model."):
                     continue
+            elif name.startswith(_TEXT_PREFIX):  # a multimodal folder's text model (Qwen3.5): model.language_model.*
+                name = "model." + name[len(_TEXT_PREFIX):]
             if name not in expected:
                 if stacks.accepts(name):
                     stacks.add(name, slicer(name, sl))
@@ -215,6 +219,8 @@ def _ignorable(name: str, model: CausalLM) -> bool:
     weights (Gemma 4: unused, as transformers skips them), and DeepSeek-V3's (MiniMax-M2's) multi-token prediction
     layers (`model.layers.<n>` past num_hidden_layers: a draft head, not part of the model's math)."""
     tied_head = name == "lm_head.weight" and model.config.tie_word_embeddings
+    if model.config.hybrid and name.startswith(_HYBRID_EXTRAS):  # Qwen3.5 / Qwen3-Next: vision tower, MTP head
+        return True
     mtp = _LAYER.match(name)
     if mtp is not None and int(mtp[1]) < model.config.num_hidden_layers:
         layer = int(mtp[1])

@@ -58,8 +58,9 @@ def random_state_dict(config: ModelConfig, seed: int = 0, std: float = 0.02,
     sd = {}
     for name, p in build_model(config).named_parameters():  # meta model: names and shapes only
         noise = torch.randn(*p.shape, generator=gen)
-        if name.endswith("norm.weight"):
-            sd[name] = (identity + 0.1 * noise).to(dtype)
+        if name.endswith("norm.weight"):  # a Gated DeltaNet's gated norm scales by its weight, whatever the style
+            one = 1.0 if name.endswith("linear_attn.norm.weight") else identity
+            sd[name] = (one + 0.1 * noise).to(dtype)
         elif name.endswith(UNIT_SCALES):
             sd[name] = (1.0 + 0.1 * noise).to(dtype)
         elif name.endswith("self_attn.sinks"):

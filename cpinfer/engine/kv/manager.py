@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from cpinfer.cp.sharding import chunk_ranks
+from cpinfer.engine.kv.state_store import StateSlots
 from cpinfer.engine.kv.tiers import TIERS, DiskEntry, DiskRef, Tiers
 from cpinfer.engine.kv.placement import SPREAD, UNPLACED, Decision, ForwardLoad, Placer, Work
 from cpinfer.utils import ceil_div
@@ -111,6 +112,8 @@ class Node:
         self.host: np.ndarray | None = None  # [len] host-pool slot of each token on its rank
         self.disk: DiskRef | None = None
         self.unverified = 0  # trailing drafted tokens of a private leaf awaiting verification: never matched
+        self.snapshots: dict[int, int] = {}  # hybrid models: position -> state slot of the state after the tokens
+        # before that position (state_store.py); a match is usable up to the last snapshot inside it
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -144,6 +147,8 @@ class SeqKV:
     hits: dict | None = None  # tier → tokens of the matched prefix found there (device, or restored from host/disk)
     fill_until: int = -1  # the matched path stops at a hole ending here: compute up to it first (then re-attach)
     fill_hole: int = -1  # that hole's node id
+    state_in: int = -1  # hybrid models: the state slot its next forward starts from (-1: zero state) ...
+    state_out: int = -1  # ... and its own live slot, where every forward leaves its state (state_store.py)
 
     def runs_array(self, rank: int) -> np.ndarray:
         """[R, 2] int64 snapshot of the runs on one rank."""
@@ -221,7 +226,47 @@ class KVManager:
         self.tier_hits = dict.fromkeys(TIERS, 0)  # of the hits, where their K/V were when matched
         # host / disk tiers below the device (a TierConfig), or None: evicted segments are dropped
         self.tiers = Tiers(tiers, num_ranks, self._lost) if tiers is not None and tiers.enabled else None
+        self.states: StateSlots | None = None  # hybrid models: the state slots (`enable_states`)
+        self.state_interval = 0  # ... and a snapshot every this many tokens of a sequence (0: at turn ends only)
+        self._state_pins: dict[int, int] = {}  # snapshot slot -> requests attached to it that have not read it yet
+        self._state_fresh: set[int] = set()  # snapshot slots this forward writes (state_copy): not evicted before
         self.begin_forward()
+
+    def enable_states(self, slots: StateSlots, interval: int = 0) -> None:
+        """Hybrid (linear-attention) models: every request holds a live state slot, finished ones leave snapshots in
+        the tree (and running ones one every `interval` tokens), and a prefix match is cut back to the last
+        snapshot inside it."""
+        self.states, self.state_interval = slots, interval
+
+    def interval_snapshot(self, seq: SeqKV, start: int, end: int) -> int:
+        """A forward of seq's tokens start .. end-1 that passes a multiple of the snapshot interval: a state slot
+        for the state at `end`, kept as a snapshot of its leaf (the ranks copy the state there after the forward);
+        -1 when no snapshot is due or no slot is free."""
+        iv = self.state_interval
+        if self.states is None or not iv or not self.enable_prefix_caching or end // iv == start // iv:
+            return -1
+        leaf = seq.leaf
+        if end != leaf.pos0 + len(leaf) or end in leaf.snapshots:
+            return -1
+        try:
+            slot = self._state_slot()
+        except RuntimeError:
+            return -1
+        leaf.snapshots[end] = slot
+        self._state_fresh.add(slot)
+        return slot
+
+    def consume_state_in(self, seq: SeqKV) -> None:
+        """seq's next forward reads its state_in: every later one reads its live slot (the snapshot is free to go)."""
+        self._unpin(seq)
+        seq.state_in = seq.state_out
+
+    def _unpin(self, seq: SeqKV) -> None:
+        slot = seq.state_in
+        if slot >= 0 and slot != seq.state_out and slot in self._state_pins:
+            self._state_pins[slot] -= 1
+            if not self._state_pins[slot]:
+                del self._state_pins[slot]
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -279,6 +324,11 @@ class KVManager:
         """Start a request: reuse the longest cached prefix of tokens[:-1], lock its path, open a private leaf."""
         limit = len(tokens) - 1 if (use_cache and self.enable_prefix_caching) else 0
         node, inside, matched = self.match(tokens, limit)
+        snapshot = -1
+        if self.states is not None:  # a state exists only where a snapshot was kept: match up to the last one
+            cut, snapshot = self._last_snapshot(node, matched)
+            if cut < matched:
+                node, inside, matched = self.match(tokens, cut)
         if node is not self.root and (inside < len(node) or node.owner is not None):
             node = self._split(node, inside)  # the matched part becomes its own segment
         path = []
@@ -313,7 +363,50 @@ class KVManager:
         hole = self._hole_after(node, tokens, matched, limit) if usable == len(path) else None
         if hole is not None:
             seq.fill_until, seq.fill_hole = matched + len(hole), hole.id
+        if self.states is not None:
+            seq.state_in, seq.state_out = (snapshot if matched else -1), self._state_slot()
+            if seq.state_in >= 0:  # read by its first forward: not evicted before
+                self._state_pins[seq.state_in] = self._state_pins.get(seq.state_in, 0) + 1
         return seq
+
+    def _last_snapshot(self, node: Node, matched: int) -> tuple[int, int]:
+        """(position, slot) of the last state snapshot at or before `matched` on the path ending in node ((0, -1):
+        none, the match is unusable for the recurrent layers)."""
+        p = node
+        while p is not None and p is not self.root:
+            inside = [pos for pos in p.snapshots if pos <= matched]
+            if inside:
+                pos = max(inside)
+                return pos, p.snapshots[pos]
+            p = p.parent
+        return 0, -1
+
+    def _state_slot(self) -> int:
+        """A free state slot, evicting the least recently used snapshot if needed (unreferenced segments' first;
+        never one a request attached to has yet to read, nor one this forward writes)."""
+        slot = self.states.alloc()
+        while slot is None:
+            held = [(nd.ref > 0 or nd.owner is not None, nd.last_access, pos, nd)
+                    for nd in self.nodes.values() for pos, sl in nd.snapshots.items()
+                    if sl not in self._state_pins and sl not in self._state_fresh]
+            if not held:
+                raise RuntimeError(f"no free state slot: all {self.states.max_slots} are live or about to be read "
+                                   "(this is a bug: the engine keeps 2 x max_num_seqs + 64)")
+            _, _, pos, victim = min(held, key=lambda x: x[:3])
+            self.states.free(victim.snapshots.pop(pos))
+            slot = self.states.alloc()
+        return slot
+
+    def _drop_snapshots(self, node: Node) -> None:
+        if self.states is not None:
+            for slot in node.snapshots.values():
+                self.states.free(slot)
+        node.snapshots = {}
+
+    @property
+    def state_snapshots(self) -> int:
+        """State snapshots kept in the tree (hybrid models)."""
+        return sum(len(nd.snapshots) for nd in self.nodes.values())
 
     def _hole_after(self, node: Node, tokens: np.ndarray, matched: int, limit: int) -> Node | None:
         """A hole right below node whose tokens the request's next ones are, with more of the request after it:
@@ -387,6 +480,9 @@ class KVManager:
         p.ref, p.last_access, p.on_device = node.ref, node.last_access, node.on_device
         if self.tiers is not None:
             self.tiers.split(p, node, m)
+        end = node.pos0 + m  # state snapshots up to the cut belong to the new parent segment
+        p.snapshots = {pos: sl for pos, sl in node.snapshots.items() if pos <= end}
+        node.snapshots = {pos: sl for pos, sl in node.snapshots.items() if pos > end}
         rest = [a.view[m:].copy() for a in (node.tokens, node.rank, node.slot)]
         node.tokens, node.rank, node.slot = (GrowArray(a) for a in rest)
         node.count = node.count - p.count
@@ -414,6 +510,7 @@ class KVManager:
         self._fwd_load = ForwardLoad(np.zeros(self.n))
         self._fwd_costed = 0  # items already in _fwd_load (costs are predicted only when a decision needs them)
         self._floor = floor_s
+        self._state_fresh = set()
 
     def forward_load(self) -> ForwardLoad:
         """This forward's predicted compute per rank from what was placed so far (the placement's view)."""
@@ -663,6 +760,7 @@ class KVManager:
         self._free_device(node)
 
     def _free_device(self, node: Node) -> None:
+        self._drop_snapshots(node)  # a state snapshot lives beside the K/V on the device (no tier holds it)
         for key in node.blocks(self.num_blocks).tolist():
             self.ranks[key // self.num_blocks].decref(np.asarray([key % self.num_blocks]))
         if node.on_device:
@@ -730,6 +828,17 @@ class KVManager:
             p = p.parent
         if keep and self.tiers is not None:
             self.tiers.write_through(path[::-1])
+        if self.states is not None:
+            self._unpin(seq)
+        if self.states is not None and seq.state_out >= 0:  # the live state: a snapshot at its end, or freed
+            if keep and len(leaf) and seq.num_stored == leaf.pos0 + len(leaf):
+                old = leaf.snapshots.get(seq.num_stored)
+                if old is not None:
+                    self.states.free(old)
+                leaf.snapshots[seq.num_stored] = seq.state_out
+            else:
+                self.states.free(seq.state_out)
+            seq.state_out = seq.state_in = -1
         if not keep or len(leaf) == 0:
             if not leaf.children:
                 self._free_node(leaf)
@@ -737,6 +846,7 @@ class KVManager:
                 self._free_node_keep_children(leaf)
 
     def _free_node_keep_children(self, node: Node) -> None:
+        self._drop_snapshots(node)
         parent = node.parent
         parent.children.remove(node)
         for c in node.children:

@@ -1,0 +1,216 @@
+"""The rank side of the recurrent layers (hybrid families): one `RecurrentFn` per forward that runs every recurrent
+layer's conv and recurrence for the batch's sequences from their state slots, exact under any CP sharding.
+
+Per recurrent layer, with N > 1 CP ranks (mixer-agnostic: any mixer with the staged shape of
+`model/recurrent/__init__.py`: `conv`, `inputs`, `run`, `summary`, `kernel`, `conv_channels`, `state_shape`, and
+optionally `side_shapes`, the per-token shapes of its side inputs):
+
+1. row exchange: the shards (runs of consecutive new tokens of one sequence on one rank; the same list on every
+   rank, derived from the batch) publish rows in one all-reduce of a zero-padded buffer. A short shard (one whose
+   pre-conv rows and side inputs take fewer bytes than its affine map: a decode token, a verify run) ships all of
+   them, and every rank runs it itself; a long one ships its last kernel - 1 pre-conv rows. Every row a shard's
+   conv needs before its first token is among those, or in the sequence's cached tail (the state slot's).
+2. each rank convolves its long shards, computes their recurrence inputs and their affine maps (`summary`; with a
+   mixer's `summary_with_outputs`, in the same pass the outputs as a function of the starting state, finished by
+   `outputs_from` in step 4 instead of a second run);
+3. map exchange: one all-reduce of the long shards' [|M| + |B|] fp32 maps (fixed size per shard, independent of
+   its length); none when every shard is short (decode).
+4. every rank goes through each sequence's shards in order from its state_in slot: a short shard is run, a long
+   one's map applied (after running it from that starting state where it is this rank's); the final state and the
+   new conv tail go into the state_out slot (and state_copy, a snapshot) of its replica. A rank with no token in
+   the forward still takes part (`replicate`), so every rank keeps every state.
+
+With one rank the shards run one after the other from the state slot (no summary, no exchange).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from cpinfer.engine.batch import ForwardBatch
+from cpinfer.engine.kv.state_store import StateStore
+from cpinfer.model.recurrent.affine import Affine, compose
+
+
+class Shard:
+    """Tokens a..e-1 (offsets in the sequence's new tokens) of sequence b, on rank r; `rows` [e - a] its rows of
+    the forward's packed tokens when r is this rank."""
+
+    __slots__ = ("b", "r", "a", "e", "rows", "index")
+
+    def __init__(self, b: int, r: int, a: int, e: int, index: int):
+        self.b, self.r, self.a, self.e, self.index = b, r, a, e, index
+        self.rows: np.ndarray | None = None
+
+
+def shards_of(batch: ForwardBatch) -> list[list[Shard]]:
+    """Per sequence, its shards in sequence order (the same list on every rank)."""
+    out, index = [], 0
+    for b, s in enumerate(batch.seqs):
+        ranks = np.asarray(s.ranks)
+        cuts = np.flatnonzero(np.diff(ranks)) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        ends = np.concatenate((cuts, [len(ranks)])).tolist()
+        seq = []
+        for a, e in zip(starts, ends):
+            if e > a:
+                seq.append(Shard(b, int(ranks[a]), a, e, index))
+                index += 1
+        out.append(seq)
+    return out
+
+
+class RecurrentRunner:
+    """The `RecurrentFn` of one forward on one CP rank (see the module doc). `rows_of(b)`: this rank's rows of
+    sequence b's new tokens, in offset order (from the attention plan)."""
+
+    def __init__(self, batch: ForwardBatch, rank: int, world: int, group, store: StateStore, rows_of):
+        self.batch, self.rank, self.world, self.group, self.store = batch, rank, world, group, store
+        self.seqs = shards_of(batch)
+        self.num_shards = sum(len(s) for s in self.seqs)
+        for seq in self.seqs:
+            mine = [sh for sh in seq if sh.r == rank]
+            if mine:
+                rows = np.asarray(rows_of(seq[0].b), dtype=np.int64)  # this rank's rows, offset order
+                at = 0
+                for sh in mine:
+                    sh.rows = rows[at:at + sh.e - sh.a]
+                    at += sh.e - sh.a
+        top = max([max(s.state_in, s.state_out, s.state_copy) for s in batch.seqs] + [-1])
+        store.ensure(top + 1)
+        self.exchange_s = 0.0  # seconds in the exchanges, for benchmarks
+
+    # ---------------------------------------------------------------- one layer
+    def __call__(self, layer: int, mixer: nn.Module, u: Tensor | None, side: tuple | None) -> Tensor | None:
+        """u [L, C] and side (this rank's rows; None on a rank that replicates only) -> o [L, H, Dv] fp32."""
+        k1, (h, dk, dv) = mixer.kernel - 1, mixer.state_shape
+        dtype = u.dtype if u is not None else self.store.dtype
+        dev = u.device if u is not None else self.store.device
+        out = None if u is None else torch.zeros(u.shape[0], h, dv, dtype=torch.float32, device=dev)
+        if self.world == 1:
+            for seq in self.seqs:
+                self._run_alone(layer, mixer, seq, u, side, out)
+            return out
+        # 1. rows to everyone: a short shard's every pre-conv row and side inputs (cheaper than its map: every rank
+        # then runs it itself), a long one's last K-1 pre-conv rows (the conv halo of whatever follows it)
+        c = mixer.conv_channels
+        shapes = getattr(mixer, "side_shapes", None)  # per-token shapes of the side inputs (None: maps only)
+        widths = [] if shapes is None else [int(np.prod(x)) for x in shapes]
+        m_size, b_size = h * dk * dk, h * dk * dv
+        per_row = (c + sum(widths)) * torch.finfo(dtype).bits // 8
+        layout, n_rows, n_maps = {}, 0, 0  # shard index -> (raw, first row, rows, map index)
+        for seq in self.seqs:
+            for sh in seq:
+                t = sh.e - sh.a
+                raw = shapes is not None and t * per_row <= (m_size + b_size) * 4
+                rows = t if raw else k1
+                layout[sh.index] = (raw, n_rows, rows, -1 if raw else n_maps)
+                n_rows += rows
+                n_maps += not raw
+        buf = torch.zeros(n_rows, c + sum(widths), dtype=dtype, device=dev)
+        for seq in self.seqs:
+            for sh in seq:
+                if sh.r != self.rank:
+                    continue
+                raw, at, rows, _ = layout[sh.index]
+                idx = torch.as_tensor(sh.rows[-rows:], device=dev)
+                buf[at + rows - len(idx):at + rows, :c] = u[idx]
+                if raw:
+                    buf[at:at + rows, c:] = torch.cat([x[idx].reshape(len(idx), -1) for x in side], dim=1)
+        self._all_reduce(buf)
+        halo = (buf, layout)
+        # 2. conv, inputs: my long shards (and their maps), every short shard (on every rank)
+        maps = torch.zeros(n_maps, m_size + b_size, dtype=torch.float32, device=dev)
+        deferred = hasattr(mixer, "summary_with_outputs")  # else: summary, then a run from the starting state
+        inputs = {}
+        for seq in self.seqs:
+            _, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
+            for sh in seq:
+                raw, at, rows, m = layout[sh.index]
+                if raw:
+                    part = buf[at:at + rows]
+                    sides = torch.split(part[:, c:], widths, dim=1)
+                    side_rows = tuple(x.reshape(rows, *shape) for x, shape in zip(sides, shapes))
+                    conv, _ = mixer.conv(part[:, :c], self._before(seq, sh.a, tail_in, halo, k1))
+                    inputs[sh.index] = mixer.inputs(conv, side_rows)
+                elif sh.r == self.rank:
+                    idx = torch.as_tensor(sh.rows, device=dev)
+                    conv, _ = mixer.conv(u[idx], self._before(seq, sh.a, tail_in, halo, k1))
+                    inp = mixer.inputs(conv, tuple(x[idx] for x in side))
+                    if deferred:  # the map and the outputs as a function of the starting state, in one pass
+                        amap, *inputs[sh.index] = mixer.summary_with_outputs(inp)
+                    else:
+                        amap, inputs[sh.index] = mixer.summary(inp), inp
+                    maps[m] = amap.to_tensor()
+        # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
+        if n_maps:
+            self._all_reduce(maps)
+        # 4. starting states, my outputs, every sequence's final state and tail
+        for seq in self.seqs:
+            s = self.batch.seqs[seq[0].b]
+            state, tail_in = self.store.load(layer, s.state_in)
+            state = torch.zeros(h, dk, dv, dtype=torch.float32, device=dev) if state is None else state.clone()
+            for sh in seq:
+                raw, _, _, m = layout[sh.index]
+                if raw:
+                    o, state = mixer.run(inputs[sh.index], state)
+                    if sh.r == self.rank:
+                        out[torch.as_tensor(sh.rows, device=dev)] = o
+                    continue
+                if sh.r == self.rank:
+                    o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
+                        mixer.run(inputs[sh.index], state)[0]
+                    out[torch.as_tensor(sh.rows, device=dev)] = o
+                state = Affine.from_tensor(maps[m], (h, dk, dk), (h, dk, dv)).apply(state)
+            tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
+            for slot in (s.state_out, s.state_copy):
+                if slot >= 0:
+                    self.store.save(layer, slot, state, tail)
+        return out
+
+    def _run_alone(self, layer: int, mixer, seq: list[Shard], u: Tensor, side: tuple, out: Tensor) -> None:
+        """One rank: the sequence's tokens in order from its state slot, into its state_out slot."""
+        if not seq:
+            return
+        s = self.batch.seqs[seq[0].b]
+        state, tail = self.store.load(layer, s.state_in)
+        state = None if state is None else state.clone()
+        rows = torch.as_tensor(np.concatenate([sh.rows for sh in seq]), device=u.device)
+        conv, tail = mixer.conv(u[rows], tail)
+        inp = mixer.inputs(conv, tuple(x[rows] for x in side))
+        o, state = mixer.run(inp, state)
+        out[rows] = o
+        for slot in (s.state_out, s.state_copy):
+            if slot >= 0:
+                self.store.save(layer, slot, state, tail)
+
+    def _before(self, seq: list[Shard], a: int, tail_in: Tensor, halo, k1: int) -> Tensor:
+        """The K-1 pre-conv rows before offset a of the sequence's new tokens: from the gathered rows (a short
+        shard's every row, a long one's last K-1: every row a conv needs before a shard is among them), the cached
+        tail for offsets below 0."""
+        buf, layout = halo
+        rows = []
+        for p in range(a - k1, a):
+            if p < 0:
+                rows.append(tail_in[k1 + p])
+                continue
+            sh = next(x for x in seq if x.a <= p < x.e)
+            raw, at, n, _ = layout[sh.index]
+            rows.append(buf[at + (p - sh.a) if raw else at + n - (sh.e - p), :tail_in.shape[1]])
+        return torch.stack(rows) if rows else tail_in[:0]
+
+    def _all_reduce(self, t: Tensor) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=self.group)
+        self.exchange_s += time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- a rank without tokens
+    def replicate(self, model: nn.Module) -> None:
+        """Take part in every recurrent layer's exchanges and advance the replicas, with no token of its own."""
+        for layer in model.model.layers:
+            if getattr(layer, "recurrent", False):
+                self(layer.linear_attn.layer_idx, layer.linear_attn, None, None)
