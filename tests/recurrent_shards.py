@@ -11,6 +11,7 @@ import torch
 from cpinfer.cp.sharding import shard_prefill
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 reordering across cuts
+Y_TOL = dict(atol=2e-4, rtol=1e-4)  # a layer's outputs, after its output norm (see check_staged)
 
 
 def apply(m: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -76,3 +77,34 @@ def check_conv_halo(conv, u: torch.Tensor, runs: list[tuple[int, int]], kernel: 
         out, tail = conv(u[a:b], padded[a:a + kernel - 1])
         torch.testing.assert_close(out, full[a:b], atol=1e-6, rtol=1e-6)  # the same sums, maybe vectorised apart
         torch.testing.assert_close(tail, padded[b:b + kernel - 1], atol=0, rtol=0)
+
+
+def check_staged(mixer, run, summary, x: torch.Tensor, rank_runs: list[list[tuple[int, int]]]) -> None:
+    """The mixer's stages as the engine runs them under CP, each run on its own: project, conv with the halo of
+    the kernel-1 pre-conv rows before it (sent by whoever holds them), inputs, summary; the maps exchanged and
+    composed into each run's start state; run; output. Equals the uncut mixer: the recurrence's outputs and final
+    state within TOL, the conv tail exactly, the layer's outputs within Y_TOL (an output RMSNorm divides o by its
+    rms, here as small as ~0.1, so o's fp32 reordering shows ~10x larger in y; the uncut fp32 run is itself as far
+    from an fp64 one)."""
+    y_ref, s_ref, tail_ref = mixer(x)
+    u, side = mixer.project(x)
+    o_ref, _ = run(mixer.inputs(mixer.conv(u, None)[0], side), None)
+    runs = sorted(r for per_rank in rank_runs for r in per_rank)
+    proj = {r: mixer.project(x[r[0]:r[1]]) for r in runs}
+    k1 = mixer.shape.conv_kernel - 1
+    pre = torch.cat([x.new_zeros(k1, u.shape[1]), *(proj[r][0] for r in runs)])  # [K-1+T, C]
+    inputs, maps, tails = {}, {}, {}
+    for a, b in runs:
+        conv_out, tails[a, b] = mixer.conv(proj[a, b][0], pre[a:a + k1])  # the halo: rows a-K+1 .. a-1
+        inputs[a, b] = mixer.inputs(conv_out, proj[a, b][1])
+        maps[a, b] = summary(inputs[a, b])
+    o, y, start = torch.full_like(o_ref, float("nan")), torch.full_like(y_ref, float("nan")), None
+    for r in runs:  # every rank can compose the maps before its own runs: here all runs, in order
+        s0 = torch.zeros(s_ref.shape) if start is None else start
+        o[r[0]:r[1]], _ = run(inputs[r], s0)
+        y[r[0]:r[1]] = mixer.output(o[r[0]:r[1]], proj[r][1])
+        start = apply(*maps[r], s0)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(start, s_ref, **TOL)
+    torch.testing.assert_close(tails[runs[-1]], tail_ref, atol=0, rtol=0)
+    torch.testing.assert_close(y, y_ref, **Y_TOL)

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 
 from cpinfer.model.recurrent import mamba2
-from recurrent_shards import check_composed, check_conv_halo, cp_runs, runs_at
+from recurrent_shards import check_composed, check_conv_halo, check_staged, cp_runs, runs_at
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
 
@@ -157,3 +157,12 @@ def test_mixer_is_transformers_prefill_continuation_decode(hf_mixer_and_ours):
             torch.testing.assert_close(y, y_ref[0], **TIGHT)
             torch.testing.assert_close(s, cache.get_recurrent_state(0)[0], **TIGHT)
             torch.testing.assert_close(tail, cache.get_conv_state(0)[0, :, -k1:].T, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_staged_mixer_under_cp_is_the_uncut_mixer(hf_mixer_and_ours, num_ranks):
+    cfg, _, ours = hf_mixer_and_ours
+    x = torch.randn(331, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        check_staged(ours, lambda inp, s: mamba2.run(inp, s, ours.shape.chunk_size), mamba2.summary, x,
+                     cp_runs(331, num_ranks))

@@ -14,9 +14,11 @@ the in-chunk updates at once: with L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd
     W = A (beta k exp(G)) [C, Dk],   U = A (beta v) [C, Dv],   K~ = k exp(G_C - G) [C, Dk]
     V' = U - W S_0,   o = (q exp(G)) S_0 + tril(q exp(G_i - G_j) k^T) V',   S_C = Diag(exp G_C) S_0 + K~^T V'
 
-so the chunk's map is M_c = Diag(exp G_C) - K~^T W, B_c = K~^T U, and `summary` composes those in order. Every
+so the chunk's map is M_c = Diag(exp G_C) - K~^T W, B_c = K~^T U; `summary` gets M and B from one scan of the
+state [I | 0] with values [0 | v] (the rule acts on each column of S alone). Every
 exp is of a non-positive number (no overflow); chunks are not padded (the last may be short, a decode step is a
-chunk of one). Exact up to fp32 reordering against the token-by-token form, at any cut of the run.
+chunk of one). In-chunk decays exp(G_i - G_j) are summed, not subtracted (no lost digits when G is large). Exact
+up to fp32 reordering against the token-by-token form, at any cut of the run.
 
 The layer (Hugging Face's KimiLinearDeltaAttention; checkpoint names q_proj, k_proj, v_proj, q_conv1d, k_conv1d,
 v_conv1d, f_a_proj, f_b_proj, A_log [1, 1, H, 1], dt_bias [H Dk], b_proj, g_a_proj, g_b_proj, o_norm, o_proj):
@@ -127,52 +129,58 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 def run(inp: KDAInputs, state: Tensor | None, chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
     """(outputs [T, H, Dv] fp32, state_out [H, Dk, Dv] fp32) of the run from `state` (None: zeros)."""
-    t, h, dk, dv = *inp.k.shape, inp.v.shape[-1]
-    s = inp.v.new_zeros(h, dk, dv, dtype=torch.float32) if state is None else state.float().clone()
-    q, k, v, g = (x.float().transpose(0, 1) for x in (inp.q, inp.k, inp.v, inp.g))  # [H, T, D]
-    beta = inp.beta.float().T  # [H, T]
-    o = v.new_empty(h, t, dv)
-    for a in range(0, t, chunk):
-        c = slice(a, min(a + chunk, t))
-        gc, decay, w, u, k_end = _chunk_terms(k[:, c], v[:, c], g[:, c], beta[:, c])
-        qc = q[:, c]
-        qk = (qc[:, :, None] * k[:, None, c] * decay).sum(-1)  # [H, C, C]: zero above the diagonal
-        v_new = u - w @ s  # [H, C, Dv]
-        o[:, c] = (qc * gc.exp()) @ s + qk @ v_new
-        s = s * gc[:, -1, :, None].exp() + k_end.transpose(1, 2) @ v_new
-    return o.transpose(0, 1), s
+    h, dk, dv = *inp.k.shape[1:], inp.v.shape[-1]
+    s = inp.v.new_zeros(h, dk, dv, dtype=torch.float32) if state is None else state.float()
+    return _scan(inp, s, chunk, want_out=True)
 
 
 def summary(inp: KDAInputs, chunk: int = DEFAULT_CHUNK) -> Affine:
-    """The run's map Affine(M [H, Dk, Dk], B [H, Dk, Dv]), fp32: the chunks' maps composed in order."""
+    """The run's map Affine(M [H, Dk, Dk], B [H, Dk, Dv]), fp32: the same scan on the state [I | 0] with values
+    [0 | v] (the rule acts on each column of S alone, so the identity block comes out as M and the rest as B)."""
     t, h, dk, dv = *inp.k.shape, inp.v.shape[-1]
-    m = torch.eye(dk, dtype=torch.float32, device=inp.k.device).expand(h, dk, dk).clone()
-    b = inp.v.new_zeros(h, dk, dv, dtype=torch.float32)
-    k, v, g = (x.float().transpose(0, 1) for x in (inp.k, inp.v, inp.g))  # [H, T, D]
-    beta = inp.beta.float().T
+    eye = torch.eye(dk, dtype=torch.float32, device=inp.k.device).expand(h, dk, dk)
+    s0 = torch.cat([eye, eye.new_zeros(h, dk, dv)], dim=-1)  # [H, Dk, Dk + Dv]
+    v = torch.cat([inp.v.new_zeros(t, h, dk, dtype=torch.float32), inp.v.float()], dim=-1)
+    _, s = _scan(KDAInputs(inp.q, inp.k, v, inp.g, inp.beta), s0, chunk, want_out=False)
+    return Affine(s[..., :dk].contiguous(), s[..., dk:].contiguous())
+
+
+def _scan(inp: KDAInputs, s: Tensor, chunk: int, want_out: bool) -> tuple[Tensor | None, Tensor]:
+    """The chunked form from s [H, Dk, Dv] -> (o [T, H, Dv] or None, s_out), one chunk at a time."""
+    t, dv = len(inp), inp.v.shape[-1]
+    q, k, v, g = (x.float().transpose(0, 1) for x in (inp.q, inp.k, inp.v, inp.g))  # [H, T, D]
+    beta = inp.beta.float().T  # [H, T]
+    o = v.new_empty(v.shape[0], t, dv) if want_out else None
+    s = s.clone()
     for a in range(0, t, chunk):
         c = slice(a, min(a + chunk, t))
-        gc, _, w, u, k_end = _chunk_terms(k[:, c], v[:, c], g[:, c], beta[:, c])
-        m_c = torch.diag_embed(gc[:, -1].exp()) - k_end.transpose(1, 2) @ w  # [H, Dk, Dk]
-        m, b = m_c @ m, torch.baddbmm(k_end.transpose(1, 2) @ u, m_c, b)
-    return Affine(m, b)
+        gc, decay, w, u, k_end = _chunk_terms(k[:, c], v[:, c], g[:, c], beta[:, c])
+        v_new = u - w @ s  # [H, C, Dv]
+        if want_out:
+            qc = q[:, c]
+            qk = (qc[:, :, None] * k[:, None, c] * decay).sum(-1)  # [H, C, C]: zero above the diagonal
+            o[:, c] = (qc * gc.exp()) @ s + qk @ v_new
+        s = s * gc[:, -1, :, None].exp() + k_end.transpose(1, 2) @ v_new
+    return (o.transpose(0, 1) if want_out else None), s
 
 
 def _chunk_terms(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[Tensor, ...]:
     """One chunk, heads batched: k [H, C, Dk], v [H, C, Dv], g [H, C, Dk], beta [H, C] -> G (cumulative log decay)
     [H, C, Dk], decay [H, C, C, Dk] (exp(G_i - G_j) for j <= i, else 0), W [H, C, Dk], U [H, C, Dv] and
-    K~ [H, C, Dk] (see the module docstring)."""
-    c = k.shape[1]
+    K~ [H, C, Dk] (see the module docstring). G_i - G_j is summed as sum_{j<r<=i} g_r (masked cumulative sums),
+    not subtracted: with strong decays G reaches thousands and the difference would lose digits."""
+    h, c, dk = k.shape
     gc = g.cumsum(1)
-    causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()  # j <= i
-    decay = (gc[:, :, None] - gc[:, None]).masked_fill(~causal[..., None], float("-inf")).exp()
+    ones = torch.ones(c, c, dtype=torch.bool, device=k.device)
+    seg = g[:, :, None].expand(h, c, c, dk).masked_fill(~ones.tril(-1)[..., None], 0.0).cumsum(1)  # [H, i, j, Dk]
+    decay = seg.masked_fill(~ones.tril()[..., None], float("-inf")).exp()  # exp(sum_{j<r<=i} g_r), 0 for j > i
     kb = k * beta[..., None]
     lower = (kb[:, :, None] * k[:, None] * decay).sum(-1).tril(-1)  # [H, C, C]: L, strictly lower
     eye = torch.eye(c, dtype=k.dtype, device=k.device)
     a = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
     w = a @ (kb * gc.exp())
     u = a @ (v * beta[..., None])
-    k_end = k * (gc[:, -1:] - gc).exp()
+    k_end = k * decay[:, -1]  # k_i exp(G_C - G_i)
     return gc, decay, w, u, k_end
 
 

@@ -10,7 +10,9 @@ so a run maps S_in affinely with a scalar per head: S_out = M S_in + B, M [H] = 
 B [H, P, N] = sum_t exp(A_h sum_{s>t} dt_s) dt_t x_t B_t^T (the run from zero). `run` is the chunked SSD form of
 transformers' `mamba2_chunk_scan` (within a chunk: y = (C B^T o L) (dt x) with L_ts = exp(sum_{t>=r>s} dt_r A),
 plus the chunk's start state decayed; between chunks one scaled add), from any state, chunks unpadded (the last
-may be short; a decode step is a chunk of one). `summary` is the closed form above in one contraction.
+may be short; a decode step is a chunk of one). Decays over a span are summed over the span (masked cumulative
+sums), never differences of long sums, which lose digits when A dt is large. `summary` is the closed form above in
+one contraction.
 
 dt: softplus(dt_raw + dt_bias) clamped to [dt_min, dt_max]. transformers' NemotronHMamba2Mixer clamps to
 (time_step_min, inf) in its chunked (prefill) path and not at all in its one-token decode path; cpinfer clamps
@@ -152,10 +154,11 @@ def run(inp: Mamba2Inputs, state: Tensor | None, chunk: int = DEFAULT_CHUNK) -> 
         r = slice(i, min(i + chunk, t))
         ac = a[r].T  # [H, C]
         acum = ac.cumsum(-1)
-        within = torch.einsum("lhn,shn->hls", c[r], b[r]) * _segsum(ac).exp()  # [H, C, C]
+        decay = _segsum(ac).exp()  # [H, C, C]: exp(sum_{s<r<=l} a_r), 0 above the diagonal
+        within = torch.einsum("lhn,shn->hls", c[r], b[r]) * decay
         y[r] = (torch.einsum("hls,shp->lhp", within, xdt[r])
                 + torch.einsum("lhn,hpn->lhp", c[r], s) * acum.exp().T[..., None])
-        to_end = (acum[:, -1:] - acum).exp()  # [H, C]
+        to_end = decay[:, -1]  # [H, C]: exp(sum_{s<r<=last} a_r), summed rather than a difference of sums
         s = s * acum[:, -1].exp()[:, None, None] + torch.einsum("lhn,hl,lhp->hpn", b[r], to_end, xdt[r])
     if inp.D is not None:
         y = y + inp.D.float()[:, None] * x
@@ -230,7 +233,7 @@ class Mamba2Mixer(nn.Module):
         t, g = y.shape[0], self.shape.n_groups
         y = y.float().reshape(t, g, -1) * F.silu(side.z.float()).view(t, g, -1)
         y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.shape.eps)).reshape(t, -1)
-        return self.out_proj(self.norm.weight * y.to(self.norm.weight.dtype))
+        return self.out_proj((self.norm.weight * y).to(self.out_proj.weight.dtype))  # transformers' prefill order
 
     def forward(self, x: Tensor, state: Tensor | None = None, tail: Tensor | None = None,
                 ) -> tuple[Tensor, Tensor, Tensor]:
