@@ -6,12 +6,22 @@ not depend on the engine's affine algebra."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from cpinfer.cp.sharding import shard_prefill
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 reordering across cuts
 Y_TOL = dict(atol=2e-4, rtol=1e-4)  # a layer's outputs, after its output norm (see check_staged)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors on a busy 2-core machine: OpenMP threads beyond the free cores slow torch several times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def apply(m: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

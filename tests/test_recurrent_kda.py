@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 
 from cpinfer.model.recurrent import kda
+from recurrent_shards import one_thread  # noqa: F401 (autouse fixture)
 from recurrent_shards import Y_TOL, check_composed, check_conv_halo, check_staged, cp_runs, runs_at
 
 hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")

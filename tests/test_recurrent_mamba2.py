@@ -6,6 +6,7 @@ import torch
 from safetensors import safe_open
 
 from cpinfer.model.recurrent import mamba2
+from recurrent_shards import one_thread  # noqa: F401 (autouse fixture)
 from recurrent_shards import check_composed, check_conv_halo, check_staged, cp_runs, runs_at
 
 hf = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
