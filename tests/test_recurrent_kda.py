@@ -134,6 +134,8 @@ def test_conv_with_halo_is_the_uncut_conv(hf_layer_and_mixer):
     u = torch.randn(331, mixer.shape.conv_channels)
     for runs in (*cp_runs(331, 3), runs_at([1, 2, 3, 100, 330], 331)):
         check_conv_halo(mixer.conv, u, runs, mixer.shape.conv_kernel)
+    with pytest.raises(ValueError, match=r"conv tail has shape \(2, 144\), expected .* \(3, 144\)"):
+        mixer.conv(u[:5], u[:2])
 
 
 @pytest.mark.parametrize("form", ["recurrent", "chunk"])

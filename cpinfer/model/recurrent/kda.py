@@ -15,10 +15,12 @@ the in-chunk updates at once: with L_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd
     V' = U - W S_0,   o = (q exp(G)) S_0 + tril(q exp(G_i - G_j) k^T) V',   S_C = Diag(exp G_C) S_0 + K~^T V'
 
 so the chunk's map is M_c = Diag(exp G_C) - K~^T W, B_c = K~^T U; `summary` gets M and B from one scan of the
-state [I | 0] with values [0 | v] (the rule acts on each column of S alone). Every
-exp is of a non-positive number (no overflow); chunks are not padded (the last may be short, a decode step is a
-chunk of one). In-chunk decays exp(G_i - G_j) are summed, not subtracted (no lost digits when G is large). Exact
-up to fp32 reordering against the token-by-token form, at any cut of the run.
+state [I | 0] with values [0 | v] (the rule acts on each column of S alone). Every exp is of a non-positive
+number (no overflow), and in-chunk decays exp(G_i - G_j) are summed over the span, not differences of cumulative
+sums (which lose digits once G reaches thousands; transformers' chunked form does subtract). Chunks are not padded:
+the last may be short, a decode step is a chunk of one. Exact up to fp32 reordering against the token-by-token form
+at any cut of the run, so under CP each run's summary (from zero), composed in sequence order, gives the next
+run's start state (see `__init__.py`).
 
 The layer (Hugging Face's KimiLinearDeltaAttention; checkpoint names q_proj, k_proj, v_proj, q_conv1d, k_conv1d,
 v_conv1d, f_a_proj, f_b_proj, A_log [1, 1, H, 1], dt_bias [H Dk], b_proj, g_a_proj, g_b_proj, o_norm, o_proj):
