@@ -37,16 +37,16 @@ def hf_reference(form, raw, s0):
     return o[0], s[0]
 
 
-@pytest.mark.parametrize("t", [1, 5, 64, 200])
-def test_run_from_a_state_is_transformers(t):
+@pytest.mark.parametrize("t,chunk", [(1, None), (5, None), (64, 64), (200, None), (200, 64)])
+def test_run_from_a_state_is_transformers(t, chunk):
     raw = raw_inputs(t, seed=t)
     s0 = torch.randn(1, H, D, D, generator=torch.Generator().manual_seed(1))
-    o, s = kda.run(kda_inputs(*raw), s0[0])
+    o, s = kda.run(kda_inputs(*raw), s0[0], chunk)
     for form in ("chunk", "recurrent"):
         o_ref, s_ref = hf_reference(form, raw, s0)
         torch.testing.assert_close(o, o_ref, **TIGHT)
         torch.testing.assert_close(s, s_ref, **TIGHT)
-    m, b = kda.summary(kda_inputs(*raw))
+    m, b = kda.summary(kda_inputs(*raw), chunk)
     torch.testing.assert_close(m @ s0[0] + b, s_ref, **TIGHT)
 
 

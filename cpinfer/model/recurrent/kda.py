@@ -41,7 +41,14 @@ from torch import Tensor, nn
 from cpinfer.model.recurrent.short_conv import causal_conv, check_activation
 from cpinfer.utils import check_positive
 
-DEFAULT_CHUNK = 64  # tokens per chunk (transformers' and FLA's default)
+DEFAULT_CHUNK = 64  # tokens per chunk on an accelerator (transformers' and FLA's default)
+CPU_CHUNK = 16  # on CPU: the in-chunk work is C^2 Dk elementwise, and 16 runs ~5x faster than 64 at Dk 128
+
+
+def chunk_for(device: torch.device) -> int:
+    """The chunk length `run` / `summary` use by default on `device` (any length gives the same result up to fp32
+    rounding)."""
+    return CPU_CHUNK if device.type == "cpu" else DEFAULT_CHUNK
 
 
 class Affine(NamedTuple):
@@ -129,21 +136,22 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 # ---------------------------------------------------------------- the recurrence
 
-def run(inp: KDAInputs, state: Tensor | None, chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
-    """(outputs [T, H, Dv] fp32, state_out [H, Dk, Dv] fp32) of the run from `state` (None: zeros)."""
+def run(inp: KDAInputs, state: Tensor | None, chunk: int | None = None) -> tuple[Tensor, Tensor]:
+    """(outputs [T, H, Dv] fp32, state_out [H, Dk, Dv] fp32) of the run from `state` (None: zeros); `chunk` None:
+    `chunk_for` the inputs' device."""
     h, dk, dv = *inp.k.shape[1:], inp.v.shape[-1]
     s = inp.v.new_zeros(h, dk, dv, dtype=torch.float32) if state is None else state.float()
-    return _scan(inp, s, chunk, want_out=True)
+    return _scan(inp, s, chunk or chunk_for(inp.k.device), want_out=True)
 
 
-def summary(inp: KDAInputs, chunk: int = DEFAULT_CHUNK) -> Affine:
+def summary(inp: KDAInputs, chunk: int | None = None) -> Affine:
     """The run's map Affine(M [H, Dk, Dk], B [H, Dk, Dv]), fp32: the same scan on the state [I | 0] with values
     [0 | v] (the rule acts on each column of S alone, so the identity block comes out as M and the rest as B)."""
     t, h, dk, dv = *inp.k.shape, inp.v.shape[-1]
     eye = torch.eye(dk, dtype=torch.float32, device=inp.k.device).expand(h, dk, dk)
     s0 = torch.cat([eye, eye.new_zeros(h, dk, dv)], dim=-1)  # [H, Dk, Dk + Dv]
     v = torch.cat([inp.v.new_zeros(t, h, dk, dtype=torch.float32), inp.v.float()], dim=-1)
-    _, s = _scan(KDAInputs(inp.q, inp.k, v, inp.g, inp.beta), s0, chunk, want_out=False)
+    _, s = _scan(KDAInputs(inp.q, inp.k, v, inp.g, inp.beta), s0, chunk or chunk_for(inp.k.device), want_out=False)
     return Affine(s[..., :dk].contiguous(), s[..., dk:].contiguous())
 
 
@@ -254,4 +262,5 @@ class KDAMixer(nn.Module):
         return self.output(o, side), state, tail
 
 
-__all__ = ["Affine", "DEFAULT_CHUNK", "KDAInputs", "KDAMixer", "KDAShape", "KDASide", "l2norm", "run", "summary"]
+__all__ = ["Affine", "CPU_CHUNK", "DEFAULT_CHUNK", "KDAInputs", "KDAMixer", "KDAShape", "KDASide", "chunk_for", "l2norm",
+           "run", "summary"]
