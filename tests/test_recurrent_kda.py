@@ -172,3 +172,14 @@ def test_staged_layer_under_cp_is_the_uncut_layer(hf_layer_and_mixer, num_ranks)
     x = torch.randn(331, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         check_staged(mixer, kda.run, kda.summary, x, cp_runs(331, num_ranks))
+
+
+def test_no_tokens_change_nothing(hf_layer_and_mixer):
+    """A rank may hold no token of a sequence: the layer maps its state and conv tail to themselves."""
+    cfg, _, mixer = hf_layer_and_mixer
+    with torch.no_grad():
+        _, s, tail = mixer(torch.randn(5, cfg.hidden_size))
+        y0, s0, tail0 = mixer(torch.randn(0, cfg.hidden_size), s, tail)
+    assert y0.shape == (0, cfg.hidden_size)
+    torch.testing.assert_close(s0, s, atol=0, rtol=0)
+    torch.testing.assert_close(tail0, tail, atol=0, rtol=0)

@@ -167,3 +167,14 @@ def test_staged_mixer_under_cp_is_the_uncut_mixer(hf_mixer_and_ours, num_ranks):
     with torch.no_grad():
         check_staged(ours, lambda inp, s: mamba2.run(inp, s, ours.shape.chunk_size), mamba2.summary, x,
                      cp_runs(331, num_ranks))
+
+
+def test_no_tokens_change_nothing(hf_mixer_and_ours):
+    """A rank may hold no token of a sequence: the mixer maps its state and conv tail to themselves."""
+    cfg, _, ours = hf_mixer_and_ours
+    with torch.no_grad():
+        _, s, tail = ours(torch.randn(5, cfg.hidden_size))
+        y0, s0, tail0 = ours(torch.randn(0, cfg.hidden_size), s, tail)
+    assert y0.shape == (0, cfg.hidden_size)
+    torch.testing.assert_close(s0, s, atol=0, rtol=0)
+    torch.testing.assert_close(tail0, tail, atol=0, rtol=0)

@@ -250,7 +250,7 @@ class KDAMixer(nn.Module):
         o = o.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.shape.eps)
         o = self.o_norm.weight.float() * o * torch.sigmoid(side.gate.float())
-        return self.o_proj(o.to(self.o_proj.weight.dtype).reshape(o.shape[0], -1))
+        return self.o_proj(o.to(self.o_proj.weight.dtype).reshape(o.shape[0], self.shape.key_dim))
 
     def forward(self, x: Tensor, state: Tensor | None = None, tail: Tensor | None = None,
                 ) -> tuple[Tensor, Tensor, Tensor]:

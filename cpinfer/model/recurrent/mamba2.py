@@ -230,9 +230,9 @@ class Mamba2Mixer(nn.Module):
 
     def output(self, y: Tensor, side: Mamba2Side) -> Tensor:
         """y [T, H, P] (fp32, D skip included) -> [T, hidden]: gate, grouped RMSNorm, its weight, out_proj."""
-        t, g = y.shape[0], self.shape.n_groups
-        y = y.float().reshape(t, g, -1) * F.silu(side.z.float()).view(t, g, -1)
-        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.shape.eps)).reshape(t, -1)
+        t, g, inner = y.shape[0], self.shape.n_groups, self.shape.inner
+        y = y.float().reshape(t, g, inner // g) * F.silu(side.z.float()).view(t, g, inner // g)
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.shape.eps)).reshape(t, inner)
         return self.out_proj((self.norm.weight * y).to(self.out_proj.weight.dtype))  # transformers' prefill order
 
     def forward(self, x: Tensor, state: Tensor | None = None, tail: Tensor | None = None,

@@ -32,6 +32,8 @@ def causal_conv(u: Tensor, tail: Tensor | None, weight: Tensor, bias: Tensor | N
     if tuple(tail.shape) != (k - 1, c):
         raise ValueError(f"conv tail has shape {tuple(tail.shape)}, expected (kernel - 1, channels) = {(k - 1, c)}")
     rows = torch.cat([tail.to(u.dtype), u], dim=0)  # [K-1+T, C]
+    if t == 0:  # a rank may hold no token of a sequence
+        return u, rows
     out = F.conv1d(rows.T[None].to(weight.dtype), weight[:, None, :], bias, groups=c)[0].T  # [T, C]
     return ACTIVATIONS[activation](out).to(u.dtype), rows[rows.shape[0] - (k - 1):]
 
