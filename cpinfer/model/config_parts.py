@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from cpinfer.utils import check_divisible, check_positive
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention", "ffn")
 RECURRENT_LAYER_TYPES = ("linear_attention",)  # a recurrent mixer (`model/recurrent`), no KV cache
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+FFN_LAYER_TYPES = ("ffn",)  # Nemotron-H's MLP / MoE blocks: a layer with no token mixer (no KV, no state)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu2")
 SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
 EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
 
@@ -49,6 +50,7 @@ class MoEConfig:
     group_score: str = "top2_sum"
     score_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
+    gated: bool = True  # False: each expert is down(act(up(x))) with `experts.up_proj` [E, I, H] (Nemotron-H)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size"):

@@ -33,11 +33,12 @@ v_conv1d, f_a_proj, f_b_proj, A_log [1, 1, H, 1], dt_bias [H Dk], b_proj, g_a_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from cpinfer.model.recurrent.affine import Affine
 from cpinfer.model.recurrent.short_conv import causal_conv, check_activation
 from cpinfer.utils import check_positive
 
@@ -49,13 +50,6 @@ def chunk_for(device: torch.device) -> int:
     """The chunk length `run` / `summary` use by default on `device` (any length gives the same result up to fp32
     rounding)."""
     return CPU_CHUNK if device.type == "cpu" else DEFAULT_CHUNK
-
-
-class Affine(NamedTuple):
-    """S -> M S + B. Private stand-in for `affine.Affine` (same field names) until the two branches meet."""
-
-    M: Tensor
-    B: Tensor
 
 
 @dataclass(frozen=True)

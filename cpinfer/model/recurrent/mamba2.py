@@ -30,23 +30,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cpinfer.model.recurrent.affine import Affine
 from cpinfer.model.recurrent.short_conv import causal_conv, check_activation
 from cpinfer.utils import check_divisible, check_positive
 
 DEFAULT_CHUNK = 128  # nemotron_h's chunk_size default
-
-
-class Affine(NamedTuple):
-    """S -> M S + B (M [H] a per-head decay). Private stand-in for `affine.Affine` until the two branches meet."""
-
-    M: Tensor
-    B: Tensor
 
 
 @dataclass(frozen=True)
