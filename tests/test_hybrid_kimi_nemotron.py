@@ -40,9 +40,11 @@ def _forward_logprobs(path, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, pos, attn, rec)).log_softmax(-1)
 
 
-@pytest.mark.parametrize("variant", FAMILIES)
-def test_forward_matches_transformers(llama_checkpoint, variant):
-    path = llama_checkpoint(variant, max_position_embeddings=2048)
+@pytest.mark.parametrize("variant, extra", [("kimi_linear", {}), ("nemotron_h", {}),
+                                            ("nemotron_h", {"moe_latent_size": 16})], ids=["kimi", "nemotron", "latent"])
+def test_forward_matches_transformers(llama_checkpoint, variant, extra):
+    """(Nemotron 3's latent MoE: experts in moe_latent_size, projected in and out.)"""
+    path = llama_checkpoint(variant, max_position_embeddings=2048, **extra)
     ids = torch.randint(3, 256, (300,), generator=torch.Generator().manual_seed(1))
     ours = _forward_logprobs(path, ids)
     with torch.no_grad():
@@ -113,7 +115,7 @@ def test_checkpoint_names_are_mapped(llama_checkpoint):
     ("kimi_linear", {"hidden_act": "gelu"}, "kimi_linear hidden_act"),
     ("kimi_linear", {"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
     ("kimi_linear", {"layer_types": ["linear_attention", "sliding_attention"] * 2}, "kimi_linear layer_types"),
-    ("nemotron_h", {"moe_latent_size": 16}, "moe_latent_size"),
+    ("nemotron_h", {"moe_latent_size": -4}, "moe_latent_size must be positive"),
     ("nemotron_h", {"layers_block_type": ["linear_attention", "cross_attention"]}, "unknown block type"),
     ("nemotron_h", {"mamba_num_heads": 3}, "mamba_num_heads"),
     ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
@@ -129,9 +131,9 @@ def test_nemotron_h_refused_before_any_rank_starts(llama_checkpoint, tmp_path):
     """A config piece cpinfer cannot build stops `LLM` before it starts a rank."""
     src = llama_checkpoint("nemotron_h", max_position_embeddings=2048)
     cfg = json.loads((src / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "moe_latent_size": 16}))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mamba_hidden_act": "gelu"}))
     save_file(load_file(str(src / "model.safetensors")), str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match="moe_latent_size=16"):
+    with pytest.raises(ValueError, match="nemotron_h mamba_hidden_act 'gelu'"):
         LLM(str(tmp_path), context_parallel_size=2, max_kv_tokens_per_rank=2048)
 
 

@@ -51,6 +51,8 @@ class MoEConfig:
     score_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
     gated: bool = True  # False: each expert is down(act(up(x))) with `experts.up_proj` [E, I, H] (Nemotron-H)
+    latent_size: int = 0  # > 0: experts on fc1_latent_proj(x) [latent], their sum through fc2_latent_proj (Nemotron 3)
+    latent_bias: bool = False  # the latent projections' biases
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -61,6 +63,8 @@ class MoEConfig:
                               ("router_name", ("gate", "router"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unsupported expert {name} {getattr(self, name)!r}: cpinfer supports {allowed}")
+        if self.latent_size < 0:
+            raise ValueError(f"moe_latent_size must be positive, got {self.latent_size}")
         if self.shared_intermediate_size < 0:
             raise ValueError(f"shared expert intermediate size must be >= 0, got {self.shared_intermediate_size}")
         if self.shared_expert_gate and not self.shared_intermediate_size:

@@ -506,13 +506,11 @@ def _nemotron_keys(d: dict) -> dict:
 
 def _read_nemotron_h(d: dict, kw: dict) -> None:
     """Nemotron-H / Nemotron 3: one module per layer (norm -> module -> residual): Mamba-2 (`mamba2.py`), NoPE GQA
-    attention without biases, an un-gated relu^2 MLP, or a sparse block (DeepSeek-V3 routing, un-gated experts, an
-    un-gated shared expert); fp32-weighted RMSNorms of layer_norm_epsilon."""
+    attention without biases, an un-gated relu^2 MLP, or a sparse block (DeepSeek-V3 routing, un-gated experts, on
+    the hidden size or in `moe_latent_size`, an un-gated shared expert); fp32-weighted RMSNorms of
+    layer_norm_epsilon."""
     from cpinfer.model.recurrent.mamba2 import Mamba2Shape
 
-    if d.get("moe_latent_size") is not None:
-        raise ValueError(f"moe_latent_size={d['moe_latent_size']} is not supported for model_type 'nemotron_h': "
-                         "cpinfer runs experts on the hidden size (moe_latent_size null)")
     blocks = _nemotron_blocks(d)
     n = len(blocks)
     kw.update(layer_types=tuple("ffn" if b in ("mlp", "moe") else b for b in blocks), mixer_blocks=True,
@@ -530,6 +528,7 @@ def _read_nemotron_h(d: dict, kw: dict) -> None:
                               shared_intermediate_size=int(d.get("moe_shared_expert_intermediate_size", 7688)),
                               shared_name="shared_experts", n_group=groups, topk_group=top_groups,
                               score_correction_bias=True, gated=False,
+                              latent_size=int(d.get("moe_latent_size") or 0), latent_bias=kw["mlp_bias"],
                               routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
 
 

@@ -247,7 +247,11 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.router_name = cfg.router_name
         setattr(self, cfg.router_name, Router(hidden, cfg))
-        self.experts = Experts(hidden, cfg)
+        if cfg.latent_size:  # Nemotron 3: the routed experts work in a smaller space, projected in and out
+            self.fc1_latent_proj = nn.Linear(hidden, cfg.latent_size, bias=cfg.latent_bias)
+            self.fc2_latent_proj = nn.Linear(cfg.latent_size, hidden, bias=cfg.latent_bias)
+        self.latent = bool(cfg.latent_size)
+        self.experts = Experts(cfg.latent_size or hidden, cfg)
         self.shared_name = cfg.shared_name
         # registered under the checkpoint's name, read through the `shared_expert` property (hence not setattr)
         self._modules[cfg.shared_name] = mlp_factory(cfg.shared_intermediate_size) if cfg.shared_intermediate_size \
@@ -266,7 +270,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
         weights, experts = self.route(x)  # [L, k] each
-        out = self.experts(x, weights, experts)
+        if self.latent:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, experts))
+        else:
+            out = self.experts(x, weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [L, hidden]
             if self.shared_expert_gate is not None:
