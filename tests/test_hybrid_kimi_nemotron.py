@@ -23,6 +23,7 @@ from cpinfer.model.recurrent.reference import ReferenceRecurrence
 from checkpoints import load_hf_model, tiny_config
 from hf_oracle import check_against_hf, prompts_for
 from pooled_engine import PooledLLM
+from recurrent_shards import one_thread  # noqa: F401 (autouse fixture: one torch thread in this process)
 
 pytest.importorskip("transformers")
 
@@ -119,6 +120,7 @@ def test_checkpoint_names_are_mapped(llama_checkpoint):
     ("nemotron_h", {"layers_block_type": ["linear_attention", "cross_attention"]}, "unknown block type"),
     ("nemotron_h", {"mamba_num_heads": 3}, "mamba_num_heads"),
     ("nemotron_h", {"mamba_hidden_act": "gelu"}, "mamba_hidden_act"),
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp"]}, "no attention layer"),
     ("nemotron_h", {"mlp_hidden_act": "tanh"}, "hidden_act 'tanh'"),
 ])
 def test_bad_configs_are_refused_by_name(variant, change, message):

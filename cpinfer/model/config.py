@@ -111,6 +111,9 @@ class ModelConfig:
             raise ValueError(f"layer_types has linear_attention layers but model_type {self.model_type!r} defines no "
                              "recurrent mixer for them (the hybrid families qwen3_next, qwen3_5, qwen3_5_moe, "
                              "kimi_linear, nemotron_h do)")
+        if not any(t not in RECURRENT_LAYER_TYPES and t not in FFN_LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types {list(self.layer_types)} has no attention layer: cpinfer needs at least "
+                             "one (the engine keeps its KV cache and ring beside the recurrent states)")
         if any(t in FFN_LAYER_TYPES for t in self.layer_types) and not self.mixer_blocks:
             raise ValueError("layer_types has 'ffn' (feed-forward only) layers, which only a family of one-module "
                              "blocks (nemotron_h) has")
