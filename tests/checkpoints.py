@@ -141,6 +141,26 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
                     "partial_rotary_factor": 0.5, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                     "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    # Kimi Linear: KDA (2 heads of 16, conv kernel 4) / NoPE MLA (low-rank queries, biases) alternating; layer 0
+    # dense, then DeepSeek-V3 experts (8 of 32 in 2 groups, 1 group eligible, top 2, one shared expert)
+    "kimi_linear": {"model_type": "kimi_linear", "num_hidden_layers": 4, "num_attention_heads": 4,
+                    "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 8, "v_head_dim": 12, "attention_bias": True, "linear_num_heads": 2,
+                    "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "num_local_experts": 8,
+                    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
+                    "n_shared_experts": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0, "rope_theta": None,
+                    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
+    # Nemotron-H: Mamba-2 (4 heads of 8 in 2 groups, state 12, chunks of 32), MoE (4 un-gated experts, top 2, 2
+    # groups, a shared expert), NoPE GQA attention, relu^2 MLP; biases on the Mamba projections and the MLPs
+    "nemotron_h": {"model_type": "nemotron_h", "num_hidden_layers": None, "rope_theta": None, "rms_norm_eps": None,
+                   "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                                         "moe"],
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 4,
+                   "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 12, "conv_kernel": 4, "chunk_size": 32,
+                   "use_bias": True, "mlp_bias": True, "layer_norm_epsilon": 1e-5, "n_routed_experts": 4,
+                   "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
+                   "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 1.5},
 }
 # Gemma 4 as released: the multimodal folder (Gemma4ForConditionalGeneration, no vision / audio tower here) whose
 # text_config is the "gemma4" variant; its text model's weights under model.language_model.
@@ -182,6 +202,8 @@ def write_hf_checkpoint(directory: str | Path, variant: str = "gqa", *, seed: in
                 p.normal_(0.0, 0.1)
             elif name.endswith("A_log"):  # Gated DeltaNet decays: slow enough that states carry far
                 p.copy_(torch.empty_like(p).uniform_(0.02, 0.5).log())
+            elif name.endswith(".D"):  # Mamba-2's skip (ones at init)
+                p.normal_(1.0, 0.5)
         for name, b in model.named_buffers():  # DeepSeek-V3's selection-only router bias (a buffer there)
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)

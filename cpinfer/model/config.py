@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpinfer.model.config_parts import (ACTIVATIONS, LAYER_TYPES, RECURRENT_LAYER_TYPES, MLAConfig, MoEConfig,
-                                        RopeConfig)
+from cpinfer.model.config_parts import (ACTIVATIONS, FFN_LAYER_TYPES, LAYER_TYPES, RECURRENT_LAYER_TYPES, MLAConfig,
+                                        MoEConfig, RopeConfig)
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
@@ -91,6 +91,10 @@ class ModelConfig:
     recurrent: Any = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None
+    # Nemotron-H: each layer is one block, norm -> one module (`mixer`: Mamba-2, attention, or on "ffn" layers the
+    # MLP / MoE) -> residual; dense MLPs (and experts, `MoEConfig.gated`) un-gated: down(act(up(x)))
+    mixer_blocks: bool = False
+    mlp_gated: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -123,10 +127,17 @@ class ModelConfig:
             object.__setattr__(self, "rope", {**self.rope, "chunked_attention": self.rope["full_attention"]})
         if any(t in RECURRENT_LAYER_TYPES for t in self.layer_types) and self.recurrent is None:
             raise ValueError(f"layer_types has linear_attention layers but model_type {self.model_type!r} defines no "
-                             "recurrent mixer for them (the hybrid families qwen3_next, qwen3_5, qwen3_5_moe do)")
+                             "recurrent mixer for them (the hybrid families qwen3_next, qwen3_5, qwen3_5_moe, "
+                             "kimi_linear, nemotron_h do)")
+        if not any(t not in RECURRENT_LAYER_TYPES and t not in FFN_LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types {list(self.layer_types)} has no attention layer: cpinfer needs at least "
+                             "one (the engine keeps its KV cache and ring beside the recurrent states)")
+        if any(t in FFN_LAYER_TYPES for t in self.layer_types) and not self.mixer_blocks:
+            raise ValueError("layer_types has 'ffn' (feed-forward only) layers, which only a family of one-module "
+                             "blocks (nemotron_h) has")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"rotary_dim must be even and in (0, head_dim = {self.head_dim}], got {self.rotary_dim}")
-        missing = sorted(set(self.layer_types) - set(self.rope) - set(RECURRENT_LAYER_TYPES))
+        missing = sorted(set(self.layer_types) - set(self.rope) - set(RECURRENT_LAYER_TYPES) - set(FFN_LAYER_TYPES))
         if missing:
             raise ValueError(f"no RoPE parameters for layer type(s) {missing}")
         for name, allowed in (("norm_style", NORM_STYLES), ("hidden_act", ACTIVATIONS)):
@@ -295,8 +306,8 @@ class ModelConfig:
         return any(w is not None for w in self.windows) or any(c is not None for c in self.chunks)
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
-        """The RoPE of a layer, None on a NoPE layer (and on a recurrent one)."""
-        if layer in self.nope_layers or self.layer_is_recurrent(layer):
+        """The RoPE of a layer, None on a NoPE layer (and on a recurrent or feed-forward-only one)."""
+        if layer in self.nope_layers or self.layer_is_recurrent(layer) or self.layer_is_ffn(layer):
             return None
         return self.rope[self.layer_types[layer]]
 
@@ -304,13 +315,18 @@ class ModelConfig:
         """Whether a layer is a recurrent mixer (linear attention: a state, no KV cache)."""
         return self.layer_types[layer] in RECURRENT_LAYER_TYPES
 
+    def layer_is_ffn(self, layer: int) -> bool:
+        """Whether a layer has no token mixer, only its MLP / MoE (Nemotron-H's "mlp" / "moe" blocks)."""
+        return self.layer_types[layer] in FFN_LAYER_TYPES
+
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if self.layer_is_recurrent(i))
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_hidden_layers) if not self.layer_is_recurrent(i))
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if not self.layer_is_recurrent(i) and not self.layer_is_ffn(i))
 
     @property
     def num_kv_layers(self) -> int:

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from cpinfer.utils import check_divisible, check_positive
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention", "ffn")
 RECURRENT_LAYER_TYPES = ("linear_attention",)  # a recurrent mixer (`model/recurrent`), no KV cache
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+FFN_LAYER_TYPES = ("ffn",)  # Nemotron-H's MLP / MoE blocks: a layer with no token mixer (no KV, no state)
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu2")
 SCORING_FUNCS = ("softmax", "sigmoid")  # a router's expert scores from its logits
 EXPERT_ACTIVATIONS = (*ACTIVATIONS, "swiglu_clamped")  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g)
 
@@ -50,6 +51,9 @@ class MoEConfig:
     score_correction_bias: bool = False
     correction_bias_on_block: bool = False  # MiniMax-M2 stores it as `<mlp>.e_score_correction_bias`, not the gate's
     routed_scaling_factor: float = 1.0
+    gated: bool = True  # False: each expert is down(act(up(x))) with `experts.up_proj` [E, I, H] (Nemotron-H)
+    latent_size: int = 0  # > 0: experts on fc1_latent_proj(x) [latent], their sum through fc2_latent_proj (Nemotron 3)
+    latent_bias: bool = False  # the latent projections' biases
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size"):
@@ -60,6 +64,8 @@ class MoEConfig:
                               ("router_name", ("gate", "router"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unsupported expert {name} {getattr(self, name)!r}: cpinfer supports {allowed}")
+        if self.latent_size < 0:
+            raise ValueError(f"moe_latent_size must be positive, got {self.latent_size}")
         if self.shared_intermediate_size < 0:
             raise ValueError(f"shared expert intermediate size must be >= 0, got {self.shared_intermediate_size}")
         if self.shared_expert_gate and not self.shared_intermediate_size:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.config_parts import RopeConfig
 from cpinfer.model.mla import MLAttention
-from cpinfer.model.moe import SparseMoE
+from cpinfer.model.moe import SparseMoE, relu2
 from cpinfer.model.norms import RMSNorm, l2_norm
 from cpinfer.model.rope import RotaryEmbedding, apply_rope, apply_rope_interleaved
 
@@ -35,7 +35,8 @@ class AttentionFn(Protocol):
         ...
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "relu2": relu2}
 
 
 def attn_temperature(positions: Tensor, attn_scale: float, floor_scale: float) -> Tensor:
@@ -58,6 +59,19 @@ class MLP(nn.Module):
         g = self.gate_proj(x)  # [L, intermediate]: activated and gated in place (no two more [L, I] tensors)
         g = F.silu(g, inplace=True) if self.act is F.silu else self.act(g)
         return self.down_proj(g.mul_(self.up_proj(x)))
+
+
+class PlainMLP(nn.Module):
+    """Un-gated MLP: down(act(up(x))) (Nemotron-H, relu^2)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "relu2", bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
+        return self.down_proj(self.act(self.up_proj(x)))
 
 
 class RecurrentFn(Protocol):
@@ -208,7 +222,9 @@ class Attention(nn.Module):
 
 def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
     """A layer's MLP: the sparse block on MoE layers (with its shared expert a dense MLP), else the dense MLP."""
-    def dense(size: int) -> MLP:
+    def dense(size: int) -> nn.Module:
+        if not config.mlp_gated:
+            return PlainMLP(config.hidden_size, size, config.hidden_act, config.mlp_bias)
         return MLP(config.hidden_size, size, config.hidden_act, config.mlp_bias)
 
     if config.layer_is_moe(layer_idx):
@@ -217,11 +233,18 @@ def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 
 
 def make_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
-    """A recurrent layer's mixer from the config's recurrent mixer config."""
+    """A recurrent layer's mixer from the config's recurrent mixer config (Gated DeltaNet, KDA, Mamba-2)."""
     from cpinfer.model.recurrent.gdn import GDNConfig, GatedDeltaNet
+    from cpinfer.model.recurrent.kda import KDAShape
+    from cpinfer.model.recurrent.layers import KDALayer, Mamba2Layer
+    from cpinfer.model.recurrent.mamba2 import Mamba2Shape
 
     if isinstance(config.recurrent, GDNConfig):
         return GatedDeltaNet(config.recurrent, config.hidden_size, config.rms_norm_eps, layer_idx)
+    if isinstance(config.recurrent, KDAShape):
+        return KDALayer(config.recurrent, layer_idx)
+    if isinstance(config.recurrent, Mamba2Shape):
+        return Mamba2Layer(config.recurrent, layer_idx)
     raise ValueError(f"unsupported recurrent mixer config {type(config.recurrent).__name__}")
 
 
@@ -234,8 +257,10 @@ class DecoderLayer(nn.Module):
         eps, style = config.rms_norm_eps, config.norm_style
         self.input_layernorm = RMSNorm(config.hidden_size, eps, style)
         self.recurrent = config.layer_is_recurrent(layer_idx)
-        if self.recurrent:  # a linear-attention mixer in place of attention (`linear_attn` in the checkpoint)
-            self.linear_attn = make_mixer(config, layer_idx)
+        if self.recurrent:  # a linear-attention mixer in place of attention, under the checkpoint's name
+            mixer = make_mixer(config, layer_idx)
+            self.mixer_name = getattr(mixer, "checkpoint_name", "linear_attn")
+            setattr(self, self.mixer_name, mixer)
         else:
             self.self_attn = MLAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, style)  # Llama: before the MLP
@@ -250,6 +275,11 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         """The layer's MLP, whatever the checkpoint calls it (replace it with `setattr(layer, layer.mlp_name, m)`)."""
         return self._modules[self.mlp_name]
+
+    @property
+    def linear_attn(self) -> nn.Module:
+        """A recurrent layer's mixer, whatever the checkpoint calls it (Kimi Linear: `self_attn`)."""
+        return self._modules[self.mixer_name]
 
     def mix(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn, q_scale: Tensor | None,
             recurrent: RecurrentFn | None, extra: tuple = ()) -> Tensor:
@@ -274,11 +304,54 @@ class DecoderLayer(nn.Module):
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
+class BlockLayer(nn.Module):
+    """Nemotron-H's block: h + mixer(norm(h)), the one module a Mamba-2 mixer, attention, or (on "ffn" layers) the
+    MLP / MoE. Offers the engine what a `DecoderLayer` does: `recurrent`, `linear_attn`, `self_attn`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
+        self.recurrent = config.layer_is_recurrent(layer_idx)
+        self.kind = "recurrent" if self.recurrent else "ffn" if config.layer_is_ffn(layer_idx) else "attention"
+        if self.recurrent:
+            self.mixer = make_mixer(config, layer_idx)
+        elif self.kind == "ffn":
+            self.mixer = make_mlp(config, layer_idx)
+        else:
+            self.mixer = Attention(config, layer_idx)
+        self.mlp_name = "mixer"
+
+    @property
+    def linear_attn(self) -> nn.Module:
+        if not self.recurrent:
+            raise AttributeError(f"layer {self.layer_idx} is not a recurrent layer")
+        return self.mixer
+
+    @property
+    def self_attn(self) -> nn.Module:
+        if self.kind != "attention":
+            raise AttributeError(f"layer {self.layer_idx} is not an attention layer")
+        return self.mixer
+
+    def forward(self, h: Tensor, cos: Tensor | None, sin: Tensor | None, attn: AttentionFn,
+                q_scale: Tensor | None = None, recurrent: RecurrentFn | None = None) -> Tensor:  # [L, hidden]
+        x = self.norm(h)
+        if self.kind == "ffn":
+            return h + self.mixer(x)
+        if self.recurrent:
+            if recurrent is None:
+                raise ValueError(f"layer {self.layer_idx} is a recurrent layer: the forward needs a recurrent "
+                                 "callback (RecurrentFn)")
+            return h + self.mixer(x, recurrent)
+        return h + self.mixer(x, cos, sin, attn, q_scale)
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layer_cls = DecoderLayer
+        layer_cls = BlockLayer if config.mixer_blocks else DecoderLayer
         if config.layer_scalar or config.per_layer_input_size or config.moe_beside_mlp:  # Gemma 4
             from cpinfer.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
             layer_cls = Gemma4DecoderLayer

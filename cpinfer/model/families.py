@@ -4,6 +4,7 @@ transformers' `modular_*.py` files do; weights keep Hugging Face's names, so loa
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ class Family:
     own_routing: bool = False  # the reader takes DeepSeek's router keys (n_group, topk_method, ...) itself
     prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # config.json -> the dict read (a
     # multimodal folder's text_config, keys the family leaves out)
+    renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement) on checkpoint tensor names, in order
 
 
 def _read_llama(d: dict, kw: dict) -> None:
@@ -512,6 +514,143 @@ def _read_qwen3_5_moe(d: dict, kw: dict) -> None:
     _hybrid_moe(d, kw, tuple(range(d["num_hidden_layers"])), True)
 
 
+# ---------------------------------------------------------------- Kimi Linear, Nemotron-H
+
+# Kimi Linear's config.json spells some keys its own way (transformers' attribute_map): the usual name <- its alias
+_KIMI_ALIASES = {"norm_topk_prob": "moe_renormalize", "n_group": "num_expert_group", "num_local_experts": "num_experts",
+                 "num_experts_per_tok": "num_experts_per_token", "n_shared_experts": "num_shared_experts",
+                 "max_position_embeddings": "model_max_length"}
+
+
+def _kimi_keys(d: dict) -> dict:
+    """A kimi_linear config.json with its aliased keys under the usual names."""
+    d = dict(d)
+    for key, alias in _KIMI_ALIASES.items():
+        if key not in d and alias in d:
+            d[key] = d[alias]
+    # transformers' KimiLinearConfig defaults where DeepSeek's reader would assume others
+    for key, value in (("num_local_experts", 256), ("num_experts_per_tok", 8), ("n_shared_experts", 1),
+                       ("norm_topk_prob", True), ("routed_scaling_factor", 2.446), ("first_k_dense_replace", 1)):
+        d.setdefault(key, value)
+    d.setdefault("n_routed_experts", d["num_local_experts"])
+    return d
+
+
+def _kimi_layer_types(d: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(layer types, sparse layers) as transformers reads them: `layer_types`, else linear_attn_config's 1-indexed
+    full_attn_layers / kda_layers, else every 4th layer from 4 full attention; `mlp_layer_types` (dense / sparse),
+    else dense below first_k_dense_replace (default 1)."""
+    n, lin = d["num_hidden_layers"], d.get("linear_attn_config") or {}
+    types = d.get("layer_types")
+    if types is None and "full_attn_layers" in lin and "kda_layers" in lin:
+        types = [None] * n
+        for key, kind in (("full_attn_layers", "full_attention"), ("kda_layers", "linear_attention")):
+            for i in lin[key]:
+                if not 1 <= int(i) <= n:
+                    raise ValueError(f"linear_attn_config.{key} names layer {i}: layers are 1..{n}")
+                types[int(i) - 1] = kind
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or sorted(set(types) - {"full_attention", "linear_attention"}):
+        raise ValueError(f"kimi_linear layer_types must give each of the {n} layers 'full_attention' or "
+                         f"'linear_attention', got {types}")
+    mlp = d.get("mlp_layer_types") or ["dense" if i < int(d.get("first_k_dense_replace", 1)) else "sparse"
+                                       for i in range(n)]
+    if len(mlp) != n or sorted(set(mlp) - {"dense", "sparse"}):
+        raise ValueError(f"kimi_linear mlp_layer_types must give each of the {n} layers 'dense' or 'sparse', got {mlp}")
+    return tuple(types), tuple(i for i, t in enumerate(mlp) if t == "sparse")
+
+
+def _read_kimi_linear(d: dict, kw: dict) -> None:
+    """Kimi Linear: KDA layers (`model/recurrent/kda.py`, under `self_attn`) between NoPE multi-head latent attention
+    layers; dense MLPs below first_k_dense_replace, then DeepSeek-V3's sparse block (sigmoid scores, a selection-only
+    correction bias, groups, shared experts; `block_sparse_moe` in the checkpoint, w1 / w3 / w2 per expert)."""
+    from cpinfer.model.recurrent.kda import KDAShape
+
+    if d.get("mla_use_nope") is False:
+        raise ValueError("mla_use_nope=false is not supported for model_type 'kimi_linear': cpinfer (like "
+                         "transformers) runs Kimi Linear's MLA layers without RoPE (mla_use_nope true)")
+    _deepseek_choice(d, "moe_router_activation_func", (None, "sigmoid"), "sigmoid")
+    _read_deepseek(d, kw, v3=True)
+    n = d["num_hidden_layers"]
+    types, sparse = _kimi_layer_types(d)
+    kw.update(layer_types=types, nope_layers=tuple(range(n)), rope={"full_attention": RopeConfig()},
+              recurrent=KDAShape.from_hf(d))
+    kw["mla"] = MLAConfig(kv_lora_rank=kw["mla"].kv_lora_rank, qk_nope_head_dim=kw["mla"].qk_nope_head_dim,
+                          qk_rope_head_dim=kw["mla"].qk_rope_head_dim, v_head_dim=kw["mla"].v_head_dim,
+                          q_lora_rank=kw["mla"].q_lora_rank)  # softmax scale 1/sqrt(nope + rope), no mscale
+    if "moe" in kw:
+        kw["moe_layers"] = sparse
+        kw["moe"] = dataclasses.replace(kw["moe"], expert_proj_names=("w1", "w3", "w2"))
+    elif sparse:
+        raise ValueError("kimi_linear has sparse layers (mlp_layer_types / first_k_dense_replace) but no "
+                         "num_experts")
+
+
+_NEMOTRON_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_NEMOTRON_LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def _nemotron_blocks(d: dict) -> list[str]:
+    """Nemotron-H's per-layer block types: `layers_block_type` (or `layer_types`), else the legacy
+    `hybrid_override_pattern` (M Mamba-2, * attention, - MLP, E MoE)."""
+    blocks = d.get("layers_block_type") or d.get("layer_types")
+    if blocks is None:
+        pattern = d.get("hybrid_override_pattern")
+        if pattern is None:
+            raise ValueError("nemotron_h config needs layers_block_type (or hybrid_override_pattern)")
+        bad = sorted(set(pattern) - set(_NEMOTRON_BLOCKS))
+        if bad:
+            raise ValueError(f"hybrid_override_pattern has unknown block(s) {bad}: allowed {sorted(_NEMOTRON_BLOCKS)}")
+        blocks = [_NEMOTRON_BLOCKS[c] for c in pattern]
+    blocks = [_NEMOTRON_LEGACY.get(b, b) for b in blocks]
+    bad = sorted(set(blocks) - set(_NEMOTRON_BLOCKS.values()))
+    if bad:
+        raise ValueError(f"layers_block_type has unknown block type(s) {bad}: allowed "
+                         f"{sorted(_NEMOTRON_BLOCKS.values())}")
+    return blocks
+
+
+def _nemotron_keys(d: dict) -> dict:
+    """A nemotron_h config.json with num_hidden_layers from its blocks (transformers derives it; the saved config has
+    none), hidden_act from mlp_hidden_act and dense intermediate_size when absent (a MoE-only model)."""
+    d = dict(d)
+    d["num_hidden_layers"] = len(_nemotron_blocks(d))
+    d["hidden_act"] = d.get("mlp_hidden_act", "relu2")
+    for key, value in (("vocab_size", 131072), ("hidden_size", 4096), ("intermediate_size", 21504),
+                       ("num_attention_heads", 32), ("num_key_value_heads", 8)):  # transformers' defaults
+        d.setdefault(key, value)
+    return d
+
+
+def _read_nemotron_h(d: dict, kw: dict) -> None:
+    """Nemotron-H / Nemotron 3: one module per layer (norm -> module -> residual): Mamba-2 (`mamba2.py`), NoPE GQA
+    attention without biases, an un-gated relu^2 MLP, or a sparse block (DeepSeek-V3 routing, un-gated experts, on
+    the hidden size or in `moe_latent_size`, an un-gated shared expert); fp32-weighted RMSNorms of
+    layer_norm_epsilon."""
+    from cpinfer.model.recurrent.mamba2 import Mamba2Shape
+
+    blocks = _nemotron_blocks(d)
+    n = len(blocks)
+    kw.update(layer_types=tuple("ffn" if b in ("mlp", "moe") else b for b in blocks), mixer_blocks=True,
+              mlp_gated=False, nope_layers=tuple(range(n)), rope={"full_attention": RopeConfig()},
+              norm_style="fp32", rms_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+              mlp_bias=bool(d.get("mlp_bias", False)), recurrent=Mamba2Shape.from_hf(d))
+    moe = tuple(i for i, b in enumerate(blocks) if b == "moe")
+    if moe:
+        _deepseek_choice(d, "scoring_func", (None, "sigmoid"), "sigmoid")
+        groups, top_groups = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+        kw["moe_layers"] = moe
+        kw["moe"] = MoEConfig(num_experts=int(d.get("n_routed_experts", 8)), top_k=_top_k(d) or 2,
+                              intermediate_size=int(d.get("moe_intermediate_size", 7688)), scoring="sigmoid",
+                              norm_topk_prob=bool(d.get("norm_topk_prob", True)), hidden_act=kw["hidden_act"],
+                              shared_intermediate_size=int(d.get("moe_shared_expert_intermediate_size", 7688)),
+                              shared_name="shared_experts", n_group=groups, topk_group=top_groups,
+                              score_correction_bias=True, gated=False,
+                              latent_size=int(d.get("moe_latent_size") or 0), latent_bias=kw["mlp_bias"],
+                              routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0))
+
+
 def _text_of(d: dict) -> dict:
     """A multimodal Qwen3.5 folder (model_type qwen3_5 / qwen3_5_moe): its text_config, read as the text model
     (the loader maps model.language_model.* to model.* and skips the vision tower); the MoE text config has no
@@ -577,6 +716,15 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            default_head_dim=256, prepare=_text_of),
     Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "Qwen3.5-MoE folder (e.g. 397B-A17B; its text "
            "model)", _read_qwen3_5_moe, default_head_dim=256, prepare=_text_of),
+    Family("kimi_linear", "KimiLinearForCausalLM", "Kimi Linear: Kimi Delta Attention layers (a recurrent state, "
+           "decay per channel) with NoPE latent attention (MLA) every 4th layer, DeepSeek-V3 experts",
+           _read_kimi_linear, default_head_dim=64, own_routing=True, prepare=_kimi_keys,
+           renames=((r"\.block_sparse_moe\.", ".mlp."),)),
+    Family("nemotron_h", "NemotronHForCausalLM", "Nemotron-H / Nemotron 3: one module per layer from the block "
+           "pattern: Mamba-2 (a recurrent state), NoPE attention, relu^2 MLP or sigmoid-routed experts",
+           _read_nemotron_h, default_head_dim=128, own_routing=True, prepare=_nemotron_keys,
+           renames=((r"^backbone\.embeddings\.", "model.embed_tokens."), (r"^backbone\.norm_f\.", "model.norm."),
+                    (r"^backbone\.", "model."))),
 )}
 
 

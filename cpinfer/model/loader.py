@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.decoder import CausalLM
+from cpinfer.model.families import FAMILIES
 from cpinfer.model.moe import PER_EXPERT_NAME, Experts
 from cpinfer.model.quant import Fp8Slice, checkpoint_tensors, native_candidates, process_weights
 
@@ -109,6 +110,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
             f = files.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             handles.update(dict.fromkeys(f.keys(), f))
         prefix = model.config.weights_prefix  # a multimodal folder: the text model's weights, the towers skipped
+        family = FAMILIES.get(model.config.model_type)
+        renames = [(re.compile(a), b) for a, b in (family.renames if family else ())]
         for name, sl in checkpoint_tensors(handles, method, native):
             if prefix:
                 if name.startswith(prefix):
@@ -117,6 +120,8 @@ def load_weights(model: CausalLM, path: str | Path, *, dtype: torch.dtype = torc
                     continue
             elif name.startswith(_TEXT_PREFIX):  # a multimodal folder's text model (Qwen3.5): model.language_model.*
                 name = "model." + name[len(_TEXT_PREFIX):]
+            for pattern, replacement in renames:  # the family's own names (Nemotron-H's backbone.*, ...)
+                name = pattern.sub(replacement, name, count=1)
             if name not in expected:
                 if stacks.accepts(name):
                     stacks.add(name, slicer(name, sl))

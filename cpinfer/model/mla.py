@@ -71,8 +71,8 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.m.qk_head_dim)  # (L may be 0 on a rank)
 
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn, q_scale: Tensor | None = None) -> Tensor:
-        """x [L, hidden], cos/sin [L, rope/2] -> [L, hidden] (a partial sum when o_proj is TP-sliced). The form is
-        the attention callable's `mla_form` ("absorbed" when it has none)."""
+        """x [L, hidden], cos/sin [L, rope/2] (None: NoPE) -> [L, hidden] (a partial sum when o_proj is TP-sliced).
+        The form is the attention callable's `mla_form` ("absorbed" when it has none)."""
         m, n = self.m, x.shape[0]
         q = self._queries(x)  # [L, H, nope + rope]
         h = q.shape[1]
@@ -80,8 +80,10 @@ class MLAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa(x)  # [L, rank + rope]
         c, k_rope = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c)  # [L, rank]
-        q_rope = self.rope(q_rope, cos, sin)  # [L, H, rope]
-        k_rope = self.rope(k_rope.view(n, 1, m.qk_rope_head_dim), cos, sin)  # [L, 1, rope]
+        k_rope = k_rope.view(n, 1, m.qk_rope_head_dim)
+        if cos is not None:  # (Kimi Linear's MLA layers are NoPE: the "rotary" key part stays as projected)
+            q_rope = self.rope(q_rope, cos, sin)  # [L, H, rope]
+            k_rope = self.rope(k_rope, cos, sin)  # [L, 1, rope]
         kv = k_rope.new_empty(n, 1, m.key_width)  # [L, 1, rank + rope]: the one KV head, as cached
         kv[..., :m.kv_lora_rank], kv[..., m.kv_lora_rank:] = c[:, None], k_rope
         if getattr(attn, "mla_form", "absorbed") == "expanded":

@@ -76,7 +76,12 @@ def swiglu_clamped(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tens
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+def relu2(x: Tensor) -> Tensor:
+    """Nemotron-H's activation: relu(x)^2."""
+    return torch.square(F.relu(x))
+
+
+_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu2": relu2}
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> torch._grouped_mm runs there
 
 
@@ -141,13 +146,20 @@ class Experts(nn.Module):
         super().__init__()
         e, i = cfg.num_experts, cfg.intermediate_size
         self.transposed, self.interleaved = cfg.transposed, cfg.gate_up_interleaved
-        self.gate_up_proj = nn.Parameter(torch.empty((e, hidden, 2 * i) if cfg.transposed else (e, 2 * i, hidden)))
+        self.gated = cfg.gated
+        if not cfg.gated:  # Nemotron-H: up_proj [E, I, H], no gate
+            if cfg.transposed or cfg.expert_bias:
+                raise ValueError("un-gated experts are stored [E, out, in] without biases")
+            self.up_proj = nn.Parameter(torch.empty(e, i, hidden))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty((e, hidden, 2 * i) if cfg.transposed else (e, 2 * i, hidden)))
         self.down_proj = nn.Parameter(torch.empty((e, i, hidden) if cfg.transposed else (e, hidden, i)))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(e, hidden)) if cfg.expert_bias else None
         self.down_bias_here = True
         self.weight_input = cfg.weight_input
         self.names = dict(zip(cfg.expert_proj_names, ("gate", "up", "down")))
+        self.act = _ACTS.get(cfg.hidden_act)
         if cfg.hidden_act == "swiglu_clamped":
             alpha, limit = cfg.swiglu_alpha, cfg.swiglu_limit
             self.glu = lambda g, u: swiglu_clamped(g, u, alpha, limit)
@@ -157,14 +169,16 @@ class Experts(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up_proj.shape[0]
+        return self.down_proj.shape[0]
 
     @property
     def intermediate(self) -> int:  # this rank's intermediate size per expert (TP-sliced)
         return self.down_proj.shape[1] if self.transposed else self.down_proj.shape[2]
 
     def _weights(self) -> tuple[Tensor, Tensor]:
-        """(gate_up [E, H, 2I], down [E, I, H]) as views for x @ w."""
+        """(gate_up [E, H, 2I] (un-gated: up [E, H, I]), down [E, I, H]) as views for x @ w."""
+        if not self.gated:
+            return self.up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
         if self.transposed:
             return self.gate_up_proj, self.down_proj
         return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
@@ -189,6 +203,10 @@ class Experts(nn.Module):
         h = grouped_mm(xs, gate_up_w, counts, expert, mode)  # [L*k, 2I]
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[expert]
+        if not self.gated:
+            y = grouped_mm(self.act(h), down_w, counts, expert, mode)  # [L*k, H]
+            y = (y * w).to(x.dtype)
+            return x.new_zeros(n, x.shape[1]).index_add_(0, token, y)
         if self.interleaved:
             gate, up = h[:, 0::2], h[:, 1::2]  # [L*k, I] each
         else:
@@ -212,11 +230,15 @@ class Experts(nn.Module):
         i, part = self.intermediate, self.names[proj]
         if part == "down":
             return "down_proj", (expert,)
+        if not self.gated:
+            if part != "up":
+                raise ValueError(f"un-gated experts have no {proj!r} projection (only up_proj / down_proj)")
+            return "up_proj", (expert,)
         return "gate_up_proj", (expert, slice(0, i) if part == "gate" else slice(i, 2 * i))
 
     def parts_expected(self, param: str) -> int:
         """How many per-expert tensors fill one stacked parameter."""
-        return self.num_experts * (2 if param == "gate_up_proj" else 1)
+        return self.num_experts * (2 if param == "gate_up_proj" else 1)  # (un-gated up_proj: one per expert)
 
 
 class SparseMoE(nn.Module):
@@ -227,7 +249,11 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.router_name = cfg.router_name
         setattr(self, cfg.router_name, Router(hidden, cfg))
-        self.experts = Experts(hidden, cfg)
+        if cfg.latent_size:  # Nemotron 3: the routed experts work in a smaller space, projected in and out
+            self.fc1_latent_proj = nn.Linear(hidden, cfg.latent_size, bias=cfg.latent_bias)
+            self.fc2_latent_proj = nn.Linear(cfg.latent_size, hidden, bias=cfg.latent_bias)
+        self.latent = bool(cfg.latent_size)
+        self.experts = Experts(cfg.latent_size or hidden, cfg)
         self.shared_name = cfg.shared_name
         # registered under the checkpoint's name, read through the `shared_expert` property (hence not setattr)
         self._modules[cfg.shared_name] = mlp_factory(cfg.shared_intermediate_size) if cfg.shared_intermediate_size \
@@ -248,7 +274,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
         weights, experts = self.route(x, self.e_score_correction_bias)  # [L, k] each
-        out = self.experts(x, weights, experts)
+        if self.latent:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, experts))
+        else:
+            out = self.experts(x, weights, experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)  # [L, hidden]
             if self.shared_expert_gate is not None:

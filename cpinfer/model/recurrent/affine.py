@@ -21,6 +21,10 @@ class Affine:
     M: Tensor  # [H, Dk, Dk] or [H]
     B: Tensor  # the state's shape, [H, ...]
 
+    def __iter__(self):
+        """`m, b = affine` unpacks (M, B)."""
+        return iter((self.M, self.B))
+
     @property
     def scalar(self) -> bool:
         """Whether M is a per-head decay (Mamba-2) rather than a matrix."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpinfer.model.recurrent.affine import Affine
+from cpinfer.model.recurrent.short_conv import causal_conv
 
 DEFAULT_CHUNK = 64  # tokens per chunk of the chunked form (transformers' default)
 _STEP_BELOW = 8  # runs shorter than this go token by token (decode, verify)
@@ -267,10 +268,7 @@ class GatedDeltaNet(nn.Module):
     def conv(self, u: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
         """Stage 2: the causal depthwise conv over [tail; u] and silu. u [T, C], tail [K-1, C] -> (u' [T, C],
         the new tail: the last K-1 rows of [tail; u])."""
-        w = self.conv1d.weight  # [C, 1, K]
-        x = torch.cat((tail.to(u.dtype), u), dim=0)  # [T + K - 1, C]
-        out = F.conv1d(x.t()[None].to(w.dtype), w, self.conv1d.bias, groups=w.shape[0])[0].t()  # [T, C]
-        return F.silu(out).to(u.dtype), x[x.shape[0] - (self.kernel - 1):]
+        return causal_conv(u, tail, self.conv1d.weight[:, 0], self.conv1d.bias, "silu")
 
     def inputs(self, u: Tensor, side: tuple[Tensor, Tensor, Tensor]) -> GDNInputs:
         """Stage 3: the conv'd u' [T, C] and (z, b, a) -> fp32 q, k (L2-normed, heads repeated to Hv, q scaled), v,

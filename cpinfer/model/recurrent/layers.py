@@ -1,0 +1,123 @@
+"""Kimi Delta Attention and Mamba-2 as decoder layers: `KDAMixer` / `Mamba2Mixer` (`kda.py`, `mamba2.py`) with the
+interface every recurrent layer of the decoder offers its `RecurrentFn` (`decoder.py`) and the engine
+(`engine/recurrent.py`), the one Gated DeltaNet (`gdn.py`) has:
+
+    layer_idx, kernel, conv_channels, state_shape (H, Dk, Dv): what the state cache is sized by; outputs [T, H, Dv]
+    project(x) -> (u, side)         side a tuple of per-token tensors (rows are picked by indexing each)
+    conv(u, tail) -> (u', tail')    inputs(u', side) -> the recurrence inputs
+    run(inputs, state) -> (o, state_out)      summary(inputs) -> affine.Affine(M [H, Dk, Dk], B [H, Dk, Dv])
+    output(o, side, x) -> [T, hidden]         forward(x, recurrent) -> [T, hidden]
+
+Mamba-2's state S [H, P, N] is kept transposed here, [H, N, P], so that its outputs [T, H, P] have the state's last
+dimension, and its per-head decay goes out as the matrix decay · I_N (the same map; the runner exchanges matrix
+maps of the state's shape).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cpinfer.model.recurrent import kda, mamba2
+from cpinfer.model.recurrent.affine import Affine
+
+
+class KDALayer(kda.KDAMixer):
+    """A Kimi Linear KDA layer (`self_attn` in the checkpoint)."""
+
+    recurrence = "kda"
+    checkpoint_name = "self_attn"  # the decoder layer's name of the mixer (Kimi Linear's attention and KDA share it)
+
+    def __init__(self, shape: kda.KDAShape, layer_idx: int):
+        super().__init__(shape)
+        self.layer_idx = layer_idx
+
+    @property
+    def kernel(self) -> int:
+        return self.shape.conv_kernel
+
+    @property
+    def conv_channels(self) -> int:
+        return self.shape.conv_channels
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.shape.state_shape
+
+    def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        """x [T, hidden] -> (u [T, 3 H Dk], (g [T, H, Dk], beta [T, H], gate [T, H, Dk]))."""
+        u, side = super().project(x)
+        return u, (side.g, side.beta, side.gate)
+
+    def inputs(self, u: Tensor, side: tuple) -> kda.KDAInputs:
+        return super().inputs(u, kda.KDASide(*side))
+
+    @staticmethod
+    def run(inp: kda.KDAInputs, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        return kda.run(inp, state)
+
+    @staticmethod
+    def summary(inp: kda.KDAInputs) -> Affine:
+        return kda.summary(inp)
+
+    def output(self, o: Tensor, side: tuple, x: Tensor) -> Tensor:
+        return super().output(o, kda.KDASide(*side)).to(x.dtype)
+
+    def forward(self, x: Tensor, recurrent) -> Tensor:  # type: ignore[override]
+        """x [L, hidden] (any sequences, packed) -> [L, hidden]; `recurrent(layer_idx, self, u, side)` runs the conv
+        and the recurrence per sequence from its tail and state."""
+        u, side = self.project(x)
+        return self.output(recurrent(self.layer_idx, self, u, side), side, x)
+
+
+class Mamba2Layer(mamba2.Mamba2Mixer):
+    """A Nemotron-H Mamba-2 layer (`mixer` in the checkpoint); its state is cached transposed, [H, N, P]."""
+
+    recurrence = "mamba2"
+
+    def __init__(self, shape: mamba2.Mamba2Shape, layer_idx: int):
+        super().__init__(shape)
+        self.layer_idx = layer_idx
+
+    @property
+    def kernel(self) -> int:
+        return self.shape.conv_kernel
+
+    @property
+    def conv_channels(self) -> int:
+        return self.shape.conv_channels
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        s = self.shape
+        return (s.num_heads, s.state_size, s.head_dim)
+
+    def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x [T, hidden] -> (u [T, H P + 2 G N], (z [T, H P], dt [T, H]))."""
+        u, side = super().project(x)
+        return u, (side.z, side.dt)
+
+    def inputs(self, u: Tensor, side: tuple) -> mamba2.Mamba2Inputs:
+        return super().inputs(u, mamba2.Mamba2Side(*side))
+
+    def run(self, inp: mamba2.Mamba2Inputs, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(y [T, H, P] with the D skip, state_out [H, N, P]) from state [H, N, P] (None: zeros)."""
+        y, s = mamba2.run(inp, None if state is None else state.transpose(1, 2), self.shape.chunk_size)
+        return y, s.transpose(1, 2).contiguous()
+
+    @staticmethod
+    def summary(inp: mamba2.Mamba2Inputs) -> Affine:
+        """The run's map on the transposed state: M = decay_h I_N [H, N, N], B [H, N, P]."""
+        m, b = mamba2.summary(inp)
+        n = b.shape[-1]
+        eye = torch.eye(n, dtype=torch.float32, device=b.device)
+        return Affine(m[:, None, None] * eye, b.transpose(1, 2).contiguous())
+
+    def output(self, o: Tensor, side: tuple, x: Tensor) -> Tensor:
+        return super().output(o, mamba2.Mamba2Side(*side)).to(x.dtype)
+
+    def forward(self, x: Tensor, recurrent) -> Tensor:  # type: ignore[override]
+        u, side = self.project(x)
+        return self.output(recurrent(self.layer_idx, self, u, side), side, x)
+
+
+__all__ = ["KDALayer", "Mamba2Layer"]
