@@ -120,8 +120,12 @@ def _stream(server: OpenAIServer, req: P.ChatCompletionRequest, rid: str, create
             parsers: list[ReplyParser], t0: float):
     tok, name, mode = server.tokenizer, server.name, req.tool_mode
     called = [False] * len(rids)
+    opened = [False] * len(rids)
 
     def chunk(choice: P.ChatChunkChoice) -> dict:
+        if not opened[choice.index]:  # the role goes with a choice's first token (as vLLM sends it), never before
+            opened[choice.index] = True  # prefill: clients time the first token by the first chunk
+            choice.delta.role = "assistant"
         body = dump(P.ChatCompletionChunk(id=rid, created=created, model=name, choices=[choice]))
         delta = body["choices"][0]["delta"]
         body["choices"][0]["delta"] = {k: v for k, v in delta.items() if v is not None}  # as OpenAI sends it
@@ -143,8 +147,8 @@ def _stream(server: OpenAIServer, req: P.ChatCompletionRequest, rid: str, create
                                         stop_reason=out.stop_reason))]
 
     def chunks(i: int, out, progress: Progress) -> list[dict]:
-        if out is None:  # the opening chunk carries the role
-            return [chunk(P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content="")))]
+        if out is None:  # nothing before the first output
+            return []
         if mode is not None:
             return constrained(i, out, progress)
         parser = parsers[i]
