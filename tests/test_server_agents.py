@@ -1,6 +1,9 @@
 """What agents and benchmark clients send to `cpinfer serve`, through their own SDKs (CP2, a tiny chain model that
 writes a thought and a Hermes tool call after every generation prompt; `--reasoning-parser qwen3`, one server for the
-module): the chat stream's first chunk goes out with the first token (benchmark clients time TTFT by it).
+module): the chat stream's first chunk goes out with the first token (benchmark clients time TTFT by it); the
+Anthropic Messages API through the `anthropic` SDK (whole and streamed equal to the chat route's reply, a tool round
+trip over 3 turns whose later turns read the earlier ones from the prefix cache, tool_choice, stop sequences,
+count_tokens and the thinking switch, Anthropic-shaped errors).
 """
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ import pytest
 from server_utils import ServerProcess, write_chain_model
 
 openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.timeout(300)
 
 NAME = "agent"
 API_KEY = "agents-key"
+GREEDY = {"temperature": 0}  # a server extra on /v1/messages (the anthropic SDK has no argument for it)
 THOUGHT = "Let me check the file."
 CALL_ARGS = {"path": "src/main.py"}
 PIECES = ["<think>", THOUGHT, "</think>", "\n\n", "<tool_call>", '\n{"name": "read_file", "arguments": ',
@@ -28,6 +33,9 @@ TEMPLATE = (
     "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CLAUDE_TOOLS = [{"name": "read_file", "description": "a file's text", "input_schema": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+CALL_TEXT = PIECES[4] + PIECES[5] + PIECES[6] + PIECES[7]  # the call as text (when no tool parser reads it)
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "a file's text",
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
                                                           "required": ["path"]}}}]
@@ -47,6 +55,12 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    """The `anthropic` SDK (it sends the key as `x-api-key`)."""
+    return anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def _events(server, path: str, body: dict) -> list[str]:
@@ -69,3 +83,140 @@ def test_the_chat_streams_first_chunk_carries_the_first_token(server):
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     tokens = [t["token"] for c in chunks for t in c["choices"][0]["logprobs"]["content"]]
     assert tokens == PIECES[:3]
+
+
+# ---------------------------------------------------------------------------------------------- Anthropic messages
+def test_messages_whole_and_streamed_equal_the_chat_reply(client, claude):
+    """Thought → a thinking block, the rest → a text block; usage splits the prompt into computed and cached."""
+    convo = [{"role": "user", "content": "Summarise src/main.py, please."}]
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "system", "content": "Be brief."}, *convo],
+                                          extra_body=GREEDY)
+    want = chat.choices[0].message
+    assert want.model_extra["reasoning_content"] == THOUGHT and want.content == CALL_TEXT
+    r = claude.messages.create(model=NAME, max_tokens=64, system="Be brief.", messages=convo, extra_body=GREEDY)
+    assert [b.type for b in r.content] == ["thinking", "text"] and r.role == "assistant" and r.model == NAME
+    assert r.content[0].thinking == THOUGHT and r.content[1].text == CALL_TEXT
+    assert r.stop_reason == "end_turn" and r.stop_sequence is None and r.id.startswith("msg_")
+    u = r.usage
+    assert u.input_tokens + u.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert u.cache_read_input_tokens > 0 and u.cache_creation_input_tokens == 0  # the chat request cached it
+    assert u.output_tokens == chat.usage.completion_tokens
+    with claude.messages.stream(model=NAME, max_tokens=64, system="Be brief.", messages=convo,
+                                extra_body=GREEDY) as stream:
+        kinds = [e.type for e in stream if e.type in ("message_start", "content_block_start", "content_block_stop",
+                                                        "message_delta", "message_stop")]
+        final = stream.get_final_message()
+    assert kinds == ["message_start", "content_block_start", "content_block_stop", "content_block_start",
+                     "content_block_stop", "message_delta", "message_stop"], kinds
+    assert final.model_dump(exclude={"id"}) == r.model_dump(exclude={"id"})
+
+
+def test_messages_tool_round_trip_over_three_turns_reads_earlier_turns_from_cache(claude):
+    messages = [{"role": "user", "content": "What does src/main.py do?"}]
+    totals, cached = [], []
+    for turn in range(3):
+        if turn == 1:  # one turn streams
+            with claude.messages.stream(model=NAME, max_tokens=128, messages=messages, tools=CLAUDE_TOOLS,
+                                        extra_body=GREEDY) as stream:
+                partial = [e.partial_json for e in stream if e.type == "input_json"]
+                r = stream.get_final_message()
+            assert json.loads("".join(partial)) == CALL_ARGS
+        else:
+            r = claude.messages.create(model=NAME, max_tokens=128, messages=messages, tools=CLAUDE_TOOLS,
+                                       extra_body=GREEDY)
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["thinking", "tool_use"], r
+        call = r.content[1]
+        assert call.name == "read_file" and call.input == CALL_ARGS and call.id.startswith("toolu_")
+        totals.append(r.usage.input_tokens + r.usage.cache_read_input_tokens)
+        cached.append(r.usage.cache_read_input_tokens)
+        messages.append({"role": "assistant", "content": r.content})  # the SDK's blocks, sent back as they are
+        result = {"type": "tool_result", "tool_use_id": call.id, "content": f"turn {turn}: prints hello"}
+        messages.append({"role": "user", "content": [result, {"type": "text", "text": "And then?"}]})
+    assert totals[0] < totals[1] < totals[2], totals
+    for k in (1, 2):  # turns 2-3 read every earlier turn's prompt from the prefix cache
+        assert totals[k - 1] - 1 <= cached[k] < totals[k], (totals, cached)
+    # tool_choice none: the same output, the call left as text
+    r = claude.messages.create(model=NAME, max_tokens=128, messages=messages, tools=CLAUDE_TOOLS,
+                               tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert r.stop_reason == "end_turn" and r.content[1].text == CALL_TEXT
+
+
+def test_messages_tool_choice_forces_a_call_that_follows_the_schema(claude):
+    """tool → that tool's arguments, any (one call) → one call of a tool: constrained to the schemas (an enum here,
+    so the random part of the chain model cannot write a long string)."""
+    opener = {"name": "open", "input_schema": {"type": "object", "additionalProperties": False, "required": ["path"],
+                                               "properties": {"path": {"enum": ["a.py", "b.py"]}}}}
+    for tools, choice in (([opener, *CLAUDE_TOOLS], {"type": "tool", "name": "open"}),
+                          ([opener], {"type": "any", "disable_parallel_tool_use": True})):
+        r = claude.messages.create(model=NAME, max_tokens=200, messages=[{"role": "user", "content": "open one"}],
+                                   tools=tools, tool_choice=choice, extra_body=GREEDY)
+        assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"], r
+        assert r.content[0].name == "open" and r.content[0].input["path"] in ("a.py", "b.py"), r
+
+
+def test_messages_stop_sequences_and_max_tokens(claude):
+    convo = [{"role": "user", "content": "go"}]
+    r = claude.messages.create(model=NAME, max_tokens=64, messages=convo, stop_sequences=["read_file"],
+                               extra_body=GREEDY)
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == "read_file"
+    assert r.content[-1].text == PIECES[4] + '\n{"name": "'
+    r = claude.messages.create(model=NAME, max_tokens=2, messages=convo, extra_body=GREEDY)
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 2
+
+
+def test_count_tokens_is_the_prompt_and_thinking_flips_the_templates_switch(server, claude):
+    convo = [{"role": "user", "content": "Count me."}]
+    plain = claude.messages.count_tokens(model=NAME, messages=convo, system="sys").input_tokens
+    chat = [{"role": "system", "content": "sys"}, *convo]
+    want = httpx.post(server.url + "/tokenize", json={"messages": chat}, headers=server.headers(), timeout=60).json()
+    assert plain == want["count"]
+    on = claude.messages.count_tokens(model=NAME, messages=convo, system="sys",
+                                      thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens
+    off = claude.messages.count_tokens(model=NAME, messages=convo, system="sys",
+                                       thinking={"type": "disabled"}).input_tokens
+    assert on == plain and off == plain + len("/no_think\n")  # one byte-level token per character
+    with_tools = claude.messages.count_tokens(model=NAME, messages=convo, tools=CLAUDE_TOOLS).input_tokens
+    assert with_tools > plain
+    r = claude.messages.create(model=NAME, max_tokens=64, messages=convo, system="sys", thinking={"type": "disabled"},
+                               extra_body=GREEDY)
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == off
+
+
+def _anthropic_error(server, body: dict, headers: dict | None = None, path: str = "/v1/messages") -> tuple[int, dict]:
+    r = httpx.post(server.url + path, json=body, headers=headers or server.headers(), timeout=60)
+    return r.status_code, r.json()
+
+
+def test_messages_errors_have_anthropics_shape_and_no_internals(server, claude):
+    ok = {"model": NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "'image'"),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x",
+                                                            "content": "x"}]}]}, 400, "no tool_use block"),
+        ({**ok, "frobnicate": 1}, 400, "frobnicate"),
+        ({**ok, "max_tokens": 0}, 400, "max_tokens"),
+        ({**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools"),
+        ({**ok, "tool_choice": {"type": "tool"}}, 400, "name is required"),
+        ({**ok, "model": "claude-opus-4"}, 404, "does not exist"),
+        ({**ok, "messages": [{"role": "user", "content": "x" * 40_000}]}, 400, "maximum model length"),
+    ]
+    for body, status, needle in cases:
+        code, err = _anthropic_error(server, body)
+        assert code == status and err["type"] == "error", (body, code, err)
+        assert set(err["error"]) == {"type", "message"} and needle in err["error"]["message"], (needle, err)
+        assert "Traceback" not in err["error"]["message"] and 'File "' not in err["error"]["message"]
+    code, err = _anthropic_error(server, ok, headers={"x-api-key": "wrong"})
+    assert code == 401 and err["error"]["type"] == "authentication_error"
+    code, err = _anthropic_error(server, {"model": NAME, "messages": [{"role": "user", "content": []}]},
+                                 path="/v1/messages/count_tokens")
+    assert code == 400 and err["type"] == "error"
+    big = httpx.post(server.url + "/v1/messages", content=b"x" * (2 << 20), timeout=60,
+                     headers={**server.headers(), "content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+    with pytest.raises(anthropic.BadRequestError) as exc:  # what an SDK user sees
+        claude.messages.create(model=NAME, max_tokens=8, messages=[{"role": "assistant", "content": "prefill"}])
+    assert exc.value.body["error"]["type"] == "invalid_request_error" and "last message" in str(exc.value)
+    # the OpenAI routes keep OpenAI's shape
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [], "model": NAME},
+                   headers=server.headers(), timeout=60)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -1,6 +1,6 @@
 """The routes of `cpinfer serve`, one module-level function each on an `APIRouter`: health, metrics, models,
 tokenize / detokenize, and the generation routes, each the pipeline (pipeline.py) run with its API's translation
-(`completions.py`, `chat.py`).
+(`completions.py`, `chat.py`, `messages.py` for Anthropic's Messages API, `responses.py` for OpenAI's Responses).
 Shared state is `request.app.state.server` (`state.OpenAIServer`).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from cpinfer.server import protocol as P
 from cpinfer.server.chat import ChatAPI
 from cpinfer.server.completions import CompletionAPI
 from cpinfer.server.errors import APIError, error_response
+from cpinfer.server.messages import CountTokensRequest, MessagesAPI, MessagesRequest, count_tokens
 from cpinfer.server.metrics import CONTENT_TYPE
 from cpinfer.server.pipeline import run
 from cpinfer.server.state import DEAD_MESSAGE, dump, server_of
@@ -107,3 +108,12 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     return await run(server_of(request), request, ChatAPI)
 
+
+@router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
+async def messages(request: Request):
+    return await run(server_of(request), request, MessagesAPI)
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+async def messages_count_tokens(request: Request):
+    return await count_tokens(server_of(request), request)
