@@ -3,7 +3,9 @@ writes a thought and a Hermes tool call after every generation prompt; `--reason
 module): the chat stream's first chunk goes out with the first token (benchmark clients time TTFT by it); the
 Anthropic Messages API through the `anthropic` SDK (whole and streamed equal to the chat route's reply, a tool round
 trip over 3 turns whose later turns read the earlier ones from the prefix cache, tool_choice, stop sequences,
-count_tokens and the thinking switch, Anthropic-shaped errors).
+count_tokens and the thinking switch, Anthropic-shaped errors); OpenAI's Responses API through the `openai` SDK's
+`client.responses` (whole and streamed, a tool loop on `previous_response_id` whose turns read the stored
+conversation's K/V from the prefix cache, GET / DELETE, eviction, errors).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 
 NAME = "agent"
 API_KEY = "agents-key"
+MAX_STORED = 8
 GREEDY = {"temperature": 0}  # a server extra on /v1/messages (the anthropic SDK has no argument for it)
 THOUGHT = "Let me check the file."
 CALL_ARGS = {"path": "src/main.py"}
@@ -47,7 +50,8 @@ def server(tmp_path_factory):
     write_chain_model(d, PIECES, TEMPLATE)
     srv = ServerProcess(["--model", str(d), "--cp", "2", "--served-model-name", NAME, "--max-model-len", "1024",
                          "--threads-per-rank", "1", "--max-kv-tokens-per-rank", "8192", "--log-level", "warning",
-                         "--reasoning-parser", "qwen3"], api_key=API_KEY)
+                         "--reasoning-parser", "qwen3", "--responses-max-stored", str(MAX_STORED)],
+                        api_key=API_KEY)
     yield srv
     srv.close()
 
@@ -220,3 +224,118 @@ def test_messages_errors_have_anthropics_shape_and_no_internals(server, claude):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [], "model": NAME},
                    headers=server.headers(), timeout=60)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI responses
+def test_responses_whole_and_streamed_equal_the_chat_reply(client):
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "system", "content": "Be brief."},
+                                                                 {"role": "user", "content": "Read main.py"}],
+                                          temperature=0)
+    r = client.responses.create(model=NAME, instructions="Be brief.", input="Read main.py", temperature=0)
+    assert r.status == "completed" and r.id.startswith("resp_") and r.model == NAME
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THOUGHT and r.output_text == CALL_TEXT
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.input_tokens_details.cached_tokens >= chat.usage.prompt_tokens - 1  # the chat request's prompt
+    with client.responses.stream(model=NAME, instructions="Be brief.", input="Read main.py",
+                                 temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.reasoning_text.delta" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == CALL_TEXT
+    assert final.output_text == CALL_TEXT and [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens == r.usage.output_tokens
+    short = client.responses.create(model=NAME, input="x", max_output_tokens=2, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_tool_loop_on_previous_response_id_reuses_the_stored_conversations_kv(server, client):
+    """Each turn sends only its new items; its prompt is the whole conversation (the same tokens as sending it all)
+    and its cached tokens cover the turns before."""
+    tools = [{"type": "function", "name": "read_file", "description": "a file's text",
+              "parameters": TOOLS[0]["function"]["parameters"]}]
+    first = client.responses.create(model=NAME, input="What does src/main.py do?", tools=tools, temperature=0)
+    turns, prev, items = [first], first, [{"role": "user", "content": "What does src/main.py do?"}]
+    for turn in (1, 2):
+        call = prev.output[-1]
+        assert [o.type for o in prev.output] == ["reasoning", "function_call"], prev.output
+        assert call.name == "read_file" and json.loads(call.arguments) == CALL_ARGS and call.call_id.startswith("call")
+        new = [{"type": "function_call_output", "call_id": call.call_id, "output": f"turn {turn}: prints hello"}]
+        items += [o.model_dump(exclude_none=True) for o in prev.output] + new
+        if turn == 2:  # streamed: the call's arguments arrive as their own events
+            with client.responses.stream(model=NAME, input=new, tools=tools, previous_response_id=prev.id,
+                                         temperature=0) as stream:
+                args = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+                prev = stream.get_final_response()
+            assert json.loads("".join(args)) == CALL_ARGS
+        else:
+            prev = client.responses.create(model=NAME, input=new, tools=tools, previous_response_id=prev.id,
+                                           temperature=0)
+        turns.append(prev)
+        # the same conversation sent whole, not stored: the same prompt
+        whole = client.responses.create(model=NAME, input=items, tools=tools, store=False, temperature=0)
+        assert whole.usage.input_tokens == prev.usage.input_tokens
+    inputs = [t.usage.input_tokens for t in turns]
+    cached = [t.usage.input_tokens_details.cached_tokens for t in turns]
+    assert inputs[0] < inputs[1] < inputs[2], inputs
+    for k in (1, 2):
+        assert inputs[k - 1] - 1 <= cached[k] < inputs[k], (inputs, cached)
+    # GET gives the stored response back; DELETE forgets it, and a turn on it is a 404 that says so
+    got = httpx.get(f"{server.url}/v1/responses/{turns[1].id}", headers=server.headers(), timeout=30)
+    assert got.status_code == 200 and got.json()["id"] == turns[1].id
+    assert [o["id"] for o in got.json()["output"]] == [o.id for o in turns[1].output]
+    assert client.responses.retrieve(turns[1].id).output_text == turns[1].output_text
+    client.responses.delete(turns[1].id)
+    with pytest.raises(openai.NotFoundError, match="no response"):
+        client.responses.retrieve(turns[1].id)
+    with pytest.raises(openai.NotFoundError, match="no response"):
+        client.responses.create(model=NAME, input="more", previous_response_id=turns[1].id)
+    unstored = client.responses.create(model=NAME, input="x", store=False, max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_are_evicted_oldest_first_and_a_turn_on_one_says_so(client):
+    ids = [client.responses.create(model=NAME, input=f"r{i}", max_output_tokens=1).id for i in range(MAX_STORED + 2)]
+    for gone in ids[:2]:
+        with pytest.raises(openai.NotFoundError, match="was evicted"):
+            client.responses.create(model=NAME, input="again", previous_response_id=gone)
+    assert client.responses.retrieve(ids[-1]).id == ids[-1] and client.responses.retrieve(ids[2]).id == ids[2]
+
+
+def test_response_store_bounds_count_and_bytes_oldest_first():
+    from cpinfer.server.response_store import ResponseStore
+
+    store = ResponseStore(max_count=3, max_bytes=10_000)
+    for i in range(4):
+        assert store.put(f"r{i}", {"i": i}, [{"role": "user", "content": "x" * 100}])
+    assert store.get("r0") is None and store.was_evicted("r0") and [store.get(f"r{i}") is not None
+                                                                   for i in (1, 2, 3)] == [True] * 3
+    assert store.put("big", {}, [{"role": "user", "content": "y" * 4000}]) and len(store) == 3
+    assert store.put("bigger", {}, [{"role": "user", "content": "z" * 6000}])  # 4000 + 6000 > 10000
+    assert store.get("big") is None and store.was_evicted("big") and store.nbytes <= 10_000
+    assert not store.put("huge", {}, [{"role": "user", "content": "w" * 20_000}]) and store.get("huge") is None
+    assert store.delete("bigger") and not store.delete("bigger") and not store.was_evicted("bigger")
+    with pytest.raises(ValueError, match=">= 0"):
+        ResponseStore(-1, 10)
+
+
+def test_responses_bad_input_is_a_4xx_in_openai_shape(server):
+    cases = [({"input": [{"type": "image_generation_call", "id": "x"}]}, 400, "unsupported item type"),
+             ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, 400,
+              "no function_call"),
+             ({"input": "x", "previous_response_id": "resp_nope"}, 404, "no response"),
+             ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
+             ({"input": "x", "background": True}, 400, "background"),
+             ({"input": []}, 400, "at least one item"),
+             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+              "input.0")]
+    for body, status, needle in cases:
+        r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body}, headers=server.headers(),
+                       timeout=60)
+        err = r.json().get("error") or {}
+        assert r.status_code == status and needle in err.get("message", ""), (body, r.status_code, r.text)
+        assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in err["message"]

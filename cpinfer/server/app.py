@@ -20,6 +20,7 @@ from cpinfer.server import protocol as P
 from cpinfer.server.errors import error_response, install_error_handlers
 from cpinfer.server.guard import GuardMiddleware
 from cpinfer.server.messages import CountTokensRequest, MessagesRequest
+from cpinfer.server.responses import ResponsesRequest
 from cpinfer.server.routes import router
 from cpinfer.server.state import OpenAIServer, ServerConfig, default_max_request_bytes  # noqa: F401 - the API
 from cpinfer.utils import get_logger
@@ -41,7 +42,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected)
     app.include_router(router)
     _install_openapi(app, [P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest,
-                           MessagesRequest, CountTokensRequest])
+                           MessagesRequest, CountTokensRequest, ResponsesRequest])
     return app
 
 

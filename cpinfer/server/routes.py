@@ -17,6 +17,7 @@ from cpinfer.server.errors import APIError, error_response
 from cpinfer.server.messages import CountTokensRequest, MessagesAPI, MessagesRequest, count_tokens
 from cpinfer.server.metrics import CONTENT_TYPE
 from cpinfer.server.pipeline import run
+from cpinfer.server.responses import ResponsesAPI, ResponsesRequest, delete_response, get_response
 from cpinfer.server.state import DEAD_MESSAGE, dump, server_of
 
 router = APIRouter()
@@ -117,3 +118,18 @@ async def messages(request: Request):
 @router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
 async def messages_count_tokens(request: Request):
     return await count_tokens(server_of(request), request)
+
+
+@router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
+async def responses(request: Request):
+    return await run(server_of(request), request, ResponsesAPI)
+
+
+@router.get("/v1/responses/{response_id}")
+async def responses_get(response_id: str, request: Request):
+    return await get_response(request, response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def responses_delete(response_id: str, request: Request):
+    return await delete_response(request, response_id)

@@ -1,6 +1,6 @@
 """What every route of `cpinfer serve` shares, kept on `app.state.server`: the engine, the server's configuration,
-the prompt encoder (its thread pool), the metrics, and the helpers that parse bodies, check them, run a request
-and stream it as server-sent events (docs/serving.md).
+the prompt encoder (its thread pool), the metrics, the stored responses (response_store.py), and the helpers that
+parse bodies, check them and build sampling params (pipeline.py runs the requests; docs/serving.md).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from cpinfer.server.errors import APIError, validation_message
 from cpinfer.server.metrics import ServerMetrics
 from cpinfer.server.prompts import PromptEncoder, PromptError
 from cpinfer.server.reasoning import reasoning_parser_for
+from cpinfer.server.response_store import ResponseStore
 from cpinfer.server.tool_parsers import tool_parser_for
 from cpinfer.utils import get_logger
 
@@ -49,6 +50,8 @@ class ServerConfig:
     chat_template: str | None = None  # the template text to use instead of the tokenizer's (--chat-template)
     allowed_origins: tuple[str, ...] | list[str] | None = None  # CORS origins ("*": any); None: no CORS headers
     log_requests: bool = False  # one log line per finished request (--enable-log-requests)
+    responses_max_stored: int = 1000  # /v1/responses kept for previous_response_id: at most this many ...
+    responses_max_stored_bytes: int = 256 << 20  # ... and this many bytes of JSON; the oldest are evicted first
 
     def __post_init__(self):
         if not self.served_model_name or not self.served_model_name.strip():
@@ -67,6 +70,10 @@ class ServerConfig:
                                                                 for o in self.allowed_origins):
                 raise ValueError(f"allowed_origins must be a list of origin strings, got {self.allowed_origins!r}")
             object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        for field in ("responses_max_stored", "responses_max_stored_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{field} must be an integer >= 0 (0: keep no responses), got {value!r}")
         tool_parser_for(self.tool_call_parser, None)  # ValueError naming the choices
         reasoning_parser_for(self.reasoning_parser)
 
@@ -87,6 +94,7 @@ class OpenAIServer:
         self.sampling_defaults = dict(getattr(engine, "generation_defaults", None) or {})  # generation_config.json
         self.tool_parser = tool_parser_for(config.tool_call_parser, template if isinstance(template, str) else None)
         self.reasoning = config.reasoning_parser  # a parser is made per choice (reasoning_parser_for)
+        self.responses = ResponseStore(config.responses_max_stored, config.responses_max_stored_bytes)
         self.metrics = ServerMetrics(config.served_model_name, engine.stats, lambda: bool(engine.errored))
 
     # ------------------------------------------------------------------ checks
