@@ -89,6 +89,41 @@ def test_the_chat_streams_first_chunk_carries_the_first_token(server):
     assert tokens == PIECES[:3]
 
 
+def test_what_benchmark_clients_send_chat_and_completions(server):
+    """vLLM's `bench serve` (openai-chat: content as parts, max_completion_tokens; openai: a prompt, max_tokens),
+    GuideLLM's and AIPerf's fields: stop null, ignore_eos, usage on the last chunk, continuous usage stats; the
+    model list's root and /health."""
+    models = httpx.get(server.url + "/v1/models", headers=server.headers(), timeout=30).json()
+    assert models["data"][0]["id"] == models["data"][0]["root"] == NAME
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    chat = {"model": NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "bench " * 20}]}],
+            "temperature": 0.0, "max_completion_tokens": 5, "stop": None, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    plain = {"model": NAME, "prompt": "bench " * 20, "temperature": 0.0, "max_tokens": 5, "stop": None,
+             "ignore_eos": True, "stream": True, "logprobs": None, "best_of": 1, "stream_options": {"include_usage": True}}
+    for path, body, text_of in (("/v1/chat/completions", chat, lambda c: c["delta"].get("content") or ""),
+                                ("/v1/completions", plain, lambda c: c["text"])):
+        for continuous in (False, True):
+            events = _events(server, path, {**body, "stream_options": {"include_usage": True,
+                                                                       "continuous_usage_stats": continuous}})
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert events[-1] == "[DONE]" and chunks[-1]["choices"] == [], events
+            total = chunks[-1]["usage"]
+            assert total["completion_tokens"] == 5 and total["prompt_tokens"] > 20, total
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+            if continuous:  # every chunk: its usage so far, growing to the total
+                done = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+                assert done == sorted(done) and done[-1] == 5 and done[0] >= 1, done
+                assert all(c["usage"]["prompt_tokens"] == total["prompt_tokens"] for c in chunks[:-1])
+            else:
+                assert all(c["usage"] is None for c in chunks[:-1])
+            text = "".join(text_of(c["choices"][0]) for c in chunks[:-1])
+            whole = httpx.post(server.url + path, json={**body, "stream": False, "stream_options": None},
+                               headers=server.headers(), timeout=120).json()
+            got = whole["choices"][0]
+            assert text == (got["text"] if "text" in got else got["message"]["content"])
+
+
 # ---------------------------------------------------------------------------------------------- Anthropic messages
 def test_messages_whole_and_streamed_equal_the_chat_reply(client, claude):
     """Thought → a thinking block, the rest → a text block; usage splits the prompt into computed and cached."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cpinfer.server import protocol as P
 from cpinfer.server.conversation import ReplyParser, prepare  # noqa: F401 - ReplyParser: the API of this module
-from cpinfer.server.outputs import Progress, chat_logprobs, usage_of
+from cpinfer.server.outputs import Progress, chat_logprobs, usage, usage_of
 from cpinfer.server.pipeline import API, Job
 from cpinfer.server.state import dump
 
@@ -43,7 +43,7 @@ class ChatAPI(API):
                             stop_reason=out.stop_reason)
 
     # ------------------------------------------------------------------ streamed
-    def _chunk(self, choice: P.ChatChunkChoice) -> dict:
+    def _chunk(self, choice: P.ChatChunkChoice, out) -> dict:
         if not self.opened[choice.index]:  # the role goes with a choice's first token (as vLLM sends it), never
             self.opened[choice.index] = True  # before prefill: clients time the first token by the first chunk
             choice.delta.role = "assistant"
@@ -51,7 +51,9 @@ class ChatAPI(API):
                                           choices=[choice]))
         delta = body["choices"][0]["delta"]
         body["choices"][0]["delta"] = {k: v for k, v in delta.items() if v is not None}  # as OpenAI sends it
-        if not self.req.include_usage:
+        if self.req.continuous_usage:
+            body["usage"] = usage(out).model_dump()
+        elif not self.req.include_usage:
             body.pop("usage")
         return body
 
@@ -68,7 +70,7 @@ class ChatAPI(API):
                      if msg.tool_calls else P.DeltaMessage(content=msg.content))
             finish = "tool_calls" if msg.tool_calls else out.finish_reason
             return [self._chunk(P.ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
-                                                  stop_reason=out.stop_reason))]
+                                                  stop_reason=out.stop_reason), out)]
         _, new = progress.advance(out)
         piece = reply.delta(out)
         if not (piece.reasoning or piece.content or piece.calls or len(new) or out.finished):
@@ -82,7 +84,7 @@ class ChatAPI(API):
             delta.content = ""  # log-probabilities of tokens that add no text yet
         lp = chat_logprobs(self.server.tokenizer, out, new) if self.req.logprobs else None
         return [self._chunk(P.ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=piece.finish,
-                                              stop_reason=out.stop_reason if out.finished else None))]
+                                              stop_reason=out.stop_reason if out.finished else None), out)]
 
     def closing(self, outs: list) -> list[dict]:
         if not self.req.include_usage:

@@ -14,7 +14,7 @@ import dataclasses
 from cpinfer.server import protocol as P
 from cpinfer.server.conversation import choice_params
 from cpinfer.server.errors import APIError
-from cpinfer.server.outputs import Progress, completion_logprobs, echo_logprobs, usage_of
+from cpinfer.server.outputs import Progress, completion_logprobs, echo_logprobs, usage, usage_of
 from cpinfer.server.pipeline import API, Job
 from cpinfer.server.state import DEFAULT_COMPLETION_TOKENS, OpenAIServer, dump
 
@@ -64,7 +64,9 @@ class CompletionAPI(API):
                                     stop_reason=out.stop_reason if last else None)
         chunk = dump(P.CompletionResponse(id=self.rid, created=self.created, model=self.server.name,
                                           choices=[choice]))
-        if not self.req.include_usage:
+        if self.req.continuous_usage:
+            chunk["usage"] = usage(out).model_dump()
+        elif not self.req.include_usage:
             chunk.pop("usage")
         return chunk
 
