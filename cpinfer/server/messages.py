@@ -141,7 +141,7 @@ class MessagesRequest(CountTokensRequest):
 
 
 # ---------------------------------------------------------------------------------------------- translation in
-def chat_request(server: OpenAIServer, req: CountTokensRequest, template: str | None) -> P.ChatCompletionRequest:
+def chat_request(req: CountTokensRequest, template: str | None) -> P.ChatCompletionRequest:
     """The chat request this Anthropic request asks for (a 400 naming the field when it cannot be one)."""
     body: dict[str, Any] = {"messages": _messages(req)}
     if req.tools:
@@ -255,7 +255,7 @@ class MessagesAPI(API):
     done_line = None
 
     async def prepare(self) -> Job:
-        chat = await prepare(self.server, chat_request(self.server, self.req, template_of(self.server)))
+        chat = await prepare(self.server, chat_request(self.req, template_of(self.server)))
         self.reply = chat.replies[0]
         self.stops = list(self.req.stop_sequences or [])
         self.omit_thinking = self.req.thinking is not None and self.req.thinking.display == "omitted"
@@ -350,7 +350,7 @@ async def count_tokens(server: OpenAIServer, http_request: Request) -> dict:
     """`/v1/messages/count_tokens`: the prompt this request would be, in tokens (nothing runs)."""
     req = await server.parse(http_request, CountTokensRequest)
     server.check_model(req.model)
-    chat = chat_request(server, req, template_of(server))
+    chat = chat_request(req, template_of(server))
     ids = await server.encode(server.prompts.encode_chat, chat.template_messages(), True, chat.template_tools(),
                               "messages", chat.chat_template_kwargs, param="messages")
     return {"input_tokens": len(ids)}
