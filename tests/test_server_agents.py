@@ -244,6 +244,11 @@ def test_messages_errors_have_anthropics_shape_and_no_internals(server, claude):
         assert code == status and err["type"] == "error", (body, code, err)
         assert set(err["error"]) == {"type", "message"} and needle in err["error"]["message"], (needle, err)
         assert "Traceback" not in err["error"]["message"] and 'File "' not in err["error"]["message"]
+    for raw in (b"{", b"[]", b'{"model": 1}', b"\xff\xfe"):  # not JSON, not an object, wrong types
+        r = httpx.post(server.url + "/v1/messages", content=raw, timeout=60,
+                       headers={**server.headers(), "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["type"] == "error", (raw, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and "Traceback" not in r.text
     code, err = _anthropic_error(server, ok, headers={"x-api-key": "wrong"})
     assert code == 401 and err["error"]["type"] == "authentication_error"
     code, err = _anthropic_error(server, {"model": NAME, "messages": [{"role": "user", "content": []}]},
@@ -368,6 +373,10 @@ def test_responses_bad_input_is_a_4xx_in_openai_shape(server):
              ({"input": []}, 400, "at least one item"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
               "input.0")]
+    for raw in (b"{", b"[]", b'{"input": 1}', b"\xff\xfe"):
+        r = httpx.post(server.url + "/v1/responses", content=raw, timeout=60,
+                       headers={**server.headers(), "content-type": "application/json"})
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
     for body, status, needle in cases:
         r = httpx.post(server.url + "/v1/responses", json={"model": NAME, **body}, headers=server.headers(),
                        timeout=60)
