@@ -269,3 +269,46 @@ def listening_addresses(pids: list[int]) -> dict[int, list[str]]:
 def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0]
     return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+
+
+def write_chain_model(directory: Path, pieces: list[str], template: str) -> None:
+    """A 2-layer Llama (and its tokenizer, with `pieces` as added tokens) whose greedy output after "\\n" is `pieces`
+    then EOS, whatever came before: its attention and MLP outputs are zero, so the next token depends on the current
+    token only, and its embeddings and LM head make that chain. A random model would never write a tool call; this
+    one does, and everything after the logits (sampling, detokenizing, parsing, streaming) is the server's own path."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(specials + byte_chars)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(specials)
+    core.add_tokens(pieces)  # ordinary (not special) added tokens, as Qwen's <think> and <tool_call> are
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  chat_template=template)
+    tok.save_pretrained(str(directory))
+    newline = tok.convert_tokens_to_ids("Ċ")  # the byte-level token of "\n"
+    chain = [newline] + [tok.convert_tokens_to_ids(p) for p in pieces] + [2]
+    assert len(set(chain)) == len(chain) and all(isinstance(i, int) and i >= 0 for i in chain), chain
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:  # residual stream = the current token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = torch.randn(len(tok), 64)
+        model.model.embed_tokens.weight.copy_(emb)
+        model.model.norm.weight.fill_(1.0)
+        x = emb / torch.sqrt(emb.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # after the final norm
+        head = 0.01 * torch.randn(len(tok), 64)
+        for t, nxt in zip(chain, chain[1:]):
+            head[nxt] = 20.0 * x[t] / x[t].pow(2).sum()  # logit 20 for the next link, ~N(0, 0.3) for others
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(str(directory))

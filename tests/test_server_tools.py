@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from server_utils import ServerProcess
+from server_utils import ServerProcess, write_chain_model
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(300)
@@ -36,49 +35,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "required": ["city"]}}}]
 
 
-def _write_chain_model(directory) -> None:
-    """A 2-layer Llama whose greedy output after "\\n" is PIECES then EOS (see the module docstring)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(specials + byte_chars)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(specials)
-    core.add_tokens(PIECES)  # ordinary (not special) added tokens, as Qwen's <think> and <tool_call> are
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  chat_template=TEMPLATE)
-    tok.save_pretrained(str(directory))
-    newline = tok.convert_tokens_to_ids("Ċ")  # the byte-level token of "\n"
-    chain = [newline] + [tok.convert_tokens_to_ids(p) for p in PIECES] + [2]
-    assert len(set(chain)) == len(chain) and all(isinstance(i, int) and i >= 0 for i in chain), chain
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:  # residual stream = the current token's embedding
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = torch.randn(len(tok), 64)
-        model.model.embed_tokens.weight.copy_(emb)
-        model.model.norm.weight.fill_(1.0)
-        x = emb / torch.sqrt(emb.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # after the final norm
-        head = 0.01 * torch.randn(len(tok), 64)
-        for t, nxt in zip(chain, chain[1:]):
-            head[nxt] = 20.0 * x[t] / x[t].pow(2).sum()  # logit 20 for the next link, ~N(0, 0.3) for others
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(str(directory))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("chain_model")
-    _write_chain_model(d)
+    write_chain_model(d, PIECES, TEMPLATE)
     srv = ServerProcess(["--model", str(d), "--cp", "2", "--served-model-name", NAME, "--max-model-len", "1024",
                          "--threads-per-rank", "1", "--max-kv-tokens-per-rank", "8192", "--log-level", "warning",
                          "--reasoning-parser", "qwen3"])

@@ -242,7 +242,8 @@ def server_config(args, name: str, model_dir, api_key: str | None) -> "ServerCon
                         enable_docs=args.enable_docs, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, stream_stall_timeout_s=args.stream_stall_timeout,
                         chat_template=chat_template(args.chat_template), allowed_origins=args.allowed_origins,
-                        log_requests=args.enable_log_requests)
+                        log_requests=args.enable_log_requests, responses_max_stored=args.responses_max_stored,
+                        responses_max_stored_bytes=args.responses_max_stored_mib << 20)
 
 
 def run(args) -> int:
@@ -376,6 +377,11 @@ def _frontend_arguments(parser) -> None:
     g.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="S",
                    help="a streaming client that takes no data for S seconds (it stopped reading) is "
                         "disconnected and its request aborted, freeing its KV cache")
+    g.add_argument("--responses-max-stored", type=int, default=1000, metavar="N",
+                   help="POST /v1/responses keeps at most N stored responses (their conversations) for "
+                        "previous_response_id; the oldest are evicted first (0: keep none)")
+    g.add_argument("--responses-max-stored-mib", type=int, default=256, metavar="MIB",
+                   help="... and at most MIB mebibytes of them (their JSON)")
     g.add_argument("--graceful-timeout", type=positive_int, default=30, metavar="S",
                    help="on SIGINT / SIGTERM, seconds in-flight requests get to finish before they are aborted")
 

@@ -10,61 +10,95 @@ prefix tree (all but the last token, whose logits each needs) and copy its promp
 from __future__ import annotations
 
 import dataclasses
-import time
-
-from fastapi import Request
-from fastapi.responses import Response
 
 from cpinfer.server import protocol as P
+from cpinfer.server.conversation import choice_params
 from cpinfer.server.errors import APIError
-from cpinfer.server.outputs import Progress, completion_logprobs, echo_logprobs, usage_of
-from cpinfer.server.state import DEFAULT_COMPLETION_TOKENS, OpenAIServer, dump, log_request, request_id
+from cpinfer.server.outputs import Progress, completion_logprobs, echo_logprobs, usage, usage_of
+from cpinfer.server.pipeline import API, Job
+from cpinfer.server.state import DEFAULT_COMPLETION_TOKENS, OpenAIServer, dump
 
 
-def choice_params(params, n: int, seed: int | None) -> list:
-    """n copies of a request's SamplingParams; with a seed, sample j gets seed + j (independent, reproducible)."""
-    if n == 1:
-        return [params]
-    return [dataclasses.replace(params, seed=None if seed is None else (seed + j) % (2 ** 63)) for j in range(n)]
+class CompletionAPI(API):
+    request_model = P.CompletionRequest
+    endpoint = "completions"
+    id_prefix = "cmpl-"
 
+    async def prepare(self) -> Job:
+        server, req = self.server, self.req
+        try:
+            prompts = req.prompts()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
+        encoded = [await server.encode(server.prompts.encode_text, p, True, param="prompt") if isinstance(p, str)
+                   else p for p in prompts]
+        schema = req.response_format.output_schema() if req.response_format is not None else None
+        grammar = await server.grammar(schema, "response_format")
+        self.score_only = req.max_tokens == 0  # echo of the prompt alone: the one sampled token is dropped
+        max_tokens = 1 if self.score_only else req.max_tokens or DEFAULT_COMPLETION_TOKENS
+        top = int(req.logprobs or 0)
+        params = server.sampling_params(req, max_tokens, top, req.logprobs is not None, grammar)
+        if req.logprobs is not None:
+            server.check_logprob_payload([len(ids) * req.echo + max_tokens for ids in encoded for _ in range(req.n)],
+                                         top, "logprobs")
+        if req.echo and req.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=True)
+        per_choice = [(ids, p) for ids in encoded for p in choice_params(params, req.n, req.seed)]
+        self.texts = [p if isinstance(p, str) else None for p in prompts]
+        self.offsets = [0] * len(per_choice)  # the next token's text_offset: token strings so far (as the whole
+        self.echoed = [False] * len(per_choice)  # response counts)
+        return Job([c[0] for c in per_choice], [c[1] for c in per_choice], "prompt")
 
-async def create_completion(server: OpenAIServer, http_request: Request):
-    t0 = time.monotonic()
-    req = await server.parse(http_request, P.CompletionRequest)
-    server.check_model(req.model)
-    server.check_alive()
-    try:
-        prompts = req.prompts()
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="prompt", code="invalid_prompt") from None
-    encoded = [await server.encode(server.prompts.encode_text, p, True, param="prompt") if isinstance(p, str) else p
-               for p in prompts]
-    schema = req.response_format.output_schema() if req.response_format is not None else None
-    grammar = await server.grammar(schema, "response_format")
-    score_only = req.max_tokens == 0  # echo of the prompt alone: the one sampled token is dropped
-    max_tokens = 1 if score_only else req.max_tokens or DEFAULT_COMPLETION_TOKENS
-    top = int(req.logprobs or 0)
-    params = server.sampling_params(req, max_tokens, top, req.logprobs is not None, grammar)
-    if req.logprobs is not None:
-        server.check_logprob_payload([len(ids) * req.echo + max_tokens for ids in encoded for _ in range(req.n)], top,
-                                     "logprobs")
-    if req.echo and req.logprobs is not None:
-        params = dataclasses.replace(params, prompt_logprobs=True)
-    per_choice = [(ids, p) for ids in encoded for p in choice_params(params, req.n, req.seed)]
-    rid, created = f"cmpl-{request_id(http_request)}", int(time.time())
-    log_request(rid, req)
-    rids, streams = await server.add_requests(rid, [c[0] for c in per_choice], [c[1] for c in per_choice], "prompt")
-    texts = [p if isinstance(p, str) else None for p in prompts]
-    if not req.stream:
-        outs = await server.collect(rids, streams, http_request, "completions", t0)
-        if outs is None:
-            return Response(status_code=499)
-        def build() -> P.CompletionResponse:
-            choices = [_choice(server, req, i, out, texts[i // req.n], score_only) for i, out in enumerate(outs)]
-            return P.CompletionResponse(id=rid, created=created, model=server.name, choices=choices,
-                                        usage=usage_of(outs, req.n, not score_only))
-        return await server.respond(build)
-    return server.stream_response(rids, _stream(server, req, rid, created, rids, streams, texts, score_only, t0))
+    def response(self, outs: list) -> P.CompletionResponse:
+        req = self.req
+        choices = [_choice(self.server, req, i, out, self.texts[i // req.n], self.score_only)
+                   for i, out in enumerate(outs)]
+        return P.CompletionResponse(id=self.rid, created=self.created, model=self.server.name, choices=choices,
+                                    usage=usage_of(outs, req.n, not self.score_only))
+
+    # ------------------------------------------------------------------ streamed
+    # SSE chunks per choice; with `echo` the first carries the prompt (and its log-probabilities), and a score-only
+    # request sends that one chunk with its finish reason.
+    def _body(self, i: int, text: str, lp, out, last: bool) -> dict:
+        choice = P.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason if last else None,
+                                    stop_reason=out.stop_reason if last else None)
+        chunk = dump(P.CompletionResponse(id=self.rid, created=self.created, model=self.server.name,
+                                          choices=[choice]))
+        if self.req.continuous_usage:
+            chunk["usage"] = usage(out).model_dump()
+        elif not self.req.include_usage:
+            chunk.pop("usage")
+        return chunk
+
+    def _echo(self, i: int, out) -> dict:
+        req = self.req
+        lp = echo_logprobs(self.server.tokenizer, out, int(req.logprobs or 0), False) if req.logprobs is not None \
+            else None
+        if lp is not None and lp.tokens:
+            self.offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
+        return self._body(i, _prompt_text(self.server, out, self.texts[i // req.n]), lp, out,
+                          self.score_only and out.finished)
+
+    def events(self, i: int, out, progress: Progress) -> list[dict]:
+        req = self.req
+        sent = []
+        if req.echo and not self.echoed[i] and (out.finished or not self.score_only):
+            self.echoed[i] = True
+            sent.append(self._echo(i, out))
+        delta, new = progress.advance(out)
+        if self.score_only or (not delta and not len(new) and not out.finished):
+            return sent
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(self.server.tokenizer, out, new, self.offsets[i])
+            self.offsets[i] += sum(len(t) for t in lp.tokens)
+        return sent + [self._body(i, delta, lp, out, out.finished)]
+
+    def closing(self, outs: list) -> list[dict]:
+        if not self.req.include_usage:
+            return []
+        return [dump(P.CompletionResponse(id=self.rid, created=self.created, model=self.server.name, choices=[],
+                                          usage=usage_of(outs, self.req.n, not self.score_only)))]
 
 
 def _prompt_text(server: OpenAIServer, out, given: str | None) -> str:
@@ -85,48 +119,3 @@ def _choice(server: OpenAIServer, req: P.CompletionRequest, index: int, out, pro
         lp = completion_logprobs(tok, out, range(len(out.token_ids)), 0) if req.logprobs is not None else None
     return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=out.finish_reason,
                               stop_reason=out.stop_reason)
-
-
-def _stream(server: OpenAIServer, req: P.CompletionRequest, rid: str, created: int, rids: list, streams: list,
-            texts: list, score_only: bool, t0: float):
-    """SSE chunks per choice; with `echo` the first carries the prompt (and its log-probabilities), and a score-only
-    request sends that one chunk with its finish reason."""
-    tok, name = server.tokenizer, server.name
-    offsets = [0] * len(rids)  # the next token's text_offset: token strings so far (as the whole response counts)
-    echoed = [False] * len(rids)
-
-    def body(i: int, text: str, lp, out, last: bool) -> dict:
-        choice = P.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=out.finish_reason if last else None,
-                                    stop_reason=out.stop_reason if last else None)
-        chunk = dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[choice]))
-        if not req.include_usage:
-            chunk.pop("usage")
-        return chunk
-
-    def echo(i: int, out) -> dict:
-        lp = echo_logprobs(tok, out, int(req.logprobs or 0), False) if req.logprobs is not None else None
-        if lp is not None and lp.tokens:
-            offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1])
-        return body(i, _prompt_text(server, out, texts[i // req.n]), lp, out, score_only and out.finished)
-
-    def chunks(i: int, out, progress: Progress) -> list[dict]:
-        if out is None:
-            return []
-        sent = []
-        if req.echo and not echoed[i] and (out.finished or not score_only):
-            echoed[i] = True
-            sent.append(echo(i, out))
-        delta, new = progress.advance(out)
-        if score_only or (not delta and not len(new) and not out.finished):
-            return sent
-        lp = None
-        if req.logprobs is not None:
-            lp = completion_logprobs(tok, out, new, offsets[i])
-            offsets[i] += sum(len(t) for t in lp.tokens)
-        return sent + [body(i, delta, lp, out, out.finished)]
-
-    def usage_chunk(outs: list) -> dict:
-        return dump(P.CompletionResponse(id=rid, created=created, model=name, choices=[],
-                                         usage=usage_of(outs, req.n, not score_only)))
-
-    return server.sse(rids, streams, chunks, usage_chunk if req.include_usage else None, "completions", t0)

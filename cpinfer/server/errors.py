@@ -1,4 +1,5 @@
-"""One error shape for every failure, as the OpenAI API returns it: `{"error": {message, type, param, code}}`.
+"""Every failure in its route's error shape: OpenAI's `{"error": {message, type, param, code}}`, and on the Anthropic
+routes (`/v1/messages`, `/v1/messages/count_tokens`) Anthropic's `{"type": "error", "error": {type, message}}`.
 
 400 bad parameters / prompts, 401 missing or wrong API key, 404 unknown routes and models, 413 a body over the
 limit, 500 a request that failed on the server, 503 a dead engine. Messages never carry tracebacks or paths.
@@ -21,6 +22,30 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           503: "service_unavailable"}
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def is_anthropic_route(path: str) -> bool:
+    """Whether `path` (with or without a --root-path prefix) is one of the Anthropic routes."""
+    return path.rstrip("/").endswith(ANTHROPIC_ROUTES)
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> dict:
+    """The error body in the shape of the route at `path`."""
+    if is_anthropic_route(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)
+
+
 class APIError(Exception):
     """An error to send back as it is: HTTP status, message, the offending parameter, a short code."""
 
@@ -37,8 +62,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   path: str = "") -> JSONResponse:
+    return JSONResponse(error_body_for(path, status, message, param, code), status_code=status)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -50,7 +76,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
             reason = str(err.get("ctx", {}).get("error", "")) or "invalid JSON"
             return (f"the request body is not valid JSON ({reason}); strings must be valid Unicode (no lone "
                     "surrogates)"), None
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_member(x)]
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
         if kind == "extra_forbidden":
@@ -64,6 +90,12 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request body", param
 
 
+def _union_member(part) -> bool:
+    """pydantic's label of a union member in an error location (`str`, `list[...]`, `tagged-union[...]`): not a
+    field, so left out of the field path."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none"))
+
+
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
     """Every error becomes the OpenAI shape; `on_error(request, status)` is told about each (for metrics)."""
 
@@ -74,13 +106,13 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         seen(request, exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc.status, exc.message, exc.param, exc.code, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         seen(request, 400)
         message, param = validation_message(list(exc.errors()))
-        return error_response(400, message, param, "invalid_parameter")
+        return error_response(400, message, param, "invalid_parameter", request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -88,4 +120,5 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
         if exc.status_code == 404:
             message = f"{message}: no such route"
-        return error_response(exc.status_code, message, code=HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"))
+        return error_response(exc.status_code, message, code=HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"),
+                              path=request.url.path)

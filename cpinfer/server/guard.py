@@ -1,5 +1,5 @@
-"""The server's outer ASGI layer: a request id for every request, the API key checked before any byte of the body
-is read, and the body size bounded while it streams in (`Content-Length` over the limit is refused at once; a
+"""The server's outer ASGI layer: a request id for every request, the API key (Bearer or `x-api-key`) checked before
+any byte of the body is read, and the body size bounded while it streams in (`Content-Length` over the limit is refused at once; a
 chunked body is cut off at the limit), so no client makes the server buffer more than `max_request_bytes`.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import secrets
 import uuid
 
-from cpinfer.server.errors import APIError, error_body
+from cpinfer.server.errors import APIError, error_body_for
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # never need the key (probes, Prometheus, the version)
 
@@ -38,18 +38,19 @@ class GuardMiddleware:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and _route_path(scope) not in OPEN_PATHS and not self._authorized(headers):
+        path = _route_path(scope)
+        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(headers):
             return await self._reply(send_with_id, APIError(401, "missing or incorrect API key: send the header "
-                                                                 "'Authorization: Bearer <key>'",
-                                                            code="invalid_api_key"))
+                                                                 "'Authorization: Bearer <key>' (or 'x-api-key: "
+                                                                 "<key>')", code="invalid_api_key"), path)
         declared = headers.get(b"content-length")
         if declared is not None:
             try:
                 too_big = int(declared) > self.limit
             except ValueError:
-                return await self._reply(send_with_id, APIError(400, "invalid Content-Length header"))
+                return await self._reply(send_with_id, APIError(400, "invalid Content-Length header"), path)
             if too_big:
-                return await self._reply(send_with_id, BodyTooLarge(self.limit))
+                return await self._reply(send_with_id, BodyTooLarge(self.limit), path)
         seen = 0
 
         async def bounded_receive():
@@ -64,12 +65,16 @@ class GuardMiddleware:
         await self.app(scope, bounded_receive, send_with_id)
 
     def _authorized(self, headers: dict) -> bool:
+        """`Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>` (Anthropic clients)."""
+        key = self.api_key.encode()
         scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key):
+            return True
+        return b"x-api-key" in headers and secrets.compare_digest(headers[b"x-api-key"].strip(), key)
 
     @staticmethod
-    async def _reply(send, err: APIError) -> None:
-        body = json.dumps(error_body(err.status, err.message, err.param, err.code)).encode()
+    async def _reply(send, err: APIError, path: str) -> None:
+        body = json.dumps(error_body_for(path, err.status, err.message, err.param, err.code)).encode()
         await send({"type": "http.response.start", "status": err.status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -33,7 +33,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # one more chunk, with empty choices, carries the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(_Strict):
@@ -163,6 +164,10 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -1,5 +1,6 @@
 """The routes of `cpinfer serve`, one module-level function each on an `APIRouter`: health, metrics, models,
-tokenize / detokenize, and the two generation routes (their bodies live in `completions.py` and `chat.py`).
+tokenize / detokenize, and the generation routes, each the pipeline (pipeline.py) run with its API's translation
+(`completions.py`, `chat.py`, `messages.py` for Anthropic's Messages API, `responses.py` for OpenAI's Responses).
 Shared state is `request.app.state.server` (`state.OpenAIServer`).
 """
 from __future__ import annotations
@@ -10,10 +11,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from cpinfer.server import protocol as P
-from cpinfer.server.chat import create_chat_completion
-from cpinfer.server.completions import create_completion
+from cpinfer.server.chat import ChatAPI
+from cpinfer.server.completions import CompletionAPI
 from cpinfer.server.errors import APIError, error_response
+from cpinfer.server.messages import CountTokensRequest, MessagesAPI, MessagesRequest, count_tokens
 from cpinfer.server.metrics import CONTENT_TYPE
+from cpinfer.server.pipeline import run
+from cpinfer.server.responses import ResponsesAPI, ResponsesRequest, delete_response, get_response
 from cpinfer.server.state import DEAD_MESSAGE, dump, server_of
 
 router = APIRouter()
@@ -98,9 +102,34 @@ async def detokenize(request: Request):
 
 @router.post("/v1/completions", openapi_extra=body_schema(P.CompletionRequest))
 async def completions(request: Request):
-    return await create_completion(server_of(request), request)
+    return await run(server_of(request), request, CompletionAPI)
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(P.ChatCompletionRequest))
 async def chat_completions(request: Request):
-    return await create_chat_completion(server_of(request), request)
+    return await run(server_of(request), request, ChatAPI)
+
+
+@router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
+async def messages(request: Request):
+    return await run(server_of(request), request, MessagesAPI)
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+async def messages_count_tokens(request: Request):
+    return await count_tokens(server_of(request), request)
+
+
+@router.post("/v1/responses", openapi_extra=body_schema(ResponsesRequest))
+async def responses(request: Request):
+    return await run(server_of(request), request, ResponsesAPI)
+
+
+@router.get("/v1/responses/{response_id}")
+async def responses_get(response_id: str, request: Request):
+    return await get_response(request, response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def responses_delete(response_id: str, request: Request):
+    return await delete_response(request, response_id)

@@ -1,35 +1,31 @@
 """What every route of `cpinfer serve` shares, kept on `app.state.server`: the engine, the server's configuration,
-the prompt encoder (its thread pool), the metrics, and the helpers that parse bodies, check them, run a request
-and stream it as server-sent events (docs/serving.md).
+the prompt encoder (its thread pool), the metrics, the stored responses (response_store.py), and the helpers that
+parse bodies, check them and build sampling params (pipeline.py runs the requests; docs/serving.md).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-import anyio
 from fastapi import Request
-from fastapi.responses import Response
 from pydantic import ValidationError
 
 from cpinfer.engine.async_llm import RequestFailedError
 from cpinfer.server import protocol as P
-from cpinfer.server.errors import APIError, error_body, validation_message
+from cpinfer.server.errors import APIError, validation_message
 from cpinfer.server.metrics import ServerMetrics
-from cpinfer.server.outputs import Progress
 from cpinfer.server.prompts import PromptEncoder, PromptError
 from cpinfer.server.reasoning import reasoning_parser_for
-from cpinfer.server.streaming import GuardedSSE
+from cpinfer.server.response_store import ResponseStore
 from cpinfer.server.tool_parsers import tool_parser_for
 from cpinfer.utils import get_logger
 
 log = get_logger()
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI completions default for max_tokens
-_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages",
+              "/v1/responses": "responses"}
 DEAD_MESSAGE = "the engine is not running (a rank failed); the server must be restarted"
 
 
@@ -54,6 +50,8 @@ class ServerConfig:
     chat_template: str | None = None  # the template text to use instead of the tokenizer's (--chat-template)
     allowed_origins: tuple[str, ...] | list[str] | None = None  # CORS origins ("*": any); None: no CORS headers
     log_requests: bool = False  # one log line per finished request (--enable-log-requests)
+    responses_max_stored: int = 1000  # /v1/responses kept for previous_response_id: at most this many ...
+    responses_max_stored_bytes: int = 256 << 20  # ... and this many bytes of JSON; the oldest are evicted first
 
     def __post_init__(self):
         if not self.served_model_name or not self.served_model_name.strip():
@@ -72,6 +70,10 @@ class ServerConfig:
                                                                 for o in self.allowed_origins):
                 raise ValueError(f"allowed_origins must be a list of origin strings, got {self.allowed_origins!r}")
             object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        for field in ("responses_max_stored", "responses_max_stored_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{field} must be an integer >= 0 (0: keep no responses), got {value!r}")
         tool_parser_for(self.tool_call_parser, None)  # ValueError naming the choices
         reasoning_parser_for(self.reasoning_parser)
 
@@ -92,6 +94,7 @@ class OpenAIServer:
         self.sampling_defaults = dict(getattr(engine, "generation_defaults", None) or {})  # generation_config.json
         self.tool_parser = tool_parser_for(config.tool_call_parser, template if isinstance(template, str) else None)
         self.reasoning = config.reasoning_parser  # a parser is made per choice (reasoning_parser_for)
+        self.responses = ResponseStore(config.responses_max_stored, config.responses_max_stored_bytes)
         self.metrics = ServerMetrics(config.served_model_name, engine.stats, lambda: bool(engine.errored))
 
     # ------------------------------------------------------------------ checks
@@ -197,205 +200,6 @@ class OpenAIServer:
         except PromptError as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_prompt") from None
 
-    # ------------------------------------------------------------------ running a request
-    async def add_requests(self, rid: str, prompts: list, params: list, param: str) -> tuple[list[str], list]:
-        """One engine request per choice (`rid-i`), all validated before any is queued; aborted again if a later
-        one fails to queue."""
-        self.check_alive()
-        try:
-            checked = [await self.prompts.run(self.engine.validate, p, sp) for p, sp in zip(prompts, params)]
-        except ValueError as exc:  # empty / over-long prompt, bad token ids: the engine names the numbers
-            raise APIError(400, str(exc), param=getattr(exc, "param", param), code="invalid_prompt") from None
-        rids = [rid] if len(checked) == 1 else [f"{rid}-{i}" for i in range(len(checked))]
-        streams = []
-        try:
-            for r, ids, sp in zip(rids, checked, params):
-                streams.append(self.engine.add_request(r, ids, sp))
-        except ValueError as exc:
-            for r in rids[:len(streams)]:
-                self.abort(r)
-            raise APIError(400, str(exc), param=param, code="invalid_prompt") from None
-        return rids, streams
-
-    async def collect(self, rids: list[str], streams: list, http_request: Request, endpoint: str, t0: float):
-        """Drain every stream to its final output (a list, in order); abort them all if the client goes away first
-        (None) or one fails (raised as an APIError). Every task started here is awaited or cancelled and its outcome
-        read, so a disconnect leaves nothing for asyncio to report."""
-
-        async def drain(stream):
-            last = None
-            async for out in stream:
-                last = out
-            return last
-
-        works = [asyncio.ensure_future(drain(s)) for s in streams]
-        watch = asyncio.ensure_future(_disconnected(http_request))
-        try:
-            if not await _all_before(works, watch):
-                log.info("request %s: the client disconnected before the response; aborted", rids[0])
-                self.metrics.outcome(endpoint, "abort")
-                return None
-            outs = [w.result() for w in works]
-            for out in outs:
-                self.finished(out, endpoint, t0)
-            return outs
-        except APIError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a dead rank, this request's own failure, or a bug
-            raise self.failure(exc, rids[0]) from None
-        finally:
-            _settle(watch)
-            for rid, work, stream in zip(rids, works, streams):
-                if not work.done():
-                    self.abort(rid)
-                    await self._close(stream)
-                _settle(work)
-
-    def abort(self, request_id: str) -> None:
-        try:
-            self.engine.abort(request_id)
-        except (ValueError, KeyError):  # it finished (or failed) meanwhile: nothing left to abort
-            pass
-        except Exception as exc:  # noqa: BLE001 - a dead engine cannot abort; the request is gone with it
-            log.debug("abort of %s failed: %s", request_id, exc)
-
-    async def _close(self, stream) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                await stream.aclose()
-            except Exception:  # noqa: BLE001 - closing an aborted or failed stream may raise; nothing to save
-                pass
-
-    def finished(self, out, endpoint: str, t0: float) -> None:
-        self.metrics.outcome(endpoint, out.finish_reason if out.finish_reason in ("stop", "length", "abort")
-                             else "stop")
-        m = out.metrics or {}
-        e2e = time.monotonic() - t0
-        self.metrics.latencies(m.get("ttft_s"), list(m.get("ttit_s") or []), e2e, len(out.prompt_token_ids),
-                               len(out.token_ids))
-        if self.config.log_requests:
-            ttft = m.get("ttft_s")
-            log.info("request %s finished (%s): prompt %d tokens (%d cached), output %d tokens, TTFT %s, e2e %.3f s",
-                     out.request_id, out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens,
-                     len(out.token_ids), "n/a" if ttft is None else f"{ttft:.3f} s", e2e)
-
-    @staticmethod
-    async def respond(build: Callable[[], Any]) -> Response:
-        """A whole response: `build()` makes its model and `json_bytes` its body in a worker thread, so a large
-        log-prob payload (n × echo) never stalls the event loop (/health, other streams)."""
-        body = await anyio.to_thread.run_sync(lambda: json_bytes(build()))
-        return Response(body, media_type="application/json")
-
-    def stream_response(self, rids: list[str], events) -> GuardedSSE:
-        """The SSE response of streamed requests; a client that stops reading for the stall timeout is cut off and
-        its requests aborted."""
-        def abort() -> None:
-            for rid in rids:
-                self.abort(rid)
-        return GuardedSSE(events, self.config.stream_stall_timeout_s, abort)
-
-    async def sse(self, rids: list[str], streams: list, chunks: Callable[[int, Any, Progress], list[dict]],
-                  usage_chunk: Callable[[list], dict] | None, endpoint: str, t0: float) -> AsyncIterator[str]:
-        """Server-sent events: one `data:` line per chunk of any choice (chunks(i, out, progress) for choice i), an
-        error event if a request fails, the usage of all choices, then [DONE]."""
-        progress = [Progress() for _ in streams]
-        complete = False
-        try:
-            for i, p in enumerate(progress):
-                for first in chunks(i, None, p):
-                    yield f"data: {json.dumps(first)}\n\n"
-            async for i, out in _merged(streams):
-                render = functools.partial(_events, chunks, i, out, progress[i])
-                # an echo's prompt log-probs can be megabytes: built and serialised off the event loop
-                yield await anyio.to_thread.run_sync(render) if out.prompt_logprobs is not None else render()
-            complete = True
-            lasts = [p.last for p in progress]
-            if all(last is not None for last in lasts):
-                for last in lasts:
-                    self.finished(last, endpoint, t0)
-                if usage_chunk is not None:
-                    yield f"data: {json.dumps(usage_chunk(lasts))}\n\n"
-        except Exception as exc:  # noqa: BLE001 - headers are sent: report in the stream, then end it
-            complete = True
-            self.metrics.outcome(endpoint, "error")
-            err = self.failure(exc, rids[0])
-            yield f"data: {json.dumps(error_body(err.status, err.message, code=err.code))}\n\n"
-            for rid in rids:  # the other choices stop too
-                self.abort(rid)
-        finally:
-            if not complete:  # the client disconnected (we were cancelled) or the server is stopping
-                for rid, stream in zip(rids, streams):
-                    self.abort(rid)
-                    await self._close(stream)
-                self.metrics.outcome(endpoint, "abort")
-        yield "data: [DONE]\n\n"
-
-
-async def _disconnected(http_request: Request) -> None:
-    """Returns once the client has closed the connection."""
-    while (await http_request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _all_before(works: list, watch) -> bool:
-    """True once every work is done, False if `watch` ends first; the first work that fails raises its error."""
-    pending = set(works)
-    while pending:
-        done, pending = await asyncio.wait({*pending, watch}, return_when=asyncio.FIRST_COMPLETED)
-        for work in done - {watch}:
-            if work.exception() is not None:
-                raise work.exception()
-        pending.discard(watch)
-        if watch in done and pending:
-            return False
-    return True
-
-
-def _settle(task) -> None:
-    """Cancel a task still running; read a finished one's error (reported once already, or not needed): asyncio
-    then has no "exception was never retrieved" to log."""
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled():
-        task.exception()
-
-
-def _events(chunks: Callable, i: int, out, progress: Progress) -> str:
-    """The `data:` lines of one output's chunks."""
-    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks(i, out, progress))
-
-
-async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
-    """(choice index, output) from several request streams as they come; the first failure is raised."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    inbox: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream) -> None:
-        try:
-            async for out in stream:
-                inbox.put_nowait((i, out, None))
-            inbox.put_nowait((i, None, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            inbox.put_nowait((i, None, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            i, out, exc = await inbox.get()
-            if exc is not None:
-                raise exc
-            if out is None:
-                left -= 1
-                continue
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-
 
 def dump(model) -> dict:
     body = model.model_dump()
@@ -421,6 +225,8 @@ _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, sepa
 def json_bytes(model) -> bytes:
     """A response model as JSON, dumped and encoded one choice at a time: no single call holds the interpreter
     for the whole of a large log-prob payload (the event loop's thread gets its turns)."""
+    if isinstance(model, dict):  # a body built as a dict (the Anthropic and Responses shapes)
+        return _dumps(model).encode()
     choices = list(getattr(model, "choices", None) or [])
     head = model.model_copy(update={"choices": []}).model_dump()
     head = _dumps({**head, "choices": _CHOICES})  # the key keeps its place
