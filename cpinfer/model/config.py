@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpinfer.model.config_parts import ACTIVATIONS, LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.config_parts import ACTIVATIONS, LAYER_TYPES, DSAConfig, MLAConfig, MoEConfig, RopeConfig
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
@@ -66,6 +66,7 @@ class ModelConfig:
     mlp_module: str = "mlp"  # the checkpoint's name of each layer's MLP (MLP_MODULES)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3, Kimi K2) instead of GQA
     quantization: QuantMethod | None = None  # FP8 checkpoints: the linear method of `quantization_config`
+    dsa: DSAConfig | None = None  # DeepSeek sparse attention: MLA reading each query's top-k keys (`indexer.py`)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -107,6 +108,9 @@ class ModelConfig:
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number, got {value}")
         self._check_layers()
+        if self.dsa is not None and (self.mla is None or len(self.dsa.indexer_types) != self.num_hidden_layers):
+            raise ValueError("DeepSeek sparse attention needs MLA and one indexer_types entry per layer, got "
+                             f"{len(self.dsa.indexer_types)} for {self.num_hidden_layers} layers")
 
     def _check_layers(self) -> None:
         """The per-layer options (NoPE layers, MoE layers) name existing layers; their companions are set."""

@@ -14,11 +14,13 @@ from cpinfer.engine.kv import fp8 as kv_fp8
 @dataclasses.dataclass(frozen=True)
 class KVWidths:
     """What one cached token holds per layer and KV head: a key of `key` channels and a value of `value` channels,
-    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels."""
+    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels; `index`: a DSA
+    model's indexer key of that many channels per layer beside them (0: none; `model/indexer.py`)."""
 
     key: int
     value: int
     values_in_keys: bool = False
+    index: int = 0
 
     def __post_init__(self) -> None:
         if self.key <= 0 or self.value <= 0:
@@ -28,7 +30,9 @@ class KVWidths:
 
     @classmethod
     def of(cls, config) -> "KVWidths":
-        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys)
+        dsa = getattr(config, "dsa", None)
+        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys,
+                   0 if dsa is None else dsa.index_head_dim)
 
     @property
     def stored(self) -> int:
@@ -42,7 +46,8 @@ class KVStore:
     assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
     FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head (MLA: per layer for the
     latent and for the rotary key), or [D + 4] with its own scale in the per-token format (`kv/fp8.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
-    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes."""
+    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes. `index` (DSA models):
+    the indexer keys [layers, capacity + 1, widths.index] in the compute dtype, written at the latent's slots."""
 
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
@@ -62,6 +67,8 @@ class KVStore:
         else:
             self.v = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.value + extra), dtype=store_dtype,
                                  device=device)
+        self.index = None if not widths.index else torch.zeros((num_layers, capacity + 1, widths.index),
+                                                               dtype=dtype, device=device)
         self.sink = capacity
         self.used = 0
 
@@ -72,7 +79,8 @@ class KVStore:
     @staticmethod
     def bytes_per_token(num_layers: int, n_kv_heads: int, widths: KVWidths, elem_bytes: int,
                         kv_cache_dtype: str = "auto") -> int:
+        index = num_layers * widths.index * elem_bytes  # DSA's indexer keys (0 for other models)
         if widths.values_in_keys:
-            return num_layers * n_kv_heads * kv_fp8.row_bytes(widths.stored, elem_bytes, kv_cache_dtype)
-        return num_layers * n_kv_heads * sum(kv_fp8.row_bytes(w, elem_bytes, kv_cache_dtype)
-                                             for w in (widths.key, widths.value))
+            return num_layers * n_kv_heads * kv_fp8.row_bytes(widths.stored, elem_bytes, kv_cache_dtype) + index
+        return index + num_layers * n_kv_heads * sum(kv_fp8.row_bytes(w, elem_bytes, kv_cache_dtype)
+                                                     for w in (widths.key, widths.value))

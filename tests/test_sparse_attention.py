@@ -1,0 +1,169 @@
+"""DeepSeek sparse attention (DeepSeek-V3.2 `deepseek_v32`, GLM-5 `glm_moe_dsa`): the config readers and their
+refusals, the exact top-k over candidates split among ranks (ties by position, the same at every split), the
+indexer keys beside the latent in the KV store, and the engine against transformers at CP 1, 2 and 3 with
+index_topk 64 far below the prompts (330 tokens whole, 700 chunked, decode, a second turn from the prefix cache)."""
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import tiny_config
+from cpinfer import SamplingParams
+from cpinfer.attention.sparse import attend_selected, ordered_topk, selected, threshold
+from cpinfer.engine.kv.store import KVStore, KVWidths
+from cpinfer.model.config import ModelConfig
+
+GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+# DeepSeek-V3's tiny MLA and MoE (tests/checkpoints.py) with an indexer of 16 heads x 16 channels (8 with RoPE):
+# enough heads that no two keys tie at the top-k boundary (transformers' topk breaks ties its own way)
+INDEXER = dict(index_topk=64, index_n_heads=16, index_head_dim=16, max_position_embeddings=2048)
+GLM_TYPES = ["full", "shared", "full"]
+
+
+def _config(model_type, **over):
+    d = tiny_config("deepseek_v3", model_type=model_type, **{**INDEXER, **over})
+    return ModelConfig.from_dict(d)
+
+
+def _checkpoint(make, model_type, **over):
+    extra = {"indexer_types": GLM_TYPES} if model_type == "glm_moe_dsa" else {}
+    return make("deepseek_v3", model_type=model_type, **{**INDEXER, **extra, **over})
+
+
+# ---------------------------------------------------------------- config
+def test_readers_take_the_indexer_and_glm_sharing():
+    v32 = _config("deepseek_v32")
+    assert (v32.dsa.index_topk, v32.dsa.index_n_heads, v32.dsa.index_head_dim, v32.dsa.rope_dim) == (64, 16, 16, 8)
+    assert not v32.dsa.rope_interleaved and v32.dsa.indexer_types == ("full",) * 3 and v32.mla.rope_interleaved
+    assert v32.moe_layers == (1, 2)
+    glm = _config("glm_moe_dsa", indexer_types=GLM_TYPES, mlp_layer_types=["dense", "dense", "sparse"])
+    assert glm.dsa.rope_interleaved and glm.dsa.indexer_types == tuple(GLM_TYPES) and glm.moe_layers == (2,)
+    # transformers' schedule without indexer_types: full where max(i - offset + 1, 0) % freq == 0
+    sched = _config("glm_moe_dsa", num_hidden_layers=3, index_topk_freq=2, index_skip_topk_offset=2)
+    assert sched.dsa.indexer_types == ("full", "full", "shared")
+    assert _config("glm_moe_dsa", index_topk_pattern="FSF").dsa.indexer_types == tuple(GLM_TYPES)
+
+
+@pytest.mark.parametrize("model_type, bad, message", [
+    ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank is required"),
+    ("deepseek_v32", {"index_head_dim": 4}, "index_head_dim"),
+    ("deepseek_v32", {"index_topk": 0}, "index_topk"),
+    ("glm_moe_dsa", {"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\] must be 'full'"),
+    ("glm_moe_dsa", {"indexer_types": ["full", "skip", "full"]}, "unsupported indexer_types"),
+    ("glm_moe_dsa", {"indexer_types": ["full", "full"]}, "one indexer_types entry per layer"),
+    ("deepseek_v32", {"mlp_layer_types": ["dense", "moe", "sparse"]}, "mlp_layer_types"),
+    ("deepseek_v32", {"layer_types": ["indexed_attention", "full_attention", "indexed_attention"]}, "layer_types"),
+])
+def test_configs_the_engine_cannot_serve_are_named(model_type, bad, message):
+    with pytest.raises(ValueError, match=message):
+        _config(model_type, **bad)
+
+
+def test_the_indexer_key_sits_beside_the_latent():
+    """A DSA model's cache row: the latent (16 + 8) and, per layer, its indexer key (16), counted in the bytes."""
+    cfg = _config("deepseek_v32")
+    w = KVWidths.of(cfg)
+    assert (w.key, w.value, w.values_in_keys, w.index) == (24, 16, True, 16)
+    assert KVStore.bytes_per_token(3, 1, w, 4) == 3 * (24 + 16) * 4
+    store = KVStore(3, 8, 1, w, torch.float32, "cpu")
+    assert store.index.shape == (3, 9, 16) and store.k.shape == (3, 9, 1, 24)
+    assert KVStore(3, 8, 1, KVWidths(24, 16, True), torch.float32, "cpu").index is None
+
+
+# ---------------------------------------------------------------- exact top-k from candidates
+def _by_order(scores: torch.Tensor, pos: torch.Tensor, k: int) -> set:
+    """The single-device top-k of one row by (score desc, position asc), visible (finite) keys only."""
+    keys = sorted((-float(s), int(p)) for s, p in zip(scores, pos) if torch.isfinite(s))
+    return {p for _, p in keys[:k]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_candidates_from_any_split_give_the_single_device_top_k(world):
+    """Scores with many ties (rounded to a few values) and invisible keys; keys dealt to `world` ranks at random:
+    each rank's local top-k, the union's k-th as the threshold, and each rank's kept keys together are exactly
+    the single-device top-k under (score desc, position asc), row by row; fewer visible keys than k keep all."""
+    gen = torch.Generator().manual_seed(world)
+    q, n, k = 40, 97, 12
+    scores = torch.round(torch.randn(q, n, generator=gen) * 2) / 2  # ties everywhere
+    scores[torch.rand(q, n, generator=gen) < 0.3] = -torch.inf
+    scores[0, :] = -torch.inf
+    scores[1, :5] = 1.0
+    scores[1, 5:] = -torch.inf  # 5 visible < k
+    pos = torch.randperm(n, generator=gen) * 3 + 7
+    owner = torch.randint(0, world, (n,), generator=gen)
+    cands = []
+    for r in range(world):
+        mine = torch.nonzero(owner == r).flatten()
+        mine = mine[torch.argsort(pos[mine])]  # a rank's keys in position order
+        cands.append((mine,) + ordered_topk(scores[:, mine], pos[mine], k))
+    ts, tp = threshold(torch.cat([c[1] for c in cands], 1), torch.cat([c[2] for c in cands], 1), k)
+    for row in range(q):
+        got = set()
+        for mine, vals, where, idx in cands:
+            keep = selected(vals, where, ts, tp)[row]
+            got |= {int(pos[mine][i]) for i in idx[row][keep]}
+        assert got == _by_order(scores[row], pos, k), row
+    assert not selected(*cands[0][1:3], ts, tp)[0].any()
+
+
+def test_attention_over_the_selected_keys_merges_exactly():
+    """Partials of each rank over its kept keys merge (by LSE) into the dense softmax restricted to them."""
+    from cpinfer.attention.merge import merge_partials
+
+    gen = torch.Generator().manual_seed(0)
+    q, h, d, dv, n, k = 6, 3, 10, 7, 30, 5
+    qs, keys = torch.randn(q, h, d, generator=gen), torch.randn(n, d, generator=gen)
+    idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(q)])
+    keep = torch.rand(q, k, generator=gen) < 0.7
+    keep[:, 0] = True
+    halves = [keep & (idx < 15), keep & (idx >= 15)]
+    parts = [attend_selected(qs, keys, idx, m, dv, 0.3, rows_per_chunk=4) for m in halves]
+    out, _ = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    mask = torch.full((q, n), -torch.inf)
+    for i in range(q):
+        mask[i, idx[i][keep[i]]] = 0.0
+    ref = torch.softmax(torch.einsum("qhd,nd->qhn", qs, keys) * 0.3 + mask[:, None], -1) @ keys[:, :dv]
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the engine against transformers
+@pytest.fixture(scope="module")
+def engines():
+    from pooled_engine import shard_engines
+
+    yield from shard_engines()
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_matches_transformers(llama_checkpoint, engines, model_type, cp):
+    """index_topk 64: a 330-token prompt prefilled whole, a 700-token one in chunks of <= 400, decode, and second
+    turns over both from the prefix cache (partial prefills): prompt log-probs within 1e-4 of transformers,
+    greedy tokens equal, at CP 1, 2 and 3 (GLM: its middle layer reuses layer 0's selection)."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = _checkpoint(llama_checkpoint, model_type)
+    with engines(path, cp, max_num_batched_tokens=400, max_kv_tokens_per_rank=2048) as llm:
+        prompts = prompts_for(llm.config.vocab_size, [330, 700], seed=cp)
+        outs = [llm.generate([p], SamplingParams(max_tokens=6, prompt_logprobs=True, **GREEDY))[0] for p in prompts]
+        check_against_hf(path, outs, prompts, 6)
+        turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
+        outs2 = llm.generate(turn2, SamplingParams(max_tokens=5, **GREEDY))
+        assert [o.num_cached_tokens for o in outs2] == [len(p) + 5 for p in prompts]
+        check_against_hf(path, outs2, turn2, 5, check_prompt_lp=False)
+
+
+def test_top_k_above_the_context_selects_everything_and_the_selection_matters(llama_checkpoint, engines):
+    """The same weights with index_topk 4096 (above every context): exact against transformers at CP2 (every key
+    selected); its prompt log-probs differ from index_topk 64's past position 64, so the selection is real."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    prompts = prompts_for(256, [200], seed=9)
+    lps = {}
+    for topk in (64, 4096):
+        path = _checkpoint(llama_checkpoint, "deepseek_v32", index_topk=topk)
+        with engines(path, 2, max_kv_tokens_per_rank=2048) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=3, prompt_logprobs=True, **GREEDY))
+            check_against_hf(path, outs, prompts, 3)
+            lps[topk] = np.asarray(outs[0].prompt_logprobs[1:])
+    assert np.abs(lps[64][:63] - lps[4096][:63]).max() < 1e-4  # <= 64 keys: the same attention
+    assert np.abs(lps[64][100:] - lps[4096][100:]).max() > 1e-2
