@@ -133,17 +133,18 @@ def engines():
     yield from shard_engines()
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3])
+@pytest.mark.parametrize("cp, tp", [(1, 1), (2, 1), (3, 1), (1, 2)])
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
-def test_sparse_attention_matches_transformers(llama_checkpoint, engines, model_type, cp):
+def test_sparse_attention_matches_transformers(llama_checkpoint, engines, model_type, cp, tp):
     """index_topk 64: a 330-token prompt prefilled whole, a 700-token one in chunks of <= 400, decode, and second
     turns over both from the prefix cache (partial prefills): prompt log-probs within 1e-4 of transformers,
-    greedy tokens equal, at CP 1, 2 and 3 (GLM: its middle layer reuses layer 0's selection)."""
+    greedy tokens equal, at CP 1, 2 and 3 and TP 2 (the indexer whole on every TP rank; GLM: its middle layer
+    reuses layer 0's selection)."""
     from hf_oracle import check_against_hf, prompts_for
 
     path = _checkpoint(llama_checkpoint, model_type)
-    with engines(path, cp, max_num_batched_tokens=400, max_kv_tokens_per_rank=2048) as llm:
-        prompts = prompts_for(llm.config.vocab_size, [330, 700], seed=cp)
+    with engines(path, cp, tp, max_num_batched_tokens=400, max_kv_tokens_per_rank=2048) as llm:
+        prompts = prompts_for(llm.config.vocab_size, [330, 700], seed=cp + tp)
         outs = [llm.generate([p], SamplingParams(max_tokens=6, prompt_logprobs=True, **GREEDY))[0] for p in prompts]
         check_against_hf(path, outs, prompts, 6)
         turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
@@ -167,3 +168,39 @@ def test_top_k_above_the_context_selects_everything_and_the_selection_matters(ll
             lps[topk] = np.asarray(outs[0].prompt_logprobs[1:])
     assert np.abs(lps[64][:63] - lps[4096][:63]).max() < 1e-4  # <= 64 keys: the same attention
     assert np.abs(lps[64][100:] - lps[4096][100:]).max() > 1e-2
+
+
+# ---------------------------------------------------------------- what the engine refuses, and what it carries
+@pytest.mark.parametrize("kw, message", [
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+    ({"kv_host_gib": 0.01}, "kv_host_gib=0.01 is not supported"),
+    ({"kv_disk_dir": "KV"}, "kv_disk_dir=.* is not supported"),
+    ({"mla_form": "expanded"}, "mla_form='expanded' is not supported"),
+    ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}}, "method 'draft_model' is not supported"),
+    ({"pd_decode_cp": 1}, "prefill / decode groups"),
+])
+def test_features_that_do_not_carry_the_indexer_keys_are_refused_before_ranks_start(llama_checkpoint, tmp_path,
+                                                                                    kw, message):
+    from cpinfer import LLM
+
+    path = _checkpoint(llama_checkpoint, "deepseek_v32")
+    kw = {k: str(tmp_path / v) if k == "kv_disk_dir" else v for k, v in kw.items()}
+    if "speculative_config" in kw:
+        kw["speculative_config"] = {**kw["speculative_config"], "model": str(path)}
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), max_kv_tokens_per_rank=2048, **kw)
+
+
+def test_ngram_speculation_verifies_with_each_rows_own_top_k(llama_checkpoint, engines):
+    """CP2, prompt-lookup drafts on a repetitive 220-token prompt: each verify row selects its own top-k; greedy
+    tokens and log-probs as transformers', some drafts accepted."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = _checkpoint(llama_checkpoint, "deepseek_v32")
+    base = prompts_for(256, [100], seed=3)[0]
+    prompts = [base + base[:60] + base[:60]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with engines(path, 2, max_kv_tokens_per_rank=2048, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    check_against_hf(path, outs, prompts, 12, check_prompt_lp=False)
+    assert sum((st.get("spec") or {}).get("drafted", 0) for st in outs[0].metrics["steps"]) > 0

@@ -138,7 +138,7 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)  # [L]
         pos = torch.arange(tokens, device=dev)  # [L]
 
-        def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D]
+        def attn(layer: int, q, k, v, sinks=None, index=None):  # q [L, H, D], k/v [L, Hkv, D]
             acc_out, _ = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
             ring = k.new_empty((2, k.shape[0], k.shape[1], self.widths.stored))  # [2, L, Hkv, W]: block and spare
             del ring

@@ -148,4 +148,30 @@ class SparseAttention:
             part.keep = selected(part.cand[0], part.cand[1], ts[part.rows], tp[part.rows])
 
 
-__all__ = ["SparseAttention"]
+def check_engine(config, args, role: str | None = None) -> None:
+    """Refuse, before any rank starts, what a DSA model cannot run with here (the indexer keys travel only where
+    this names nothing): `args` an `EngineConfig`, `role` a P/D group's role (None: a plain engine)."""
+    if config.dsa is None:
+        return
+    name = f"{config.model_type} (DeepSeek sparse attention)"
+    refused = [
+        (args.kv_cache_dtype != "auto", f"kv_cache_dtype={args.kv_cache_dtype!r}", "kv_cache_dtype='auto'"),
+        (args.kv_host_gib > 0, f"kv_host_gib={args.kv_host_gib}", "kv_host_gib=0 (the tiers do not carry the "
+         "indexer keys yet)"),
+        (args.kv_disk_dir is not None, f"kv_disk_dir={args.kv_disk_dir!r}", "no kv_disk_dir (the tiers do not "
+         "carry the indexer keys yet)"),
+        (role is not None, "prefill / decode groups (pd_decode_cp)", "one engine (the K/V transfers do not carry "
+         "the indexer keys yet)"),
+        (args.static_decode is True, "static_decode=True", "static_decode None or False (the static decode path "
+         "and its CUDA graphs read every cached key, not the top-k)"),
+        (args.mla_form == "expanded", "mla_form='expanded'", "mla_form 'auto' or 'absorbed' (each query reads its "
+         "top-k latent rows absorbed)"),
+        (args.speculative_config is not None and args.speculative_config.method != "ngram",
+         "speculative_config method 'draft_model'", "method 'ngram' (a verify row selects its own top-k)"),
+    ]
+    for bad, what, use in refused:
+        if bad:
+            raise ValueError(f"{what} is not supported for {name}: use {use}")
+
+
+__all__ = ["SparseAttention", "check_engine"]

@@ -20,6 +20,7 @@ from cpinfer.engine.kv.manager import BLOCK, KVManager, request_tokens_held
 from cpinfer.engine.kv.placement import CostModel, Placer
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tiers import TierConfig
+from cpinfer.engine.sparse_attention import check_engine as check_sparse_engine
 from cpinfer.engine.spec_decode.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
 from cpinfer.engine.spec_decode.registry import check_method
 from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool, driver_can_host_rank,
@@ -83,6 +84,7 @@ class EngineStartup:
             raise ValueError(f"kv_cache_dtype={a.kv_cache_dtype!r} is not supported for {e.config.model_type} "
                              "(multi-head latent attention: the values are the cached latent's first channels); use "
                              "kv_cache_dtype='fp8' (static scales)")
+        check_sparse_engine(e.config, a, getattr(e, "role", None))  # DSA: what its indexer keys do not reach yet
         if a.load_format == "auto":
             checkpoint_files(Path(e.model_path))  # raises ValueError when no weights are there
         if a.speculative_config is not None:
@@ -194,6 +196,10 @@ class EngineStartup:
         if static and widths.key != widths.value and not widths.values_in_keys and a.static_decode is None:
             log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
                         "values (or values inside the keys, as MLA's), and this model's differ")
+            static = False
+        if static and e.config.dsa is not None:
+            log.warning("decode runs without the static path (CUDA graphs): %s attends to each query's top-k keys",
+                        e.config.model_type)
             static = False
         if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
