@@ -105,9 +105,13 @@ def test_candidates_from_any_split_give_the_single_device_top_k(world):
     assert not selected(*cands[0][1:3], ts, tp)[0].any()
 
 
-def test_attention_over_the_selected_keys_merges_exactly():
-    """Partials of each rank over its kept keys merge (by LSE) into the dense softmax restricted to them."""
+def test_attention_over_the_selected_keys_merges_exactly(monkeypatch):
+    """Partials of each rank over its kept keys merge (by LSE) into the dense softmax restricted to them (rows
+    gathered in chunks of 2)."""
+    from cpinfer.attention import sparse
     from cpinfer.attention.merge import merge_partials
+
+    monkeypatch.setattr(sparse, "_GATHER_ELEMS", 2 * 5 * 10)
 
     gen = torch.Generator().manual_seed(0)
     q, h, d, dv, n, k = 6, 3, 10, 7, 30, 5
@@ -116,7 +120,7 @@ def test_attention_over_the_selected_keys_merges_exactly():
     keep = torch.rand(q, k, generator=gen) < 0.7
     keep[:, 0] = True
     halves = [keep & (idx < 15), keep & (idx >= 15)]
-    parts = [attend_selected(qs, keys, idx, m, dv, 0.3, rows_per_chunk=4) for m in halves]
+    parts = [attend_selected(qs, keys, idx, m, dv, 0.3) for m in halves]
     out, _ = merge_partials([p[0] for p in parts], [p[1] for p in parts])
     mask = torch.full((q, n), -torch.inf)
     for i in range(q):
@@ -135,13 +139,16 @@ def engines():
 
 @pytest.mark.parametrize("cp, tp", [(1, 1), (2, 1), (3, 1), (1, 2)])
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
-def test_sparse_attention_matches_transformers(llama_checkpoint, engines, model_type, cp, tp):
+def test_sparse_attention_matches_transformers(llama_checkpoint, engines, monkeypatch, model_type, cp, tp):
     """index_topk 64: a 330-token prompt prefilled whole, a 700-token one in chunks of <= 400, decode, and second
     turns over both from the prefix cache (partial prefills): prompt log-probs within 1e-4 of transformers,
     greedy tokens equal, at CP 1, 2 and 3 and TP 2 (the indexer whole on every TP rank; GLM: its middle layer
     reuses layer 0's selection)."""
     from hf_oracle import check_against_hf, prompts_for
 
+    from cpinfer.engine import sparse_attention
+
+    monkeypatch.setattr(sparse_attention, "_SCORE_ELEMS", 16 * 700 * 50)  # CP1 (in this process): 50 rows at once
     path = _checkpoint(llama_checkpoint, model_type)
     with engines(path, cp, tp, max_num_batched_tokens=400, max_kv_tokens_per_rank=2048) as llm:
         prompts = prompts_for(llm.config.vocab_size, [330, 700], seed=cp + tp)

@@ -11,21 +11,28 @@ import torch
 from torch import Tensor
 
 NO_POS = -1  # the position of an empty candidate (score -inf)
+_GATHER_ELEMS = 1 << 22  # selected key elements gathered at once by `attend_selected`
 
 
 def ordered_topk(scores: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """scores [Q, K] fp32 (-inf: invisible), pos [K] int64 in increasing order -> the first k keys of each row in
-    the order (score desc, position asc), padded to k: (values [Q, k] fp32, positions [Q, k] int64 (NO_POS where
-    empty), indices into the K keys [Q, k] int64 (0 where empty))."""
+    """scores [Q, K] fp32 (-inf: invisible), pos [K] int64 in increasing order -> each row's first k keys in the
+    order (score desc, position asc), as a set in position order, padded to k: (values [Q, k] fp32, positions
+    [Q, k] int64 (NO_POS where empty), indices into the K keys [Q, k] int64 (0 where empty)). One top-k for the
+    k-th value, then the ties at it taken by position: O(Q K), no sort of the K keys."""
     q, n = scores.shape
     vals = torch.full((q, k), -torch.inf, dtype=torch.float32, device=scores.device)
     where = torch.full((q, k), NO_POS, dtype=torch.int64, device=scores.device)
     idx = torch.zeros((q, k), dtype=torch.int64, device=scores.device)
     m = min(k, n)
     if m and q:
-        s, order = torch.sort(scores, dim=1, descending=True, stable=True)  # ties keep position order
-        vals[:, :m], idx[:, :m] = s[:, :m], order[:, :m]
-        where[:, :m] = torch.where(torch.isfinite(s[:, :m]), pos[order[:, :m]], NO_POS)
+        kth = torch.topk(scores, m, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # [Q, 1]
+        above, tie = scores > kth, scores == kth
+        need = m - above.sum(dim=1, keepdim=True)  # [Q, 1] keys still to take from the ties, earliest first
+        chosen = above | (tie & (torch.cumsum(tie, dim=1) <= need))  # [Q, K], exactly m per row
+        i = torch.nonzero(chosen)[:, 1].view(q, m)  # [Q, m] in position order
+        v = scores.gather(1, i)
+        vals[:, :m], idx[:, :m] = v, i
+        where[:, :m] = torch.where(torch.isfinite(v), pos[i], NO_POS)
     return vals, where, idx
 
 
@@ -55,19 +62,22 @@ def selected(vals: Tensor, pos: Tensor, ts: Tensor, tp: Tensor) -> Tensor:
     return keep & torch.isfinite(vals)
 
 
-def attend_selected(q: Tensor, keys: Tensor, idx: Tensor, keep: Tensor, dv: int, scale: float,
-                    rows_per_chunk: int = 256) -> tuple[Tensor, Tensor]:
-    """Absorbed-MLA attention of each row over its selected keys: q [Q, H, D], keys [K, D] (latent rows; values =
-    their first dv channels), idx / keep [Q, k] -> (out [Q, H, dv] fp32, lse [Q, H] fp32; zeros / -inf for a row
-    with no selected key here). Rows in chunks: memory O(chunk x k x D)."""
+def attend_selected(q: Tensor, keys: Tensor, slots: Tensor, keep: Tensor, dv: int,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    """Absorbed-MLA attention of each row over its selected keys: q [Q, H, D], keys [N, D] (latent rows, e.g. the
+    store; values = their first dv channels), slots / keep [Q, k] (rows of `keys`, whether selected) -> (out
+    [Q, H, dv] fp32, lse [Q, H] fp32; zeros / -inf for a row with no selected key). Reads Q x k rows, in chunks of
+    rows (memory O(chunk x k x D))."""
     nq, h = q.shape[0], q.shape[1]
     out = torch.zeros((nq, h, dv), dtype=torch.float32, device=q.device)
     lse = torch.full((nq, h), -torch.inf, dtype=torch.float32, device=q.device)
-    if keys.shape[0] == 0 or idx.shape[1] == 0:
+    k = slots.shape[1]
+    if not k or not nq:
         return out, lse
-    for a in range(0, nq, rows_per_chunk):
-        e = min(nq, a + rows_per_chunk)
-        kk = keys.index_select(0, idx[a:e].reshape(-1)).view(e - a, idx.shape[1], -1).float()  # [c, k, D]
+    step = max(1, _GATHER_ELEMS // (k * keys.shape[1]))
+    for a in range(0, nq, step):
+        e = min(nq, a + step)
+        kk = keys.index_select(0, slots[a:e].reshape(-1)).view(e - a, k, -1).float()  # [c, k, D]
         s = torch.matmul(q[a:e].float(), kk.transpose(1, 2)) * scale  # [c, H, k]
         s = s.masked_fill(~keep[a:e, None, :], -torch.inf)
         m = torch.logsumexp(s, dim=-1)  # [c, H]

@@ -77,7 +77,7 @@ class SparseAttention:
             if index is not None:
                 self._candidates(part, index.q, index.w, store_index, index.scale)
                 part.keep = selected(*part.cand[:2], *threshold(part.cand[0], part.cand[1], self.topk))
-            o, _ = attend_selected(q[part.rows], keys[part.slots], part.cand[2], part.keep, dv, scale)
+            o, _ = attend_selected(q[part.rows], keys, part.slots[part.cand[2]], part.keep, dv, scale)
             out[part.rows] = o.to(q.dtype)
         return out
 
@@ -85,7 +85,7 @@ class SparseAttention:
         """My local top-k of each of the part's rows: (values, positions, indices into my keys), [Q, k] each."""
         k = store_index[part.slots]  # [K, Di]
         vals, pos, idx = [], [], []
-        step = max(1, _SCORE_ELEMS // max(1, len(part.slots)))
+        step = max(1, _SCORE_ELEMS // max(1, len(part.slots) * iq.shape[1]))  # [rows, Hi, K] at once
         for a in range(0, len(part.rows), step):
             rows = part.rows[a:a + step]
             s = index_scores(iq[rows], w[rows], k, scale)  # [c, K]
@@ -123,7 +123,7 @@ class SparseAttention:
         partials = torch.zeros((world * rows, h, dv + 1), dtype=torch.float32, device=q.device)  # out | lse
         partials[..., dv] = -torch.inf
         for part in self.ring:
-            o, l = attend_selected(gq[part.rows], keys[part.slots], part.cand[2], part.keep, dv, scale)
+            o, l = attend_selected(gq[part.rows], keys, part.slots[part.cand[2]], part.keep, dv, scale)
             partials[part.rows, :, :dv], partials[part.rows, :, dv] = o, l
         back = torch.empty_like(partials)
         dist.all_to_all_single(back, partials, group=group)  # back[s * max_q + i]: my row i's partial from rank s
