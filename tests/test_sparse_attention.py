@@ -211,3 +211,39 @@ def test_ngram_speculation_verifies_with_each_rows_own_top_k(llama_checkpoint, e
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
     check_against_hf(path, outs, prompts, 12, check_prompt_lp=False)
     assert sum((st.get("spec") or {}).get("drafted", 0) for st in outs[0].metrics["steps"]) > 0
+
+
+def test_fp8_block_checkpoint_loads_the_indexer_too(llama_checkpoint, engines, tmp_path):
+    """GLM-5 as DeepSeek ships FP8 (block-wise e4m3, every linear of attention, the indexer's and the experts'):
+    the engine at CP2 on the FP8 folder answers as transformers on the same weights dequantized."""
+    from safetensors.torch import load_file
+
+    from fp8_checkpoint import write_fp8_pair
+    from hf_oracle import check_against_hf, prompts_for
+
+    src = _checkpoint(llama_checkpoint, "glm_moe_dsa")
+    fp8_dir, deq_dir = tmp_path / "fp8", tmp_path / "deq"
+    write_fp8_pair(src, fp8_dir, deq_dir, "fp8_block", fuse_experts=True)
+    stored = load_file(str(fp8_dir / "model.safetensors"))
+    assert stored["model.layers.0.self_attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    prompts = prompts_for(256, [200], seed=5)
+    with engines(fp8_dir, 2, max_kv_tokens_per_rank=2048) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, prompt_logprobs=True, **GREEDY))
+    check_against_hf(deq_dir, outs, prompts, 4)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_preemption_recomputes_the_indexer_keys_with_the_latent(llama_checkpoint, engines, cp):
+    """Two 250-token prompts decoding 250 tokens each overflow a cache of about 700 tokens: one is preempted, its
+    latent and indexer keys recomputed when it resumes; both answer as transformers."""
+    from cpinfer.engine.kv.manager import BLOCK
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = _checkpoint(llama_checkpoint, "glm_moe_dsa")
+    cap = -(-(-(-700 // cp)) // BLOCK) * BLOCK + BLOCK
+    with engines(path, cp, max_kv_tokens_per_rank=cap) as llm:
+        prompts = prompts_for(256, [250, 250], seed=20 + cp)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=250, **GREEDY))
+        assert llm.engine.stats().preemptions > 0
+        check_against_hf(path, outs, prompts, 250, check_prompt_lp=False)
+        llm.engine.kv.check_invariants()
