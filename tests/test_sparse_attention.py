@@ -247,3 +247,26 @@ def test_preemption_recomputes_the_indexer_keys_with_the_latent(llama_checkpoint
         assert llm.engine.stats().preemptions > 0
         check_against_hf(path, outs, prompts, 250, check_prompt_lp=False)
         llm.engine.kv.check_invariants()
+
+
+# ---------------------------------------------------------------- `cpinfer bench sparse`
+def test_bench_counts_the_work_and_times_both_paths_in_one_process():
+    """The bench's batch deals the context in blocks of 64 and puts the new tokens last; its work formula gives the
+    sparse layer less work than dense past top-k (the indexer's pairs plus attention over top-k); one tiny run of
+    both paths through the engine's code at CP1."""
+    from cpinfer.bench import sparse as bench
+    from cpinfer.launch import InProcessWorld
+
+    batch, cached = bench._batch(1000, 40, 3)
+    s = batch.seqs[0]
+    assert s.start == 960 and sum(len(c) for c in cached) == 960 and set(s.ranks) <= {0, 1, 2} and s.spread
+    assert [int(r[0, 1]) for r in s.ctx_runs] == [len(c) for c in cached] == [320, 320, 320]
+    shape = dict(bench.DEFAULTS, topk=64)
+    w = bench.work(shape, 4096, 16, 2, "absorbed")
+    pairs = 16 * 4080 + 16 * 17 // 2
+    assert w["sparse"] == 16 * 64 * 16 * 2 * (2 * 512 + 64) + 16 * 16 * 2 * 512 * 256 + pairs * 2 * 8 * 128
+    assert w["dense"] > 3 * w["sparse"]
+    with InProcessWorld() as world:
+        (out,) = world.run(bench.rank_time, dict(shape, heads=2, rank=32, rope=8, nope=8, v=8, index_dim=16), 300,
+                           20, 1)
+    assert out["form"] in ("absorbed", "expanded") and out["dense"] > 0 and out["sparse"] > 0
