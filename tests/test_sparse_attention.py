@@ -59,14 +59,21 @@ def test_configs_the_engine_cannot_serve_are_named(model_type, bad, message):
 
 
 def test_the_indexer_key_sits_beside_the_latent():
-    """A DSA model's cache row: the latent (16 + 8) and, per layer, its indexer key (16), counted in the bytes."""
+    """A DSA model's cache row per layer: the latent (16 + 8) then its indexer key (16), one row, so whatever moves
+    a token's rows moves both; counted in the bytes; refused without MLA or in an FP8 cache."""
     cfg = _config("deepseek_v32")
     w = KVWidths.of(cfg)
-    assert (w.key, w.value, w.values_in_keys, w.index) == (24, 16, True, 16)
+    assert (w.key, w.value, w.values_in_keys, w.index, w.stored) == (24, 16, True, 16, 40)
     assert KVStore.bytes_per_token(3, 1, w, 4) == 3 * (24 + 16) * 4
     store = KVStore(3, 8, 1, w, torch.float32, "cpu")
-    assert store.index.shape == (3, 9, 16) and store.k.shape == (3, 9, 1, 24)
+    assert store.k.shape == (3, 9, 1, 40) and store.index.shape == (3, 9, 16) and store.v.shape == (3, 9, 1, 16)
+    store.index[1, 2] = 5.0
+    assert bool((store.k[1, 2, 0, 24:] == 5.0).all()) and not store.k[1, 2, 0, :24].any()
     assert KVStore(3, 8, 1, KVWidths(24, 16, True), torch.float32, "cpu").index is None
+    with pytest.raises(ValueError, match="beside MLA's latent only"):
+        KVWidths(24, 24, False, 16)
+    with pytest.raises(ValueError, match="full-precision latent cache"):
+        KVStore(3, 8, 1, w, torch.float32, "cpu", kv_cache_dtype="fp8")
 
 
 # ---------------------------------------------------------------- exact top-k from candidates
@@ -180,18 +187,14 @@ def test_top_k_above_the_context_selects_everything_and_the_selection_matters(ll
 # ---------------------------------------------------------------- what the engine refuses, and what it carries
 @pytest.mark.parametrize("kw, message", [
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
-    ({"kv_host_gib": 0.01}, "kv_host_gib=0.01 is not supported"),
-    ({"kv_disk_dir": "KV"}, "kv_disk_dir=.* is not supported"),
     ({"mla_form": "expanded"}, "mla_form='expanded' is not supported"),
     ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}}, "method 'draft_model' is not supported"),
     ({"pd_decode_cp": 1}, "prefill / decode groups"),
 ])
-def test_features_that_do_not_carry_the_indexer_keys_are_refused_before_ranks_start(llama_checkpoint, tmp_path,
-                                                                                    kw, message):
+def test_features_that_do_not_carry_the_indexer_keys_are_refused_before_ranks_start(llama_checkpoint, kw, message):
     from cpinfer import LLM
 
     path = _checkpoint(llama_checkpoint, "deepseek_v32")
-    kw = {k: str(tmp_path / v) if k == "kv_disk_dir" else v for k, v in kw.items()}
     if "speculative_config" in kw:
         kw["speculative_config"] = {**kw["speculative_config"], "model": str(path)}
     with pytest.raises(ValueError, match=message):
@@ -270,3 +273,42 @@ def test_bench_counts_the_work_and_times_both_paths_in_one_process():
         (out,) = world.run(bench.rank_time, dict(shape, heads=2, rank=32, rope=8, nope=8, v=8, index_dim=16), 300,
                            20, 1)
     assert out["form"] in ("absorbed", "expanded") and out["dense"] > 0 and out["sparse"] > 0
+
+
+DSA_ROW = 3 * (16 + 8 + 16) * 4  # tiny: 3 layers x (latent 16 + rotary 8 + indexer key 16) fp32 per token
+
+
+def test_tiers_carry_the_indexer_keys_across_a_restart_at_another_cp_size(llama_checkpoint, engines, tmp_path):
+    """CP2 with a device cache of about one conversation: histories go to the host pool and to disk as rows of
+    [latent ; indexer key] ([tokens, 1, layers, 1, 40]), come back exact (the top-k over restored indexer keys);
+    the tiers count 480 bytes a token; a CP1 engine restarted on the directory reads them and answers as
+    transformers."""
+    from safetensors import safe_open
+
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = _checkpoint(llama_checkpoint, "glm_moe_dsa")
+    kv_dir = tmp_path / "kv"
+    kw = dict(kv_disk_dir=kv_dir, max_num_batched_tokens=96)
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=4))]
+    with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=128 * DSA_ROW / (1 << 30), **kw) as llm:
+        first = []
+        for d in docs:  # one at a time: each pushes the one before down a tier
+            first += llm.generate([d], SamplingParams(max_tokens=6, **GREEDY))
+        check_against_hf(path, first, docs, 6, check_prompt_lp=False)
+        turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
+        outs = [llm.generate([t], SamplingParams(max_tokens=6, **GREEDY))[0] for t in turn2[::-1]]
+        check_against_hf(path, outs, turn2[::-1], 6, check_prompt_lp=False)
+        assert [o.num_cached_tokens for o in outs] == [len(d) + 5 for d in docs[::-1]]
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] > 0 and t["disk"]["hit_tokens"] > 0, t
+        assert t["device"]["bytes"] == t["device"]["tokens"] * DSA_ROW
+        llm.engine.kv.check_invariants()
+    files = sorted(p for p in kv_dir.iterdir() if p.suffix == ".safetensors")
+    with safe_open(str(files[0]), framework="pt") as f:
+        assert tuple(f.get_slice("kv").get_shape()[1:]) == (1, 3, 1, 40)
+        assert "latent16+rope8+index16" in f.metadata()["layout"]
+    with engines(path, 1, max_kv_tokens_per_rank=2048, **kw) as llm:
+        out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **GREEDY))
+        check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
+        assert out[0].num_cached_tokens >= len(docs[0]) + 5

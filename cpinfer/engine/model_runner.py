@@ -195,11 +195,14 @@ class ModelRunner:
         def attn(layer: int, q, k, v, sinks=None, expand=None, index=None):  # q [L, H, D], k/v [L, Hkv, D] with
             # RoPE applied; sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk],
             # v [N, H, Dv]); index: a DSA layer's `IndexerRows` (None on its "shared" layers)
-            if sparse is not None:
-                store.k[layer].index_copy_(0, slots, k)
+            if sparse is not None:  # DSA: rows [latent ; indexer key], the indexer's written on its "full" layers
+                store.k[layer][..., :store.widths.key].index_copy_(0, slots, k)
                 if index is not None:
                     store.index[layer].index_copy_(0, slots, index.k)
-                return sparse.run(q, store.k[layer], store.index[layer], index, self.scale, v.shape[-1])
+                if written is not None:
+                    written(layer)
+                return sparse.run(q, store.k[layer][..., :store.widths.key], store.index[layer], index, self.scale,
+                                  v.shape[-1])
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
                 k, v = kv_fp8.encode_rows(codecs[layer], k, v, store.widths.values_in_keys)
             store.k[layer].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots

@@ -156,10 +156,6 @@ def check_engine(config, args, role: str | None = None) -> None:
     name = f"{config.model_type} (DeepSeek sparse attention)"
     refused = [
         (args.kv_cache_dtype != "auto", f"kv_cache_dtype={args.kv_cache_dtype!r}", "kv_cache_dtype='auto'"),
-        (args.kv_host_gib > 0, f"kv_host_gib={args.kv_host_gib}", "kv_host_gib=0 (the tiers do not carry the "
-         "indexer keys yet)"),
-        (args.kv_disk_dir is not None, f"kv_disk_dir={args.kv_disk_dir!r}", "no kv_disk_dir (the tiers do not "
-         "carry the indexer keys yet)"),
         (role is not None, "prefill / decode groups (pd_decode_cp)", "one engine (the K/V transfers do not carry "
          "the indexer keys yet)"),
         (args.static_decode is True, "static_decode=True", "static_decode None or False (the static decode path "

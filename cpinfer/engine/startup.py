@@ -294,7 +294,7 @@ class EngineStartup:
             e.disk = open_disk_dir(a.kv_disk_dir, a.kv_disk_gib)
             layout = model_layout(e.model_path, checkpoint_files(Path(e.model_path)), e.disk,
                                   layout_dtype(a.dtype, a.kv_cache_dtype), c.num_hidden_layers, c.cached_kv_heads,
-                                  c.kv_key_width, a.tensor_parallel_size, c.kv_row)
+                                  c.kv_key_width + KVWidths.of(c).index, a.tensor_parallel_size, c.kv_row)
             disk_dir, disk_bytes = str(e.disk.path), e.disk.bound
         writable = e.disk is not None and e.disk.writable
         shared = c.values_in_keys and a.tensor_parallel_size > 1  # MLA: one latent copy per CP shard

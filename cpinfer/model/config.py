@@ -171,7 +171,8 @@ class ModelConfig:
         """What a cached row is, for tier keys: "" (a key and a value of head_dim per KV head) or MLA's latent."""
         if self.mla is None:
             return ""
-        return f"latent{self.mla.kv_lora_rank}+rope{self.mla.qk_rope_head_dim}"
+        index = "" if self.dsa is None else f"+index{self.dsa.index_head_dim}"  # DSA: its indexer key after it
+        return f"latent{self.mla.kv_lora_rank}+rope{self.mla.qk_rope_head_dim}{index}"
 
     @property
     def cached_kv_heads(self) -> int:
