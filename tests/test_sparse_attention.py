@@ -189,7 +189,6 @@ def test_top_k_above_the_context_selects_everything_and_the_selection_matters(ll
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
     ({"mla_form": "expanded"}, "mla_form='expanded' is not supported"),
     ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}}, "method 'draft_model' is not supported"),
-    ({"pd_decode_cp": 1}, "prefill / decode groups"),
 ])
 def test_features_that_do_not_carry_the_indexer_keys_are_refused_before_ranks_start(llama_checkpoint, kw, message):
     from cpinfer import LLM
@@ -312,3 +311,24 @@ def test_tiers_carry_the_indexer_keys_across_a_restart_at_another_cp_size(llama_
         out = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=6, **GREEDY))
         check_against_hf(path, out, [turn2[0] + [9]], 6, check_prompt_lp=False)
         assert out[0].num_cached_tokens >= len(docs[0]) + 5
+
+
+def test_prefill_and_decode_groups_move_the_indexer_keys_with_the_latent(llama_checkpoint):
+    """Prefill on a CP2 group (chunks of 96), decode on a CP1 group: the rows sent between them are [latent ;
+    indexer key], so the decode group's top-k over the moved keys answers as transformers."""
+    from cpinfer.launch import WorkerPool
+    from hf_oracle import check_against_hf, prompts_for
+    from pooled_engine import pd_llm
+
+    path = _checkpoint(llama_checkpoint, "deepseek_v32")
+    prompts = prompts_for(256, [230, 120], seed=11)
+    with WorkerPool(3, threads_per_rank=1, timeout_s=120) as pool:
+        llm = pd_llm(pool, path, context_parallel_size=2, pd_decode_cp=1, placement="shard",
+                     max_num_batched_tokens=96, max_kv_tokens_per_rank=1024)
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
+            decode = llm.engine.decode[0].stats().forwards
+            assert decode and not any(k.startswith("prefill/") for k in decode), decode  # it never prefilled
+        finally:
+            llm.shutdown()
+    check_against_hf(path, outs, prompts, 8, check_prompt_lp=False)

@@ -156,8 +156,6 @@ def check_engine(config, args, role: str | None = None) -> None:
     name = f"{config.model_type} (DeepSeek sparse attention)"
     refused = [
         (args.kv_cache_dtype != "auto", f"kv_cache_dtype={args.kv_cache_dtype!r}", "kv_cache_dtype='auto'"),
-        (role is not None, "prefill / decode groups (pd_decode_cp)", "one engine (P/D with the indexer keys is not "
-         "tested yet)"),
         (args.static_decode is True, "static_decode=True", "static_decode None or False (the static decode path "
          "and its CUDA graphs read every cached key, not the top-k)"),
         (args.mla_form == "expanded", "mla_form='expanded'", "mla_form 'auto' or 'absorbed' (each query reads its "
