@@ -14,6 +14,10 @@ in the cache and on the ring but attends with per-head keys and values: attentio
 forward for a rank's own rows. Fewer FLOPs when many queries meet many keys (prefill); the absorbed form reads fewer
 bytes (decode).
 
+DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: `config.dsa`): the layer stays absorbed and also gives attention
+its lightning indexer's rows (`indexer.py`; `index=None` on GLM's "shared" layers, which reuse the previous layer's
+selection); attention reads each query's top-k latent rows (`engine/sparse_attention.py`).
+
 No distributed code: under TP the query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns) are sliced
 from outside and the latent path (q_a_proj, kv_a_proj_with_mqa, their norms) stays whole on every rank.
 """
