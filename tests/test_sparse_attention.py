@@ -162,9 +162,19 @@ def test_sparse_attention_matches_transformers(llama_checkpoint, engines, monkey
         outs = [llm.generate([p], SamplingParams(max_tokens=6, prompt_logprobs=True, **GREEDY))[0] for p in prompts]
         check_against_hf(path, outs, prompts, 6)
         turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
-        outs2 = llm.generate(turn2, SamplingParams(max_tokens=5, **GREEDY))
-        assert [o.num_cached_tokens for o in outs2] == [len(p) + 5 for p in prompts]
-        check_against_hf(path, outs2, turn2, 5, check_prompt_lp=False)
+        short = prompts_for(llm.config.vocab_size, [1, 3], seed=7)  # held by one rank: attended where they live,
+        outs2 = llm.generate(turn2 + short, SamplingParams(max_tokens=5, **GREEDY))  # beside the ring's sequences
+        assert [o.num_cached_tokens for o in outs2[:2]] == [len(p) + 5 for p in prompts]
+        check_against_hf(path, outs2, turn2 + short, 5, check_prompt_lp=False)
+
+
+def test_placement_auto_at_cp2_plans_a_dsa_model(llama_checkpoint):
+    """The default placement reads the model into the planner (DSA layers costed as full MLA) and serves it."""
+    from cpinfer.perf.models import load_model_spec
+
+    path = _checkpoint(llama_checkpoint, "glm_moe_dsa")
+    spec = load_model_spec(str(path))
+    assert spec.mla and spec.window_layers == 0
 
 
 def test_top_k_above_the_context_selects_everything_and_the_selection_matters(llama_checkpoint, engines):
