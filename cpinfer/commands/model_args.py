@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from cpinfer.model.families import FAMILIES
 from cpinfer.model.resolve import GENERATION_CONFIGS
 
 
@@ -30,8 +29,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_help: str) -> N
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model (vLLM's positional form)")
     g = parser.add_argument_group("model")
-    families = ", ".join(FAMILIES)  # every model_type the registry reads (docs/models.md)
-    g.add_argument("--model", default=None, metavar="MODEL", help=f"{default_help}. Families (model_type): {families}")
+    g.add_argument("--model", default=None, metavar="MODEL", help=default_help)
     g.add_argument("--tokenizer", default=None, metavar="T",
                    help="a tokenizer folder or Hub id other than the model's (default: the model's own)")
     g.add_argument("--revision", default=None, metavar="R",
