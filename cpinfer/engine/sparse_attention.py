@@ -77,9 +77,17 @@ class SparseAttention:
             if index is not None:
                 self._candidates(part, index.q, index.w, store_index, index.scale)
                 part.keep = selected(*part.cand[:2], *threshold(part.cand[0], part.cand[1], self.topk))
-            o, _ = attend_selected(q[part.rows], keys, part.slots[part.cand[2]], part.keep, dv, scale)
+            o, _ = self._attend(part, q[part.rows], keys, dv, scale)
             out[part.rows] = o.to(q.dtype)
         return out
+
+    @staticmethod
+    def _attend(part: _Part, q, keys, dv: int, scale: float):
+        """The part's rows q [Q, H, D] over their selected keys here -> (out [Q, H, dv], lse [Q, H]) fp32; a rank
+        holding none of the sequence's keys gives empty partials (lse -inf)."""
+        if not len(part.slots):
+            return attend_selected(q, keys, part.cand[2][:, :0], part.keep[:, :0], dv, scale)
+        return attend_selected(q, keys, part.slots[part.cand[2]], part.keep, dv, scale)
 
     def _candidates(self, part: _Part, iq, w, store_index, scale: float) -> None:
         """My local top-k of each of the part's rows: (values, positions, indices into my keys), [Q, k] each."""
@@ -123,7 +131,7 @@ class SparseAttention:
         partials = torch.zeros((world * rows, h, dv + 1), dtype=torch.float32, device=q.device)  # out | lse
         partials[..., dv] = -torch.inf
         for part in self.ring:
-            o, l = attend_selected(gq[part.rows], keys, part.slots[part.cand[2]], part.keep, dv, scale)
+            o, l = self._attend(part, gq[part.rows], keys, dv, scale)
             partials[part.rows, :, :dv], partials[part.rows, :, dv] = o, l
         back = torch.empty_like(partials)
         dist.all_to_all_single(back, partials, group=group)  # back[s * max_q + i]: my row i's partial from rank s
