@@ -386,7 +386,8 @@ class LLMEngine:
         if not c.values_in_keys:
             return None
         seqs = [(s.start, len(s.tokens), bool(s.placement.spread) and self.n > 1) for s in scheduled]
-        return choose_form(c.mla, c.num_attention_heads, seqs, self.n, strategy, self.args.mla_form)
+        mode = "absorbed" if c.dsa is not None else self.args.mla_form  # DSA reads top-k latent rows: absorbed
+        return choose_form(c.mla, c.num_attention_heads, seqs, self.n, strategy, mode)
 
     def _seq_input(self, s: ScheduledSeq, draft_q: dict | None = None) -> SeqInput:
         req = s.request

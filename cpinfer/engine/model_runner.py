@@ -32,6 +32,7 @@ from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.recurrent import RecurrentRunner
 from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
 from cpinfer.engine.sampling import sample
+from cpinfer.engine.sparse_attention import SparseAttention
 from cpinfer.engine.spec_decode.rejection import row_specs, verify
 from cpinfer.model import ModelConfig, load_model
 from cpinfer.model.loader import random_model
@@ -125,7 +126,8 @@ class ModelRunner:
                              self.kv_cache_dtype, self._kv_scales())
         # positions of every rank's slots, mirrored from the batches, when some layer has a window or a chunk
         cp = self.groups.config.cp
-        self.slot_positions = SlotPositions(cp, capacity) if self.config.local_attention else None
+        needs_positions = self.config.local_attention or self.config.dsa is not None  # (DSA: top-k ties by position)
+        self.slot_positions = SlotPositions(cp, capacity) if needs_positions else None
         if self.config.hybrid:
             self.states = StateStore(self.state_layers(), self.dtype, self.ctx.device)
         if self.decode["mode"] != "off":
@@ -149,7 +151,7 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.long, device=dev)  # [L]
         pos = torch.arange(tokens, device=dev)  # [L]
 
-        def attn(layer: int, q, k, v, sinks=None):  # q [L, H, D], k/v [L, Hkv, D]
+        def attn(layer: int, q, k, v, sinks=None, index=None):  # q [L, H, D], k/v [L, Hkv, D]
             acc_out, _ = new_accumulator(q.shape[0], q.shape[1], v.shape[-1], q.device)
             ring = k.new_empty((2, k.shape[0], k.shape[1], self.widths.stored))  # [2, L, Hkv, W]: block and spare
             del ring
@@ -205,11 +207,13 @@ class ModelRunner:
                 self.recurrent_exchange_s += recurrent.exchange_s
             return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
         store.note_written(plan.slots)
-        expanded = batch.mla_form == "expanded" and store.widths.values_in_keys
+        expanded = batch.mla_form == "expanded" and store.widths.values_in_keys and self.config.dsa is None
         tables = plan.prepare(self.expanded_layout if expanded else self.layout, self.windows,  # every index, on
                               store.k.shape[1], self.chunks, store.widths.values_in_keys,  # the host
                               expanded=expanded)
         tables.upload()  # ... and moved to the device in one packed (pinned, non-blocking) copy, before layer 0
+        dsa = self.config.dsa  # DeepSeek sparse attention: each query's top-k keys (`sparse_attention.py`)
+        sparse = None if dsa is None else SparseAttention(plan, self.slot_positions, dsa.index_topk, self.ctx.device)
         t_plan = time.perf_counter()
         ids, pos, slots = tables[("input_ids",)], tables[("positions",)], tables[("slots",)]  # [L] each
         steps = []  # ring timings of every layer, read after the forward
@@ -217,9 +221,18 @@ class ModelRunner:
 
         kv_of = self.kv_layer  # model layer -> its KV store layer (a hybrid's recurrent layers have none)
 
-        def attn(layer: int, q, k, v, sinks=None, expand=None):  # q [L, H, D], k/v [L, Hkv, D] with RoPE applied;
-            # sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk], v [N, H, Dv])
+        def attn(layer: int, q, k, v, sinks=None, expand=None, index=None):  # q [L, H, D], k/v [L, Hkv, D] with
+            # RoPE applied; sinks [H]; expand: MLA's expanded form, latent rows [N, 1, D] -> per-head (k [N, H, Dk],
+            # v [N, H, Dv]); index: a DSA layer's `IndexerRows` (None on its "shared" layers)
             kv = kv_of[layer]
+            if sparse is not None:  # DSA: rows [latent ; indexer key], the indexer's written on its "full" layers
+                store.k[kv][..., :store.widths.key].index_copy_(0, slots, k)
+                if index is not None:
+                    store.index[kv].index_copy_(0, slots, index.k)
+                if written is not None:
+                    written(layer)
+                return sparse.run(q, store.k[kv][..., :store.widths.key], store.index[kv], index, self.scale,
+                                  v.shape[-1])
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
                 k, v = kv_fp8.encode_rows(codecs[kv], k, v, store.widths.values_in_keys)
             store.k[kv].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots

@@ -22,6 +22,7 @@ from cpinfer.engine.kv.manager import BLOCK, KVManager, request_tokens_held
 from cpinfer.engine.kv.placement import CostModel, Placer
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tiers import TierConfig
+from cpinfer.engine.sparse_attention import check_engine as check_sparse_engine
 from cpinfer.engine.spec_decode.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
 from cpinfer.engine.spec_decode.registry import check_method
 from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool, driver_can_host_rank,
@@ -86,6 +87,7 @@ class EngineStartup:
                              "(multi-head latent attention: the values are the cached latent's first channels); use "
                              "kv_cache_dtype='fp8' (static scales)")
         hybrid.check(e.config, a, pd_role=hasattr(e, "view"))  # features that do not carry recurrent states yet
+        check_sparse_engine(e.config, a, getattr(e, "role", None))  # DSA: what its indexer keys do not reach yet
         if a.load_format == "auto":
             checkpoint_files(Path(e.model_path))  # raises ValueError when no weights are there
         if a.speculative_config is not None:
@@ -220,6 +222,10 @@ class EngineStartup:
             log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
                         "values (or values inside the keys, as MLA's), and this model's differ")
             static = False
+        if static and e.config.dsa is not None:
+            log.warning("decode runs without the static path (CUDA graphs): %s attends to each query's top-k keys",
+                        e.config.model_type)
+            static = False
         if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
                         "kv_cache_dtype is %s", a.kv_cache_dtype)
@@ -313,7 +319,7 @@ class EngineStartup:
             e.disk = open_disk_dir(a.kv_disk_dir, a.kv_disk_gib)
             layout = model_layout(e.model_path, checkpoint_files(Path(e.model_path)), e.disk,
                                   layout_dtype(a.dtype, a.kv_cache_dtype), c.num_hidden_layers, c.cached_kv_heads,
-                                  c.kv_key_width, a.tensor_parallel_size, c.kv_row)
+                                  c.kv_key_width + KVWidths.of(c).index, a.tensor_parallel_size, c.kv_row)
             disk_dir, disk_bytes = str(e.disk.path), e.disk.bound
         writable = e.disk is not None and e.disk.writable
         shared = c.values_in_keys and a.tensor_parallel_size > 1  # MLA: one latent copy per CP shard

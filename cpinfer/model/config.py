@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpinfer.model.config_parts import (ACTIVATIONS, FFN_LAYER_TYPES, LAYER_TYPES, RECURRENT_LAYER_TYPES, MLAConfig,
-                                        MoEConfig, RopeConfig)
+from cpinfer.model.config_parts import (ACTIVATIONS, FFN_LAYER_TYPES, LAYER_TYPES, RECURRENT_LAYER_TYPES, DSAConfig,
+                                        MLAConfig, MoEConfig, RopeConfig)
 from cpinfer.model.families import config_kwargs
 from cpinfer.model.quant import QuantMethod
 from cpinfer.utils import check_divisible, check_positive
@@ -95,6 +95,7 @@ class ModelConfig:
     # MLP / MoE) -> residual; dense MLPs (and experts, `MoEConfig.gated`) un-gated: down(act(up(x)))
     mixer_blocks: bool = False
     mlp_gated: bool = True
+    dsa: DSAConfig | None = None  # DeepSeek sparse attention: MLA reading each query's top-k keys (`indexer.py`)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -148,6 +149,9 @@ class ModelConfig:
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number, got {value}")
         self._check_layers()
+        if self.dsa is not None and (self.mla is None or len(self.dsa.indexer_types) != self.num_hidden_layers):
+            raise ValueError("DeepSeek sparse attention needs MLA and one indexer_types entry per layer, got "
+                             f"{len(self.dsa.indexer_types)} for {self.num_hidden_layers} layers")
 
     def _check_layers(self) -> None:
         """The per-layer options (NoPE layers, MoE layers) name existing layers; their companions are set."""
@@ -264,7 +268,8 @@ class ModelConfig:
         """What a cached row is, for tier keys: "" (a key and a value of head_dim per KV head) or MLA's latent."""
         if self.mla is None:
             return ""
-        return f"latent{self.mla.kv_lora_rank}+rope{self.mla.qk_rope_head_dim}"
+        index = "" if self.dsa is None else f"+index{self.dsa.index_head_dim}"  # DSA: its indexer key after it
+        return f"latent{self.mla.kv_lora_rank}+rope{self.mla.qk_rope_head_dim}{index}"
 
     @property
     def cached_kv_heads(self) -> int:

@@ -176,3 +176,33 @@ class RopeConfig:
             raise ValueError("longrope rope scaling needs short_factor and long_factor lists")
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+
+
+INDEXER_TYPES = ("full", "shared")  # a DSA layer runs its own indexer, or reuses the previous layer's selection
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA whose queries each read only the `index_topk` keys a
+    lightning indexer scores highest (`model/indexer.py`): score(q, t) = sum_h w_h(q) relu(q_h · k_t / sqrt(d)) over
+    `index_n_heads` heads of `index_head_dim` channels, the first `rope_dim` of which carry RoPE (pairs interleaved
+    or half-split). `indexer_types` per layer: "full" (its own indexer) or "shared" (the previous layer's choice)."""
+
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    rope_dim: int
+    rope_interleaved: bool
+    indexer_types: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
+            check_positive(getattr(self, name), name)
+        if self.index_head_dim < self.rope_dim:
+            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.rope_dim}): "
+                             "the indexer's first qk_rope_head_dim channels carry RoPE")
+        bad = sorted(set(self.indexer_types) - set(INDEXER_TYPES))
+        if bad:
+            raise ValueError(f"unsupported indexer_types {bad}: cpinfer supports {INDEXER_TYPES}")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise ValueError("indexer_types[0] must be 'full': a 'shared' layer reuses the previous layer's selection")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import math
 
-from cpinfer.model.config_parts import LAYER_TYPES, MLAConfig, MoEConfig, RopeConfig
+from cpinfer.model.config_parts import LAYER_TYPES, DSAConfig, MLAConfig, MoEConfig, RopeConfig
 from cpinfer.model.quant import parse_quantization
 from cpinfer.utils import check_divisible
 
@@ -663,6 +663,54 @@ def _text_of(d: dict) -> dict:
     if "intermediate_size" not in text and "moe_intermediate_size" in text:
         text["intermediate_size"] = text["moe_intermediate_size"]
     return text
+def _glm_indexer_types(d: dict) -> list:
+    """GLM-5's per-layer indexer modes: `indexer_types`, else `index_topk_pattern` ("F" full, "S" shared), else
+    full where max(i - index_skip_topk_offset + 1, 0) is a multiple of index_topk_freq (transformers' rule)."""
+    if d.get("indexer_types") is not None:
+        return list(d["indexer_types"])
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        letters = {"F": "full", "S": "shared"}
+        return [letters.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(int(d.get("index_topk_freq", 1)), 1), int(d.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(d["num_hidden_layers"])]
+
+
+def _read_dsa(d: dict, kw: dict, glm: bool) -> None:
+    """DeepSeek-V3.2 / GLM-5 (DeepSeek sparse attention): DeepSeek-V3's MLA (RoPE pairs always interleaved) and
+    routing, `mlp_layer_types` ("dense" / "sparse") naming the MoE layers, and a lightning indexer per layer
+    (`indexer.py`): its RoPE half-split (V3.2) or interleaved (GLM), GLM's "shared" layers reusing the previous
+    layer's top-k."""
+    if d.get("q_lora_rank") is None:
+        raise ValueError(f"q_lora_rank is required for model_type {d.get('model_type')!r}: the lightning indexer's "
+                         "queries are made from the low-rank query latent")
+    _read_deepseek(d, kw, v3=True)
+    kw["mla"] = MLAConfig(**{**kw["mla"].__dict__, "rope_interleaved": True})
+    n = d["num_hidden_layers"]
+    types = d.get("mlp_layer_types")
+    if types is not None:
+        bad = sorted(set(types) - {"dense", "sparse"})
+        if bad or len(types) != n:
+            raise ValueError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {n} layers, got {types}")
+        if kw.get("moe") is not None:
+            kw["moe_layers"] = tuple(i for i, t in enumerate(types) if t == "sparse")
+    bad = sorted(set(d.get("layer_types") or ()) - {"indexed_attention"})
+    if bad:
+        raise ValueError(f"unsupported layer_types {bad} for model_type {d.get('model_type')!r}: cpinfer supports "
+                         "'indexed_attention' on every layer")
+    kw["layer_types"] = ()
+    kw["dsa"] = DSAConfig(index_topk=int(d.get("index_topk", 2048)),
+                          index_n_heads=int(d.get("index_n_heads", 32 if glm else 64)),
+                          index_head_dim=int(d.get("index_head_dim", 128)), rope_dim=kw["mla"].qk_rope_head_dim,
+                          rope_interleaved=glm, indexer_types=tuple(_glm_indexer_types(d) if glm else ["full"] * n))
+
+
+def _read_deepseek_v32(d: dict, kw: dict) -> None:
+    _read_dsa(d, kw, glm=False)
+
+
+def _read_glm_moe_dsa(d: dict, kw: dict) -> None:
+    _read_dsa(d, kw, glm=True)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -725,6 +773,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            _read_nemotron_h, default_head_dim=128, own_routing=True, prepare=_nemotron_keys,
            renames=((r"^backbone\.embeddings\.", "model.embed_tokens."), (r"^backbone\.norm_f\.", "model.norm."),
                     (r"^backbone\.", "model."))),
+    Family("deepseek_v32", "DeepseekV32ForCausalLM", "DeepSeek-V3.2: DeepSeek-V3's MLA and routing with DeepSeek "
+           "sparse attention (a lightning indexer picks each query's top-k keys)", _read_deepseek_v32,
+           default_head_dim=64, own_routing=True),
+    Family("glm_moe_dsa", "GlmMoeDsaForCausalLM", "GLM-5: MLA with DeepSeek sparse attention (interleaved indexer "
+           "RoPE; 'shared' layers reuse the previous layer's top-k), sigmoid routing, shared experts",
+           _read_glm_moe_dsa, default_head_dim=64, own_routing=True),
 )}
 
 

@@ -14,6 +14,10 @@ in the cache and on the ring but attends with per-head keys and values: attentio
 forward for a rank's own rows. Fewer FLOPs when many queries meet many keys (prefill); the absorbed form reads fewer
 bytes (decode).
 
+DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: `config.dsa`): the layer stays absorbed and also gives attention
+its lightning indexer's rows (`indexer.py`; `index=None` on GLM's "shared" layers, which reuse the previous layer's
+selection); attention reads each query's top-k latent rows (`engine/sparse_attention.py`).
+
 No distributed code: under TP the query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns) are sliced
 from outside and the latent path (q_a_proj, kv_a_proj_with_mqa, their norms) stays whole on every rank.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
+from cpinfer.model.indexer import Indexer
 from cpinfer.model.norms import RMSNorm
 from cpinfer.model.rope import apply_rope, apply_rope_interleaved
 
@@ -47,6 +52,10 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * m.v_head_dim, hidden, bias=config.o_bias)
         self.rope = apply_rope_interleaved if m.rope_interleaved else apply_rope
         self.sinks = None
+        # DeepSeek sparse attention: an indexer on "full" layers; "shared" layers reuse the previous layer's top-k
+        self.sparse = config.dsa is not None
+        if self.sparse and config.dsa.indexer_types[layer_idx] == "full":
+            self.indexer = Indexer(config)
 
     @property
     def num_heads(self) -> int:  # from the weights, so a TP-sliced kv_b_proj means fewer local heads
@@ -62,19 +71,20 @@ class MLAttention(nn.Module):
     def value_width(self) -> int:
         return self.m.value_width
 
-    def _queries(self, x: Tensor) -> Tensor:
-        """x [L, hidden] -> q [L, H, nope + rope]."""
+    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """x [L, hidden] -> (q [L, H, nope + rope], the query latent [L, q_lora_rank] or None)."""
         if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+            q, q_latent = self.q_proj(x), None
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.num_heads, self.m.qk_head_dim)  # (L may be 0 on a rank)
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        return q.view(x.shape[0], self.num_heads, self.m.qk_head_dim), q_latent  # (L may be 0 on a rank)
 
     def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None, attn, q_scale: Tensor | None = None) -> Tensor:
         """x [L, hidden], cos/sin [L, rope/2] (None: NoPE) -> [L, hidden] (a partial sum when o_proj is TP-sliced).
         The form is the attention callable's `mla_form` ("absorbed" when it has none)."""
         m, n = self.m, x.shape[0]
-        q = self._queries(x)  # [L, H, nope + rope]
+        q, q_latent = self._queries(x)  # [L, H, nope + rope], [L, q_lora_rank]
         h = q.shape[1]
         q_nope, q_rope = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(x)  # [L, rank + rope]
@@ -86,7 +96,7 @@ class MLAttention(nn.Module):
             k_rope = self.rope(k_rope, cos, sin)  # [L, 1, rope]
         kv = k_rope.new_empty(n, 1, m.key_width)  # [L, 1, rank + rope]: the one KV head, as cached
         kv[..., :m.kv_lora_rank], kv[..., m.kv_lora_rank:] = c[:, None], k_rope
-        if getattr(attn, "mla_form", "absorbed") == "expanded":
+        if not self.sparse and getattr(attn, "mla_form", "absorbed") == "expanded":
             q_full = q_rope.new_empty(n, h, m.qk_head_dim)  # [L, H, nope + rope]: the ordinary query
             q_full[..., :m.qk_nope_head_dim], q_full[..., m.qk_nope_head_dim:] = q_nope, q_rope
             out = attn(self.layer_idx, q_full, kv, kv[..., :m.kv_lora_rank], expand=self.expand)  # [L, H, v]
@@ -96,7 +106,11 @@ class MLAttention(nn.Module):
         q_lat = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)  # [L, H, rank]: W_UK folded into the query
         q_abs = q_rope.new_empty(n, h, m.key_width)  # [L, H, rank + rope]
         q_abs[..., :m.kv_lora_rank], q_abs[..., m.kv_lora_rank:] = q_lat, q_rope
-        out_lat = attn(self.layer_idx, q_abs, kv, kv[..., :m.kv_lora_rank])  # [L, H, rank]
+        if self.sparse:  # DSA layers stay absorbed: each query reads its top-k latent rows (`indexer.py`)
+            index = self.indexer(x, q_latent, cos, sin) if hasattr(self, "indexer") else None  # None: "shared"
+            out_lat = attn(self.layer_idx, q_abs, kv, kv[..., :m.kv_lora_rank], index=index)  # [L, H, rank]
+        else:
+            out_lat = attn(self.layer_idx, q_abs, kv, kv[..., :m.kv_lora_rank])  # [L, H, rank]
         out = (out_lat.transpose(0, 1) @ w_uv.transpose(1, 2)).transpose(0, 1)  # [L, H, v]: W_UV after the merge
         return self.o_proj(out.reshape(n, h * m.v_head_dim))
 

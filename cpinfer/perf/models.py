@@ -250,6 +250,8 @@ def _windows(cfg: dict, layers: int, source: str) -> tuple[int, int, str]:
         rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
         types = ["chunked_attention" if r else "full_attention" for r in rope]
     if types is not None:
+        # DeepSeek sparse attention's layers (V3.2, GLM-5) cost as full MLA here: an upper bound on their top-k's
+        types = ["full_attention" if t == "indexed_attention" else t for t in types]
         if len(types) != layers:
             raise ValueError(f"{source}: layer_types has {len(types)} entries for {layers} layers")
         unknown = set(types) - {"sliding_attention", "full_attention", "chunked_attention"}

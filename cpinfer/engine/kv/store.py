@@ -14,26 +14,34 @@ from cpinfer.engine.kv import fp8 as kv_fp8
 @dataclasses.dataclass(frozen=True)
 class KVWidths:
     """What one cached token holds per layer and KV head: a key of `key` channels and a value of `value` channels,
-    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels."""
+    the value stored apart or (`values_in_keys`, MLA's latent) the key's first `value` channels; `index` (DSA, with
+    MLA's latent only): the indexer key of that many channels stored after the key in the same row (`indexer.py`),
+    so every copy of a token's row (prefix cache, tiers, transfers) carries it."""
 
     key: int
     value: int
     values_in_keys: bool = False
+    index: int = 0
 
     def __post_init__(self) -> None:
         if self.key <= 0 or self.value <= 0:
             raise ValueError(f"KV widths must be positive, got key {self.key}, value {self.value}")
         if self.values_in_keys and self.value > self.key:
             raise ValueError(f"values in the keys need value width <= key width, got {self.value} > {self.key}")
+        if self.index and not self.values_in_keys:
+            raise ValueError("an indexer key is stored beside MLA's latent only (values in the keys)")
 
     @classmethod
     def of(cls, config) -> "KVWidths":
-        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys)
+        dsa = getattr(config, "dsa", None)
+        return cls(config.kv_key_width, config.kv_value_width, config.values_in_keys,
+                   0 if dsa is None else dsa.index_head_dim)
 
     @property
     def stored(self) -> int:
-        """Channels stored per KV head and token: the key's, plus the value's unless it sits in the key."""
-        return self.key if self.values_in_keys else self.key + self.value
+        """Channels stored per KV head and token: the key's (and a DSA model's indexer key after it), plus the
+        value's unless it sits in the key."""
+        return self.key + self.index if self.values_in_keys else self.key + self.value
 
 
 class KVStore:
@@ -42,7 +50,9 @@ class KVStore:
     assigns; row `sink` (= capacity) is never assigned: the padding rows of a static-shape decode write there. With an
     FP8 KV cache each row is uint8: D e4m3 bytes with a static scale per layer and KV head (MLA: per layer for the
     latent and for the rotary key), or [D + 4] with its own scale in the per-token format (`kv/fp8.py`); `codecs[layer]` = (K, V) `RowCodec`s encode and decode them.
-    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes."""
+    `used`: rows ever written (1 + the largest slot), what the FP8 attention step dequantizes. A DSA model's rows are
+    [latent ; indexer key] (`widths.index`): `index` is the view k[:, :, 0, key:] [layers, capacity + 1, index],
+    attention reads k[..., :key]."""
 
     def __init__(self, num_layers: int, capacity: int, n_kv_heads: int, widths: KVWidths, dtype, device,
                  kv_cache_dtype: str = "auto", kv_scales: tuple | None = None):
@@ -55,8 +65,11 @@ class KVStore:
         self.codecs = kv_fp8.layer_codecs(kv_cache_dtype, kv_scales, num_layers, n_kv_heads, device)
         extra = kv_fp8.SCALE_BYTES if kv_fp8.per_token(kv_cache_dtype) else 0
         store_dtype = torch.uint8 if fp8 else dtype
-        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + extra), dtype=store_dtype,
-                             device=device)
+        if widths.index and (fp8 or n_kv_heads != 1):
+            raise ValueError("a DSA model's indexer keys are kept in a full-precision latent cache (one KV head)")
+        self.k = torch.zeros((num_layers, capacity + 1, n_kv_heads, widths.key + widths.index + extra),
+                             dtype=store_dtype, device=device)
+        self.index = self.k[:, :, 0, widths.key:] if widths.index else None
         if widths.values_in_keys:
             self.v = self.k[..., :widths.value]
         else:
