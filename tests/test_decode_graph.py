@@ -189,6 +189,7 @@ def _decode_config(**args):
                                    values_in_keys=widths[0] != widths[1])
     fake = types.SimpleNamespace(args=types.SimpleNamespace(**{"enforce_eager": False, "static_decode": None,
                                                                 "max_num_seqs": 16, "kv_cache_dtype": "auto",
+                                                                "speculative_config": None, "spec_verify": "decode",
                                                                 **args}),
                                  parallel=types.SimpleNamespace(world_size=args.pop("world", 2)), config=config)
     return EngineStartup(fake).decode_config(args.pop("comm", "nccl"))
@@ -205,7 +206,8 @@ def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     assert _decode_config(device="cuda", comm="gloo")["mode"] == "eager"
     assert _decode_config(device="cuda", static_decode=False)["mode"] == "off"
     assert _decode_config(device="cpu")["mode"] == "off"
-    assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16}
+    assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16, "verify": "decode",
+                                                                 "verify_width": 1}
     assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "graph"  # MLA: values inside the keys
     monkeypatch.setattr(startup, "backend_problem", lambda name, device: "no triton")
     assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning
