@@ -62,6 +62,41 @@ def test_split_rows_covers_each_row_key_once(seed, rows, pieces):
         assert max(sizes) - min(sizes) <= 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 4), st.integers(1, 5), st.integers(1, 3))
+def test_split_rows_of_verify_groups(seed, groups, width, pieces):
+    """Verify groups (issue: verify as decode): group i's row u (u < its k + 1 rows) sees every cached key of the
+    group once and its new tokens 0 .. u, read by the group's `pieces` programs; rows past a group's own are never
+    a program's; the table's diagonals give exactly that causal bound."""
+    from cpinfer.engine.decode_tables import verify_runs
+
+    rng = np.random.default_rng(seed)
+    n_real = int(rng.integers(0, groups + 1))
+    runs, used, want = [], [], []
+    for i in range(n_real):
+        w = int(rng.integers(1, width + 1))
+        ctx_starts = np.sort(rng.choice(50, int(rng.integers(0, 4)), replace=False)) * 8
+        ctx = np.stack((ctx_starts, ctx_starts + rng.integers(1, 5, len(ctx_starts))), axis=1).reshape(-1, 2)
+        first = 500 + 40 * i
+        new = first + np.arange(w) + (np.arange(w) >= int(rng.integers(0, w + 1))) * 7  # one jump between runs
+        runs.append(verify_runs(ctx, new, i * width))
+        used.append(w)
+        cached = {int(k) for a, b in ctx for k in range(a, b)}
+        want.append([cached | {int(k) for k in new[:u + 1]} for u in range(w)])
+    t = split_rows(runs, groups, pieces, width, used)
+    for prog in range(groups * pieces):
+        i = prog // pieces
+        assert (t["row0"][prog], t["row1"][prog]) == ((i * width, i * width + used[i]) if i < n_real else (0, 0))
+    for i in range(n_real):
+        for u in range(used[i]):
+            r, seen = i * width + u, []
+            for p in range(i * pieces, (i + 1) * pieces):
+                for x in range(t["off"][p], t["off"][p + 1]):
+                    if t["r0"][x] <= r < t["r1"][x]:
+                        seen += [k for k in range(t["k0"][x], t["k1"][x]) if k - r <= t["diag"][x]]
+            assert len(seen) == len(set(seen)) and set(seen) == want[i][u]
+
+
 # ---------------------------------------------------------------- the engine: static (eager) vs dynamic
 
 @pytest.fixture(scope="module")
@@ -260,3 +295,57 @@ def test_cuda_graphs_equal_eager_decode(llama_checkpoint):
     res = subprocess.run([sys.executable, "-c", GPU_SCRIPT, path], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "graphs == eager" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _static_verify(ctx):
+    static = ctx.state["runner"].static
+    return static.forwards, static.verify_forwards, static.verify_fallbacks
+
+
+def _speculate(path, cp, pool, static: bool, placement: str, variant: str):
+    """Prompts that repeat a passage (prompt lookup drafts from them) and one that does not, greedy with log-probs,
+    speculating: verify rows beside plain decode rows in the same decode forwards."""
+    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static, placement=placement,
+              speculative_config=NGRAM)
+    llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
+    with llm:
+        rng = np.random.default_rng(3)
+        a, b = rng.integers(3, 256, 13).tolist(), rng.integers(3, 256, 9).tolist()
+        prompts = [a * 3 + a[:4], b + a + b + a[:5], rng.integers(3, 256, 20).tolist()]
+        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True, seed=0)
+        outs = llm.generate(prompts, params)
+        counts = llm.engine._pool.run(_static_verify) if static else None
+        spec = llm.engine.stats().spec
+    return outs, counts, spec
+
+
+@pytest.mark.parametrize("cp,placement", [(1, "auto"), (2, "shard"), (2, "local")])
+@pytest.mark.parametrize("variant", ["gqa", "deepseek_v3"])
+def test_static_decode_takes_verify_rows(llama_checkpoint, pool, cp, placement, variant):
+    """Speculative decoding's verify rows on the static path (each verify sequence one group of k + 1 rows, read in
+    one program per KV head, its own causal bound per row; buckets per (sequences, k + 1)): the same tokens and
+    log-probs as the dynamic path, verify forwards served statically on every rank that held rows, none left to
+    the dynamic path. Ring rows (shard: pass-Q decode over both ranks) and local rows; GQA and MLA."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
+    dynamic, _, spec_d = _speculate(path, cp, pool, False, placement, variant)
+    static, counts, spec_s = _speculate(path, cp, pool, True, placement, variant)
+    assert spec_s["num_drafts"] > 0 and spec_s == spec_d  # the same verify steps, the same acceptance
+    assert sum(c[1] for c in counts) >= 2 and sum(c[2] for c in counts) == 0, counts
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+def test_verify_rows_of_a_windowed_model_fall_back(llama_checkpoint, pool):
+    """A model with sliding-window layers: its verify forwards go to the dynamic path (a window bound differs per
+    row), counted on the ranks; plain decode forwards stay static; the outputs equal the dynamic path's."""
+    path = llama_checkpoint("gemma3", max_position_embeddings=512)
+    dynamic, _, _ = _speculate(path, 1, pool, False, "auto", "gemma3")
+    static, counts, spec = _speculate(path, 1, pool, True, "auto", "gemma3")
+    assert spec["num_drafts"] > 0 and counts[0][1] == 0 and counts[0][2] > 0, (counts, spec)
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
