@@ -63,11 +63,11 @@ def test_split_rows_covers_each_row_key_once(seed, rows, pieces):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 4), st.integers(1, 5), st.integers(1, 3))
-def test_split_rows_of_verify_groups(seed, groups, width, pieces):
-    """Verify groups (issue: verify as decode): group i's row u (u < its k + 1 rows) sees every cached key of the
-    group once and its new tokens 0 .. u, read by the group's `pieces` programs; rows past a group's own are never
-    a program's; the table's diagonals give exactly that causal bound."""
+@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 4), st.integers(1, 5), st.integers(1, 3), st.integers(1, 5))
+def test_split_rows_of_verify_groups(seed, groups, width, pieces, rows_per_prog):
+    """Verify groups: group i's row u (u < its k + 1 rows) sees every cached key of the group once and its new tokens
+    0 .. u, read by the `pieces` programs of the row block holding it (blocks of `rows_per_prog` rows); rows past a
+    group's own are never a program's; the table's diagonals give exactly that causal bound."""
     from cpinfer.engine.decode_tables import verify_runs
 
     rng = np.random.default_rng(seed)
@@ -83,14 +83,22 @@ def test_split_rows_of_verify_groups(seed, groups, width, pieces):
         used.append(w)
         cached = {int(k) for a, b in ctx for k in range(a, b)}
         want.append([cached | {int(k) for k in new[:u + 1]} for u in range(w)])
-    t = split_rows(runs, groups, pieces, width, used)
-    for prog in range(groups * pieces):
-        i = prog // pieces
-        assert (t["row0"][prog], t["row1"][prog]) == ((i * width, i * width + used[i]) if i < n_real else (0, 0))
+    rpp = min(rows_per_prog, width)
+    nblk = -(-width // rpp)
+    t = split_rows(runs, groups, pieces, width, used, rpp)
+    assert len(t["row0"]) == groups * nblk * pieces and len(t["off"]) == groups * nblk * pieces + 1
+    for prog in range(groups * nblk * pieces):
+        i, blk = prog // (nblk * pieces), prog // pieces % nblk
+        a = i * width + blk * rpp
+        real = i < n_real and blk * rpp < used[i]
+        assert (t["row0"][prog], t["row1"][prog]) == ((a, min(a + rpp, i * width + used[i])) if real else (0, 0))
+        assert real or t["off"][prog] == t["off"][prog + 1]
     for i in range(n_real):
         for u in range(used[i]):
             r, seen = i * width + u, []
-            for p in range(i * pieces, (i + 1) * pieces):
+            blk = u // rpp
+            for p in range((i * nblk + blk) * pieces, (i * nblk + blk + 1) * pieces):
+                assert t["row0"][p] <= r < t["row1"][p]
                 for x in range(t["off"][p], t["off"][p + 1]):
                     if t["r0"][x] <= r < t["r1"][x]:
                         seen += [k for k in range(t["k0"][x], t["k1"][x]) if k - r <= t["diag"][x]]
@@ -305,13 +313,20 @@ def _static_verify(ctx):
     return static.forwards, static.verify_forwards, static.verify_fallbacks
 
 
-def _speculate(path, cp, pool, static: bool, placement: str, variant: str):
+def _set_lanes(ctx, lanes):
+    ctx.state["runner"].static.max_lanes = lanes
+
+
+def _speculate(path, cp, pool, static: bool, placement: str, variant: str, lanes: int | None = None):
     """Prompts that repeat a passage (prompt lookup drafts from them) and one that does not, greedy with log-probs,
-    speculating: verify rows beside plain decode rows in the same decode forwards."""
+    speculating: verify rows beside plain decode rows in the same decode forwards. `lanes`: the static path's
+    `max_lanes` (small: a verify group's rows in blocks of several programs)."""
     kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static, placement=placement,
               speculative_config=NGRAM)
     llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
     with llm:
+        if static and lanes:
+            llm.engine._pool.run(_set_lanes, lanes)
         rng = np.random.default_rng(3)
         a, b = rng.integers(3, 256, 13).tolist(), rng.integers(3, 256, 9).tolist()
         prompts = [a * 3 + a[:4], b + a + b + a[:5], rng.integers(3, 256, 20).tolist()]
@@ -322,16 +337,18 @@ def _speculate(path, cp, pool, static: bool, placement: str, variant: str):
     return outs, counts, spec
 
 
-@pytest.mark.parametrize("cp,placement", [(1, "auto"), (2, "shard"), (2, "local")])
+@pytest.mark.parametrize("cp,placement,lanes", [(1, "auto", None), (2, "shard", None), (2, "local", None),
+                                                (2, "shard", 1)])
 @pytest.mark.parametrize("variant", ["gqa", "deepseek_v3"])
-def test_static_decode_takes_verify_rows(llama_checkpoint, pool, cp, placement, variant):
+def test_static_decode_takes_verify_rows(llama_checkpoint, pool, cp, placement, lanes, variant):
     """Speculative decoding's verify rows on the static path (each verify sequence one group of k + 1 rows, read in
     one program per KV head, its own causal bound per row; buckets per (sequences, k + 1)): the same tokens and
     log-probs as the dynamic path, verify forwards served statically on every rank that held rows, none left to
-    the dynamic path. Ring rows (shard: pass-Q decode over both ranks) and local rows; GQA and MLA."""
+    the dynamic path. Ring rows (shard: pass-Q decode over both ranks) and local rows; GQA and MLA; a group's rows
+    one per program (lanes 1)."""
     path = llama_checkpoint(variant, max_position_embeddings=512)
     dynamic, _, spec_d = _speculate(path, cp, pool, False, placement, variant)
-    static, counts, spec_s = _speculate(path, cp, pool, True, placement, variant)
+    static, counts, spec_s = _speculate(path, cp, pool, True, placement, variant, lanes)
     assert spec_s["num_drafts"] > 0 and spec_s == spec_d  # the same verify steps, the same acceptance
     assert sum(c[1] for c in counts) >= 2 and sum(c[2] for c in counts) == 0, counts
     for a, b in zip(dynamic, static):

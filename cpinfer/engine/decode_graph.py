@@ -82,6 +82,9 @@ class StaticDecode:
         # key tiles of 64 rows, or 16 where the head is wide (MLA's 576-channel latent keys pad to 1024 lanes: K and
         # V tiles of 64 x 1024 would not fit a GPU's shared memory); not tuned on a GPU
         self.block_n = 16 if interp or runner.widths.key > 256 else 64
+        # a verify group's rows x G heads in one program up to this many lanes (wide heads: no more than plain
+        # decode's), its rows in blocks beyond; not tuned on a GPU
+        self.max_lanes = max(128, self.block_m) if runner.widths.key <= 256 else self.block_m
         self.sizes = bucket_sizes(max_rows)
         self.buckets: dict[tuple[int, int, int], dict] = {}  # (ring seqs, local seqs, width) -> buffers, graph
         self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
@@ -144,17 +147,25 @@ class StaticDecode:
             for kind in self.kinds:
                 runs = [visible[b] if kind == (None, None) else self.runner.slot_positions.recent_runs(
                     me, visible[b], first_visible(seqs[b].start, *kind)) for b in rows_of]
-                tables[(part, j, kind)] = split_rows(runs, rows, self._pieces(rows), width, used)
-        # every rank can bound every rank's tables from the batch: a run per cached run and per new token, and
-        # each run cut at most pieces - 1 more times
+                tables[(part, j, kind)] = split_rows(runs, rows, self._pieces(rows), width, used,
+                                                     self._rows_per_prog(width))
+        # every rank can bound every rank's tables from the batch: a run per cached run and per new token, each
+        # run cut at most pieces - 1 more times, and all once per row block of a group
         pieces = max(self._pieces(ring_rows), self._pieces(local_rows))
-        bound = sum(max(len(r) for r in s.ctx_runs) + len(s.token_ids) for s in seqs) + len(seqs) * (pieces - 1)
+        blocks = -(-width // self._rows_per_prog(width))
+        bound = (sum(max(len(r) for r in s.ctx_runs) + len(s.token_ids) for s in seqs) + len(seqs) * (pieces - 1)
+                 ) * blocks
         assert all(len(t["k0"]) <= bound for t in tables.values())
         return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), tables, bound, width)
 
     def _size(self, rows: int) -> int:
         """The bucket of `rows` rows (0 stays 0: that part is absent)."""
         return 0 if rows == 0 else next(b for b in self.sizes if b >= rows)
+
+    def _rows_per_prog(self, width: int) -> int:
+        """Rows of a group one program holds (all its k + 1 when their G heads each fit `max_lanes`)."""
+        g = self.runner.layout.heads // self.runner.layout.kv_heads
+        return max(1, min(width, self.max_lanes // g))
 
     def _pieces(self, rows: int) -> int:
         if self.pieces is not None:
@@ -172,10 +183,11 @@ class StaticDecode:
             rows = (step.ring_rows + step.local_rows) * step.width
             fields = [(("ids",), np.int64, rows), (("pos",), np.int64, rows), (("slots",), np.int64, rows)]
             pieces = {}
+            rpp = self._rows_per_prog(step.width)
             for key in step.tables:
                 part_rows = step.ring_rows if key[0] == "ring" else step.local_rows
                 pieces[key] = self._pieces(part_rows)
-                programs = part_rows * pieces[key]
+                programs = part_rows * -(-step.width // rpp) * pieces[key]
                 fields += [(key + ("row0",), np.int32, programs), (key + ("row1",), np.int32, programs),
                            (key + ("off",), np.int32, programs + 1), (key + ("slot",), np.int32, programs)]
                 fields += [(key + (f,), np.int32, cap) for f in ("k0", "k1", "r0", "r1", "diag")]
@@ -183,8 +195,8 @@ class StaticDecode:
             bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces,
                       "ring_rows": step.ring_rows * step.width, "local_rows": step.local_rows * step.width,
                       "width": step.width, "graph": None, "logits": None,
-                      # one program holds a group's rows x G heads
-                      "block_m": self.kernels.block_m_for(step.width * g, self.block_m)}
+                      # one program holds a block of a group's rows x G heads
+                      "block_m": self.kernels.block_m_for(rpp * g, self.block_m)}
             self.buckets[step.key] = bucket  # a replaced bucket's graph and memory go with the old dict
         return bucket
 

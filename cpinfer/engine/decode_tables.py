@@ -61,15 +61,19 @@ class StaticBuffers:
 
 
 def split_rows(row_runs: list[np.ndarray], rows: int, pieces: int, width: int = 1,
-               used: list[int] | None = None) -> dict[str, np.ndarray]:
+               used: list[int] | None = None, rows_per_prog: int | None = None) -> dict[str, np.ndarray]:
     """One item-mode tile table for decode groups: group i owns query rows [i * width, i * width + used[i]) (a plain
     decode row: used 1; a verify sequence: its k + 1 rows, each with its own causal bound) and sees the key runs
     row_runs[i] ([R_i, 2] slot ranges seen in full by all its rows, or [R_i, 3] with a third column `diag`: key j of
     the run is seen by row r only if j - r <= diag, `tiles.NO_DIAG` for none). Each group's keys are cut into
-    `pieces` parts of equal size (program t = group * pieces + part; parts of a split group write scratch slot
-    `part`); one program reads its keys once for all its rows. Groups past len(row_runs) get programs that do
-    nothing. Returns the TABLE_FIELDS arrays and "slot" (int64; lengths: programs, programs + 1 and ranges)."""
-    n_real, programs = len(row_runs), rows * pieces
+    `pieces` parts of equal size, and its rows into blocks of `rows_per_prog` (default: width, one block): program
+    t = (group * blocks + block) * pieces + part reads its part of the keys once for the rows of its block (parts of
+    a split group write scratch slot `part`). Groups past len(row_runs), and blocks past a group's rows, get
+    programs that do nothing. Returns the TABLE_FIELDS arrays and "slot" (int64; lengths: programs, programs + 1
+    and ranges)."""
+    rpp = width if rows_per_prog is None else rows_per_prog
+    nblk = -(-width // rpp)
+    n_real, programs = len(row_runs), rows * nblk * pieces
     used = np.ones(n_real, dtype=np.int64) if used is None else np.asarray(used, dtype=np.int64)
     lens = np.asarray([len(r) for r in row_runs], dtype=np.int64)
     cols = [np.asarray(r, dtype=np.int64) for r in row_runs]
@@ -93,16 +97,25 @@ def split_rows(row_runs: list[np.ndarray], rows: int, pieces: int, width: int = 
     hi = np.minimum(end[run], bounds[row, part + 1])
     keep = hi > lo
     run, part, row, lo, hi = run[keep], part[keep], row[keep], lo[keep], hi[keep]
-    prog = row * pieces + part  # nondecreasing: runs are in group order, parts increase along them
+    reps = (-(-used // rpp))[row]  # each entry once per row block its group uses
+    e = np.repeat(np.arange(len(row)), reps)
+    blk = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
+    run, part, row, lo, hi = run[e], part[e], row[e], lo[e], hi[e]
+    prog = (row * nblk + blk) * pieces + part
+    order = np.argsort(prog, kind="stable")  # by program; a program's ranges stay in their runs' order
+    run, part, row, lo, hi, prog = run[order], part[order], row[order], lo[order], hi[order], prog[order]
     k0 = runs[run, 0] + lo - start[run]
-    owner = np.repeat(np.arange(rows), pieces)
+    owner = np.repeat(np.arange(rows), nblk * pieces)  # [programs] group
+    first = np.tile(np.repeat(np.arange(nblk) * rpp, pieces), rows)  # [programs] block's first row in its group
     rows_used = np.zeros(rows, dtype=np.int64)
     rows_used[:n_real] = used
-    real = owner < n_real
-    return {"row0": np.where(real, owner * width, 0), "row1": np.where(real, owner * width + rows_used[owner], 0),
+    real = first < rows_used[owner]  # padding groups use no row
+    row0 = owner * width + first
+    return {"row0": np.where(real, row0, 0),
+            "row1": np.where(real, np.minimum(row0 + rpp, owner * width + rows_used[owner]), 0),
             "off": np.concatenate(([0], np.cumsum(np.bincount(prog, minlength=programs)))),
             "k0": k0, "k1": k0 + (hi - lo), "r0": row * width, "r1": row * width + used[row], "diag": runs[run, 2],
-            "slot": np.tile(np.arange(pieces), rows) if pieces > 1 else np.full(programs, -1)}
+            "slot": np.tile(np.arange(pieces), rows * nblk) if pieces > 1 else np.full(programs, -1)}
 
 
 def verify_runs(ctx: np.ndarray, slots: np.ndarray, base: int) -> np.ndarray:
