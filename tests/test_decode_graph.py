@@ -313,20 +313,21 @@ def _static_verify(ctx):
     return static.forwards, static.verify_forwards, static.verify_fallbacks
 
 
-def _set_lanes(ctx, lanes):
-    ctx.state["runner"].static.max_lanes = lanes
+def _set_static(ctx, **values):
+    for name, value in values.items():
+        setattr(ctx.state["runner"].static, name, value)
 
 
 def _speculate(path, cp, pool, static: bool, placement: str, variant: str, lanes: int | None = None):
     """Prompts that repeat a passage (prompt lookup drafts from them) and one that does not, greedy with log-probs,
     speculating: verify rows beside plain decode rows in the same decode forwards. `lanes`: the static path's
-    `max_lanes` (small: a verify group's rows in blocks of several programs)."""
+    `max_lanes` (small: a verify group's rows in blocks of several programs), with 2 split-KV pieces per group."""
     kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static, placement=placement,
               speculative_config=NGRAM)
     llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
     with llm:
         if static and lanes:
-            llm.engine._pool.run(_set_lanes, lanes)
+            llm.engine._pool.run(_set_static, max_lanes=lanes, pieces=2)
         rng = np.random.default_rng(3)
         a, b = rng.integers(3, 256, 13).tolist(), rng.integers(3, 256, 9).tolist()
         prompts = [a * 3 + a[:4], b + a + b + a[:5], rng.integers(3, 256, 20).tolist()]
@@ -345,7 +346,7 @@ def test_static_decode_takes_verify_rows(llama_checkpoint, pool, cp, placement, 
     one program per KV head, its own causal bound per row; buckets per (sequences, k + 1)): the same tokens and
     log-probs as the dynamic path, verify forwards served statically on every rank that held rows, none left to
     the dynamic path. Ring rows (shard: pass-Q decode over both ranks) and local rows; GQA and MLA; a group's rows
-    one per program (lanes 1)."""
+    one per program (lanes 1) with its keys in 2 split-KV pieces."""
     path = llama_checkpoint(variant, max_position_embeddings=512)
     dynamic, _, spec_d = _speculate(path, cp, pool, False, placement, variant)
     static, counts, spec_s = _speculate(path, cp, pool, True, placement, variant, lanes)
