@@ -93,7 +93,8 @@ def test_run_writes_the_table_with_a_fake_engine(tmp_path, capsys, monkeypatch):
 
 def test_both_verify_paths_side_by_side(capsys, monkeypatch):
     """--verify decode,prefill: one plain run per CP size, one speculative run per path (the prefill path's engine
-    given spec_verify='prefill'), a row per (CP, workload, path); a bad path is one clear argument error."""
+    given spec_verify='prefill'), a row per (CP, workload, path); a bad path is one clear argument error;
+    --placement shard reaches every engine."""
     calls = []
     monkeypatch.setattr(bench_spec, "run_engine", lambda *a: calls.append(a[5].get("spec_verify")) or
                         fake_runner([])(*a))
@@ -106,6 +107,12 @@ def test_both_verify_paths_side_by_side(capsys, monkeypatch):
     assert "--verify decode,prefill" in res["command"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "spec", "--verify", "decode,eager"])
+    placements = []
+    monkeypatch.setattr(bench_spec, "run_engine", lambda *a: placements.append(a[5].get("placement")) or
+                        fake_runner([])(*a))
+    assert cli_main(["bench", "spec", "--cp", "2", "--tokens", "10", "--requests", "2", "--placement", "shard",
+                     "--json"]) == 0
+    assert placements == ["shard", "shard"] and "--placement shard" in capsys.readouterr().out
 
 
 def test_runs_end_to_end_on_a_tiny_checkpoint_and_keeps_the_greedy_tokens(tmp_path, capsys):

@@ -146,6 +146,8 @@ def measure(args, runner: Runner | None = None) -> dict:
 
     path = str(resolve_model(args.model))
     hw = C.hardware(args)
+    if args.placement != "auto":  # shard: every request spreads over the ranks (the ring, where the paths differ)
+        hw = dict(hw, placement=args.placement)
     workloads = build_workloads(AutoTokenizer.from_pretrained(path), args.doc_tokens, args.requests)
     cfg, runner = spec_config(args), runner or run_engine
     rows = []
@@ -190,6 +192,8 @@ def command_line(args) -> str:
              f"--requests {args.requests}", f"--doc-tokens {args.doc_tokens}"]
     if args.verify != ["decode"]:
         parts.append(f"--verify {','.join(args.verify)}")
+    if args.placement != "auto":
+        parts.append(f"--placement {args.placement}")
     if args.model:
         parts.append(f"--model {args.model}")
     return " ".join(parts) + C.hardware_flags(C.hardware(args))
@@ -223,6 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt_lookup_max: the longest suffix looked up, tried first (default: 4)")
     parser.add_argument("--verify", type=_verify_paths, default=["decode"], metavar="PATH,PATH",
                         help="verify paths (spec_verify) to run side by side: decode, prefill (default: decode)")
+    parser.add_argument("--placement", choices=("auto", "shard"), default="auto",
+                        help="the engines' placement: auto (short requests stay on one rank: no ring) or shard "
+                             "(every request spreads: its verify rows go around the ring) (default: auto)")
     parser.add_argument("--tokens", type=C.positive_int, default=96,
                         help="most output tokens per request (default: 96)")
     parser.add_argument("--requests", type=C.positive_int, default=6,
