@@ -85,8 +85,34 @@ def test_run_writes_the_table_with_a_fake_engine(tmp_path, capsys, monkeypatch):
     text = doc.read_text()
     assert "old" not in text and text.startswith("# Benchmarks") and text.endswith("tail\n")
     assert "### Speculative decoding with prompt lookup" in text and "cpinfer bench spec --cp 1,2 --k 4" in text
-    assert "| CP2 | quoting | 2 | 20 | 10.0 | 25.0 | 2.50x | 16 | 0.75 | 3.00 | 4 | yes | met (>= 1.8x) |" in text
-    assert "| CP1 | chat | 2 | 20 | 10.0 | 9.0 | 0.90x | 16 | 0.25 | 1.00 | 4 | yes | NOT met (>= 0.95x) |" in text
+    assert "| CP2 | quoting | decode | 2 | 20 | 10.0 | 25.0 | 2.50x | 16 | 0.75 | 3.00 | 4 | yes | met (>= 1.8x) |" \
+        in text
+    assert "| CP1 | chat | decode | 2 | 20 | 10.0 | 9.0 | 0.90x | 16 | 0.25 | 1.00 | 4 | yes | NOT met (>= 0.95x) |" \
+        in text
+
+
+def test_both_verify_paths_side_by_side(capsys, monkeypatch):
+    """--verify decode,prefill: one plain run per CP size, one speculative run per path (the prefill path's engine
+    given spec_verify='prefill'), a row per (CP, workload, path); a bad path is one clear argument error;
+    --placement shard reaches every engine."""
+    calls = []
+    monkeypatch.setattr(bench_spec, "run_engine", lambda *a: calls.append(a[5].get("spec_verify")) or
+                        fake_runner([])(*a))
+    assert cli_main(["bench", "spec", "--cp", "2", "--tokens", "10", "--requests", "2", "--doc-tokens", "1500",
+                     "--verify", "decode,prefill", "--json"]) == 0
+    assert calls == [None, None, "prefill"]
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["workload"], r["verify"]) for r in res["rows"]] == [("quoting", "decode"), ("chat", "decode"),
+                                                                    ("quoting", "prefill"), ("chat", "prefill")]
+    assert "--verify decode,prefill" in res["command"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "spec", "--verify", "decode,eager"])
+    placements = []
+    monkeypatch.setattr(bench_spec, "run_engine", lambda *a: placements.append(a[5].get("placement")) or
+                        fake_runner([])(*a))
+    assert cli_main(["bench", "spec", "--cp", "2", "--tokens", "10", "--requests", "2", "--placement", "shard",
+                     "--json"]) == 0
+    assert placements == ["shard", "shard"] and "--placement shard" in capsys.readouterr().out
 
 
 def test_runs_end_to_end_on_a_tiny_checkpoint_and_keeps_the_greedy_tokens(tmp_path, capsys):
@@ -118,4 +144,4 @@ def test_runs_end_to_end_on_a_tiny_checkpoint_and_keeps_the_greedy_tokens(tmp_pa
         assert 0 <= r["accepted"] <= r["drafted"] <= 3 * r["verify_steps"]
     # the tied random model repeats its last token, so prompt lookup drafts and the drafts are accepted
     assert all(r["drafted"] > 0 and r["accepted"] > 0 for r in res["rows"])
-    assert "| CP2 | chat | 2 | 24 |" in doc.read_text()
+    assert "| CP2 | chat | decode | 2 | 24 |" in doc.read_text()

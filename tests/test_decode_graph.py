@@ -62,6 +62,49 @@ def test_split_rows_covers_each_row_key_once(seed, rows, pieces):
         assert max(sizes) - min(sizes) <= 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 ** 31 - 1), st.integers(1, 4), st.integers(1, 5), st.integers(1, 3), st.integers(1, 5))
+def test_split_rows_of_verify_groups(seed, groups, width, pieces, rows_per_prog):
+    """Verify groups: group i's row u (u < its k + 1 rows) sees every cached key of the group once and its new tokens
+    0 .. u, read by the `pieces` programs of the row block holding it (blocks of `rows_per_prog` rows); rows past a
+    group's own are never a program's; the table's diagonals give exactly that causal bound."""
+    from cpinfer.engine.decode_tables import verify_runs
+
+    rng = np.random.default_rng(seed)
+    n_real = int(rng.integers(0, groups + 1))
+    runs, used, want = [], [], []
+    for i in range(n_real):
+        w = int(rng.integers(1, width + 1))
+        ctx_starts = np.sort(rng.choice(50, int(rng.integers(0, 4)), replace=False)) * 8
+        ctx = np.stack((ctx_starts, ctx_starts + rng.integers(1, 5, len(ctx_starts))), axis=1).reshape(-1, 2)
+        first = 500 + 40 * i
+        new = first + np.arange(w) + (np.arange(w) >= int(rng.integers(0, w + 1))) * 7  # one jump between runs
+        runs.append(verify_runs(ctx, new, i * width))
+        used.append(w)
+        cached = {int(k) for a, b in ctx for k in range(a, b)}
+        want.append([cached | {int(k) for k in new[:u + 1]} for u in range(w)])
+    rpp = min(rows_per_prog, width)
+    nblk = -(-width // rpp)
+    t = split_rows(runs, groups, pieces, width, used, rpp)
+    assert len(t["row0"]) == groups * nblk * pieces and len(t["off"]) == groups * nblk * pieces + 1
+    for prog in range(groups * nblk * pieces):
+        i, blk = prog // (nblk * pieces), prog // pieces % nblk
+        a = i * width + blk * rpp
+        real = i < n_real and blk * rpp < used[i]
+        assert (t["row0"][prog], t["row1"][prog]) == ((a, min(a + rpp, i * width + used[i])) if real else (0, 0))
+        assert real or t["off"][prog] == t["off"][prog + 1]
+    for i in range(n_real):
+        for u in range(used[i]):
+            r, seen = i * width + u, []
+            blk = u // rpp
+            for p in range((i * nblk + blk) * pieces, (i * nblk + blk + 1) * pieces):
+                assert t["row0"][p] <= r < t["row1"][p]
+                for x in range(t["off"][p], t["off"][p + 1]):
+                    if t["r0"][x] <= r < t["r1"][x]:
+                        seen += [k for k in range(t["k0"][x], t["k1"][x]) if k - r <= t["diag"][x]]
+            assert len(seen) == len(set(seen)) and set(seen) == want[i][u]
+
+
 # ---------------------------------------------------------------- the engine: static (eager) vs dynamic
 
 @pytest.fixture(scope="module")
@@ -189,6 +232,7 @@ def _decode_config(**args):
                                    values_in_keys=widths[0] != widths[1])
     fake = types.SimpleNamespace(args=types.SimpleNamespace(**{"enforce_eager": False, "static_decode": None,
                                                                 "max_num_seqs": 16, "kv_cache_dtype": "auto",
+                                                                "speculative_config": None, "spec_verify": "decode",
                                                                 **args}),
                                  parallel=types.SimpleNamespace(world_size=args.pop("world", 2)), config=config)
     return EngineStartup(fake).decode_config(args.pop("comm", "nccl"))
@@ -205,7 +249,8 @@ def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     assert _decode_config(device="cuda", comm="gloo")["mode"] == "eager"
     assert _decode_config(device="cuda", static_decode=False)["mode"] == "off"
     assert _decode_config(device="cpu")["mode"] == "off"
-    assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16}
+    assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16, "verify": "decode",
+                                                                 "verify_width": 1}
     assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "graph"  # MLA: values inside the keys
     monkeypatch.setattr(startup, "backend_problem", lambda name, device: "no triton")
     assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning
@@ -258,3 +303,67 @@ def test_cuda_graphs_equal_eager_decode(llama_checkpoint):
     res = subprocess.run([sys.executable, "-c", GPU_SCRIPT, path], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "graphs == eager" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _static_verify(ctx):
+    static = ctx.state["runner"].static
+    return static.forwards, static.verify_forwards, static.verify_fallbacks
+
+
+def _set_static(ctx, **values):
+    for name, value in values.items():
+        setattr(ctx.state["runner"].static, name, value)
+
+
+def _speculate(path, cp, pool, static: bool, placement: str, variant: str, lanes: int | None = None):
+    """Prompts that repeat a passage (prompt lookup drafts from them) and one that does not, greedy with log-probs,
+    speculating: verify rows beside plain decode rows in the same decode forwards. `lanes`: the static path's
+    `max_lanes` (small: a verify group's rows in blocks of several programs), with 2 split-KV pieces per group."""
+    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static, placement=placement,
+              speculative_config=NGRAM)
+    llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
+    with llm:
+        if static and lanes:
+            llm.engine._pool.run(_set_static, max_lanes=lanes, pieces=2)
+        rng = np.random.default_rng(3)
+        a, b = rng.integers(3, 256, 13).tolist(), rng.integers(3, 256, 9).tolist()
+        prompts = [a * 3 + a[:4], b + a + b + a[:5], rng.integers(3, 256, 20).tolist()]
+        params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True, seed=0)
+        outs = llm.generate(prompts, params)
+        counts = llm.engine._pool.run(_static_verify) if static else None
+        spec = llm.engine.stats().spec
+    return outs, counts, spec
+
+
+@pytest.mark.parametrize("cp,placement,lanes", [(1, "auto", None), (2, "shard", None), (2, "local", None),
+                                                (2, "shard", 1)])
+@pytest.mark.parametrize("variant", ["gqa", "deepseek_v3"])
+def test_static_decode_takes_verify_rows(llama_checkpoint, pool, cp, placement, lanes, variant):
+    """Speculative decoding's verify rows on the static path (each verify sequence one group of k + 1 rows, read in
+    one program per KV head, its own causal bound per row; buckets per (sequences, k + 1)): the same tokens and
+    log-probs as the dynamic path, verify forwards served statically on every rank that held rows, none left to
+    the dynamic path. Ring rows (shard: pass-Q decode over both ranks) and local rows; GQA and MLA; a group's rows
+    one per program (lanes 1) with its keys in 2 split-KV pieces."""
+    path = llama_checkpoint(variant, max_position_embeddings=512)
+    dynamic, _, spec_d = _speculate(path, cp, pool, False, placement, variant)
+    static, counts, spec_s = _speculate(path, cp, pool, True, placement, variant, lanes)
+    assert spec_s["num_drafts"] > 0 and spec_s == spec_d  # the same verify steps, the same acceptance
+    assert sum(c[1] for c in counts) >= 2 and sum(c[2] for c in counts) == 0, counts
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+def test_verify_rows_of_a_windowed_model_fall_back(llama_checkpoint, pool):
+    """A model with sliding-window layers: its verify forwards go to the dynamic path (a window bound differs per
+    row), counted on the ranks; plain decode forwards stay static; the outputs equal the dynamic path's."""
+    path = llama_checkpoint("gemma3", max_position_embeddings=512)
+    dynamic, _, _ = _speculate(path, 1, pool, False, "auto", "gemma3")
+    static, counts, spec = _speculate(path, 1, pool, True, "auto", "gemma3")
+    assert spec["num_drafts"] > 0 and counts[0][1] == 0 and counts[0][2] > 0, (counts, spec)
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)

@@ -167,7 +167,8 @@ def test_verify_step_and_gain_at_the_papers_cp4_decode():
 
 
 def test_verify_as_an_eager_partial_prefill():
-    """The engine's path today: k + 1 new tokens over the cached context through the prefill ring (pass-Q), eager."""
+    """spec_verify='prefill' (the engine's earlier path): k + 1 new tokens over the cached context through the
+    prefill ring (pass-Q), eager; the plan names which line is the engine's default path."""
     from cpinfer.perf.simulator import decode_kernels_time, simulate_prefill
 
     d = dep(GTT, 4)
@@ -180,6 +181,8 @@ def test_verify_as_an_eager_partial_prefill():
     assert speculative.plan_spec(d, K128, 2, 0.7).breakeven_partial is None
     one = speculative.plan_spec(dep(GTT, 1), K128, 4, 0.7)  # no ring: only the launches differ
     assert one.verify_partial.breakdown["ring_steps"] == 0 and 1 < one.gain_partial < one.gain
+    text = speculative.format_spec(spec, d, K128)
+    assert "the engine's path, spec_verify='decode'): " in text and "eager; spec_verify='prefill'): " in text
 
 
 def test_breakeven_is_none_when_no_acceptance_pays():

@@ -1,5 +1,5 @@
 """Speculative decoding (prompt lookup) on the real engine: greedy outputs and log-probs with speculation equal those
-without — token for token, log-probs within 1e-4 — at CP 1-3 with placement auto and shard, chunked prefill, prefix
+without, drafts verified as decode rows (the default) and as a partial prefill, — token for token, log-probs within 1e-4 — at CP 1-3 with placement auto and shard, chunked prefill, prefix
 sharing, preemption mid-speculation, the host KV tier, FP8 KV, stop strings inside an accepted run, max_tokens,
 and n > 1 with streaming. Every case asserts that drafts were accepted, so none can pass without speculating.
 One pooled world per CP size serves every engine of the module."""
@@ -102,12 +102,20 @@ def reference(model, engines):
     return get
 
 
+@pytest.mark.parametrize("verify", ["decode", "prefill"])
 @pytest.mark.parametrize("cp,placement", [(1, "auto"), (2, "auto"), (2, "shard"), (3, "auto"), (3, "shard")])
-def test_greedy_with_speculation_equals_without(model, engines, reference, cp, placement):
+def test_greedy_with_speculation_equals_without(model, engines, reference, cp, placement, verify):
+    """Both verify paths (`spec_verify`): drafts as decode rows (pass-Q, the decode rule) and as a partial prefill
+    (the ring chosen as for a mixed forward); every verify step of a spread request took the path asked for."""
     outs, stats = _run(engines(model, cp, placement=placement, max_kv_tokens_per_rank=4096,
-                               speculative_config=NGRAM), _prompts(0), _params())
+                               speculative_config=NGRAM, spec_verify=verify), _prompts(0), _params())
     _same(reference(0), outs)
     _speculated(stats)
+    ring = [st for o in outs for st in o.metrics["steps"] if "spec" in st and st["placement"] == "spread"]
+    assert bool(ring) == (placement == "shard")  # shard: every request spreads; auto keeps these on one rank
+    for st in ring:
+        assert (st["method"] == "decode" and st["strategy"] == "pass-q") if verify == "decode" else \
+            st["method"] in ("alg5", "empirical"), st
     spec = [o.metrics["spec"] for o in outs if "spec" in o.metrics]
     assert sum(m["num_accepted_tokens"] for m in spec) == stats.spec["num_accepted_tokens"]
     assert stats.spec["num_emitted_tokens"] == stats.spec["num_drafts"] + stats.spec["num_accepted_tokens"]

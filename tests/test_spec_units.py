@@ -331,3 +331,12 @@ def test_draft_q_reaches_the_acceptance_rule():
     seq1 = dataclasses.replace(seq, draft=np.asarray([1]), draft_q=None)
     (res,) = ModelRunner._draw(ForwardBatch((seq1,), "local", "decode"), [0], logits, {"r": torch.eye(V)[[1]]})
     assert [t for t, *_ in res.extra] == [1] and res.token == 1
+
+
+def test_spec_verify_is_checked_before_any_rank_starts():
+    """`spec_verify`: "decode" (the default) or "prefill"; anything else is refused by name with the allowed values."""
+    from cpinfer.engine.config import EngineConfig
+
+    assert EngineConfig().spec_verify == "decode" and EngineConfig(spec_verify="prefill").spec_verify == "prefill"
+    with pytest.raises(ValueError, match="spec_verify must be one of 'decode', 'prefill', got 'graph'"):
+        EngineConfig(spec_verify="graph")

@@ -5,7 +5,9 @@ reads: the project's README and docs) and free-form chat. Also the acceptance ra
 step, and whether speculation left the greedy tokens unchanged (it must).
 
 Each request runs alone (greedy), so its decode tokens/s is its own: (output tokens - 1) / (last token time -
-first token time). A workload's speedup is the median over its requests of spec / plain.
+first token time). A workload's speedup is the median over its requests of spec / plain. `--verify decode,prefill`
+runs the speculative engine once per verify path (`spec_verify`: drafts as decode rows, or as a partial prefill)
+against the same plain run, side by side.
 """
 from __future__ import annotations
 
@@ -115,13 +117,13 @@ def _tokens_per_s(row: dict) -> float:
     return n / row["decode_s"] if n > 0 and row["decode_s"] > 0 else 0.0
 
 
-def summarize(cp: int, workload: str, plain: list[dict], spec: list[dict], k: int) -> dict:
+def summarize(cp: int, workload: str, plain: list[dict], spec: list[dict], k: int, verify: str = "decode") -> dict:
     """One table row: median per-request tokens/s both ways, median speedup, acceptance over the workload."""
     ratios = [_tokens_per_s(s) / _tokens_per_s(p) for p, s in zip(plain, spec) if _tokens_per_s(p) > 0]
     drafted = sum(s["spec"].get("num_draft_tokens", 0) for s in spec)
     accepted = sum(s["spec"].get("num_accepted_tokens", 0) for s in spec)
     steps = sum(s["spec"].get("num_drafts", 0) for s in spec)
-    return {"cp": cp, "workload": workload, "requests": len(plain),
+    return {"cp": cp, "workload": workload, "verify": verify, "requests": len(plain),
             "output_tokens": sum(len(p["tokens"]) for p in plain),
             "plain_tokens_per_s": statistics.median(_tokens_per_s(p) for p in plain),
             "spec_tokens_per_s": statistics.median(_tokens_per_s(s) for s in spec),
@@ -144,13 +146,17 @@ def measure(args, runner: Runner | None = None) -> dict:
 
     path = str(resolve_model(args.model))
     hw = C.hardware(args)
+    if args.placement != "auto":  # shard: every request spreads over the ranks (the ring, where the paths differ)
+        hw = dict(hw, placement=args.placement)
     workloads = build_workloads(AutoTokenizer.from_pretrained(path), args.doc_tokens, args.requests)
     cfg, runner = spec_config(args), runner or run_engine
     rows = []
     for cp in args.cp:
         plain = runner(path, cp, None, workloads, args.tokens, hw)
-        spec = runner(path, cp, cfg, workloads, args.tokens, hw)
-        rows += [summarize(cp, name, plain[name], spec[name], args.k) for name in workloads]
+        for verify in args.verify:
+            spec = runner(path, cp, cfg, workloads, args.tokens, dict(hw, spec_verify=verify) if verify != "decode"
+                          else hw)
+            rows += [summarize(cp, name, plain[name], spec[name], args.k, verify) for name in workloads]
     return {"bench": "spec", "command": command_line(args), "model": args.model or "embedded",
             "hardware": C.hardware_text(hw), "speculative_config": cfg, "doc_tokens": args.doc_tokens,
             "prompt_tokens": {n: [len(p) for p in ps] for n, ps in workloads.items()}, "rows": rows}
@@ -161,7 +167,7 @@ def format_report(res: dict) -> str:
     for r in res["rows"]:
         target = r["target"]
         met = "" if target is None else f"{'met' if r['speedup'] >= target else 'NOT met'} (>= {target:g}x)"
-        rows.append([f"CP{r['cp']}", r["workload"], str(r["requests"]), str(r["output_tokens"]),
+        rows.append([f"CP{r['cp']}", r["workload"], r.get("verify", "decode"), str(r["requests"]), str(r["output_tokens"]),
                      f"{r['plain_tokens_per_s']:.1f}", f"{r['spec_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
                      str(r["drafted"]), f"{r['acceptance']:.2f}" if r["drafted"] else "-",
                      f"{r['accepted_per_step']:.2f}" if r["verify_steps"] else "-", str(r["k"]),
@@ -171,9 +177,10 @@ def format_report(res: dict) -> str:
     return "\n".join([
         f"Model: {res['model']} ({res['hardware']}); speculative_config {cfg}; prompts of "
         + ", ".join(f"{n} {v} tokens" for n, v in lens.items()) + "; greedy, one request at a time.", "",
-        C.fmt_table(["CP", "workload", "requests", "tokens out", "plain tok/s", "spec tok/s", "speedup", "drafted",
+        C.fmt_table(["CP", "workload", "verify", "requests", "tokens out", "plain tok/s", "spec tok/s", "speedup", "drafted",
                      "acceptance", "accepted / step", "k", "same tokens", "target"], rows), "",
-        "tok/s: decode tokens per second of one request (median over the workload's requests); speedup: median of "
+        "verify: how drafts were verified (decode: k+1 decode rows, pass-Q decode ring; prefill: a partial prefill, "
+        "the ring chosen as for a mixed forward); tok/s: decode tokens per second of one request (median over the workload's requests); speedup: median of "
         "each request's spec / plain; drafted: tokens proposed by prompt lookup over the workload (none: nothing "
         "to verify); acceptance: accepted / drafted; accepted / step: accepted tokens per verify step; same tokens: "
         "speculation left every greedy output unchanged."])
@@ -183,6 +190,10 @@ def command_line(args) -> str:
     parts = ["cpinfer bench spec", f"--cp {','.join(str(c) for c in args.cp)}", f"--k {args.k}",
              f"--lookup-min {args.lookup_min}", f"--lookup-max {args.lookup_max}", f"--tokens {args.tokens}",
              f"--requests {args.requests}", f"--doc-tokens {args.doc_tokens}"]
+    if args.verify != ["decode"]:
+        parts.append(f"--verify {','.join(args.verify)}")
+    if args.placement != "auto":
+        parts.append(f"--placement {args.placement}")
     if args.model:
         parts.append(f"--model {args.model}")
     return " ".join(parts) + C.hardware_flags(C.hardware(args))
@@ -191,6 +202,16 @@ def command_line(args) -> str:
 def _check(args) -> None:
     if args.lookup_min > args.lookup_max:
         raise ValueError(f"--lookup-min ({args.lookup_min}) must be <= --lookup-max ({args.lookup_max})")
+
+
+def _verify_paths(text: str) -> list[str]:
+    from cpinfer.engine.config import SPEC_VERIFY
+
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in paths if p not in SPEC_VERIFY]
+    if not paths or bad or len(set(paths)) != len(paths):
+        raise argparse.ArgumentTypeError(f"--verify takes distinct paths among {', '.join(SPEC_VERIFY)}, got {text!r}")
+    return paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +225,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt_lookup_min: the shortest suffix looked up in the context (default: 2)")
     parser.add_argument("--lookup-max", type=C.positive_int, default=4,
                         help="prompt_lookup_max: the longest suffix looked up, tried first (default: 4)")
+    parser.add_argument("--verify", type=_verify_paths, default=["decode"], metavar="PATH,PATH",
+                        help="verify paths (spec_verify) to run side by side: decode, prefill (default: decode)")
+    parser.add_argument("--placement", choices=("auto", "shard"), default="auto",
+                        help="the engines' placement: auto (short requests stay on one rank: no ring) or shard "
+                             "(every request spreads: its verify rows go around the ring) (default: auto)")
     parser.add_argument("--tokens", type=C.positive_int, default=96,
                         help="most output tokens per request (default: 96)")
     parser.add_argument("--requests", type=C.positive_int, default=6,

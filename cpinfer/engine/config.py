@@ -20,6 +20,7 @@ from cpinfer.engine.scheduler import SchedulerConfig
 from cpinfer.engine.spec_decode.config import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "dummy")
+SPEC_VERIFY = ("decode", "prefill")  # `spec_verify`: drafts verified as decode rows, or as a partial prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,8 @@ class EngineConfig:
     # from inside it; 0: snapshots at the end of each request only
     speculative_config: SpeculativeConfig | None = None  # speculative decoding: vLLM's keys as a dict (or its JSON
     # text), parsed into a SpeculativeConfig here (engine/spec_decode/config.py); None: off
+    spec_verify: str = "decode"  # how drafts are verified: "decode" (k+1 decode rows in the decode step: pass-Q, the
+    # static / CUDA-graph path) or "prefill" (a partial prefill, the ring chosen as for a mixed forward; benchmarks)
 
     def __post_init__(self):
         for name in ("context_parallel_size", "tensor_parallel_size"):
@@ -92,6 +95,9 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for the whole vocabulary, got {m!r}")
         check_form(self.mla_form)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.spec_verify not in SPEC_VERIFY:
+            raise ValueError(f"spec_verify must be one of {', '.join(repr(v) for v in SPEC_VERIFY)}, "
+                             f"got {self.spec_verify!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(repr(f) for f in LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")

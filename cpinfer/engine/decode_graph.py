@@ -8,7 +8,9 @@ table of the Triton step kernel: its loop bounds are read on the device, so the 
 a fixed number of pieces per row). The host fills a pinned mirror of them and copies it with one non-blocking
 transfer per step. On CUDA the forward — the layers, pass-Q decode's ring, All2All and merge (Alg. 4), the logits
 of the bucket's rows — is captured once per bucket (after an eager warm-up, in a memory pool the buckets share)
-and replayed; with `enforce_eager`, on CPU or over gloo the same static forward runs eagerly. MLA (values = the
+and replayed; with `enforce_eager`, on CPU or over gloo the same static forward runs eagerly. Speculative decoding's
+verify sequences (k + 1 rows on one rank) are groups of `width` rows, one program reading the keys once for all of
+them, each row with its own causal bound (docs/gpu.md, "Verify rows"); buckets per (sequences, width). MLA (values = the
 latent keys' first channels, Dv < Dk) runs the one-head-size kernel with the keys as values and keeps the output's
 first Dv channels.
 """
@@ -29,7 +31,7 @@ from cpinfer.attention.tiles import TABLE_FIELDS
 from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.attention import _merge_runs, first_visible
 from cpinfer.engine.batch import ForwardBatch
-from cpinfer.engine.decode_tables import StaticBuffers, bucket_sizes, split_rows
+from cpinfer.engine.decode_tables import StaticBuffers, bucket_sizes, split_rows, verify_runs
 
 MODES = ("off", "eager", "graph")  # no static path; the static path run eagerly; captured as CUDA graphs
 
@@ -41,29 +43,31 @@ class DecodeStep:
     Its rows: first the ring's (sequences whose keys span ranks: every rank pads them to `ring_rows`), then this
     rank's local ones (all their keys here: padded to `local_rows`, no communication)."""
 
-    ring_rows: int  # the ring's bucket (0: no ring in this forward, no collective)
-    local_rows: int  # this rank's local bucket
-    mine: list[int]  # sequences whose token this rank holds, in row order (ring ones, then local ones)
+    ring_rows: int  # the ring's bucket of sequences (0: no ring in this forward, no collective)
+    local_rows: int  # this rank's local bucket of sequences
+    mine: list[int]  # sequences whose tokens this rank holds, in group order (ring ones, then local ones)
     n_ring: int  # how many of `mine` are the ring's
     tables: dict  # ("ring", step j, (window, chunk)) / ("local", 0, (window, chunk)) -> split rows against my store
     ranges: int  # a bound on any rank's table ranges (the same on every rank: they resize buckets together)
+    width: int = 1  # query rows per sequence: 1, or k + 1 of the widest verify sequence (every rank the same)
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.ring_rows, self.local_rows
+    def key(self) -> tuple[int, int, int]:
+        return self.ring_rows, self.local_rows, self.width
 
 
 class StaticDecode:
     """The runner's static-shape decode path: `handles(batch)`, then `execute(batch)` → (my sequences in row order,
     their logits [rows, vocab] fp32 on the device)."""
 
-    def __init__(self, runner, mode: str, max_rows: int, pieces: int | None = None):
+    def __init__(self, runner, mode: str, max_rows: int, pieces: int | None = None, verify: str = "decode"):
         if mode not in ("eager", "graph"):
             raise ValueError(f"the static decode path runs 'eager' or 'graph', got {mode!r}")
         from cpinfer.attention import triton_attention, triton_merge  # the kernels (Triton is optional)
 
         self.kernels, self.merge = triton_attention, triton_merge.triton_merge
         self.runner, self.mode, self.max_rows, self.pieces = runner, mode, max_rows, pieces
+        self.verify = verify  # "decode": verify sequences' k + 1 rows run here too; "prefill": never
         if runner.store.sink >= 2 ** 30:  # slots sit in the kernel's int32 tables
             raise ValueError(f"the static decode path's int32 tables hold slots below 2^30; this rank has "
                              f"{runner.store.sink} (use enforce_eager=True or a smaller max_kv_tokens_per_rank)")
@@ -78,22 +82,37 @@ class StaticDecode:
         # key tiles of 64 rows, or 16 where the head is wide (MLA's 576-channel latent keys pad to 1024 lanes: K and
         # V tiles of 64 x 1024 would not fit a GPU's shared memory); not tuned on a GPU
         self.block_n = 16 if interp or runner.widths.key > 256 else 64
+        # a verify group's rows x G heads in one program up to this many lanes (wide heads: no more than plain
+        # decode's), its rows in blocks beyond; not tuned on a GPU
+        self.max_lanes = max(128, self.block_m) if runner.widths.key <= 256 else self.block_m
         self.sizes = bucket_sizes(max_rows)
-        self.buckets: dict[tuple[int, int], dict] = {}  # (ring rows, local rows) -> static buffers, graph
+        self.buckets: dict[tuple[int, int, int], dict] = {}  # (ring seqs, local seqs, width) -> buffers, graph
         self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
         self.forwards = 0  # decode forwards this path served (diagnostics and tests)
         self.replays = 0  # ... of which by replaying a captured graph
+        self.verify_forwards = 0  # ... of which with verify rows (speculative decoding)
+        self.verify_fallbacks = 0  # decode forwards with verify rows this path left to the dynamic one
         self.last_phases: dict = {}  # host seconds of the last forward: "plan" (its buffers), "model" (launch)
 
     # ------------------------------------------------------------------ host side
     def handles(self, batch: ForwardBatch) -> bool:
-        """A pure decode forward (one sampled token per sequence) whose ring, if any, is pass-Q, fitting a bucket."""
+        """A pure decode forward (one sampled token per sequence, or a verify sequence's k + 1 rows, all on one rank)
+        whose ring, if any, is pass-Q, fitting a bucket. Verify rows need `verify` "decode" and full-attention layers
+        only (a window or chunk bound differs per row); a decode forward with verify rows left to the dynamic path
+        is counted (`verify_fallbacks`)."""
         if batch.phase != "decode" or (self.world > 1 and batch.strategy not in ("pass-q", "local")):
             return False
-        if any(len(s.token_ids) != 1 or s.sample is None or s.prompt_logprobs for s in batch.seqs):
+        if any(s.sample is None or s.prompt_logprobs or len(s.token_ids) != s.sampled_rows for s in batch.seqs):
             return False
         counts = np.bincount([int(s.ranks[0]) for s in batch.seqs], minlength=self.world)
-        return int(counts.max()) <= self.max_rows
+        fits = int(counts.max()) <= self.max_rows
+        if all(s.draft is None for s in batch.seqs):
+            return fits
+        if fits and self.verify == "decode" and self.kinds == [(None, None)] and all(
+                (s.ranks == s.ranks[0]).all() for s in batch.seqs):
+            return True
+        self.verify_fallbacks += 1
+        return False
 
     def _spread(self, batch: ForwardBatch) -> list[bool]:
         """Per sequence: does it take part in the ring (its keys span ranks)? Never with one rank."""
@@ -103,36 +122,50 @@ class StaticDecode:
 
     def plan(self, batch: ForwardBatch) -> DecodeStep:
         seqs, me, n = batch.seqs, self.rank, self.world
+        width = max(s.sampled_rows for s in seqs)
         spread = self._spread(batch)
         ring_of = [[b for b, s in enumerate(seqs) if spread[b] and int(s.ranks[0]) == r] for r in range(n)]
         local = [b for b, s in enumerate(seqs) if not spread[b] and int(s.ranks[0]) == me]
         ring_rows = self._size(max(len(x) for x in ring_of))
         local_rows = self._size(len(local))
-        visible = {}  # sequence -> its key runs on this rank (its cached runs, plus its new token if here)
-        for b in [b for x in ring_of for b in x] + local:
-            s = seqs[b]
-            runs = s.ctx_runs[me]
-            if int(s.ranks[0]) == me:
-                runs = np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]]))
-            visible[b] = _merge_runs(runs)
+        visible = {}  # sequence -> its key runs on this rank (its cached runs, plus its new token(s) if here)
+        for rows_of in ring_of + [local]:
+            for i, b in enumerate(rows_of):
+                s = seqs[b]
+                runs = s.ctx_runs[me]
+                if int(s.ranks[0]) != me:
+                    visible[b] = _merge_runs(runs)
+                elif s.draft is None:
+                    visible[b] = _merge_runs(np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]])))
+                else:  # a verify sequence: [k0, k1, diag] runs, its rows from i * width of its part
+                    visible[b] = verify_runs(_merge_runs(runs), s.slots, i * width)
         parts = [("ring", j, ring_of[(me - j) % n], ring_rows) for j in range(n if ring_rows else 0)]
         parts += [("local", 0, local, local_rows)] if local_rows else []
         tables = {}
         for part, j, rows_of, rows in parts:
+            used = [seqs[b].sampled_rows for b in rows_of]
             for kind in self.kinds:
                 runs = [visible[b] if kind == (None, None) else self.runner.slot_positions.recent_runs(
                     me, visible[b], first_visible(seqs[b].start, *kind)) for b in rows_of]
-                tables[(part, j, kind)] = split_rows(runs, rows, self._pieces(rows))
-        # every rank can bound every rank's tables from the batch: a run per cached run and the new token, and
-        # each run cut at most pieces - 1 more times
+                tables[(part, j, kind)] = split_rows(runs, rows, self._pieces(rows), width, used,
+                                                     self._rows_per_prog(width))
+        # every rank can bound every rank's tables from the batch: a run per cached run and per new token, each
+        # run cut at most pieces - 1 more times, and all once per row block of a group
         pieces = max(self._pieces(ring_rows), self._pieces(local_rows))
-        bound = sum(max(len(r) for r in s.ctx_runs) + 1 for s in seqs) + len(seqs) * (pieces - 1)
+        blocks = -(-width // self._rows_per_prog(width))
+        bound = (sum(max(len(r) for r in s.ctx_runs) + len(s.token_ids) for s in seqs) + len(seqs) * (pieces - 1)
+                 ) * blocks
         assert all(len(t["k0"]) <= bound for t in tables.values())
-        return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), tables, bound)
+        return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), tables, bound, width)
 
     def _size(self, rows: int) -> int:
         """The bucket of `rows` rows (0 stays 0: that part is absent)."""
         return 0 if rows == 0 else next(b for b in self.sizes if b >= rows)
+
+    def _rows_per_prog(self, width: int) -> int:
+        """Rows of a group one program holds (all its k + 1 when their G heads each fit `max_lanes`)."""
+        g = self.runner.layout.heads // self.runner.layout.kv_heads
+        return max(1, min(width, self.max_lanes // g))
 
     def _pieces(self, rows: int) -> int:
         if self.pieces is not None:
@@ -147,31 +180,41 @@ class StaticDecode:
         bucket = self.buckets.get(step.key)
         if bucket is None or bucket["ranges"] < step.ranges:
             cap = max(256, 1 << (2 * max(step.ranges, 1) - 1).bit_length())
-            rows = step.ring_rows + step.local_rows
+            rows = (step.ring_rows + step.local_rows) * step.width
             fields = [(("ids",), np.int64, rows), (("pos",), np.int64, rows), (("slots",), np.int64, rows)]
             pieces = {}
+            rpp = self._rows_per_prog(step.width)
             for key in step.tables:
                 part_rows = step.ring_rows if key[0] == "ring" else step.local_rows
                 pieces[key] = self._pieces(part_rows)
-                programs = part_rows * pieces[key]
+                programs = part_rows * -(-step.width // rpp) * pieces[key]
                 fields += [(key + ("row0",), np.int32, programs), (key + ("row1",), np.int32, programs),
                            (key + ("off",), np.int32, programs + 1), (key + ("slot",), np.int32, programs)]
                 fields += [(key + (f,), np.int32, cap) for f in ("k0", "k1", "r0", "r1", "diag")]
+            g = self.runner.layout.heads // self.runner.layout.kv_heads
             bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces,
-                      "ring_rows": step.ring_rows, "local_rows": step.local_rows, "graph": None, "logits": None}
+                      "ring_rows": step.ring_rows * step.width, "local_rows": step.local_rows * step.width,
+                      "width": step.width, "graph": None, "logits": None,
+                      # one program holds a block of a group's rows x G heads
+                      "block_m": self.kernels.block_m_for(rpp * g, self.block_m)}
             self.buckets[step.key] = bucket  # a replaced bucket's graph and memory go with the old dict
         return bucket
 
     def _fill(self, bucket: dict, batch: ForwardBatch, step: DecodeStep) -> None:
         buf, seqs = bucket["buffers"], batch.seqs
         buf.wait()
-        ring = step.mine[:step.n_ring] + [None] * (step.ring_rows - step.n_ring)  # row order, None: padding
+        ring = step.mine[:step.n_ring] + [None] * (step.ring_rows - step.n_ring)  # group order, None: padding
         local = step.mine[step.n_ring:] + [None] * (step.local_rows - len(step.mine) + step.n_ring)
-        rows = ring + local
-        sink = self.runner.store.sink
-        buf.host(("ids",))[:] = [0 if b is None else int(seqs[b].token_ids[0]) for b in rows]
-        buf.host(("pos",))[:] = [0 if b is None else seqs[b].start for b in rows]
-        buf.host(("slots",))[:] = [sink if b is None else int(seqs[b].slots[0]) for b in rows]
+        w, sink = step.width, self.runner.store.sink
+        ids, pos, slots = buf.host(("ids",)), buf.host(("pos",)), buf.host(("slots",))
+        ids[:], pos[:], slots[:] = 0, 0, sink  # padding rows (and a group's rows past its sequence's) write the sink
+        for i, b in enumerate(ring + local):
+            if b is not None:
+                s = seqs[b]
+                t = len(s.token_ids)
+                ids[i * w:i * w + t] = s.token_ids
+                pos[i * w:i * w + t] = s.start + np.arange(t)
+                slots[i * w:i * w + t] = s.slots
         for key, table in step.tables.items():
             for f in TABLE_FIELDS + ("slot",):
                 host = buf.host(key + (f,))
@@ -181,8 +224,9 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ device side
     def execute(self, batch: ForwardBatch) -> tuple[list[int], torch.Tensor | None]:
-        """→ (my sequences in row order, their logits [len, vocab] fp32 on the device); (`[]`, None) when this rank
-        has nothing to do (no token of its own and no ring to serve)."""
+        """→ (my sequences in row order, their logits [rows, vocab] fp32 on the device: one row per sequence, k + 1
+        for a verify sequence); (`[]`, None) when this rank has nothing to do (no token of its own and no ring to
+        serve)."""
         t0 = time.perf_counter()
         step = self.plan(batch)
         if step.ring_rows + step.local_rows == 0:
@@ -201,7 +245,13 @@ class StaticDecode:
             if self.mode == "graph":
                 self._capture(bucket)
         self.last_phases = {"plan": t1 - t0, "model": time.perf_counter() - t1}
-        nr, nl = step.n_ring, len(step.mine) - step.n_ring  # real rows: ring ones, then local ones after the pad
+        nr, nl = step.n_ring, len(step.mine) - step.n_ring  # real groups: ring ones, then local ones after the pad
+        if step.width > 1:  # each sequence's rows (k + 1 of a verify sequence, else 1), in order
+            self.verify_forwards += 1
+            groups = list(range(nr)) + list(range(step.ring_rows, step.ring_rows + nl))
+            rows = [g * step.width + t for g, b in zip(groups, step.mine)
+                    for t in range(batch.seqs[b].sampled_rows)]
+            return step.mine, logits.index_select(0, torch.as_tensor(rows, dtype=torch.long, device=logits.device))
         if nr == step.ring_rows or nl == 0:
             return step.mine, logits[:nr + nl] if nr == step.ring_rows else logits[:nr]
         return step.mine, torch.cat((logits[:nr], logits[step.ring_rows:step.ring_rows + nl]))
@@ -270,6 +320,6 @@ class StaticDecode:
     def _launch(self, bucket: dict, key, q, k, v, acc_out, acc_lse) -> None:
         buf, pieces = bucket["buffers"], bucket["pieces"][key]
         table = tuple(buf[key + (f,)] for f in TABLE_FIELDS)
-        self.kernels.launch_step(q, k, v, acc_out, acc_lse, None, table, self.runner.scale, self.block_m,
+        self.kernels.launch_step(q, k, v, acc_out, acc_lse, None, table, self.runner.scale, bucket["block_m"],
                                  self.block_n, slots=buf[key + ("slot",)] if pieces > 1 else None,
                                  n_slots=pieces if pieces > 1 else 0)

@@ -376,7 +376,9 @@ class LLMEngine:
         ring = [s for s in scheduled if s.placement.spread]
         t = sum(len(s.tokens) for s in ring)
         p = sum(s.start for s in ring)
-        verify = any(s.draft is not None for s in ring)  # a verify sequence is a partial prefill of k+1 tokens
+        # a verify sequence is k+1 decode rows (spec_verify "decode": the decode ring, pass-Q), or a partial prefill
+        # of k+1 tokens ("prefill": the ring variant chosen as for a mixed forward)
+        verify = self.args.spec_verify == "prefill" and any(s.draft is not None for s in ring)
         phase = "mixed" if verify and _phase(ring) == "decode" else _phase(ring)
         return choose_for_batch(self, t, p, phase, ring=bool(ring)), _phase(scheduled)
 

@@ -48,8 +48,9 @@ class ModelRunner:
     def __init__(self, ctx, model_path: str, dtype: torch.dtype, parallel: ParallelConfig,
                  attention_backend: str | None = None, decode: dict | None = None, kv_cache_dtype: str = "auto",
                  load_format: str = "auto", groups=None):
-        """decode: {"mode": "off" | "eager" | "graph", "max_rows": int} — the static-shape decode path
-        (`decode_graph.py`), captured as CUDA graphs in "graph" mode; default off. kv_cache_dtype: "auto" (the
+        """decode: {"mode": "off" | "eager" | "graph", "max_rows": int, "verify": "decode" | "prefill"} — the
+        static-shape decode path (`decode_graph.py`), captured as CUDA graphs in "graph" mode, verify rows on it
+        with "decode"; default off. kv_cache_dtype: "auto" (the
         compute dtype) or "fp8" (`kv/fp8.py`). load_format: "auto" (the checkpoint) or "dummy" (random weights
         made on the device, TP1: `loader.random_model`). groups: this rank's `ParallelGroups` when built already (a
         role of a prefill / decode world: `distributed.build_role_groups`), else built here over the world."""
@@ -135,7 +136,8 @@ class ModelRunner:
                 raise ValueError("the static decode path (decode mode 'eager' / 'graph') takes one head size for "
                                  "keys and values, or values inside the keys (MLA); this model's differ: use decode "
                                  "mode 'off'")
-            self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"))
+            self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"),
+                                       self.decode.get("verify", "decode"))
 
     def state_layers(self) -> dict:
         """Recurrent layer -> (state shape, conv kernel, conv channels) of its mixer (hybrid models)."""
@@ -263,14 +265,15 @@ class ModelRunner:
         return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events, phases=phases)
 
     def _execute_static(self, batch: ForwardBatch, t0: float, events: tuple) -> RankResult:
-        """A decode forward through the static-shape path (a CUDA graph replay once its bucket is captured)."""
+        """A decode forward (plain and verify rows) through the static-shape path (a CUDA graph replay once its
+        bucket is captured)."""
         which, logits = self.static.execute(batch)  # my sequences, their logits [rows, vocab] on the device
         samples, phases = (), dict(self.static.last_phases)  # "plan" (host buffers), "model" (launch / replay)
         if self.groups.tp_rank == 0 and which:
             t1 = time.perf_counter()
             host_logits = logits.cpu()  # waits for the device
             t2 = time.perf_counter()
-            samples = self._draw(batch, which, host_logits)
+            samples = self._draw(batch, which, host_logits, self.draft_probs)
             phases["model"] = phases.get("model", 0.0) + t2 - t1
             phases["sample"] = time.perf_counter() - t2
         # a rank with no token and no ring to serve ran nothing: `which` is empty, `logits` None

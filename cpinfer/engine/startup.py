@@ -199,7 +199,9 @@ class EngineStartup:
 
     def decode_config(self, comm: str) -> dict:
         """The ranks' decode path: {"mode": "graph" (CUDA graphs per batch-size bucket), "eager" (the same static
-        path without capture) or "off" (the dynamic path), "max_rows": the largest bucket}. `comm`: the tensors'
+        path without capture) or "off" (the dynamic path), "max_rows": the largest bucket, "verify": how drafts are
+        verified (`spec_verify`: "decode" puts verify rows on the static path), "verify_width": the most rows of one
+        verify sequence (k + 1)}. `comm`: the tensors'
         torch.distributed backend (a gloo collective cannot be captured in a CUDA graph)."""
         e = self.engine
         a = e.args
@@ -231,7 +233,9 @@ class EngineStartup:
                         "kv_cache_dtype is %s", a.kv_cache_dtype)
             static = False
         mode = "off" if not static else "graph" if graphs else "eager"
-        return {"mode": mode, "max_rows": a.max_num_seqs}
+        spec = a.speculative_config
+        return {"mode": mode, "max_rows": a.max_num_seqs, "verify": a.spec_verify,
+                "verify_width": 1 + (spec.num_speculative_tokens if spec is not None else 0)}
 
     # ------------------------------------------------------------------ the ranks
     def start_ranks(self, capacity: int | None) -> int:

@@ -4,11 +4,12 @@ Under CP every decode step pays the ring's latency (Q SendRecv per step, All2All
 and reads the whole KV once. A verify step pays both once for k + 1 query rows (`simulate_decode(..., rows=k+1)`:
 the same decode ring under the same CUDA graph, one Q block of k + 1 rows per sequence, GEMMs and LM head over
 k + 1 rows) and emits E = (1 - a^(k+1)) / (1 - a) tokens on average when each drafted token is accepted with
-probability a independently of the others. Gain = E x t_decode / t_verify. The same rows verified as a partial
-prefill through the prefill ring (pass-Q, eager: the per-step ring cost `ring_step_us` on every step of every layer)
-are priced beside it, `simulate_prefill(k + 1 new, context cached)`: that is how cpinfer's engine verifies today
-(docs/engine.md, "Speculative decoding"). The drafter is prompt lookup (n-gram): no model, its time on the host is
-not counted.
+probability a independently of the others. Gain = E x t_decode / t_verify. That is how cpinfer's engine verifies
+(`spec_verify="decode"`, the default: each verify sequence one group of k + 1 rows on the static decode path, one
+program reading the K/V once for them; docs/gpu.md, "Verify rows"). The same rows verified as a partial prefill
+through the prefill ring (`spec_verify="prefill"`; pass-Q, eager: the per-step ring cost `ring_step_us` on every
+step of every layer) are priced beside it, `simulate_prefill(k + 1 new, context cached)`. The drafter is prompt
+lookup (n-gram): no model, its time on the host is not counted.
 """
 from __future__ import annotations
 
@@ -131,11 +132,11 @@ def format_spec(spec: SpecPlan, dep: Deployment, context_tokens: int) -> str:
         f"{spec.expected_tokens:.3f} tokens per verify step; decode step {spec.decode.seconds * 1e3:.2f} ms on "
         f"CP{dep.cp} x TP{dep.tp} at {context_tokens} context",
         f"          verified as a decode step ({spec.k + 1} rows per sequence in one Q block, one pass over the KV, "
-        f"as decode runs): {spec.verify.seconds * 1e3:.2f} ms ({spec.cost_ratio:.3f}x; "
+        f"as decode runs; the engine's path, spec_verify='decode'): {spec.verify.seconds * 1e3:.2f} ms ({spec.cost_ratio:.3f}x; "
         f"{extra or 'no component grows'} ms): gain {spec.gain:.2f}x decode tokens/s "
         f"({spec.ttit_s * 1e3:.2f} ms per token), {_breakeven_words(spec.breakeven, spec.k)}",
         f"          verified as a partial prefill ({'the prefill ring, pass-Q' if dep.cp > 1 else 'no ring at CP1'}, "
-        "eager; the engine's path today): "
+        "eager; spec_verify='prefill'): "
         f"{spec.verify_partial.seconds * 1e3:.2f} ms ({spec.partial_ratio:.3f}x, of which per-step ring cost "
         f"{ring * 1e3:.2f} ms): gain {spec.gain_partial:.2f}x, {_breakeven_words(spec.breakeven_partial, spec.k)}",
     ])

@@ -1,5 +1,5 @@
-"""Speculative decoding: draft k tokens, verify them in one partial prefill over the sharded KV, keep exactly what
-the target model would produce.
+"""Speculative decoding: draft k tokens, verify them as k+1 decode rows over the sharded KV (or, `spec_verify`
+"prefill", as one partial prefill), keep exactly what the target model would produce.
 
 config (`SpeculativeConfig`, vLLM's keys) → proposer (`Proposer` interface, registry; ngram.py: prompt lookup) →
 the scheduler places [last, drafts] on one rank → the rank's rejection.py keeps the target's distribution →
