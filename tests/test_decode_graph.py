@@ -229,7 +229,7 @@ def test_static_decode_with_tensor_parallel(llama_checkpoint, pool, variant):
 def _decode_config(**args):
     widths = args.pop("widths", (16, 16))  # the model's key and value head sizes (MLA: they differ)
     config = types.SimpleNamespace(kv_key_width=widths[0], kv_value_width=widths[1],
-                                   values_in_keys=widths[0] != widths[1])
+                                   values_in_keys=widths[0] != widths[1], hybrid=False, dsa=None)
     fake = types.SimpleNamespace(args=types.SimpleNamespace(**{"enforce_eager": False, "static_decode": None,
                                                                 "max_num_seqs": 16, "kv_cache_dtype": "auto",
                                                                 "speculative_config": None, "spec_verify": "decode",
