@@ -93,7 +93,7 @@ def format_report(res: dict) -> str:
                      f"{r['max']:.1f}", f"{min(r['burst_ttft_s']):.1f}", f"{r['single_ttft_s']:.2f}",
                      f"{r['single_vs_none']:.3f}"])
     return "\n".join([
-        f"{res['burst']} prompts of {res['tokens']} tokens at once, CP{res['cp']}, {res['model']}, "
+        f"{res['burst']} prompt{'s' if res['burst'] != 1 else ''} of {res['tokens']} tokens at once, CP{res['cp']}, {res['model']}, "
         f"{res['hardware']}: time to first token per request (s), and of one such prompt alone (median of the "
         "repeats):", "",
         C.fmt_table(["max_num_batched_tokens", "burst TTFT p50", "p90", "max", "first", "single TTFT",
