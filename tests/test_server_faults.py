@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from server_utils import ServerProcess, descendants, in_thread, is_alive, metric_values, served_checkpoint
-from wait_utils import SETTLE_S, wait_until
+from wait_utils import DEAD_RANK_SEEN_S, SETTLE_S, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -194,12 +195,8 @@ def _queue(values: dict, prefix: str) -> float:
 def _held_prefill_server(model_dir, monkeypatch):
     """An in-process server over a CP1 `AsyncLLM` whose prefill forwards wait for `release` (set it to let them
     run): yields (engine, url, entered, release), `entered` set once a prefill's forward is held."""
-    import uvicorn
-
     from cpinfer import AsyncLLM
     from cpinfer.engine.llm_engine import LLMEngine
-    from cpinfer.server.app import ServerConfig, build_app
-    from server_utils import free_port
 
     entered, release = threading.Event(), threading.Event()
     forward = LLMEngine._run
@@ -212,6 +209,19 @@ def _held_prefill_server(model_dir, monkeypatch):
 
     monkeypatch.setattr(LLMEngine, "_run", held)
     allm = AsyncLLM(str(model_dir), context_parallel_size=1, threads_per_rank=1, max_kv_tokens_per_rank=4096)
+    with _serving(allm, release) as url:
+        yield allm, url, entered, release
+
+
+@contextlib.contextmanager
+def _serving(allm, release: threading.Event):
+    """`allm` served in this process on a free port: yields its URL; on the way out `release` is set (a held step
+    goes on), the server stops and the engine shuts down."""
+    import uvicorn
+
+    from cpinfer.server.app import ServerConfig, build_app
+    from server_utils import free_port
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(allm, ServerConfig("tiny")), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
@@ -219,7 +229,7 @@ def _held_prefill_server(model_dir, monkeypatch):
     serving.start()
     try:
         wait_until(lambda: server.started, what="the in-process server listening")
-        yield allm, f"http://127.0.0.1:{port}", entered, release
+        yield f"http://127.0.0.1:{port}"
     finally:
         release.set()
         server.should_exit = True
@@ -266,6 +276,50 @@ def test_abort_all_ends_a_stream_whose_prefill_is_still_running(model_dir, monke
         release.set()
         wait_until(lambda: (allm.stats().num_running, allm.stats().num_waiting) == (0, 0), what="the request freed")
         assert allm.stats().requests_finished.get("abort") == 1
+
+
+def test_a_rank_killed_while_rank_0_drafts_is_seen_at_once(model_dir, monkeypatch):
+    """A draft model at CP 2 under load (several long streams): rank 1 SIGKILLed while rank 0 is inside its share of
+    the draft's k steps (held here: a long draft forward that sends rank 1 nothing) turns /health 503 and ends
+    every stream with the engine_dead error within DEAD_RANK_SEEN_S, the held step still running: the liveness
+    check never waits behind a forward."""
+    from cpinfer import AsyncLLM
+    from cpinfer.engine.spec_decode.draft_runner import DraftRunner
+
+    entered, release = threading.Event(), threading.Event()
+    propose = DraftRunner.propose
+
+    def held(self, seqs):  # rank 0's share only: rank 0 runs in this process, rank 1 is a spawned process
+        if not release.is_set():
+            entered.set()
+            release.wait(SETTLE_S)
+        return propose(self, seqs)
+
+    monkeypatch.setattr(DraftRunner, "propose", held)
+    allm = AsyncLLM(str(model_dir), context_parallel_size=2, threads_per_rank=1, max_kv_tokens_per_rank=4096,
+                    speculative_config={"model": str(model_dir), "num_speculative_tokens": 4})
+    with _serving(allm, release) as url:
+        assert allm.engine._pool.driver_rank  # the hold is in rank 0's share of the draft's steps
+        streams = [(lines, *in_thread(_read_events, url, "/v1/completions", {
+            "model": "tiny", "prompt": f"story {i}: once upon a time", "max_tokens": 300, "stream": True,
+            "ignore_eos": True, "temperature": 0}, lines)) for i, lines in enumerate([[] for _ in range(4)])]
+        wait_until(entered.is_set, what="rank 0 inside the draft's steps")
+        os.kill(allm.rank_pids[1], signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_until(lambda: httpx.get(url + "/health", timeout=SETTLE_S).status_code == 503, DEAD_RANK_SEEN_S,
+                   what="/health 503 after rank 1 was killed")
+        for _, reader, _ in streams:
+            reader.join(DEAD_RANK_SEEN_S)
+        seen = time.monotonic() - t_kill
+        assert not release.is_set(), "the draft's step was released before the death was seen"
+        assert seen < DEAD_RANK_SEEN_S, seen
+        for lines, reader, box in streams:
+            assert not reader.is_alive() and box == [None], box
+            events = [json.loads(x) for x in lines if x != "[DONE]"]
+            assert events and events[-1]["error"]["code"] == "engine_dead", lines[-3:]
+        health = httpx.get(url + "/health", timeout=SETTLE_S)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert re.search(r"rank 1 \(pid \d+\) was killed by SIGKILL", allm.dead_error), allm.dead_error
 
 
 def _read_events(url: str, path: str, body: dict, lines: list) -> None:

@@ -20,6 +20,7 @@ from cpinfer.commands.model_args import (HelpFormatter, add_model_arguments, add
 from cpinfer.device import add_arguments as add_device_arguments
 from cpinfer.device import check_arguments as check_device_arguments
 from cpinfer.device import engine_kwargs as device_kwargs
+from cpinfer.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from cpinfer.server.reasoning import REASONING_PARSERS
 from cpinfer.server.tool_parsers import TOOL_PARSERS
 from cpinfer.utils import get_logger
@@ -440,7 +441,9 @@ def _scheduler_arguments(parser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=None, metavar="L",
                    help="longest prompt + completion in tokens (default: the model's context length)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="B",
-                   help="tokens per forward; longer prompts are prefilled in chunks (partial prefill)")
+                   help="tokens per forward at most (default: %d, vLLM's for its server): longer prompts are "
+                        "prefilled in chunks (partial prefills) and a burst of long prompts gets its first tokens "
+                        "one prompt after another" % DEFAULT_MAX_NUM_BATCHED_TOKENS)
     g.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="running requests at most (default: 64)")
 

@@ -6,8 +6,11 @@ falls behind costs one output's memory, not one per token.
 Validation happens in the caller (`add_request` raises ValueError before anything is queued); aborting a stream
 (`aclose()`, cancellation, a disconnected client) frees the request's blocks at the engine's next step. A request
 whose own work fails (sampling, its grammar) raises `RequestFailedError` on its stream alone. If a rank dies or
-raises inside a forward, every open stream raises `EngineDeadError` and `errored` turns True; the loop checks the
-ranks every few tens of milliseconds, so a rank that dies while the engine is idle is seen too.
+raises inside a forward, every open stream raises `EngineDeadError` and `errored` turns True. A monitor thread reads
+the ranks' watchers (`LLMEngine.rank_failure`: process sentinels, closed control connections) every few tens of
+milliseconds, so a rank that dies is seen at once whether the engine is idle or inside a long step that does not
+need that rank (rank 0's share of a draft model's k steps, a long prefill on rank 0 alone): that step may only find
+out when it next sends the dead rank something, seconds later.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from cpinfer.utils import get_logger
 log = get_logger()
 _IDLE_WAIT_S = 0.05
 _HEARTBEAT_S = 1.0  # idle interval between liveness checks of ranks that have no process sentinel (torchrun)
+_RANK_WATCH_S = 0.05  # how often the monitor thread reads the ranks' watchers (busy or idle)
 
 
 class RequestFailedError(RuntimeError):
@@ -113,8 +117,11 @@ class AsyncLLM:
         # (running, waiting): published by the engine thread whenever they change, a long step's forward included
         self._queue = self.engine.queue_counts()
         self.engine.before_forward = self._publish_queue
+        self._dying = threading.Lock()  # one of the engine thread and the monitor declares the engine dead
         self._thread = threading.Thread(target=self._run, name="cpinfer-engine", daemon=True)
         self._thread.start()
+        self._monitor = threading.Thread(target=self._watch_ranks, name="cpinfer-rank-monitor", daemon=True)
+        self._monitor.start()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -246,9 +253,30 @@ class AsyncLLM:
             except queue.Empty:
                 return
 
+    def _die(self, reason: str) -> None:
+        """The engine is dead (from the engine thread or the monitor, once): `errored` turns True (/health 503) and
+        every open stream ends with `EngineDeadError`."""
+        with self._dying:
+            if self.dead_error is not None:
+                return
+            self.dead_error = reason
+        self.engine.dead_error = self.engine.dead_error or reason  # the engine thread's next step raises
+        log.error("engine loop stopped: %s", reason)
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError("the engine failed"))
+
+    def _watch_ranks(self) -> None:
+        """The monitor thread: a rank seen gone by its pool's watcher kills the engine now, not when the engine
+        thread's step (which may not need that rank for seconds) is over."""
+        while not self._stop.wait(_RANK_WATCH_S) and self.dead_error is None:
+            reason = self.engine.rank_failure()
+            if reason is not None:
+                self._die(f"{EngineDeadError.__name__}: {reason}")
+                return
+
     def _run(self) -> None:
         last_busy = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.dead_error is None:
             try:
                 self._drain(block=not self.engine.has_unfinished_requests())
                 self._publish_queue()  # requests just queued wait
@@ -274,11 +302,7 @@ class AsyncLLM:
                 # the step's outputs share its host timings: readers see the hand-off time once it is known
                 self.engine.last_step_host["stream_s"] = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - a dead rank or a bug: fail every request, stay inspectable
-                self.dead_error = f"{type(exc).__name__}: {exc}"
-                self.engine.dead_error = self.engine.dead_error or self.dead_error
-                log.error("engine loop stopped: %s", self.dead_error)
-                for rid in list(self._streams):
-                    self._deliver(rid, EngineDeadError("the engine failed"))
+                self._die(f"{type(exc).__name__}: {exc}")
                 return
 
     def shutdown(self) -> None:
@@ -286,6 +310,7 @@ class AsyncLLM:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=60)
+        self._monitor.join(timeout=5)
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError("the engine was shut down"))
         self.engine.shutdown()

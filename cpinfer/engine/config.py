@@ -16,7 +16,7 @@ from cpinfer.engine.kv.fp8 import check_kv_cache_dtype
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.kv.placement import PLACEMENTS
 from cpinfer.engine.mla_form import check_form
-from cpinfer.engine.scheduler import SchedulerConfig
+from cpinfer.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from cpinfer.engine.spec_decode.config import SpeculativeConfig
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -33,7 +33,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "bfloat16", "float16"
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "fp8" (e4m3, static scales) or "fp8_per_token"
     max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS  # None: no bound (every prompt whole)
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     max_kv_tokens_per_rank: int | None = None

@@ -253,6 +253,12 @@ class LLMEngine:
         if beat is not None:
             beat()
 
+    def rank_failure(self) -> str | None:
+        """Why a rank is gone as its pool's watcher saw it (a process sentinel, a closed control connection), or None.
+        It only reads, so another thread may ask while a step runs (AsyncLLM's monitor)."""
+        pool = self._pool
+        return None if pool is None else getattr(pool, "dead_reason", None)
+
     def check_ranks(self) -> str | None:
         """Why the engine is dead (a rank process exited, found without a forward), or None while it is alive."""
         if self.dead_error is None and self._pool is not None:

@@ -18,6 +18,12 @@ from cpinfer.engine.kv.manager import KVManager, Placement
 from cpinfer.engine.request import Request, RequestStatus
 
 
+# the tokens of one forward unless told otherwise (EngineConfig, serve; vLLM's default for its server): a longer prompt
+# is prefilled in chunks, and a burst of long prompts gets first tokens one prompt after another, oldest first, instead
+# of all at the end of one forward over every prompt (measured: docs/benchmarks.md, `cpinfer bench burst`)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: no chunking, a whole prompt per forward

@@ -287,6 +287,7 @@ class PDEngine:
 
     # ------------------------------------------------------------------ health, stats, shutdown
     _check_alive = LLMEngine._check_alive  # the same two checks, on this engine's dead_error and pool
+    rank_failure = LLMEngine.rank_failure  # the pool's watcher, read from AsyncLLM's monitor thread
 
     def check_ranks(self) -> str | None:
         if self.dead_error is None and self._pool is not None and self._pool.dead_reason is not None:
