@@ -4,31 +4,27 @@ biases, norms and router biases randomised; `checkpoints.TINY_VARIANTS`):
 
 * the model alone: a 300-token forward's log-probs within 1e-4 (several of transformers' KDA / SSD chunks), the
   config read (layer types, block pattern, the recurrence's shape), the checkpoint's own names mapped, bad configs
-  refused by name before anything is built;
-* the engine at CP 1, 2 and 3: a 310-token prompt prefilled in chunks of 128 (shards summarised and composed, conv
-  halos exchanged), prompt log-probs within 1e-4 and greedy decode equal to transformers, then turn 2 continuing
-  from turn 1's state snapshot (none of turn 1 recomputed). One pool of ranks per CP size serves the module."""
+  refused by name before anything is built.
+
+The engine at CP 1, 2 and 3 (chunked prefill, decode, turn 2 from the state snapshot) runs both families in
+`tests/test_hybrid_engine.py`, beside the Gated DeltaNet ones, on that module's pools of ranks."""
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cpinfer import LLM, SamplingParams
-from cpinfer.launch import WorkerPool
+from cpinfer import LLM
 from cpinfer.model import ModelConfig, ReferenceAttention, load_model
 from cpinfer.model.recurrent.kda import KDAShape
 from cpinfer.model.recurrent.mamba2 import Mamba2Shape
 from cpinfer.model.recurrent.reference import ReferenceRecurrence
 from checkpoints import load_hf_model, tiny_config
-from hf_oracle import check_against_hf, prompts_for
-from pooled_engine import PooledLLM
 from recurrent_shards import one_thread  # noqa: F401 (autouse fixture: one torch thread in this process)
 
 pytest.importorskip("transformers")
 
 FAMILIES = ["kimi_linear", "nemotron_h"]
-GREEDY = dict(temperature=0.0, logprobs=True, ignore_eos=True)
 
 
 def _forward_logprobs(path, ids: torch.Tensor) -> torch.Tensor:
@@ -137,37 +133,3 @@ def test_nemotron_h_refused_before_any_rank_starts(llama_checkpoint, tmp_path):
     save_file(load_file(str(src / "model.safetensors")), str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="nemotron_h mamba_hidden_act 'gelu'"):
         LLM(str(tmp_path), context_parallel_size=2, max_kv_tokens_per_rank=2048)
-
-
-# ---------------------------------------------------------------- the engine at CP 1, 2, 3
-
-@pytest.fixture(scope="module")
-def engines():
-    pools: dict[int, WorkerPool] = {}
-
-    def get(path, cp, **kw):
-        kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=8192, max_num_seqs=8, **kw)
-        if cp == 1:
-            return LLM(str(path), threads_per_rank=1, **kw)
-        if cp not in pools:
-            pools[cp] = WorkerPool(cp, threads_per_rank=1, timeout_s=120)
-        return PooledLLM(str(path), pools[cp], **kw)
-
-    yield get
-    for pool in pools.values():
-        pool.close()
-
-
-@pytest.mark.parametrize("cp", [1, 2, 3])
-@pytest.mark.parametrize("variant", FAMILIES)
-def test_engine_matches_hf_chunked_decode_and_second_turn(llama_checkpoint, engines, variant, cp):
-    path = llama_checkpoint(variant, max_position_embeddings=2048)
-    with engines(path, cp, max_num_batched_tokens=128) as llm:
-        prompts = prompts_for(llm.config.vocab_size, [1, 37, 310], seed=cp)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=8, prompt_logprobs=True, **GREEDY))
-        check_against_hf(path, outs, prompts, 8)
-        assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
-        turn2 = [p + o.token_ids + [11, 12, 13] for p, o in zip(prompts, outs)]
-        outs2 = llm.generate(turn2, SamplingParams(max_tokens=6, **GREEDY))
-        assert [o.num_cached_tokens for o in outs2] == [len(p) + 7 for p in prompts]
-        check_against_hf(path, outs2, turn2, 6, check_prompt_lp=False)

@@ -2,7 +2,7 @@
 the dense MLP, as Gemma 3; beside the dense MLP (26B-A4B) a routed mixture of experts whose router RMS-normalises
 its input, scales it per channel and per expert; per-layer input embeddings (E2B / E4B: a per-token vector per layer,
 gated into the residual after the MLP); a learned scalar on the layer's output. Attention's own options (per-layer
-head sizes, KV sharing, value norm, keys as values) are in `decoder.Attention`.
+head sizes, KV sharing, value norm, keys as values) are in `blocks.Attention`.
 
 Every piece is per token, so context parallelism needs nothing of its own here: only attention crosses ranks.
 """
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.config_parts import MoEConfig
-from cpinfer.model.decoder import _ACTIVATIONS, AttentionFn, DecoderLayer
+from cpinfer.model.blocks import _ACTIVATIONS, AttentionFn, DecoderLayer
 from cpinfer.model.moe import Experts
 from cpinfer.model.norms import RMSNorm
 
