@@ -93,6 +93,8 @@ def test_attention_demo_matches_single_device():
     (["bench", "attention", "--tokens", "-5"], "--tokens"),
     (["bench", "attention", "--heads", "6", "--kv-heads", "4"], "multiple of --kv-heads"),
     (["bench", "no-such-bench"], "invalid choice"),
+    (["bench", "agent", "--apis", "chat,completions"], "--apis: comma-separated names from chat, messages, responses"),
+    (["bench", "agent", "--tokens-per-turn", "3000-1000"], "LO <= HI"),
     (["demo", "--cp", "0"], "--cp"),
     (["demo", "--document", "/no/such/file.md"], "no such file"),
     (["generate", "--model", "/no/such/model.gguf", "--prompt", "x"], "no such GGUF file"),

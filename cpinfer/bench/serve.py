@@ -163,9 +163,9 @@ def summarise(run: dict, turns: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- servers
 class _Server:
-    """A `cpinfer serve` subprocess on a free loopback port, stopped with SIGTERM."""
+    """A `cpinfer serve` subprocess on a free loopback port, stopped with SIGTERM; `extra` flags go last."""
 
-    def __init__(self, model_dir: Path, name: str, config: Config, args):
+    def __init__(self, model_dir: Path, name: str, config: Config, args, extra: tuple[str, ...] = ()):
         from cpinfer.launch import free_port
 
         self.port = free_port()
@@ -180,6 +180,7 @@ class _Server:
         hw = hardware(args)
         cmd += ["--device", hw["device"], "--dtype", hw["dtype"], "--attention-backend", hw["attention_backend"],
                 "--gpu-memory-utilization", str(hw["gpu_memory_utilization"])] + (["--share-gpus"] * hw["share_gpus"])
+        cmd += list(extra)
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty server never blocks on it
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
 
