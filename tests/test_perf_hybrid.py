@@ -74,6 +74,8 @@ def test_recurrent_prefill_is_linear_in_s_and_the_exchange_is_not():
     assert simulate_prefill(dep(16), M1).breakdown["summary_exchange"] > short.breakdown["summary_exchange"]
     assert hybrid.token_flops(Q35, 1) == 64 * (5 * 128 + 3 * 128) + 6 * 128 * 128
     assert hybrid.token_flops(Q35, 2) == 64 * (5 * 128 + 3 * 256) + 6 * 128 * 256 + 2 * 128 * 128
+    kimi = MODELS["kimi-linear-48b-a3b"]  # KDA: the augmented pass for the map, then the plain rule from the state
+    assert hybrid.token_flops(kimi, 2) == hybrid.rule_flops(128, 256) + hybrid.rule_flops(128, 128)
     # the exchange: 2N - 1 shards' maps of 8 value heads (64 / TP8) x 128 x (128 + 128) fp32, + the conv halo
     d = dep(8)
     maps = 15 * 8 * 128 * 256 * 4

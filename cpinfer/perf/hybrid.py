@@ -10,7 +10,8 @@ Prefill, on the rank with the most tokens (`tokens` rows, its shards of B sequen
   C (5 Dk + 3 Dv) + 6 Dk Dv FLOPs. Under CP (N > 1) a rank does not know its shards' starting states, so it runs the
   rule on the state augmented by an identity block (values Dv + Dk wide: the map and the outputs as a function of
   the starting state in one pass) and finishes each output with one [Dk] x [Dk, Dv] product: CP costs the
-  recurrent layers (Dv + Dk) / Dv-wide work, about twice with Dk = Dv;
+  recurrent layers (Dv + Dk) / Dv-wide work, about twice with Dk = Dv (KDA: the augmented pass for the map, then
+  the plain rule from the starting state);
 * the summary exchange: the maps M [Dk, Dk] and B [Dk, Dv] per value head (fp32) of every long shard — 2N - 1 per
   sequence under the ring's 2N-chunk layout — in one all-reduce over the CP group, plus one of each shard's last
   kernel - 1 pre-conv rows (the conv halo): a fixed size per layer, independent of the sequence length.
@@ -39,11 +40,14 @@ def rule_flops(dk: int, dv: int, chunk: int = CHUNK) -> float:
 
 
 def token_flops(m: ModelSpec, cp: int) -> float:
-    """One token's recurrence FLOPs per value head: the plain rule at CP1, under CP the rule on Dv + Dk values (the
-    map's identity block) plus the output's correction from the starting state (2 Dk Dv)."""
+    """One token's recurrence FLOPs per value head: the plain rule at CP1; under CP, Gated DeltaNet runs the rule on
+    Dv + Dk values (the map's identity block) and corrects its outputs from the starting state (2 Dk Dv), KDA (no
+    outputs from the augmented pass in the engine) runs the augmented pass for the map, then the plain rule."""
     dk, dv = m.linear_k_dim, m.linear_v_dim
     if cp <= 1:
         return rule_flops(dk, dv)
+    if m.linear_kind == "kda":
+        return rule_flops(dk, dv + dk) + rule_flops(dk, dv)
     return rule_flops(dk, dv + dk) + 2 * dk * dv
 
 
