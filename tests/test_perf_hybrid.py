@@ -131,14 +131,15 @@ def test_planner_bytes_equal_the_engine_for_tiny_hybrids(llama_checkpoint, varia
     h, dk, dv = config.recurrent.state_shape
     assert hybrid.map_bytes(spec, 1) == h * dk * (dk + dv) * 4  # the runner's [|M| + |B|] fp32 per shard
     model = build_model(config)
-    names = {n for n, _ in model.named_parameters()}
+    mixers = sum(p.numel() for i in config.recurrent_layers for p in model.model.layers[i].linear_attn.parameters())
+    assert spec.linear_layers * spec.linear_params == mixers  # every recurrent mixer's weight, GDN and KDA
     left_out = sum(p.numel() for n, p in model.named_parameters()
                    if n.endswith(("q_norm.weight", "k_norm.weight", "shared_expert_gate.weight"))
                    or (variant == "kimi_linear" and ("bias" in n or "layernorm" in n.split(".")[-2])))
     engine = sum(p.numel() for p in model.parameters()) - left_out
     held = held_weights(WEIGHT_FORMATS["fp32"], spec, 4, False, False)
     if variant != "kimi_linear":  # (Kimi Linear: MLA's latent norms and biases are counted another way)
-        assert weight_bytes_per_gpu(spec, held, 1) == engine * 4, sorted(names)[:5]
+        assert weight_bytes_per_gpu(spec, held, 1) == engine * 4
     plan = make_plan(build_deployment(spec, HARDWARE["cpu-gloo"], 2, 1, "fp32", "fp32", "fp32"), Workload(300))
     assert plan.memory.state_gb * 1e9 == spec.linear_state_bytes(1, 4)
     assert plan.ttft["pass-kv"].breakdown["summary_exchange"] > 0
