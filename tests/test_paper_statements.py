@@ -96,6 +96,7 @@ def test_write_doc_fills_the_marked_sections(tmp_path):
                    "<!-- begin:statements -->\n<!-- end:statements -->\n<!-- begin:leave-one-out -->\n"
                    "<!-- end:leave-one-out -->\n<!-- begin:miss-rate-grid -->\n<!-- end:miss-rate-grid -->\n"
                    "<!-- begin:pd-table -->\n<!-- end:pd-table -->\n<!-- begin:spec-table -->\n<!-- end:spec-table -->\n"
+                   "<!-- begin:hybrid-table -->\n<!-- end:hybrid-table -->\n"
                    f"<!-- plan: {args} -->\n```\nSTALE-OUTPUT\n```\ntail\n")
     done = planning_doc.write_doc(doc)
     text = doc.read_text()
@@ -103,7 +104,8 @@ def test_write_doc_fills_the_marked_sections(tmp_path):
     assert text.startswith("intro") and text.endswith("tail\n")
     assert "| `gemm_efficiency` |" in text and "`tipping_5pct`" in text and "Median held-out error" in text
     assert "| 1000000 | fp8 | CP2 x TP8 |" in text and "| paper | 4 |" in text  # the P/D and speculation tables
-    assert f"$ cpinfer plan {args}\nmodel     llama3-8b" in text and len(done) == 7
+    assert "| 1000000 | CP16 x TP8 |" in text  # the hybrid (Qwen3.5) table
+    assert f"$ cpinfer plan {args}\nmodel     llama3-8b" in text and len(done) == 8
     (tmp_path / "bad.md").write_text("no markers")
     with pytest.raises(ValueError, match="begin:parameters"):
         planning_doc.write_doc(tmp_path / "bad.md")

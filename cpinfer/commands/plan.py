@@ -49,7 +49,8 @@ def register(subparsers) -> None:
     names = sorted(n for n in MODELS if n not in ALIASES)
     p.add_argument("--model", metavar="NAME_OR_PATH", required=True,
                    help=f"catalog model ({', '.join(names)}) or path to a Hugging Face config.json (Llama, "
-                        "Mistral, Qwen2/2.5, Qwen3, Gemma 3 layouts; sliding-window layers are read from it)")
+                        "Mistral, Qwen2/2.5, Qwen3, Gemma 3 layouts; sliding-window layers are read from it; the "
+                        "hybrids Qwen3-Next / Qwen3.5 / Kimi Linear: their linear_attention layers)")
     p.add_argument("--hardware", metavar="NAME_OR_PATH", required=True,
                    help=f"hardware profile ({', '.join(sorted(HARDWARE))}) or path to a JSON profile; h100-gtt / "
                         "h100-gti are the paper's 96 GB clusters, h100-sxm (80 GB), h200 (141 GB) and b200 (180 GB) "

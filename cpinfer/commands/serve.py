@@ -428,9 +428,10 @@ def _cache_arguments(parser) -> None:
                    help="bound of the disk KV tier in GiB, least recently used entries deleted beyond it "
                         "(default: half the disk's free space at start)")
     g.add_argument("--state-snapshot-interval", type=_non_negative_int, default=None, metavar="N",
-                   help="hybrid (linear-attention) models (qwen3_next, qwen3_5, qwen3_5_moe): keep a recurrent-state "
-                        "snapshot every N tokens of a prompt, so that requests sharing a long document continue "
-                        "from inside it (a prefix match is usable only up to its last snapshot); default 0: "
+                   help="hybrid (linear-attention) models (qwen3_next, qwen3_5, qwen3_5_moe, kimi_linear, "
+                        "nemotron_h): keep a recurrent-state snapshot every N tokens of a prompt, so that requests "
+                        "sharing a long document continue from inside it (a prefix match is usable only up to its "
+                        "last snapshot); default 0: "
                         "snapshots at the end of each request only. Hybrids run at any CP size with TP 1; KV "
                         "tiers, speculative decoding, FP8 KV, P/D groups and CUDA graphs are refused or off for "
                         "them")

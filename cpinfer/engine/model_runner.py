@@ -92,7 +92,8 @@ class ModelRunner:
         self.static: StaticDecode | None = None  # made with the KV store when the decode mode is not "off"
         self.states: StateStore | None = None  # hybrid models: every state slot's replica (`kv/state_store.py`)
         self.kv_layer = {l: i for i, l in enumerate(self.config.attention_layers)}  # model layer -> KV store layer
-        self.recurrent_exchange_s = 0.0  # hybrid models under CP: seconds in the recurrent layers' exchanges
+        self.recurrent_exchange_s = 0.0  # hybrid models under CP: seconds in the recurrent layers' exchanges (timed
+        #                                  only while `engine/recurrent.EXCHANGE_TIMER` is set)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -24,6 +24,8 @@ With one rank the shards run one after the other from the state slot (no summary
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -32,6 +34,38 @@ from torch import Tensor, nn
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.engine.kv.state_store import StateStore
 from cpinfer.model.recurrent.affine import Affine, compose
+
+
+class ExchangeTimer:
+    """Opt-in timing of this rank's recurrent exchanges (`cpinfer bench prefill`; set `EXCHANGE_TIMER` on every
+    rank): a barrier before each all-reduce tells the wait for the slowest rank (`wait_s`) apart from the exchange
+    itself (`exchange_s`); `bytes` and `calls` count what was all-reduced. Off by default."""
+
+    def __init__(self):
+        self.wait_s = self.exchange_s = 0.0
+        self.bytes = self.calls = 0
+
+    def all_reduce(self, t: Tensor, group) -> float:
+        """All-reduce t over `group`, timed; the exchange's seconds."""
+        sync = torch.cuda.synchronize if t.is_cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        dist.barrier(group=group)
+        t1 = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        sync()
+        t2 = time.perf_counter()
+        self.wait_s += t1 - t0
+        self.exchange_s += t2 - t1
+        self.bytes += t.numel() * t.element_size()
+        self.calls += 1
+        return t2 - t1
+
+    def to_dict(self) -> dict:
+        return {"wait_s": self.wait_s, "exchange_s": self.exchange_s, "bytes": self.bytes, "calls": self.calls}
+
+
+EXCHANGE_TIMER: ExchangeTimer | None = None  # this rank's timer when a benchmark switched it on
 
 
 class Shard:
@@ -80,7 +114,7 @@ class RecurrentRunner:
                     at += sh.e - sh.a
         top = max([max(s.state_in, s.state_out, s.state_copy) for s in batch.seqs] + [-1])
         store.ensure(top + 1)
-        self.exchange_s = 0.0  # seconds in the exchanges, for benchmarks
+        self.exchange_s = 0.0  # seconds in the exchanges when an `ExchangeTimer` is on (benchmarks), else 0
 
     # ---------------------------------------------------------------- one layer
     def __call__(self, layer: int, mixer: nn.Module, u: Tensor | None, side: tuple | None) -> Tensor | None:
@@ -202,11 +236,11 @@ class RecurrentRunner:
         return torch.stack(rows) if rows else tail_in[:0]
 
     def _all_reduce(self, t: Tensor) -> None:
-        import time
-
-        t0 = time.perf_counter()
-        dist.all_reduce(t, group=self.group)
-        self.exchange_s += time.perf_counter() - t0
+        timer = EXCHANGE_TIMER
+        if timer is None:  # the default: no clock, no extra synchronisation
+            dist.all_reduce(t, group=self.group)
+            return
+        self.exchange_s += timer.all_reduce(t, self.group)
 
     # ---------------------------------------------------------------- a rank without tokens
     def replicate(self, model: nn.Module) -> None:

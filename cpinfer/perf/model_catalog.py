@@ -1,7 +1,9 @@
 """Built-in model shapes for `cpinfer plan`: the paper's Llama3-405B (§4.1, App. A Table 6) and the long-context
 members of the families cpinfer serves (Llama 3.1, Qwen2.5 incl. 1M, Qwen3, Mistral Small 3.1, Gemma 3, and the
 mixtures of experts Qwen3-MoE, gpt-oss, Llama 4 Scout, Mixtral: total parameters for memory, active for FLOPs;
-DeepSeek-V3 and Kimi K2 with multi-head latent attention: a 576-value latent per token in the KV cache).
+DeepSeek-V3 and Kimi K2 with multi-head latent attention: a 576-value latent per token in the KV cache; the
+linear-attention hybrids Qwen3.5-397B-A17B, Qwen3-Next and Kimi Linear: K/V on their attention layers only, a
+fixed-size recurrent state per request on the others).
 
 Every number is the published Hugging Face `config.json` of the checkpoint named in its `source` (text part of the
 multimodal ones); windows follow the config's layer layout (Gemma 3: 5 local layers of 1024 keys per global one).
@@ -96,8 +98,37 @@ MLA_MODELS = (  # head_dim 576: the absorbed attention's width (latent + rotary 
              "first layer dense"),
          moe_layers=60, shared_ffn_dim=2048, **_MLA),
 )
-MODELS.update({m.name: m for m in MOE_MODELS + MLA_MODELS})
+_GDN_NOTE = ("Gated DeltaNet on 3 of every 4 layers (full_attention_interval 4): {lk} key / {lv} value heads of "
+             "128, conv kernel 4 (linear_conv_kernel_dim, transformers' default); gated attention (q_proj doubled "
+             "into a sigmoid output gate) {h} heads / {kv} KV heads of 256, partial RoPE 0.25")
+HYBRID_MODELS = (  # linear-attention hybrids: K/V on the attention layers only, a fixed-size state per request
+    _moe("qwen3.5-397b-a17b", 60, 4096, 32, 2, 256, 1024, 248320, 262144, 512, 10, 1024,
+         "the public model card of huggingface.co/Qwen/Qwen3.5-397B-A17B (text part): 60 layers = 15 x (3 x "
+         "(Gated DeltaNet -> MoE), 1 x (Gated Attention -> MoE)), hidden 4096, vocab 248320 (padded); Gated "
+         "DeltaNet 64 value heads / 16 query-key heads of 128; gated attention 32 query / 2 KV heads of 256, "
+         "rotary 64 (partial 0.25); 512 experts of 1024, 10 routed + 1 shared; context 262144 native (the card: "
+         "up to 1,010,000 with YaRN); conv kernel 4 and the 3:1 layout from transformers' Qwen3_5MoeTextConfig "
+         "defaults (linear_conv_kernel_dim 4, full_attention_interval 4); the MTP layer is not counted",
+         shared_ffn_dim=1024, linear_layers=45, linear_kind="gdn", linear_k_heads=16, linear_v_heads=64,
+         linear_k_dim=128, linear_v_dim=128, linear_conv=4, attn_output_gate=True),
+    _moe("qwen3-next-80b-a3b", 48, 2048, 16, 2, 256, 5120, 151936, 262144, 512, 10, 512,
+         _hf("Qwen/Qwen3-Next-80B-A3B-Instruct", _GDN_NOTE.format(lk=16, lv=32, h=16, kv=2) +
+             "; 512 experts of 512, top 10, a shared expert of 512 (the MTP layer is not counted)"),
+         shared_ffn_dim=512, linear_layers=36, linear_kind="gdn", linear_k_heads=16, linear_v_heads=32,
+         linear_k_dim=128, linear_v_dim=128, linear_conv=4, attn_output_gate=True),
+    _moe("kimi-linear-48b-a3b", 27, 2304, 32, 1, 576, 9216, 163840, 1048576, 256, 8, 1024,
+         _hf("moonshotai/Kimi-Linear-48B-A3B-Instruct", "linear_attn_config: KDA on 20 layers (kda_layers), NoPE "
+             "MLA on 7 (full_attn_layers 4, 8, ..., 24, 27), KDA 32 heads of 128, short_conv_kernel_size 4; " +
+             _MLA_NOTE.replace("q_lora_rank 1536, ", "full-rank queries, ") +
+             "; 256 experts of 1024, top 8, 1 shared, first layer dense (intermediate 9216); model_max_length "
+             "1048576"),
+         moe_layers=26, shared_ffn_dim=1024, **{**_MLA, "q_lora_rank": 0, "router_bias": True},
+         linear_layers=20, linear_kind="kda", linear_k_heads=32, linear_v_heads=32, linear_k_dim=128,
+         linear_v_dim=128, linear_conv=4),
+)
+MODELS.update({m.name: m for m in MOE_MODELS + MLA_MODELS + HYBRID_MODELS})
 ALIASES = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
            "mistral-small": "mistral-small-3.1-24b", "llama-4-scout-17b-16e": "llama-4-scout",
-           "deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2"}
+           "deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2", "qwen3.5-397b": "qwen3.5-397b-a17b",
+           "qwen3-next-80b": "qwen3-next-80b-a3b", "kimi-linear": "kimi-linear-48b-a3b"}
 MODELS.update({alias: MODELS[name] for alias, name in ALIASES.items()})

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from cpinfer.utils import check_positive
 
+LINEAR_KINDS = ("gdn", "kda")  # the recurrent mixers the planner prices (Gated DeltaNet, Kimi Delta Attention)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -38,6 +40,17 @@ class ModelSpec:
     v_head_dim: int = 0
     q_lora_rank: int = 0      # 0: full-rank queries
     router_bias: bool = False  # DeepSeek-V3 / Kimi K2: a selection-only bias of n_experts per sparse layer
+    # linear-attention hybrids (0: none): `linear_layers` of the n_layers are a recurrence with a fixed-size state
+    # per request and no KV cache — Gated DeltaNet ("gdn": Qwen3-Next, Qwen3.5; value heads repeat the key heads)
+    # or Kimi Delta Attention ("kda": Kimi Linear; linear_k_heads = linear_v_heads, linear_k_dim = linear_v_dim)
+    linear_layers: int = 0
+    linear_kind: str = ""
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0      # the causal depthwise conv1d's kernel (its last kernel - 1 inputs are state too)
+    attn_output_gate: bool = False  # Qwen3-Next / Qwen3.5 gated attention: q_proj doubled into a sigmoid gate
 
     def __post_init__(self) -> None:
         for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
@@ -58,6 +71,7 @@ class ModelSpec:
         if self.local not in ("sliding", "chunked"):
             raise ValueError(f"model {self.name!r}: local must be 'sliding' or 'chunked', got {self.local!r}")
         self._check_experts()
+        self._check_linear()
         mla = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
         if self.kv_lora_rank and not all(getattr(self, w) > 0 for w in mla):
             raise ValueError(f"model {self.name!r}: MLA needs {', '.join(mla)} all positive")
@@ -91,9 +105,69 @@ class ModelSpec:
                              f"0 < experts_per_tok <= n_experts (got {self.n_experts}, {self.expert_ffn_dim}, "
                              f"{self.experts_per_tok})")
 
+    def _check_linear(self) -> None:
+        if not self.linear_layers:
+            return
+        if self.linear_layers + self.window_layers >= self.n_layers:
+            raise ValueError(f"model {self.name!r}: linear_layers ({self.linear_layers}) + window_layers "
+                             f"({self.window_layers}) must leave at least one full-attention layer of "
+                             f"{self.n_layers}")
+        if self.linear_kind not in LINEAR_KINDS:
+            raise ValueError(f"model {self.name!r}: linear_kind must be one of {', '.join(LINEAR_KINDS)}, got "
+                             f"{self.linear_kind!r}")
+        for what in ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim", "linear_conv"):
+            check_positive(getattr(self, what), f"model {self.name!r}: {what}")
+        if self.linear_v_heads % self.linear_k_heads:
+            raise ValueError(f"model {self.name!r}: linear_v_heads ({self.linear_v_heads}) must be a multiple of "
+                             f"linear_k_heads ({self.linear_k_heads})")
+        if self.linear_kind == "kda" and (self.linear_k_heads != self.linear_v_heads
+                                          or self.linear_k_dim != self.linear_v_dim):
+            raise ValueError(f"model {self.name!r}: KDA heads have as many value as key heads and channels")
+
     @property
     def full_layers(self) -> int:  # layers that attend to the whole context
-        return self.n_layers - self.window_layers
+        return self.n_layers - self.window_layers - self.linear_layers
+
+    @property
+    def attn_layers(self) -> int:  # layers with attention (and a KV cache): all but a hybrid's recurrent ones
+        return self.n_layers - self.linear_layers
+
+    # The recurrent layers of a hybrid (per layer; see cpinfer/model/recurrent/).
+    @property
+    def linear_conv_channels(self) -> int:
+        """Channels of the causal conv1d: q, k and v before it (GDN: 2 Hk Dk + Hv Dv; KDA: 3 H D)."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    @property
+    def linear_state_elems(self) -> int:
+        """One request's recurrent state of one layer: Hv x Dk x Dv (kept fp32)."""
+        return self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
+
+    def linear_state_bytes(self, tp: int = 1, conv_bytes: int = 2) -> int:
+        """One request's state bytes on one TP rank over every recurrent layer: the fp32 state and the conv tail
+        (kernel - 1 pre-conv rows of `conv_bytes` elements), the heads split over TP ranks."""
+        per_layer = self.linear_state_elems * 4 + (self.linear_conv - 1) * self.linear_conv_channels * conv_bytes
+        return self.linear_layers * per_layer // tp
+
+    @property
+    def linear_proj_dims(self) -> tuple[int, int, int]:
+        """(output width of the input projections from hidden, of the low-rank second stages, of the value
+        path into out_proj). GDN: q k v, z, b, a; KDA: q k v, b, f_a and g_a (head_dim wide) then f_b and g_b."""
+        kd, vd = self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
+        if self.linear_kind == "kda":
+            return 3 * kd + self.linear_v_heads + 2 * self.linear_k_dim, 2 * kd, vd
+        return 2 * kd + 2 * vd + 2 * self.linear_v_heads, 0, vd
+
+    @property
+    def linear_params(self) -> int:
+        """One recurrent layer's weights: projections, conv, decay / dt parameters and the output norm."""
+        into, second, vd = self.linear_proj_dims
+        low_rank = second * self.linear_k_dim if second else 0  # KDA's f_b / g_b [H D, D]
+        if self.linear_kind == "kda":  # A_log per head, dt_bias per channel, o_norm over a head
+            extra = self.linear_v_heads + self.linear_k_heads * self.linear_k_dim + self.linear_v_dim
+        else:  # A_log, dt_bias per value head, the gated norm over a head
+            extra = 2 * self.linear_v_heads + self.linear_v_dim
+        return self.hidden * into + low_rank + self.linear_conv_channels * self.linear_conv + vd * self.hidden + extra
 
     # Parameter counts (elements), per layer unless stated.
     @property
@@ -103,7 +177,8 @@ class ModelSpec:
             q = (self.q_lora_rank or self.hidden) * self.n_heads * qk
             kv_b = self.kv_lora_rank * self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
             return self.attn_replicated_params + q + kv_b + self.n_heads * self.v_head_dim * self.hidden
-        return self.hidden * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + \
+        q_heads = self.n_heads * (2 if self.attn_output_gate else 1)
+        return self.hidden * (q_heads + 2 * self.n_kv_heads) * self.head_dim + \
             self.n_heads * self.head_dim * self.hidden
 
     @property
@@ -147,7 +222,8 @@ class ModelSpec:
     @property
     def params(self) -> int:
         """W of the paper: every weight, norms included (a mixture of experts: all experts, for memory)."""
-        return self.n_layers * self.attn_params + self.ffn_params_total + self.embed_params + self.norm_params
+        return self.attn_layers * self.attn_params + self.linear_layers * self.linear_params + \
+            self.ffn_params_total + self.embed_params + self.norm_params
 
     @property
     def active_params(self) -> int:
@@ -171,7 +247,7 @@ class ModelSpec:
     def kv_bytes_per_token(self, tp: int, kv_bytes: int, scale_bytes: int = 0) -> int:
         """KV cache bytes per token per GPU over all layers (K and V; MLA: the latent and rotary key, once;
         `scale_bytes` per row: FP8 KV's scale)."""
-        return self.kv_parts * self.n_layers * self.kv_heads_per_gpu(tp) * (self.head_dim * kv_bytes + scale_bytes)
+        return self.kv_parts * self.attn_layers * self.kv_heads_per_gpu(tp) * (self.head_dim * kv_bytes + scale_bytes)
 
     @property
     def kv_parts(self) -> int:
@@ -184,4 +260,4 @@ class ModelSpec:
         if not self.mla:
             return self.kv_bytes_per_token(1, kv_bytes)
         per_layer = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
-        return self.n_layers * per_layer * kv_bytes
+        return self.attn_layers * per_layer * kv_bytes

@@ -82,7 +82,9 @@ def weight_bytes_per_gpu(model: ModelSpec, held: HeldWeights, tp: int, vocab_par
     `vocab_parallel`."""
     per_layer = _attn_bytes(model, held, tp)
     dense = _mlp_bytes(model.hidden, model.ffn_dim // tp, held.ffn_bytes, held.ffn_fp8, held)
-    total = model.n_layers * per_layer + (model.n_layers - model.moe_layers) * dense
+    total = model.attn_layers * per_layer + (model.n_layers - model.moe_layers) * dense
+    if model.linear_layers:
+        total += model.linear_layers * _linear_layer_bytes(model, held, tp)
     if model.moe_layers:
         experts = model.n_experts * _mlp_bytes(model.hidden, model.expert_ffn_dim // tp, held.expert_bytes,
                                                held.expert_fp8, held)
@@ -113,6 +115,18 @@ def _mlp_bytes(hidden: int, ffn: int, elem: int, fp8: bool, held: HeldWeights) -
                                                                                     any_shape)
 
 
+def _linear_layer_bytes(model: ModelSpec, held: HeldWeights, tp: int) -> int:
+    """A recurrent layer's weights on one TP rank: its projections held like attention's (heads split over the TP
+    ranks), the conv, decay and norm parameters in the compute dtype."""
+    into, second, vd = model.linear_proj_dims
+    linear = _linear_bytes(into // tp, model.hidden, held.attn_bytes, held.attn_fp8, held.other_bytes,
+                           held.fp8_any_shape) + _linear_bytes(model.hidden, vd // tp, held.attn_bytes,
+                                                              held.attn_fp8, held.other_bytes, held.fp8_any_shape)
+    low_rank = second * model.linear_k_dim // tp * held.other_bytes
+    rest = model.linear_params - model.hidden * (into + vd) - second * model.linear_k_dim
+    return linear + low_rank + rest // tp * held.other_bytes
+
+
 def _attn_bytes(model: ModelSpec, held: HeldWeights, tp: int) -> int:
     def linear(rows: int, cols: int) -> int:
         return _linear_bytes(rows, cols, held.attn_bytes, held.attn_fp8, held.other_bytes, held.fp8_any_shape)
@@ -120,7 +134,8 @@ def _attn_bytes(model: ModelSpec, held: HeldWeights, tp: int) -> int:
     heads, hidden = model.n_heads // tp, model.hidden
     if not model.mla:
         kv_rows = model.kv_heads_per_gpu(tp) * model.head_dim
-        return linear(heads * model.head_dim, hidden) + 2 * linear(kv_rows, hidden) + \
+        q_rows = heads * model.head_dim * (2 if model.attn_output_gate else 1)  # + the output gate's rows
+        return linear(q_rows, hidden) + 2 * linear(kv_rows, hidden) + \
             linear(hidden, heads * model.head_dim)
     qk = model.qk_nope_head_dim + model.qk_rope_head_dim
     if model.q_lora_rank:  # q_a_proj (whole on every rank), then q_b_proj
@@ -185,6 +200,7 @@ def model_spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
     try:
         hidden, heads, layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
         tied = cfg.get("tie_word_embeddings", TIED_BY_DEFAULT.get(cfg.get("model_type", ""), False))
+        cfg = _hybrid_layer_types(cfg, layers)
         window, window_layers, local = _windows(cfg, layers, source)
         mla = _mla(cfg)
         return ModelSpec(
@@ -195,11 +211,58 @@ def model_spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
             ffn_dim=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
             vocab=int(cfg["vocab_size"]), tie_embeddings=bool(tied), source=source, window=window,
             window_layers=window_layers, max_context=int(cfg.get("max_position_embeddings") or 0), local=local,
-            **_experts(cfg, layers), **mla)
+            **_experts(cfg, layers), **mla, **_linear(cfg, source))
     except KeyError as exc:
         raise ValueError(f"{source}: config.json lacks {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: config.json has a malformed field ({exc})") from None
+
+
+GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+LINEAR_TYPES = GDN_TYPES + ("kimi_linear",)
+
+
+def _hybrid_layer_types(cfg: dict, layers: int) -> dict:
+    """A hybrid config without `layer_types`: Kimi Linear's `linear_attn_config.kda_layers`; Qwen3-Next / Qwen3.5
+    as transformers lays them out, every `full_attention_interval`-th layer (default 4) full attention."""
+    if cfg.get("layer_types") is not None:
+        return cfg
+    lin = cfg.get("linear_attn_config") or {}
+    if cfg.get("model_type") == "kimi_linear" and "kda_layers" in lin:  # 1-based layer numbers of the KDA layers
+        kda = {int(i) - 1 for i in lin["kda_layers"]}
+        return {**cfg, "layer_types": ["linear_attention" if i in kda else "full_attention" for i in range(layers)]}
+    if cfg.get("model_type") not in GDN_TYPES:
+        return cfg
+    every = int(cfg.get("full_attention_interval") or 4)
+    return {**cfg, "layer_types": ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                   for i in range(layers)]}
+
+
+def _linear(cfg: dict, source: str) -> dict:
+    """The recurrent-layer fields of a ModelSpec from a hybrid's config (the `linear_attention` entries of
+    `layer_types`): Gated DeltaNet's `linear_num_key_heads`, `linear_num_value_heads`, `linear_key_head_dim`,
+    `linear_value_head_dim`, `linear_conv_kernel_dim`; KDA's `linear_attn_config` (or transformers' flat keys);
+    transformers' defaults where a key is missing. {} for a model with no recurrent layer."""
+    count = sum(t == "linear_attention" for t in cfg.get("layer_types") or ())
+    if not count:
+        return {}
+    kind = cfg.get("model_type")
+    if kind not in LINEAR_TYPES:
+        raise ValueError(f"{source}: linear_attention layers in a {kind!r} config; the planner knows the linear "
+                         f"layers of {', '.join(LINEAR_TYPES)}")
+    gate = kind in GDN_TYPES
+    if kind == "kimi_linear":
+        lin = cfg.get("linear_attn_config") or {}
+        heads = int(lin.get("num_heads", cfg.get("linear_num_heads", 32)))
+        dim = int(lin.get("head_dim", cfg.get("linear_head_dim", 128)))
+        conv = int(lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4)))
+        return dict(linear_layers=count, linear_kind="kda", linear_k_heads=heads, linear_v_heads=heads,
+                    linear_k_dim=dim, linear_v_dim=dim, linear_conv=conv)
+    return dict(linear_layers=count, linear_kind="gdn", linear_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+                linear_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+                linear_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+                linear_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+                linear_conv=int(cfg.get("linear_conv_kernel_dim", 4)), attn_output_gate=gate)
 
 
 def _mla(cfg: dict) -> dict:
@@ -254,6 +317,7 @@ def _windows(cfg: dict, layers: int, source: str) -> tuple[int, int, str]:
         types = ["full_attention" if t == "indexed_attention" else t for t in types]
         if len(types) != layers:
             raise ValueError(f"{source}: layer_types has {len(types)} entries for {layers} layers")
+        types = [t for t in types if t != "linear_attention"]  # a hybrid's recurrent layers (`_linear`)
         unknown = set(types) - {"sliding_attention", "full_attention", "chunked_attention"}
         if unknown:
             raise ValueError(f"{source}: layer_types holds {sorted(unknown)}; the planner knows "

@@ -104,7 +104,7 @@ def estimate_transfer(prefill: Deployment, decode_cp: int, groups: int, tokens: 
     flows_out = max(sum(1 for d in range(decode_cp) if share[s][d]) for s in range(n)) * min(groups, batch)
     streaming = max(float(flow_max) * per_group * dev_bytes / link.bandwidth,
                     float(into) / link.aggregate, float(out_of) / link.aggregate)
-    layers = m.n_layers
+    layers = m.attn_layers  # the layers that hold K/V (a hybrid's recurrent layers hold a state instead)
     seconds = streaming + layers * link.latency
     per_layer = seconds / layers
     exposed = max(per_layer, seconds - prefill_s + prefill_s / layers)
@@ -176,7 +176,7 @@ def format_pd(pd: PDPlan) -> str:
         f"TTFT      {pd.prefill.chosen_ttft_s:.3f} s on the prefill group ({pd.prefill.choice.strategy}); the first "
         "token comes from the prefill ranks",
         f"transfer  {t.tokens} tokens x {t.bytes_per_token / 1e3:.1f} KB per token per device ({kv} {what}, "
-        f"{d.model.n_layers} layers; {t.model_bytes_per_token / 1e3:.1f} KB per token for the model) = "
+        f"{d.model.attn_layers} layers; {t.model_bytes_per_token / 1e3:.1f} KB per token for the model) = "
         f"{t.receiver_bytes / 1e9:.2f} GB into each decode device, {t.total_bytes / 1e9:.2f} GB in all",
         f"          over {where}: {t.link.aggregate / 1e9:.1f} GB/s per device ({line_src}: "
         f"{hw.sources.get(line_src, '')}), at most {t.link.bandwidth / 1e9:.1f} GB/s per flow ({flow_src}); "
@@ -196,4 +196,7 @@ def format_pd(pd: PDPlan) -> str:
     elif not pd.memory.fits:
         lines.append("warning   the decode group cannot hold this context: raise --pd-decode-cp"
                      f"{'' if d.fp8_kv else ' or use an FP8 KV cache (--kv-cache-dtype fp8)'}")
+    if d.model.linear_layers:
+        lines.append("warning   cpinfer refuses prefill/decode groups for hybrid (linear-attention) models (the "
+                     "recurrent states do not travel with the K/V yet); the transfer above is the K/V alone")
     return "\n".join(lines)

@@ -59,6 +59,9 @@ class Plan:
                        f"needs RoPE scaling in its config")
         if not self.memory.fits:
             out.append("weights + KV do not fit in 90% of device memory")
+        if m.linear_layers and self.deployment.tp > 1 and self.deployment.implementation.name == "cpinfer":
+            out.append(f"cpinfer runs hybrid (linear-attention) models at tp 1 only (engine/hybrid.py); this plan "
+                       f"prices the recurrent layers' heads split over tp {self.deployment.tp}")
         return tuple(out)
 
     @property
@@ -79,7 +82,8 @@ class Plan:
                    choice_inputs=self.choice.inputs, fastest_simulated=self.fastest, ttft_s=self.chosen_ttft_s,
                    ttit_s=self.ttit.seconds, ttit_breakdown_s=dict(self.ttit.breakdown), ttit_detail=self.ttit.detail,
                    memory_gb_per_gpu=m.total_gb, weights_gb_per_gpu=m.weights_gb, kv_gb_per_gpu=m.kv_gb,
-                   capacity_gb_per_gpu=m.capacity_gb, fits=m.fits)
+                   capacity_gb_per_gpu=m.capacity_gb, fits=m.fits, state_gb_per_gpu=m.state_gb,
+                   linear_layers=d.model.linear_layers, attention_layers=d.model.attn_layers)
         return out
 
 

@@ -1,6 +1,6 @@
 """Regenerate the tables and worked examples of docs/planning.md from the model (`python -m cpinfer.perf.planning_doc
 docs/planning.md`): fitted parameters, statements, leave-one-out (from `fit.py`), the §4.2.4 miss-rate grid, the
-prefill/decode-groups table and the speculative-decoding table.
+prefill/decode-groups table, the speculative-decoding table and the hybrid (Qwen3.5) table.
 
 A generated section sits between <!-- begin:NAME --> and <!-- end:NAME -->; a worked example is the fenced block
 after <!-- plan: ARGS -->, rewritten with `cpinfer plan ARGS` and what it prints.
@@ -85,9 +85,31 @@ def spec_table() -> str:
     return "\n".join(lines)
 
 
+HYBRID_LENGTHS = (131_072, 262_144, 524_288, 1_000_000)
+HYBRID_CP = (4, 8, 16)
+
+
+def hybrid_table() -> str:
+    """Markdown: Qwen3.5-397B-A17B FP8 on H200 x TP8 at CP4/8/16 and 128K ... 1M tokens (one request): TTFT (pass-KV,
+    the full prefill's choice), the recurrent layers' and the summary exchange's shares, TTIT, and memory per device
+    (K/V of the 15 attention layers, the request's recurrent state)."""
+    lines = ["| tokens | CP x TP | TTFT (s) | recurrent layers | summary exchange (MB / layer, share) | TTIT (ms) "
+             "| KV GB / device | state GB / device | GB / device | fits |", "|---" * 10 + "|"]
+    for tokens in HYBRID_LENGTHS:
+        for cp in HYBRID_CP:
+            plan = make_plan(build_deployment("qwen3.5-397b-a17b", "h200", cp, 8, "fp8"), Workload(tokens))
+            e, m = plan.ttft["pass-kv"], plan.memory
+            lines.append(f"| {tokens} | CP{cp} x TP8 | {e.seconds:.2f} | {e.breakdown['recurrence']:.3f} s "
+                         f"({e.breakdown['recurrence'] / e.seconds:.1%}) | {e.detail['exchange_mb_per_layer']:.1f} MB, "
+                         f"{e.breakdown['summary_exchange']:.3f} s ({e.breakdown['summary_exchange'] / e.seconds:.1%})"
+                         f" | {plan.ttit.seconds * 1e3:.1f} | {m.kv_gb:.2f} | {m.state_gb:.3f} | {m.total_gb:.1f} "
+                         f"| {'yes' if m.fits else 'no'} |")
+    return "\n".join(lines)
+
+
 SECTIONS = {"parameters": fit.parameter_table, "statements": fit.statement_table,
             "leave-one-out": lambda: fit.loo_table(fit.leave_one_out()), "miss-rate-grid": miss_rate_grid,
-            "pd-table": pd_table, "spec-table": spec_table}
+            "pd-table": pd_table, "spec-table": spec_table, "hybrid-table": hybrid_table}
 EXAMPLE = re.compile(r"<!-- plan: (.+?) -->\n```\n.*?```", re.S)
 
 

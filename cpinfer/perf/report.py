@@ -15,7 +15,10 @@ ROWS = (  # breakdown key -> label
     ("allreduce", "TP all-reduce"),
     ("elementwise", "norms/activations"),
     ("kernels", "kernel slots (CUDA graphs)"),
+    ("recurrence", "recurrent layers (conv + rule)"),
+    ("summary_exchange", "recurrent summary exchange"),
 )
+HYBRID_KEYS = ("recurrence", "summary_exchange")  # shown for a hybrid model only
 
 # component -> (how it is computed, the profile parameters it reads)
 EXPLAIN = {
@@ -43,6 +46,14 @@ EXPLAIN = {
     "elementwise": ("norms, residuals, SwiGLU, FP8 quantization: bytes / (mem_tbps * mem_efficiency)",
                     ("mem_tbps", "mem_efficiency")),
     "kernels": ("decode under CUDA graphs: kernels per layer * kernel_overhead_us", ("kernel_overhead_us",)),
+    "recurrence": ("a hybrid's recurrent layers (cpinfer/perf/hybrid.py): the conv and gated norm as memory passes; "
+                   "the chunked delta rule, C (5 Dk + 3 Dv) + 6 Dk Dv FLOPs per token and value head (under CP on "
+                   "Dv + Dk values: the affine map in the same pass) at A_inf; decode: each state read and written",
+                   ("attn_tflops", "attn_ref_tokens", "attn_overhead_tokens", "mem_tbps", "mem_efficiency")),
+    "summary_exchange": ("per recurrent layer, one all-reduce over the CP ranks of the shards' fp32 maps (M [Dk, Dk] "
+                         "and B [Dk, Dv] per value head, 2N - 1 shards a sequence) and one of the conv halo rows "
+                         "(decode: of the decode rows); the faster of a ring and a tree",
+                         ("inter_gbs", "inter_latency_us", "intra_gbs", "intra_latency_us", "devices_per_node")),
 }
 
 
@@ -55,7 +66,7 @@ def format_plan(plan: Plan) -> str:
         f" ({m.active_params / 1e9:.1f}B active: {m.experts_per_tok} of {m.n_experts} experts on {m.moe_layers} "
         "layers)" if m.moe_layers else "")
     lines = [
-        f"model     {m.name}: {params}, {m.n_layers} layers{windows}, {m.n_heads} heads / "
+        f"model     {m.name}: {params}, {m.n_layers} layers{windows}{_linear_words(m)}, {m.n_heads} heads / "
         f"{m.n_kv_heads} KV heads x {m.head_dim}; weights {d.weights.name}",
         f"hardware  {hw.name} ({hw.kind}); CP{d.cp} x TP{d.tp} = {d.gpus} devices; {d.implementation.name}'s ring",
         f"workload  batch {w.batch} x ({w.prompt_tokens} new + {w.cached_tokens} cached) tokens; "
@@ -64,7 +75,7 @@ def format_plan(plan: Plan) -> str:
         f"{'TTFT breakdown (s)':32s}" + "".join(f"{s:>12s}" for s in STRATEGIES),
     ]
     for key, label in ROWS:
-        if key != "kernels":
+        if key != "kernels" and (key not in HYBRID_KEYS or m.linear_layers):
             lines.append(f"  {label:30s}" + "".join(f"{plan.ttft[s].breakdown[key]:12.4f}" for s in STRATEGIES))
     lines.append(f"  {'total TTFT':30s}" + "".join(f"{plan.ttft[s].seconds:12.4f}" for s in STRATEGIES))
     lines.append(f"  {'TF/s per device (App. A count)':30s}" +
@@ -73,6 +84,10 @@ def format_plan(plan: Plan) -> str:
     lines += [
         f"  per ring step: pass-KV message {kv['ring_message_mb']:.2f} MB, SendRecv {kv['step_sendrecv_us']:.0f} us, "
         f"attention up to {kv['step_attention_max_us']:.0f} us; {kv['padding_tokens']} padding tokens",
+        *([f"  recurrent layers: summary exchange {kv['exchange_mb_per_layer']:.2f} MB per layer "
+           f"({plan.ttft['pass-kv'].breakdown['summary_exchange'] / plan.ttft['pass-kv'].seconds:.1%} of TTFT), "
+           f"{kv['recurrence_flops_per_layer'] / 1e12:.2f} TFLOP of recurrence per layer on the fullest device"]
+          if "exchange_mb_per_layer" in kv else []),
         *([f"  multi-head latent attention: prefill costed in the "
            f"{'/'.join(dict.fromkeys(plan.ttft[s].detail['mla_form'] for s in STRATEGIES))} form (the cheaper of "
            "absorbed and expanded per-head K/V, as the engine picks); decode in the absorbed form (bytes)"]
@@ -84,13 +99,23 @@ def format_plan(plan: Plan) -> str:
         f"({plan.ttit.detail['queries_per_rank']} on the fullest rank"
         f"{', padded to ' + str(plan.ttit.detail['padded_batch']) if plan.ttit.detail['padding_queries'] else ''}): "
         + _ttit_parts(plan),
-        f"memory    {plan.memory.weights_gb:.2f} GB weights + {plan.memory.kv_gb:.2f} GB KV = "
+        f"memory    {plan.memory.weights_gb:.2f} GB weights + {plan.memory.kv_gb:.2f} GB KV"
+        f"{f' + {plan.memory.state_gb:.3f} GB recurrent state' if m.linear_layers else ''} = "
         f"{plan.memory.total_gb:.2f} GB per device of {plan.memory.capacity_gb:.0f} GB -> "
         f"{'fits' if plan.memory.fits else 'DOES NOT FIT'} (90% usable)",
     ]
     lines.append(f"held      {held_words(plan)}")
     lines += [f"warning   {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _linear_words(m) -> str:
+    """A hybrid's recurrent layers and what they keep per request instead of K/V."""
+    if not m.linear_layers:
+        return ""
+    kind = {"gdn": "Gated DeltaNet", "kda": "KDA"}[m.linear_kind]
+    return (f" ({m.linear_layers} {kind}: {m.linear_v_heads} heads of {m.linear_k_dim}x{m.linear_v_dim} fp32 "
+            f"state, K/V on the other {m.attn_layers} only)")
 
 
 def _elem(nbytes: int, fp8: bool) -> str:

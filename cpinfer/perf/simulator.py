@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from cpinfer.cp import cost_model
 from cpinfer.cp.cost_model import STRATEGIES, AttnShape
 from cpinfer.cp.ring_shape import RingShape
-from cpinfer.perf import costs
+from cpinfer.perf import costs, hybrid
 from cpinfer.perf.hardware_profile import HardwareProfile
 from cpinfer.perf.implementations import CPINFER, Implementation
 from cpinfer.perf.model_spec import ModelSpec
@@ -29,7 +29,7 @@ DECODE_KERNELS_PER_LAYER = 9     # 2 norms, RoPE, KV append, 2 residuals, SwiGLU
 DECODE_KERNELS_PER_RING_STEP = 2  # besides flash-decoding's two: the grouped NCCL send/recv, the Q-buffer swap
 DECODE_KERNELS_AFTER_RING = 3     # permute, All2All, merge (Alg. 4)
 COMPONENTS = ("gemm", "attention", "merge", "sendrecv_exposed", "ring_steps", "all2all", "allreduce",
-              "elementwise", "kernels")
+              "elementwise", "kernels", "recurrence", "summary_exchange")  # the last two: a hybrid's recurrent layers
 RING_KEYS = ("attention", "merge", "sendrecv_exposed", "ring_steps", "all2all")
 # assumption: host time per kernel launch of PyTorch's eager decode path (launch + dispatch), what a decode kernel
 # costs without CUDA graphs
@@ -149,12 +149,27 @@ def gemm_layer(dep: Deployment, tokens: int) -> float:
     shape = dep.attn_shape
     qkv_n = (shape.heads + 2 * shape.kv_heads) * m.head_dim      # KV heads replicated when tp > N_KV
     o_k = shape.heads * m.head_dim
+    qkv_n += shape.heads * m.head_dim if m.attn_output_gate else 0  # the gate's half of q_proj
     t = costs.gemm_time(hw, tokens, qkv_n, m.hidden, qkv_n * m.hidden * w.attn_bytes, w.attn_fp8)
     t += costs.gemm_time(hw, tokens, m.hidden, o_k, o_k * m.hidden * w.attn_bytes, w.attn_fp8)
+    if m.linear_layers:  # a hybrid: the attention layers' GEMMs and the recurrent layers', averaged over layers
+        t = (m.attn_layers * t + m.linear_layers * _linear_gemms(dep, tokens)) / m.n_layers
     dense = _mlp_time(dep, tokens, m.ffn_dim // tp, w.ffn_bytes, w.ffn_fp8)
     if not m.moe_layers:
         return t + dense
     return t + ((m.n_layers - m.moe_layers) * dense + m.moe_layers * _moe_time(dep, tokens)) / m.n_layers
+
+
+def _linear_gemms(dep: Deployment, tokens: int) -> float:
+    """A recurrent layer's projections on one TP rank (heads split): the input projections from hidden, KDA's
+    low-rank second stages, out_proj."""
+    m, w, hw, tp = dep.model, dep.held, dep.hardware, dep.tp
+    into, second, vd = (x // tp for x in m.linear_proj_dims)
+    t = costs.gemm_time(hw, tokens, into, m.hidden, into * m.hidden * w.attn_bytes, w.attn_fp8)
+    t += costs.gemm_time(hw, tokens, m.hidden, vd, vd * m.hidden * w.attn_bytes, w.attn_fp8)
+    if second:
+        t += costs.gemm_time(hw, tokens, second, m.linear_k_dim, second * m.linear_k_dim * w.other_bytes, False)
+    return t
 
 
 def _mlp_time(dep: Deployment, rows: int, ffn: int, elem: int, fp8: bool, experts: int = 1) -> float:
@@ -205,6 +220,12 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
     breakdown = {k: v * dep.model.n_layers for k, v in _dense_layer(dep, batch * ring.q_tokens).items()}
     breakdown = {k: breakdown.get(k, 0.0) + attn.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, batch)
+    m = dep.model
+    if m.linear_layers:
+        rec = hybrid.prefill_layer(dep.hardware, m, dep.cp, dep.tp, dep.link, batch * ring.q_tokens, batch,
+                                   dep.act_bytes)
+        breakdown["recurrence"] += m.linear_layers * rec["recurrence"]
+        breakdown["summary_exchange"] += m.linear_layers * rec["summary_exchange"]
     seconds = sum(breakdown.values())
     expanded = step["mla_form"] == "expanded"
     flops = paper_flops(dep.model, prompt_tokens, cached_tokens, batch,
@@ -216,6 +237,9 @@ def simulate_prefill(dep: Deployment, prompt_tokens: int, cached_tokens: int = 0
                   tflops_per_gpu=flops / seconds / dep.gpus / 1e12)
     if step["mla_form"] is not None:
         detail["mla_form"] = step["mla_form"]
+    if m.linear_layers:
+        detail.update(exchange_mb_per_layer=rec["exchange_bytes"] / 1e6,
+                      recurrence_flops_per_layer=rec["rule_flops"])
     return Estimate(strategy, seconds, breakdown, detail)
 
 
@@ -248,7 +272,8 @@ def decode_kernels_time(dep: Deployment, eager: bool) -> float:
     when `eager` a host launch (EAGER_KERNEL_US)."""
     ring_kernels = DECODE_KERNELS_PER_RING_STEP * dep.cp + DECODE_KERNELS_AFTER_RING if dep.cp > 1 else 0
     slot_us = max(EAGER_KERNEL_US, dep.hardware.kernel_overhead_us) if eager else dep.hardware.kernel_overhead_us
-    return dep.model.n_layers * (DECODE_KERNELS_PER_LAYER + ring_kernels) * slot_us * 1e-6
+    m = dep.model  # a hybrid's recurrent layers have no ring
+    return (m.n_layers * DECODE_KERNELS_PER_LAYER + m.attn_layers * ring_kernels) * slot_us * 1e-6
 
 
 def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1, rows: int = 1) -> Estimate:
@@ -271,6 +296,10 @@ def simulate_decode(dep: Deployment, context_tokens: int, batch: int = 1, rows: 
     breakdown["kernels"] = decode_kernels_time(dep, eager=not dep.decode_graphs)
     breakdown = {k: breakdown.get(k, 0.0) + per.get(k, 0.0) for k in COMPONENTS}
     breakdown["gemm"] += _lm_head(dep, q * rows)
+    if m.linear_layers:  # every rank advances every sequence's state (its replica)
+        rec = hybrid.decode_layer(dep.hardware, m, dep.cp, dep.tp, dep.link, batch, rows, dep.act_bytes)
+        breakdown["recurrence"] += m.linear_layers * rec["recurrence"]
+        breakdown["summary_exchange"] += m.linear_layers * rec["summary_exchange"]
     padded = q * dep.cp if dep.implementation.pad_decode_batch else batch
     detail = dict(queries_per_rank=q, padded_batch=padded, padding_queries=padded - batch,
                   attention_op_us=att["op"] * 1e6, step_sendrecv_us=att["step_sendrecv"] * 1e6,
@@ -283,10 +312,11 @@ class Memory:
     weights_gb: float
     kv_gb: float
     capacity_gb: float
+    state_gb: float = 0.0    # a hybrid's recurrent states (fp32) and conv tails, one per request
 
     @property
     def total_gb(self) -> float:
-        return self.weights_gb + self.kv_gb
+        return self.weights_gb + self.kv_gb + self.state_gb
 
     @property
     def usable_gb(self) -> float:
@@ -302,24 +332,28 @@ class Memory:
 
 def memory_per_gpu(dep: Deployment, tokens_per_seq: int, batch: int = 1) -> Memory:
     """Weights (TP-sharded) and the KV cache of `batch` sequences of `tokens_per_seq` (CP-sharded). Windowed layers
-    keep every token's K/V too (cpinfer's KV cache does not trim what a window no longer sees)."""
+    keep every token's K/V too (cpinfer's KV cache does not trim what a window no longer sees). A hybrid: K/V of its
+    attention layers only, plus each request's recurrent state on every CP rank (heads TP-sharded)."""
     weights = weight_bytes_per_gpu(dep.model, dep.held, dep.tp, dep.implementation.vocab_parallel)
     kv_tokens = batch * 2 * dep.cp * ceil_div(tokens_per_seq, 2 * dep.cp) / dep.cp
     kv = kv_tokens * dep.model.kv_bytes_per_token(dep.tp, dep.kv_bytes, dep.kv_scale_bytes)
-    return Memory(weights / 1e9, kv / 1e9, dep.hardware.mem_gb)
+    return Memory(weights / 1e9, kv / 1e9, dep.hardware.mem_gb,
+                  hybrid.state_gb(dep.model, dep.tp, batch, dep.act_bytes))
 
 
 def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1, pair_dim: int = 0) -> float:
     """App. A: 2*W*T*B GEMM FLOPs (W: the active weights of a mixture of experts) + 4*B*T*(T/2 + P)*D*layers
     attention FLOPs (causal half for new tokens); a sliding-window layer counts the pairs its window shows, sum
-    over new tokens of min(W, position + 1), a chunked layer those of its chunk, sum of (position mod C) + 1.
+    over new tokens of min(W, position + 1), a chunked layer those of its chunk, sum of (position mod C) + 1; a
+    hybrid's recurrent layers add the chunked delta rule's FLOPs (`hybrid.rule_flops`) per token and value head.
     `pair_dim`: D per head when it is not head_dim (MLA's expanded form: (nope + rope + v) / 2)."""
     d = model.n_heads * (pair_dim or model.head_dim)
     pairs = new * (new / 2 + cached) * model.full_layers
     if model.window_layers:
         local = _chunk_pairs if model.local == "chunked" else _window_pairs
         pairs += model.window_layers * local(cached + 1, cached + new, model.window)
-    return 2.0 * model.active_params * new * batch + 4.0 * batch * pairs * d
+    recurrent = model.linear_layers * model.linear_v_heads * hybrid.token_flops(model, 1) * new * batch
+    return 2.0 * model.active_params * new * batch + 4.0 * batch * pairs * d + recurrent
 
 
 def _chunk_pairs(lo: int, hi: int, chunk: int) -> int:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpinfer.model.recurrent.affine import Affine
+from cpinfer.model.recurrent.delta import DeltaInputs
 from cpinfer.model.recurrent.short_conv import causal_conv
 
 DEFAULT_CHUNK = 64  # tokens per chunk of the chunked form (transformers' default)
@@ -72,22 +73,7 @@ class GDNConfig:
         return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
 
 
-@dataclass(frozen=True)
-class GDNInputs:
-    """One run's recurrence inputs, fp32, heads expanded to the value heads: q, k [T, H, Dk] (L2-normalised, q
-    scaled), v [T, H, Dv], g [T, H] (log decay), beta [T, H]."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    g: Tensor
-    beta: Tensor
-
-    def __len__(self) -> int:
-        return self.q.shape[0]
-
-    def __getitem__(self, s: slice) -> "GDNInputs":
-        return GDNInputs(self.q[s], self.k[s], self.v[s], self.g[s], self.beta[s])
+GDNInputs = DeltaInputs  # one run's inputs: q, k, v, g [T, H] (a decay per head), beta (`delta.py`)
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:

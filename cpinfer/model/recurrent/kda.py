@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from cpinfer.model.recurrent.affine import Affine
+from cpinfer.model.recurrent.delta import DeltaInputs
 from cpinfer.model.recurrent.short_conv import causal_conv, check_activation
 from cpinfer.utils import check_positive
 
@@ -92,22 +93,7 @@ class KDAShape:
         return (self.num_heads, self.head_dim, self.head_dim)
 
 
-@dataclass(frozen=True)
-class KDAInputs:
-    """One run's recurrence inputs, fp32: q [T, H, Dk] (L2-normalised, scaled by Dk^-1/2), k [T, H, Dk]
-    (L2-normalised), v [T, H, Dv], g [T, H, Dk] (log decay per key channel, <= 0), beta [T, H]."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    g: Tensor
-    beta: Tensor
-
-    def __len__(self) -> int:
-        return self.q.shape[0]
-
-    def __getitem__(self, s: slice) -> "KDAInputs":
-        return KDAInputs(self.q[s], self.k[s], self.v[s], self.g[s], self.beta[s])
+KDAInputs = DeltaInputs  # one run's inputs: q, k, v, g [T, H, Dk] (a decay per key channel), beta (`delta.py`)
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,12 @@ from cpinfer.model.recurrent import kda, mamba2
 from cpinfer.model.recurrent.affine import Affine
 
 
-class KDALayer(kda.KDAMixer):
-    """A Kimi Linear KDA layer (`self_attn` in the checkpoint)."""
+class MixerLayer:
+    """What a mixer (`shape` its config: conv_kernel, conv_channels, state_shape) adds as a decoder layer: its
+    `layer_idx`, the sizes the state cache is built from, and `forward` through the engine's recurrent callback.
+    The first base of a layer class, before its mixer (whose __init__ takes the shape)."""
 
-    recurrence = "kda"
-    checkpoint_name = "self_attn"  # the decoder layer's name of the mixer (Kimi Linear's attention and KDA share it)
-
-    def __init__(self, shape: kda.KDAShape, layer_idx: int):
+    def __init__(self, shape, layer_idx: int):
         super().__init__(shape)
         self.layer_idx = layer_idx
 
@@ -42,6 +41,19 @@ class KDALayer(kda.KDAMixer):
     @property
     def state_shape(self) -> tuple[int, int, int]:
         return self.shape.state_shape
+
+    def forward(self, x: Tensor, recurrent) -> Tensor:
+        """x [L, hidden] (any sequences, packed) -> [L, hidden]; `recurrent(layer_idx, self, u, side)` runs the conv
+        and the recurrence per sequence from its tail and state."""
+        u, side = self.project(x)
+        return self.output(recurrent(self.layer_idx, self, u, side), side, x)
+
+
+class KDALayer(MixerLayer, kda.KDAMixer):
+    """A Kimi Linear KDA layer (`self_attn` in the checkpoint)."""
+
+    recurrence = "kda"
+    checkpoint_name = "self_attn"  # the decoder layer's name of the mixer (Kimi Linear's attention and KDA share it)
 
     def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
         """x [T, hidden] -> (u [T, 3 H Dk], (g [T, H, Dk], beta [T, H], gate [T, H, Dk]))."""
@@ -62,32 +74,14 @@ class KDALayer(kda.KDAMixer):
     def output(self, o: Tensor, side: tuple, x: Tensor) -> Tensor:
         return super().output(o, kda.KDASide(*side)).to(x.dtype)
 
-    def forward(self, x: Tensor, recurrent) -> Tensor:  # type: ignore[override]
-        """x [L, hidden] (any sequences, packed) -> [L, hidden]; `recurrent(layer_idx, self, u, side)` runs the conv
-        and the recurrence per sequence from its tail and state."""
-        u, side = self.project(x)
-        return self.output(recurrent(self.layer_idx, self, u, side), side, x)
 
-
-class Mamba2Layer(mamba2.Mamba2Mixer):
+class Mamba2Layer(MixerLayer, mamba2.Mamba2Mixer):
     """A Nemotron-H Mamba-2 layer (`mixer` in the checkpoint); its state is cached transposed, [H, N, P]."""
 
     recurrence = "mamba2"
 
-    def __init__(self, shape: mamba2.Mamba2Shape, layer_idx: int):
-        super().__init__(shape)
-        self.layer_idx = layer_idx
-
     @property
-    def kernel(self) -> int:
-        return self.shape.conv_kernel
-
-    @property
-    def conv_channels(self) -> int:
-        return self.shape.conv_channels
-
-    @property
-    def state_shape(self) -> tuple[int, int, int]:
+    def state_shape(self) -> tuple[int, int, int]:  # transposed: [H, N, P]
         s = self.shape
         return (s.num_heads, s.state_size, s.head_dim)
 
@@ -115,9 +109,5 @@ class Mamba2Layer(mamba2.Mamba2Mixer):
     def output(self, o: Tensor, side: tuple, x: Tensor) -> Tensor:
         return super().output(o, mamba2.Mamba2Side(*side)).to(x.dtype)
 
-    def forward(self, x: Tensor, recurrent) -> Tensor:  # type: ignore[override]
-        u, side = self.project(x)
-        return self.output(recurrent(self.layer_idx, self, u, side), side, x)
 
-
-__all__ = ["KDALayer", "Mamba2Layer"]
+__all__ = ["KDALayer", "Mamba2Layer", "MixerLayer"]
