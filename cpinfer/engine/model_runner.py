@@ -428,17 +428,18 @@ def kv_token_bytes(ctx) -> int:
 
 
 def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int,
-               tp_shared: bool = False) -> None:
+               tp_shared: bool = False, host_state_slots: int = 0) -> None:
     """Give this rank a host pool of host_slots tokens and, with disk_dir, disk reads (and a writer when writable),
     replacing earlier ones. `tp_shared` (MLA under TP: every TP rank caches the same latent): TP rank 0 alone keeps
-    the host copy."""
+    the host copy. Hybrid models: host_state_slots recurrent-state snapshots in the host tier."""
     runner = ctx.state["runner"]
     if runner.tiers is not None:
         runner.tiers.close()
     g = runner.groups
     shared = SharedRows(g.tp_group, g.config.rank_of(g.cp_rank, 0)) if tp_shared and g.config.tp > 1 else None
     runner.tiers = RankTiers(runner.store, g.cp_rank, g.tp_rank, host_slots, disk_dir, writable, layout, cp,
-                             ctx.device, shared=shared)
+                             ctx.device, shared=shared, states=runner.states, host_state_slots=host_state_slots,
+                             cp_group=g.cp_group)
 
 
 def apply_cache_ops(ctx, ops) -> tuple:
