@@ -29,8 +29,6 @@ def unsupported(config, args, pd_role: bool = False) -> str | None:
         return f"kv_cache_dtype={args.kv_cache_dtype!r} (the FP8 KV cache is not wired for hybrid models yet)"
     if args.static_decode:
         return "static_decode=True (the static / CUDA-graph decode path does not update recurrent states)"
-    if pd_role:
-        return "prefill/decode disaggregation (the recurrent states do not travel with the K/V rows yet)"
     return None
 
 

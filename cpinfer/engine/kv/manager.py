@@ -262,6 +262,14 @@ class KVManager:
         self._unpin(seq)
         seq.state_in = seq.state_out
 
+    def drop_live_state(self, seq: SeqKV) -> None:
+        """seq's tokens come from elsewhere without their recurrent state (P/D): its live slot goes back, so that
+        releasing it leaves no snapshot at its end."""
+        if self.states is not None and seq.state_out >= 0:
+            self._unpin(seq)
+            self.states.free(seq.state_out)
+            seq.state_out = seq.state_in = -1
+
     def _unpin(self, seq: SeqKV) -> None:
         slot = seq.state_in
         if slot >= 0 and slot != seq.state_out and slot in self._state_pins:
