@@ -1,4 +1,5 @@
-"""Hybrid (linear-attention) models over the KV tiers against transformers: a conversation evicted from the device
+"""Hybrid (linear-attention) models through preemption and over the KV tiers against transformers: a turn 2 that
+starts from a state snapshot and is preempted mid-generation recomputes and stays exact; a conversation evicted from the device
 comes back from the host tier and from the disk tier with the recurrent-state snapshot it continues from (turn 2
 prefills only its new tokens); entries written at CP1 are reloaded at CP2 (states are replicas: any CP size reads
 them); a state that cannot be restored (damaged, or of the wrong shape) is a cache miss, recomputed, never a fault.
@@ -47,6 +48,24 @@ def _turn(llm, prompts, path):
 
 def _docs(n, seed):
     return [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150, 130][:n], seed=seed))]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_preempted_second_turn_recomputes_exactly(ckpt, engines, cp):
+    """Two turn-2 requests continuing from their turn-1 snapshots overflow the device together: the newest is
+    preempted mid-generation (its live state freed, its blocks too), re-attaches (to its snapshot, or to nothing
+    once that was evicted) and finishes with transformers' tokens."""
+    with _engine(engines, ckpt, cp, {1: 384, 2: 192}[cp]) as llm:
+        eng = llm.engine
+        docs = _docs(2, seed=30 + cp)
+        first = [_turn(llm, [d], ckpt)[0] for d in docs]
+        turn2 = [d + o.token_ids + [5, 6, 7] for d, o in zip(docs, first)]
+        before = eng.stats().preemptions
+        outs = llm.generate(turn2, SamplingParams(max_tokens=80, **GREEDY))
+        assert eng.stats().preemptions > before
+        check_against_hf(ckpt, outs, turn2, 80, check_prompt_lp=False)
+        eng.kv.check_invariants()
+        assert eng.kv.states.in_use == eng.kv.state_snapshots  # every live slot went back
 
 
 @pytest.mark.parametrize("tier, cp", [("host", 1), ("host", 2), ("disk", 1), ("disk", 2)])
