@@ -347,10 +347,13 @@ class KVManager:
         path.reverse()
         restored = [p for p in path if not p.on_device]
         usable, hits = self._restore(path)  # segments below the device come back into free slots
-        if usable < len(path) and self.states is not None and usable:  # the snapshot lies past the usable part:
-            for p in path[:usable]:  # nothing of it is (the restored segments stay cached)
-                p.ref -= 1
-            hits, usable = dict.fromkeys(TIERS, 0), 0
+        state_in = -1
+        if self.states is not None and usable == len(path) and matched:  # the snapshot it continues from
+            state_in = self._state_at(node, matched)
+        if self.states is not None and usable and (usable < len(path) or state_in is None):  # the snapshot lies
+            for p in path[:usable]:  # past the usable part, or has no copy left: nothing of the match is usable
+                p.ref -= 1  # (the restored segments stay cached)
+            hits, usable, state_in = dict.fromkeys(TIERS, 0), 0, -1
         if usable < len(path):  # no room to restore all of it: the rest is recomputed
             path = path[:usable]
             node = path[-1] if path else self.root
@@ -376,8 +379,7 @@ class KVManager:
         if hole is not None:
             seq.fill_until, seq.fill_hole = matched + len(hole), hole.id
         if self.states is not None:
-            seq.state_in = self._state_at(node, matched) if matched else -1
-            seq.state_out = self._state_slot()
+            seq.state_in, seq.state_out = state_in, self._state_slot()
             if seq.state_in >= 0:  # read by its first forward: not evicted before
                 self._state_pins[seq.state_in] = self._state_pins.get(seq.state_in, 0) + 1
         return seq
@@ -394,15 +396,17 @@ class KVManager:
             p = p.parent
         return 0
 
-    def _state_at(self, node: Node, pos: int) -> int:
+    def _state_at(self, node: Node, pos: int) -> int | None:
         """The device state slot of node's snapshot at pos (its last position), restored from a lower tier into a
-        new slot when only a copy there holds it."""
+        new slot when only a copy there holds it; None when no copy is left (restoring the path's K/V made room by
+        letting it go)."""
         slot = node.snapshots.get(pos)
         if slot is not None:
             return slot
         slot = self._state_slot()
         if self.tiers is None or self.tiers.restore_state(node, pos, slot) is None:
-            raise RuntimeError(f"no state snapshot at position {pos} (this is a bug: the match was cut to one)")
+            self.states.free(slot)
+            return None
         node.snapshots[pos] = slot
         self._state_fresh.add(slot)
         return slot

@@ -178,9 +178,9 @@ class Tiers:
                 self.state_nodes[node.id] = node
 
     def _host_state_slot(self, keep) -> int | None:
-        """A free host state slot, dropping the least recently used other segment's host states if needed."""
+        """A free host state slot, dropping the least recently used other unlocked segment's host states if needed."""
         while not self.host_states:
-            victims = [nd for nd in self.state_nodes.values() if nd is not keep]
+            victims = [nd for nd in self.state_nodes.values() if nd is not keep and nd.ref == 0]
             if not victims:
                 return None
             self.forget_host_states(min(victims, key=_lru_key))
