@@ -1,6 +1,7 @@
 """The KV manager's state bookkeeping for hybrid models (no ranks): live slots, snapshots at request ends and every
 interval, matches cut back to the last snapshot inside them, splits carrying snapshots, eviction that never takes a
-snapshot a request has yet to read, and slots returned on release."""
+snapshot a request has yet to read, and slots returned on release; snapshots going down the KV tiers with their
+segment and restored by a match (the operations the ranks would apply), a failed restore dropping the copy."""
 import numpy as np
 import pytest
 
@@ -87,3 +88,68 @@ def test_state_store_replica_grows_and_round_trips():
     got_s, got_t = store.load(0, 2)
     assert torch.equal(got_s, s) and torch.equal(got_t, t) and store.slots >= 10
     assert StateStore.bytes_per_slot({0: ((2, 3, 4), 4, 5)}, torch.float32) == 2 * 3 * 4 * 4 + 3 * 5 * 4
+
+
+# ------------------------------------------------------------------ snapshots over the KV tiers (driver side)
+def _tiered(host: bool, disk: bool):
+    from cpinfer.engine.kv.disk_files import Layout
+    from cpinfer.engine.kv.tiers import TierConfig
+
+    layout = Layout("0" * 64, "float32", 2, 2, 4, 1)
+    config = TierConfig(256 if host else 0, "/fake" if disk else None, 1 << 20, 8, layout if disk else None,
+                        host_state_slots=4 if host else 0, state_bytes=100)
+    kv = KVManager(2, 256, tiers=config)
+    kv.enable_states(StateSlots(8))
+    return kv
+
+
+@pytest.mark.parametrize("host, disk", [(True, False), (False, True)])
+def test_snapshots_go_down_with_their_segment_and_come_back(host, disk):
+    """A finished request's snapshot leaves the device with its segment (a StateToHost copy / carried by the
+    entry's first SaveEntry) and a match restores it into a new device slot (StateFromHost / LoadState)."""
+    from cpinfer.engine.kv.ops import LoadState, StateFromHost, StateToHost
+
+    kv = _tiered(host, disk)
+    a = list(range(10, 110))  # 100 tokens over 2 ranks
+    s = _run(kv, "a", a, 100)
+    kv.release(s, keep=True)
+    leaf = next(nd for nd in kv.nodes.values() if nd.snapshots)
+    slot = leaf.snapshots[100]
+    kv.take_ops()
+    assert kv.make_room(np.full(2, kv.num_blocks))  # everything off the device
+    ops = kv.take_ops()
+    assert not leaf.on_device and not leaf.snapshots and kv.states.in_use == 0
+    if host:
+        assert [(o.slot, o.host_slot) for o in ops if isinstance(o, StateToHost)] == [(slot, leaf.state_host[100])]
+    else:
+        assert 100 in leaf.disk.entry.states and not any(isinstance(o, StateToHost) for o in ops)
+    kv.check_invariants()
+    b = a + [7, 8]
+    t = kv.attach("b", np.asarray(b))
+    assert t.num_stored == 100 and t.state_in >= 0 and t.state_in != t.state_out
+    restores = [o for o in kv.take_ops() if isinstance(o, (StateFromHost, LoadState))]
+    assert len(restores) == 1 and restores[0].slot == t.state_in and restores[0].pos == 100
+    assert isinstance(restores[0], StateFromHost if host else LoadState)
+    kv.check_invariants()
+    # the restore failed on the ranks: the request goes, the copy is dropped, the next match finds no state
+    kv.release(t, keep=False)
+    kv.discard_state({(restores[0].node, 100): "host" if host else "disk"})
+    kv.check_invariants()
+    u = kv.attach("c", np.asarray(b))
+    assert u.num_stored == 0 and u.state_in == -1
+    kv.release(u, keep=False)
+    kv.check_invariants()
+
+
+def test_a_disk_entry_carries_its_segments_snapshots():
+    from cpinfer.engine.kv.ops import SaveEntry
+
+    kv = _tiered(False, True)
+    a = list(range(10, 110))
+    s = _run(kv, "a", a, 100)
+    kv.release(s, keep=True)  # write-through: the snapshot at its end is written with its leaf
+    saves = [o for o in kv.take_ops() if isinstance(o, SaveEntry)]
+    carried = [o.states for o in saves if o.states]
+    assert len(carried) == 1 and [(pos, src) for pos, src, _ in carried[0]] == [(100, "device")]
+    entry = next(iter(kv.tiers.entries.values()))
+    assert entry.states == {100: saves[0].rank} and entry.nbytes == 100 * 8 + 100

@@ -111,8 +111,8 @@ def test_cli_plans_qwen35_at_1m_tokens(capsys):
     assert res["ttit_breakdown_s"]["recurrence"] > 0
     assert cli_main(["plan", "--model", "qwen3.5-397b", "--hardware", "h200", "--cp", "16", "--tp", "8",
                      "--weights", "fp8", "--prompt-tokens", "1m", "--pd-decode-cp", "2"]) == 0
-    out = capsys.readouterr().out  # K/V of the 15 attention layers moves; the engine refuses P/D for hybrids
-    assert "16-bit K/V, 15 layers" in out and "refuses prefill/decode groups for hybrid" in out
+    out = capsys.readouterr().out  # K/V of the 15 attention layers moves, and each request's state beside it
+    assert "16-bit K/V, 15 layers" in out and "recurrent state" in out and "45 layers) travels" in out
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_linear"])

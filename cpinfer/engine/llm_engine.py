@@ -17,7 +17,7 @@ from cpinfer.engine import model_runner as MR
 from cpinfer.engine import hybrid
 from cpinfer.engine.batch import ForwardBatch, RankResult, SeqInput
 from cpinfer.engine.config import EngineConfig
-from cpinfer.engine.kv.ops import FromHost, LoadEntry
+from cpinfer.engine.kv.ops import STATE_RESTORES, FromHost, LoadEntry
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.mla_form import choose_form
 from cpinfer.engine.output import OutputProcessor
@@ -288,7 +288,7 @@ class LLMEngine:
         for _ in range(_RESTORE_ROUNDS):
             scheduled = self.scheduler.schedule()
             ops = self.kv.take_ops()  # K/V moving between tiers, decided while scheduling
-            if not any(isinstance(op, (LoadEntry, FromHost)) for op in ops):
+            if not any(isinstance(op, (LoadEntry, FromHost, *STATE_RESTORES)) for op in ops):
                 return scheduled, ops, failed
             kept = self._on_ranks(self._restore, ops, scheduled)
             failed |= len(kept) < len(scheduled)
@@ -303,21 +303,27 @@ class LLMEngine:
         work that can run."""
         events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
         failed = {ev.node: ev.tier for ev in events if ev.kind == "load_failed"}
-        if not failed:
+        states = {(ev.node, ev.pos): ev.tier for ev in events if ev.kind == "state_failed"}  # hybrid models
+        if not failed and not states:
             return scheduled
         for ev in events:
             if ev.kind == "load_failed":
                 log.warning("KV %s tier: restoring a cached prefix failed on rank %d (%s); it is recomputed",
                             ev.tier or "disk", ev.rank, ev.error)
+            elif ev.kind == "state_failed":
+                log.warning("KV %s tier: restoring a recurrent-state snapshot failed on rank %d (%s); its prefix is "
+                            "recomputed", ev.tier, ev.rank, ev.error)
+        bad = set(failed) | {nid for nid, _ in states}
         keep = []
         for s in scheduled:
             p, hit = s.request.kv.leaf, False
             while p is not None and not hit:
-                hit, p = p.id in failed, p.parent
+                hit, p = p.id in bad, p.parent
             if hit:
                 self.scheduler.requeue(s.request)
             else:
                 keep.append(s)
+        self.kv.discard_state(states)
         self.kv.discard(failed)
         return keep
 

@@ -81,7 +81,7 @@ class ModelRunner:
         self.backend = attention_backend
         self.scale = self.config.attention_scale  # 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)
         self.windows = self.config.windows  # per layer: its sliding window or None
-        self.on_kv_written = None  # callable(layer) after a forward wrote that layer's K/V (P/D sends: kv/transfer.py)
+        self.on_kv_written = None  # callable(KV store layer) after a forward wrote its K/V (P/D sends: kv/transfer.py)
         self.chunks = self.config.chunks  # per layer: its attention chunk or None
         self.slot_positions: SlotPositions | None = None  # set with the KV store when a layer has a window / chunk
         self.ring_wait_s = 0.0  # exposed ring / All2All time, accumulated for benchmarks
@@ -233,7 +233,7 @@ class ModelRunner:
                 if index is not None:
                     store.index[kv].index_copy_(0, slots, index.k)
                 if written is not None:
-                    written(layer)
+                    written(kv)
                 return sparse.run(q, store.k[kv][..., :store.widths.key], store.index[kv], index, self.scale,
                                   v.shape[-1])
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
@@ -242,7 +242,7 @@ class ModelRunner:
             if not store.widths.values_in_keys:  # (else v is k's first channels: written with them)
                 store.v[kv].index_copy_(0, slots, v)
             if written is not None:  # a P/D prefill rank: this layer's rows go to the decode group now
-                written(layer)
+                written(kv)
             return plan.run(q, k, v, store.k[kv], store.v[kv], self.scale, steps, self.windows[layer],
                             self.chunks[layer], sinks, store_used=store.used,
                             codecs=None if codecs is None else codecs[kv], expand=expand)
@@ -429,17 +429,18 @@ def kv_token_bytes(ctx) -> int:
 
 
 def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layout, cp: int,
-               tp_shared: bool = False) -> None:
+               tp_shared: bool = False, host_state_slots: int = 0) -> None:
     """Give this rank a host pool of host_slots tokens and, with disk_dir, disk reads (and a writer when writable),
     replacing earlier ones. `tp_shared` (MLA under TP: every TP rank caches the same latent): TP rank 0 alone keeps
-    the host copy."""
+    the host copy. Hybrid models: host_state_slots recurrent-state snapshots in the host tier."""
     runner = ctx.state["runner"]
     if runner.tiers is not None:
         runner.tiers.close()
     g = runner.groups
     shared = SharedRows(g.tp_group, g.config.rank_of(g.cp_rank, 0)) if tp_shared and g.config.tp > 1 else None
     runner.tiers = RankTiers(runner.store, g.cp_rank, g.tp_rank, host_slots, disk_dir, writable, layout, cp,
-                             ctx.device, shared=shared)
+                             ctx.device, shared=shared, states=runner.states, host_state_slots=host_state_slots,
+                             cp_group=g.cp_group)
 
 
 def apply_cache_ops(ctx, ops) -> tuple:

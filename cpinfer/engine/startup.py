@@ -327,10 +327,14 @@ class EngineStartup:
             disk_dir, disk_bytes = str(e.disk.path), e.disk.bound
         writable = e.disk is not None and e.disk.writable
         shared = c.values_in_keys and a.tensor_parallel_size > 1  # MLA: one latent copy per CP shard
-        e._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, e.n, shared)
+        # hybrid models: the host tier keeps as many recurrent-state snapshots as the device (replicated per rank)
+        host_states = hybrid.state_slots(a.max_num_seqs) if c.hybrid and host_slots else 0
+        state_bytes = hybrid.state_bytes_per_slot(c, e.elem_bytes) if c.hybrid else 0
+        e._pool.run(MR.init_tiers, host_slots, disk_dir, writable, layout, e.n, shared, host_states)
         once = per_rank[0] if c.values_in_keys else 0  # the latent counted once, not per TP rank
         config = TierConfig(host_slots, disk_dir, disk_bytes, token_bytes, layout, a.tensor_parallel_size,
-                            writable=writable, disk_token_bytes=once, host_token_bytes=once)
+                            writable=writable, disk_token_bytes=once, host_token_bytes=once,
+                            host_state_slots=host_states, state_bytes=state_bytes)
         log.info("KV tiers: host %s, disk %s", f"{host_slots} tokens per rank" if host_slots else "off",
                  f"{disk_dir} (bound {disk_bytes / (1 << 30):.2f} GiB)" if disk_dir else "off")
         return config

@@ -197,6 +197,7 @@ def format_pd(pd: PDPlan) -> str:
         lines.append("warning   the decode group cannot hold this context: raise --pd-decode-cp"
                      f"{'' if d.fp8_kv else ' or use an FP8 KV cache (--kv-cache-dtype fp8)'}")
     if d.model.linear_layers:
-        lines.append("warning   cpinfer refuses prefill/decode groups for hybrid (linear-attention) models (the "
-                     "recurrent states do not travel with the K/V yet); the transfer above is the K/V alone")
+        state = d.model.linear_state_bytes(d.tp, d.kv_bytes)
+        lines.append(f"state     each request's recurrent state ({state / 1e6:.1f} MB per device, {d.model.linear_layers} "
+                     "layers) travels with its K/V rows to every decode rank (fixed size, not counted above)")
     return "\n".join(lines)

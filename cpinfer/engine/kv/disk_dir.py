@@ -128,7 +128,7 @@ def rebuild_index(kv, disk: DiskDir, layout: Layout) -> None:
     for f in sorted(found, key=lambda f: (f.pos0, -f.mtime)):
         ranks = f.shard.copy() if f.cp == n else _replace(f.shard, n)
         replaced += f.cp != n
-        entry = DiskEntry(f.name, f.cp, f.shards, f.nbytes, now - (now_wall - f.mtime))
+        entry = DiskEntry(f.name, f.cp, f.shards, f.nbytes, now - (now_wall - f.mtime), states=dict(f.states))
         if kv.adopt(entry, f.path, f.pos0, ranks, f.shard, f.row, entry.last_access):
             tiers.entries[f.name] = entry
             tiers.disk_used += f.nbytes

@@ -106,11 +106,19 @@ class EntryHeader:
     path: np.ndarray  # [pos0 + count] int64 token ids from the root through the segment's end
     positions: np.ndarray  # [M] int64 positions of this file's rows, increasing
     nbytes: int  # file size
+    states: tuple[int, ...] = ()  # hybrid models: positions of the recurrent-state snapshots this file carries
 
 
-def write_entry(directory: Path, header: EntryHeader, kv: torch.Tensor, delay_s: float = 0.0) -> int:
+def state_key(pos: int, layer: int, part: str) -> str:
+    """The tensor name of a recurrent-state snapshot's piece in an entry file (part "state" or "tail")."""
+    return f"{part}.{pos}.{layer}"
+
+
+def write_entry(directory: Path, header: EntryHeader, kv: torch.Tensor, delay_s: float = 0.0,
+                states: dict[str, torch.Tensor] | None = None) -> int:
     """Write one file: kv [M, P, layers, Hkv, D] (CPU; P = 2 keys and values, 1 keys holding the values: MLA) with
-    header.positions [M]. Temporary name, fsync, rename,
+    header.positions [M]; hybrid models: `states` (`state_key` -> fp32 state [H, Dk, Dv] / conv tail [K-1, C]) of
+    the snapshots at header.states. Temporary name, fsync, rename,
     fsync of the directory. Returns the bytes written. delay_s: a pause between chunks (tests kill a writer
     mid-file with it)."""
     positions = torch.from_numpy(np.ascontiguousarray(header.positions, dtype=np.int64))
@@ -118,7 +126,10 @@ def write_entry(directory: Path, header: EntryHeader, kv: torch.Tensor, delay_s:
     meta = {"format": FORMAT, "layout": json.dumps(dataclasses.asdict(header.layout), sort_keys=True),
             "entry": header.entry, "shard": str(header.shard), "cp": str(header.cp), "tp_rank": str(header.tp_rank),
             "pos0": str(header.pos0), "count": str(header.count)}
+    if header.states:
+        meta["states"] = json.dumps([int(p) for p in header.states])
     tensors = {"kv": kv.contiguous(), "positions": positions, "path": path}
+    tensors.update({k: v.contiguous() for k, v in (states or {}).items()})
     meta["head_crc32"] = str(_head_crc(meta, positions, path))
     meta["crc32"] = str(_crc(tensors))
     blob = st_save(tensors, metadata=meta)
@@ -177,26 +188,44 @@ def read_header(path: Path) -> EntryHeader:
             layout = Layout(**json.loads(meta["layout"]))
             return EntryHeader(layout, meta["entry"], int(meta["shard"]), int(meta["cp"]), int(meta["tp_rank"]),
                                int(meta["pos0"]), int(meta["count"]), tokens.numpy().astype(np.int64),
-                               positions.numpy().astype(np.int64), path.stat().st_size)
+                               positions.numpy().astype(np.int64), path.stat().st_size,
+                               tuple(json.loads(meta.get("states", "[]"))))
     except CorruptEntry:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file is corrupt for us, never a crash
         raise CorruptEntry(f"{type(exc).__name__}: {exc}") from None
 
 
-def read_rows(path: Path, rows: np.ndarray) -> torch.Tensor:
-    """rows [K] of a file's K/V → [K, 2, layers, Hkv, D], after checking the CRC over the whole file's tensors
-    (CorruptEntry when it fails or the file is unreadable)."""
+def _read_checked(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a file, after checking the CRC over all of them (CorruptEntry when it fails or the file is
+    unreadable)."""
     try:
         with open(path, "rb") as f:
             blob = f.read()
         tensors = st_load(blob)
+        meta = _metadata(blob)
     except Exception as exc:  # noqa: BLE001
         raise CorruptEntry(f"{type(exc).__name__}: {exc}") from None
-    meta = _metadata(blob)
     if meta.get("format") != FORMAT or int(meta.get("crc32", -1)) != _crc(tensors):
         raise CorruptEntry("checksum mismatch")
-    kv = tensors["kv"]
+    return tensors
+
+
+def read_states(path: Path, pos: int) -> dict[str, torch.Tensor]:
+    """The recurrent-state snapshot at `pos` in a file: `state_key(pos, layer, part)` -> tensor, after the CRC check
+    (CorruptEntry when the file is damaged or holds no such snapshot)."""
+    tensors = _read_checked(path)
+    prefix = (f"state.{pos}.", f"tail.{pos}.")
+    out = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not out:
+        raise CorruptEntry(f"no recurrent state at position {pos} in {path.name}")
+    return out
+
+
+def read_rows(path: Path, rows: np.ndarray) -> torch.Tensor:
+    """rows [K] of a file's K/V → [K, 2, layers, Hkv, D], after checking the CRC over the whole file's tensors
+    (CorruptEntry when it fails or the file is unreadable)."""
+    kv = _read_checked(path)["kv"]
     if len(rows) and int(rows.max()) >= kv.shape[0]:
         raise CorruptEntry(f"row {int(rows.max())} beyond the file's {kv.shape[0]} rows")
     return kv[torch.from_numpy(np.asarray(rows, dtype=np.int64))]
@@ -248,6 +277,7 @@ class FoundEntry:
     shards: tuple[int, ...]
     nbytes: int
     mtime: float
+    states: dict = dataclasses.field(default_factory=dict)  # hybrid models: snapshot position -> shard holding it
 
 
 @dataclasses.dataclass
@@ -308,6 +338,7 @@ def _assemble(entry: str, headers: list[EntryHeader], tp: int) -> FoundEntry | N
     shard = np.full(count, -1, dtype=np.int64)
     row = np.full(count, -1, dtype=np.int64)
     seen: dict[int, set[int]] = {}
+    states: dict[int, int] = {}
     for h in headers:
         if (h.cp, h.pos0, h.count) != (h0.cp, h0.pos0, h0.count) or not np.array_equal(h.path, h0.path):
             return None
@@ -316,6 +347,7 @@ def _assemble(entry: str, headers: list[EntryHeader], tp: int) -> FoundEntry | N
         seen.setdefault(h.shard, set()).add(h.tp_rank)
         if h.tp_rank:
             continue
+        states.update((int(p), h.shard) for p in h.states if h.pos0 < p <= h.pos0 + count)
         idx = h.positions - h.pos0
         if len(idx) and (idx.min() < 0 or idx.max() >= count or (shard[idx] >= 0).any()):
             return None
@@ -324,7 +356,7 @@ def _assemble(entry: str, headers: list[EntryHeader], tp: int) -> FoundEntry | N
     if (shard < 0).any() or any(ranks != set(range(tp)) for ranks in seen.values()):
         return None
     return FoundEntry(entry, h0.cp, h0.pos0, h0.path, shard, row, tuple(sorted(seen)),
-                      sum(h.nbytes for h in headers), 0.0)
+                      sum(h.nbytes for h in headers), 0.0, states)
 
 
 def _unlink(path: Path, remove: bool) -> None:

@@ -114,6 +114,7 @@ class Node:
         self.unverified = 0  # trailing drafted tokens of a private leaf awaiting verification: never matched
         self.snapshots: dict[int, int] = {}  # hybrid models: position -> state slot of the state after the tokens
         # before that position (state_store.py); a match is usable up to the last snapshot inside it
+        self.state_host: dict[int, int] = {}  # ... and position -> host state slot of its copies in the host tier
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -261,6 +262,14 @@ class KVManager:
         self._unpin(seq)
         seq.state_in = seq.state_out
 
+    def drop_live_state(self, seq: SeqKV) -> None:
+        """seq's tokens come from elsewhere without their recurrent state (P/D): its live slot goes back, so that
+        releasing it leaves no snapshot at its end."""
+        if self.states is not None and seq.state_out >= 0:
+            self._unpin(seq)
+            self.states.free(seq.state_out)
+            seq.state_out = seq.state_in = -1
+
     def _unpin(self, seq: SeqKV) -> None:
         slot = seq.state_in
         if slot >= 0 and slot != seq.state_out and slot in self._state_pins:
@@ -324,9 +333,8 @@ class KVManager:
         """Start a request: reuse the longest cached prefix of tokens[:-1], lock its path, open a private leaf."""
         limit = len(tokens) - 1 if (use_cache and self.enable_prefix_caching) else 0
         node, inside, matched = self.match(tokens, limit)
-        snapshot = -1
         if self.states is not None:  # a state exists only where a snapshot was kept: match up to the last one
-            cut, snapshot = self._last_snapshot(node, matched)
+            cut = self._last_snapshot(node, matched)
             if cut < matched:
                 node, inside, matched = self.match(tokens, cut)
         if node is not self.root and (inside < len(node) or node.owner is not None):
@@ -339,6 +347,13 @@ class KVManager:
         path.reverse()
         restored = [p for p in path if not p.on_device]
         usable, hits = self._restore(path)  # segments below the device come back into free slots
+        state_in = -1
+        if self.states is not None and usable == len(path) and matched:  # the snapshot it continues from
+            state_in = self._state_at(node, matched)
+        if self.states is not None and usable and (usable < len(path) or state_in is None):  # the snapshot lies
+            for p in path[:usable]:  # past the usable part, or has no copy left: nothing of the match is usable
+                p.ref -= 1  # (the restored segments stay cached)
+            hits, usable, state_in = dict.fromkeys(TIERS, 0), 0, -1
         if usable < len(path):  # no room to restore all of it: the rest is recomputed
             path = path[:usable]
             node = path[-1] if path else self.root
@@ -364,22 +379,37 @@ class KVManager:
         if hole is not None:
             seq.fill_until, seq.fill_hole = matched + len(hole), hole.id
         if self.states is not None:
-            seq.state_in, seq.state_out = (snapshot if matched else -1), self._state_slot()
+            seq.state_in, seq.state_out = state_in, self._state_slot()
             if seq.state_in >= 0:  # read by its first forward: not evicted before
                 self._state_pins[seq.state_in] = self._state_pins.get(seq.state_in, 0) + 1
         return seq
 
-    def _last_snapshot(self, node: Node, matched: int) -> tuple[int, int]:
-        """(position, slot) of the last state snapshot at or before `matched` on the path ending in node ((0, -1):
-        none, the match is unusable for the recurrent layers)."""
+    def _last_snapshot(self, node: Node, matched: int) -> int:
+        """The position of the last state snapshot at or before `matched` on the path ending in node, on the device
+        or in a lower tier (0: none, the match is unusable for the recurrent layers)."""
         p = node
         while p is not None and p is not self.root:
-            inside = [pos for pos in p.snapshots if pos <= matched]
+            held = list(p.snapshots) + (self.tiers.state_positions(p) if self.tiers is not None else [])
+            inside = [pos for pos in held if pos <= matched]
             if inside:
-                pos = max(inside)
-                return pos, p.snapshots[pos]
+                return max(inside)
             p = p.parent
-        return 0, -1
+        return 0
+
+    def _state_at(self, node: Node, pos: int) -> int | None:
+        """The device state slot of node's snapshot at pos (its last position), restored from a lower tier into a
+        new slot when only a copy there holds it; None when no copy is left (restoring the path's K/V made room by
+        letting it go)."""
+        slot = node.snapshots.get(pos)
+        if slot is not None:
+            return slot
+        slot = self._state_slot()
+        if self.tiers is None or self.tiers.restore_state(node, pos, slot) is None:
+            self.states.free(slot)
+            return None
+        node.snapshots[pos] = slot
+        self._state_fresh.add(slot)
+        return slot
 
     def _state_slot(self) -> int:
         """A free state slot, evicting the least recently used snapshot if needed (unreferenced segments' first;
@@ -826,8 +856,6 @@ class KVManager:
             p.last_access = now
             path.append(p)
             p = p.parent
-        if keep and self.tiers is not None:
-            self.tiers.write_through(path[::-1])
         if self.states is not None:
             self._unpin(seq)
         if self.states is not None and seq.state_out >= 0:  # the live state: a snapshot at its end, or freed
@@ -839,6 +867,8 @@ class KVManager:
             else:
                 self.states.free(seq.state_out)
             seq.state_out = seq.state_in = -1
+        if keep and self.tiers is not None:  # (the snapshot at its end is written with its leaf)
+            self.tiers.write_through(path[::-1])
         if not keep or len(leaf) == 0:
             if not leaf.children:
                 self._free_node(leaf)
@@ -885,6 +915,20 @@ class KVManager:
             elif node.disk is not None:
                 self.tiers.drop_entry(node.disk.entry)  # every segment it holds loses that copy
             self._lost(node)
+
+    def discard_state(self, failed: dict[tuple[int, int], str]) -> None:
+        """Recurrent-state snapshots whose restore failed ((node id, position) → the tier it was read from; no
+        request holds them any more): the device slot given to each is freed and the bad copy dropped. Its K/V
+        stay; a later match stops at an earlier snapshot (or none: a cache miss, recomputed)."""
+        for (nid, pos), tier in failed.items():
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            slot = node.snapshots.pop(pos, None)
+            if slot is not None:
+                self.states.free(slot)
+                self._state_fresh.discard(slot)
+            self.tiers.drop_state(node, pos, tier)
 
     def adopt(self, entry: DiskEntry, path: np.ndarray, pos0: int, ranks: np.ndarray, shard: np.ndarray,
               row: np.ndarray, last_access: float) -> bool:

@@ -45,6 +45,8 @@ class SaveEntry:
     pos0: int  # the segment's first position
     count: int  # tokens of the segment over every rank
     path: np.ndarray  # [pos0 + count] token ids from the root through the segment's end
+    states: tuple = ()  # hybrid models: (position, "device" | "host", state slot) of each recurrent-state snapshot of
+    # the segment, written into this rank's file (the entry's first shard carries them; every rank has a replica)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +79,50 @@ class ForgetEntry:
     shard: int
 
 
-CacheOp = ToHost | FromHost | SaveEntry | LoadEntry | DeleteEntry | ForgetEntry
+@dataclasses.dataclass(frozen=True)
+class StateToHost:
+    """Hybrid models: copy a state slot (every recurrent layer's state and conv tail) to a host state slot. Every
+    rank applies it to its own replica (`rank` -1)."""
+
+    slot: int
+    host_slot: int
+    rank: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFromHost:
+    """Restore a state snapshot from a host state slot into a device state slot, on every rank."""
+
+    node: int  # the segment whose snapshot it is (named in a failure)
+    pos: int  # the position it describes (the state after the tokens before it)
+    host_slot: int
+    slot: int
+    rank: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadState:
+    """Restore a state snapshot from a disk entry's file into a device state slot: CP rank `root` reads it (from its
+    writer's memory while the file is being written, else the file) and broadcasts it to the others."""
+
+    node: int
+    pos: int
+    entry: str
+    shard: int  # the file (CP shard of the writing layout) holding it
+    root: int  # the CP rank that reads it
+    slot: int
+    rank: int = -1
+
+
+STATE_RESTORES = (StateFromHost, LoadState)
+CacheOp = ToHost | FromHost | SaveEntry | LoadEntry | DeleteEntry | ForgetEntry | StateToHost | StateFromHost | LoadState
 
 
 @dataclasses.dataclass(frozen=True)
 class TierEvent:
     """What a rank reports about the tiers: kind "saved" (entry, shard, ok, error, errno, nbytes), "deleted" (entry,
-    shard, ok, error), "restored" (tier, nbytes, seconds) or "load_failed" (node, tier, error)."""
+    shard, ok, error), "restored" (tier, nbytes, seconds), "load_failed" (node, tier, error) or "state_failed"
+    (node, tier, pos, error: a recurrent-state snapshot could not be restored)."""
 
     kind: str
     rank: int
@@ -96,3 +135,4 @@ class TierEvent:
     tier: str = ""
     seconds: float = 0.0
     node: int = -1
+    pos: int = -1

@@ -1,6 +1,8 @@
 """The rank side of the KV tiers: this rank's host pool (pinned memory on CUDA, a separate bounded pool on CPU), a
 writer thread that writes disk entries off the forward's path, and `apply` of the cache operations the driver's
-KV manager puts in each batch (tiers.py decides; a rank copies its own shard only).
+KV manager puts in each batch (tiers.py decides; a rank copies its own shard only). Hybrid models: every rank
+also keeps host copies of the recurrent-state snapshots (replicas, as on the device); a disk entry's first shard
+file carries them, and a restore from disk is read by one rank and broadcast over the CP group.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
-                                  ToHost)
-from cpinfer.engine.kv.disk_files import CorruptEntry, EntryHeader, Layout, file_name, read_rows, write_entry
+from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, LoadState, SaveEntry,
+                                  StateFromHost, StateToHost, TierEvent, ToHost)
+from cpinfer.engine.kv.disk_files import (CorruptEntry, EntryHeader, Layout, file_name, read_rows, read_states,
+                                          state_key, write_entry)
+from cpinfer.engine.kv.state_store import StateStore
 from cpinfer.utils import get_logger
 
 log = get_logger()
@@ -35,6 +39,7 @@ class DiskWriter:
         self.max_pending = max_pending_bytes
         self.delay_s = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
         self._rows: dict[tuple[str, int], torch.Tensor] = {}  # (entry, shard) → kv [M, 2, L, Hkv, D]
+        self._states: dict[tuple[str, int], dict] = {}  # (entry, shard) → its recurrent-state tensors (hybrids)
         self._waiting = 0  # bytes submitted and not yet written
         self._cv = threading.Condition()
         self._events: list[TierEvent] = []
@@ -42,13 +47,16 @@ class DiskWriter:
         self._thread = threading.Thread(target=self._run, name="cpinfer-kv-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, header: EntryHeader, kv: torch.Tensor, rank: int, ready: torch.cuda.Event | None) -> None:
-        nbytes = kv.numel() * kv.element_size()
+    def submit(self, header: EntryHeader, kv: torch.Tensor, rank: int, ready: torch.cuda.Event | None,
+               states: dict | None = None) -> None:
+        nbytes = kv.numel() * kv.element_size() + sum(t.numel() * t.element_size() for t in (states or {}).values())
         with self._cv:
             self._cv.wait_for(lambda: self._waiting == 0 or self._waiting + nbytes <= self.max_pending)
             self._rows[(header.entry, header.shard)] = kv
+            if states:
+                self._states[(header.entry, header.shard)] = states
             self._waiting += nbytes
-        self._queue.put(("save", header, kv, rank, ready, nbytes))
+        self._queue.put(("save", header, kv, rank, ready, nbytes, states))
 
     def hold(self, entry: str, shard: int, kv: torch.Tensor) -> None:
         """Keep rows readable from memory without writing them (another TP rank writes the same rows) until
@@ -62,6 +70,12 @@ class DiskWriter:
     def forget(self, entry: str, shard: int) -> None:
         with self._cv:
             self._rows.pop((entry, shard), None)
+            self._states.pop((entry, shard), None)
+
+    def states(self, entry: str, shard: int) -> dict | None:
+        """The recurrent-state tensors of a shard file still being written (or failed), else None."""
+        with self._cv:
+            return self._states.get((entry, shard))
 
     def rows(self, entry: str, shard: int, rows: np.ndarray) -> torch.Tensor | None:
         """[K, 2, L, Hkv, D] from memory when that shard is still being written (or failed), else None."""
@@ -95,12 +109,12 @@ class DiskWriter:
             finally:
                 self._queue.task_done()
 
-    def _save(self, header: EntryHeader, kv: torch.Tensor, rank: int, ready, nbytes: int) -> None:
+    def _save(self, header: EntryHeader, kv: torch.Tensor, rank: int, ready, nbytes: int, states=None) -> None:
         key = (header.entry, header.shard)
         try:
             if ready is not None:
                 ready.synchronize()  # the device → host copy of the rows has landed
-            written = write_entry(self.directory, header, kv, self.delay_s)
+            written = write_entry(self.directory, header, kv, self.delay_s, states)
             event = TierEvent("saved", rank, header.entry, header.shard, nbytes=written)
             keep = False
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which drops the entry
@@ -111,12 +125,14 @@ class DiskWriter:
             self._waiting -= nbytes
             if not keep and self._rows.get(key) is kv:
                 del self._rows[key]
+                self._states.pop(key, None)
             self._events.append(event)
             self._cv.notify_all()
 
     def _delete(self, entry: str, shard: int) -> None:
         with self._cv:
             self._rows.pop((entry, shard), None)
+            self._states.pop((entry, shard), None)
         event = delete_file(self.directory, entry, shard, self.tp_rank)
         with self._cv:
             self._events.append(event)
@@ -160,8 +176,14 @@ class RankTiers:
 
     def __init__(self, store, cp_rank: int, tp_rank: int, host_slots: int, disk_dir: str | None, writable: bool,
                  layout: Layout | None, cp: int, device: torch.device, max_pending_bytes: int = 2 << 30,
-                 shared: SharedRows | None = None):
+                 shared: SharedRows | None = None, states: StateStore | None = None, host_state_slots: int = 0,
+                 cp_group=None):
+        """states / host_state_slots / cp_group (hybrid models): the rank's state slots, the host state snapshots it
+        keeps, and the CP group a state read from disk is broadcast over."""
         self.store, self.cp_rank, self.tp_rank, self.cp = store, cp_rank, tp_rank, cp
+        self.states, self.cp_group = states, cp_group
+        self.host_states = StateStore(states.layers, states.dtype, torch.device("cpu"), host_state_slots) \
+            if states is not None and host_slots and host_state_slots else None
         self.layout, self.device, self.shared = layout, device, shared
         k, v = store.k, store.v
         self.parts = _parts(store)  # K/V tensors a token's rows are kept as: (k, v), or (k,) when v is in k (MLA)
@@ -188,6 +210,9 @@ class RankTiers:
         """Run this rank's operations in order (a failed disk read is reported as a "load_failed" event)."""
         timings: dict[str, list[float]] = {}
         for op in ops:
+            if isinstance(op, (StateToHost, StateFromHost, LoadState)):  # every rank: its replica
+                self._state_op(op)
+                continue
             if op.rank != self.cp_rank:
                 continue
             if isinstance(op, ToHost):
@@ -217,6 +242,62 @@ class RankTiers:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    # ------------------------------------------------------------------ recurrent states (hybrid models)
+    def _state_op(self, op) -> None:
+        if isinstance(op, StateToHost):
+            self.states.ensure(op.slot + 1)
+            _copy_state(self.states, op.slot, self.host_states, op.host_slot)
+            return
+        tier = "host" if isinstance(op, StateFromHost) else "disk"
+        try:
+            self.states.ensure(op.slot + 1)
+            if tier == "host":
+                _copy_state(self.host_states, op.host_slot, self.states, op.slot)
+            else:
+                self._load_state(op)
+        except Exception as exc:  # noqa: BLE001 - a missing, damaged or mismatched state: a cache miss
+            self._events.append(TierEvent("state_failed", self.cp_rank, node=op.node, tier=tier, pos=op.pos,
+                                          error=f"{type(exc).__name__}: {exc}"))
+
+    def _load_state(self, op: LoadState) -> None:
+        """Rank `root` reads the snapshot (checked against this model's state shapes) and broadcasts it: first
+        whether it could, then each layer's state and tail. Every rank raises when it could not."""
+        error, tensors = None, None
+        if self.cp_rank == op.root:
+            try:
+                tensors = self.writer.states(op.entry, op.shard) if self.writer is not None else None
+                if tensors is None:
+                    tensors = read_states(self.directory / file_name(op.entry, op.shard, 0), op.pos)
+                tensors = _fit_states(self.states, tensors, op.pos)
+            except Exception as exc:  # noqa: BLE001 - raised after telling the others
+                error = exc
+        if self.cp > 1:
+            ok = torch.tensor([int(error is None)], dtype=torch.int64, device=self.device)
+            dist.broadcast(ok, group=self.cp_group, group_src=op.root)
+            if not ok.item() and error is None:
+                raise CorruptEntry(f"CP rank {op.root} could not read the state snapshot")
+        if error is not None:
+            raise error
+        for layer in sorted(self.states.layers):
+            for part, table in (("state", self.states.states), ("tail", self.states.tails)):
+                t = tensors[state_key(op.pos, layer, part)].to(self.device) if tensors is not None else \
+                    torch.empty_like(table[layer][op.slot])
+                if self.cp > 1:
+                    dist.broadcast(t, group=self.cp_group, group_src=op.root)
+                table[layer][op.slot].copy_(t)
+
+    def _gather_states(self, op: SaveEntry) -> dict | None:
+        """The snapshots a save carries, copied now (the slots may be reused next): `state_key` -> CPU tensor."""
+        if not op.states:
+            return None
+        out = {}
+        for pos, source, slot in op.states:
+            store = self.states if source == "device" else self.host_states
+            for layer in store.layers:
+                out[state_key(pos, layer, "state")] = store.states[layer][slot].cpu().clone()
+                out[state_key(pos, layer, "tail")] = store.tails[layer][slot].cpu().clone()
+        return out
 
     # ------------------------------------------------------------------ operations
     def _timed(self, timings: dict, tier: str, fn, *args) -> None:
@@ -309,9 +390,10 @@ class RankTiers:
                 ready.synchronize()
             self.writer.hold(op.entry, self.cp_rank, kv)
             return
+        states = self._gather_states(op)
         header = EntryHeader(self.layout, op.entry, self.cp_rank, self.cp, self.tp_rank, op.pos0, op.count,
-                             op.path, op.positions, 0)
-        self.writer.submit(header, kv, self.cp_rank, ready)
+                             op.path, op.positions, 0, tuple(p for p, _, _ in op.states))
+        self.writer.submit(header, kv, self.cp_rank, ready, states)
 
     def _load(self, op: LoadEntry) -> int:
         parts = []
@@ -336,3 +418,24 @@ class RankTiers:
             self.writer.delete(op.entry, op.shard)
         elif self.directory is not None:
             self._events.append(delete_file(self.directory, op.entry, op.shard, self.tp_rank))
+
+
+def _copy_state(src: StateStore, src_slot: int, dst: StateStore, dst_slot: int) -> None:
+    """One slot's every recurrent layer (state and conv tail) from one store to another."""
+    for layer in src.layers:
+        dst.states[layer][dst_slot].copy_(src.states[layer][src_slot])
+        dst.tails[layer][dst_slot].copy_(src.tails[layer][src_slot])
+
+
+def _fit_states(store: StateStore, tensors: dict, pos: int) -> dict:
+    """The snapshot's tensors in this store's dtypes, or CorruptEntry naming the first that does not fit."""
+    out = {}
+    for layer in store.layers:
+        for part, table in (("state", store.states), ("tail", store.tails)):
+            key = state_key(pos, layer, part)
+            t, want = tensors.get(key), table[layer].shape[1:]
+            if t is None or tuple(t.shape) != tuple(want):
+                raise CorruptEntry(f"state snapshot {key}: {None if t is None else tuple(t.shape)}, this model "
+                                   f"keeps {tuple(want)}")
+            out[key] = t.to(table[layer].dtype)
+    return out

@@ -4,6 +4,10 @@ segment's shards between tiers (the ranks apply them, tier_store.py; the KV mana
 
 A segment (`Node`) is on the device when `on_device`; `host` gives each token's host-pool slot on its rank; `disk`
 each token's (shard file, row) in one disk entry. Copies are inclusive: a restored segment keeps its lower copies.
+
+Hybrid models: a segment's recurrent-state snapshots (`Node.snapshots`, device state slots) go down with its K/V: to
+host state slots (`Node.state_host`; every rank keeps a replica, as on the device) and into the disk entry (the
+file of its first shard; `DiskEntry.states`), and a match restores the one snapshot it continues from (`restore_state`).
 """
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, SaveEntry, TierEvent,
-                                  ToHost)
+from cpinfer.engine.kv.ops import (CacheOp, DeleteEntry, ForgetEntry, FromHost, LoadEntry, LoadState, SaveEntry,
+                                  StateFromHost, StateToHost, TierEvent, ToHost)
 from cpinfer.engine.kv.disk_files import TIER_ERRNOS, Layout, entry_name
 from cpinfer.utils import get_logger
 
@@ -38,6 +42,8 @@ class TierConfig:
     disk_token_bytes: int = 0  # one token in a disk entry, when not token_bytes (MLA: its latent once, not per TP rank)
     host_token_bytes: int = 0  # one token in the host pool, when not token_bytes (MLA: TP rank 0's copy alone)
     writable: bool = True  # False: a read-only directory (its entries are read, nothing is written or deleted)
+    host_state_slots: int = 0  # hybrid models: recurrent-state snapshots the host tier holds (replicated per rank)
+    state_bytes: int = 0  # ... and one snapshot's bytes (counted in a disk entry that carries it)
 
     def __post_init__(self):
         if self.host_slots < 0 or self.token_bytes < 1 or self.tp < 1:
@@ -85,6 +91,7 @@ class DiskEntry:
     last_access: float
     nodes: dict = dataclasses.field(default_factory=dict)  # node id → Node whose tokens are rows of it
     unacked: int = 0  # files whose write has not been confirmed yet
+    states: dict = dataclasses.field(default_factory=dict)  # hybrid models: snapshot position → shard file holding it
 
 
 @dataclasses.dataclass
@@ -122,6 +129,9 @@ class Tiers:
         self.config, self.n = config, n
         self.host = HostPool(n, config.host_slots) if config.host_slots else None
         self.host_nodes: dict[int, object] = {}  # node id → Node with a host copy
+        # hybrid models: free host state slots (a stack), when the host tier keeps recurrent-state snapshots
+        self.host_states = list(range(config.host_state_slots - 1, -1, -1)) if self.host is not None else []
+        self.state_nodes: dict[int, object] = {}  # node id → Node with host state snapshots
         self.entries: dict[str, DiskEntry] = {}
         self.disk_used = 0
         self.disk_on = config.disk_dir is not None
@@ -158,6 +168,32 @@ class Tiers:
             self.ops.append(ToHost(r, slots[idx].copy(), hs[idx].copy()))
         node.host = hs
         self.host_nodes[node.id] = node
+        for pos, slot in sorted(node.snapshots.items()):  # its recurrent states (hybrid models) go with it
+            if pos not in node.state_host:
+                hslot = self._host_state_slot(node)
+                if hslot is None:
+                    break
+                self.ops.append(StateToHost(slot, hslot))
+                node.state_host[pos] = hslot
+                self.state_nodes[node.id] = node
+
+    def _host_state_slot(self, keep) -> int | None:
+        """A free host state slot, dropping the least recently used other unlocked segment's host states if needed."""
+        while not self.host_states:
+            victims = [nd for nd in self.state_nodes.values() if nd is not keep and nd.ref == 0]
+            if not victims:
+                return None
+            self.forget_host_states(min(victims, key=_lru_key))
+        return self.host_states.pop()
+
+    def forget_host_states(self, node, pos: int | None = None) -> None:
+        """Drop node's host state snapshots (only the one at `pos` when given); its K/V copies stay."""
+        for p in [pos] if pos is not None else list(node.state_host):
+            hslot = node.state_host.pop(p, None)
+            if hslot is not None:
+                self.host_states.append(hslot)
+        if not node.state_host:
+            self.state_nodes.pop(node.id, None)
 
     def _host_room(self, need: np.ndarray, keep) -> bool:
         """Evict host copies, least recently used first, until every rank has `need` free host slots."""
@@ -176,6 +212,7 @@ class Tiers:
         hs = node.host
         if not node.on_device and node.disk is None:
             self.save(node, "host")  # reads the host rows now, before a later operation can reuse them
+        self.forget_host_states(node)
         node.host = None
         del self.host_nodes[node.id]
         for r in range(self.n):
@@ -188,6 +225,7 @@ class Tiers:
 
     def forget_host(self, node) -> None:
         """Drop node's host copy without moving it anywhere (it failed to restore)."""
+        self.forget_host_states(node)
         for r in range(self.n):
             mine = node.host[node.rank.view == r]
             if len(mine):
@@ -202,7 +240,9 @@ class Tiers:
         c = self.config
         if not self.can_write or not len(node):
             return False
-        nbytes = len(node) * (c.disk_token_bytes or c.token_bytes)
+        states = {pos: ("device", slot) for pos, slot in node.snapshots.items()}  # hybrid models: its snapshots
+        states.update({pos: ("host", hs) for pos, hs in node.state_host.items() if pos not in states})
+        nbytes = len(node) * (c.disk_token_bytes or c.token_bytes) + len(states) * c.state_bytes
         if nbytes > c.disk_bytes or not self._disk_room(nbytes, node):
             return False
         path = path_tokens(node)
@@ -218,8 +258,10 @@ class Tiers:
         for r in shards:
             idx = np.flatnonzero(ranks == r)
             rows[idx] = np.arange(len(idx))
+            carried = tuple((pos, *states[pos]) for pos in sorted(states)) if r == shards[0] else ()
             self.ops.append(SaveEntry(r, name, source, slots[idx].copy(), positions[idx], node.pos0, len(node),
-                                      path))
+                                      path, carried))
+        entry.states = dict.fromkeys(states, shards[0])
         node.disk = DiskRef(entry, ranks.copy(), rows)
         entry.nodes[node.id] = node
         self.entries[name] = entry
@@ -309,9 +351,47 @@ class Tiers:
         st.restored_tokens += len(node)
         return tier
 
+    def state_positions(self, node) -> list[int]:
+        """Positions of node's recurrent-state snapshots held below the device (host or its disk entry)."""
+        out = list(node.state_host)
+        if node.disk is not None:
+            end = node.pos0 + len(node)
+            out += [p for p in node.disk.entry.states if node.pos0 < p <= end]
+        return out
+
+    def restore_state(self, node, pos: int, slot: int) -> str | None:
+        """Copy node's snapshot at pos into device state slot `slot`, from its host copy, else its disk entry.
+        Returns the tier (None: no copy below the device)."""
+        if pos in node.state_host:
+            self.ops.append(StateFromHost(node.id, pos, node.state_host[pos], slot))
+            return "host"
+        entry = node.disk.entry if node.disk is not None else None
+        if entry is None or pos not in entry.states:
+            return None
+        shard = entry.states[pos]
+        root = shard if entry.cp == self.n else 0  # its writer (the rows may still be in its memory), else rank 0
+        self.ops.append(LoadState(node.id, pos, entry.name, shard, root, slot))
+        entry.last_access = time.monotonic()
+        return "disk"
+
+    def drop_state(self, node, pos: int, tier: str) -> None:
+        """node's snapshot at pos failed to restore from `tier`: that copy is dropped (its K/V copies stay)."""
+        if tier == "host":
+            self.forget_host_states(node, pos)
+        elif node.disk is not None:
+            node.disk.entry.states.pop(pos, None)
+
     # ------------------------------------------------------------------ tree changes
     def split(self, head, node, m: int) -> None:
         """node's first m tokens became `head` (a new parent segment): cut its lower copies the same way."""
+        end = node.pos0 + m
+        head.state_host = {p: hs for p, hs in node.state_host.items() if p <= end}
+        node.state_host = {p: hs for p, hs in node.state_host.items() if p > end}
+        for nd in (head, node):
+            if nd.state_host:
+                self.state_nodes[nd.id] = nd
+            else:
+                self.state_nodes.pop(nd.id, None)
         if node.host is not None:
             head.host, node.host = node.host[:m], node.host[m:]
             self.host_nodes[head.id] = head
@@ -323,6 +403,7 @@ class Tiers:
         """node leaves the tree: free its host slots; an entry no segment uses any more is deleted."""
         if node.host is not None:
             self.forget_host(node)
+        self.forget_host_states(node)
         if node.disk is not None:
             entry = node.disk.entry
             entry.nodes.pop(node.id, None)
@@ -450,8 +531,13 @@ class Tiers:
                 flat = np.concatenate(used[r]) if used[r] else np.zeros(0, dtype=np.int64)
                 assert len(np.unique(flat)) == len(flat), "a host slot holds two tokens"
                 assert len(flat) + self.host.num_free(r) == self.host.capacity, "host slots leaked"
+        held = [hs for nd in self.state_nodes.values() for hs in nd.state_host.values()]
+        assert len(set(held)) == len(held), "a host state slot holds two snapshots"
+        assert all(nid in nodes for nid in self.state_nodes), "host states of a segment no longer in the tree"
+        assert len(held) + len(self.host_states) == self.config.host_state_slots * (self.host is not None)
         for nd in nodes.values():
             assert (nd.host is not None) == (nd.id in self.host_nodes)
+            assert bool(nd.state_host) == (nd.id in self.state_nodes), f"host states of node {nd.id} unindexed"
             if nd.disk is not None:
                 assert self.entries.get(nd.disk.entry.name) is nd.disk.entry and nd.id in nd.disk.entry.nodes
                 assert len(nd.disk.shard) == len(nd.disk.row) == len(nd)

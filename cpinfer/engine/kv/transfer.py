@@ -13,6 +13,12 @@ call told to `wait` (its group has nothing else to run) blocks until every pendi
 a request runnable only when every rank has reported its transfer in, so nothing is ever computed from rows that
 have not all arrived. gloo's point-to-point works only complete inside `wait()`, so a background thread per
 direction waits on them in order and flags each one done (`_Waiter`).
+
+Hybrid models: a handoff also moves the request's recurrent state (`StateSend` / `StateRecv`: every recurrent
+layer's fp32 state and conv tail, one state slot) from a prefill rank to every rank of the decode group (each keeps
+a replica), posted after the K/V rows sent at the same time (a state a forward completes: after that forward; any other: before
+it, as the slot may be reused by then; receivers post them in the same order) and counted in the transfer like its
+rows.
 """
 from __future__ import annotations
 
@@ -48,6 +54,26 @@ class KVRecv:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateSend:
+    """Send state slot `slot` (hybrid models: every recurrent layer's state and conv tail) to `peer`."""
+
+    tid: int
+    peer: int
+    slot: int
+    in_forward: bool = False  # the forward of this call completes it: posted after that forward
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRecv:
+    """Receive a state slot from `peer` into this rank's slot `slot`."""
+
+    tid: int
+    peer: int
+    slot: int
+    in_forward: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class SlotMirror:
     """Positions of received slots on each CP rank of the group (windowed layers mirror every rank's slots)."""
 
@@ -62,9 +88,11 @@ class TransferOrders:
     recvs: tuple[KVRecv, ...] = ()
     mirrors: tuple[SlotMirror, ...] = ()
     wait: bool = False  # block until every pending receive of this rank is in (the group has nothing else to run)
+    state_sends: tuple[StateSend, ...] = ()
+    state_recvs: tuple[StateRecv, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.sends or self.recvs or self.mirrors or self.wait)
+        return bool(self.sends or self.recvs or self.mirrors or self.wait or self.state_sends or self.state_recvs)
 
 
 def layer_rows(windows, positions: np.ndarray, stored: int | None) -> list[np.ndarray | None]:
@@ -108,6 +136,28 @@ def row_shape(store, num_tokens: int) -> tuple[int, ...]:
 
 def _tag(tid: int, layer: int, num_layers: int) -> int:
     return (tid * num_layers + layer) % _TAG_SPAN
+
+
+def _state_tag(tid: int, part: int) -> int:
+    """A state message's tag (part 0: the states, 1: the conv tails), apart from the K/V messages' tags."""
+    return (_TAG_SPAN // 2 + 2 * tid + part) % _TAG_SPAN
+
+
+def _state_parts(states, slot: int) -> list[torch.Tensor]:
+    """[states of every recurrent layer, flat fp32], [conv tails, flat in the compute dtype] of one slot."""
+    layers = sorted(states.layers)
+    return [torch.cat([states.states[l][slot].reshape(-1) for l in layers]),
+            torch.cat([states.tails[l][slot].reshape(-1) for l in layers])]
+
+
+def _write_state(states, slot: int, parts: list[torch.Tensor]) -> None:
+    states.ensure(slot + 1)
+    for table, flat in zip((states.states, states.tails), parts):
+        at = 0
+        for layer in sorted(states.layers):
+            dst = table[layer][slot]
+            dst.copy_(flat[at:at + dst.numel()].view(dst.shape))
+            at += dst.numel()
 
 
 class _Message:
@@ -155,13 +205,15 @@ class RankTransfers:
         self.left: dict[int, int] = {}  # transfer id → its messages still expected here
         self.got: dict[int, int] = {}  # transfer id → bytes written here
         self.failed: dict[int, str] = {}  # transfer id → why a message of it failed here
+        self.state_parts: dict[tuple[int, int], dict] = {}  # (transfer id, state slot) → its parts in so far
         self._send_wait, self._recv_wait = _Waiter(), _Waiter()
 
     # ---------------------------------------------------------------- sending
     def keeps(self, orders) -> list[list[np.ndarray | None]]:
         """Per send or receive order, per layer, the entries of its tokens that travel (`layer_rows`): worked out
         once per call, not once per layer posted."""
-        return [layer_rows(self.runner.windows, o.positions, o.stored) for o in orders]
+        windows = [self.runner.windows[l] for l in self.runner.config.attention_layers]  # per KV store layer
+        return [layer_rows(windows, o.positions, o.stored) for o in orders]
 
     def post_sends(self, sends, keeps, layers, figures: dict, inside: bool = False) -> None:
         """Copy and post these sends' messages of these layers (one per send and layer that has rows; `keeps`:
@@ -186,10 +238,42 @@ class RankTransfers:
                 per["in_forward"] += inside
                 per["bytes"] += nbytes
 
+    def post_state_sends(self, sends, figures: dict) -> None:
+        """Copy and post these state slots (after the forward that wrote them, when it is this call's)."""
+        states = self.runner.states
+        for s in sends:
+            for part, buf in enumerate(_state_parts(states, s.slot)):
+                buf = buf.cpu() if self.host else buf.clone()
+                m = _Message(dist.isend(buf, s.peer, group=self.ctx.group, tag=_state_tag(s.tid, part)), buf, s.tid,
+                             -1)
+                self._send_wait.put(m)
+                self.sends.append(m)
+                figures["sent_bytes"] = figures.get("sent_bytes", 0) + buf.numel() * buf.element_size()
+
     # ---------------------------------------------------------------- receiving
-    def post_recvs(self, recvs) -> None:
+    def post_state_recvs(self, recvs) -> None:
+        """Post the receives of state slots (one message each for the states and the tails); written by `settle`
+        once both are in."""
+        states = self.runner.states
+        for r in recvs:
+            self.left.setdefault(r.tid, 0)
+            states.ensure(r.slot + 1)
+            like = _state_parts(states, r.slot)
+            for part in range(2):
+                try:
+                    buf = torch.empty_like(like[part], device="cpu" if self.host else self.ctx.device)
+                    work = dist.irecv(buf, r.peer, group=self.ctx.group, tag=_state_tag(r.tid, part))
+                except Exception as exc:  # noqa: BLE001
+                    self.failed[r.tid] = f"{type(exc).__name__}: {exc}"
+                    continue
+                m = _Message(work, buf, r.tid, -1 - part, torch.tensor([r.slot]))
+                self._recv_wait.put(m)
+                self.recvs.append(m)
+                self.left[r.tid] += 1
+
+    def post_recvs(self, recvs, state_recvs=()) -> None:
         """Post the receives of these orders, in the order their senders post them: each run of orders posted
-        before the senders' forwards or inside them, layer by layer."""
+        before the senders' forwards or inside them, layer by layer, then the state slots sent at the same time."""
         runs = []
         for r in recvs:
             self.left.setdefault(r.tid, 0)
@@ -197,8 +281,12 @@ class RankTransfers:
                 runs[-1].append(r)
             else:
                 runs.append([r])
+        states = {flag: [r for r in state_recvs if r.in_forward == flag] for flag in (False, True)}
         for run in runs:
             self._post_run(run)
+            self.post_state_recvs(states.pop(run[0].in_forward, ()))
+        for flag in (False, True):
+            self.post_state_recvs(states.pop(flag, ()))
 
     def _post_run(self, recvs) -> None:
         store, n_layers = self.store, self.store.k.shape[0]
@@ -220,6 +308,19 @@ class RankTransfers:
                 self.recvs.append(m)
                 self.left[r.tid] += 1
 
+    def _state_in(self, m: _Message) -> None:
+        """A state message is in: held until its other part is, then the slot is written."""
+        key = (m.tid, int(m.slots[0]))
+        parts = self.state_parts.setdefault(key, {})
+        parts[-1 - m.layer] = m.buf
+        self.got[m.tid] = self.got.get(m.tid, 0) + m.buf.numel() * m.buf.element_size()
+        if len(parts) == 2:
+            del self.state_parts[key]
+            try:
+                _write_state(self.runner.states, key[1], [parts[0].to(self.ctx.device), parts[1].to(self.ctx.device)])
+            except Exception as exc:  # noqa: BLE001 - the state is not here: the transfer fails
+                self.failed[m.tid] = f"{type(exc).__name__}: {exc}"
+
     def settle(self, wait: bool) -> tuple[dict, dict]:
         """Write the receives that are in (all of them first when `wait`); returns ({transfer id: bytes} of the
         transfers whose every message here is in, {transfer id: why} of those that failed here and have no message
@@ -234,6 +335,8 @@ class RankTransfers:
             self.left[m.tid] -= 1
             if m.error is not None:
                 self.failed.setdefault(m.tid, m.error)
+            elif m.tid not in self.failed and m.layer < 0:  # a state slot's part: written once both are in
+                self._state_in(m)
             elif m.tid not in self.failed:  # rows of a transfer that failed here are never written
                 try:
                     _write_rows(self.store, m.layer, m.slots, m.buf.to(self.ctx.device))
@@ -260,7 +363,8 @@ def apply_orders(ctx, runner, orders: TransferOrders) -> dict:
     early = [s for s in orders.sends if not s.in_forward]
     if early:
         rt.post_sends(early, rt.keeps(early), range(runner.store.k.shape[0]), figures)
-    rt.post_recvs(orders.recvs)
+    rt.post_state_sends([s for s in orders.state_sends if not s.in_forward], figures)
+    rt.post_recvs(orders.recvs, orders.state_recvs)
     if runner.slot_positions is not None:
         for m in orders.mirrors:
             runner.slot_positions.pos[m.ranks, m.slots] = m.positions

@@ -197,6 +197,10 @@ class Handoffs:
             tid = self.transfers.queue(PREFILL, i, plan, req, "handoff", stored=stored, in_forward=early)
             if self.windows.tracks(i):  # windowed layers get the rows at positions >= stored - window only
                 self.windows.sent(i, plan, stored)
+            if dseq.state_out >= 0:  # hybrid models: the state after the prompt (its live slot on the prefill
+                # group, final once the forward completing it is done) goes to its live slot there, read first
+                self.transfers.queue_state(tid, PREFILL, i, req.kv.state_out, dseq.state_out, early)
+                g.kv.consume_state_in(dseq)
         pd = req.metrics.setdefault("pd", {})
         pd.update(decode_group=i - 1, transfer_tokens=stored - m, transfer_bytes=0, transfer_s=0.0,
                   decode_cached_tokens=m, t_placed=time.perf_counter(), placed_early=early)
@@ -288,7 +292,13 @@ class Handoffs:
         plan = plan_transfer(np.arange(m, stored), src_r[m:], src_s[m:], placement.ranks, placement.slots)
         # in the tree now (received at the start of the prefill's next call, before its forward reads them), held
         # until then so that nothing evicts or writes its slots first
-        self.transfers.queue(i, PREFILL, plan, req, "move_back", hold=pseq)
+        tid = self.transfers.queue(i, PREFILL, plan, req, "move_back", hold=pseq)
+        if pseq.state_out >= 0:  # hybrid models: the state after the answer (the decode's live slot) comes too,
+            # the snapshot at the history's end; a live slot past it (drafts) has none: no snapshot there
+            if dseq.state_out >= 0 and dseq.num_stored == stored:
+                self.transfers.queue_state(tid, i, PREFILL, dseq.state_out, pseq.state_out, False)
+            else:
+                kv.drop_live_state(pseq)
         req.metrics.setdefault("pd", {})["moved_back_tokens"] = plan.num_tokens
         self.counters["move_backs"] += 1
 

@@ -81,6 +81,7 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
         runner.on_kv_written = None
     if riding:  # a rank idle in the forward, or a path without the per-layer hook: every layer left, now
         rt.post_sends(riding, keeps, [layer for layer in range(layers) if layer not in posted], figures)
+    rt.post_state_sends([s for s in orders.state_sends if s.in_forward], figures)  # final once the forward is done
     t0 = time.perf_counter()
     done, failed = rt.settle(orders.wait)
     figures.update(recv_bytes=done, failed=failed, recv_wait_s=time.perf_counter() - t0, tier_events=events,

@@ -62,6 +62,18 @@ class Transfers:
         self.in_flight[tid] = Transfer(req, kind, dst, ranks, hold=hold)
         return tid
 
+    def queue_state(self, tid: int, src: int, dst: int, src_slot: int, dst_slot: int, in_forward: bool) -> None:
+        """Hybrid models: transfer tid also moves state slot src_slot of group src into slot dst_slot of every rank
+        of group dst (each keeps a replica), sent by the source ranks in turn; every destination rank reports it."""
+        tp = self.pd.tp
+        (s_cp, _, s_off), (d_cp, _, d_off) = self.pd.roles[src], self.pd.roles[dst]
+        for d in range(d_cp):
+            for t in range(tp):
+                s_rank, d_rank = s_off + (d % s_cp) * tp + t, d_off + d * tp + t
+                self._order(src, s_rank, "state_sends").append(T.StateSend(tid, d_rank, src_slot, in_forward))
+                self._order(dst, d_rank, "state_recvs").append(T.StateRecv(tid, s_rank, dst_slot, in_forward))
+                self.in_flight[tid].ranks.add(d_rank)
+
     def _order(self, group: int, rank: int, kind: str) -> list:
         return self.orders.setdefault(group, {}).setdefault(rank, {}).setdefault(kind, [])
 
@@ -80,7 +92,9 @@ class Transfers:
         for r in ranks:
             o = orders.get(r, {})
             per_rank[r] = T.TransferOrders(tuple(o.get("sends", ())), tuple(o.get("recvs", ())),
-                                           tuple(o.get("mirrors", ())), wait=wait)
+                                           tuple(o.get("mirrors", ())), wait=wait,
+                                           state_sends=tuple(o.get("state_sends", ())),
+                                           state_recvs=tuple(o.get("state_recvs", ())))
             send_reqs.update((sd.tid, self.in_flight[sd.tid].req) for sd in per_rank[r].sends
                              if sd.tid in self.in_flight and self.in_flight[sd.tid].kind == "handoff")
         return per_rank, send_reqs
