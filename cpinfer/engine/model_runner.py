@@ -190,6 +190,8 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
+        if self.states is not None:  # hybrid: roll back the last verify runs' rejected drafts, forget their states
+            self.states.apply_picks(batch.state_picks)
         events = self.apply_cache_ops(batch.cache_ops)
         if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
             self.slot_positions.record(batch)

@@ -8,6 +8,12 @@ snapshots: a finished request's live slot kept in the prefix tree at the positio
 request continues (`SeqKV.state_in`). Every CP rank keeps a replica of every slot (`StateStore`): the ranks
 exchange what each needs to advance its replica in every recurrent layer (`engine/recurrent.py`), so no state ever
 moves when the next token lands on another rank.
+
+Speculative decoding: a verify forward runs a sequence's k + 1 tokens [last, d_1 .. d_k] and leaves the state after
+all of them in its live slot; each replica also keeps the states (and tails) after each earlier token of the run
+(`StateStore.keep`). Once the driver knows how many drafts were accepted, the next forward's batch names, per slot
+that kept a rejected tail, how many of its last tokens to drop (`ForwardBatch.state_picks`): the replica copies the
+state after the last kept token into the slot (`apply_picks`) before anything reads it, then forgets the rest.
 """
 from __future__ import annotations
 
@@ -62,6 +68,9 @@ class StateStore:
         self.states: dict[int, Tensor] = {}
         self.tails: dict[int, Tensor] = {}
         self.slots = 0
+        # speculative decoding: slot -> layer -> (states [T-1, H, Dk, Dv], tails [T-1, K-1, C]) after each token of
+        # the last forward's verify run but its last (`keep`, `apply_picks`)
+        self.kept: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}
         for layer, (shape, kernel, channels) in self.layers.items():
             self.states[layer] = torch.zeros((0, *shape), dtype=torch.float32, device=device)
             self.tails[layer] = torch.zeros((0, kernel - 1, channels), dtype=dtype, device=device)
@@ -98,3 +107,25 @@ class StateStore:
     def save(self, layer: int, slot: int, state: Tensor, tail: Tensor) -> None:
         self.states[layer][slot].copy_(state)
         self.tails[layer][slot].copy_(tail)
+
+    def keep(self, layer: int, slot: int, states: Tensor, tails: Tensor) -> None:
+        """A verify run's states [T-1, H, Dk, Dv] and tails [T-1, K-1, C] after each of its tokens but the last
+        (that one is in the slot), until the next forward's `apply_picks`."""
+        self.kept.setdefault(slot, {})[layer] = (states, tails)
+
+    def apply_picks(self, picks) -> None:
+        """picks: (slot, drop) pairs: the slot's verify run kept all but its last `drop` tokens (a rejected draft):
+        the state and tail after the last kept one go into the slot, in every layer. Then every kept state is
+        forgotten (a verify's states serve the forward after it only)."""
+        for slot, drop in picks:
+            kept = self.kept.get(int(slot))
+            if kept is None:
+                raise RuntimeError(f"state slot {slot}: a rollback of {drop} tokens but no verify states were kept "
+                                   "(this is a bug)")
+            for layer, (states, tails) in kept.items():
+                at = states.shape[0] - int(drop)  # states[i]: after token i; the run had states.shape[0] + 1 tokens
+                if not 0 <= at < states.shape[0]:
+                    raise RuntimeError(f"state slot {slot}: cannot drop {drop} of {states.shape[0] + 1} verify "
+                                       "tokens (this is a bug)")
+                self.save(layer, int(slot), states[at], tails[at])
+        self.kept = {}

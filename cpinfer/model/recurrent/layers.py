@@ -3,6 +3,7 @@ interface every recurrent layer of the decoder offers its `RecurrentFn` (`decode
 (`engine/recurrent.py`), the one Gated DeltaNet (`gdn.py`) has:
 
     layer_idx, kernel, conv_channels, state_shape (H, Dk, Dv): what the state cache is sized by; outputs [T, H, Dv]
+    side_shapes, side_fp32: per side input its per-token shape and whether it is fp32 (else the compute dtype)
     project(x) -> (u, side)         side a tuple of per-token tensors (rows are picked by indexing each)
     conv(u, tail) -> (u', tail')    inputs(u', side) -> the recurrence inputs
     run(inputs, state) -> (o, state_out)      summary(inputs) -> affine.Affine(M [H, Dk, Dk], B [H, Dk, Dv])
@@ -42,6 +43,14 @@ class KDALayer(kda.KDAMixer):
     @property
     def state_shape(self) -> tuple[int, int, int]:
         return self.shape.state_shape
+
+    side_fp32 = (True, True, False)  # g and beta are fp32 whatever the compute dtype (the engine ships them so)
+
+    @property
+    def side_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of the side inputs (g, beta, gate): what the engine ships for a short shard."""
+        h, d = self.shape.num_heads, self.shape.head_dim
+        return ((h, d), (h,), (h, d))
 
     def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
         """x [T, hidden] -> (u [T, 3 H Dk], (g [T, H, Dk], beta [T, H], gate [T, H, Dk]))."""
@@ -90,6 +99,13 @@ class Mamba2Layer(mamba2.Mamba2Mixer):
     def state_shape(self) -> tuple[int, int, int]:
         s = self.shape
         return (s.num_heads, s.state_size, s.head_dim)
+
+    side_fp32 = (False, True)  # dt is fp32 whatever the compute dtype
+
+    @property
+    def side_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of the side inputs (z, dt): what the engine ships for a short shard."""
+        return ((self.shape.inner,), (self.shape.num_heads,))
 
     def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x [T, hidden] -> (u [T, H P + 2 G N], (z [T, H P], dt [T, H]))."""
