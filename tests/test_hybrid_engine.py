@@ -76,7 +76,6 @@ def test_a_shared_document_without_a_snapshot_is_recomputed(llama_checkpoint, en
 @pytest.mark.parametrize("kw, feature", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
     ({"kv_host_gib": 0.01}, "KV tiers"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
     ({"pd_decode_cp": 1}, "prefill/decode disaggregation"),
 ])
 def test_unsupported_features_are_refused_before_ranks_start(llama_checkpoint, kw, feature):
