@@ -3,7 +3,8 @@ layer's conv and recurrence for the batch's sequences from their state slots, ex
 
 Per recurrent layer, with N > 1 CP ranks (mixer-agnostic: any mixer with the staged shape of
 `model/recurrent/__init__.py`: `conv`, `inputs`, `run`, `summary`, `kernel`, `conv_channels`, `state_shape`, and
-optionally `side_shapes` / `side_fp32`, the per-token shapes of its side inputs and which are fp32):
+optionally `side_shapes` / `side_fp32`, the per-token shapes of its side inputs and which are fp32, and `map_shape`,
+the shape of its maps' M: (H, Dk, Dk) by default, (H,) for Mamba-2's decay per head):
 
 1. row exchange: the shards (runs of consecutive new tokens of one sequence on one rank; the same list on every
    rank, derived from the batch) publish rows in one all-reduce of a zero-padded buffer. A short shard (one whose
@@ -106,7 +107,8 @@ class RecurrentRunner:
         fp32 = getattr(mixer, "side_fp32", None) or (False,) * len(widths)  # sides kept in fp32 (shipped so)
         side_dtypes = [torch.float32 if f else dtype for f in fp32]
         ship = torch.float32 if any(fp32) else dtype  # the rows' buffer (the compute dtype's rows cast back exactly)
-        m_size, b_size = h * dk * dk, h * dk * dv
+        m_shape = tuple(getattr(mixer, "map_shape", (h, dk, dk)))  # M: a matrix per head, or a decay (Mamba-2)
+        m_size, b_size = int(np.prod(m_shape)), h * dk * dv
         per_row = (c + sum(widths)) * torch.finfo(ship).bits // 8
         layout, n_rows, n_maps = {}, 0, 0  # shard index -> (raw, first row, rows, map index)
         for seq in self.seqs:
@@ -181,7 +183,7 @@ class RecurrentRunner:
                     o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
                         mixer.run(inputs[sh.index], state)[0]
                     out[torch.as_tensor(sh.rows, device=dev)] = o
-                state = Affine.from_tensor(maps[m], (h, dk, dk), (h, dk, dv)).apply(state)
+                state = Affine.from_tensor(maps[m], m_shape, (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
             for slot in (s.state_out, s.state_copy):
                 if slot >= 0:

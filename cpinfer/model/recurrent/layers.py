@@ -6,16 +6,15 @@ interface every recurrent layer of the decoder offers its `RecurrentFn` (`decode
     side_shapes, side_fp32: per side input its per-token shape and whether it is fp32 (else the compute dtype)
     project(x) -> (u, side)         side a tuple of per-token tensors (rows are picked by indexing each)
     conv(u, tail) -> (u', tail')    inputs(u', side) -> the recurrence inputs
-    run(inputs, state) -> (o, state_out)      summary(inputs) -> affine.Affine(M [H, Dk, Dk], B [H, Dk, Dv])
+    run(inputs, state) -> (o, state_out)      summary(inputs) -> affine.Affine(M, B [H, Dk, Dv])
+    map_shape: M's shape, (H, Dk, Dk) (the delta rules: the default) or (H,) (Mamba-2's decay per head)
     output(o, side, x) -> [T, hidden]         forward(x, recurrent) -> [T, hidden]
 
 Mamba-2's state S [H, P, N] is kept transposed here, [H, N, P], so that its outputs [T, H, P] have the state's last
-dimension, and its per-head decay goes out as the matrix decay · I_N (the same map; the runner exchanges matrix
-maps of the state's shape).
+dimension; its map's M is the per-head decay [H] (`map_shape`), so the runner exchanges H numbers for it.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from cpinfer.model.recurrent import kda, mamba2
@@ -120,13 +119,16 @@ class Mamba2Layer(mamba2.Mamba2Mixer):
         y, s = mamba2.run(inp, None if state is None else state.transpose(1, 2), self.shape.chunk_size)
         return y, s.transpose(1, 2).contiguous()
 
+    @property
+    def map_shape(self) -> tuple[int, ...]:
+        """The shape of its maps' M: a decay per head (what the engine exchanges under CP: H numbers, not H N N)."""
+        return (self.shape.num_heads,)
+
     @staticmethod
     def summary(inp: mamba2.Mamba2Inputs) -> Affine:
-        """The run's map on the transposed state: M = decay_h I_N [H, N, N], B [H, N, P]."""
+        """The run's map on the transposed state: M = decay_h [H] (a scalar per head), B [H, N, P]."""
         m, b = mamba2.summary(inp)
-        n = b.shape[-1]
-        eye = torch.eye(n, dtype=torch.float32, device=b.device)
-        return Affine(m[:, None, None] * eye, b.transpose(1, 2).contiguous())
+        return Affine(m, b.transpose(1, 2).contiguous())
 
     def output(self, o: Tensor, side: tuple, x: Tensor) -> Tensor:
         return super().output(o, mamba2.Mamba2Side(*side)).to(x.dtype)
