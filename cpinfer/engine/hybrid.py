@@ -25,8 +25,6 @@ def unsupported(config, args, pd_role: bool = False) -> str | None:
                 "layers yet): use tensor_parallel_size=1 and context_parallel_size for more devices")
     if args.kv_host_gib or args.kv_disk_dir is not None:
         return "KV tiers (kv_host_gib / kv_disk_dir: the recurrent states are not saved with the K/V yet)"
-    if args.static_decode:
-        return "static_decode=True (the static / CUDA-graph decode path does not update recurrent states)"
     if pd_role:
         return "prefill/decode disaggregation (the recurrent states do not travel with the K/V rows yet)"
     return None

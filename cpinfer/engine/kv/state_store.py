@@ -58,8 +58,10 @@ class StateSlots:
 
 
 class StateStore:
-    """One rank's replica of every state slot: per recurrent layer `states[layer]` [slots, H, Dk, Dv] fp32 and
-    `tails[layer]` [slots, K-1, C] in the compute dtype, grown to the highest slot a batch names."""
+    """One rank's replica of every state slot: per recurrent layer `states[layer]` [slots + 2, H, Dk, Dv] fp32 and
+    `tails[layer]` [slots + 2, K-1, C] in the compute dtype, grown to the highest slot a batch names. Two spare rows
+    follow the slots, for the static decode path's padding rows: `zero` (never written: a zero state and tail) and
+    `sink` (written, never read). `version` counts the growths (a captured graph holds the old tensors)."""
 
     def __init__(self, layers: dict[int, tuple[tuple[int, int, int], int, int]], dtype: torch.dtype, device,
                  slots: int = 0):
@@ -68,13 +70,24 @@ class StateStore:
         self.states: dict[int, Tensor] = {}
         self.tails: dict[int, Tensor] = {}
         self.slots = 0
+        self.version = 0
         # speculative decoding: slot -> layer -> (states [T-1, H, Dk, Dv], tails [T-1, K-1, C]) after each token of
         # the last forward's verify run but its last (`keep`, `apply_picks`)
         self.kept: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}
         for layer, (shape, kernel, channels) in self.layers.items():
-            self.states[layer] = torch.zeros((0, *shape), dtype=torch.float32, device=device)
-            self.tails[layer] = torch.zeros((0, kernel - 1, channels), dtype=dtype, device=device)
+            self.states[layer] = torch.zeros((2, *shape), dtype=torch.float32, device=device)
+            self.tails[layer] = torch.zeros((2, kernel - 1, channels), dtype=dtype, device=device)
         self.ensure(slots)
+
+    @property
+    def zero(self) -> int:
+        """The spare row that stays zero (a padding row's state and tail)."""
+        return self.slots
+
+    @property
+    def sink(self) -> int:
+        """The spare row padding rows write (never read)."""
+        return self.slots + 1
 
     @staticmethod
     def bytes_per_slot(layers: dict[int, tuple[tuple[int, int, int], int, int]], dtype: torch.dtype) -> int:
@@ -92,10 +105,11 @@ class StateStore:
         for layer in self.layers:
             for table in (self.states, self.tails):
                 old = table[layer]
-                new = old.new_zeros((slots, *old.shape[1:]))
-                new[:old.shape[0]] = old
+                new = old.new_zeros((slots + 2, *old.shape[1:]))  # the slots, then the spare rows
+                new[:self.slots] = old[:self.slots]
                 table[layer] = new
         self.slots = slots
+        self.version += 1
 
     def load(self, layer: int, slot: int) -> tuple[Tensor | None, Tensor]:
         """(state [H, Dk, Dv] fp32 or None for a zero state, tail [K-1, C]) of a slot; slot -1: a sequence start."""

@@ -1,6 +1,4 @@
-"""The FP8 KV cache and the static decode path on the hybrid families.
-
-FP8 KV: the attention layers' K/V in e4m3 (static scales calibrated on the attention layers alone, or a scale per
+"""The FP8 KV cache on the hybrid families: the attention layers' K/V in e4m3 (static scales calibrated on the attention layers alone, or a scale per
 token), the recurrent states and conv tails in fp32, as tests/test_kv_fp8.py tests the dense families and with its
 tolerances: the engine at CP 2-3 equals the model run alone with each attention layer's K/V rows quantized and
 dequantized (atol 1e-4), and CP 2 / 3 with FP8 KV equal CP 1 with FP8 KV (chunked prefill, decode, turn 2 from the
