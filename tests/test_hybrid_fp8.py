@@ -1,8 +1,9 @@
-"""The FP8 KV cache on the hybrid families: the attention layers' K/V in e4m3 (static scales calibrated on the attention layers alone, or a scale per
-token), the recurrent states and conv tails in fp32, as tests/test_kv_fp8.py tests the dense families and with its
-tolerances: the engine at CP 2-3 equals the model run alone with each attention layer's K/V rows quantized and
-dequantized (atol 1e-4), and CP 2 / 3 with FP8 KV equal CP 1 with FP8 KV (chunked prefill, decode, turn 2 from the
-state snapshot): the same tokens, log-probs within fp32 noise in the median and within the format's own error. One pool of ranks per world size serves the module."""
+"""The FP8 KV cache on the hybrid families: the attention layers' K/V in e4m3 (static scales calibrated on the
+attention layers alone, or a scale per token), the recurrent states and conv tails in fp32, tested as
+tests/test_kv_fp8.py tests the dense families and with its tolerances: the engine at CP 2-3 equals the model run
+alone with each attention layer's K/V rows quantized and dequantized (atol 1e-4), and CP 2 / 3 with FP8 KV equal
+CP 1 with FP8 KV (chunked prefill, decode, turn 2 from the state snapshot): the same tokens, log-probs within fp32
+noise in the median and within the format's own error. One pool of ranks per world size serves the module."""
 import numpy as np
 import pytest
 import torch
