@@ -64,3 +64,52 @@ def test_static_decode_equals_the_dynamic_path(llama_checkpoint, pool, variant, 
     for a, b in zip(dynamic, static, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_static_decode_beside_speculation(llama_checkpoint, pool, cp):
+    """One request speculates (drafts right up to a chosen token: its verify forwards run on the dynamic path, which
+    keeps its per-token states), the others decode on the static path once it is done; the rolled-back state it
+    leaves at its end serves its second turn. The same tokens as without speculation on the dynamic path."""
+    from cpinfer import LLM
+    from pooled_engine import PooledLLM
+    from test_hybrid_spec import OracleProposer
+
+    class OnlyOne(OracleProposer):  # only the second request (of turn 1) speculates
+        def propose(self, reqs, ks):
+            drafts = super().propose(reqs, ks)
+            return [d if tuple(r.prompt) == tuple(prompts[1]) else d[:0] for r, d in zip(reqs, drafts)]
+
+    path = llama_checkpoint("qwen3_5", max_position_embeddings=512)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (30, 21, 12)]
+    greedy = dict(temperature=0.0, logprobs=True, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, **greedy) for n in (4, 12, 6)]
+
+    def run(static, spec, ref=None):
+        kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=8192, max_num_seqs=4, static_decode=static,
+                  placement="shard" if cp > 1 else "auto")
+        if spec:
+            kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3}
+        llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
+        with llm:
+            eng = llm.engine
+            if spec:
+                eng.proposer = OnlyOne(eng.args.speculative_config, eng, ref, eng.config.vocab_size)
+            outs = llm.generate(prompts, params)
+            turn2 = prompts[1] + outs[1].token_ids + [9, 10]
+            outs += llm.generate([turn2], SamplingParams(max_tokens=5, **greedy))
+            assert outs[-1].num_cached_tokens == len(prompts[1]) + 11
+            stats = eng.stats().spec
+            served = eng._pool.run(_static_forwards) if static else [0]
+        return outs, stats, served
+
+    plain, _, _ = run(False, False)
+    ref = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    ref[tuple(prompts[1] + plain[1].token_ids + [9, 10])] = plain[3].token_ids  # (asked, not drafted)
+    outs, stats, served = run(True, True, ref)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    assert max(served) >= 1
+    for a, b in zip(plain, outs, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
