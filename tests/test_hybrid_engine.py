@@ -75,8 +75,6 @@ def test_a_shared_document_without_a_snapshot_is_recomputed(llama_checkpoint, en
 
 @pytest.mark.parametrize("kw, feature", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
 ])
 def test_unsupported_features_are_refused_before_ranks_start(llama_checkpoint, kw, feature):
     path = llama_checkpoint("qwen3_5")

@@ -178,3 +178,19 @@ def test_no_tokens_change_nothing(hf_mixer_and_ours):
     assert y0.shape == (0, cfg.hidden_size)
     torch.testing.assert_close(s0, s, atol=0, rtol=0)
     torch.testing.assert_close(tail0, tail, atol=0, rtol=0)
+
+
+def test_layer_map_is_a_decay_per_head():
+    """The engine's layer (state cached transposed, [H, N, P]) gives maps whose M is the decay per head (`map_shape`
+    (H,)), so CP exchanges H + H N P numbers per shard; the map applied to a state is the run from it."""
+    from cpinfer.model.recurrent.layers import Mamba2Layer
+
+    shape = mamba2.Mamba2Shape(hidden_size=16, num_heads=H, head_dim=P, n_groups=G, state_size=N, dt_min=DT_MIN)
+    layer = Mamba2Layer(shape, 0)
+    assert layer.map_shape == (H,)
+    inp = m2_inputs(*raw_inputs(37, seed=9))
+    s0 = torch.randn(H, N, P, generator=torch.Generator().manual_seed(2))
+    amap = layer.summary(inp)
+    assert amap.M.shape == (H,) and amap.B.shape == (H, N, P) and amap.to_tensor().numel() == H + H * N * P
+    _, s = layer.run(inp, s0)
+    torch.testing.assert_close(amap.apply(s0), s, **TIGHT)

@@ -57,6 +57,9 @@ class ForwardBatch:
     phase: str  # "prefill" | "decode" | "mixed"
     cache_ops: tuple[CacheOp, ...] = ()  # applied in order before the forward
     mla_form: str = "absorbed"  # multi-head latent attention: "absorbed" | "expanded" (`mla_form.py`); others ignore it
+    # hybrid models with speculative decoding: (state slot, tokens to drop) per verify run of the last forward that
+    # kept fewer tokens than it ran; every rank rolls those slots back before anything else (`kv/state_store.py`)
+    state_picks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from cpinfer.cp.ring import ring_steps
 from cpinfer.engine.attention import _merge_runs, first_visible
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.engine.decode_tables import StaticBuffers, bucket_sizes, split_rows, verify_runs
+from cpinfer.engine.static_recurrent import StaticRecurrence, slot_rows
 
 MODES = ("off", "eager", "graph")  # no static path; the static path run eagerly; captured as CUDA graphs
 
@@ -50,10 +51,12 @@ class DecodeStep:
     tables: dict  # ("ring", step j, (window, chunk)) / ("local", 0, (window, chunk)) -> split rows against my store
     ranges: int  # a bound on any rank's table ranges (the same on every rank: they resize buckets together)
     width: int = 1  # query rows per sequence: 1, or k + 1 of the widest verify sequence (every rank the same)
+    rec_rows: int = 0  # hybrid models: rows per rank of the recurrent layers' exchange (every rank the same)
+    rec_groups: list | None = None  # ... and each rank's sequences in its row order (None: padding)
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return self.ring_rows, self.local_rows, self.width
+    def key(self) -> tuple[int, int, int, int]:
+        return self.ring_rows, self.local_rows, self.width, self.rec_rows
 
 
 class StaticDecode:
@@ -92,6 +95,9 @@ class StaticDecode:
         self.replays = 0  # ... of which by replaying a captured graph
         self.verify_forwards = 0  # ... of which with verify rows (speculative decoding)
         self.verify_fallbacks = 0  # decode forwards with verify rows this path left to the dynamic one
+        # hybrid models: the recurrent layers, states updated in place (`static_recurrent.py`)
+        self.recurrence = None if runner.states is None else StaticRecurrence(runner, self.rank, self.world,
+                                                                              self.group)
         self.last_phases: dict = {}  # host seconds of the last forward: "plan" (its buffers), "model" (launch)
 
     # ------------------------------------------------------------------ host side
@@ -108,6 +114,9 @@ class StaticDecode:
         fits = int(counts.max()) <= self.max_rows
         if all(s.draft is None for s in batch.seqs):
             return fits
+        if self.recurrence is not None:  # a hybrid's verify rows: the dynamic path keeps their per-token states
+            self.verify_fallbacks += 1
+            return False
         if fits and self.verify == "decode" and self.kinds == [(None, None)] and all(
                 (s.ranks == s.ranks[0]).all() for s in batch.seqs):
             return True
@@ -156,7 +165,13 @@ class StaticDecode:
         bound = (sum(max(len(r) for r in s.ctx_runs) + len(s.token_ids) for s in seqs) + len(seqs) * (pieces - 1)
                  ) * blocks
         assert all(len(t["k0"]) <= bound for t in tables.values())
-        return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), tables, bound, width)
+        rec_rows, rec_groups = 0, None
+        if self.recurrence is not None:  # every rank's rows: its ring ones (padded), then its local ones
+            local_of = [[b for b, s in enumerate(seqs) if not spread[b] and int(s.ranks[0]) == r] for r in range(n)]
+            rec_rows = ring_rows + max(self._size(len(x)) for x in local_of)
+            rec_groups = [ring_of[r] + [None] * (ring_rows - len(ring_of[r])) + local_of[r] for r in range(n)]
+        return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), tables, bound, width,
+                          rec_rows, rec_groups)
 
     def _size(self, rows: int) -> int:
         """The bucket of `rows` rows (0 stays 0: that part is absent)."""
@@ -182,6 +197,7 @@ class StaticDecode:
             cap = max(256, 1 << (2 * max(step.ranges, 1) - 1).bit_length())
             rows = (step.ring_rows + step.local_rows) * step.width
             fields = [(("ids",), np.int64, rows), (("pos",), np.int64, rows), (("slots",), np.int64, rows)]
+            fields += [((f,), np.int64, self.world * step.rec_rows) for f in ("rec_in", "rec_out", "rec_copy")]
             pieces = {}
             rpp = self._rows_per_prog(step.width)
             for key in step.tables:
@@ -194,7 +210,8 @@ class StaticDecode:
             g = self.runner.layout.heads // self.runner.layout.kv_heads
             bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces,
                       "ring_rows": step.ring_rows * step.width, "local_rows": step.local_rows * step.width,
-                      "width": step.width, "graph": None, "logits": None,
+                      "width": step.width, "graph": None, "logits": None, "rec_rows": step.rec_rows,
+                      "state_version": None,
                       # one program holds a block of a group's rows x G heads
                       "block_m": self.kernels.block_m_for(rpp * g, self.block_m)}
             self.buckets[step.key] = bucket  # a replaced bucket's graph and memory go with the old dict
@@ -215,6 +232,10 @@ class StaticDecode:
                 ids[i * w:i * w + t] = s.token_ids
                 pos[i * w:i * w + t] = s.start + np.arange(t)
                 slots[i * w:i * w + t] = s.slots
+        if step.rec_groups is not None:
+            states = self.runner.states
+            for f, v in slot_rows(batch, step.rec_groups, step.rec_rows, states.zero, states.sink).items():
+                buf.host((f,))[:] = v
         for key, table in step.tables.items():
             for f in TABLE_FIELDS + ("slot",):
                 host = buf.host(key + (f,))
@@ -229,13 +250,23 @@ class StaticDecode:
         serve)."""
         t0 = time.perf_counter()
         step = self.plan(batch)
+        states = self.runner.states
+        if states is not None:  # hybrid: every slot the batch names exists (a growth retires captured graphs)
+            states.ensure(1 + max(max(s.state_in, s.state_out, s.state_copy) for s in batch.seqs))
         if step.ring_rows + step.local_rows == 0:
+            if self.recurrence is not None and self.world > 1:  # no row here: the exchanges and replicas still
+                bucket = self._bucket(step)
+                self._fill(bucket, batch, step)
+                with torch.inference_mode():
+                    self.recurrence.bind(bucket["buffers"], step.rec_rows).replicate(self.runner.model)
             self.last_phases = {"plan": time.perf_counter() - t0}
             return [], None
         bucket = self._bucket(step)
         self.forwards += 1
         self._fill(bucket, batch, step)
         t1 = time.perf_counter()
+        if states is not None and bucket["state_version"] != states.version:
+            bucket["graph"], bucket["state_version"] = None, states.version  # captured over the old tensors
         if bucket["graph"] is not None:
             bucket["graph"].replay()
             self.replays += 1
@@ -270,18 +301,20 @@ class StaticDecode:
         in_keys = store.widths.values_in_keys
 
         def attn(layer: int, q, k, v, sinks=None):  # q [rows, H, Dk], k [rows, Hkv, Dk], v [rows, Hkv, Dv]; sinks [H]
+            kind = (r.windows[layer], r.chunks[layer])
+            layer = r.kv_layer[layer]  # its KV store layer (a hybrid's recurrent layers have none)
             store.k[layer].index_copy_(0, buf[("slots",)], k)
             if not in_keys:  # (MLA: v is the keys' first channels, written with them)
                 store.v[layer].index_copy_(0, buf[("slots",)], v)
-            kind = (r.windows[layer], r.chunks[layer])
             if not in_keys:
                 return self._attention(bucket, q, store.k[layer], store.v[layer], kind, sinks)
             # the kernel takes one head size: the whole keys stand for the values, whose P·v is the output's first
             # Dv channels (the rest, P·k_r, is dropped)
             return self._attention(bucket, q, store.k[layer], store.k[layer], kind, sinks)[..., :v.shape[-1]]
 
+        recurrent = None if self.recurrence is None else self.recurrence.bind(buf, bucket["rec_rows"])
         with torch.inference_mode():
-            hidden = r.model(buf[("ids",)], buf[("pos",)], attn)  # [rows, hidden]
+            hidden = r.model(buf[("ids",)], buf[("pos",)], attn, recurrent)  # [rows, hidden]
             return r.model.compute_logits(hidden)  # [rows, vocab] fp32
 
     def _attention(self, bucket: dict, q, k, v, kind, sinks) -> torch.Tensor:

@@ -23,12 +23,6 @@ def unsupported(config, args, pd_role: bool = False) -> str | None:
     if args.tensor_parallel_size > 1:
         return (f"tensor_parallel_size={args.tensor_parallel_size} (tensor parallelism does not slice the recurrent "
                 "layers yet): use tensor_parallel_size=1 and context_parallel_size for more devices")
-    if args.speculative_config is not None:
-        return "speculative decoding (speculative_config: a rejected draft would have to roll the recurrent state back)"
-    if args.kv_cache_dtype != "auto":
-        return f"kv_cache_dtype={args.kv_cache_dtype!r} (the FP8 KV cache is not wired for hybrid models yet)"
-    if args.static_decode:
-        return "static_decode=True (the static / CUDA-graph decode path does not update recurrent states)"
     return None
 
 

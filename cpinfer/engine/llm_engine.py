@@ -71,6 +71,7 @@ class LLMEngine:
         self.proposer = None  # speculative decoding's drafter (engine/spec_decode), built last: it may use the engine
         self._draft_rows: dict[str, np.ndarray] = {}  # this step's grammar bitmasks of constrained verify rows
         self._step_cost = StepCost()  # decode forwards' seconds against their rows (the adaptive k's cost)
+        self._state_picks: list[tuple[int, int]] = []  # hybrid: (state slot, tokens dropped) of the last verify runs
         if a.speculative_config is not None:
             try:
                 self.proposer = make_proposer(a.speculative_config, self)
@@ -124,7 +125,9 @@ class LLMEngine:
         choice, phase = self._choose(scheduled)
         form = self._mla_form(scheduled, choice.strategy)
         seqs = tuple(self._seq_input(s, batch_q) for s in scheduled)
-        batch = ForwardBatch(seqs, choice.strategy, phase, tuple(ops), "absorbed" if form is None else form.form)
+        batch = ForwardBatch(seqs, choice.strategy, phase, tuple(ops), "absorbed" if form is None else form.form,
+                             state_picks=tuple(self._state_picks))
+        self._state_picks = []
         return scheduled, batch, choice, form
 
     def _run(self, batch: ForwardBatch) -> list[RankResult]:
@@ -148,7 +151,10 @@ class LLMEngine:
         for req, why in self.output.process(scheduled, results, time.perf_counter(), host, self._failed,
                                             self._matchers):
             if req.kv is not None and req.kv.leaf.unverified:  # a verify step: roll back what it does not keep
+                ran = req.kv.num_stored
                 self.kv.truncate(req.kv, min(req.kv.num_stored, len(req.known) - 1))
+                if req.kv.state_out >= 0 and req.kv.num_stored < ran and why is None:  # hybrid: the state too,
+                    self._state_picks.append((req.kv.state_out, ran - req.kv.num_stored))  # at the next forward
                 if self.proposer is not None and why is None and req.spec is not None:
                     self.proposer.verified(req, req.spec.last_drafted, req.spec.last_accepted)
             if why is not None:
@@ -417,8 +423,8 @@ class LLMEngine:
             "draft_q": None if (draft_q or {}).get(req.request_id) is None else draft_q[req.request_id][:len(s.draft)],
             "draft_suppress": max(0, req.params.min_tokens - len(req.out)) if spec.suppress else 0}
         if req.kv.state_out >= 0:  # hybrid models: from its state slot; every later forward from its live one
-            spec_args.update(state_in=req.kv.state_in, state_out=req.kv.state_out,
-                             state_copy=self.kv.interval_snapshot(req.kv, s.start, end))
+            spec_args.update(state_in=req.kv.state_in, state_out=req.kv.state_out,  # (no snapshot of drafts)
+                             state_copy=-1 if s.draft is not None else self.kv.interval_snapshot(req.kv, s.start, end))
             self.kv.consume_state_in(req.kv)
         return SeqInput(s.tokens, s.start, s.placement.ranks, s.placement.slots, s.ctx_runs, spec, next_token,
                         want_lp, s.placement.spread, req.params.top_logprobs if want_lp else 0, **spec_args)

@@ -109,7 +109,8 @@ class ModelRunner:
         c, tp = self.config, self.groups.config.tp
         kv_heads = head_ranges(c, tp, self.groups.tp_rank)[1]
         heads = slice(kv_heads.start, kv_heads.stop)
-        scales = kv_fp8.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads)
+        scales = kv_fp8.checkpoint_kv_scales(self.model_path, c.num_hidden_layers, self.n_kv, heads,
+                                             layers=c.attention_layers)  # (a hybrid's attention layers only)
         self.kv_scales_source = "checkpoint" if scales is not None else "calibrated"
         if scales is None:
             scales = kv_fp8.calibrate_kv_scales(self.model, c, self.ctx.device)
@@ -191,6 +192,8 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> RankResult:
         t0 = time.perf_counter()
         rank, n = self.groups.cp_rank, self.groups.config.cp
+        if self.states is not None:  # hybrid: roll back the last verify runs' rejected drafts, forget their states
+            self.states.apply_picks(batch.state_picks)
         events = self.apply_cache_ops(batch.cache_ops)
         if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
             self.slot_positions.record(batch)

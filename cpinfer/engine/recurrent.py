@@ -3,7 +3,8 @@ layer's conv and recurrence for the batch's sequences from their state slots, ex
 
 Per recurrent layer, with N > 1 CP ranks (mixer-agnostic: any mixer with the staged shape of
 `model/recurrent/__init__.py`: `conv`, `inputs`, `run`, `summary`, `kernel`, `conv_channels`, `state_shape`, and
-optionally `side_shapes`, the per-token shapes of its side inputs):
+optionally `side_shapes` / `side_fp32`, the per-token shapes of its side inputs and which are fp32, and `map_shape`,
+the shape of its maps' M: (H, Dk, Dk) by default, (H,) for Mamba-2's decay per head):
 
 1. row exchange: the shards (runs of consecutive new tokens of one sequence on one rank; the same list on every
    rank, derived from the batch) publish rows in one all-reduce of a zero-padded buffer. A short shard (one whose
@@ -21,6 +22,11 @@ optionally `side_shapes`, the per-token shapes of its side inputs):
    the forward still takes part (`replicate`), so every rank keeps every state.
 
 With one rank the shards run one after the other from the state slot (no summary, no exchange).
+
+A verify sequence (speculative decoding: [last, d_1 .. d_k], `SeqInput.draft`) runs token by token, as plain decode
+would, on every rank (its shards always ship their rows), and every replica keeps the state and tail after each of
+its tokens (`StateStore.keep`): when drafts are rejected, the next forward rolls the slot back to the state after
+the last accepted token (`StateStore.apply_picks`), exactly as if the rejected tokens had never run.
 """
 from __future__ import annotations
 
@@ -132,18 +138,26 @@ class RecurrentRunner:
         c = mixer.conv_channels
         shapes = getattr(mixer, "side_shapes", None)  # per-token shapes of the side inputs (None: maps only)
         widths = [] if shapes is None else [int(np.prod(x)) for x in shapes]
-        m_size, b_size = h * dk * dk, h * dk * dv
-        per_row = (c + sum(widths)) * torch.finfo(dtype).bits // 8
+        fp32 = getattr(mixer, "side_fp32", None) or (False,) * len(widths)  # sides kept in fp32 (shipped so)
+        side_dtypes = [torch.float32 if f else dtype for f in fp32]
+        ship = torch.float32 if any(fp32) else dtype  # the rows' buffer (the compute dtype's rows cast back exactly)
+        m_shape = tuple(getattr(mixer, "map_shape", (h, dk, dk)))  # M: a matrix per head, or a decay (Mamba-2)
+        m_size, b_size = int(np.prod(m_shape)), h * dk * dv
+        per_row = (c + sum(widths)) * torch.finfo(ship).bits // 8
         layout, n_rows, n_maps = {}, 0, 0  # shard index -> (raw, first row, rows, map index)
         for seq in self.seqs:
+            verify = self._verify(seq)
+            if verify and shapes is None:
+                raise ValueError(f"{type(mixer).__name__} gives no side_shapes: its verify rows cannot run on every "
+                                 "rank (speculative decoding under CP)")
             for sh in seq:
                 t = sh.e - sh.a
-                raw = shapes is not None and t * per_row <= (m_size + b_size) * 4
+                raw = shapes is not None and (verify or t * per_row <= (m_size + b_size) * 4)
                 rows = t if raw else k1
                 layout[sh.index] = (raw, n_rows, rows, -1 if raw else n_maps)
                 n_rows += rows
                 n_maps += not raw
-        buf = torch.zeros(n_rows, c + sum(widths), dtype=dtype, device=dev)
+        buf = torch.zeros(n_rows, c + sum(widths), dtype=ship, device=dev)
         for seq in self.seqs:
             for sh in seq:
                 if sh.r != self.rank:
@@ -166,8 +180,9 @@ class RecurrentRunner:
                 if raw:
                     part = buf[at:at + rows]
                     sides = torch.split(part[:, c:], widths, dim=1)
-                    side_rows = tuple(x.reshape(rows, *shape) for x, shape in zip(sides, shapes))
-                    conv, _ = mixer.conv(part[:, :c], self._before(seq, sh.a, tail_in, halo, k1))
+                    side_rows = tuple(x.reshape(rows, *shape).to(d)
+                                      for x, shape, d in zip(sides, shapes, side_dtypes))
+                    conv, _ = mixer.conv(part[:, :c].to(dtype), self._before(seq, sh.a, tail_in, halo, k1))
                     inputs[sh.index] = mixer.inputs(conv, side_rows)
                 elif sh.r == self.rank:
                     idx = torch.as_tensor(sh.rows, device=dev)
@@ -186,10 +201,15 @@ class RecurrentRunner:
             s = self.batch.seqs[seq[0].b]
             state, tail_in = self.store.load(layer, s.state_in)
             state = torch.zeros(h, dk, dv, dtype=torch.float32, device=dev) if state is None else state.clone()
+            kept = [] if self._verify(seq) else None  # a verify run: the state and tail after each token
             for sh in seq:
                 raw, _, _, m = layout[sh.index]
                 if raw:
-                    o, state = mixer.run(inputs[sh.index], state)
+                    if kept is not None:
+                        o, state = self._run_kept(mixer, inputs[sh.index], state, kept,
+                                                  lambda j, a=sh.a: self._before(seq, a + j + 1, tail_in, halo, k1))
+                    else:
+                        o, state = mixer.run(inputs[sh.index], state)
                     if sh.r == self.rank:
                         out[torch.as_tensor(sh.rows, device=dev)] = o
                     continue
@@ -197,12 +217,37 @@ class RecurrentRunner:
                     o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
                         mixer.run(inputs[sh.index], state)[0]
                     out[torch.as_tensor(sh.rows, device=dev)] = o
-                state = Affine.from_tensor(maps[m], (h, dk, dk), (h, dk, dv)).apply(state)
+                state = Affine.from_tensor(maps[m], m_shape, (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
             for slot in (s.state_out, s.state_copy):
                 if slot >= 0:
                     self.store.save(layer, slot, state, tail)
+            self._keep(layer, s.state_out, kept)
         return out
+
+    def _verify(self, seq: list[Shard]) -> bool:
+        """Whether the sequence is a verify run (speculative decoding), whose per-token states are kept."""
+        if not seq:
+            return False
+        s = self.batch.seqs[seq[0].b]
+        return s.draft is not None and len(s.draft) > 0 and s.state_out >= 0
+
+    @staticmethod
+    def _run_kept(mixer, inp, state: Tensor | None, kept: list, tail_after) -> tuple[Tensor, Tensor]:
+        """A verify run token by token (as decode runs them): (o [T, H, Dv], final state), each token's state and
+        the tail after it (`tail_after(j)`) appended to `kept`."""
+        outs = []
+        for j in range(len(inp)):
+            o, state = mixer.run(inp[j:j + 1], state)
+            outs.append(o)
+            kept.append((state, tail_after(j)))
+        return torch.cat(outs), state
+
+    def _keep(self, layer: int, slot: int, kept: list | None) -> None:
+        """Every token's state but the last (that one is in the slot) into the store, for a rollback."""
+        if kept is None or len(kept) < 2:
+            return
+        self.store.keep(layer, slot, torch.stack([x[0] for x in kept[:-1]]), torch.stack([x[1] for x in kept[:-1]]))
 
     def _run_alone(self, layer: int, mixer, seq: list[Shard], u: Tensor, side: tuple, out: Tensor) -> None:
         """One rank: the sequence's tokens in order from its state slot, into its state_out slot."""
@@ -212,13 +257,20 @@ class RecurrentRunner:
         state, tail = self.store.load(layer, s.state_in)
         state = None if state is None else state.clone()
         rows = torch.as_tensor(np.concatenate([sh.rows for sh in seq]), device=u.device)
+        k1, tail_in = mixer.kernel - 1, tail
         conv, tail = mixer.conv(u[rows], tail)
         inp = mixer.inputs(conv, tuple(x[rows] for x in side))
-        o, state = mixer.run(inp, state)
+        kept = None
+        if self._verify(seq):
+            kept, pre = [], torch.cat((tail_in.to(u.dtype), u[rows]))  # [K-1 + T, C] the pre-conv rows
+            o, state = self._run_kept(mixer, inp, state, kept, lambda j: pre[j + 1:j + 1 + k1])
+        else:
+            o, state = mixer.run(inp, state)
         out[rows] = o
         for slot in (s.state_out, s.state_copy):
             if slot >= 0:
                 self.store.save(layer, slot, state, tail)
+        self._keep(layer, s.state_out, kept)
 
     def _before(self, seq: list[Shard], a: int, tail_in: Tensor, halo, k1: int) -> Tensor:
         """The K-1 pre-conv rows before offset a of the sequence's new tokens: from the gathered rows (a short
@@ -232,7 +284,7 @@ class RecurrentRunner:
                 continue
             sh = next(x for x in seq if x.a <= p < x.e)
             raw, at, n, _ = layout[sh.index]
-            rows.append(buf[at + (p - sh.a) if raw else at + n - (sh.e - p), :tail_in.shape[1]])
+            rows.append(buf[at + (p - sh.a) if raw else at + n - (sh.e - p), :tail_in.shape[1]].to(tail_in.dtype))
         return torch.stack(rows) if rows else tail_in[:0]
 
     def _all_reduce(self, t: Tensor) -> None:

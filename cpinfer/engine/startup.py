@@ -207,10 +207,6 @@ class EngineStartup:
         a = e.args
         graphs = a.device == "cuda" and not a.enforce_eager
         static = graphs if a.static_decode is None else a.static_decode
-        if static and e.config.hybrid:  # (static_decode=True was refused before any rank started)
-            log.warning("decode runs without CUDA graphs: the static decode path does not update the recurrent "
-                        "states of a hybrid model")
-            static = graphs = False
         if static and backend_problem("triton", torch.device(a.device)):
             log.warning("CUDA graphs for decode are off: their attention is the Triton kernel, and %s",
                         backend_problem("triton", torch.device(a.device)))

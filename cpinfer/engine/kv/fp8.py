@@ -179,12 +179,13 @@ def layer_codecs(kv_cache_dtype: str, scales: tuple[Tensor, Tensor] | None, num_
 _SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
-def checkpoint_kv_scales(model_path: str | Path, num_layers: int, n_kv_heads: int, head_slice: slice | None = None
-                         ) -> tuple[Tensor, Tensor] | None:
+def checkpoint_kv_scales(model_path: str | Path, num_layers: int, n_kv_heads: int, head_slice: slice | None = None,
+                         layers=None) -> tuple[Tensor, Tensor] | None:
     """The static KV scales a safetensors checkpoint carries (`model.layers.N.self_attn.k_scale` / `v_scale`: one
     per layer, or one per KV head), as (k [layers, Hkv], v [layers, Hkv]) fp32 for this rank's KV heads
-    (`head_slice` under TP); None when it carries none (then every scale is 1.0). A checkpoint with some scales
-    missing, non-positive, or of another shape is a ValueError naming the tensor."""
+    (`head_slice` under TP); None when it carries none (then every scale is 1.0). `layers`: the model layers that
+    hold K/V, in the KV cache's order (default all `num_layers`; a hybrid's attention layers). A checkpoint with
+    some scales missing, non-positive, or of another shape is a ValueError naming the tensor."""
     from safetensors import safe_open
 
     path = Path(model_path)
@@ -198,8 +199,9 @@ def checkpoint_kv_scales(model_path: str | Path, num_layers: int, n_kv_heads: in
                     found[(int(m.group(1)), m.group(2))] = f.get_tensor(name).float().reshape(-1)
     if not found:
         return None
-    out = {"k": torch.ones(num_layers, n_kv_heads), "v": torch.ones(num_layers, n_kv_heads)}
-    for layer in range(num_layers):
+    layers = list(range(num_layers) if layers is None else layers)
+    out = {"k": torch.ones(len(layers), n_kv_heads), "v": torch.ones(len(layers), n_kv_heads)}
+    for row, layer in enumerate(layers):
         for kind in ("k", "v"):
             name = f"model.layers.{layer}.self_attn.{kind}_scale"
             if (layer, kind) not in found:
@@ -211,7 +213,7 @@ def checkpoint_kv_scales(model_path: str | Path, num_layers: int, n_kv_heads: in
                 raise ValueError(f"{name} has {s.numel()} values; expected 1 or one per KV head ({n_kv_heads})")
             if not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
                 raise ValueError(f"{name} must be positive and finite, got {s.tolist()}")
-            out[kind][layer] = s
+            out[kind][row] = s
     return out["k"], out["v"]
 
 
@@ -226,7 +228,8 @@ def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
     the config names one), then `CALIBRATION_TOKENS - 1` ids drawn from a seeded generator — with dense causal
     attention; per layer and KV head (this TP rank's heads: the model's own), amax(|K|) and amax(|V|) x HEADROOM /
     448, rounded up to a power of two → (k [layers, Hkv], v [layers, Hkv]) fp32 on the CPU; MLA: one scale for the
-    latent and one for the rotary key per layer, as per-channel scales (`mla_scales`). Under TP every rank of the
+    latent and one for the rotary key per layer, as per-channel scales (`mla_scales`). A hybrid model: its attention
+    layers' scales, in the KV cache's order (the recurrent layers run from a zero state). Under TP every rank of the
     group must call it together (the model's all-reduces)."""
     from cpinfer.model import ReferenceAttention
 
@@ -246,10 +249,17 @@ def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
         amax[layer] = (keys.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2)))
         return ref(layer, q, k, v, sinks=sinks)
 
-    model(ids, pos, attn)
+    recurrent = None
+    if getattr(config, "hybrid", False):
+        from cpinfer.model.recurrent.reference import ReferenceRecurrence
+
+        recurrent = ReferenceRecurrence()
+        recurrent.set_batch([0] * n)
+    model(ids, pos, attn, recurrent)
     layers = sorted(amax)
-    if layers != list(range(len(layers))):
-        raise RuntimeError(f"calibration saw layers {layers}, expected 0..{len(layers) - 1}")
+    expected = list(getattr(config, "attention_layers", range(len(layers))))
+    if layers != expected:
+        raise RuntimeError(f"calibration saw layers {layers}, expected {expected}")
 
     def scale(a: Tensor) -> Tensor:
         a = torch.where(torch.isfinite(a) & (a > 0), a, torch.ones_like(a))

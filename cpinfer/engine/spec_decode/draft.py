@@ -40,6 +40,9 @@ def check_draft(target: ModelConfig, tokenizer, draft_path: str | Path, tensor_p
     if draft.values_in_keys:
         raise ValueError(f"a draft model with multi-head latent attention ({draft.model_type}) is not supported; "
                          "use a draft with ordinary attention")
+    if draft.hybrid:
+        raise ValueError(f"a hybrid (linear-attention) draft model ({draft.model_type}) is not supported: the draft "
+                         "keeps no recurrent state; use a draft with attention on every layer")
     if draft.local_attention:
         raise ValueError(f"a draft model with sliding-window or chunked attention ({draft.model_type}) is not "
                          "supported; use a draft with full attention on every layer")

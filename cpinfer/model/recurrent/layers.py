@@ -3,18 +3,18 @@ interface every recurrent layer of the decoder offers its `RecurrentFn` (`decode
 (`engine/recurrent.py`), the one Gated DeltaNet (`gdn.py`) has:
 
     layer_idx, kernel, conv_channels, state_shape (H, Dk, Dv): what the state cache is sized by; outputs [T, H, Dv]
+    side_shapes, side_fp32: per side input its per-token shape and whether it is fp32 (else the compute dtype)
     project(x) -> (u, side)         side a tuple of per-token tensors (rows are picked by indexing each)
     conv(u, tail) -> (u', tail')    inputs(u', side) -> the recurrence inputs
-    run(inputs, state) -> (o, state_out)      summary(inputs) -> affine.Affine(M [H, Dk, Dk], B [H, Dk, Dv])
+    run(inputs, state) -> (o, state_out)      summary(inputs) -> affine.Affine(M, B [H, Dk, Dv])
+    map_shape: M's shape, (H, Dk, Dk) (the delta rules: the default) or (H,) (Mamba-2's decay per head)
     output(o, side, x) -> [T, hidden]         forward(x, recurrent) -> [T, hidden]
 
 Mamba-2's state S [H, P, N] is kept transposed here, [H, N, P], so that its outputs [T, H, P] have the state's last
-dimension, and its per-head decay goes out as the matrix decay · I_N (the same map; the runner exchanges matrix
-maps of the state's shape).
+dimension; its map's M is the per-head decay [H] (`map_shape`), so the runner exchanges H numbers for it.
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from cpinfer.model.recurrent import kda, mamba2
@@ -54,6 +54,13 @@ class KDALayer(MixerLayer, kda.KDAMixer):
 
     recurrence = "kda"
     checkpoint_name = "self_attn"  # the decoder layer's name of the mixer (Kimi Linear's attention and KDA share it)
+    side_fp32 = (True, True, False)  # g and beta are fp32 whatever the compute dtype (the engine ships them so)
+
+    @property
+    def side_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of the side inputs (g, beta, gate): what the engine ships for a short shard."""
+        h, d = self.shape.num_heads, self.shape.head_dim
+        return ((h, d), (h,), (h, d))
 
     def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
         """x [T, hidden] -> (u [T, 3 H Dk], (g [T, H, Dk], beta [T, H], gate [T, H, Dk]))."""
@@ -85,6 +92,13 @@ class Mamba2Layer(MixerLayer, mamba2.Mamba2Mixer):
         s = self.shape
         return (s.num_heads, s.state_size, s.head_dim)
 
+    side_fp32 = (False, True)  # dt is fp32 whatever the compute dtype
+
+    @property
+    def side_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of the side inputs (z, dt): what the engine ships for a short shard."""
+        return ((self.shape.inner,), (self.shape.num_heads,))
+
     def project(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """x [T, hidden] -> (u [T, H P + 2 G N], (z [T, H P], dt [T, H]))."""
         u, side = super().project(x)
@@ -98,13 +112,16 @@ class Mamba2Layer(MixerLayer, mamba2.Mamba2Mixer):
         y, s = mamba2.run(inp, None if state is None else state.transpose(1, 2), self.shape.chunk_size)
         return y, s.transpose(1, 2).contiguous()
 
+    @property
+    def map_shape(self) -> tuple[int, ...]:
+        """The shape of its maps' M: a decay per head (what the engine exchanges under CP: H numbers, not H N N)."""
+        return (self.shape.num_heads,)
+
     @staticmethod
     def summary(inp: mamba2.Mamba2Inputs) -> Affine:
-        """The run's map on the transposed state: M = decay_h I_N [H, N, N], B [H, N, P]."""
+        """The run's map on the transposed state: M = decay_h [H] (a scalar per head), B [H, N, P]."""
         m, b = mamba2.summary(inp)
-        n = b.shape[-1]
-        eye = torch.eye(n, dtype=torch.float32, device=b.device)
-        return Affine(m[:, None, None] * eye, b.transpose(1, 2).contiguous())
+        return Affine(m, b.transpose(1, 2).contiguous())
 
     def output(self, o: Tensor, side: tuple, x: Tensor) -> Tensor:
         return super().output(o, mamba2.Mamba2Side(*side)).to(x.dtype)
