@@ -126,8 +126,7 @@ class LLMEngine:
         form = self._mla_form(scheduled, choice.strategy)
         seqs = tuple(self._seq_input(s, batch_q) for s in scheduled)
         batch = ForwardBatch(seqs, choice.strategy, phase, tuple(ops), "absorbed" if form is None else form.form,
-                             state_picks=tuple(self._state_picks))
-        self._state_picks = []
+                             state_picks=self._take_state_picks())
         return scheduled, batch, choice, form
 
     def _run(self, batch: ForwardBatch) -> list[RankResult]:
@@ -307,7 +306,7 @@ class LLMEngine:
         failed restore (damaged bytes, a vanished file, an I/O error) requeues only the requests whose prefix needed
         it, and the bad copy is dropped (a disk entry from the index and the directory). Returns the scheduled
         work that can run."""
-        events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
+        events = self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops), self._take_state_picks()))
         failed = {ev.node: ev.tier for ev in events if ev.kind == "load_failed"}
         states = {(ev.node, ev.pos): ev.tier for ev in events if ev.kind == "state_failed"}  # hybrid models
         if not failed and not states:
@@ -542,7 +541,12 @@ class LLMEngine:
             return
         self._last_sync = now
         ops = self.kv.take_ops()
-        self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops)))
+        self._tier_events(self._pool.run(MR.apply_cache_ops, tuple(ops), self._take_state_picks()))
+
+    def _take_state_picks(self) -> tuple:
+        """The hybrid verify rollbacks not yet sent to the ranks (they go before any other cache operation)."""
+        picks, self._state_picks = tuple(self._state_picks), []
+        return picks
 
     def _tier_events(self, per_rank) -> list:
         """Hand what the ranks reported (a list per rank of events, or of RankResults) to the tier index."""

@@ -446,9 +446,13 @@ def init_tiers(ctx, host_slots: int, disk_dir: str | None, writable: bool, layou
                              cp_group=g.cp_group)
 
 
-def apply_cache_ops(ctx, ops) -> tuple:
-    """Cache operations outside a forward (disk restores before it, writes when idle); returns tier events."""
-    return ctx.state["runner"].apply_cache_ops(ops)
+def apply_cache_ops(ctx, ops, state_picks=()) -> tuple:
+    """Cache operations outside a forward (disk restores before it, writes when idle); returns tier events. A hybrid's
+    pending verify rollbacks (`state_picks`) come first, so that no state is saved or restored before it."""
+    runner = ctx.state["runner"]
+    if runner.states is not None and state_picks:
+        runner.states.apply_picks(state_picks)
+    return runner.apply_cache_ops(ops)
 
 
 def flush_tiers(ctx) -> tuple:
