@@ -72,8 +72,30 @@ def test_the_indexer_key_sits_beside_the_latent():
     assert KVStore(3, 8, 1, KVWidths(24, 16, True), torch.float32, "cpu").index is None
     with pytest.raises(ValueError, match="beside MLA's latent only"):
         KVWidths(24, 24, False, 16)
-    with pytest.raises(ValueError, match="full-precision latent cache"):
-        KVStore(3, 8, 1, w, torch.float32, "cpu", kv_cache_dtype="fp8")
+
+
+def test_the_fp8_latent_cache_keeps_the_indexer_key_in_its_row():
+    """FP8 cache: the row is bytes, the latent's 24 e4m3 then the indexer key — its fp32 bytes (a plain checkpoint;
+    a 26-wide latent is padded to 28 so they view as fp32) or 16 e4m3 and a 4-byte scale (an FP8 indexer)."""
+    from cpinfer.engine.kv import fp8 as kv_fp8
+
+    x = torch.randn(5, 16)
+    for w, row in ((KVWidths(24, 16, True, 16), 24 + 64), (KVWidths(26, 16, True, 16), 28 + 64),
+                   (KVWidths(24, 16, True, 16, index_fp8=True), 24 + 20)):
+        assert KVStore.bytes_per_token(3, 1, w, 4, "fp8") == 3 * row
+        store = KVStore(3, 8, 1, w, torch.float32, "cpu", kv_cache_dtype="fp8")
+        assert store.k.dtype == torch.uint8 and store.k.shape == (3, 9, 1, row)
+        store.write_index(1, torch.tensor([0, 2, 3, 4, 7]), x)
+        got = store.read_index(store.index[1, [0, 2, 3, 4, 7]])
+        if w.index_fp8:
+            assert store.index.dtype == torch.uint8 and store.index.shape == (3, 9, 20)
+            torch.testing.assert_close(got, kv_fp8.decode(kv_fp8.encode(x), torch.float32), rtol=0, atol=0)
+            assert not torch.equal(got, x)
+        else:
+            assert store.index.dtype == torch.float32 and store.index.shape == (3, 9, 16)
+            assert torch.equal(got, x) and torch.equal(store.k[1, 2, 0, row - 64:].view(torch.float32), x[1])
+        assert not store.k[1, :, 0, :w.key].any() and not store.k[0].any()  # the latent's bytes untouched
+    assert KVWidths.of(_config("deepseek_v32")).index_fp8 is False
 
 
 # ---------------------------------------------------------------- exact top-k from candidates
@@ -196,7 +218,7 @@ def test_top_k_above_the_context_selects_everything_and_the_selection_matters(ll
 
 # ---------------------------------------------------------------- what the engine refuses, and what it carries
 @pytest.mark.parametrize("kw, message", [
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+    ({"kv_cache_dtype": "fp8_per_token"}, "kv_cache_dtype='fp8_per_token' is not supported"),
     ({"mla_form": "expanded"}, "mla_form='expanded' is not supported"),
     ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}}, "method 'draft_model' is not supported"),
 ])
@@ -342,3 +364,77 @@ def test_prefill_and_decode_groups_move_the_indexer_keys_with_the_latent(llama_c
         finally:
             llm.shutdown()
     check_against_hf(path, outs, prompts, 8, check_prompt_lp=False)
+
+
+# ---------------------------------------------------------------- the FP8 latent cache
+def _fake_quant_logprobs(path, tokens, index_fp8: bool, latent_fp8: bool = True):
+    """The model run alone over `tokens` with DeepSeek sparse attention over FP8-dequantized rows: the latent
+    [c ; k_r] by the scales calibrated at load (as the engine's), the indexer key by its own per-token scale when
+    `index_fp8` (else as computed); each row's top-k by (score desc, position asc), GLM's "shared" layers reusing
+    the last selection (`latent_fp8` False: the latent unquantized) -> log-probs [len - 1, vocab] of the next
+    tokens."""
+    from cpinfer.attention.sparse import ordered_topk
+    from cpinfer.engine.kv import fp8 as kv_fp8
+    from cpinfer.model import load_model
+    from cpinfer.model.indexer import index_scores
+
+    cfg, model = load_model(path)
+    codecs = kv_fp8.layer_codecs("fp8", kv_fp8.calibrate_kv_scales(model, cfg, "cpu"), cfg.num_hidden_layers, 1,
+                                 "cpu")
+    n = len(tokens)
+    ids, pos = torch.tensor(tokens), torch.arange(n)
+    causal = pos[None, :] <= pos[:, None]
+    keep = {}
+
+    def attn(layer, q, k, v, sinks=None, index=None):
+        kq = (codecs[layer][0].decode(codecs[layer][0].encode(k), k.dtype) if latent_fp8 else k)[:, 0]  # [n, D]
+        if index is not None:
+            ik = kv_fp8.decode(kv_fp8.encode(index.k), index.k.dtype) if index_fp8 else index.k
+            s = index_scores(index.q, index.w, ik, index.scale).masked_fill(~causal, -torch.inf)
+            m = min(cfg.dsa.index_topk, n)
+            vals, _, idx = ordered_topk(s, pos, m)
+            keep["mask"] = torch.zeros(n, n, dtype=torch.bool).scatter_(1, idx, torch.isfinite(vals))
+        logits = torch.einsum("qhd,kd->qhk", q.float(), kq.float()) * cfg.attention_scale
+        p = torch.softmax(logits.masked_fill(~keep["mask"][:, None], -torch.inf), dim=-1)
+        return torch.einsum("qhk,kd->qhd", p, kq[:, :v.shape[-1]].float()).to(q.dtype)
+
+    with torch.no_grad():
+        return model.compute_logits(model(ids, pos, attn)).float().log_softmax(-1)[:-1]
+
+
+@pytest.mark.parametrize("model_type, fp8_weights, cp", [
+    ("deepseek_v32", False, 1), ("deepseek_v32", False, 2), ("glm_moe_dsa", False, 3), ("glm_moe_dsa", True, 2)])
+def test_fp8_latent_cache_is_sparse_attention_over_dequantized_rows(llama_checkpoint, engines, tmp_path, model_type,
+                                                                    fp8_weights, cp):
+    """kv_cache_dtype fp8: the latent in e4m3 by MLA's static scales, the indexer key in the compute dtype (a plain
+    checkpoint) or in e4m3 with its own scale (GLM-5's FP8 release, whose indexer is FP8). A 200-token prompt in
+    chunks of 96, then a second turn from the prefix cache decoding 4 tokens: prompt and decode log-probs within
+    1e-4 of the model run alone with every row quantized and dequantized (top-k over the dequantized indexer
+    keys), greedy tokens equal, as the MLA families' FP8 test holds; the cache counts the bytes of that row."""
+    from hf_oracle import prompts_for
+
+    path = _checkpoint(llama_checkpoint, model_type)
+    ref_path = path
+    if fp8_weights:
+        from fp8_checkpoint import write_fp8_pair
+
+        path, ref_path = tmp_path / "fp8", tmp_path / "deq"
+        write_fp8_pair(_checkpoint(llama_checkpoint, model_type), path, ref_path, "fp8_block", fuse_experts=True)
+    prompt = prompts_for(256, [200], seed=30 + cp)[0]
+    with engines(path, cp, kv_cache_dtype="fp8", max_num_batched_tokens=96, max_kv_tokens_per_rank=1024) as llm:
+        first = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=True, **GREEDY))[0]
+        turn2 = prompt + first.token_ids + [7, 8]
+        second = llm.generate([turn2], SamplingParams(max_tokens=4, **GREEDY))[0]
+        assert second.num_cached_tokens >= 192
+        assert llm.cache_stats()["kv_bytes_per_token"] == 3 * (24 + (16 + 4 if fp8_weights else 16 * 4))
+    want = _fake_quant_logprobs(ref_path, prompt, fp8_weights)
+    got = torch.tensor(first.prompt_logprobs[1:])
+    at = (torch.arange(len(prompt) - 1), torch.tensor(prompt[1:]))
+    torch.testing.assert_close(got, want[at], rtol=0, atol=1e-4)
+    for other in (_fake_quant_logprobs(ref_path, prompt, not fp8_weights),  # the indexer key's format matters
+                  _fake_quant_logprobs(ref_path, prompt, fp8_weights, latent_fp8=False)):  # and the latent's
+        assert (other[at] - got).abs().max() > 1e-2
+    full = turn2 + second.token_ids
+    want2 = _fake_quant_logprobs(ref_path, full, fp8_weights)[len(turn2) - 1:]
+    assert second.token_ids == want2.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(second.logprobs), want2.max(-1).values, rtol=0, atol=1e-4)
