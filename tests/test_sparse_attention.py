@@ -438,3 +438,52 @@ def test_fp8_latent_cache_is_sparse_attention_over_dequantized_rows(llama_checkp
     want2 = _fake_quant_logprobs(ref_path, full, fp8_weights)[len(turn2) - 1:]
     assert second.token_ids == want2.argmax(-1).tolist()
     torch.testing.assert_close(torch.tensor(second.logprobs), want2.max(-1).values, rtol=0, atol=1e-4)
+
+
+def _check_fake_quant(path, outs, prompts, index_fp8: bool) -> None:
+    """Greedy outputs (`logprobs` on) equal the model run alone over FP8-dequantized rows, log-probs within 1e-4."""
+    for o, p in zip(outs, prompts):
+        want = _fake_quant_logprobs(path, p + o.token_ids, index_fp8)[len(p) - 1:]
+        assert o.token_ids == want.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(o.logprobs), want.max(-1).values, rtol=0, atol=1e-4)
+
+
+def test_fp8_rows_with_fp8_indexer_keys_go_through_the_tiers_and_to_a_decode_group(llama_checkpoint, engines,
+                                                                                   tmp_path):
+    """GLM-5's FP8 release with kv_cache_dtype fp8 (rows of 24 latent e4m3 + 16 indexer e4m3 + its 4-byte scale):
+    CP2 with a device cache of about one conversation pushes histories to host and disk; second turns come back
+    from both, a CP1 engine restarted on the directory reads them, and a prefill group (CP2) hands its rows to a
+    decode group (CP1) — every answer as the model run alone over the dequantized rows."""
+    from cpinfer.launch import WorkerPool
+    from fp8_checkpoint import write_fp8_pair
+    from hf_oracle import prompts_for
+    from pooled_engine import pd_llm
+
+    path, deq = tmp_path / "fp8", tmp_path / "deq"
+    write_fp8_pair(_checkpoint(llama_checkpoint, "glm_moe_dsa"), path, deq, "fp8_block", fuse_experts=True)
+    row = 3 * (24 + 16 + 4)
+    kw = dict(kv_disk_dir=tmp_path / "kv", max_num_batched_tokens=96, kv_cache_dtype="fp8")
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=6))]
+    with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=128 * row / (1 << 30), **kw) as llm:
+        first = [llm.generate([d], SamplingParams(max_tokens=4, **GREEDY))[0] for d in docs]
+        turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
+        outs = [llm.generate([t], SamplingParams(max_tokens=4, **GREEDY))[0] for t in turn2[::-1]]
+        assert [o.num_cached_tokens for o in outs] == [len(d) + 3 for d in docs[::-1]]
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] > 0 and t["disk"]["hit_tokens"] > 0, t
+        assert t["device"]["bytes"] == t["device"]["tokens"] * row
+        llm.engine.kv.check_invariants()
+    _check_fake_quant(deq, first + outs, docs + turn2[::-1], True)
+    with engines(path, 1, max_kv_tokens_per_rank=2048, **kw) as llm:
+        again = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=4, **GREEDY))
+        assert again[0].num_cached_tokens >= len(docs[0]) + 3
+    _check_fake_quant(deq, again, [turn2[0] + [9]], True)
+    with WorkerPool(3, threads_per_rank=1, timeout_s=120) as pool:
+        pd = pd_llm(pool, path, context_parallel_size=2, pd_decode_cp=1, placement="shard", kv_cache_dtype="fp8",
+                    max_num_batched_tokens=96, max_kv_tokens_per_rank=1024)
+        try:
+            moved = pd.generate(docs[:2], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+            assert not any(k.startswith("prefill/") for k in pd.engine.decode[0].stats().forwards)
+        finally:
+            pd.shutdown()
+    _check_fake_quant(deq, moved, docs[:2], True)
