@@ -220,7 +220,8 @@ def test_top_k_above_the_context_selects_everything_and_the_selection_matters(ll
 @pytest.mark.parametrize("kw, message", [
     ({"kv_cache_dtype": "fp8_per_token"}, "kv_cache_dtype='fp8_per_token' is not supported"),
     ({"mla_form": "expanded"}, "mla_form='expanded' is not supported"),
-    ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}}, "method 'draft_model' is not supported"),
+    ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}},
+     "draft model with DeepSeek sparse attention"),
 ])
 def test_features_that_do_not_carry_the_indexer_keys_are_refused_before_ranks_start(llama_checkpoint, kw, message):
     from cpinfer import LLM
@@ -487,3 +488,64 @@ def test_fp8_rows_with_fp8_indexer_keys_go_through_the_tiers_and_to_a_decode_gro
         finally:
             pd.shutdown()
     _check_fake_quant(deq, moved, docs[:2], True)
+
+
+# ---------------------------------------------------------------- draft-model speculation
+def _lookup_draft(llama_checkpoint, tmp_path, follows: dict) -> str:
+    """A one-layer Llama draft with the target's vocabulary whose greedy next token is follows[current token]:
+    its attention and MLP write nothing (o_proj, down_proj zero), so the final hidden is the current token's
+    embedding (random, nearly orthogonal), and lm_head row v sums the embeddings of the tokens that v follows."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = llama_checkpoint("mqa", seed=5, num_hidden_layers=1, max_position_embeddings=2048)
+    dst = tmp_path / "lookup_draft"
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    emb = torch.randn(w["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(0))
+    head = torch.zeros_like(emb)
+    for cur, nxt in follows.items():
+        head[nxt] += 10 * emb[cur] / emb[cur].norm()
+    w["model.embed_tokens.weight"], w["lm_head.weight"] = emb, head
+    w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    return str(dst)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_draft_model_speculation_verifies_each_row_with_its_own_top_k(llama_checkpoint, engines, tmp_path, cp):
+    """A DSA target (index_topk 64, 200-token prompts) with a Llama draft that mostly proposes the target's own
+    greedy continuation: verify rows of up to 4 drafts, each selecting its own top-k at its own position, give the
+    same greedy tokens and log-probs (1e-4) as decoding without speculation and as transformers, with drafts
+    accepted and rejected, at CP 1 and 2; a second turn speculates from the prefix cache."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = _checkpoint(llama_checkpoint, "glm_moe_dsa")
+    prompts = prompts_for(256, [200, 150], seed=40 + cp)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    with engines(path, cp, max_kv_tokens_per_rank=1024) as llm:
+        plain = llm.generate(prompts, params)
+    follows = {}
+    for p, o in zip(prompts, plain):
+        seq = p[-1:] + o.token_ids
+        follows.update({a: b for a, b in zip(seq[:-1], seq[1:])})
+    spec = {"model": _lookup_draft(llama_checkpoint, tmp_path, follows), "num_speculative_tokens": 4}
+    with engines(path, cp, max_kv_tokens_per_rank=1024, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, params)
+        turn2 = [p + o.token_ids[:8] for p, o in zip(prompts, plain)]
+        again = llm.generate(turn2, SamplingParams(max_tokens=8, **GREEDY))
+        stats = llm.engine.stats().spec
+    for o, r in zip(outs, plain):
+        assert o.token_ids == r.token_ids
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
+    assert [o.token_ids for o in again] == [o.token_ids[8:] for o in plain]
+    assert all(o.num_cached_tokens >= 192 - 64 for o in again)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    check_against_hf(path, outs, prompts, 16, check_prompt_lp=False)

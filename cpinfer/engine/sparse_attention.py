@@ -174,8 +174,6 @@ def check_engine(config, args, role: str | None = None) -> None:
          "and its CUDA graphs read every cached key, not the top-k)"),
         (args.mla_form == "expanded", "mla_form='expanded'", "mla_form 'auto' or 'absorbed' (each query reads its "
          "top-k latent rows absorbed)"),
-        (args.speculative_config is not None and args.speculative_config.method != "ngram",
-         "speculative_config method 'draft_model'", "method 'ngram' (a verify row selects its own top-k)"),
     ]
     for bad, what, use in refused:
         if bad:
