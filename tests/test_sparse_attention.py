@@ -134,6 +134,27 @@ def test_candidates_from_any_split_give_the_single_device_top_k(world):
     assert not selected(*cands[0][1:3], ts, tp)[0].any()
 
 
+def test_the_static_top_k_equals_the_dynamic_one():
+    """The static path's selection (a key list per row, padded at an unreachable position; no data-dependent shape)
+    takes the same keys, values and positions as `ordered_topk`, ties by position, rows with fewer than k visible
+    keys padded alike."""
+    from cpinfer.engine.sparse_decode import FAR, static_topk
+
+    gen = torch.Generator().manual_seed(3)
+    q, n, k = 30, 50, 12
+    scores = torch.round(torch.randn(q, n, generator=gen) * 2) / 2
+    scores[torch.rand(q, n, generator=gen) < 0.3] = -torch.inf
+    scores[1, 4:] = -torch.inf
+    pos = torch.sort(torch.randperm(200, generator=gen)[:n]).values
+    want = ordered_topk(scores, pos, k)
+    padded = torch.cat((scores, torch.full((q, 14), -torch.inf)), 1)
+    got = static_topk(padded, torch.cat((pos, torch.full((14,), FAR))).expand(q, -1), k)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(static_topk(scores[:, :5], pos[:5].expand(q, -1), k)[1], ordered_topk(scores[:, :5], pos[:5],
+                                                                                               k)[1])
+
+
 def test_attention_over_the_selected_keys_merges_exactly(monkeypatch):
     """Partials of each rank over its kept keys merge (by LSE) into the dense softmax restricted to them (rows
     gathered in chunks of 2)."""

@@ -49,10 +49,9 @@ def threshold(vals: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor]:
     p = p.gather(1, order)
     if s.shape[1] < k:
         return vals.new_full((q,), -torch.inf), pos.new_full((q,), NO_POS)
-    ts, tp = s[:, k - 1].clone(), p[:, k - 1].clone()
-    short = ~torch.isfinite(ts)  # fewer than k visible keys: all of them
-    ts[short], tp[short] = -torch.inf, NO_POS
-    return ts, tp
+    ts, tp = s[:, k - 1], p[:, k - 1]
+    short = ~torch.isfinite(ts)  # fewer than k visible keys: all of them (no data-dependent shape: CUDA graphs)
+    return torch.where(short, -torch.inf, ts), torch.where(short, NO_POS, tp)
 
 
 def selected(vals: Tensor, pos: Tensor, ts: Tensor, tp: Tensor) -> Tensor:

@@ -170,8 +170,6 @@ def check_engine(config, args, role: str | None = None) -> None:
     refused = [
         (args.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"), f"kv_cache_dtype={args.kv_cache_dtype!r}",
          "kv_cache_dtype 'auto' or 'fp8' (static scales, as MLA)"),
-        (args.static_decode is True, "static_decode=True", "static_decode None or False (the static decode path "
-         "and its CUDA graphs read every cached key, not the top-k)"),
         (args.mla_form == "expanded", "mla_form='expanded'", "mla_form 'auto' or 'absorbed' (each query reads its "
          "top-k latent rows absorbed)"),
     ]
