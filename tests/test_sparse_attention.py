@@ -570,3 +570,20 @@ def test_draft_model_speculation_verifies_each_row_with_its_own_top_k(llama_chec
     assert all(o.num_cached_tokens >= 192 - 64 for o in again)
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
     check_against_hf(path, outs, prompts, 16, check_prompt_lp=False)
+
+
+def test_fp8_cache_preemption_recomputes_the_rows(llama_checkpoint, engines):
+    """kv_cache_dtype fp8 at CP2 with a cache of about 700 tokens: two 250-token prompts decoding 200 tokens each
+    preempt; the resumed request re-encodes its latent and indexer rows; both answer as the model run alone over
+    dequantized rows."""
+    from cpinfer.engine.kv.manager import BLOCK
+    from hf_oracle import prompts_for
+
+    path = _checkpoint(llama_checkpoint, "deepseek_v32")
+    cap = -(-(-(-700 // 2)) // BLOCK) * BLOCK + BLOCK
+    with engines(path, 2, max_kv_tokens_per_rank=cap, kv_cache_dtype="fp8") as llm:
+        prompts = prompts_for(256, [250, 250], seed=27)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=200, **GREEDY))
+        assert llm.engine.stats().preemptions > 0
+        llm.engine.kv.check_invariants()
+    _check_fake_quant(path, outs, prompts, False)
