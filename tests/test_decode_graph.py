@@ -367,3 +367,46 @@ def test_verify_rows_of_a_windowed_model_fall_back(llama_checkpoint, pool):
     for a, b in zip(dynamic, static):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------------------- DeepSeek sparse attention on the static path
+def _static_counts(ctx):
+    static = ctx.state["runner"].static
+    return static.forwards, static.verify_forwards, static.verify_fallbacks
+
+
+def _dsa_run(path, cp, pool, static: bool, placement: str, speculate: bool):
+    """Prompts of 40-90 tokens (two share a 40-token prefix; two repeat a passage, for prompt-lookup drafts) with
+    index_topk 16, greedy with log-probs; decode batches shrink as requests stop."""
+    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static, placement=placement)
+    if speculate:
+        kw["speculative_config"] = NGRAM
+    llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
+    with llm:
+        rng = np.random.default_rng(5)
+        doc, a = rng.integers(3, 256, 40).tolist(), rng.integers(3, 256, 13).tolist()
+        prompts = [doc + rng.integers(3, 256, 50).tolist(), doc + a * 3 + a[:4], a * 4 + rng.integers(3, 256, 9).tolist()]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, logprobs=True, ignore_eos=True) for n in (12, 8, 10)]
+        outs = llm.generate(prompts, params)
+        counts = llm.engine._pool.run(_static_counts) if static else None
+        spec = llm.engine.stats().spec if speculate else None
+    return outs, counts, spec
+
+
+@pytest.mark.parametrize("cp,placement,speculate", [(1, "auto", False), (2, "shard", False), (2, "local", False),
+                                                    (1, "auto", True), (2, "shard", True)])
+def test_static_decode_selects_each_rows_top_k_for_dsa(llama_checkpoint, pool, cp, placement, speculate):
+    """GLM-5's sparse attention (index_topk 16 of up to 100 keys; a "shared" middle layer) on the static decode
+    path: each decode row, and each verify row at its own position, selects its top-k inside the static step (ring
+    rows gathered with candidates exchanged; local rows alone): the same tokens and log-probs within fp32 rounding
+    as the dynamic path, every decode forward served statically (verify forwards too)."""
+    path = llama_checkpoint("deepseek_v3", model_type="glm_moe_dsa", index_topk=16, index_n_heads=16,
+                            index_head_dim=16, indexer_types=["full", "shared", "full"], max_position_embeddings=512)
+    dynamic, _, _ = _dsa_run(path, cp, pool, False, placement, speculate)
+    static, counts, spec_s = _dsa_run(path, cp, pool, True, placement, speculate)
+    assert sum(c[0] for c in counts) >= 8 and sum(c[2] for c in counts) == 0, counts
+    if speculate:  # (how many drafts follows the measured step costs: not compared between the runs)
+        assert spec_s["num_drafts"] > 0 and sum(c[1] for c in counts) >= 1, (spec_s, counts)
+    for a, b in zip(dynamic, static):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)

@@ -630,3 +630,55 @@ def test_deepseek_v3_fp8_on_80gb_h100s_does_not_fit_at_tp8():
     assert mem.weights_gb > experts > 150 and not mem.fits
     paper_rules = Deployment(spec, HARDWARE["h100-sxm"], 1, 8, WEIGHT_FORMATS["fp8"], implementation=PAPER)
     assert memory_per_gpu(paper_rules, 4096).weights_gb < mem.weights_gb - experts / 2 + 1
+
+
+# --- DeepSeek sparse attention ---------------------------------------------------------------------------------
+def test_dsa_catalog_caches_the_indexer_key_and_costs_sparse_attention(capsys):
+    """DeepSeek-V3.2: DeepSeek-V3's shapes plus a 64 x 128 indexer per layer (whole on every TP rank), top-2048;
+    each token caches latent 576 + indexer key 128 per layer (FP8: 576 + 128 + its 4-byte scale). Prefill is
+    costed as sparse on every layer (indexer O(S^2) at its width, attention O(S k), the exchange of rows, candidates
+    and partials; no ring steps): at 1M tokens on CP4 x TP1 the attention kernels cost a fraction of DeepSeek-V3's
+    dense ones (under TP8 the indexer, whole on every TP rank, costs more than the TP-split dense attention), growing
+    ~quadratically only through the indexer; the App. A count follows the same FLOPs; `cpinfer plan` says so and
+    prints 128K and 1M."""
+    from cpinfer.perf.simulator import paper_flops, sparse_attention_layer, topk_pairs
+
+    v32, v3 = load_model_spec("deepseek-v3.2"), load_model_spec("deepseek-v3")
+    assert v32.dsa and (v32.index_heads, v32.index_dim, v32.index_topk) == (64, 128, 2048)
+    assert v32.params - v3.params == 61 * (1536 * 64 * 128 + 7168 * (128 + 64))
+    assert v32.params == pytest.approx(671.9e9, rel=0.01)
+    for tp in (1, 8):
+        assert v32.kv_bytes_per_token(tp, 2) == 61 * (576 + 128) * 2
+    assert v32.kv_bytes_per_token(8, 1) == 61 * (576 + 128 + 4)
+    assert topk_pairs(0, 5000, 2048) == sum(min(2048, i + 1) for i in range(5000))
+    assert topk_pairs(100, 3000, 2048) == sum(min(2048, 100 + i + 1) for i in range(3000))
+    dense, sparse = (Deployment(m, HARDWARE["h200"], 4, 1, WEIGHT_FORMATS["bf16"]) for m in (v3, v32))
+    ttft = {n: (simulate_prefill(dense, n), simulate_prefill(sparse, n)) for n in (131072, 1048576)}
+    for n, (d, s) in ttft.items():
+        assert s.detail["mla_form"] == "sparse" and s.breakdown["ring_steps"] == 0 and s.breakdown["all2all"] > 0
+        one = sparse_attention_layer(sparse, RingShape(4, n, 0), 1)
+        assert s.breakdown["attention"] == pytest.approx(61 * one["attention"])
+        index = 2.0 * 64 * 129 * n * n / 2
+        attend = 2.0 * 128 * (576 + 512) * topk_pairs(0, n, 2048)
+        assert paper_flops(v32, n) == pytest.approx(2.0 * v32.active_params * n + 61 * (index + attend))
+    assert ttft[1048576][1].breakdown["attention"] < ttft[1048576][0].breakdown["attention"] / 3
+    assert ttft[1048576][1].breakdown["attention"] > 20 * ttft[131072][1].breakdown["attention"]  # the indexer's S^2
+    single = simulate_prefill(Deployment(v32, HARDWARE["h200"], 1, 8, WEIGHT_FORMATS["bf16"]), 131072)
+    assert single.breakdown["all2all"] == 0
+    for tokens in ("128K", "1M"):
+        rc, out = _json(capsys, ["plan", "--model", "deepseek-v3.2", "--hardware", "h200", "--cp", "4", "--tp", "8",
+                                 "--prompt-tokens", tokens, "--weights", "fp8"])
+        assert rc == 0 and out["ttft_s"] > 0 and out["kv_gb_per_gpu"] > 0
+    assert cli_main(["plan", "--model", "deepseek-v3.2", "--hardware", "h200", "--cp", "4", "--tp", "8",
+                     "--prompt-tokens", "1M"]) == 0
+    text = capsys.readouterr().out
+    assert "DeepSeek sparse attention" in text and "latent 576 + indexer key 128" in text
+
+
+def test_dsa_config_is_read():
+    cfg = BASE_CFG | dict(model_type="deepseek_v32", kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                          v_head_dim=32, q_lora_rank=96, index_topk=256, index_n_heads=8, index_head_dim=32)
+    spec = model_spec_from_hf_config(cfg, "m", "test")
+    assert (spec.index_heads, spec.index_dim, spec.index_topk) == (8, 32, 256) and spec.dsa
+    with pytest.raises(ValueError, match="sparse attention needs MLA"):
+        dataclasses.replace(load_model_spec("llama3-8b"), index_heads=8, index_dim=32, index_topk=256)

@@ -72,8 +72,30 @@ def test_the_indexer_key_sits_beside_the_latent():
     assert KVStore(3, 8, 1, KVWidths(24, 16, True), torch.float32, "cpu").index is None
     with pytest.raises(ValueError, match="beside MLA's latent only"):
         KVWidths(24, 24, False, 16)
-    with pytest.raises(ValueError, match="full-precision latent cache"):
-        KVStore(3, 8, 1, w, torch.float32, "cpu", kv_cache_dtype="fp8")
+
+
+def test_the_fp8_latent_cache_keeps_the_indexer_key_in_its_row():
+    """FP8 cache: the row is bytes, the latent's 24 e4m3 then the indexer key — its fp32 bytes (a plain checkpoint;
+    a 26-wide latent is padded to 28 so they view as fp32) or 16 e4m3 and a 4-byte scale (an FP8 indexer)."""
+    from cpinfer.engine.kv import fp8 as kv_fp8
+
+    x = torch.randn(5, 16)
+    for w, row in ((KVWidths(24, 16, True, 16), 24 + 64), (KVWidths(26, 16, True, 16), 28 + 64),
+                   (KVWidths(24, 16, True, 16, index_fp8=True), 24 + 20)):
+        assert KVStore.bytes_per_token(3, 1, w, 4, "fp8") == 3 * row
+        store = KVStore(3, 8, 1, w, torch.float32, "cpu", kv_cache_dtype="fp8")
+        assert store.k.dtype == torch.uint8 and store.k.shape == (3, 9, 1, row)
+        store.write_index(1, torch.tensor([0, 2, 3, 4, 7]), x)
+        got = store.read_index(store.index[1, [0, 2, 3, 4, 7]])
+        if w.index_fp8:
+            assert store.index.dtype == torch.uint8 and store.index.shape == (3, 9, 20)
+            torch.testing.assert_close(got, kv_fp8.decode(kv_fp8.encode(x), torch.float32), rtol=0, atol=0)
+            assert not torch.equal(got, x)
+        else:
+            assert store.index.dtype == torch.float32 and store.index.shape == (3, 9, 16)
+            assert torch.equal(got, x) and torch.equal(store.k[1, 2, 0, row - 64:].view(torch.float32), x[1])
+        assert not store.k[1, :, 0, :w.key].any() and not store.k[0].any()  # the latent's bytes untouched
+    assert KVWidths.of(_config("deepseek_v32")).index_fp8 is False
 
 
 # ---------------------------------------------------------------- exact top-k from candidates
@@ -110,6 +132,27 @@ def test_candidates_from_any_split_give_the_single_device_top_k(world):
             got |= {int(pos[mine][i]) for i in idx[row][keep]}
         assert got == _by_order(scores[row], pos, k), row
     assert not selected(*cands[0][1:3], ts, tp)[0].any()
+
+
+def test_the_static_top_k_equals_the_dynamic_one():
+    """The static path's selection (a key list per row, padded at an unreachable position; no data-dependent shape)
+    takes the same keys, values and positions as `ordered_topk`, ties by position, rows with fewer than k visible
+    keys padded alike."""
+    from cpinfer.engine.sparse_decode import FAR, static_topk
+
+    gen = torch.Generator().manual_seed(3)
+    q, n, k = 30, 50, 12
+    scores = torch.round(torch.randn(q, n, generator=gen) * 2) / 2
+    scores[torch.rand(q, n, generator=gen) < 0.3] = -torch.inf
+    scores[1, 4:] = -torch.inf
+    pos = torch.sort(torch.randperm(200, generator=gen)[:n]).values
+    want = ordered_topk(scores, pos, k)
+    padded = torch.cat((scores, torch.full((q, 14), -torch.inf)), 1)
+    got = static_topk(padded, torch.cat((pos, torch.full((14,), FAR))).expand(q, -1), k)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(static_topk(scores[:, :5], pos[:5].expand(q, -1), k)[1], ordered_topk(scores[:, :5], pos[:5],
+                                                                                               k)[1])
 
 
 def test_attention_over_the_selected_keys_merges_exactly(monkeypatch):
@@ -196,9 +239,10 @@ def test_top_k_above_the_context_selects_everything_and_the_selection_matters(ll
 
 # ---------------------------------------------------------------- what the engine refuses, and what it carries
 @pytest.mark.parametrize("kw, message", [
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+    ({"kv_cache_dtype": "fp8_per_token"}, "kv_cache_dtype='fp8_per_token' is not supported"),
     ({"mla_form": "expanded"}, "mla_form='expanded' is not supported"),
-    ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}}, "method 'draft_model' is not supported"),
+    ({"speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}},
+     "draft model with DeepSeek sparse attention"),
 ])
 def test_features_that_do_not_carry_the_indexer_keys_are_refused_before_ranks_start(llama_checkpoint, kw, message):
     from cpinfer import LLM
@@ -342,3 +386,204 @@ def test_prefill_and_decode_groups_move_the_indexer_keys_with_the_latent(llama_c
         finally:
             llm.shutdown()
     check_against_hf(path, outs, prompts, 8, check_prompt_lp=False)
+
+
+# ---------------------------------------------------------------- the FP8 latent cache
+def _fake_quant_logprobs(path, tokens, index_fp8: bool, latent_fp8: bool = True):
+    """The model run alone over `tokens` with DeepSeek sparse attention over FP8-dequantized rows: the latent
+    [c ; k_r] by the scales calibrated at load (as the engine's), the indexer key by its own per-token scale when
+    `index_fp8` (else as computed); each row's top-k by (score desc, position asc), GLM's "shared" layers reusing
+    the last selection (`latent_fp8` False: the latent unquantized) -> log-probs [len - 1, vocab] of the next
+    tokens."""
+    from cpinfer.attention.sparse import ordered_topk
+    from cpinfer.engine.kv import fp8 as kv_fp8
+    from cpinfer.model import load_model
+    from cpinfer.model.indexer import index_scores
+
+    cfg, model = load_model(path)
+    codecs = kv_fp8.layer_codecs("fp8", kv_fp8.calibrate_kv_scales(model, cfg, "cpu"), cfg.num_hidden_layers, 1,
+                                 "cpu")
+    n = len(tokens)
+    ids, pos = torch.tensor(tokens), torch.arange(n)
+    causal = pos[None, :] <= pos[:, None]
+    keep = {}
+
+    def attn(layer, q, k, v, sinks=None, index=None):
+        kq = (codecs[layer][0].decode(codecs[layer][0].encode(k), k.dtype) if latent_fp8 else k)[:, 0]  # [n, D]
+        if index is not None:
+            ik = kv_fp8.decode(kv_fp8.encode(index.k), index.k.dtype) if index_fp8 else index.k
+            s = index_scores(index.q, index.w, ik, index.scale).masked_fill(~causal, -torch.inf)
+            m = min(cfg.dsa.index_topk, n)
+            vals, _, idx = ordered_topk(s, pos, m)
+            keep["mask"] = torch.zeros(n, n, dtype=torch.bool).scatter_(1, idx, torch.isfinite(vals))
+        logits = torch.einsum("qhd,kd->qhk", q.float(), kq.float()) * cfg.attention_scale
+        p = torch.softmax(logits.masked_fill(~keep["mask"][:, None], -torch.inf), dim=-1)
+        return torch.einsum("qhk,kd->qhd", p, kq[:, :v.shape[-1]].float()).to(q.dtype)
+
+    with torch.no_grad():
+        return model.compute_logits(model(ids, pos, attn)).float().log_softmax(-1)[:-1]
+
+
+@pytest.mark.parametrize("model_type, fp8_weights, cp", [
+    ("deepseek_v32", False, 1), ("deepseek_v32", False, 2), ("glm_moe_dsa", False, 3), ("glm_moe_dsa", True, 2)])
+def test_fp8_latent_cache_is_sparse_attention_over_dequantized_rows(llama_checkpoint, engines, tmp_path, model_type,
+                                                                    fp8_weights, cp):
+    """kv_cache_dtype fp8: the latent in e4m3 by MLA's static scales, the indexer key in the compute dtype (a plain
+    checkpoint) or in e4m3 with its own scale (GLM-5's FP8 release, whose indexer is FP8). A 200-token prompt in
+    chunks of 96, then a second turn from the prefix cache decoding 4 tokens: prompt and decode log-probs within
+    1e-4 of the model run alone with every row quantized and dequantized (top-k over the dequantized indexer
+    keys), greedy tokens equal, as the MLA families' FP8 test holds; the cache counts the bytes of that row."""
+    from hf_oracle import prompts_for
+
+    path = _checkpoint(llama_checkpoint, model_type)
+    ref_path = path
+    if fp8_weights:
+        from fp8_checkpoint import write_fp8_pair
+
+        path, ref_path = tmp_path / "fp8", tmp_path / "deq"
+        write_fp8_pair(_checkpoint(llama_checkpoint, model_type), path, ref_path, "fp8_block", fuse_experts=True)
+    prompt = prompts_for(256, [200], seed=30 + cp)[0]
+    with engines(path, cp, kv_cache_dtype="fp8", max_num_batched_tokens=96, max_kv_tokens_per_rank=1024) as llm:
+        first = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=True, **GREEDY))[0]
+        turn2 = prompt + first.token_ids + [7, 8]
+        second = llm.generate([turn2], SamplingParams(max_tokens=4, **GREEDY))[0]
+        assert second.num_cached_tokens >= 192
+        assert llm.cache_stats()["kv_bytes_per_token"] == 3 * (24 + (16 + 4 if fp8_weights else 16 * 4))
+    want = _fake_quant_logprobs(ref_path, prompt, fp8_weights)
+    got = torch.tensor(first.prompt_logprobs[1:])
+    at = (torch.arange(len(prompt) - 1), torch.tensor(prompt[1:]))
+    torch.testing.assert_close(got, want[at], rtol=0, atol=1e-4)
+    for other in (_fake_quant_logprobs(ref_path, prompt, not fp8_weights),  # the indexer key's format matters
+                  _fake_quant_logprobs(ref_path, prompt, fp8_weights, latent_fp8=False)):  # and the latent's
+        assert (other[at] - got).abs().max() > 1e-2
+    full = turn2 + second.token_ids
+    want2 = _fake_quant_logprobs(ref_path, full, fp8_weights)[len(turn2) - 1:]
+    assert second.token_ids == want2.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(second.logprobs), want2.max(-1).values, rtol=0, atol=1e-4)
+
+
+def _check_fake_quant(path, outs, prompts, index_fp8: bool) -> None:
+    """Greedy outputs (`logprobs` on) equal the model run alone over FP8-dequantized rows, log-probs within 1e-4."""
+    for o, p in zip(outs, prompts):
+        want = _fake_quant_logprobs(path, p + o.token_ids, index_fp8)[len(p) - 1:]
+        assert o.token_ids == want.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(o.logprobs), want.max(-1).values, rtol=0, atol=1e-4)
+
+
+def test_fp8_rows_with_fp8_indexer_keys_go_through_the_tiers_and_to_a_decode_group(llama_checkpoint, engines,
+                                                                                   tmp_path):
+    """GLM-5's FP8 release with kv_cache_dtype fp8 (rows of 24 latent e4m3 + 16 indexer e4m3 + its 4-byte scale):
+    CP2 with a device cache of about one conversation pushes histories to host and disk; second turns come back
+    from both, a CP1 engine restarted on the directory reads them, and a prefill group (CP2) hands its rows to a
+    decode group (CP1) — every answer as the model run alone over the dequantized rows."""
+    from cpinfer.launch import WorkerPool
+    from fp8_checkpoint import write_fp8_pair
+    from hf_oracle import prompts_for
+    from pooled_engine import pd_llm
+
+    path, deq = tmp_path / "fp8", tmp_path / "deq"
+    write_fp8_pair(_checkpoint(llama_checkpoint, "glm_moe_dsa"), path, deq, "fp8_block", fuse_experts=True)
+    row = 3 * (24 + 16 + 4)
+    kw = dict(kv_disk_dir=tmp_path / "kv", max_num_batched_tokens=96, kv_cache_dtype="fp8")
+    docs = [[3 + i] + p for i, p in enumerate(prompts_for(256, [150, 140, 150], seed=6))]
+    with engines(path, 2, max_kv_tokens_per_rank=192, kv_host_gib=128 * row / (1 << 30), **kw) as llm:
+        first = [llm.generate([d], SamplingParams(max_tokens=4, **GREEDY))[0] for d in docs]
+        turn2 = [d + o.token_ids + [5, 6] for d, o in zip(docs, first)]
+        outs = [llm.generate([t], SamplingParams(max_tokens=4, **GREEDY))[0] for t in turn2[::-1]]
+        assert [o.num_cached_tokens for o in outs] == [len(d) + 3 for d in docs[::-1]]
+        t = llm.cache_stats()["tiers"]
+        assert t["host"]["hit_tokens"] > 0 and t["disk"]["hit_tokens"] > 0, t
+        assert t["device"]["bytes"] == t["device"]["tokens"] * row
+        llm.engine.kv.check_invariants()
+    _check_fake_quant(deq, first + outs, docs + turn2[::-1], True)
+    with engines(path, 1, max_kv_tokens_per_rank=2048, **kw) as llm:
+        again = llm.generate([turn2[0] + [9]], SamplingParams(max_tokens=4, **GREEDY))
+        assert again[0].num_cached_tokens >= len(docs[0]) + 3
+    _check_fake_quant(deq, again, [turn2[0] + [9]], True)
+    with WorkerPool(3, threads_per_rank=1, timeout_s=120) as pool:
+        pd = pd_llm(pool, path, context_parallel_size=2, pd_decode_cp=1, placement="shard", kv_cache_dtype="fp8",
+                    max_num_batched_tokens=96, max_kv_tokens_per_rank=1024)
+        try:
+            moved = pd.generate(docs[:2], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
+            assert not any(k.startswith("prefill/") for k in pd.engine.decode[0].stats().forwards)
+        finally:
+            pd.shutdown()
+    _check_fake_quant(deq, moved, docs[:2], True)
+
+
+# ---------------------------------------------------------------- draft-model speculation
+def _lookup_draft(llama_checkpoint, tmp_path, follows: dict) -> str:
+    """A one-layer Llama draft with the target's vocabulary whose greedy next token is follows[current token]:
+    its attention and MLP write nothing (o_proj, down_proj zero), so the final hidden is the current token's
+    embedding (random, nearly orthogonal), and lm_head row v sums the embeddings of the tokens that v follows."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = llama_checkpoint("mqa", seed=5, num_hidden_layers=1, max_position_embeddings=2048)
+    dst = tmp_path / "lookup_draft"
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    emb = torch.randn(w["model.embed_tokens.weight"].shape, generator=torch.Generator().manual_seed(0))
+    head = torch.zeros_like(emb)
+    for cur, nxt in follows.items():
+        head[nxt] += 10 * emb[cur] / emb[cur].norm()
+    w["model.embed_tokens.weight"], w["lm_head.weight"] = emb, head
+    w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    return str(dst)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_draft_model_speculation_verifies_each_row_with_its_own_top_k(llama_checkpoint, engines, tmp_path, cp):
+    """A DSA target (index_topk 64, 200-token prompts) with a Llama draft that mostly proposes the target's own
+    greedy continuation: verify rows of up to 4 drafts, each selecting its own top-k at its own position, give the
+    same greedy tokens and log-probs (1e-4) as decoding without speculation and as transformers, with drafts
+    accepted and rejected, at CP 1 and 2; a second turn speculates from the prefix cache."""
+    from hf_oracle import check_against_hf, prompts_for
+
+    path = _checkpoint(llama_checkpoint, "glm_moe_dsa")
+    prompts = prompts_for(256, [200, 150], seed=40 + cp)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    with engines(path, cp, max_kv_tokens_per_rank=1024) as llm:
+        plain = llm.generate(prompts, params)
+    follows = {}
+    for p, o in zip(prompts, plain):
+        seq = p[-1:] + o.token_ids
+        follows.update({a: b for a, b in zip(seq[:-1], seq[1:])})
+    spec = {"model": _lookup_draft(llama_checkpoint, tmp_path, follows), "num_speculative_tokens": 4}
+    with engines(path, cp, max_kv_tokens_per_rank=1024, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, params)
+        turn2 = [p + o.token_ids[:8] for p, o in zip(prompts, plain)]
+        again = llm.generate(turn2, SamplingParams(max_tokens=8, **GREEDY))
+        stats = llm.engine.stats().spec
+    for o, r in zip(outs, plain):
+        assert o.token_ids == r.token_ids
+        np.testing.assert_allclose(o.logprobs, r.logprobs, atol=1e-4)
+    assert [o.token_ids for o in again] == [o.token_ids[8:] for o in plain]
+    assert all(o.num_cached_tokens >= 192 - 64 for o in again)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    check_against_hf(path, outs, prompts, 16, check_prompt_lp=False)
+
+
+def test_fp8_cache_preemption_recomputes_the_rows(llama_checkpoint, engines):
+    """kv_cache_dtype fp8 at CP2 with a cache of about 700 tokens: two 250-token prompts decoding 200 tokens each
+    preempt; the resumed request re-encodes its latent and indexer rows; both answer as the model run alone over
+    dequantized rows."""
+    from cpinfer.engine.kv.manager import BLOCK
+    from hf_oracle import prompts_for
+
+    path = _checkpoint(llama_checkpoint, "deepseek_v32")
+    cap = -(-(-(-700 // 2)) // BLOCK) * BLOCK + BLOCK
+    with engines(path, 2, max_kv_tokens_per_rank=cap, kv_cache_dtype="fp8") as llm:
+        prompts = prompts_for(256, [250, 250], seed=27)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=200, **GREEDY))
+        assert llm.engine.stats().preemptions > 0
+        llm.engine.kv.check_invariants()
+    _check_fake_quant(path, outs, prompts, False)

@@ -49,10 +49,9 @@ def threshold(vals: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor]:
     p = p.gather(1, order)
     if s.shape[1] < k:
         return vals.new_full((q,), -torch.inf), pos.new_full((q,), NO_POS)
-    ts, tp = s[:, k - 1].clone(), p[:, k - 1].clone()
-    short = ~torch.isfinite(ts)  # fewer than k visible keys: all of them
-    ts[short], tp[short] = -torch.inf, NO_POS
-    return ts, tp
+    ts, tp = s[:, k - 1], p[:, k - 1]
+    short = ~torch.isfinite(ts)  # fewer than k visible keys: all of them (no data-dependent shape: CUDA graphs)
+    return torch.where(short, -torch.inf, ts), torch.where(short, NO_POS, tp)
 
 
 def selected(vals: Tensor, pos: Tensor, ts: Tensor, tp: Tensor) -> Tensor:
@@ -63,11 +62,12 @@ def selected(vals: Tensor, pos: Tensor, ts: Tensor, tp: Tensor) -> Tensor:
 
 
 def attend_selected(q: Tensor, keys: Tensor, slots: Tensor, keep: Tensor, dv: int,
-                    scale: float) -> tuple[Tensor, Tensor]:
+                    scale: float, decode=None) -> tuple[Tensor, Tensor]:
     """Absorbed-MLA attention of each row over its selected keys: q [Q, H, D], keys [N, D] (latent rows, e.g. the
     store; values = their first dv channels), slots / keep [Q, k] (rows of `keys`, whether selected) -> (out
     [Q, H, dv] fp32, lse [Q, H] fp32; zeros / -inf for a row with no selected key). Reads Q x k rows, in chunks of
-    rows (memory O(chunk x k x D))."""
+    rows (memory O(chunk x k x D)). `decode`: stored rows [N, D] (e.g. FP8 bytes) -> their values, applied to the
+    rows read."""
     nq, h = q.shape[0], q.shape[1]
     out = torch.zeros((nq, h, dv), dtype=torch.float32, device=q.device)
     lse = torch.full((nq, h), -torch.inf, dtype=torch.float32, device=q.device)
@@ -77,7 +77,8 @@ def attend_selected(q: Tensor, keys: Tensor, slots: Tensor, keep: Tensor, dv: in
     step = max(1, _GATHER_ELEMS // (k * keys.shape[1]))
     for a in range(0, nq, step):
         e = min(nq, a + step)
-        kk = keys.index_select(0, slots[a:e].reshape(-1)).view(e - a, k, -1).float()  # [c, k, D]
+        kk = keys.index_select(0, slots[a:e].reshape(-1))  # [c * k, D]
+        kk = (kk if decode is None else decode(kk)).view(e - a, k, -1).float()  # [c, k, D]
         s = torch.matmul(q[a:e].float(), kk.transpose(1, 2)) * scale  # [c, H, k]
         s = s.masked_fill(~keep[a:e, None, :], -torch.inf)
         m = torch.logsumexp(s, dim=-1)  # [c, H]

@@ -12,7 +12,8 @@ and replayed; with `enforce_eager`, on CPU or over gloo the same static forward 
 verify sequences (k + 1 rows on one rank) are groups of `width` rows, one program reading the keys once for all of
 them, each row with its own causal bound (docs/gpu.md, "Verify rows"); buckets per (sequences, width). MLA (values = the
 latent keys' first channels, Dv < Dk) runs the one-head-size kernel with the keys as values and keeps the output's
-first Dv channels.
+first Dv channels. DeepSeek sparse attention (DSA) selects each row's top-k keys inside the static step
+(`sparse_decode.py`) instead of the kernel's tile tables.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from cpinfer.engine.attention import _merge_runs, first_visible
 from cpinfer.engine.batch import ForwardBatch
 from cpinfer.engine.decode_tables import StaticBuffers, bucket_sizes, split_rows, verify_runs
 from cpinfer.engine.static_recurrent import StaticRecurrence, slot_rows
+from cpinfer.engine.sparse_decode import StaticSparse
 
 MODES = ("off", "eager", "graph")  # no static path; the static path run eagerly; captured as CUDA graphs
 
@@ -53,6 +55,9 @@ class DecodeStep:
     width: int = 1  # query rows per sequence: 1, or k + 1 of the widest verify sequence (every rank the same)
     rec_rows: int = 0  # hybrid models: rows per rank of the recurrent layers' exchange (every rank the same)
     rec_groups: list | None = None  # ... and each rank's sequences in its row order (None: padding)
+    keys: int = 0  # DSA: the per-row key bound (every rank the same; `sparse_decode.py`)
+    ring_of: list | None = None  # DSA: every rank's ring sequences in group order
+    local: list | None = None  # DSA: my local sequences
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -89,6 +94,8 @@ class StaticDecode:
         # decode's), its rows in blocks beyond; not tuned on a GPU
         self.max_lanes = max(128, self.block_m) if runner.widths.key <= 256 else self.block_m
         self.sizes = bucket_sizes(max_rows)
+        dsa = runner.config.dsa
+        self.sparse = None if dsa is None else StaticSparse(self, dsa.index_topk)  # DSA: top-k, no tile tables
         self.buckets: dict[tuple[int, int, int], dict] = {}  # (ring seqs, local seqs, width) -> buffers, graph
         self.pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
         self.forwards = 0  # decode forwards this path served (diagnostics and tests)
@@ -148,6 +155,9 @@ class StaticDecode:
                     visible[b] = _merge_runs(np.concatenate((runs, [[s.slots[0], s.slots[0] + 1]])))
                 else:  # a verify sequence: [k0, k1, diag] runs, its rows from i * width of its part
                     visible[b] = verify_runs(_merge_runs(runs), s.slots, i * width)
+        if self.sparse is not None:
+            return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), {}, 0, width,
+                              self.sparse.keys_bound(batch, n), ring_of, local)
         parts = [("ring", j, ring_of[(me - j) % n], ring_rows) for j in range(n if ring_rows else 0)]
         parts += [("local", 0, local, local_rows)] if local_rows else []
         tables = {}
@@ -193,11 +203,15 @@ class StaticDecode:
     def _bucket(self, step: DecodeStep) -> dict:
         """The bucket for this step: made on first use, remade (bigger, recaptured) when a table outgrows it."""
         bucket = self.buckets.get(step.key)
-        if bucket is None or bucket["ranges"] < step.ranges:
+        if bucket is None or bucket["ranges"] < step.ranges or bucket["keys"] < step.keys:
             cap = max(256, 1 << (2 * max(step.ranges, 1) - 1).bit_length())
             rows = (step.ring_rows + step.local_rows) * step.width
             fields = [(("ids",), np.int64, rows), (("pos",), np.int64, rows), (("slots",), np.int64, rows)]
             fields += [((f,), np.int64, self.world * step.rec_rows) for f in ("rec_in", "rec_out", "rec_copy")]
+            keys = 2 * step.keys  # (DSA: room to grow before the bucket is remade)
+            if self.sparse is not None:
+                fields += self.sparse.fields(step.ring_rows * step.width, step.local_rows * step.width, self.world,
+                                             keys)
             pieces = {}
             rpp = self._rows_per_prog(step.width)
             for key in step.tables:
@@ -208,7 +222,7 @@ class StaticDecode:
                            (key + ("off",), np.int32, programs + 1), (key + ("slot",), np.int32, programs)]
                 fields += [(key + (f,), np.int32, cap) for f in ("k0", "k1", "r0", "r1", "diag")]
             g = self.runner.layout.heads // self.runner.layout.kv_heads
-            bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces,
+            bucket = {"buffers": StaticBuffers(fields, self.device), "ranges": cap, "pieces": pieces, "keys": keys,
                       "ring_rows": step.ring_rows * step.width, "local_rows": step.local_rows * step.width,
                       "width": step.width, "graph": None, "logits": None, "rec_rows": step.rec_rows,
                       "state_version": None,
@@ -241,6 +255,8 @@ class StaticDecode:
                 host = buf.host(key + (f,))
                 host[:len(table[f])] = table[f]
                 host[len(table[f]):] = 0
+        if self.sparse is not None:
+            self.sparse.fill(buf, batch, step, bucket["keys"])
         buf.upload()
 
     # ------------------------------------------------------------------ device side
@@ -299,10 +315,18 @@ class StaticDecode:
         buf, store, r = bucket["buffers"], self.runner.store, self.runner
 
         in_keys = store.widths.values_in_keys
+        key = store.widths.key
 
-        def attn(layer: int, q, k, v, sinks=None):  # q [rows, H, Dk], k [rows, Hkv, Dk], v [rows, Hkv, Dv]; sinks [H]
+        def attn(layer: int, q, k, v, sinks=None, index=None):  # q [rows, H, Dk], k [rows, Hkv, Dk], v [rows, Hkv,
+            # Dv]; sinks [H]; index: a DSA layer's `IndexerRows` (None on its "shared" layers)
             kind = (r.windows[layer], r.chunks[layer])
             layer = r.kv_layer[layer]  # its KV store layer (a hybrid's recurrent layers have none)
+            if self.sparse is not None:  # rows [latent ; indexer key]; each row's top-k (`sparse_decode.py`)
+                store.k[layer][..., :key].index_copy_(0, buf[("slots",)], k)
+                if index is not None:
+                    store.write_index(layer, buf[("slots",)], index.k)
+                return self.sparse.attention(bucket, q, store.k[layer][:, 0, :key], store.index[layer], index,
+                                             r.scale, v.shape[-1])
             store.k[layer].index_copy_(0, buf[("slots",)], k)
             if not in_keys:  # (MLA: v is the keys' first channels, written with them)
                 store.v[layer].index_copy_(0, buf[("slots",)], v)

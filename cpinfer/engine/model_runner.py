@@ -232,13 +232,16 @@ class ModelRunner:
             # v [N, H, Dv]); index: a DSA layer's `IndexerRows` (None on its "shared" layers)
             kv = kv_of[layer]
             if sparse is not None:  # DSA: rows [latent ; indexer key], the indexer's written on its "full" layers
-                store.k[kv][..., :store.widths.key].index_copy_(0, slots, k)
+                codec = None if codecs is None else codecs[kv][0]  # FP8: the latent's e4m3 bytes, read decoded
+                store.k[kv][..., :store.widths.key].index_copy_(0, slots, k if codec is None else codec.encode(k))
                 if index is not None:
-                    store.index[kv].index_copy_(0, slots, index.k)
+                    store.write_index(kv, slots, index.k)
                 if written is not None:
                     written(kv)
                 return sparse.run(q, store.k[kv][..., :store.widths.key], store.index[kv], index, self.scale,
-                                  v.shape[-1])
+                                  v.shape[-1], decode_k=None if codec is None else
+                                  (lambda rows: codec.decode(rows[:, None], store.dtype)[:, 0]),
+                                  decode_index=store.read_index)
             if codecs is not None:  # FP8 rows, uint8 [L, Hkv, D (+ 4)] (MLA: v stays the view of k's first bytes)
                 k, v = kv_fp8.encode_rows(codecs[kv], k, v, store.widths.values_in_keys)
             store.k[kv].index_copy_(0, slots, k)  # the cache operation: new K/V into the driver's slots

@@ -42,6 +42,7 @@ class SparseAttention:
 
     def __init__(self, plan, slot_positions, topk: int, device):
         self.plan, self.topk, self.device = plan, topk, device
+        self.decode_k = self.decode_index = None  # (FP8 cache: set per layer by `run`)
         me, seqs = plan.rank, plan.batch.seqs
         self.ring = []
         for b in plan.ring:  # rows: rank r's ring row i is row r * max_q + i of the gathered rows
@@ -63,11 +64,14 @@ class SparseAttention:
         return _Part(rows, q_pos, slots, k_pos, self.device)
 
     # ------------------------------------------------------------------ per layer
-    def run(self, q, store_k, store_index, index, scale: float, dv: int) -> torch.Tensor:
+    def run(self, q, store_k, store_index, index, scale: float, dv: int, decode_k=None,
+            decode_index=None) -> torch.Tensor:
         """q [Lq, H, D] (absorbed MLA queries), store_k [capacity, 1, D] (latent rows, this forward's written),
         store_index [capacity, Di] (indexer keys, written), index: this layer's `IndexerRows` (None: a "shared"
-        layer, the previous selection) -> out [Lq, H, dv]."""
+        layer, the previous selection) -> out [Lq, H, dv]. An FP8 cache: `decode_k` (latent rows [N, D] uint8 ->
+        [N, D]) and `decode_index` (stored indexer keys -> [N, Di]) dequantize the rows read, never the store."""
         plan = self.plan
+        self.decode_k, self.decode_index = decode_k, decode_index
         out = q.new_zeros((q.shape[0], q.shape[1], dv))
         keys = store_k[:, 0]  # [capacity, D]
         if self.ring:
@@ -81,17 +85,18 @@ class SparseAttention:
             out[part.rows] = o.to(q.dtype)
         return out
 
-    @staticmethod
-    def _attend(part: _Part, q, keys, dv: int, scale: float):
+    def _attend(self, part: _Part, q, keys, dv: int, scale: float):
         """The part's rows q [Q, H, D] over their selected keys here -> (out [Q, H, dv], lse [Q, H]) fp32; a rank
         holding none of the sequence's keys gives empty partials (lse -inf)."""
         if not len(part.slots):
-            return attend_selected(q, keys, part.cand[2][:, :0], part.keep[:, :0], dv, scale)
-        return attend_selected(q, keys, part.slots[part.cand[2]], part.keep, dv, scale)
+            return attend_selected(q, keys, part.cand[2][:, :0], part.keep[:, :0], dv, scale, self.decode_k)
+        return attend_selected(q, keys, part.slots[part.cand[2]], part.keep, dv, scale, self.decode_k)
 
     def _candidates(self, part: _Part, iq, w, store_index, scale: float) -> None:
         """My local top-k of each of the part's rows: (values, positions, indices into my keys), [Q, k] each."""
         k = store_index[part.slots]  # [K, Di]
+        if self.decode_index is not None:
+            k = self.decode_index(k)
         vals, pos, idx = [], [], []
         step = max(1, _SCORE_ELEMS // max(1, len(part.slots) * iq.shape[1]))  # [rows, Hi, K] at once
         for a in range(0, len(part.rows), step):
@@ -163,13 +168,10 @@ def check_engine(config, args, role: str | None = None) -> None:
         return
     name = f"{config.model_type} (DeepSeek sparse attention)"
     refused = [
-        (args.kv_cache_dtype != "auto", f"kv_cache_dtype={args.kv_cache_dtype!r}", "kv_cache_dtype='auto'"),
-        (args.static_decode is True, "static_decode=True", "static_decode None or False (the static decode path "
-         "and its CUDA graphs read every cached key, not the top-k)"),
+        (args.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"), f"kv_cache_dtype={args.kv_cache_dtype!r}",
+         "kv_cache_dtype 'auto' or 'fp8' (static scales, as MLA)"),
         (args.mla_form == "expanded", "mla_form='expanded'", "mla_form 'auto' or 'absorbed' (each query reads its "
          "top-k latent rows absorbed)"),
-        (args.speculative_config is not None and args.speculative_config.method != "ngram",
-         "speculative_config method 'draft_model'", "method 'ngram' (a verify row selects its own top-k)"),
     ]
     for bad, what, use in refused:
         if bad:

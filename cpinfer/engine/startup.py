@@ -220,10 +220,6 @@ class EngineStartup:
             log.warning("decode runs without the static path (CUDA graphs): it takes one head size for keys and "
                         "values (or values inside the keys, as MLA's), and this model's differ")
             static = False
-        if static and e.config.dsa is not None:
-            log.warning("decode runs without the static path (CUDA graphs): %s attends to each query's top-k keys",
-                        e.config.model_type)
-            static = False
         if static and a.kv_cache_dtype != "auto":
             log.warning("decode runs without the static path (CUDA graphs): it reads a full-precision KV cache, and "
                         "kv_cache_dtype is %s", a.kv_cache_dtype)

@@ -55,10 +55,17 @@ class Indexer(nn.Module):
         return IndexerRows(q, w, k, d.index_head_dim ** -0.5)
 
 
+def index_key_fp8(config: ModelConfig) -> bool:
+    """Whether the checkpoint's indexer is FP8 (its `quantization_config` quantizes `indexer.wk`, as DeepSeek-V3.2's
+    and GLM-5's FP8 releases do): then an FP8 KV cache keeps the indexer key in FP8 too (`kv/store.py`)."""
+    q = config.quantization
+    return config.dsa is not None and q is not None and not q.leaves("model.layers.0.self_attn.indexer.wk")
+
+
 def index_scores(q: Tensor, w: Tensor, k: Tensor, scale: float) -> Tensor:
     """q [Q, Hi, Di], w [Q, Hi] fp32, k [K, Di] -> scores [Q, K] fp32: sum_h w_h relu(scale q_h · k)."""
     s = torch.relu(torch.matmul(q.float(), k.float().t()) * scale)  # [Q, Hi, K]
     return torch.matmul(w.unsqueeze(1), s).squeeze(1)  # [Q, K]
 
 
-__all__ = ["Indexer", "IndexerRows", "index_scores"]
+__all__ = ["Indexer", "IndexerRows", "index_key_fp8", "index_scores"]

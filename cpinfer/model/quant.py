@@ -198,9 +198,13 @@ class QuantMethod:
     def scheme_for(self, module: str) -> WeightScheme:
         raise NotImplementedError
 
+    def leaves(self, module: str) -> bool:
+        """Whether the config leaves `module` in the checkpoint's dtype (a skip entry names it)."""
+        return any(_skip_match(module, e) for e in self.skip)
+
     def check_module(self, module: str, weight_name: str) -> WeightScheme:
         """The scheme of an FP8 weight found in the checkpoint; an FP8 weight the config leaves out is an error."""
-        if any(_skip_match(module, e) for e in self.skip):
+        if self.leaves(module):
             raise ValueError(f"checkpoint tensor {weight_name!r} is FP8 but quantization_config ({self.name}) leaves "
                              f"module {module!r} unquantized")
         return self.scheme_for(module)

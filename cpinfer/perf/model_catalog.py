@@ -1,9 +1,10 @@
 """Built-in model shapes for `cpinfer plan`: the paper's Llama3-405B (§4.1, App. A Table 6) and the long-context
 members of the families cpinfer serves (Llama 3.1, Qwen2.5 incl. 1M, Qwen3, Mistral Small 3.1, Gemma 3, and the
 mixtures of experts Qwen3-MoE, gpt-oss, Llama 4 Scout, Mixtral: total parameters for memory, active for FLOPs;
-DeepSeek-V3 and Kimi K2 with multi-head latent attention: a 576-value latent per token in the KV cache; the
-linear-attention hybrids Qwen3.5-397B-A17B, Qwen3-Next and Kimi Linear: K/V on their attention layers only, a
-fixed-size recurrent state per request on the others).
+DeepSeek-V3 and Kimi K2 with multi-head latent attention: a 576-value latent per token in the KV cache; DeepSeek-V3.2
+with sparse attention on top: a 128-value indexer key more per token and layer; the linear-attention hybrids
+Qwen3.5-397B-A17B, Qwen3-Next and Kimi Linear: K/V on their attention layers only, a fixed-size recurrent state per
+request on the others).
 
 Every number is the published Hugging Face `config.json` of the checkpoint named in its `source` (text part of the
 multimodal ones); windows follow the config's layer layout (Gemma 3: 5 local layers of 1024 keys per global one).
@@ -93,6 +94,11 @@ MLA_MODELS = (  # head_dim 576: the absorbed attention's width (latent + rotary 
          _hf("deepseek-ai/DeepSeek-V3", _MLA_NOTE + "; 256 routed experts of 2048, top 8, 1 shared, first 3 layers "
              "dense; YaRN factor 40 over 4096 (the MTP layer is not counted)"),
          moe_layers=58, shared_ffn_dim=2048, **_MLA),
+    _moe("deepseek-v3.2", 61, 7168, 128, 1, 576, 18432, 129280, 163840, 256, 8, 2048,
+         _hf("deepseek-ai/DeepSeek-V3.2", _MLA_NOTE + "; DeepSeek sparse attention: a lightning indexer of 64 heads x "
+             "128 per layer (index_n_heads, index_head_dim), top-2048 keys per query (index_topk), its key cached "
+             "beside the latent; routing, experts and YaRN as DeepSeek-V3"),
+         moe_layers=58, shared_ffn_dim=2048, index_heads=64, index_dim=128, index_topk=2048, **_MLA),
     _moe("kimi-k2", 61, 7168, 64, 1, 576, 18432, 163840, 131072, 384, 8, 2048,
          _hf("moonshotai/Kimi-K2-Instruct", _MLA_NOTE + "; 64 heads; 384 routed experts of 2048, top 8, 1 shared, "
              "first layer dense"),
@@ -130,5 +136,6 @@ MODELS.update({m.name: m for m in MOE_MODELS + MLA_MODELS + HYBRID_MODELS})
 ALIASES = {"llama-3.1-8b": "llama3-8b", "llama-3.1-70b": "llama3-70b", "llama-3.1-405b": "llama3-405b",
            "mistral-small": "mistral-small-3.1-24b", "llama-4-scout-17b-16e": "llama-4-scout",
            "deepseek-r1": "deepseek-v3", "kimi-k2-instruct": "kimi-k2", "qwen3.5-397b": "qwen3.5-397b-a17b",
-           "qwen3-next-80b": "qwen3-next-80b-a3b", "kimi-linear": "kimi-linear-48b-a3b"}
+           "qwen3-next-80b": "qwen3-next-80b-a3b", "kimi-linear": "kimi-linear-48b-a3b",
+           "deepseek-v3.2-exp": "deepseek-v3.2"}
 MODELS.update({alias: MODELS[name] for alias, name in ALIASES.items()})

@@ -51,6 +51,12 @@ class ModelSpec:
     linear_v_dim: int = 0
     linear_conv: int = 0      # the causal depthwise conv1d's kernel (its last kernel - 1 inputs are state too)
     attn_output_gate: bool = False  # Qwen3-Next / Qwen3.5 gated attention: q_proj doubled into a sigmoid gate
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; 0: none): a lightning indexer of index_heads x index_dim scores
+    # every earlier key for each query (O(S^2) at that small width), attention reads the index_topk best (O(S k));
+    # each token caches an indexer key of index_dim beside the latent
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
 
     def __post_init__(self) -> None:
         for what in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab"):
@@ -75,6 +81,10 @@ class ModelSpec:
         mla = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
         if self.kv_lora_rank and not all(getattr(self, w) > 0 for w in mla):
             raise ValueError(f"model {self.name!r}: MLA needs {', '.join(mla)} all positive")
+        dsa = (self.index_heads, self.index_dim, self.index_topk)
+        if any(dsa) and not (all(v > 0 for v in dsa) and self.mla):
+            raise ValueError(f"model {self.name!r}: DeepSeek sparse attention needs MLA and index_heads, index_dim, "
+                             f"index_topk all positive (got {dsa})")
         if self.kv_lora_rank and (self.n_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim):
             raise ValueError(f"model {self.name!r}: MLA attends over one KV head of kv_lora_rank + qk_rope_head_dim "
                              f"(n_kv_heads 1, head_dim {self.kv_lora_rank + self.qk_rope_head_dim})")
@@ -84,11 +94,24 @@ class ModelSpec:
         return self.kv_lora_rank > 0
 
     @property
+    def dsa(self) -> bool:
+        return self.index_topk > 0
+
+    @property
+    def indexer_params(self) -> int:
+        """A DSA layer's indexer (replicated on every TP rank): wq_b from the query latent, wk and weights_proj from
+        the hidden."""
+        if not self.dsa:
+            return 0
+        return (self.q_lora_rank or self.hidden) * self.index_heads * self.index_dim + \
+            self.hidden * (self.index_dim + self.index_heads)
+
+    @property
     def attn_replicated_params(self) -> int:
         """Attention weights every TP rank holds whole: MLA's latent path (q_a_proj, kv_a_proj_with_mqa); else 0."""
         if not self.mla:
             return 0
-        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.hidden * (self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim) + self.indexer_params
 
     def _check_experts(self) -> None:
         names = ("n_experts", "experts_per_tok", "expert_ffn_dim", "shared_ffn_dim", "moe_layers")
@@ -246,8 +269,14 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, tp: int, kv_bytes: int, scale_bytes: int = 0) -> int:
         """KV cache bytes per token per GPU over all layers (K and V; MLA: the latent and rotary key, once;
-        `scale_bytes` per row: FP8 KV's scale)."""
-        return self.kv_parts * self.attn_layers * self.kv_heads_per_gpu(tp) * (self.head_dim * kv_bytes + scale_bytes)
+        `scale_bytes` per row: FP8 KV's scale; DSA: the indexer key after the latent, `index_row_bytes`)."""
+        return self.kv_parts * self.attn_layers * self.kv_heads_per_gpu(tp) * (self.head_dim * kv_bytes + scale_bytes) \
+            + self.attn_layers * self.index_row_bytes(kv_bytes)
+
+    def index_row_bytes(self, kv_bytes: int) -> int:
+        """A DSA token's indexer key per layer: index_dim elements of the KV dtype; in FP8 with its 4-byte scale (the
+        engine's row when the checkpoint's indexer is FP8, as DeepSeek-V3.2's release)."""
+        return self.index_dim * kv_bytes + (4 if kv_bytes == 1 and self.dsa else 0)
 
     @property
     def kv_parts(self) -> int:

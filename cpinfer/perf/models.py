@@ -144,7 +144,11 @@ def _attn_bytes(model: ModelSpec, held: HeldWeights, tp: int) -> int:
         q = linear(heads * qk, hidden)
     kv_a = linear(model.kv_lora_rank + model.qk_rope_head_dim, hidden)
     kv_b = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * held.other_bytes
-    return q + kv_a + kv_b + linear(hidden, heads * model.v_head_dim)
+    indexer = 0
+    if model.dsa:  # the lightning indexer, whole on every TP rank: wq_b, wk, weights_proj
+        indexer = linear(model.index_heads * model.index_dim, model.q_lora_rank or hidden) + \
+            linear(model.index_dim, hidden) + linear(model.index_heads, hidden)
+    return q + kv_a + kv_b + linear(hidden, heads * model.v_head_dim) + indexer
 
 
 WEIGHT_FORMATS = {
@@ -269,9 +273,13 @@ def _mla(cfg: dict) -> dict:
     """MLA fields of a ModelSpec from a DeepSeek-V2/V3 or Kimi K2 config (`kv_lora_rank` set), else {}."""
     if not cfg.get("kv_lora_rank"):
         return {}
+    dsa = {}
+    if cfg.get("index_topk"):  # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5)
+        dsa = dict(index_heads=int(cfg.get("index_n_heads") or 64), index_dim=int(cfg.get("index_head_dim") or 128),
+                   index_topk=int(cfg["index_topk"]))
     return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
                 qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)), v_head_dim=int(cfg.get("v_head_dim") or 128),
-                q_lora_rank=int(cfg.get("q_lora_rank") or 0))
+                q_lora_rank=int(cfg.get("q_lora_rank") or 0), **dsa)
 
 
 def _experts(cfg: dict, layers: int) -> dict:

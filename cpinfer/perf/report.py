@@ -91,7 +91,11 @@ def format_plan(plan: Plan) -> str:
         *([f"  multi-head latent attention: prefill costed in the "
            f"{'/'.join(dict.fromkeys(plan.ttft[s].detail['mla_form'] for s in STRATEGIES))} form (the cheaper of "
            "absorbed and expanded per-head K/V, as the engine picks); decode in the absorbed form (bytes)"]
-          if "mla_form" in kv else []),
+          if "mla_form" in kv and kv["mla_form"] != "sparse" else []),
+        *([f"  DeepSeek sparse attention: every layer's indexer scores all earlier keys ({m.index_heads} heads x "
+           f"{m.index_dim}), attention reads the top-{m.index_topk}; its ranks exchange query rows, candidates "
+           "(top-k x 16 bytes a row: the All2All line) and partials, not K/V (no ring steps); KV per token and layer: "
+           f"latent {m.head_dim} + indexer key {m.index_dim}"] if kv.get("mla_form") == "sparse" else []),
         "",
         f"choice    {plan.choice.strategy} ({plan.choice.method}): {plan.choice.reason}",
         f"simulated fastest: {plan.fastest}",

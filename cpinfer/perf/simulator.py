@@ -123,9 +123,40 @@ class Estimate:
     detail: dict             # per-step and per-layer numbers worth showing
 
 
+def sparse_attention_layer(dep: Deployment, ring: RingShape, batch: int) -> dict:
+    """One DeepSeek sparse attention layer of a prefill on the slowest rank, seconds by RING_KEYS
+    (`engine/sparse_attention.py`): the ranks all-gather the query rows (absorbed query, indexer query and weights);
+    each scores its ~1/N of the keys for every row (indexer FLOPs 2 x heads x (dim + 1) per visible pair, and the
+    scores written once), takes its local top-k, all-gathers the candidates (top-k x 16 bytes per row); attends
+    absorbed over its ~top-k/N selected latent rows per row (4 x heads x (latent + rank) / 2 per pair) and All2Alls
+    the partials back to merge."""
+    m, hw, n = dep.model, dep.hardware, ring.n
+    shape = replace(dep.attn_shape, pair_dim=(m.head_dim + m.kv_lora_rank) // 2)
+    rows = batch * ring.new  # every rank scores every row of the ring
+    pairs = batch * ring.new * (ring.new / 2 + ring.cached)  # causal (query, key) pairs of the whole forward
+    selected = batch * topk_pairs(ring.cached, ring.new, m.index_topk)
+    flops = 2.0 * m.index_heads * (m.index_dim + 1) * pairs / n
+    scores = 2 * 4.0 * pairs / n  # fp32 scores, written and read once by the top-k
+    keys = (ring.cached + ring.new) / n
+    index = max(flops / cost_model.attention_rate(hw), scores / cost_model.memory_rate(hw))
+    attention = index + cost_model.attention_time(hw, shape, selected / n, rows, min(keys, rows * m.index_topk / n))
+    link = dep.link
+    lq = batch * ring.q_tokens  # this rank's rows
+    row_bytes = shape.q_bytes(1) + (m.index_heads * m.index_dim + m.index_heads) * 4
+    comm = (cost_model.all2all_time(lq * row_bytes, n, link) + cost_model.all2all_time(rows * m.index_topk * 16, n, link)
+            + cost_model.all2all_time(shape.partial_out_bytes(lq), n, link)) if n > 1 else 0.0
+    merge = cost_model.merge_time(hw, shape, lq, n) + cost_model.permute_time(hw, shape, lq, n)
+    return dict(attention=attention, merge=merge, sendrecv_exposed=0.0, ring_steps=0.0, all2all=comm)
+
+
 def ring_attention_layers(dep: Deployment, ring: RingShape, batch: int, strategy: str) -> tuple[dict, dict]:
-    """Ring attention of every layer on one rank, seconds by RING_KEYS, and the per-step numbers of a full layer."""
+    """Ring attention of every layer on one rank, seconds by RING_KEYS, and the per-step numbers of a full layer
+    (a DSA model: `sparse_attention_layer` on every layer, whatever the strategy)."""
     m, shape = dep.model, dep.attn_shape
+    if m.dsa:
+        one = sparse_attention_layer(dep, ring, batch)
+        return {k: m.n_layers * one[k] for k in RING_KEYS}, dict(step_sendrecv=0.0, step_attention_max=one["attention"],
+                                                                 message_bytes=0.0, mla_form="sparse")
     full = cost_model.ring_cost(dep.hardware, shape, ring, strategy, batch=batch, tp=dep.tp)
     form = None
     if dep.expanded_shape is not None:  # MLA: the cheaper form, as the engine picks per forward
@@ -257,7 +288,10 @@ def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, win
     keys = context_tokens
     if window:  # a sliding window's last `window` keys, or the keys of the query's own chunk so far
         keys = min(window, context_tokens) if dep.model.local == "sliding" else context_tokens % window + 1
-    op = costs.decode_attention_time(hw, shape, q, ceil_div(keys, n), rows)
+    if dep.model.dsa:  # the indexer reads every cached indexer key, attention only the top-k latent rows
+        op = _sparse_decode_time(dep, q, keys / n, rows)
+    else:
+        op = costs.decode_attention_time(hw, shape, q, ceil_div(keys, n), rows)
     comm = cost_model.p2p_time(shape.q_bytes(q * rows), dep.link) if n > 1 else 0.0
     hidden = hw.comm_overlap * op if dep.implementation.overlap_decode_ring else 0.0
     exposed = (n - 1) * max(0.0, comm - hidden)
@@ -265,6 +299,19 @@ def decode_attention_layer(dep: Deployment, context_tokens: int, batch: int, win
     return dict(attention=n * op, sendrecv_exposed=exposed, merge=merge,
                 all2all=cost_model.all2all_time(shape.partial_out_bytes(q * rows), n, dep.link), op=op, queries=q,
                 step_sendrecv=comm)
+
+
+def _sparse_decode_time(dep: Deployment, queries: int, keys: float, rows: int) -> float:
+    """A DSA decode step's attention on one rank: every row scores this rank's `keys` indexer keys (read once per
+    sequence) and attends over its ~top-k / N selected latent rows (read per row), a roofline of the two."""
+    m, hw, shape = dep.model, dep.hardware, dep.attn_shape
+    n = dep.cp
+    picked = min(keys, m.index_topk / n)
+    traffic = queries * (keys * m.index_row_bytes(dep.kv_bytes) + rows * picked * shape.kv_bytes(1))
+    flops = queries * rows * (2.0 * m.index_heads * (m.index_dim + 1) * keys
+                              + 2.0 * shape.heads * (m.head_dim + m.kv_lora_rank) * picked)
+    slot = hw.kernel_overhead_us * 1e-6
+    return max(slot, traffic / cost_model.memory_rate(hw), flops / cost_model.attention_rate(hw)) + slot
 
 
 def decode_kernels_time(dep: Deployment, eager: bool) -> float:
@@ -347,6 +394,11 @@ def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1, pai
     over new tokens of min(W, position + 1), a chunked layer those of its chunk, sum of (position mod C) + 1; a
     hybrid's recurrent layers add the chunked delta rule's FLOPs (`hybrid.rule_flops`) per token and value head.
     `pair_dim`: D per head when it is not head_dim (MLA's expanded form: (nope + rope + v) / 2)."""
+    if model.dsa:  # the indexer's pairs at its width, attention (absorbed) over each query's top-k
+        index = 2.0 * model.index_heads * (model.index_dim + 1) * new * (new / 2 + cached)
+        attend = 2.0 * model.n_heads * (model.head_dim + model.kv_lora_rank) * topk_pairs(cached, new,
+                                                                                           model.index_topk)
+        return 2.0 * model.active_params * new * batch + batch * model.n_layers * (index + attend)
     d = model.n_heads * (pair_dim or model.head_dim)
     pairs = new * (new / 2 + cached) * model.full_layers
     if model.window_layers:
@@ -354,6 +406,12 @@ def paper_flops(model: ModelSpec, new: int, cached: int = 0, batch: int = 1, pai
         pairs += model.window_layers * local(cached + 1, cached + new, model.window)
     recurrent = model.linear_layers * model.linear_v_heads * hybrid.token_flops(model, 1) * new * batch
     return 2.0 * model.active_params * new * batch + 4.0 * batch * pairs * d + recurrent
+
+
+def topk_pairs(cached: int, new: int, k: int) -> int:
+    """(query, key) pairs a top-k selection attends: sum of min(k, cached + i + 1) over the new tokens i."""
+    a = max(0, min(new, k - cached))  # queries that see fewer than k keys: all of them
+    return a * cached + a * (a + 1) // 2 + (new - a) * k
 
 
 def _chunk_pairs(lo: int, hi: int, chunk: int) -> int:

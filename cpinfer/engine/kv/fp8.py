@@ -244,7 +244,8 @@ def calibrate_kv_scales(model, config, device) -> tuple[Tensor, Tensor]:
 
     mla = bool(getattr(config, "values_in_keys", False))
 
-    def attn(layer, q, k, v, sinks=None):  # k / v [n, Hkv, D] (MLA: k [n, 1, rank + rope], v its first channels)
+    def attn(layer, q, k, v, sinks=None, index=None):  # k / v [n, Hkv, D] (MLA: k [n, 1, rank + rope], v its first
+        # channels); index: a DSA layer's indexer rows, unused (dense attention calibrates its latent as well)
         keys = k[..., v.shape[-1]:] if mla else k  # MLA: the rotary key part; the latent is v
         amax[layer] = (keys.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2)))
         return ref(layer, q, k, v, sinks=sinks)

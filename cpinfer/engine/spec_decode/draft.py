@@ -37,6 +37,10 @@ def check_draft(target: ModelConfig, tokenizer, draft_path: str | Path, tensor_p
             differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
             raise ValueError(f"the draft model's tokenizer differs from the target's ({len(theirs)} vs {len(ours)} "
                              f"entries; e.g. {differ}): a draft model must share the target's tokenizer")
+    if draft.dsa is not None:
+        raise ValueError(f"a draft model with DeepSeek sparse attention ({draft.model_type}) is not supported: the "
+                         "draft path keeps no indexer keys and runs no top-k; use a draft with ordinary attention "
+                         "(a DSA target takes any such draft)")
     if draft.values_in_keys:
         raise ValueError(f"a draft model with multi-head latent attention ({draft.model_type}) is not supported; "
                          "use a draft with ordinary attention")
