@@ -157,7 +157,7 @@ class StaticDecode:
                     visible[b] = verify_runs(_merge_runs(runs), s.slots, i * width)
         if self.sparse is not None:
             return DecodeStep(ring_rows, local_rows, ring_of[me] + local, len(ring_of[me]), {}, 0, width,
-                              self.sparse.keys_bound(batch, n), ring_of, local)
+                              keys=self.sparse.keys_bound(batch, n), ring_of=ring_of, local=local)
         parts = [("ring", j, ring_of[(me - j) % n], ring_rows) for j in range(n if ring_rows else 0)]
         parts += [("local", 0, local, local_rows)] if local_rows else []
         tables = {}
