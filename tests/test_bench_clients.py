@@ -124,23 +124,38 @@ def test_a_benchmark_clients_recorded_requests_replay_and_time_the_first_token(s
                 _check_agent_stream(entry["path"], [json.loads(e) for e in got])
             continue
         assert events[-1] == "[DONE]" and entry["events"][-1] == "[DONE]", events[-3:]
-        chunks = [json.loads(e) for e in events[:-1]]
         body = entry["body"]
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         if body.get("ignore_eos") is not True:  # a client that does not send ignore_eos may stop early (EOS)
             asked = None
-        first, tokens, with_choices = _vllm(chunks)
-        assert first == 0 and tokens is not None and 1 <= tokens, (client, chunks[:2])
-        assert with_choices <= tokens, f"{with_choices} chunks with choices for {tokens} tokens: one came early"
-        assert asked is None or tokens == asked, (tokens, asked)
-        start, usage_tokens = _first_content(chunks)
-        assert start is not None and usage_tokens == tokens, (client, chunks[:3])
-        assert all(not _text(c["choices"][0]) for c in chunks[:start] if c.get("choices"))
+        _check_openai_stream([json.loads(e) for e in events[:-1]], asked)
         # the recorded stream (the real model, the real client) had the same shape
-        recorded = [json.loads(e) for e in entry["events"][:-1]]
-        r_first, r_tokens, r_with_choices = _vllm(recorded)
-        assert r_first == 0 and r_with_choices <= r_tokens, recorded[:2]
-        assert _first_content(recorded)[0] == 0, recorded[:2]
+        _check_openai_stream([json.loads(e) for e in entry["events"][:-1]], asked)
+
+
+def _check_openai_stream(chunks: list[dict], asked: int | None) -> None:
+    first, tokens, with_choices = _vllm(chunks)
+    assert first == 0 and tokens is not None and 1 <= tokens, chunks[:2]
+    assert with_choices <= tokens, f"{with_choices} chunks with choices for {tokens} tokens: one came early"
+    assert asked is None or tokens == asked, (tokens, asked)
+    start, usage_tokens = _first_content(chunks)
+    assert start is not None and usage_tokens == tokens, chunks[:3]
+    assert all(not _text(c["choices"][0]) for c in chunks[:start] if c.get("choices"))
+
+
+def test_the_check_catches_a_chunk_sent_before_the_first_token():
+    """A role-only chunk ahead of the first token (what vLLM's client took as the first token, timing a prefill of
+    seconds as milliseconds) fails the check; so does a usage that disagrees with the request."""
+    entry = next(e for e in _recorded("vllm-chat") if e["path"] == "/v1/chat/completions")
+    chunks = [json.loads(e) for e in entry["events"][:-1]]
+    _check_openai_stream(chunks, 8)
+    early = {**chunks[0], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]}
+    later = [{**chunks[0], "choices": [{**chunks[0]["choices"][0], "delta": {"content": "The"}}]}, *chunks[1:]]
+    with pytest.raises(AssertionError, match="one came early"):
+        _check_openai_stream([early, *later], 8)
+    with pytest.raises(AssertionError):
+        _check_openai_stream(chunks, 9)
 
 
 def test_the_recordings_hold_each_clients_request_shape():
