@@ -271,11 +271,14 @@ def is_loopback(address: str) -> bool:
     return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
 
 
-def write_chain_model(directory: Path, pieces: list[str], template: str) -> None:
+def write_chain_model(directory: Path, pieces: list[str], template: str,
+                      branches: dict[str, list[str]] | None = None) -> None:
     """A 2-layer Llama (and its tokenizer, with `pieces` as added tokens) whose greedy output after "\\n" is `pieces`
     then EOS, whatever came before: its attention and MLP outputs are zero, so the next token depends on the current
     token only, and its embeddings and LM head make that chain. A random model would never write a tool call; this
-    one does, and everything after the logits (sampling, detokenizing, parsing, streaming) is the server's own path."""
+    one does, and everything after the logits (sampling, detokenizing, parsing, streaming) is the server's own path.
+    `branches`: more chains, each after its own one-character start (a byte other than "\\n"), so a template that
+    ends the generation prompt with one start or another picks what the model writes (e.g. by the turn)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -287,13 +290,17 @@ def write_chain_model(directory: Path, pieces: list[str], template: str) -> None
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(specials)
-    core.add_tokens(pieces)  # ordinary (not special) added tokens, as Qwen's <think> and <tool_call> are
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                  chat_template=template)
+    starts = {"\n": pieces, **(branches or {})}
+    core.add_tokens([p for chain in starts.values() for p in chain])  # ordinary (not special) added tokens, as
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",  # Qwen's <think> is
+                                  pad_token="<pad>", chat_template=template)
     tok.save_pretrained(str(directory))
-    newline = tok.convert_tokens_to_ids("Ċ")  # the byte-level token of "\n"
-    chain = [newline] + [tok.convert_tokens_to_ids(p) for p in pieces] + [2]
-    assert len(set(chain)) == len(chain) and all(isinstance(i, int) and i >= 0 for i in chain), chain
+    byte_token = dict(zip((chr(b) for b in range(256)), _byte_level_chars()))  # "\n" -> "Ċ", ...
+    chains = [[tok.convert_tokens_to_ids(byte_token[start])] + [tok.convert_tokens_to_ids(p) for p in chain] + [2]
+              for start, chain in starts.items()]
+    links = [(t, nxt) for chain in chains for t, nxt in zip(chain, chain[1:])]
+    assert all(isinstance(i, int) and i >= 0 for chain in chains for i in chain), chains
+    assert len({t for t, _ in links}) == len(links), "a token would have two successors"
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -308,7 +315,23 @@ def write_chain_model(directory: Path, pieces: list[str], template: str) -> None
         model.model.norm.weight.fill_(1.0)
         x = emb / torch.sqrt(emb.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)  # after the final norm
         head = 0.01 * torch.randn(len(tok), 64)
-        for t, nxt in zip(chain, chain[1:]):
-            head[nxt] = 20.0 * x[t] / x[t].pow(2).sum()  # logit 20 for the next link, ~N(0, 0.3) for others
+        pulled = set()  # a successor of several tokens (EOS ends every chain) gets each of their pulls
+        for t, nxt in links:  # logit 20 for the next link, ~N(0, 0.3) for others
+            pull = 20.0 * x[t] / x[t].pow(2).sum()
+            head[nxt] = head[nxt] + pull if nxt in pulled else pull
+            pulled.add(nxt)
         model.lm_head.weight.copy_(head)
     model.save_pretrained(str(directory))
+
+
+def _byte_level_chars() -> list[str]:
+    """The byte-level BPE's printable stand-in of each byte 0..255, in byte order (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra, chars = 0, []
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
