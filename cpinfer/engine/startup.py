@@ -68,11 +68,15 @@ class EngineStartup:
         try:
             self.fit_max_model_len(capacity)  # measured on the GPUs (or a draft's share of RAM): checked now
             if e.draft is not None:
-                load_draft(e)
+                self.load_draft()
             self.make_kv(capacity, self.start_tiers())
         except BaseException:
             e.shutdown()
             raise
+
+    def load_draft(self) -> None:
+        """The draft model on every rank beside the target (its store sized by the target's)."""
+        load_draft(self.engine)
 
     # ------------------------------------------------------------------ before any rank starts
     def read_model(self, model: str | None) -> None:

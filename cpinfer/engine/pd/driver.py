@@ -122,6 +122,9 @@ class PDEngine:
             self._pool.run(allocate_role_kv, sized)
         for g, cap, given in zip(self.groups, sized, caps):
             g.start_kv(cap if given is None else None)
+        for g in self.decode:  # a draft model: on the decode groups' ranks, its store of their sized capacity
+            if getattr(g, "draft", None) is not None:
+                g.startup.load_draft()
         return infos
 
     def _make_pool(self, world: int, backend: str, threads: int) -> WorkerPool | JoinedWorld:
@@ -310,8 +313,12 @@ class PDEngine:
         """Transfers (count, bytes, seconds), answers moved back, and each role's share of wall time in forwards."""
         wall = max(1e-9, time.perf_counter() - self._t_start)
         roles = ["prefill"] + [f"decode{g}" for g in range(self.pd.decode_groups)]
-        return {**self.handoffs.counters, "utilization": {r: b / wall for r, b in zip(roles, self._busy_s)},
-                "parked": len(self.handoffs.parked)}
+        out = {**self.handoffs.counters, "utilization": {r: b / wall for r, b in zip(roles, self._busy_s)},
+               "parked": len(self.handoffs.parked)}
+        fills = [g._counters["draft_fill"] for g in self.decode if "draft_fill" in g._counters]
+        if fills:  # a draft model's rows recomputed on the decode groups after handoffs (`pd/draft_rows.py`)
+            out["draft_fill"] = {k: sum(f[k] for f in fills) for k in fills[0]}
+        return out
 
     def cache_stats(self) -> dict:
         out = self.prefill.cache_stats()
