@@ -134,7 +134,7 @@ class GroupEngine(LLMEngine):
         if self.proposer is not None:
             for req in self.scheduler.running:
                 if req.spec is None:
-                    req.spec = SpecState(self.args.speculative_config.num_speculative_tokens)
+                    req.spec = SpecState.of(self.args.speculative_config.num_speculative_tokens)
             if self.draft_rows is not None:
                 self._fill_draft()
         super()._propose()
