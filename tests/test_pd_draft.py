@@ -93,6 +93,10 @@ def _draft_rows_match(llm, draft_path, tokens: list[int]) -> int:
     return matched
 
 
+def _verify_widths(ctx):
+    return tuple(ctx.state["runner"].decode.get("verify_widths", ()))
+
+
 def _check_spec(llm, outs, accepted: bool = True) -> dict:
     e = llm.engine
     spec = e.stats().spec
@@ -127,6 +131,8 @@ def test_draft_model_on_the_decode_group_equals_colocated(pool, target, referenc
         assert fill["forwards"] > 0 and fill["tokens"] == transferred, (fill, transferred)
         for o in got:
             _draft_rows_match(llm, target, o.prompt_token_ids + o.token_ids)
+        # the decode ranks' static decode path would capture the adaptive k's verify widths (k = 1, 2, 4)
+        assert pool.run(_verify_widths)[n:] == [(2, 3, 5)] * m
     finally:
         llm.shutdown()
 

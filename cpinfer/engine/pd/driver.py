@@ -25,6 +25,7 @@ from cpinfer.engine.pd.handoffs import PREFILL, Handoff, Handoffs
 from cpinfer.engine.pd.ranks import allocate_role_kv, init_role_runner, role_call
 from cpinfer.engine.pd.roles import PDConfig, RoleRanks, check_pd_args, log_role_capacities, role_capacities
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
+from cpinfer.engine.spec_decode.adaptive import verify_widths
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import JoinedWorld, WorkerPool, joined_world_requested
 from cpinfer.utils import get_logger
@@ -114,8 +115,13 @@ class PDEngine:
         rank's, then each group's KV manager over it. Returns what each rank reported."""
         a, p = self.prefill.args, self.prefill
         caps = [None if g.sizing is not None else g.kv.capacity_per_rank for g in self.groups]
+        decode = p.startup.decode_config(backend)
+        spec = self.decode[0].args.speculative_config  # the prefill group never verifies: the decode groups' widths
+        if spec is not None:
+            decode.update(verify_width=1 + spec.num_speculative_tokens,
+                          verify_widths=verify_widths(spec.num_speculative_tokens))
         infos = self._pool.run(init_role_runner, self.pd.roles, p.model_path, a.dtype, caps, p.attention_backend,
-                               p.startup.decode_config(backend), a.kv_cache_dtype, a.load_format,
+                               decode, a.kv_cache_dtype, a.load_format,
                                [g.sizing for g in self.groups])
         sized = role_capacities(caps, infos, [v.ranks for v in views])
         if None in caps:  # measured: every rank of a role holds its role's smallest
