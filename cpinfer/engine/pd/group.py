@@ -10,10 +10,10 @@ from cpinfer.device import ranks_on_this_node
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm_engine import LLMEngine
+from cpinfer.engine.pd.draft_rows import fill_batches
 from cpinfer.engine.pd.roles import RoleRanks
 from cpinfer.engine.request import Request
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
-from cpinfer.engine.pd.draft_rows import fill_batches
 from cpinfer.engine.spec_decode import draft_runner as DR
 from cpinfer.engine.spec_decode.adaptive import SpecState
 from cpinfer.engine.spec_decode.draft import draft_token_bytes
