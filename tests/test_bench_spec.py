@@ -85,9 +85,9 @@ def test_run_writes_the_table_with_a_fake_engine(tmp_path, capsys, monkeypatch):
     text = doc.read_text()
     assert "old" not in text and text.startswith("# Benchmarks") and text.endswith("tail\n")
     assert "### Speculative decoding with prompt lookup" in text and "cpinfer bench spec --cp 1,2 --k 4" in text
-    assert "| CP2 | quoting | decode | 2 | 20 | 10.0 | 25.0 | 2.50x | 16 | 0.75 | 3.00 | 4 | yes | met (>= 1.8x) |" \
+    assert "| CP2 | quoting | decode | 2 | 20 | 10.0 | 25.0 | 2.50x | 16 | 0.75 | 3.00 | 4 | yes | met (>= 2x) |" \
         in text
-    assert "| CP1 | chat | decode | 2 | 20 | 10.0 | 9.0 | 0.90x | 16 | 0.25 | 1.00 | 4 | yes | NOT met (>= 0.95x) |" \
+    assert "| CP1 | chat | decode | 2 | 20 | 10.0 | 9.0 | 0.90x | 16 | 0.25 | 1.00 | 4 | yes | NOT met (>= 1x) |" \
         in text
 
 

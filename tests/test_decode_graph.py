@@ -410,3 +410,55 @@ def test_static_decode_selects_each_rows_top_k_for_dsa(llama_checkpoint, pool, c
     for a, b in zip(dynamic, static):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+
+
+def _bucket_widths(ctx):
+    return sorted({key[2] for key in ctx.state["runner"].static.buckets})
+
+
+def _adaptive(path, cp, pool, static: bool, widths=None):
+    """Prompts that repeat a passage and one that does not, greedy with log-probs, speculating with k up to 5 (the
+    adaptive k's sizes 1, 2, 4, 5: verify widths 2, 3, 5, 6) and prompt lookup, whose drafts may be shorter than
+    k; `widths`: the static path's captured verify widths cut to these on every rank. (outputs, per-rank static
+    counters, bucket widths, engine spec stats)."""
+    kw = dict(context_parallel_size=cp, max_kv_tokens_per_rank=1024, static_decode=static, placement="shard",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    llm = LLM(str(path), threads_per_rank=1, **kw) if cp == 1 else PooledLLM(str(path), pool, **kw)
+    with llm:
+        if static and widths:
+            llm.engine._pool.run(_set_static, verify_widths=widths)
+        rng = np.random.default_rng(5)
+        a, b = rng.integers(3, 256, 11).tolist(), rng.integers(3, 256, 7).tolist()
+        prompts = [a * 4 + a[:3], b + a + b + a[:6], rng.integers(3, 256, 20).tolist(), b * 5 + b[:2]]
+        params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=True, ignore_eos=True, seed=0)
+        outs = llm.generate(prompts, params)
+        counts = llm.engine._pool.run(_static_verify) if static else None
+        buckets = llm.engine._pool.run(_bucket_widths) if static else None
+        spec = llm.engine.stats().spec
+    return outs, counts, buckets, spec
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_adaptive_k_uses_the_captured_widths_and_counts_fallbacks(llama_checkpoint, pool, cp):
+    """The adaptive k picks among the draft sizes whose widths (k + 1) the static path captures; a forward whose
+    widest verify sequence is narrower (a shorter draft) is padded up to the next one: every bucket's width is one
+    of them, and the static path equals the dynamic path (the same verify steps, tokens, log-probs). With the
+    captured widths cut to (2, 3), the wider verify forwards run eagerly: counted on the ranks, in the engine's
+    `stats().spec["verify_fallbacks"]` (what /metrics exports), and the outputs are still the dynamic path's."""
+    path = llama_checkpoint("gqa", max_position_embeddings=512)
+    dynamic, _, _, spec_d = _adaptive(path, cp, pool, False)
+    static, counts, buckets, spec_s = _adaptive(path, cp, pool, True)
+    assert spec_s["num_drafts"] > 0 and spec_s == spec_d and spec_d["verify_fallbacks"] == 0
+    assert sum(c[1] for c in counts) >= 2 and sum(c[2] for c in counts) == 0, counts
+    widths = {w for ws in buckets for w in ws}
+    assert widths - {1} and widths <= {1, 2, 3, 5, 6}, buckets
+    cut, cut_counts, cut_buckets, spec_c = _adaptive(path, cp, pool, True, widths=(2, 3))
+    assert spec_c == dict(spec_d, verify_fallbacks=spec_c["verify_fallbacks"])
+    assert spec_c["verify_fallbacks"] > 0 and max(c[2] for c in cut_counts) == spec_c["verify_fallbacks"], (
+        cut_counts, spec_c)
+    assert {w for ws in cut_buckets for w in ws} <= {1, 2, 3}, cut_buckets
+    for a, b, c in zip(dynamic, static, cut):
+        assert a.token_ids == b.token_ids == c.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)

@@ -1,6 +1,6 @@
 """Prefill and decode groups with n-gram speculation on the decode groups, and each role's KV cache sized from device
 memory with its own profile: greedy tokens equal colocated CP1 without speculation (log-probs within 1e-4), drafts
-accepted, multi-turn history moved back without unverified rows; draft_model refused before any rank starts; the
+accepted, multi-turn history moved back without unverified rows; a bad config refused before any rank starts; the
 memory sizing on CPU with injected figures (`fake_gpu_memory.py`), and a CUDA P/D engine that gets to its ranks
 without `max_kv_tokens_per_rank`. One pool of 3 ranks serves every engine of the module."""
 from __future__ import annotations
@@ -157,14 +157,11 @@ def test_preemption_mid_speculation_on_the_decode_group(pool, llama, reference):
         llm.shutdown()
 
 
-def test_draft_model_refused_before_any_rank(monkeypatch, llama):
+def test_bad_speculative_config_refused_before_any_rank(monkeypatch, llama):
+    """(A draft model is served under P/D: tests/test_pd_draft.py.)"""
     def refuse(*_a, **_k):
         raise AssertionError("a rank was started")
     monkeypatch.setattr("cpinfer.engine.pd.driver.WorkerPool", refuse)
-    with pytest.raises(ValueError, match="draft_model speculation cannot be combined with pd_decode_cp; use method "
-                                         "'ngram'"):
-        LLM(str(llama), context_parallel_size=2, pd_decode_cp=1,
-            speculative_config={"model": str(llama), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="prompt_lookup_min"):  # a bad config still names its own fault
         LLM(str(llama), context_parallel_size=2, pd_decode_cp=1,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0})

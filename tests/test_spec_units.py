@@ -164,6 +164,27 @@ def test_adaptive_rule_shrinks_pauses_and_recovers():
     assert m["num_drafts"] == 32 and m["num_accepted_tokens"] == 20 and m["num_draft_tokens"] == 68
 
 
+def test_engine_requests_draft_among_the_captured_sizes():
+    """An engine request's k is one of `draft_sizes` (the static decode path's captured verify widths minus one),
+    whatever its acceptance; the size of the largest gain among them."""
+    assert adaptive.draft_sizes(1) == (1,) and adaptive.draft_sizes(4) == (1, 2, 4)
+    assert adaptive.draft_sizes(8) == (1, 2, 4, 8) and adaptive.draft_sizes(6) == (1, 2, 4, 6)
+    assert adaptive.verify_widths(6) == (2, 3, 5, 7)
+    for a in np.linspace(0.05, 0.99, 25):
+        k, gain = adaptive.best_k(float(a), 6, sizes=adaptive.draft_sizes(6))
+        assert k in (1, 2, 4, 6)
+        assert gain == max(adaptive.expected_tokens(float(a), j) / (1 + adaptive.VERIFY_TOKEN_COST * j)
+                           for j in (1, 2, 4, 6))
+    st = adaptive.SpecState.of(6)
+    seen = set()
+    for accepted in [3, 0, 0, 1, 2, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4] * 3:
+        k = st.next_k()
+        seen.add(k)
+        if k:
+            st.record(k, min(k, accepted), min(k, accepted) + 1)
+    assert seen <= {0, 1, 2, 4, 6} and len(seen - {0}) >= 2, seen
+
+
 # ---------------------------------------------------------------- acceptance rule
 V = 5
 
@@ -261,7 +282,8 @@ def test_metrics_and_stats_line_report_speculation():
     from cpinfer.server.metrics import EngineCollector, StatsLogger
 
     spec = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 25, "num_emitted_tokens": 35,
-            "accepted_per_pos": [9, 8, 5, 3], "acceptance_rate": 0.625, "mean_accepted_length": 2.5}
+            "accepted_per_pos": [9, 8, 5, 3], "acceptance_rate": 0.625, "mean_accepted_length": 2.5,
+            "verify_fallbacks": 3}
     state = {"generation_tokens": 0, "spec": {}}
     reg = CollectorRegistry()
     reg.register(EngineCollector(lambda: state, lambda: False, "m"))
@@ -274,7 +296,8 @@ def test_metrics_and_stats_line_report_speculation():
                  'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 5.0',
                  'cpinfer_spec_decode_num_emitted_tokens_total{engine="0",model_name="m"} 35.0',
                  'cpinfer_spec_decode_acceptance_rate{engine="0",model_name="m"} 0.625',
-                 'cpinfer_spec_decode_mean_accepted_length{engine="0",model_name="m"} 2.5']:
+                 'cpinfer_spec_decode_mean_accepted_length{engine="0",model_name="m"} 2.5',
+                 'cpinfer_spec_decode_verify_fallbacks_total{engine="0",model_name="m"} 3.0']:
         assert line in text, line
     t = [0.0]
     state.update(generation_tokens=0, spec={})

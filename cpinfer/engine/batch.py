@@ -87,3 +87,6 @@ class RankResult:
     # static path's buffers), "model" (the layers and logits up to their copy to the host: it waits for the device;
     # a graph replay on the static path), "sample" (drawing tokens from the logits on the host)
     phases: dict = dataclasses.field(default_factory=dict)
+    # a decode forward with verify rows that the static / CUDA-graph path could not take (a window or chunk bound
+    # per row, wider than its largest captured verify width, more rows than its largest bucket): run eagerly here
+    verify_fallback: bool = False

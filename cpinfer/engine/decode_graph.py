@@ -68,7 +68,8 @@ class StaticDecode:
     """The runner's static-shape decode path: `handles(batch)`, then `execute(batch)` → (my sequences in row order,
     their logits [rows, vocab] fp32 on the device)."""
 
-    def __init__(self, runner, mode: str, max_rows: int, pieces: int | None = None, verify: str = "decode"):
+    def __init__(self, runner, mode: str, max_rows: int, pieces: int | None = None, verify: str = "decode",
+                 verify_widths: tuple[int, ...] | None = None):
         if mode not in ("eager", "graph"):
             raise ValueError(f"the static decode path runs 'eager' or 'graph', got {mode!r}")
         from cpinfer.attention import triton_attention, triton_merge  # the kernels (Triton is optional)
@@ -76,6 +77,8 @@ class StaticDecode:
         self.kernels, self.merge = triton_attention, triton_merge.triton_merge
         self.runner, self.mode, self.max_rows, self.pieces = runner, mode, max_rows, pieces
         self.verify = verify  # "decode": verify sequences' k + 1 rows run here too; "prefill": never
+        # the widths (k + 1) a verify forward's groups are padded up to, one bucket (graph) each; None: any width
+        self.verify_widths = None if verify_widths is None else tuple(sorted(verify_widths))
         if runner.store.sink >= 2 ** 30:  # slots sit in the kernel's int32 tables
             raise ValueError(f"the static decode path's int32 tables hold slots below 2^30; this rank has "
                              f"{runner.store.sink} (use enforce_eager=True or a smaller max_kv_tokens_per_rank)")
@@ -112,7 +115,7 @@ class StaticDecode:
         """A pure decode forward (one sampled token per sequence, or a verify sequence's k + 1 rows, all on one rank)
         whose ring, if any, is pass-Q, fitting a bucket. Verify rows need `verify` "decode" and full-attention layers
         only (a window or chunk bound differs per row); a decode forward with verify rows left to the dynamic path
-        is counted (`verify_fallbacks`)."""
+        is counted (`verify_fallbacks`), as one wider than the largest captured verify width."""
         if batch.phase != "decode" or (self.world > 1 and batch.strategy not in ("pass-q", "local")):
             return False
         if any(s.sample is None or s.prompt_logprobs or len(s.token_ids) != s.sampled_rows for s in batch.seqs):
@@ -124,7 +127,7 @@ class StaticDecode:
         if self.recurrence is not None:  # a hybrid's verify rows: the dynamic path keeps their per-token states
             self.verify_fallbacks += 1
             return False
-        if fits and self.verify == "decode" and self.kinds == [(None, None)] and all(
+        if fits and self.verify == "decode" and self.kinds == [(None, None)] and self._width(batch) and all(
                 (s.ranks == s.ranks[0]).all() for s in batch.seqs):
             return True
         self.verify_fallbacks += 1
@@ -136,9 +139,17 @@ class StaticDecode:
             return [False] * len(batch.seqs)
         return [bool(getattr(s, "spread", True)) for s in batch.seqs]
 
+    def _width(self, batch: ForwardBatch) -> int:
+        """Rows per sequence of this forward: its widest sequence's, padded up to a captured verify width (0: wider
+        than every one of them)."""
+        width = max(s.sampled_rows for s in batch.seqs)
+        if width == 1 or self.verify_widths is None:
+            return width
+        return next((w for w in self.verify_widths if w >= width), 0)
+
     def plan(self, batch: ForwardBatch) -> DecodeStep:
         seqs, me, n = batch.seqs, self.rank, self.world
-        width = max(s.sampled_rows for s in seqs)
+        width = self._width(batch)
         spread = self._spread(batch)
         ring_of = [[b for b, s in enumerate(seqs) if spread[b] and int(s.ranks[0]) == r] for r in range(n)]
         local = [b for b, s in enumerate(seqs) if not spread[b] and int(s.ranks[0]) == me]

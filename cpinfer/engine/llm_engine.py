@@ -146,6 +146,8 @@ class LLMEngine:
             step_info["mla"] = form.as_metrics()
         for s in scheduled:
             s.request.metrics["steps"].append(self._step_metrics(step_info, s))
+        if any(r.verify_fallback for r in results):  # verify rows the static / CUDA-graph path left to eager
+            self._counters["spec"]["verify_fallbacks"] += 1
         outputs = []
         for req, why in self.output.process(scheduled, results, time.perf_counter(), host, self._failed,
                                             self._matchers):
@@ -220,7 +222,7 @@ class LLMEngine:
         req = Request(request_id, tokens, params, seed)
         req.lp_source = self._prompt_logprobs_source(tokens, params)
         if self.args.speculative_config is not None:
-            req.spec = SpecState(self.args.speculative_config.num_speculative_tokens)
+            req.spec = SpecState.of(self.args.speculative_config.num_speculative_tokens)
         if params.grammar is not None:
             self._matchers[request_id] = self.grammars.matcher(params.grammar)
         self.requests[request_id] = req
@@ -625,7 +627,7 @@ def _spec_counters(config: SpeculativeConfig | None) -> dict:
     if config is None:
         return {}
     return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_emitted_tokens": 0,
-            "accepted_per_pos": [0] * config.num_speculative_tokens}
+            "accepted_per_pos": [0] * config.num_speculative_tokens, "verify_fallbacks": 0}
 
 
 def _spec_stats(c: dict) -> dict:

@@ -139,7 +139,7 @@ class ModelRunner:
                                  "keys and values, or values inside the keys (MLA); this model's differ: use decode "
                                  "mode 'off'")
             self.static = StaticDecode(self, self.decode["mode"], self.decode["max_rows"], self.decode.get("pieces"),
-                                       self.decode.get("verify", "decode"))
+                                       self.decode.get("verify", "decode"), self.decode.get("verify_widths"))
 
     def state_layers(self) -> dict:
         """Recurrent layer -> (state shape, conv kernel, conv channels) of its mixer (hybrid models)."""
@@ -197,8 +197,12 @@ class ModelRunner:
         events = self.apply_cache_ops(batch.cache_ops)
         if self.slot_positions is not None:  # every rank mirrors every batch, idle or not
             self.slot_positions.record(batch)
-        if self.static is not None and self.static.handles(batch):
-            return self._execute_static(batch, t0, events)
+        fell_back = False
+        if self.static is not None:
+            before = self.static.verify_fallbacks
+            if self.static.handles(batch):
+                return self._execute_static(batch, t0, events)
+            fell_back = self.static.verify_fallbacks > before  # verify rows the static path could not take
         store = self.store
         plan = BatchAttention(batch, rank, n, self.groups.cp_group, self.backend, self.ctx.device, self.slot_positions)
         codecs = store.codecs
@@ -211,7 +215,8 @@ class ModelRunner:
                 with torch.inference_mode():
                     recurrent.replicate(self.model)
                 self.recurrent_exchange_s += recurrent.exchange_s
-            return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events)
+            return RankResult((), {}, time.perf_counter() - t0, 0.0, idle=True, tier_events=events,
+                              verify_fallback=fell_back)
         store.note_written(plan.slots)
         expanded = batch.mla_form == "expanded" and store.widths.values_in_keys and self.config.dsa is None
         tables = plan.prepare(self.expanded_layout if expanded else self.layout, self.windows,  # every index, on
@@ -269,7 +274,8 @@ class ModelRunner:
             m.comm_s  # noqa: B018 - folds this forward's all-reduce spans (keeps the record bounded)
         self.ring_wait_s += wait
         phases.setdefault("model", time.perf_counter() - t_plan - phases.get("sample", 0.0))
-        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events, phases=phases)
+        return RankResult(samples, prompt_lp, time.perf_counter() - t0, wait, tier_events=events, phases=phases,
+                          verify_fallback=fell_back)
 
     def _execute_static(self, batch: ForwardBatch, t0: float, events: tuple) -> RankResult:
         """A decode forward (plain and verify rows) through the static-shape path (a CUDA graph replay once its

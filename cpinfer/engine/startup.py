@@ -23,6 +23,7 @@ from cpinfer.engine.kv.placement import CostModel, Placer
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.kv.tiers import TierConfig
 from cpinfer.engine.sparse_attention import check_engine as check_sparse_engine
+from cpinfer.engine.spec_decode.adaptive import verify_widths
 from cpinfer.engine.spec_decode.draft import draft_for, draft_reserve_bytes, draft_token_bytes, load_draft
 from cpinfer.engine.spec_decode.registry import check_method
 from cpinfer.launch import (InProcessWorld, JoinedWorld, RemoteError, WorkerPool, driver_can_host_rank,
@@ -68,11 +69,15 @@ class EngineStartup:
         try:
             self.fit_max_model_len(capacity)  # measured on the GPUs (or a draft's share of RAM): checked now
             if e.draft is not None:
-                load_draft(e)
+                self.load_draft()
             self.make_kv(capacity, self.start_tiers())
         except BaseException:
             e.shutdown()
             raise
+
+    def load_draft(self) -> None:
+        """The draft model on every rank beside the target (its store sized by the target's)."""
+        load_draft(self.engine)
 
     # ------------------------------------------------------------------ before any rank starts
     def read_model(self, model: str | None) -> None:
@@ -201,7 +206,8 @@ class EngineStartup:
         """The ranks' decode path: {"mode": "graph" (CUDA graphs per batch-size bucket), "eager" (the same static
         path without capture) or "off" (the dynamic path), "max_rows": the largest bucket, "verify": how drafts are
         verified (`spec_verify`: "decode" puts verify rows on the static path), "verify_width": the most rows of one
-        verify sequence (k + 1)}. `comm`: the tensors'
+        verify sequence (k + 1), "verify_widths": those the static path captures (k + 1 of each of the
+        adaptive k's draft sizes: `spec_decode/adaptive.py`)}. `comm`: the tensors'
         torch.distributed backend (a gloo collective cannot be captured in a CUDA graph)."""
         e = self.engine
         a = e.args
@@ -227,7 +233,8 @@ class EngineStartup:
         mode = "off" if not static else "graph" if graphs else "eager"
         spec = a.speculative_config
         return {"mode": mode, "max_rows": a.max_num_seqs, "verify": a.spec_verify,
-                "verify_width": 1 + (spec.num_speculative_tokens if spec is not None else 0)}
+                "verify_width": 1 + (spec.num_speculative_tokens if spec is not None else 0),
+                "verify_widths": verify_widths(spec.num_speculative_tokens) if spec is not None else (1,)}
 
     # ------------------------------------------------------------------ the ranks
     def start_ranks(self, capacity: int | None) -> int:

@@ -161,7 +161,10 @@ def _spec_metrics(model: str, spec: dict):
                            ("num_draft_tokens", "vllm:spec_decode_num_draft_tokens", "drafted tokens"),
                            ("num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "accepted drafted tokens"),
                            ("num_emitted_tokens", "cpinfer_spec_decode_num_emitted_tokens",
-                            "tokens verify steps emitted (accepted drafts + the target's own token)")):
+                            "tokens verify steps emitted (accepted drafts + the target's own token)"),
+                           ("verify_fallbacks", "cpinfer_spec_decode_verify_fallbacks",
+                            "decode forwards with verify rows that the static / CUDA-graph decode path could not "
+                            "take (run eagerly)")):
         fam = CounterMetricFamily(name, doc, labels=labels)
         fam.add_metric(values, float(spec.get(key, 0)))
         yield fam

@@ -1,7 +1,8 @@
 """Prefill and decode on separate groups of ranks (paper §4.3); `make_engine` picks `PDEngine` when `pd_decode_cp` is
 given. Rooms: `roles.py` (the world's roles and their sizes), `group.py` (one role's engine), `handoffs.py` (requests
-moving between groups; `transfers.py` its transfers' orders, `windows.py` sliding-window rows, `paths.py` tree
-walks), `driver.py` (`PDEngine`: requests, the step loop, stats); the ranks' side is `ranks.py`."""
+moving between groups; `transfers.py` its transfers' orders, `windows.py` sliding-window rows, `draft_rows.py` a draft
+model's rows, `paths.py` tree walks), `driver.py` (`PDEngine`: requests, the step loop, stats); the ranks' side is
+`ranks.py`."""
 from __future__ import annotations
 
 from cpinfer.engine.llm_engine import LLMEngine

@@ -25,6 +25,7 @@ from cpinfer.engine.pd.handoffs import PREFILL, Handoff, Handoffs
 from cpinfer.engine.pd.ranks import allocate_role_kv, init_role_runner, role_call
 from cpinfer.engine.pd.roles import PDConfig, RoleRanks, check_pd_args, log_role_capacities, role_capacities
 from cpinfer.engine.request import EngineStats, Request, RequestOutput
+from cpinfer.engine.spec_decode.adaptive import verify_widths
 from cpinfer.engine.sampling import SamplingParams
 from cpinfer.launch import JoinedWorld, WorkerPool, joined_world_requested
 from cpinfer.utils import get_logger
@@ -114,14 +115,22 @@ class PDEngine:
         rank's, then each group's KV manager over it. Returns what each rank reported."""
         a, p = self.prefill.args, self.prefill
         caps = [None if g.sizing is not None else g.kv.capacity_per_rank for g in self.groups]
+        decode = p.startup.decode_config(backend)
+        spec = self.decode[0].args.speculative_config  # the prefill group never verifies: the decode groups' widths
+        if spec is not None:
+            decode.update(verify_width=1 + spec.num_speculative_tokens,
+                          verify_widths=verify_widths(spec.num_speculative_tokens))
         infos = self._pool.run(init_role_runner, self.pd.roles, p.model_path, a.dtype, caps, p.attention_backend,
-                               p.startup.decode_config(backend), a.kv_cache_dtype, a.load_format,
+                               decode, a.kv_cache_dtype, a.load_format,
                                [g.sizing for g in self.groups])
         sized = role_capacities(caps, infos, [v.ranks for v in views])
         if None in caps:  # measured: every rank of a role holds its role's smallest
             self._pool.run(allocate_role_kv, sized)
         for g, cap, given in zip(self.groups, sized, caps):
             g.start_kv(cap if given is None else None)
+        for g in self.decode:  # a draft model: on the decode groups' ranks, its store of their sized capacity
+            if getattr(g, "draft", None) is not None:
+                g.startup.load_draft()
         return infos
 
     def _make_pool(self, world: int, backend: str, threads: int) -> WorkerPool | JoinedWorld:
@@ -310,8 +319,12 @@ class PDEngine:
         """Transfers (count, bytes, seconds), answers moved back, and each role's share of wall time in forwards."""
         wall = max(1e-9, time.perf_counter() - self._t_start)
         roles = ["prefill"] + [f"decode{g}" for g in range(self.pd.decode_groups)]
-        return {**self.handoffs.counters, "utilization": {r: b / wall for r, b in zip(roles, self._busy_s)},
-                "parked": len(self.handoffs.parked)}
+        out = {**self.handoffs.counters, "utilization": {r: b / wall for r, b in zip(roles, self._busy_s)},
+               "parked": len(self.handoffs.parked)}
+        fills = [g._counters["draft_fill"] for g in self.decode if "draft_fill" in g._counters]
+        if fills:  # a draft model's rows recomputed on the decode groups after handoffs (`pd/draft_rows.py`)
+            out["draft_fill"] = {k: sum(f[k] for f in fills) for k in fills[0]}
+        return out
 
     def cache_stats(self) -> dict:
         out = self.prefill.cache_stats()

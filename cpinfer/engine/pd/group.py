@@ -4,15 +4,19 @@ start-up (`RoleStartup`: its ranks start with the world's, its KV cache is sized
 from __future__ import annotations
 
 import os
+import time
 
 from cpinfer.device import ranks_on_this_node
 from cpinfer.engine.kv.capacity import kv_tokens_from_host_ram, profile_tokens_per_rank
 from cpinfer.engine.kv.manager import BLOCK
 from cpinfer.engine.llm_engine import LLMEngine
+from cpinfer.engine.pd.draft_rows import fill_batches
 from cpinfer.engine.pd.roles import RoleRanks
 from cpinfer.engine.request import Request
 from cpinfer.engine.scheduler import Scheduler, SchedulerConfig
+from cpinfer.engine.spec_decode import draft_runner as DR
 from cpinfer.engine.spec_decode.adaptive import SpecState
+from cpinfer.engine.spec_decode.draft import draft_token_bytes
 from cpinfer.engine.startup import EngineStartup
 
 
@@ -39,6 +43,18 @@ class RoleStartup(EngineStartup):
             return
         super().fit_max_model_len(capacity)
 
+    def load_draft(self) -> None:
+        """A decode group's draft loads once the world runs and its KV store is sized (`PDEngine._start_roles`)."""
+        if self.engine.view.pool is not None:
+            super().load_draft()
+
+    def default_capacity(self, fraction: float) -> int:
+        """The host-RAM share split over every CP rank of the world (all roles), not this group's alone; a draft's
+        store (a decode group's) counted with the target's."""
+        e = self.engine
+        per_token = e.kv_bytes_per_token + draft_token_bytes(getattr(e, "draft", None), e.elem_bytes)
+        return kv_tokens_from_host_ram(fraction, e.world_cp, per_token, BLOCK, e.max_model_len)
+
     def capacity_where(self) -> str:
         return f" on the {self.engine.role} group"
 
@@ -63,11 +79,6 @@ class RoleStartup(EngineStartup):
         rows = a.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
         return min(rows, a.max_num_batched_tokens or rows)
 
-    def default_capacity(self, fraction: float) -> int:
-        """The host-RAM share split over every CP rank of the world (all roles), not this group's alone."""
-        e = self.engine
-        return kv_tokens_from_host_ram(fraction, e.world_cp, e.kv_bytes_per_token, BLOCK, e.max_model_len)
-
     def threads_per_rank(self) -> int:
         """As the world's ranks get them (the placement's cost model reads each rank's share of the cores)."""
         a = self.engine.args
@@ -88,7 +99,16 @@ class GroupEngine(LLMEngine):
         self.view, self.role, self.world_cp = ranks, role, world_cp
         self.on_retire = None  # called with (request) before a finished request's K/V are released
         self.sizing: dict | None = None  # what its ranks profile when the KV cache is sized from GPU memory
+        self.draft_rows = None  # a decode group with a draft model: () → which slots hold the draft's rows
+        self._draft_filled: set[str] = set()  # running requests whose draft rows are all computed here
         super().__init__(model, **kwargs)
+        if self.proposer is not None and getattr(self, "draft", None) is not None:
+            release = self.scheduler.on_release  # preempted: its path may be rebuilt from rows without draft K/V
+
+            def released(req: Request) -> None:
+                self._draft_filled.discard(req.request_id)
+                release(req)
+            self.scheduler.on_release = released
 
     def start_kv(self, capacity: int | None = None) -> None:
         """Once its ranks run: this group's KV manager at its measured capacity (None: as made), over the host / disk
@@ -114,8 +134,31 @@ class GroupEngine(LLMEngine):
         if self.proposer is not None:
             for req in self.scheduler.running:
                 if req.spec is None:
-                    req.spec = SpecState(self.args.speculative_config.num_speculative_tokens)
+                    req.spec = SpecState.of(self.args.speculative_config.num_speculative_tokens)
+            if self.draft_rows is not None:
+                self._fill_draft()
         super()._propose()
+
+    def _fill_draft(self) -> None:
+        """A draft model's rows of the slots that arrived by a handoff (target K/V only) are recomputed before the
+        request first drafts here: draft-only prefill forwards on this group's ranks (`pd/draft_rows.py`)."""
+        todo = [r for r in self.scheduler.running if not r.is_prefill and r.request_id not in self._draft_filled]
+        if not todo:
+            return
+        ok = self.draft_rows()
+        counts = self._counters.setdefault("draft_fill", {"forwards": 0, "tokens": 0, "seconds": 0.0})
+        self._draft_filled.update(r.request_id for r in todo)
+        while todo:  # a round per shared prefix: a request whose missing rows another one writes goes after it
+            batches, written, todo = fill_batches(todo, ok, self.n)
+            if not batches:
+                break
+            t0 = time.perf_counter()
+            self._on_ranks(self._pool.run, DR.fill, tuple(batches))
+            counts["seconds"] += time.perf_counter() - t0
+            for ranks, slots in written:
+                ok[ranks, slots] = True
+            counts["forwards"] += len(batches)
+            counts["tokens"] += sum(len(r) for r, _ in written)
 
     def _process(self, scheduled, results, choice, phase, host: dict, form=None):
         seconds = host.get("forward_s")  # the group's call, as the P/D driver timed it

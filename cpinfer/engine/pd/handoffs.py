@@ -10,6 +10,7 @@ import numpy as np
 
 from cpinfer.cp.pd_plan import plan_transfer
 from cpinfer.engine.kv.manager import SeqKV
+from cpinfer.engine.pd.draft_rows import DraftRows
 from cpinfer.engine.pd.paths import drop_unused, path_ids, path_layout
 from cpinfer.engine.pd.roles import PDConfig
 from cpinfer.engine.pd.transfers import Transfers
@@ -45,6 +46,7 @@ class Handoffs:
         self.transfers = Transfers(pd, groups)
         # sliding-window layers send only the rows a decode still sees; a match never ends where a window needs one
         self.windows = WindowedRows(self.prefill.config.windows, groups[1:], pd.decode_cp)
+        self.draft_rows = DraftRows(groups[1:], pd.decode_cp)  # a draft model's rows recomputed after a handoff
         self.pending: dict[int, list[Handoff]] = {i: [] for i in range(1, len(groups))}
         self.parked: list[Request] = []  # first token sampled, waiting for room on a decode group
         self.sent_after_call: list[SeqKV] = []  # prefill paths whose sends ride the prefill group's next call
@@ -79,6 +81,7 @@ class Handoffs:
             return self.place_early(scheduled)
         if self.windows.tracks(i):
             self.windows.computed(i, scheduled)
+        self.draft_rows.computed(i, scheduled)
         return []
 
     def prefill_call_out(self) -> None:
@@ -189,6 +192,7 @@ class Handoffs:
             if placement is None:
                 g.kv.release(dseq, keep=False)
                 return None
+            self.draft_rows.received(i, placement.ranks, placement.slots)
         tid = None
         if placement is not None:
             src_r, src_s = path_layout(req.kv)

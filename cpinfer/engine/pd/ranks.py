@@ -25,6 +25,7 @@ def init_role_runner(ctx, roles: list[tuple[int, int, int]], model_path: str, dt
     (CUDA), measure instead as `model_runner.init_runner` does, with its role's own profile
     (`sizings[role]` = {"tokens", "utilization", "ranks_per_device", "block"}): the answer's `kv_capacity` is what
     this rank could hold; the driver then calls `allocate_role_kv` with each role's smallest."""
+    ctx.state.pop("draft", None)  # a draft model belongs to the runner it was loaded beside (`load_draft`)
     groups = build_role_groups([(ParallelConfig(cp, tp), offset) for cp, tp, offset in roles], ctx.rank)
     role = next(i for i, (cp, tp, offset) in enumerate(roles) if offset <= ctx.rank < offset + cp * tp)
     sizing = None if capacities[role] is not None else sizings[role]
@@ -75,8 +76,12 @@ def role_call(ctx, orders: TransferOrders, batch: bytes | None, cache_ops: tuple
                 rt.post_sends(riding, keeps, (layer,), figures, inside=True)
                 posted.add(layer)
         runner.on_kv_written = written
+    draft = ctx.state.get("draft")  # a decode group's draft model mirrors its forwards (`spec_decode/draft_runner`)
     try:
-        result = runner.execute(pickle.loads(batch)) if batch is not None else None
+        forward = pickle.loads(batch) if batch is not None else None
+        if forward is not None and draft is not None:
+            draft.mirror(forward)
+        result = runner.execute(forward) if forward is not None else None
     finally:
         runner.on_kv_written = None
     if riding:  # a rank idle in the forward, or a path without the per-layer hook: every layer left, now

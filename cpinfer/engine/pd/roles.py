@@ -50,10 +50,7 @@ def check_pd_args(kwargs: dict) -> None:
     if kwargs.get("placement", "auto") == "local":
         raise ValueError("placement 'local' cannot be combined with pd_decode_cp: the decode group lays out a request's "
                          "K/V itself; use placement 'auto' or 'shard'")
-    spec = SpeculativeConfig.parse(kwargs.get("speculative_config"))
-    if spec is not None and spec.method != "ngram":
-        raise ValueError("draft_model speculation cannot be combined with pd_decode_cp; use method 'ngram' (a draft "
-                         "model would need its own K/V of every prompt on the decode group)")
+    SpeculativeConfig.parse(kwargs.get("speculative_config"))  # a draft model runs on the decode groups only
 
 
 def role_capacities(capacities: list[int | None], infos: list[dict], ranks: list[list[int]]) -> list[int]:

@@ -5,7 +5,8 @@ accepted / drafted over its verify steps), a step drafting k tokens emits E(k) =
 average and costs about 1 + c k plain decode steps, c being one more row's share of a decode step, measured by
 `StepCost` (VERIFY_TOKEN_COST until it has measured). The request drafts the k in [1, K] of the largest
 E(k) / (1 + c k); when even that gain is below 1 it pauses (decodes plainly) for a number of steps that doubles each
-time (8, 16, ... 64), then tries again with k = 1.
+time (8, 16, ... 64), then tries again with k = 1. The engine's requests pick k among `draft_sizes` (1, 2, 4, ...,
+K): the widths the static decode path captures.
 """
 from __future__ import annotations
 
@@ -53,9 +54,22 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_k(a: float, k_max: int, cost: float = VERIFY_TOKEN_COST) -> tuple[int, float]:
-    """(k in [1, k_max] of the largest expected gain over plain decoding, that gain)."""
-    gains = [(expected_tokens(a, k) / (1.0 + cost * k), k) for k in range(1, k_max + 1)]
+def draft_sizes(k_max: int) -> tuple[int, ...]:
+    """The draft lengths a request picks among: 1, 2, 4, 8, ... below k_max, and k_max. The static decode path
+    captures one graph per (sequences, k + 1) bucket (`decode_graph.py`), so a handful of widths keeps the graphs
+    few; every path uses the same sizes, so a request's steps do not depend on which path runs them."""
+    return tuple(sorted({1 << i for i in range(k_max.bit_length()) if 1 << i < k_max} | {k_max}))
+
+
+def verify_widths(k_max: int) -> tuple[int, ...]:
+    """The rows (k + 1) of a verify sequence of each draft size: the static path's captured verify widths."""
+    return tuple(k + 1 for k in draft_sizes(k_max))
+
+
+def best_k(a: float, k_max: int, cost: float = VERIFY_TOKEN_COST,
+           sizes: tuple[int, ...] | None = None) -> tuple[int, float]:
+    """(k in `sizes` (None: [1, k_max]) of the largest expected gain over plain decoding, that gain)."""
+    gains = [(expected_tokens(a, k) / (1.0 + cost * k), k) for k in (sizes or range(1, k_max + 1))]
     gain, k = max(gains)
     return k, gain
 
@@ -75,6 +89,12 @@ class SpecState:
     last_drafted: int = 0  # the latest verify step's drafted / accepted tokens (the proposer's `verified` hook)
     last_accepted: int = 0
     cost: float = VERIFY_TOKEN_COST  # the row cost its last decision used
+    sizes: tuple[int, ...] | None = None  # the draft lengths it picks among (`draft_sizes`; None: every k <= k_max)
+
+    @classmethod
+    def of(cls, k_max: int) -> "SpecState":
+        """An engine request's state: k among `draft_sizes(k_max)`."""
+        return cls(k_max, sizes=draft_sizes(k_max))
 
     def next_k(self, cost: float = VERIFY_TOKEN_COST) -> int:
         """Tokens to draft this step (0: decode plainly); cost: one more verified row's share of a decode step."""
@@ -82,7 +102,7 @@ class SpecState:
         if self.pause > 0:
             self.pause -= 1
             return 0 if self.pause > 0 else 1  # the pause's last step probes with one draft
-        k, gain = best_k(self.acceptance, self.k_max, cost)
+        k, gain = best_k(self.acceptance, self.k_max, cost, self.sizes)
         if gain < 1.0:
             self.pause, self.next_pause = self.next_pause, min(PAUSE_MAX, 2 * self.next_pause)
             return 0
@@ -96,7 +116,7 @@ class SpecState:
         self.num_accepted_tokens += accepted
         self.num_emitted_tokens += emitted
         self.acceptance = (1 - EMA) * self.acceptance + EMA * (accepted / drafted)
-        if best_k(self.acceptance, self.k_max, self.cost)[1] >= 1.0:
+        if best_k(self.acceptance, self.k_max, self.cost, self.sizes)[1] >= 1.0:
             self.next_pause = PAUSE_FIRST
 
     def metrics(self) -> dict:

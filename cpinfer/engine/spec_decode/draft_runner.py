@@ -279,6 +279,14 @@ def mirror(ctx, batch: ForwardBatch) -> None:
         draft.mirror(batch)
 
 
+def fill(ctx, batches: tuple[ForwardBatch, ...]) -> None:
+    """Draft-only forwards (prefill chunks, no sampling) that write the draft's K/V of slots whose target rows came
+    from elsewhere: a prefill group's handoff (`engine/pd/draft_rows.py`)."""
+    draft = ctx.state["draft"]
+    for batch in batches:
+        draft._forward(batch)
+
+
 def take_q(ctx, key: str) -> torch.Tensor | None:
     """The [k, V] draft distributions of request `key`'s last proposal, kept on this rank (None: greedy, or
     drafted elsewhere); removed once taken."""
