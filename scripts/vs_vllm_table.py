@@ -65,8 +65,8 @@ def table(out: Path, args) -> str:
             f"vLLM CPU {args.vllm_version}: `vllm serve --dtype float32`, VLLM_CPU_OMP_THREADS_BIND over "
             f"{args.threads} cores), one client: `vllm bench serve --backend openai` (streaming completions, "
             f"temperature 0, ignore_eos, random prompts of seed 51; long prompts {lens} tokens). Load average "
-            f"{args.load_before} before, {args.load_after} after: under load every number is indicative, the "
-            "ratios less so than the absolute times.")
+            f"{args.load_before} before, {args.load_after} after: under load every number is indicative "
+            "(a quiet machine is the one to judge the targets on).")
     return head + "\n\n" + "\n".join(lines)
 
 
