@@ -71,6 +71,8 @@ class ModelRunner:
             self.model = load_tp_model(model_path, self.config, parallel.tp, self.groups.tp_rank,
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
+        if ctx.device.type == "cpu":  # q / k / v and gate / up as one GEMM each (fewer, wider GEMMs; `model/fused.py`)
+            self.model.fuse_projections()
         attn = self.model.model.layers[self.config.attention_layers[0]].self_attn  # (a hybrid's first may be recurrent)
         self.n_kv = attn.num_kv_heads  # this TP rank's KV heads (MLA: the one latent head, on every TP rank)
         self.widths = KVWidths.of(self.config)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpinfer.model.config import ModelConfig
+from cpinfer.model.fused import FusedLinears
 from cpinfer.model.mla import MLAttention
 from cpinfer.model.moe import SparseMoE, relu2
 from cpinfer.model.norms import RMSNorm, l2_norm
@@ -56,10 +57,22 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
 
+    fused_gate_up: FusedLinears | None = None  # `fuse_projections`: gate / up as one GEMM
+
+    def fuse_projections(self) -> bool:
+        """Run gate / up as one GEMM from now on (`fused.py`); False when they cannot be fused."""
+        if self.fused_gate_up is None and FusedLinears.fusable([self.gate_proj, self.up_proj]):
+            self.fused_gate_up = FusedLinears(self, ["gate_proj", "up_proj"])
+        return self.fused_gate_up is not None
+
     def forward(self, x: Tensor) -> Tensor:  # [L, hidden] -> [L, hidden]
-        g = self.gate_proj(x)  # [L, intermediate]: activated and gated in place (no two more [L, I] tensors)
-        g = F.silu(g, inplace=True) if self.act is F.silu else self.act(g)
-        return self.down_proj(g.mul_(self.up_proj(x)))
+        fused = self.fused_gate_up
+        if fused is not None and fused.valid():
+            g, u = fused(x)  # [L, intermediate] each, column views of one [L, 2 * intermediate] result
+        else:
+            g, u = self.gate_proj(x), None  # [L, intermediate]
+        g = F.silu(g, inplace=True) if self.act is F.silu else self.act(g)  # activated and gated in place
+        return self.down_proj(g.mul_(self.up_proj(x) if u is None else u))
 
 
 class PlainMLP(nn.Module):
@@ -118,6 +131,17 @@ class Attention(nn.Module):
         # gpt-oss: one sink logit per query head (TP slices it with the heads)
         self.sinks = nn.Parameter(torch.zeros(config.num_attention_heads)) if config.attention_sinks else None
 
+    fused_qkv: FusedLinears | None = None  # `fuse_projections`: q / k / v as one GEMM
+
+    def fuse_projections(self) -> bool:
+        """Run q / k / v as one GEMM from now on (`fused.py`; the modules keep their parameters, as views); False
+        when they cannot be fused (a layer without its own k / v, TP-sliced or quantized Linears)."""
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        if self.fused_qkv is None and None not in linears and self.cache_shape is None and not self.v_norm_eps \
+                and FusedLinears.fusable(linears):
+            self.fused_qkv = FusedLinears(self, ["q_proj", "k_proj", "v_proj"])
+        return self.fused_qkv is not None
+
     @property
     def num_heads(self) -> int:  # from the weights, so a TP-sliced q_proj means fewer local heads
         return self.q_proj.weight.shape[0] // (self.head_dim * self.q_per_head)
@@ -148,16 +172,18 @@ class Attention(nn.Module):
         d = self.head_dim  # head counts follow from the (possibly TP-sliced) weights; L may be 0 on a rank
         h, hkv = self.q_proj.weight.shape[0] // (d * self.q_per_head), self.k_proj.weight.shape[0] // d
         gate = None
-        if self.q_per_head == 2:  # (partial RoPE: the tables are narrower than D/2, `apply_rope` rotates the first)
-            q, gate = self.q_proj(x).view(n, h, 2 * d).chunk(2, dim=-1)  # [L, H, D] each
-            q, gate = q.reshape(n, h * d), gate.reshape(n, h * d)
+        fused = self.fused_qkv
+        if fused is not None and fused.valid():  # one GEMM, q / k / v as column views of its result
+            q, k, v = fused(x)
         else:
-            q = self.q_proj(x)  # [L, H * D]
-        k = self.k_proj(x)  # [L, Hkv * D]
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [L, H * D (x2)], [L, Hkv * D] x2
+        if self.q_per_head == 2:  # (partial RoPE: the tables are narrower than D/2, `apply_rope` rotates the first)
+            q, gate = q.reshape(n, h, 2 * d).chunk(2, dim=-1)  # [L, H, D] each
+            q, gate = q.reshape(n, h * d), gate.reshape(n, h * d)
         if self.qk_norm_all_heads:  # (TP refuses this family: the statistic spans every rank's heads)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(n, h, d), k.view(n, hkv, d)  # [L, H, D], [L, Hkv, D]
-        v = self.v_proj(x).view(n, hkv, d)  # [L, Hkv, D]
+        v = v.view(n, hkv, d)  # [L, Hkv, D]
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # (partial RoPE: tables of rotary_dim / 2 columns; `apply_rope` rotates the first channels)

@@ -96,6 +96,13 @@ class CausalLM(nn.Module):
             h = layer(h, *tables[id(rotary)], attn, scale, recurrent=recurrent)
         return self.model.norm(h)
 
+    def fuse_projections(self) -> int:
+        """Each attention layer's q / k / v and each gated MLP's gate / up as one GEMM from now on (`fused.py`; the
+        parameters stay where they are, as views): how many modules were fused. Layers that cannot be fused (TP-sliced
+        or quantized Linears, KV-sharing layers, MoE) keep their separate Linears."""
+        return sum(bool(m.fuse_projections()) for m in self.modules() if hasattr(m, "fuse_projections")
+                   and m is not self)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [M, hidden] -> logits [M, vocab] fp32 (tanh soft-capped when the config says so)."""
         head = self.lm_head
