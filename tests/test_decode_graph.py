@@ -250,7 +250,7 @@ def test_decode_mode_follows_device_and_enforce_eager(monkeypatch):
     assert _decode_config(device="cuda", static_decode=False)["mode"] == "off"
     assert _decode_config(device="cpu")["mode"] == "off"
     assert _decode_config(device="cpu", static_decode=True) == {"mode": "eager", "max_rows": 16, "verify": "decode",
-                                                                 "verify_width": 1}
+                                                                 "verify_width": 1, "verify_widths": (1,)}
     assert _decode_config(device="cuda", widths=(576, 512))["mode"] == "graph"  # MLA: values inside the keys
     monkeypatch.setattr(startup, "backend_problem", lambda name, device: "no triton")
     assert _decode_config(device="cuda")["mode"] == "off"  # graphs need the Triton kernel: off, with a warning

@@ -62,6 +62,8 @@ def ring_steps(group, block: torch.Tensor | None, n: int, compute, timings: list
     `cpinfer.timing.resolve`); "wait_s" is the time the stream stood still for the transfer (exposed comm).
     """
     ring = RingComm(group) if n > 1 else None
+    if n > 1:
+        block = block.contiguous()  # send / recv need dense memory (a query may be a view of a fused projection)
     spare = torch.empty_like(block) if n > 1 else None
     clock = Stopwatch(block.device if block is not None else "cpu") if timings is not None else None
     for j in range(n):

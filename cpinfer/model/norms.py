@@ -19,25 +19,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [..., dim] -> same shape and dtype; x̂ = x / rms(x) in fp32 (one fused op where torch has one, the same
         values as the unfused pow / mean / rsqrt / mul), then the style's weight."""
-        if self.style != "gemma" and x.dtype == torch.float32 == self.weight.dtype:
-            if x.device.type == "cpu":
-                return rms_norm_cpu(x, self.weight, self.eps)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, the same math
+        if self.style != "gemma" and x.dtype == torch.float32 == self.weight.dtype:  # one op, the same math
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.style == "gemma":
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         if self.style == "fp32":  # gpt-oss: the weight applied before the cast
             return (self.weight.float() * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
-
-
-def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """weight * (x / rms(x)) over the last dim, fp32 on the CPU, in three passes over x: torch's CPU `rms_norm` is
-    a composite of five or six (pow, mean, add, rsqrt, two muls), each a fork / join of the threads. The sum of
-    squares comes from one norm reduction (sqrt then squared back: within an ulp of the mean of squares)."""
-    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]: small ops from here on
-    r = torch.rsqrt(r.square_().div_(x.shape[-1]).add_(eps))
-    return torch.mul(x, r).mul_(weight)
 
 
 def l2_norm(x: Tensor, eps: float) -> Tensor:

@@ -132,9 +132,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = xf[..., :half], xf[..., half:]      # [L, H, D/2] each
     c, s = cos[:, None, :], sin[:, None, :]      # [L, 1, D/2]
     out = torch.empty(xf.shape, dtype=xf.dtype, device=xf.device)  # [L, H, D] fp32, contiguous (x may be a view)
-    # both halves written in place: four passes over half a head, no temporaries (x1 c - x2 s, x2 c + x1 s)
-    torch.mul(x1, c, out=out[..., :half]).addcmul_(x2, s, value=-1.0)
-    torch.mul(x2, c, out=out[..., half:]).addcmul_(x1, s)
+    # both halves written in place (no cat), each product rounded as transformers rounds it (x1 c - x2 s, x2 c + x1 s;
+    # a fused multiply-add would round once, and a near-tie of a sparse model's top-k can turn on that last bit)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
     return out.to(x.dtype)
 
 
