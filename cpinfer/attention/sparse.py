@@ -14,11 +14,13 @@ NO_POS = -1  # the position of an empty candidate (score -inf)
 _GATHER_ELEMS = 1 << 22  # selected key elements gathered at once by `attend_selected`
 
 
-def ordered_topk(scores: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """scores [Q, K] fp32 (-inf: invisible), pos [K] int64 in increasing order -> each row's first k keys in the
-    order (score desc, position asc), as a set in position order, padded to k: (values [Q, k] fp32, positions
-    [Q, k] int64 (NO_POS where empty), indices into the K keys [Q, k] int64 (0 where empty)). One top-k for the
-    k-th value, then the ties at it taken by position: O(Q K), no sort of the K keys."""
+def ordered_topk(scores: Tensor, pos: Tensor, k: int, static: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """scores [Q, K] fp32 (-inf: invisible), pos [K] (or [Q, K]: a key list per row) int64 in increasing order ->
+    each row's first k keys in the order (score desc, position asc), as a set in position order, padded to k:
+    (values [Q, k] fp32, positions [Q, k] int64 (NO_POS where empty), indices into the K keys [Q, k] int64 (0 where
+    empty)). One top-k for the k-th value, then the ties at it taken by position: O(Q K), no sort of the K keys.
+    `static`: no data-dependent shape (the static decode path: the chosen keys gathered by a second top-k instead of
+    `nonzero`, which reads its count back to the host)."""
     q, n = scores.shape
     vals = torch.full((q, k), -torch.inf, dtype=torch.float32, device=scores.device)
     where = torch.full((q, k), NO_POS, dtype=torch.int64, device=scores.device)
@@ -29,10 +31,14 @@ def ordered_topk(scores: Tensor, pos: Tensor, k: int) -> tuple[Tensor, Tensor, T
         above, tie = scores > kth, scores == kth
         need = m - above.sum(dim=1, keepdim=True)  # [Q, 1] keys still to take from the ties, earliest first
         chosen = above | (tie & (torch.cumsum(tie, dim=1) <= need))  # [Q, K], exactly m per row
-        i = torch.nonzero(chosen)[:, 1].view(q, m)  # [Q, m] in position order
+        if static:
+            later = torch.arange(n, 0, -1, device=scores.device, dtype=torch.float32)  # earlier keys rank higher
+            i = torch.topk(torch.where(chosen, later, 0.0), m, dim=1).indices  # [Q, m] the chosen, in position order
+        else:
+            i = torch.nonzero(chosen)[:, 1].view(q, m)  # [Q, m] in position order
         v = scores.gather(1, i)
         vals[:, :m], idx[:, :m] = v, i
-        where[:, :m] = torch.where(torch.isfinite(v), pos[i], NO_POS)
+        where[:, :m] = torch.where(torch.isfinite(v), pos[i] if pos.dim() == 1 else pos.gather(1, i), NO_POS)
     return vals, where, idx
 
 

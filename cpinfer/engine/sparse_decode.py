@@ -18,33 +18,15 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.merge import merge_partials
-from cpinfer.attention.sparse import NO_POS, attend_selected, selected, threshold
+from cpinfer.attention.sparse import attend_selected, ordered_topk, selected, threshold
 
 FAR = np.iinfo(np.int64).max // 2  # the position of a padding key: after every query, so never visible
 MIN_KEYS = 64  # the smallest per-row key bound (bounds grow in powers of two: few buckets)
 
 
 def static_topk(scores: torch.Tensor, pos: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`attention/sparse.ordered_topk` with a key list per row and no data-dependent shape: scores [Q, K] fp32
-    (-inf: invisible), pos [Q, K] int64 increasing along each row -> (values [Q, k] fp32, positions [Q, k] int64
-    (NO_POS where empty), indices into the row's K keys [Q, k] int64), each row's first k keys in the order (score
-    desc, position asc), as a set in position order."""
-    q, n = scores.shape
-    vals = torch.full((q, k), -torch.inf, dtype=torch.float32, device=scores.device)
-    where = torch.full((q, k), NO_POS, dtype=torch.int64, device=scores.device)
-    idx = torch.zeros((q, k), dtype=torch.int64, device=scores.device)
-    m = min(k, n)
-    if m and q:
-        kth = torch.topk(scores, m, dim=1, sorted=False).values.amin(dim=1, keepdim=True)  # [Q, 1]
-        above, tie = scores > kth, scores == kth
-        need = m - above.sum(dim=1, keepdim=True)  # [Q, 1] keys still to take from the ties, earliest first
-        chosen = above | (tie & (torch.cumsum(tie, dim=1) <= need))  # [Q, K], exactly m per row
-        later = torch.arange(n, 0, -1, device=scores.device, dtype=torch.float32)  # earlier keys rank higher
-        i = torch.topk(torch.where(chosen, later, 0.0), m, dim=1).indices  # [Q, m] the chosen, in position order
-        v = scores.gather(1, i)
-        vals[:, :m], idx[:, :m] = v, i
-        where[:, :m] = torch.where(torch.isfinite(v), pos.gather(1, i), NO_POS)
-    return vals, where, idx
+    """`attention/sparse.ordered_topk` with a key list per row (pos [Q, K]) and no data-dependent shape."""
+    return ordered_topk(scores, pos, k, static=True)
 
 
 class StaticSparse:
