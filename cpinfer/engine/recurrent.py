@@ -13,7 +13,9 @@ the shape of its maps' M: (H, Dk, Dk) by default, (H,) for Mamba-2's decay per h
    conv needs before its first token is among those, or in the sequence's cached tail (the state slot's).
 2. each rank convolves its long shards, computes their recurrence inputs and their affine maps (`summary`; with a
    mixer's `summary_with_outputs`, in the same pass the outputs as a function of the starting state, finished by
-   `outputs_from` in step 4 instead of a second run);
+   `outputs_from` in step 4 instead of a second run). A sequence's first shard starts from the slot's state, known
+   already: it runs plainly (its outputs final) and ships its end state as a constant map (M = 0), about half the
+   work of a map;
 3. map exchange: one all-reduce of the long shards' [|M| + |B|] fp32 maps (fixed size per shard, independent of
    its length); none when every shard is short (decode).
 4. every rank goes through each sequence's shards in order from its state_in slot: a short shard is run, a long
@@ -172,9 +174,9 @@ class RecurrentRunner:
         # 2. conv, inputs: my long shards (and their maps), every short shard (on every rank)
         maps = torch.zeros(n_maps, m_size + b_size, dtype=torch.float32, device=dev)
         deferred = hasattr(mixer, "summary_with_outputs")  # else: summary, then a run from the starting state
-        inputs = {}
+        inputs, done = {}, {}  # done: a first shard's outputs, run from the known starting state
         for seq in self.seqs:
-            _, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
+            state_in, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
             for sh in seq:
                 raw, at, rows, m = layout[sh.index]
                 if raw:
@@ -188,11 +190,15 @@ class RecurrentRunner:
                     idx = torch.as_tensor(sh.rows, device=dev)
                     conv, _ = mixer.conv(u[idx], self._before(seq, sh.a, tail_in, halo, k1))
                     inp = mixer.inputs(conv, tuple(x[idx] for x in side))
-                    if deferred:  # the map and the outputs as a function of the starting state, in one pass
+                    if sh.a == 0:  # its starting state is known: a plain run, its end state shipped as a constant map
+                        done[sh.index], end = mixer.run(inp, None if state_in is None else state_in.clone())
+                        maps[m, m_size:] = end.reshape(-1)
+                    elif deferred:  # the map and the outputs as a function of the starting state, in one pass
                         amap, *inputs[sh.index] = mixer.summary_with_outputs(inp)
+                        maps[m] = amap.to_tensor()
                     else:
                         amap, inputs[sh.index] = mixer.summary(inp), inp
-                    maps[m] = amap.to_tensor()
+                        maps[m] = amap.to_tensor()
         # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
         if n_maps:
             self._all_reduce(maps)
@@ -213,9 +219,12 @@ class RecurrentRunner:
                     if sh.r == self.rank:
                         out[torch.as_tensor(sh.rows, device=dev)] = o
                     continue
-                if sh.r == self.rank:
+                if sh.index in done:
+                    o = done[sh.index]
+                elif sh.r == self.rank:
                     o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
                         mixer.run(inputs[sh.index], state)[0]
+                if sh.r == self.rank:
                     out[torch.as_tensor(sh.rows, device=dev)] = o
                 state = Affine.from_tensor(maps[m], m_shape, (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)

@@ -116,13 +116,13 @@ def _augmented(inp: GDNInputs, chunk: int, want_out: bool):
     dev = inp.q.device
     s0 = torch.cat((torch.zeros(h, dk, dv, dtype=torch.float32, device=dev),
                     torch.eye(dk, dtype=torch.float32, device=dev).expand(h, dk, dk)), dim=-1)  # [H, Dk, Dv + Dk]
-    v = torch.cat((inp.v, inp.v.new_zeros(t, h, dk)), dim=-1)  # [T, H, Dv + Dk]
     if t == 0:
-        o, s = v.new_zeros(0, h, dv + dk), s0
+        o, s = inp.v.new_zeros(0, h, dv + dk), s0
     elif t < _STEP_BELOW:
+        v = torch.cat((inp.v, inp.v.new_zeros(t, h, dk)), dim=-1)  # [T, H, Dv + Dk]
         o, s = _steps(GDNInputs(inp.q, inp.k, v, inp.g, inp.beta), s0)
-    else:
-        o, s = _scan(inp.q, inp.k, v, inp.g, inp.beta, s0, chunk, want_out)
+    else:  # the identity block's values are zero: the scan solves for the real values only
+        o, s = _scan(inp.q, inp.k, inp.v, inp.g, inp.beta, s0, chunk, want_out)
     amap = Affine(s[..., dv:].contiguous(), s[..., :dv].contiguous())
     if not want_out:
         return amap, None, None
@@ -141,40 +141,49 @@ def _steps(inp: GDNInputs, s: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(out), s
 
 
+_BLOCK_BYTES = 1 << 20  # the chunks handled at once: about this many bytes per [H, chunks, C, D] tensor (cache-sized)
+
+
 def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor, chunk: int,
           want_out: bool) -> tuple[Tensor | None, Tensor]:
-    """The chunked form. q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], s [H, Dk, Dv] -> (o [T, H, Dv] or None,
-    s_out). Within a chunk the delta rule's updates are solved at once (a unit lower-triangular system: the UT
-    transform); between chunks the state is carried by one matmul per chunk."""
-    t = q.shape[0]
-    pad = (-t) % chunk
-    # [H, T, D] fp32, padded with tokens that change nothing (k = v = 0, beta = 0, g = 0)
-    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x.float().transpose(0, 1), (0, pad)) for x in (g, beta))
-    h, n = q.shape[0], (t + pad) // chunk
-    q, k, v = (x.reshape(h, n, chunk, x.shape[-1]) for x in (q, k, v))  # [H, N, C, D]
-    g, beta = g.reshape(h, n, chunk), beta.reshape(h, n, chunk)  # [H, N, C]
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    cg = g.cumsum(-1)  # [H, N, C] log decay from the chunk's start through each token
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (cg[..., :, None] - cg[..., None, :]).masked_fill(~lower, -torch.inf).exp()  # [H, N, C, C] i >= j
-    system = (kb @ k.transpose(-1, -2)) * decay  # strictly lower part used; unit diagonal
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)  # [H, N, C, Dv]
-    w = torch.linalg.solve_triangular(system, kb * cg.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay if want_out else None  # [H, N, C, C]
-    q_dec = q * cg.exp()[..., None]
-    k_dec = k * (cg[..., -1:] - cg).exp()[..., None]
-    chunk_decay = cg[..., -1].exp()  # [H, N]
-    outs = []
-    for i in range(n):
-        v_new = u[:, i] - w[:, i] @ s  # [H, C, Dv]: the values less what the state already predicts
+    """The chunked form. q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], s [H, Dk, W] with W >= Dv (W > Dv: the
+    state's columns past Dv have zero values: the summary's identity block) -> (o [T, H, W] or None, s_out).
+    Within a chunk the delta rule's updates are solved at once (a unit lower-triangular system: the UT transform);
+    between chunks the state is carried by one matmul per chunk. A few chunks at a time, so that every temporary
+    stays in cache (the whole sequence at once is memory-bound on a CPU); the same arithmetic either way."""
+    t, h, dk, dv, width = q.shape[0], q.shape[1], q.shape[2], v.shape[2], s.shape[-1]
+    dev = q.device
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
+    out = torch.empty(t, h, width, dtype=torch.float32, device=dev) if want_out else None
+    step = chunk * max(1, _BLOCK_BYTES // (4 * h * chunk * max(dk, width)))
+    for a in range(0, t, step):
+        e = min(t, a + step)
+        pad = (-(e - a)) % chunk  # padded with tokens that change nothing (k = v = 0, beta = 0, g = 0)
+        n = (e - a + pad) // chunk
+        # [H, N, C, D] fp32
+        qc, kc, vc = (F.pad(x[a:e].float().transpose(0, 1), (0, 0, 0, pad)).reshape(h, n, chunk, -1)
+                      for x in (q, k, v))
+        gc, bc = (F.pad(x[a:e].float().transpose(0, 1), (0, pad)).reshape(h, n, chunk) for x in (g, beta))
+        kb = kc * bc[..., None]
+        cg = gc.cumsum(-1)  # [H, N, C] log decay from the chunk's start through each token
+        decay = (cg[..., :, None] - cg[..., None, :]).masked_fill(~lower, -torch.inf).exp()  # [H, N, C, C] i >= j
+        system = (kb @ kc.transpose(-1, -2)) * decay  # strictly lower part used; unit diagonal
+        u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, kb * cg.exp()[..., None], upper=False, unitriangular=True)
+        intra = (qc @ kc.transpose(-1, -2)) * decay if want_out else None  # [H, N, C, C]
+        q_dec = qc * cg.exp()[..., None]
+        k_dec_t = (kc * (cg[..., -1:] - cg).exp()[..., None]).transpose(-1, -2)  # [H, N, Dk, C]
+        chunk_decay = cg[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+        ob = torch.empty(h, n, chunk, width, dtype=torch.float32, device=dev) if want_out else None
+        for i in range(n):
+            v_new = -(w[:, i] @ s)  # [H, C, W]: the values less what the state already predicts
+            v_new[..., :dv] += u[:, i]
+            if want_out:
+                torch.baddbmm(intra[:, i] @ v_new, q_dec[:, i], s, out=ob[:, i])
+            s = torch.baddbmm(s * chunk_decay[:, i], k_dec_t[:, i], v_new)
         if want_out:
-            outs.append(q_dec[:, i] @ s + intra[:, i] @ v_new)
-        s = s * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
-    if not want_out:
-        return None, s
-    o = torch.stack(outs, dim=1).reshape(h, n * chunk, -1)[:, :t]  # [H, T, Dv]
-    return o.transpose(0, 1).contiguous(), s
+            out[a:e] = ob.reshape(h, n * chunk, width)[:, :e - a].transpose(0, 1)
+    return out, s
 
 
 # ---------------------------------------------------------------- the mixer layer
