@@ -13,11 +13,11 @@ TTFT is timed on the client, from sending the request to the first streamed even
 
 How flat turn N's TTFT can be depends on the model's width. Turn N's new tokens attend to the whole history H: per
 new token ~4·layers·heads·head_dim·H FLOPs of attention against ~2·params of linears, a ratio of about
-H / (8·hidden) for a Llama-shaped model. On the embedded SmolLM2-135M (hidden 576) an 8K history costs twice the
-linears, so TTFT still grows with N even with the KV reused; at Llama-3-8B's width (hidden 4096) it costs a
-quarter. `--random-layers N` serves a random N-layer checkpoint of that width (built once, cached) with the embedded
-model's tokenizer and chat template, so that the same text workload runs on a model whose per-turn TTFT is
-dominated by its new tokens.
+H / (8·hidden) for a Llama-shaped model. Per layer, an 8K history costs ~2.7x the linears on the embedded SmolLM2-135M
+(hidden 576), so TTFT still grows with N even with the KV reused; at Llama-3-8B's width (hidden 4096) it costs
+~0.3x. `--random-layers N` serves a random N-layer checkpoint of that width (built once, cached) with the embedded
+model's tokenizer and chat template, so that the same text workload runs on a model whose per-turn TTFT is dominated
+by its new tokens.
 """
 from __future__ import annotations
 
