@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="requests of --prompt tokens at once (a batched decode step)")
     ap.add_argument("--repeats", type=int, default=1, help="profiled prefills (each a fresh prompt)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args()
@@ -153,22 +154,23 @@ def main() -> None:
     model = embedded_model()
     vocab = ModelConfig.from_pretrained(model).vocab_size
     load0 = os.getloadavg()
-    res = {"prompt": args.prompt, "threads": args.threads, "prefill": [], "decode": [], "wall_prefill_s": []}
+    res = {"prompt": args.prompt, "batch": args.batch, "threads": args.threads, "prefill": [], "decode": [], "wall_prefill_s": []}
     with LLM(model, context_parallel_size=1, threads_per_rank=args.threads, placement="local", dtype="float32",
-             max_kv_tokens_per_rank=C.kv_capacity(args.prompt + args.decode_steps + 64)) as llm:
+             max_kv_tokens_per_rank=C.kv_capacity(args.batch * (args.prompt + args.decode_steps + 64))) as llm:
         eng, runner = llm.engine, in_process_runner(llm)
         res["torch_threads"] = torch.get_num_threads()
         llm.generate(C.random_prompt(64, vocab, seed=999), SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)  # warm-up
         rows = lm_head_rows(runner)
         for rep in range(args.repeats):
-            rid = f"profile-{rep}"
-            eng.add_request(rid, C.random_prompt(args.prompt, vocab, seed=rep + 1),
-                            SamplingParams(max_tokens=args.decode_steps + 3, temperature=0.0, ignore_eos=True))
+            rids = [f"profile-{rep}-{b}" for b in range(args.batch)]
+            for b, rid in enumerate(rids):
+                eng.add_request(rid, C.random_prompt(args.prompt, vocab, seed=rep * args.batch + b + 1),
+                                SamplingParams(max_tokens=args.decode_steps + 3, temperature=0.0, ignore_eos=True))
             rows.clear()
             with labelled(llm, runner), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
                 t0, steps = time.perf_counter(), 0
-                while not eng.requests[rid].out:
+                while not all(eng.requests[r].out for r in rids):
                     eng.step()
                     steps += 1
                 wall = time.perf_counter() - t0
@@ -183,7 +185,7 @@ def main() -> None:
             d = classify(p.events())
             res["decode"].append({k: v / args.decode_steps for k, v in d.items()})
             res["lm_head_rows_decode"] = rows[:1]
-            while rid in eng.requests:
+            while any(r in eng.requests for r in rids):
                 eng.step()
     res["load_before"], res["load_after"] = load0, os.getloadavg()
     print(report(res))
