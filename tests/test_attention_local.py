@@ -204,12 +204,14 @@ def test_cpu_kernel_few_queries_over_many_keys_matches_reference(lq, h, hkv, lk)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("lq, hkv, lk", [(1, 3, 3001), (2, 3, 1024)])
-def test_cpu_kernel_few_queries_split_among_threads_matches_reference(lq, hkv, lk):
-    """3 KV heads on 2 threads: the decode path cuts the keys into one piece per thread (an odd count leaves one
-    more piece) and merges them; vs float64."""
+@pytest.mark.parametrize("lq, hkv, extra", [(1, 3, 1), (2, 3, 0)])
+def test_cpu_kernel_few_queries_split_among_threads_matches_reference(lq, hkv, extra):
+    """3 KV heads on 2 threads, from `_SPLIT_MIN_KEYS` keys on: the decode path cuts the keys into one piece per
+    thread (an odd count leaves one more piece) and merges them; vs float64."""
+    from cpinfer.attention.kernels import _SPLIT_MIN_KEYS
     from cpinfer.attention.local import cpu_flash_backend
 
+    lk = _SPLIT_MIN_KEYS + extra
     g = torch.Generator().manual_seed(lk)
     q = torch.randn(lq, 3 * hkv, 16, generator=g)
     k, v = (torch.randn(lk + 9, hkv, 16, generator=g)[5:5 + lk] for _ in range(2))
