@@ -59,10 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from cpinfer.launch.common import set_cli_program, set_compute_threads
+    from cpinfer.launch.common import set_cli_program
 
     set_cli_program(True)  # a rank that dies is never told to guard a script: this program is not one
-    set_compute_threads()  # denormals flushed in this thread before any op: every thread it starts inherits it
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:  # bad input: one clear line, no traceback

@@ -295,9 +295,10 @@ def start_driver(spec: NodeSpec, model: str, engine_kwargs: dict) -> NodeRanks:
     env = _rank_environment(spec, 0, engine_kwargs.get("threads_per_rank"))
     threads = env.pop("OMP_NUM_THREADS", None)
     os.environ.update(env)
-    from cpinfer.launch.common import set_compute_threads
+    if threads is not None:
+        import torch
 
-    set_compute_threads(None if threads is None else int(threads))
+        torch.set_num_threads(int(threads))
     log.info("multi-node: node 0 of %d runs ranks %d..%d (rank 0, the driver, is this process); rendezvous at %s "
              "for %d ranks", spec.nnodes, spec.local_ranks[0], spec.local_ranks[-1], spec.rendezvous,
              spec.world_size)

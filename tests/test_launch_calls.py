@@ -66,20 +66,3 @@ def test_the_call_book_keeps_only_the_awaited_reply():
     assert book.take([1, 2]) == {1: ("ok", "a"), 2: ("error", ("ValueError", "m", "tb"))}
     assert not book.file(second, 2, "ok", "late") and book.awaited == {} and book.replies == {}
 
-
-def _flushes_denormals(ctx) -> tuple[bool, bool]:
-    """Whether a denormal float reads as zero in this rank's calling thread (a tiny op) and in an op large enough
-    to be split over the intra-op threads."""
-    import torch
-
-    tiny = torch.full((4,), 1e-39)  # below float32's smallest normal (1.2e-38)
-    big = torch.full((1 << 18,), 1e-39)
-    return bool((tiny * 1.0).eq(0).all()), bool((big * 1.0).eq(0).all())
-
-
-def test_ranks_flush_denormal_floats_in_every_compute_thread(pool):
-    """Denormals are ~100x slower to multiply (the recurrent layers' maps decay into them): every rank's compute
-    threads flush them, the intra-op workers of a rank process included (they inherit it at creation)."""
-    answers = pool.run(_flushes_denormals)
-    assert all(serial for serial, _ in answers), answers
-    assert all(parallel for parallel, _ in answers[1:]), answers  # rank 0 may be this (pytest's) process

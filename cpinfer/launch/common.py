@@ -25,17 +25,6 @@ class RankContext:
     state: dict  # per-rank scratch space that persists across `run` calls (e.g. an engine worker)
 
 
-def set_compute_threads(threads: int | None = None) -> None:
-    """This thread's settings for model compute: denormal floats flushed to zero, and `threads` torch intra-op
-    threads (None: leave the count). Call it before the thread's first parallel op: the intra-op worker threads
-    are created then and inherit the flush (torch's switch is per thread). A denormal float (below 1.2e-38) is
-    about a hundred times slower to multiply than a normal one, and the recurrent layers' maps decay into them
-    (exp of a long run's summed log decays); flushing changes no value above that."""
-    torch.set_flush_denormal(True)
-    if threads:
-        torch.set_num_threads(threads)
-
-
 class RemoteError(RuntimeError):
     """A function raised on one or more ranks; `errors` maps rank → (exception type name, message, traceback)."""
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cpinfer.launch.calls import CallBook
-from cpinfer.launch.common import run_call, set_compute_threads
+from cpinfer.launch.common import run_call
 
 
 def send_frame(sock: socket.socket, obj: Any) -> None:
@@ -186,7 +186,7 @@ class RankLinks:
             sel.close()
 
     def _work(self) -> None:
-        set_compute_threads(self._threads)  # the rank's threads (and the denormal flush), in this thread too
+        torch.set_num_threads(self._threads)  # the rank's threads, in this thread too
         if self.world.ctx.device.type == "cuda":  # the current GPU is a per-thread setting
             torch.cuda.set_device(self.world.ctx.device)
         while True:

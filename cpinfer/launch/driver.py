@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cpinfer.launch.common import RankContext, bind_to_loopback, set_compute_threads
+from cpinfer.launch.common import RankContext, bind_to_loopback
 
 DRIVER_HOSTS = threading.Lock()  # held while a pool's rank 0 lives in this process (torch's default group)
 
@@ -27,7 +27,8 @@ class DriverRank:
 
     def __init__(self, store_path: str, world_size: int, threads: int | None, timeout_s: float):
         self._threads_before = torch.get_num_threads()
-        set_compute_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         self.ctx: RankContext | None = None
         self._error: BaseException | None = None
         self._closed = False

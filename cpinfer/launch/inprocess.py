@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from cpinfer.launch.common import RankContext, RemoteError, set_compute_threads
+from cpinfer.launch.common import RankContext, RemoteError
 
 
 class InProcessWorld:
@@ -18,7 +18,8 @@ class InProcessWorld:
     """
 
     def __init__(self, device: str = "cpu", threads: int | None = None, timeout_s: float = 300.0):
-        set_compute_threads(threads)
+        if threads:
+            torch.set_num_threads(threads)
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.world_size, self.timeout_s = 1, timeout_s
         self.dead_reason: str | None = None  # the rank is this process: it cannot die alone

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from cpinfer.device import check_gpus, gpu_of_rank
 from cpinfer.launch.calls import CallBook
-from cpinfer.launch.common import RankContext, RemoteError, heartbeat, run_call, set_compute_threads
+from cpinfer.launch.common import RankContext, RemoteError, heartbeat, run_call
 from cpinfer.launch.control import RankLinks, control_address, recv_frame, send_frame, tune
 from cpinfer.launch.rank import exit_after_error, leave_shutdown_to_driver
 
@@ -43,7 +43,8 @@ class JoinedWorld:
     def __init__(self, backend: str = "gloo", threads_per_rank: int | None = None, timeout_s: float = 300.0,
                  idle_timeout_s: float = 7 * 24 * 3600.0, device: str | None = None, subsets: bool = False,
                  fail_grace_s: float = 2.0):
-        set_compute_threads(threads_per_rank)
+        if threads_per_rank:
+            torch.set_num_threads(threads_per_rank)
         on_gpu = (device or ("cuda" if backend == "nccl" else "cpu")) == "cuda"
         device = torch.device("cpu")
         if on_gpu:  # LOCAL_RANK's GPU, after checking this node has one per rank (unless gloo shares them)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from cpinfer.device import gpu_of_rank
 from cpinfer.launch.calls import START_UP
-from cpinfer.launch.common import RankContext, bind_to_loopback, set_compute_threads
+from cpinfer.launch.common import RankContext, bind_to_loopback
 
 
 def set_parent_death_signal() -> None:
@@ -42,7 +42,8 @@ def worker_main(rank, world_size, store_path, backend, threads, timeout_s, inbox
     leave_shutdown_to_driver()
     os.environ["RANK"] = str(rank)
     bind_to_loopback()
-    set_compute_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
     device = torch.device("cpu")
     if device_type == "cuda":  # one GPU per rank (the pool checked there are enough), or shared over gloo

@@ -141,6 +141,7 @@ def _steps(inp: GDNInputs, s: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(out), s
 
 
+_TINY = 2.0 ** -100  # augmented states: entries below this are set to 0 (see `_scan`)
 _BLOCK_BYTES = 1 << 20  # the chunks handled at once: about this many bytes per [H, chunks, C, D] tensor (cache-sized)
 
 
@@ -150,7 +151,10 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor, c
     state's columns past Dv have zero values: the summary's identity block) -> (o [T, H, W] or None, s_out).
     Within a chunk the delta rule's updates are solved at once (a unit lower-triangular system: the UT transform);
     between chunks the state is carried by one matmul per chunk. A few chunks at a time, so that every temporary
-    stays in cache (the whole sequence at once is memory-bound on a CPU); the same arithmetic either way."""
+    stays in cache (the whole sequence at once is memory-bound on a CPU); the same arithmetic either way. An
+    augmented state's entries below 2^-100 are set to 0 after each chunk: its identity block decays as exp(sum g)
+    over the run and would otherwise fall into float32's denormals, where every multiply is ~100x slower (what they
+    would add to a state is below 1e-30 of it)."""
     t, h, dk, dv, width = q.shape[0], q.shape[1], q.shape[2], v.shape[2], s.shape[-1]
     dev = q.device
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
@@ -181,6 +185,8 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor, c
             if want_out:
                 torch.baddbmm(intra[:, i] @ v_new, q_dec[:, i], s, out=ob[:, i])
             s = torch.baddbmm(s * chunk_decay[:, i], k_dec_t[:, i], v_new)
+            if width > dv:  # the identity block decays towards float32's denormals (~100x slower to multiply)
+                s.masked_fill_(s.abs() < _TINY, 0.0)
         if want_out:
             out[a:e] = ob.reshape(h, n * chunk, width)[:, :e - a].transpose(0, 1)
     return out, s
