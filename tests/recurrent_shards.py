@@ -24,6 +24,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def denormals(x: torch.Tensor) -> int:
+    """How many of x's entries are float32 denormals (nonzero, below the smallest normal)."""
+    return int(((x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)).sum())
+
+
 def apply(m: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """M S + B; M [H, Dk, Dk] (matrix) or [H] (per-head decay)."""
     if m.dim() == 1:

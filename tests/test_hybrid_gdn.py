@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpinfer.model.recurrent import gdn
+from cpinfer.model.recurrent import delta, gdn
 from cpinfer.model.recurrent.affine import Affine, compose
+from recurrent_shards import denormals
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -98,21 +99,16 @@ def test_outputs_as_a_function_of_the_starting_state(t):
     torch.testing.assert_close(gdn.outputs_from(o0, om, None), gdn.run(inp, None, chunk=32)[0], atol=1e-5, rtol=1e-5)
 
 
-
-def _denormals(x):
-    return int(((x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)).sum())
-
-
-def test_a_long_decaying_summary_never_holds_denormals(monkeypatch):
+def test_a_long_decaying_summary_never_holdsdenormals(monkeypatch):
     """The augmented scan's identity block decays as exp(sum g); entries that would fall below 2^-100 are set to 0
     (float32's denormals are ~100x slower to multiply), and the map still reproduces the plain run from a state."""
     q, k, v, g, beta = _inputs(300, seed=7)
     inp = _ours(q, k, v, g * 2.0, beta)  # log decays in (-0.6, 0]: M reaches the denormals within the run
     with monkeypatch.context() as m:
-        m.setattr(gdn, "_TINY", 0.0)  # no flush: the same inputs do leave denormals in M
-        assert _denormals(gdn.summary_with_outputs(inp, chunk=32)[0].M) > 0
+        m.setattr(delta, "TINY", 0.0)  # no flush: the same inputs do leave denormals in M
+        assert denormals(gdn.summary_with_outputs(inp, chunk=32)[0].M) > 0
     amap, o0, om = gdn.summary_with_outputs(inp, chunk=32)
-    assert _denormals(amap.M) == 0 and _denormals(amap.B) == 0
+    assert denormals(amap.M) == 0 and denormals(amap.B) == 0
     s0 = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(8))
     o, s = gdn.run(inp, s0, chunk=32)
     torch.testing.assert_close(gdn.outputs_from(o0, om, s0), o, atol=1e-5, rtol=1e-5)

@@ -65,4 +65,3 @@ def test_the_call_book_keeps_only_the_awaited_reply():
     assert book.errors([1, 2]) == {2: ("ValueError", "m", "tb")}
     assert book.take([1, 2]) == {1: ("ok", "a"), 2: ("error", ("ValueError", "m", "tb"))}
     assert not book.file(second, 2, "ok", "late") and book.awaited == {} and book.replies == {}
-

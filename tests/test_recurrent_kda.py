@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cpinfer.model.recurrent import kda
+from cpinfer.model.recurrent import delta, kda
 from recurrent_shards import one_thread  # noqa: F401 (autouse fixture)
-from recurrent_shards import Y_TOL, check_composed, check_conv_halo, check_staged, cp_runs, runs_at
+from recurrent_shards import Y_TOL, check_composed, denormals, check_conv_halo, check_staged, cp_runs, runs_at
 
 hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
@@ -189,12 +189,9 @@ def test_no_tokens_change_nothing(hf_layer_and_mixer):
 def test_a_decaying_summary_never_holds_denormals(monkeypatch):
     """The summary's identity block decays per channel; entries that would fall below 2^-100 are set to 0 (float32's
     denormals are ~100x slower to multiply) and the map still equals the plain run from a state."""
-    def denormals(x):
-        return int(((x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)).sum())
-
     inp = kda_inputs(*raw_inputs(300, seed=3))
     with monkeypatch.context() as m:
-        m.setattr(kda, "_TINY", 0.0)  # no flush: the same inputs do leave denormals in M
+        m.setattr(delta, "TINY", 0.0)  # no flush: the same inputs do leave denormals in M
         assert denormals(kda.summary(inp, chunk=64).M) > 0
     amap = kda.summary(inp, chunk=64)
     assert denormals(amap.M) == 0 and denormals(amap.B) == 0

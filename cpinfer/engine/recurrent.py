@@ -193,12 +193,12 @@ class RecurrentRunner:
                     if sh.a == 0:  # its starting state is known: a plain run, its end state shipped as a constant map
                         done[sh.index], end = mixer.run(inp, None if state_in is None else state_in.clone())
                         maps[m, m_size:] = end.reshape(-1)
-                    elif deferred:  # the map and the outputs as a function of the starting state, in one pass
+                        continue
+                    if deferred:  # the map and the outputs as a function of the starting state, in one pass
                         amap, *inputs[sh.index] = mixer.summary_with_outputs(inp)
-                        maps[m] = amap.to_tensor()
                     else:
                         amap, inputs[sh.index] = mixer.summary(inp), inp
-                        maps[m] = amap.to_tensor()
+                    maps[m] = amap.to_tensor()
         # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
         if n_maps:
             self._all_reduce(maps)
@@ -219,12 +219,11 @@ class RecurrentRunner:
                     if sh.r == self.rank:
                         out[torch.as_tensor(sh.rows, device=dev)] = o
                     continue
-                if sh.index in done:
-                    o = done[sh.index]
-                elif sh.r == self.rank:
-                    o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
-                        mixer.run(inputs[sh.index], state)[0]
-                if sh.r == self.rank:
+                if sh.r == self.rank:  # (a first shard's outputs are final already)
+                    o = done.get(sh.index)
+                    if o is None:
+                        o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
+                            mixer.run(inputs[sh.index], state)[0]
                     out[torch.as_tensor(sh.rows, device=dev)] = o
                 state = Affine.from_tensor(maps[m], m_shape, (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)

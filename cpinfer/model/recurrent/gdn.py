@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpinfer.model.recurrent.affine import Affine
-from cpinfer.model.recurrent.delta import DeltaInputs
+from cpinfer.model.recurrent.delta import DeltaInputs, drop_tiny_
 from cpinfer.model.recurrent.short_conv import causal_conv
 
 DEFAULT_CHUNK = 64  # tokens per chunk of the chunked form (transformers' default)
@@ -141,7 +141,6 @@ def _steps(inp: GDNInputs, s: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(out), s
 
 
-_TINY = 2.0 ** -100  # augmented states: entries below this are set to 0 (see `_scan`)
 _BLOCK_BYTES = 1 << 20  # the chunks handled at once: about this many bytes per [H, chunks, C, D] tensor (cache-sized)
 
 
@@ -185,8 +184,8 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor, c
             if want_out:
                 torch.baddbmm(intra[:, i] @ v_new, q_dec[:, i], s, out=ob[:, i])
             s = torch.baddbmm(s * chunk_decay[:, i], k_dec_t[:, i], v_new)
-            if width > dv:  # the identity block decays towards float32's denormals (~100x slower to multiply)
-                s.masked_fill_(s.abs() < _TINY, 0.0)
+            if width > dv:  # the identity block decays towards float32's denormals
+                drop_tiny_(s)
         if want_out:
             out[a:e] = ob.reshape(h, n * chunk, width)[:, :e - a].transpose(0, 1)
     return out, s

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from cpinfer.model.recurrent.affine import Affine
-from cpinfer.model.recurrent.delta import DeltaInputs
+from cpinfer.model.recurrent.delta import DeltaInputs, drop_tiny_
 from cpinfer.model.recurrent.short_conv import causal_conv, check_activation
 from cpinfer.utils import check_positive
 
@@ -136,13 +136,10 @@ def summary(inp: KDAInputs, chunk: int | None = None) -> Affine:
     return Affine(s[..., :dk].contiguous(), s[..., dk:].contiguous())
 
 
-_TINY = 2.0 ** -100  # an augmented state's entries below this are set to 0 (`_scan`'s flush)
-
-
 def _scan(inp: KDAInputs, s: Tensor, chunk: int, want_out: bool, flush: bool = False) -> tuple[Tensor | None, Tensor]:
     """The chunked form from s [H, Dk, Dv] -> (o [T, H, Dv] or None, s_out), one chunk at a time. `flush` (the
-    summary's augmented state): entries below 2^-100 set to 0 after each chunk, so that the decaying identity block
-    never reaches float32's denormals (~100x slower to multiply; what they would add is below 1e-30 of a state)."""
+    summary's augmented state): `delta.drop_tiny_` after each chunk, so that the decaying identity block never
+    reaches float32's denormals."""
     t, dv = len(inp), inp.v.shape[-1]
     q, k, v, g = (x.float().transpose(0, 1) for x in (inp.q, inp.k, inp.v, inp.g))  # [H, T, D]
     beta = inp.beta.float().T  # [H, T]
@@ -158,7 +155,7 @@ def _scan(inp: KDAInputs, s: Tensor, chunk: int, want_out: bool, flush: bool = F
             o[:, c] = (qc * gc.exp()) @ s + qk @ v_new
         s = s * gc[:, -1, :, None].exp() + k_end.transpose(1, 2) @ v_new
         if flush:
-            s.masked_fill_(s.abs() < _TINY, 0.0)
+            drop_tiny_(s)
     return (o.transpose(0, 1) if want_out else None), s
 
 
