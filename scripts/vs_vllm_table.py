@@ -46,23 +46,32 @@ LABELS = [("cold", "cold ~3,100-token prompt (3,000 shared + 100): TTFT"),
           ("b1", "batch-1 decode at a 256-token context: ms/token (mean TPOT)")]
 
 
+def _cell(v) -> str:
+    return "—" if v is None else f"{v[0]:.1f} {v[1]}"
+
+
+def _speed(a, b) -> str:
+    """a's speed over b's (each (value, unit, higher is better)), or a dash."""
+    if not (a and b and a[0] > 0 and b[0] > 0):
+        return "—"
+    return f"{(a[0] / b[0]) if a[2] else (b[0] / a[0]):.2f}x"
+
+
 def table(out: Path, args) -> str:
-    ours, theirs = rows(out, "cpinfer"), rows(out, "vllm")
-    lines = ["| workload | cpinfer | vLLM CPU | cpinfer / vLLM speed |", "|---|---|---|---|"]
+    ours, cp2, theirs = rows(out, "cpinfer"), rows(out, "cpinfer-cp2"), rows(out, "vllm")
+    lines = ["| workload | cpinfer | vLLM CPU | cpinfer / vLLM speed | cpinfer CP2 (shard) | CP2 / vLLM speed |",
+             "|---|---|---|---|---|---|"]
     for key, text in LABELS:
-        a, b = ours.get(key), theirs.get(key)
-        fa = "—" if a is None else f"{a[0]:.1f} {a[1]}"
-        fb = "—" if b is None else f"{b[0]:.1f} {b[1]}"
-        speed = "—"
-        if a and b and a[0] > 0 and b[0] > 0:
-            speed = f"{(a[0] / b[0]) if a[2] else (b[0] / a[0]):.2f}x"
-        lines.append(f"| {text} | {fa} | {fb} | {speed} |")
+        a, b, c = ours.get(key), theirs.get(key), cp2.get(key)
+        lines.append(f"| {text} | {_cell(a)} | {_cell(b)} | {_speed(a, b)} | {_cell(c)} | {_speed(c, b)} |")
     lens = ours.get("prompt_lens") or theirs.get("prompt_lens")
     quick = " --quick" if args.quick else ""
+    half = max(1, args.threads // 2)
     head = (f"`bash scripts/vs_vllm.sh --threads {args.threads}{quick}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-            f"): both servers in turn on 127.0.0.1, the embedded SmolLM2-135M-Instruct folder in float32 on "
+            f"): the servers in turn on 127.0.0.1, the embedded SmolLM2-135M-Instruct folder in float32 on "
             f"{args.threads} threads (cpinfer: `serve --cp 1 --threads-per-rank {args.threads} --dtype float32`; "
-            f"vLLM CPU {args.vllm_version}: `vllm serve --dtype float32`, VLLM_CPU_OMP_THREADS_BIND over "
+            f"cpinfer CP2: `serve --cp 2 --placement shard --threads-per-rank {half}`, every request spread over "
+            f"both ranks; vLLM CPU {args.vllm_version}: `vllm serve --dtype float32`, VLLM_CPU_OMP_THREADS_BIND over "
             f"{args.threads} cores), one client: `vllm bench serve --backend openai` (streaming completions, "
             f"temperature 0, ignore_eos, random prompts of seed 51; long prompts {lens} tokens). Load average "
             f"{args.load_before} before, {args.load_after} after: under load every number is indicative "

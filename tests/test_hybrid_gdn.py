@@ -100,7 +100,7 @@ def test_outputs_as_a_function_of_the_starting_state(t):
 
 
 def test_a_long_decaying_summary_never_holdsdenormals(monkeypatch):
-    """The augmented scan's identity block decays as exp(sum g); entries that would fall below 2^-100 are set to 0
+    """The augmented scan's identity block decays as exp(sum g); entries that would fall below 2^-64 are set to 0
     (float32's denormals are ~100x slower to multiply), and the map still reproduces the plain run from a state."""
     q, k, v, g, beta = _inputs(300, seed=7)
     inp = _ours(q, k, v, g * 2.0, beta)  # log decays in (-0.6, 0]: M reaches the denormals within the run

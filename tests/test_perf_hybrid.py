@@ -73,12 +73,15 @@ def test_recurrent_prefill_is_linear_in_s_and_the_exchange_is_not():
     assert simulate_prefill(dep(1), 64_000).breakdown["summary_exchange"] == 0
     assert simulate_prefill(dep(16), M1).breakdown["summary_exchange"] > short.breakdown["summary_exchange"]
     assert hybrid.token_flops(Q35, 1) == 64 * (5 * 128 + 3 * 128) + 6 * 128 * 128
-    assert hybrid.token_flops(Q35, 2) == 64 * (5 * 128 + 3 * 256) + 6 * 128 * 256 + 2 * 128 * 128
+    mapped = 64 * (5 * 128 + 3 * 256) + 6 * 128 * 256 + 2 * 128 * 128
+    assert hybrid.token_flops(Q35, 3) == mapped
+    assert hybrid.token_flops(Q35, 2) == (hybrid.token_flops(Q35, 1) + mapped) / 2  # one chunk of two plainly
     kimi = MODELS["kimi-linear-48b-a3b"]  # KDA: the augmented pass for the map, then the plain rule from the state
-    assert hybrid.token_flops(kimi, 2) == hybrid.rule_flops(128, 256) + hybrid.rule_flops(128, 128)
-    # the exchange: 2N - 1 shards' maps of 8 value heads (64 / TP8) x 128 x (128 + 128) fp32, + the conv halo
+    assert hybrid.token_flops(kimi, 4) == hybrid.rule_flops(128, 256) + hybrid.rule_flops(128, 128)
+    # the exchange: 2N - 1 shards' maps of 8 value heads (64 / TP8) x 128 x (128 + 128) fp32 (the first two as B
+    # alone), + the conv halo
     d = dep(8)
-    maps = 15 * 8 * 128 * 256 * 4
+    maps = 13 * 8 * 128 * 256 * 4 + 2 * 8 * 128 * 128 * 4
     assert simulate_prefill(d, 256_000).detail["exchange_mb_per_layer"] * 1e6 == maps + 15 * 3 * 12288 // 8 * 2
     for s in (simulate_prefill(d, 256_000, strategy=x) for x in ("pass-kv", "pass-q")):
         assert sum(s.breakdown.values()) == pytest.approx(s.seconds)

@@ -187,7 +187,7 @@ def test_no_tokens_change_nothing(hf_layer_and_mixer):
 
 
 def test_a_decaying_summary_never_holds_denormals(monkeypatch):
-    """The summary's identity block decays per channel; entries that would fall below 2^-100 are set to 0 (float32's
+    """The summary's identity block decays per channel; entries that would fall below 2^-64 are set to 0 (float32's
     denormals are ~100x slower to multiply) and the map still equals the plain run from a state."""
     inp = kda_inputs(*raw_inputs(300, seed=3))
     with monkeypatch.context() as m:

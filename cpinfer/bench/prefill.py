@@ -84,8 +84,9 @@ def exchange_timer(ctx, on: bool) -> dict:
 
 def exchange_probe(ctx, shards: int, repeat: int = 20) -> dict:
     """On every rank of the CP group, one recurrent layer's summary exchange three ways (median seconds of
-    `repeat`): the engine's all-reduce of `shards` maps (zeros but this rank's), an all-gather of each rank's share
-    of them, and a relay of one state (rank r receives from r - 1, composes, sends to r + 1: N - 1 hops in a row).
+    `repeat`): the engine's all-reduce of `shards` maps (zeros but this rank's; a sequence's first two shards' as
+    their end states alone, as the engine ships them), an all-gather of each rank's share of the maps, and a relay
+    of one state (rank r receives from r - 1, composes, sends to r + 1: N - 1 hops in a row).
     Sizes from the model's first recurrent layer; rank 0's answer is the one reported."""
     import torch
     import torch.distributed as dist
@@ -95,7 +96,7 @@ def exchange_probe(ctx, shards: int, repeat: int = 20) -> dict:
     mixer = next(layer.linear_attn for layer in runner.model.model.layers if getattr(layer, "recurrent", False))
     h, dk, dv = mixer.state_shape
     per_map = h * dk * (dk + dv)
-    maps = torch.zeros(shards, per_map)
+    maps = torch.zeros(min(shards, 2) * h * dk * dv + max(shards - 2, 0) * per_map)
     share = torch.zeros(-(-shards // n), per_map)
     gathered = torch.zeros(n * share.shape[0], per_map)
     state = torch.zeros(h, dk, dv)
@@ -198,16 +199,17 @@ def format_report(res: dict) -> str:
     out.append(C.fmt_table(["CP", "strategy", "TTFT (s)", eff], rows))
     exchanges = {n: e for n, e in res["engine"].items() if int(n) > 1 and "exchange" in e}
     if exchanges:
-        out += ["", "Recurrent summary exchange per prefill (all-reduces of the maps and conv halos, per rank; "
-                    "the wait for the slowest rank timed apart, before each):", ""]
+        out += ["", "Recurrent summary exchange per prefill (all-reduces of the maps and conv halos, and the states "
+                    "relayed to this rank, per rank; the wait for the slowest rank timed apart, before each "
+                    "all-reduce, and the wait for each relayed state):", ""]
         rows = []
         for n, e in exchanges.items():
             for r, x in enumerate(e["exchange"]):
-                rows.append([n, r, f"{x['calls']:.0f}", f"{x['bytes'] / 1e6:.2f}", f"{x['exchange_s']:.3f}",
-                             f"{x['exchange_s'] / e['ttft_s']:.1%}", f"{x['wait_s']:.3f}",
+                rows.append([n, r, f"{x['calls']:.0f}", f"{x.get('relays', 0):.0f}", f"{x['bytes'] / 1e6:.2f}",
+                             f"{x['exchange_s']:.3f}", f"{x['exchange_s'] / e['ttft_s']:.1%}", f"{x['wait_s']:.3f}",
                              f"{x['wait_s'] / e['ttft_s']:.1%}"])
-        out.append(C.fmt_table(["CP", "rank", "all-reduces", "MB", "exchange (s)", "of TTFT", "wait (s)",
-                                "of TTFT"], rows))
+        out.append(C.fmt_table(["CP", "rank", "all-reduces", "relays in", "MB", "exchange (s)", "of TTFT",
+                                "wait (s)", "of TTFT"], rows))
         out += ["", "One layer's map exchange three ways on the same ranks (median of 20):", ""]
         rows = [[n, way.replace("_", "-"), f"{p['bytes'][way] / 1e6:.3f}", f"{p[way + '_s'] * 1e3:.2f}"]
                 for n, e in exchanges.items() for p in [e["exchange_probe"]] for way in p["bytes"]]

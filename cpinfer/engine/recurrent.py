@@ -15,9 +15,14 @@ the shape of its maps' M: (H, Dk, Dk) by default, (H,) for Mamba-2's decay per h
    mixer's `summary_with_outputs`, in the same pass the outputs as a function of the starting state, finished by
    `outputs_from` in step 4 instead of a second run). A sequence's first shard starts from the slot's state, known
    already: it runs plainly (its outputs final) and ships its end state as a constant map (M = 0), about half the
-   work of a map;
+   work of a map. That end state also goes straight to the owner of the sequence's second shard (a relay, one
+   point-to-point message as soon as it is known), which runs that shard's first len(first shard) tokens plainly
+   from it once its other work is done (its tail, if any, as a map with outputs first: the wait hides behind it)
+   and ships the second shard's end state as a constant map too. At CP2 the ring layout puts chunks 0 and 3 on
+   rank 0 and chunks 1-2 on rank 1: each rank now runs one chunk plainly and one as a map, where rank 1 ran two
+   maps before;
 3. map exchange: one all-reduce of the long shards' [|M| + |B|] fp32 maps (fixed size per shard, independent of
-   its length); none when every shard is short (decode).
+   its length; |B| alone for a constant map); none when every shard is short (decode).
 4. every rank goes through each sequence's shards in order from its state_in slot: a short shard is run, a long
    one's map applied (after running it from that starting state where it is this rank's); the final state and the
    new conv tail go into the state_out slot (and state_copy, a snapshot) of its replica. A rank with no token in
@@ -52,6 +57,7 @@ class ExchangeTimer:
     def __init__(self):
         self.wait_s = self.exchange_s = 0.0
         self.bytes = self.calls = 0
+        self.relays = 0  # relayed states received (`RecurrentRunner`: a sequence's state after its first shard)
 
     def all_reduce(self, t: Tensor, group) -> float:
         """All-reduce t over `group`, timed; the exchange's seconds."""
@@ -70,10 +76,18 @@ class ExchangeTimer:
         return t2 - t1
 
     def to_dict(self) -> dict:
-        return {"wait_s": self.wait_s, "exchange_s": self.exchange_s, "bytes": self.bytes, "calls": self.calls}
+        return {"wait_s": self.wait_s, "exchange_s": self.exchange_s, "bytes": self.bytes, "calls": self.calls,
+                "relays": self.relays}
+
+    def relayed(self, t: Tensor, waited_s: float) -> None:
+        """A relayed state received after waiting `waited_s` for it (counted as a wait for another rank)."""
+        self.wait_s += waited_s
+        self.bytes += t.numel() * t.element_size()
+        self.relays += 1
 
 
 EXCHANGE_TIMER: ExchangeTimer | None = None  # this rank's timer when a benchmark switched it on
+_RELAY_TAG = 0x5E1A  # the relayed states' point-to-point messages (in sequence order between a pair of ranks)
 
 
 class Shard:
@@ -172,9 +186,22 @@ class RecurrentRunner:
         self._all_reduce(buf)
         halo = (buf, layout)
         # 2. conv, inputs: my long shards (and their maps), every short shard (on every rank)
-        maps = torch.zeros(n_maps, m_size + b_size, dtype=torch.float32, device=dev)
+        relays = self._relays(layout)  # a sequence's second shard -> its first, when both are long
+        # where each long shard's map lies in the exchanged buffer: a constant map (a first or a relayed shard's:
+        # its end state, known in step 2) ships B only
+        spans, at = [], 0  # map index -> (offset, constant)
+        for seq in self.seqs:
+            for sh in seq:
+                if not layout[sh.index][0]:
+                    const = sh.a == 0 or sh.index in relays
+                    spans.append((at, const))
+                    at += b_size if const else m_size + b_size
+        maps = torch.zeros(at, dtype=torch.float32, device=dev)
         deferred = hasattr(mixer, "summary_with_outputs")  # else: summary, then a run from the starting state
-        inputs, done = {}, {}  # done: a first shard's outputs, run from the known starting state
+        inputs, done = {}, {}  # done: outputs final in step 2 (a first shard's, a relayed shard's)
+        recvs = {i: self._recv((h, dk, dv), first.r, dev) for i, (first, second) in relays.items()
+                 if second.r == self.rank}
+        sends, later = [], []  # sends: in flight until step 2 ends; later: relayed shards, run last
         for seq in self.seqs:
             state_in, tail_in = self.store.load(layer, self.batch.seqs[seq[0].b].state_in)
             for sh in seq:
@@ -192,13 +219,32 @@ class RecurrentRunner:
                     inp = mixer.inputs(conv, tuple(x[idx] for x in side))
                     if sh.a == 0:  # its starting state is known: a plain run, its end state shipped as a constant map
                         done[sh.index], end = mixer.run(inp, None if state_in is None else state_in.clone())
-                        maps[m, m_size:] = end.reshape(-1)
+                        maps[spans[m][0]:spans[m][0] + b_size] = end.reshape(-1)
+                        if len(seq) > 1 and seq[1].index in relays:  # and relayed to the second shard's owner
+                            sends.append(self._send(end, seq[1].r))
+                        continue
+                    if sh.index in relays:  # its head waits for the relayed state: its tail's map first
+                        head = min(len(sh.rows), relays[sh.index][0].e)
+                        tail = mixer.summary_with_outputs(inp[head:]) if deferred and head < len(sh.rows) else None
+                        later.append((sh, m, inp, head, tail))
                         continue
                     if deferred:  # the map and the outputs as a function of the starting state, in one pass
                         amap, *inputs[sh.index] = mixer.summary_with_outputs(inp)
                     else:
                         amap, inputs[sh.index] = mixer.summary(inp), inp
-                    maps[m] = amap.to_tensor()
+                    maps[spans[m][0]:spans[m][0] + m_size + b_size] = amap.to_tensor()
+        for sh, m, inp, head, tail in later:  # from the relayed state: the head plainly, then the tail's map
+            state = self._wait(recvs[sh.index])
+            if tail is None:  # all of it plainly (a mixer without outputs as a function of the state: a rerun)
+                done[sh.index], state = mixer.run(inp, state)
+            else:
+                o, state = mixer.run(inp[:head], state)
+                amap, o0, om = tail
+                done[sh.index] = torch.cat((o, mixer.outputs_from(o0, om, state)))
+                state = amap.apply(state)
+            maps[spans[m][0]:spans[m][0] + b_size] = state.reshape(-1)
+        for work in sends:
+            work.wait()
         # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
         if n_maps:
             self._all_reduce(maps)
@@ -225,7 +271,9 @@ class RecurrentRunner:
                         o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
                             mixer.run(inputs[sh.index], state)[0]
                     out[torch.as_tensor(sh.rows, device=dev)] = o
-                state = Affine.from_tensor(maps[m], m_shape, (h, dk, dv)).apply(state)
+                a, const = spans[m]
+                state = maps[a:a + b_size].view(h, dk, dv).clone() if const else \
+                    Affine.from_tensor(maps[a:a + m_size + b_size], m_shape, (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
             for slot in (s.state_out, s.state_copy):
                 if slot >= 0:
@@ -294,6 +342,37 @@ class RecurrentRunner:
             raw, at, n, _ = layout[sh.index]
             rows.append(buf[at + (p - sh.a) if raw else at + n - (sh.e - p), :tail_in.shape[1]].to(tail_in.dtype))
         return torch.stack(rows) if rows else tail_in[:0]
+
+    def _relays(self, layout: dict) -> dict[int, tuple[Shard, Shard]]:
+        """Sequences whose first and second shards are both long (maps, not rows): second shard's index -> (first,
+        second). The first shard's end state is relayed to the second's owner (the module doc's step 2)."""
+        out = {}
+        for seq in self.seqs:
+            if len(seq) > 1 and not layout[seq[0].index][0] and not layout[seq[1].index][0]:
+                out[seq[1].index] = (seq[0], seq[1])
+        return out
+
+    def _send(self, state: Tensor, to: int):
+        """Post the relay of a state to group rank `to` (gloo takes host tensors only); its work, to wait on."""
+        t = state.contiguous() if state.device.type == "cpu" or dist.get_backend(self.group) != "gloo" else \
+            state.cpu()
+        return dist.isend(t, dist.get_global_rank(self.group, to), group=self.group, tag=_RELAY_TAG)
+
+    def _recv(self, shape: tuple, src: int, dev) -> tuple:
+        """Post the receive of a relayed state from group rank `src`: (work, buffer, device)."""
+        host = dist.get_backend(self.group) == "gloo"
+        t = torch.empty(shape, dtype=torch.float32, device="cpu" if host else dev)
+        return dist.irecv(t, dist.get_global_rank(self.group, src), group=self.group, tag=_RELAY_TAG), t, dev
+
+    @staticmethod
+    def _wait(recv: tuple) -> Tensor:
+        """The relayed state, once it is here (the wait timed when an `ExchangeTimer` is on)."""
+        work, t, dev = recv
+        t0 = time.perf_counter()
+        work.wait()
+        if EXCHANGE_TIMER is not None:
+            EXCHANGE_TIMER.relayed(t, time.perf_counter() - t0)
+        return t.to(dev)
 
     def _all_reduce(self, t: Tensor) -> None:
         timer = EXCHANGE_TIMER

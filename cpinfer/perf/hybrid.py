@@ -11,10 +11,13 @@ Prefill, on the rank with the most tokens (`tokens` rows, its shards of B sequen
   rule on the state augmented by an identity block (values Dv + Dk wide: the map and the outputs as a function of
   the starting state in one pass) and finishes each output with one [Dk] x [Dk, Dv] product: CP costs the
   recurrent layers (Dv + Dk) / Dv-wide work, about twice with Dk = Dv (KDA: the augmented pass for the map, then
-  the plain rule from the starting state);
+  the plain rule from the starting state). A sequence's first chunk runs plainly, and its end state is relayed to
+  the owner of the second, which runs that chunk plainly too: at CP2 each rank runs one of its two chunks plainly
+  and the other augmented; from CP3 on the middle rank's two adjacent chunks are both augmented (the fullest rank);
 * the summary exchange: the maps M [Dk, Dk] and B [Dk, Dv] per value head (fp32) of every long shard — 2N - 1 per
-  sequence under the ring's 2N-chunk layout — in one all-reduce over the CP group, plus one of each shard's last
-  kernel - 1 pre-conv rows (the conv halo): a fixed size per layer, independent of the sequence length.
+  sequence under the ring's 2N-chunk layout, the first two of them constant maps that ship B alone — in one
+  all-reduce over the CP group, plus one of each shard's last kernel - 1 pre-conv rows (the conv halo): a fixed
+  size per layer, independent of the sequence length.
 
 Decode: each rank advances every sequence's state (the replicas stay on every rank): read and write the fp32 state
 once per token; the decode rows (pre-conv inputs and side inputs) reach every rank in one all-reduce per layer.
@@ -40,15 +43,16 @@ def rule_flops(dk: int, dv: int, chunk: int = CHUNK) -> float:
 
 
 def token_flops(m: ModelSpec, cp: int) -> float:
-    """One token's recurrence FLOPs per value head: the plain rule at CP1; under CP, Gated DeltaNet runs the rule on
-    Dv + Dk values (the map's identity block) and corrects its outputs from the starting state (2 Dk Dv), KDA (no
-    outputs from the augmented pass in the engine) runs the augmented pass for the map, then the plain rule."""
+    """One token's recurrence FLOPs per value head on the fullest rank: the plain rule at CP1; under CP, a mapped
+    token costs Gated DeltaNet the rule on Dv + Dk values (the map's identity block) and its output's correction
+    from the starting state (2 Dk Dv), KDA (no outputs from the augmented pass in the engine) the augmented pass for
+    the map, then the plain rule. At CP2 half of each rank's tokens run plainly (the relay, module doc)."""
     dk, dv = m.linear_k_dim, m.linear_v_dim
+    plain = rule_flops(dk, dv)
     if cp <= 1:
-        return rule_flops(dk, dv)
-    if m.linear_kind == "kda":
-        return rule_flops(dk, dv + dk) + rule_flops(dk, dv)
-    return rule_flops(dk, dv + dk) + 2 * dk * dv
+        return plain
+    mapped = rule_flops(dk, dv + dk) + (plain if m.linear_kind == "kda" else 2 * dk * dv)
+    return (plain + mapped) / 2 if cp == 2 else mapped
 
 
 def map_bytes(m: ModelSpec, tp: int) -> int:
@@ -71,6 +75,15 @@ def long_shards(cp: int, batch: int) -> int:
     return batch * (2 * cp - 1) if cp > 1 else 0
 
 
+def exchanged_map_bytes(m: ModelSpec, cp: int, tp: int, batch: int) -> int:
+    """The map all-reduce's bytes per layer: every long shard's map, a sequence's first two as B alone (their end
+    states: constant maps)."""
+    if cp <= 1:
+        return 0
+    b = m.linear_v_heads // tp * m.linear_k_dim * m.linear_v_dim * 4
+    return (long_shards(cp, batch) - 2 * batch) * map_bytes(m, tp) + 2 * batch * b
+
+
 def prefill_layer(hw, m: ModelSpec, cp: int, tp: int, link: Link, tokens: int, batch: int,
                   act_bytes: int) -> dict:
     """One recurrent layer of a prefill on the fullest rank (`tokens` rows, `batch` sequences): seconds of the
@@ -83,7 +96,7 @@ def prefill_layer(hw, m: ModelSpec, cp: int, tp: int, link: Link, tokens: int, b
     flops = tokens * heads * token_flops(m, cp)
     io = tokens * heads * (2 * m.linear_k_dim + 2 * m.linear_v_dim) * 4  # fp32 q, k, v in; o out
     rule = max(flops / cost_model.attention_rate(hw), io / mem)
-    maps = long_shards(cp, batch) * map_bytes(m, tp)
+    maps = exchanged_map_bytes(m, cp, tp, batch)
     halo = long_shards(cp, batch) * (m.linear_conv - 1) * channels * act_bytes
     exchange = cp_allreduce_time(maps, cp, link) + cp_allreduce_time(halo, cp, link)
     return dict(recurrence=passes + rule, summary_exchange=exchange, exchange_bytes=maps + halo,

@@ -151,9 +151,9 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s: Tensor, c
     Within a chunk the delta rule's updates are solved at once (a unit lower-triangular system: the UT transform);
     between chunks the state is carried by one matmul per chunk. A few chunks at a time, so that every temporary
     stays in cache (the whole sequence at once is memory-bound on a CPU); the same arithmetic either way. An
-    augmented state's entries below 2^-100 are set to 0 after each chunk: its identity block decays as exp(sum g)
+    augmented state's entries below 2^-64 are set to 0 after each chunk: its identity block decays as exp(sum g)
     over the run and would otherwise fall into float32's denormals, where every multiply is ~100x slower (what they
-    would add to a state is below 1e-30 of it)."""
+    would add to a state is below 1e-17 of it)."""
     t, h, dk, dv, width = q.shape[0], q.shape[1], q.shape[2], v.shape[2], s.shape[-1]
     dev = q.device
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()
