@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
 import queue
 import threading
 import time
@@ -106,7 +107,21 @@ class AsyncLLM:
     """`LLMEngine` driven by a background thread; `add_request` / `generate` / `abort` from the event loop."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = make_engine(model, **kwargs)  # LLMEngine, or prefill / decode groups
+        if os.environ.get("RANK", "0") != "0":  # a torchrun rank other than 0 serves inside make_engine (never returns)
+            make_engine(model, **kwargs)
+        # The engine is built in the thread that will run its steps, so that this process's torch (OpenMP) threads
+        # belong to that thread alone: a second thread's OpenMP team beside the start-up thread's leaves more
+        # OpenMP threads than cores, and libgomp then parks its workers between parallel regions, so that every
+        # small GEMM pays their wake-up (~0.1 ms: a CP1 decode step took 1.5x as long in a thread other than the
+        # one that had loaded the model).
+        built, failed = threading.Event(), []
+        self._may_run = threading.Event()
+        self._thread = threading.Thread(target=self._build_and_run, args=(model, kwargs, built, failed),
+                                        name="cpinfer-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if failed:
+            raise failed[0]
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -118,8 +133,7 @@ class AsyncLLM:
         self._queue = self.engine.queue_counts()
         self.engine.before_forward = self._publish_queue
         self._dying = threading.Lock()  # one of the engine thread and the monitor declares the engine dead
-        self._thread = threading.Thread(target=self._run, name="cpinfer-engine", daemon=True)
-        self._thread.start()
+        self._may_run.set()  # the engine thread's step loop
         self._monitor = threading.Thread(target=self._watch_ranks, name="cpinfer-rank-monitor", daemon=True)
         self._monitor.start()
 
@@ -273,6 +287,18 @@ class AsyncLLM:
             if reason is not None:
                 self._die(f"{EngineDeadError.__name__}: {reason}")
                 return
+
+    def _build_and_run(self, model, kwargs: dict, built: threading.Event, failed: list) -> None:
+        """The engine thread: build the engine (its start-up failure goes to the constructor), then step it."""
+        try:
+            self.engine = make_engine(model, **kwargs)  # LLMEngine, or prefill / decode groups
+        except BaseException as exc:  # noqa: BLE001 - raised again by the constructor, in its thread
+            failed.append(exc)
+            return
+        finally:
+            built.set()
+        self._may_run.wait()
+        self._run()
 
     def _run(self) -> None:
         last_busy = time.monotonic()
