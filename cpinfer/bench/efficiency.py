@@ -133,8 +133,8 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10, device: str = "cuda"
     return 2.0 * nbytes / median_seconds(lambda: dst.copy_(src), repeat, device, warmup=2)
 
 
-def gemm_rate(n: int = 8192, repeat: int = 10, device: str = "cuda") -> float:
-    """TFLOP/s of an n x n x n bf16 matrix product on `device` (random operands, median of event-timed runs)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+def gemm_rate(n: int = 8192, repeat: int = 10, device: str = "cuda", dtype=torch.bfloat16) -> float:
+    """TFLOP/s of an n x n x n matrix product (bf16 unless told) on `device` (random operands, median of timed runs)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     return 2.0 * n ** 3 / median_seconds(lambda: torch.mm(a, b), repeat, device, warmup=2) / 1e12
