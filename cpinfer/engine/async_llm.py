@@ -107,8 +107,9 @@ class AsyncLLM:
     """`LLMEngine` driven by a background thread; `add_request` / `generate` / `abort` from the event loop."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        if os.environ.get("RANK", "0") != "0":  # a torchrun rank other than 0 serves inside make_engine (never returns)
-            make_engine(model, **kwargs)
+        if os.environ.get("RANK", "0") != "0":  # a torchrun rank other than 0 serves inside make_engine, in this
+            make_engine(model, **kwargs)  # (main) thread, until rank 0 shuts down; it leaves by SystemExit
+            raise SystemExit(0)
         # The engine is built in the thread that will run its steps, so that this process's torch (OpenMP) threads
         # belong to that thread alone: a second thread's OpenMP team beside the start-up thread's leaves more
         # OpenMP threads than cores, and libgomp then parks its workers between parallel regions, so that every

@@ -189,13 +189,13 @@ class RecurrentRunner:
         relays = self._relays(layout)  # a sequence's second shard -> its first, when both are long
         # where each long shard's map lies in the exchanged buffer: a constant map (a first or a relayed shard's:
         # its end state, known in step 2) ships B only
-        spans, at = [], 0  # map index -> (offset, constant)
+        spans, at = [], 0  # map index -> (its slice of the buffer, constant)
         for seq in self.seqs:
             for sh in seq:
                 if not layout[sh.index][0]:
                     const = sh.a == 0 or sh.index in relays
-                    spans.append((at, const))
-                    at += b_size if const else m_size + b_size
+                    spans.append((slice(at, at + (b_size if const else m_size + b_size)), const))
+                    at = spans[-1][0].stop
         maps = torch.zeros(at, dtype=torch.float32, device=dev)
         deferred = hasattr(mixer, "summary_with_outputs")  # else: summary, then a run from the starting state
         inputs, done = {}, {}  # done: outputs final in step 2 (a first shard's, a relayed shard's)
@@ -219,7 +219,7 @@ class RecurrentRunner:
                     inp = mixer.inputs(conv, tuple(x[idx] for x in side))
                     if sh.a == 0:  # its starting state is known: a plain run, its end state shipped as a constant map
                         done[sh.index], end = mixer.run(inp, None if state_in is None else state_in.clone())
-                        maps[spans[m][0]:spans[m][0] + b_size] = end.reshape(-1)
+                        maps[spans[m][0]] = end.reshape(-1)
                         if len(seq) > 1 and seq[1].index in relays:  # and relayed to the second shard's owner
                             sends.append(self._send(end, seq[1].r))
                         continue
@@ -232,7 +232,7 @@ class RecurrentRunner:
                         amap, *inputs[sh.index] = mixer.summary_with_outputs(inp)
                     else:
                         amap, inputs[sh.index] = mixer.summary(inp), inp
-                    maps[spans[m][0]:spans[m][0] + m_size + b_size] = amap.to_tensor()
+                    maps[spans[m][0]] = amap.to_tensor()
         for sh, m, inp, head, tail in later:  # from the relayed state: the head plainly, then the tail's map
             state = self._wait(recvs[sh.index])
             if tail is None:  # all of it plainly (a mixer without outputs as a function of the state: a rerun)
@@ -242,7 +242,7 @@ class RecurrentRunner:
                 amap, o0, om = tail
                 done[sh.index] = torch.cat((o, mixer.outputs_from(o0, om, state)))
                 state = amap.apply(state)
-            maps[spans[m][0]:spans[m][0] + b_size] = state.reshape(-1)
+            maps[spans[m][0]] = state.reshape(-1)
         for work in sends:
             work.wait()
         # 3. every long shard's map, to everyone (no exchange when every shard is short: decode)
@@ -271,9 +271,9 @@ class RecurrentRunner:
                         o = mixer.outputs_from(*inputs[sh.index], state) if deferred else \
                             mixer.run(inputs[sh.index], state)[0]
                     out[torch.as_tensor(sh.rows, device=dev)] = o
-                a, const = spans[m]
-                state = maps[a:a + b_size].view(h, dk, dv).clone() if const else \
-                    Affine.from_tensor(maps[a:a + m_size + b_size], m_shape, (h, dk, dv)).apply(state)
+                span, const = spans[m]
+                state = maps[span].view(h, dk, dv).clone() if const else \
+                    Affine.from_tensor(maps[span], m_shape, (h, dk, dv)).apply(state)
             tail = self._before(seq, seq[-1].e, tail_in, halo, k1)
             for slot in (s.state_out, s.state_copy):
                 if slot >= 0:
@@ -354,8 +354,7 @@ class RecurrentRunner:
 
     def _send(self, state: Tensor, to: int):
         """Post the relay of a state to group rank `to` (gloo takes host tensors only); its work, to wait on."""
-        t = state.contiguous() if state.device.type == "cpu" or dist.get_backend(self.group) != "gloo" else \
-            state.cpu()
+        t = (state.cpu() if dist.get_backend(self.group) == "gloo" else state).contiguous()
         return dist.isend(t, dist.get_global_rank(self.group, to), group=self.group, tag=_RELAY_TAG)
 
     def _recv(self, shape: tuple, src: int, dev) -> tuple:
