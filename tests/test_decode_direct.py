@@ -1,12 +1,17 @@
-"""Host decode without a ring (`BatchAttention._run_direct`): each sequence's one query against its slot runs, one
-kernel call per run, partials merged in place — exact against a float64 reference over the same keys, for one, two
-and three runs, GQA, and a batch of sequences; a step it does not cover (a prefill token) keeps the general path."""
+"""Host decode without a ring (`BatchAttention._run_direct`): each sequence's one query against its slot runs — in
+one call of the batched CPU kernel (`attention/cpu_kernels.py`), or without it one aten call per run, partials
+merged in place — exact against a float64 reference over the same keys, for one, two and three runs, GQA, and a
+batch of sequences; a step it does not cover (a prefill token) keeps the general path."""
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from cpinfer.attention.cpu_kernels import decode_attention_op
 from cpinfer.attention.local import reference_attention
 from cpinfer.engine.attention import BatchAttention
 from cpinfer.engine.batch import ForwardBatch, SeqInput
@@ -30,9 +35,16 @@ def _reference(q_row, store_k, store_v, slots, scale):
     return out
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["batched-kernel", "per-run"])
 @pytest.mark.parametrize("runs_per_seq", [[[(0, 37)]], [[(64, 100), (10, 20)]],
                                           [[(0, 5), (100, 164), (30, 31)], [(170, 180)], [(40, 60), (180, 190)]]])
-def test_direct_decode_matches_reference(runs_per_seq):
+def test_direct_decode_matches_reference(runs_per_seq, batched, monkeypatch):
+    if batched:
+        if decode_attention_op() is None:  # only where no C++ compiler exists: then the engine keeps aten's
+            assert shutil.which(os.environ.get("CXX") or "c++") is None
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one sequence is enough work for the kernel
+    else:
+        monkeypatch.setattr("cpinfer.engine.attention.decode_attention_op", lambda: None)
     g = torch.Generator().manual_seed(len(runs_per_seq) * 13 + len(runs_per_seq[0]))
     store_k, store_v = (torch.randn(CAP + 1, HKV, D, generator=g) for _ in range(2))
     new_slots = [192 + i for i in range(len(runs_per_seq))]  # each decode token's own slot, written below
@@ -46,6 +58,7 @@ def test_direct_decode_matches_reference(runs_per_seq):
     store_k[new_slots], store_v[new_slots] = k_new, v_new  # the runner writes them before attention
     out = plan.run(q, k_new, v_new, store_k, store_v, 0.3)
     assert plan.direct is not None  # the host decode path ran
+    assert bool(plan._direct_tables) == (batched and decode_attention_op() is not None)  # in one call, or per run
     for i, runs in enumerate(runs_per_seq):
         slots = np.concatenate([np.arange(a, e) for a, e in runs] + [[new_slots[i]]])
         ref = _reference(q[i:i + 1], store_k, store_v, torch.from_numpy(slots), 0.3)

@@ -18,6 +18,7 @@ import torch
 from cpinfer import timing
 from cpinfer.attention import autoselect
 from cpinfer.attention.backends import resolve_name
+from cpinfer.attention.cpu_kernels import decode_attention_op
 from cpinfer.attention.items import new_accumulator
 from cpinfer.attention.step import HeadLayout
 from cpinfer.distributed import ParallelConfig, build_groups
@@ -73,6 +74,9 @@ class ModelRunner:
         self.dtype = dtype
         if ctx.device.type == "cpu":  # q / k / v and gate / up as one GEMM each (fewer, wider GEMMs; `model/fused.py`)
             self.model.fuse_projections()
+            self.model.pack_linears()  # a decode step's few rows through MKL's packed weights (`model/cpu_gemm.py`)
+            if dtype == torch.float32:  # the batched decode kernel: built (once per machine) or loaded now, not in
+                decode_attention_op()  # the first decode step (`attention/cpu_kernels.py`)
         attn = self.model.model.layers[self.config.attention_layers[0]].self_attn  # (a hybrid's first may be recurrent)
         self.n_kv = attn.num_kv_heads  # this TP rank's KV heads (MLA: the one latent head, on every TP rank)
         self.widths = KVWidths.of(self.config)

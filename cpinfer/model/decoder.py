@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from cpinfer.model.blocks import (MLP, Attention, AttentionFn, BlockLayer, DecoderLayer, RecurrentFn,
                                   attn_temperature)
 from cpinfer.model.config import ModelConfig
+from cpinfer.model.cpu_gemm import MAX_ROWS, MIN_ROWS, pack_linear
 from cpinfer.model.config_parts import RopeConfig
 from cpinfer.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
 from cpinfer.model.norms import RMSNorm
@@ -103,10 +104,22 @@ class CausalLM(nn.Module):
         return sum(bool(m.fuse_projections()) for m in self.modules() if hasattr(m, "fuse_projections")
                    and m is not self)
 
+    def pack_linears(self) -> int:
+        """CPU: every plain nn.Linear multiplies a decode step's few rows through MKL's packed copy of its weight
+        from now on (`cpu_gemm.py`; the fused q / k / v and gate / up GEMMs already do); the LM head from 2 rows on
+        (it is read whole for every step). How many modules."""
+        linears = [m for m in self.modules() if type(m) is nn.Linear]
+        for m in linears:
+            pack_linear(m, *((2, 16) if m is self.lm_head else (MIN_ROWS, MAX_ROWS)))
+        return len(linears)
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [M, hidden] -> logits [M, vocab] fp32 (tanh soft-capped when the config says so)."""
         head = self.lm_head
-        if hidden.device.type == "cpu" and 1 < hidden.shape[0] <= _FEW_ROWS and type(head) is nn.Linear \
+        packed = getattr(head, "_packed", None)
+        if packed is not None and packed.min_rows <= hidden.shape[0] <= packed.max_rows and not packed.refused:
+            logits = head(hidden).float()
+        elif hidden.device.type == "cpu" and 1 < hidden.shape[0] <= _FEW_ROWS and type(head) is nn.Linear \
                 and head.bias is None:
             # a few rows (a verification's k+1, a small decode batch) on the CPU: BLAS runs weight @ hidden^T several
             # times faster than the short-M GEMM `linear` picks for the vocabulary-wide head (same products)

@@ -15,8 +15,9 @@ pieces, and the layer falls back to its separate Linears.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from cpinfer.model.cpu_gemm import PackedWeight
 
 
 class FusedLinears:
@@ -33,6 +34,7 @@ class FusedLinears:
             for m, b in zip(self.linears, self.bias.split(self.sizes)):
                 m.bias.data = b
         self._ptrs = self._addresses()
+        self.packed = PackedWeight()  # a few rows (decode) through MKL's packed copy on the CPU (`cpu_gemm.py`)
 
     @staticmethod
     def fusable(linears: list[nn.Module | None]) -> bool:
@@ -56,4 +58,4 @@ class FusedLinears:
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [L, in] -> each Linear's output [L, out_i], views of one [L, sum out] GEMM result."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.packed.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
