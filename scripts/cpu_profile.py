@@ -24,10 +24,11 @@ STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE = ("cpinfer.step", "cpinfer.exe
                                                     "cpinfer.attention", "cpinfer.rope", "cpinfer.norm",
                                                     "cpinfer.sample")
 LABELS = (STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE)
+LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkl::_mkl_linear")  # mkl: packed (model/cpu_gemm.py)
 ROWS = (  # (key, what the row says)
     ("linears", "Linears in the layers (q/k/v/o, gate/up/down)"),
     ("lm_head", "LM head (rows computed: see below)"),
-    ("attn_kernel", "attention kernel (aten CPU flash)"),
+    ("attn_kernel", "attention kernel (aten CPU flash, cpinfer's batched decode kernel)"),
     ("attn_rest", "attention: merges, copies, its Python"),
     ("kv_write", "K/V cache writes (index_copy_)"),
     ("norms", "RMSNorm"),
@@ -101,11 +102,11 @@ def classify(events) -> dict:
             ops["kv_write"] += s
             ops["kv_write_in_attn"] += s if where == ATTN else 0.0
         elif where == ATTN:
-            if "flash_attention" in e.name:
+            if "flash_attention" in e.name or e.name == "cpinfer::decode_attention":
                 ops["attn_kernel"] += s
-        elif e.name in ("aten::linear", "aten::matmul", "aten::mm") and where == SAMPLE:
+        elif e.name in LINEAR_OPS and where == SAMPLE:
             ops["lm_head"] += s
-        elif e.name == "aten::linear" and where == FORWARD:
+        elif e.name in ("aten::linear", "mkl::_mkl_linear") and where == FORWARD:
             ops["linears"] += s
         elif where == FORWARD:
             ops["small_ops"] += s

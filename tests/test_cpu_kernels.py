@@ -57,7 +57,7 @@ def test_decode_attention_matches_reference(hkv, g, d, dv):
 
 
 def test_decode_attention_many_rows_one_call_per_thread_count():
-    """64 rows x 3 KV heads shared among 1 and 2 threads: the same result (each item is computed alone)."""
+    """64 rows shared among 1 and 2 threads: the same result (each row is computed alone)."""
     op = _op()
     if op is None:
         return
@@ -81,8 +81,8 @@ def test_decode_attention_many_rows_one_call_per_thread_count():
 
 @pytest.mark.parametrize("hkv,g", [(1, 8), (3, 3)])
 def test_decode_attention_split_keys(hkv, g):
-    """Fewer (row, KV head) pairs than twice the threads: each pair's keys cut into pieces and merged — a long row
-    over several runs, and a one-key row whose first piece is empty."""
+    """Fewer rows than twice the threads: each row's keys cut into pieces and merged — a long row over several
+    runs, and a one-key row whose first piece is empty."""
     op = _op()
     if op is None:
         return
@@ -94,7 +94,7 @@ def test_decode_attention_split_keys(hkv, g):
     q = torch.randn(len(rows_runs), hkv * g, 64, generator=gen)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)  # pairs (2 or 3) < 4: split into pieces of >= 256 keys
+        torch.set_num_threads(2)  # 1 or 2 rows < 4: split into pieces of >= 256 keys
         out = op(q, k, v, runs, first, 0.09)
     finally:
         torch.set_num_threads(threads)

@@ -9,11 +9,12 @@
 // first [N + 1]          int64, row n reads runs first[n] .. first[n + 1] - 1 (at least one key in all)
 // -> out [N, H, Dv]      softmax(scale q k^T) v per query head; query head h reads KV head h / (H / Hkv)
 //
-// Work items are (row, KV head, piece): each reads its keys and values once for the G = H / Hkv query heads that
-// share them, with an online softmax over blocks of keys, and items are shared among torch's intra-op threads
-// (at::parallel_for: the same OpenMP team as every other op). When there are fewer (row, KV head) pairs than twice
-// the threads, each pair's keys are cut into pieces (split-KV) so that every thread has work, and the pieces'
-// partial softmax sums are merged at the end. Arithmetic is float32 throughout.
+// Work items are (row, piece of its keys): an item streams its keys' rows in store order, block by block, and for
+// each KV head reads a key and value row once for the G = H / Hkv query heads that share it (online softmax over
+// the blocks). Items are shared among torch's intra-op threads (at::parallel_for: the same OpenMP team as every
+// other op). With fewer rows than twice the threads each row's keys are cut into pieces (split-KV, pieces of at
+// least kMinPiece keys) so that every thread has work, and the pieces' partial softmax sums merged at the end.
+// Arithmetic is float32 throughout.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -30,7 +31,7 @@ constexpr int64_t kBlock = 64;       // keys scored per pass of the online softm
 constexpr int64_t kMinPiece = 256;   // keys per split-KV piece at least
 constexpr int64_t kMaxG = 16;        // query heads per KV head handled on the stack
 
-struct Partial {  // an item's unnormalised result: acc [G, Dv], running max m [G], sum l [G]
+struct Partial {  // an item's unnormalised result: acc [H, Dv], running max m [H], sum l [H]
   float* acc;
   float* m;
   float* l;
@@ -122,20 +123,22 @@ void accumulate(const float* __restrict__ s, int64_t g, int64_t dv_rt, const flo
   }
 }
 
-// Keys [lo, hi) of a row's runs (indices into the runs' concatenation) for the G query heads at q.
+// Keys [lo, hi) of a row's runs (indices into the runs' concatenation) for all H = hkv * g query heads at q: block
+// by block of keys, every KV head in turn, so a thread streams the store's rows [slot][Hkv][D] in order.
 template <int64_t D, int64_t DV>
-void attend(const float* __restrict__ q, int64_t g, int64_t d_rt, int64_t dv_rt, const float* __restrict__ k,
-            const float* __restrict__ v, int64_t k_row, int64_t v_row, const int64_t* runs, int64_t r0, int64_t r1,
-            int64_t lo, int64_t hi, float scale, Partial part) {
-  const int64_t d = D > 0 ? D : d_rt, dv = DV > 0 ? DV : dv_rt;
-  float* __restrict__ acc = part.acc;
-  float* __restrict__ m = part.m;
+void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, int64_t dv_rt,
+            const float* __restrict__ k, const float* __restrict__ v, int64_t k_row, int64_t k_head, int64_t v_row,
+            int64_t v_head, const int64_t* runs, int64_t r0, int64_t r1, int64_t lo, int64_t hi, float scale,
+            Partial part) {
+  const int64_t d = D > 0 ? D : d_rt, dv = DV > 0 ? DV : dv_rt, h = hkv * g;
+  float* __restrict__ acc = part.acc;  // [H, Dv]
+  float* __restrict__ m = part.m;      // [H]
   float* __restrict__ l = part.l;
-  for (int64_t i = 0; i < g; ++i) {
+  for (int64_t i = 0; i < h; ++i) {
     m[i] = -std::numeric_limits<float>::infinity();
     l[i] = 0.0f;
   }
-  std::fill(acc, acc + g * dv, 0.0f);
+  std::fill(acc, acc + h * dv, 0.0f);
   alignas(64) float s[kMaxG * kBlock];
   int64_t base = 0;  // index of run r's first key in the concatenation
   for (int64_t r = r0; r < r1 && base < hi; ++r) {
@@ -144,31 +147,42 @@ void attend(const float* __restrict__ q, int64_t g, int64_t d_rt, int64_t dv_rt,
     base += len;
     for (int64_t j0 = a + from; j0 < a + to; j0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, a + to - j0);
-      scores<D>(q, g, d, k + j0 * k_row, k_row, n, scale, s);
-      for (int64_t i = 0; i < g; ++i) {
-        float* __restrict__ si = s + i * kBlock;
-        float mx = m[i];
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
-        const float alpha = std::exp(m[i] - mx);  // rescales what was summed before this block (0 at the start)
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          si[j] = std::exp(si[j] - mx);
-          sum += si[j];
-        }
-        l[i] = l[i] * alpha + sum;
-        m[i] = mx;
-        float* __restrict__ ai = acc + i * dv;
-#pragma omp simd
-        for (int64_t c = 0; c < dv; ++c) ai[c] *= alpha;
+      const int64_t ahead = std::min<int64_t>(kBlock, std::max<int64_t>(a + to - j0 - n, 0));
+      for (int64_t j = j0 + n; j < j0 + n + ahead; ++j) {  // the next block's rows, while this one computes
+        for (int64_t c = 0; c < hkv * k_head; c += 16) __builtin_prefetch(k + j * k_row + c);
+        for (int64_t c = 0; c < hkv * v_head; c += 16) __builtin_prefetch(v + j * v_row + c);
       }
-      accumulate<DV>(s, g, dv, v + j0 * v_row, v_row, n, acc);
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        float* __restrict__ mh = m + kh * g;
+        float* __restrict__ lh = l + kh * g;
+        float* __restrict__ ah = acc + kh * g * dv;
+        scores<D>(q + kh * g * d, g, d, k + j0 * k_row + kh * k_head, k_row, n, scale, s);
+        for (int64_t i = 0; i < g; ++i) {
+          float* __restrict__ si = s + i * kBlock;
+          float mx = mh[i];
+          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
+          const float alpha = std::exp(mh[i] - mx);  // rescales what was summed before this block (0 at first)
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            si[j] = std::exp(si[j] - mx);
+            sum += si[j];
+          }
+          lh[i] = lh[i] * alpha + sum;
+          mh[i] = mx;
+          float* __restrict__ ai = ah + i * dv;
+#pragma omp simd
+          for (int64_t c = 0; c < dv; ++c) ai[c] *= alpha;
+        }
+        accumulate<DV>(s, g, dv, v + j0 * v_row + kh * v_head, v_row, n, ah);
+      }
     }
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
-                          const int64_t*, int64_t, int64_t, int64_t, int64_t, float, Partial);
+using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                          int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, float,
+                          Partial);
 
 AttendFn pick(int64_t d, int64_t dv) {  // compile-time head sizes for the common ones (unrolled channel loops)
   if (d == 64 && dv == 64) return attend<64, 64>;
@@ -210,20 +224,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     keys[n] = t;
     longest = std::max(longest, t);
   }
-  const int64_t pairs = nq * hkv, threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   int64_t pieces = 1;  // split-KV: enough items for every thread, no piece under kMinPiece keys
-  if (pairs < 2 * threads) pieces = std::max<int64_t>(1, std::min((2 * threads + pairs - 1) / pairs, longest / kMinPiece));
+  if (nq < 2 * threads) pieces = std::max<int64_t>(1, std::min((2 * threads + nq - 1) / nq, longest / kMinPiece));
   const AttendFn fn = pick(d, dv);
-  if (pieces == 1) {
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      float m[kMaxG], l[kMaxG];
-      std::vector<float> acc(g * dv);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t n = item / hkv, kh = item % hkv;
-        fn(qp + (n * h + kh * g) * d, g, d, dv, kp + kh * k_head, vp + kh * v_head, k_row, v_row, rp, fp[n],
-           fp[n + 1], 0, keys[n], sc, Partial{acc.data(), m, l});
-        float* o = op + (n * h + kh * g) * dv;
-        for (int64_t i = 0; i < g; ++i) {
+  if (pieces == 1) {  // an item per row, normalised in place
+    at::parallel_for(0, nq, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(h * dv), m(h), l(h);
+      for (int64_t n = begin; n < end; ++n) {
+        fn(qp + n * h * d, hkv, g, d, dv, kp, vp, k_row, k_head, v_row, v_head, rp, fp[n], fp[n + 1], 0, keys[n], sc,
+           Partial{acc.data(), m.data(), l.data()});
+        float* o = op + n * h * dv;
+        for (int64_t i = 0; i < h; ++i) {
           const float inv = 1.0f / l[i];
           for (int64_t c = 0; c < dv; ++c) o[i * dv + c] = acc[i * dv + c] * inv;
         }
@@ -231,40 +243,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     });
     return out;
   }
-  // split-KV: partials per (pair, piece), then one merge per pair
-  std::vector<float> acc(pairs * pieces * g * dv), ms(pairs * pieces * g), ls(pairs * pieces * g);
-  at::parallel_for(0, pairs * pieces, 1, [&](int64_t begin, int64_t end) {
+  // split-KV: partials per (row, piece), then one merge per row and head
+  std::vector<float> acc(nq * pieces * h * dv), ms(nq * pieces * h), ls(nq * pieces * h);
+  at::parallel_for(0, nq * pieces, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / pieces, p = item % pieces, n = pair / hkv, kh = pair % hkv;
+      const int64_t n = item / pieces, p = item % pieces;
       const int64_t lo = keys[n] * p / pieces, hi = keys[n] * (p + 1) / pieces;
-      Partial part{acc.data() + item * g * dv, ms.data() + item * g, ls.data() + item * g};
+      Partial part{acc.data() + item * h * dv, ms.data() + item * h, ls.data() + item * h};
       if (lo >= hi) {  // a row shorter than the pieces: this one is empty
-        for (int64_t i = 0; i < g; ++i) part.m[i] = -std::numeric_limits<float>::infinity(), part.l[i] = 0.0f;
-        std::fill(part.acc, part.acc + g * dv, 0.0f);
+        std::fill(part.m, part.m + h, -std::numeric_limits<float>::infinity());
+        std::fill(part.l, part.l + h, 0.0f);
+        std::fill(part.acc, part.acc + h * dv, 0.0f);
         continue;
       }
-      fn(qp + (n * h + kh * g) * d, g, d, dv, kp + kh * k_head, vp + kh * v_head, k_row, v_row, rp, fp[n],
-         fp[n + 1], lo, hi, sc, part);
+      fn(qp + n * h * d, hkv, g, d, dv, kp, vp, k_row, k_head, v_row, v_head, rp, fp[n], fp[n + 1], lo, hi, sc, part);
     }
   });
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t n = pair / hkv, kh = pair % hkv;
-    float* o = op + (n * h + kh * g) * dv;
-    for (int64_t i = 0; i < g; ++i) {
+  for (int64_t n = 0; n < nq; ++n) {
+    for (int64_t i = 0; i < h; ++i) {
+      float* o = op + (n * h + i) * dv;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, ms[(pair * pieces + p) * g + i]);
+      for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, ms[(n * pieces + p) * h + i]);
       float total = 0.0f;
-      for (int64_t c = 0; c < dv; ++c) o[i * dv + c] = 0.0f;
+      for (int64_t c = 0; c < dv; ++c) o[c] = 0.0f;
       for (int64_t p = 0; p < pieces; ++p) {
-        const int64_t at = (pair * pieces + p) * g + i;
+        const int64_t at = (n * pieces + p) * h + i;
         if (ls[at] == 0.0f) continue;
         const float w = std::exp(ms[at] - mx);
         total += ls[at] * w;
         const float* a = acc.data() + at * dv;
-        for (int64_t c = 0; c < dv; ++c) o[i * dv + c] += a[c] * w;
+        for (int64_t c = 0; c < dv; ++c) o[c] += a[c] * w;
       }
       const float inv = 1.0f / total;
-      for (int64_t c = 0; c < dv; ++c) o[i * dv + c] *= inv;
+      for (int64_t c = 0; c < dv; ++c) o[c] *= inv;
     }
   }
   return out;

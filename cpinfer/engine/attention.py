@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
 from cpinfer.attention.cpu_kernels import decode_attention_op
-from cpinfer.attention.kernels import _SPLIT_MIN_KEYS, cpu_flash_backend
+from cpinfer.attention.kernels import cpu_flash_backend
 from cpinfer.attention.items import FULL, MASK, AttnItem, mark_first, new_accumulator
 from cpinfer.attention.kv_pack import pack_rows, row_width, unpack_rows, values_in_keys
 from cpinfer.attention.local import build_items
@@ -495,8 +495,8 @@ class BatchAttention:
     def _run_direct(self, q, store_k, store_v, scale: float) -> torch.Tensor:
         """Host decode (`direct`): every query row against its store runs → out [Lq, H, Dv]. With aten's flash
         kernel (cpu-flash) in float32, one call of our batched kernel reads every row's runs in place
-        (`cpu_kernels.py`) unless one long row must be split among the threads (`_batched_direct`); else one kernel
-        call per run, a row's partials merged as `merge_into` does (every partial sees a key: no empty rows)."""
+        (`cpu_kernels.py`, `_batched_direct`); else (no C++ compiler) one kernel call per run, a row's partials
+        merged as `merge_into` does (every partial sees a key: no empty rows)."""
         batched = self._batched_direct(q, store_k, store_v)
         if batched is not None:
             op, runs, first = batched
@@ -518,21 +518,16 @@ class BatchAttention:
 
     def _batched_direct(self, q, store_k, store_v):
         """(op, runs [R, 2], first [Lq + 1]) for one call of the batched CPU decode kernel over `direct`, or None:
-        not aten's flash kernel, not float32, no compiled kernel, or so few (row, KV head) problems that a row
-        with `_SPLIT_MIN_KEYS` keys or more goes to the flash path, whose split-KV pieces read long rows faster
-        (0.57 vs 0.67 ms for one row of 8000 keys, 3 KV heads on 2 threads; the kernel splits shorter rows itself).
-        Built once per forward (the first layer's call)."""
+        not aten's flash kernel (the user chose another), not float32, or no compiled kernel. Built once per forward
+        (the first layer's call)."""
         if self._direct_tables is None:
             self._direct_tables = False
             ok = self.backend.kernel is cpu_flash_backend and q.dtype == store_k.dtype == store_v.dtype == torch.float32
             op = decode_attention_op() if ok else None
-            runs = [r for _, rs in self.direct for r in rs]
-            longest = max(sum(e - a for a, e in rs) for _, rs in self.direct)
-            if op is not None and (len(self.direct) * store_k.shape[1] >= 2 * torch.get_num_threads()
-                                   or longest < _SPLIT_MIN_KEYS):
+            if op is not None:
+                runs = np.asarray([r for _, rs in self.direct for r in rs], dtype=np.int64).reshape(-1, 2)
                 first = np.cumsum([0] + [len(rs) for _, rs in self.direct])
-                self._direct_tables = (op, torch.as_tensor(np.asarray(runs, dtype=np.int64).reshape(-1, 2)),
-                                       torch.as_tensor(first, dtype=torch.int64))
+                self._direct_tables = (op, torch.as_tensor(runs), torch.as_tensor(first, dtype=torch.int64))
         return self._direct_tables or None
 
     def _dequantize(self, dtype, packed: tuple, window, chunk, used: int | None, codecs: tuple) -> tuple:
