@@ -17,6 +17,14 @@ from checkpoints import write_hf_checkpoint
 from cpinfer.model.random_checkpoint import write_random_checkpoint
 
 
+def pytest_sessionstart(session) -> None:
+    """Build (or load) the CPU decode-attention kernel once, before any test: the first engine start would otherwise
+    compile it inside whichever test comes first (~10 s; `cpinfer/attention/cpu_kernels.py`)."""
+    from cpinfer.attention.cpu_kernels import decode_attention_op
+
+    decode_attention_op()
+
+
 def _quiet_transformers() -> None:
     try:
         import transformers
