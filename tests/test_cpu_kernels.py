@@ -1,5 +1,6 @@
 """The CPU's own kernels: the batched decode attention (`attention/cpu_kernels.py`, compiled on first use) against a
-float64 reference — GQA group sizes, head sizes, values as the keys' first channels (MLA's latent), rows reading
+float64 reference — GQA group sizes (up to 32 query heads a KV head), head sizes, values as the keys' first
+channels (MLA's latent), rows reading
 several runs of a strided store, many rows shared among the threads; and MKL's packed small-batch GEMM
 (`model/cpu_gemm.py`) against `F.linear`: bit-identical from 16 rows, within float32 rounding below, repacked when
 the weight changes in place, `F.linear` itself outside its rows or past its memory budget."""
@@ -38,7 +39,8 @@ def _reference(q, k, v, rows_runs, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("hkv,g,d,dv", [(3, 3, 64, 64), (2, 4, 128, 128), (1, 1, 32, 32), (1, 8, 80, 48)])
+@pytest.mark.parametrize("hkv,g,d,dv", [(3, 3, 64, 64), (2, 4, 128, 128), (1, 1, 32, 32), (1, 8, 80, 48),
+                                        (1, 32, 64, 64), (2, 20, 576, 512)])  # more than 16 heads a KV head; MLA
 def test_decode_attention_matches_reference(hkv, g, d, dv):
     op = _op()
     if op is None:

@@ -29,7 +29,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;       // keys scored per pass of the online softmax
 constexpr int64_t kMinPiece = 256;   // keys per split-KV piece at least
-constexpr int64_t kMaxG = 16;        // query heads per KV head handled on the stack
+constexpr int64_t kMaxG = 16;        // query heads scored at a time (more per KV head: in groups of this many)
 
 struct Partial {  // an item's unnormalised result: acc [H, Dv], running max m [H], sum l [H]
   float* acc;
@@ -152,12 +152,14 @@ void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, i
         for (int64_t c = 0; c < hkv * k_head; c += 16) __builtin_prefetch(k + j * k_row + c);
         for (int64_t c = 0; c < hkv * v_head; c += 16) __builtin_prefetch(v + j * v_row + c);
       }
-      for (int64_t kh = 0; kh < hkv; ++kh) {
-        float* __restrict__ mh = m + kh * g;
-        float* __restrict__ lh = l + kh * g;
-        float* __restrict__ ah = acc + kh * g * dv;
-        scores<D>(q + kh * g * d, g, d, k + j0 * k_row + kh * k_head, k_row, n, scale, s);
-        for (int64_t i = 0; i < g; ++i) {
+      for (int64_t kh = 0; kh < hkv; ++kh)
+      for (int64_t g0 = 0; g0 < g; g0 += kMaxG) {  // a KV head's query heads, kMaxG at a time
+        const int64_t gg = std::min<int64_t>(kMaxG, g - g0), h0 = kh * g + g0;
+        float* __restrict__ mh = m + h0;
+        float* __restrict__ lh = l + h0;
+        float* __restrict__ ah = acc + h0 * dv;
+        scores<D>(q + h0 * d, gg, d, k + j0 * k_row + kh * k_head, k_row, n, scale, s);
+        for (int64_t i = 0; i < gg; ++i) {
           float* __restrict__ si = s + i * kBlock;
           float mx = mh[i];
           for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
@@ -174,7 +176,7 @@ void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, i
 #pragma omp simd
           for (int64_t c = 0; c < dv; ++c) ai[c] *= alpha;
         }
-        accumulate<DV>(s, g, dv, v + j0 * v_row + kh * v_head, v_row, n, ah);
+        accumulate<DV>(s, gg, dv, v + j0 * v_row + kh * v_head, v_row, n, ah);
       }
     }
   }
@@ -205,7 +207,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.size(2) == d && v.size(1) == hkv && h % hkv == 0 && first.numel() == nq + 1,
               "decode_attention: shapes do not match");
   const int64_t g = h / hkv;
-  TORCH_CHECK(g <= kMaxG, "decode_attention: at most ", kMaxG, " query heads per KV head");
   auto out = at::empty({nq, h, dv}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();

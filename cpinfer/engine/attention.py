@@ -178,7 +178,7 @@ class BatchAttention:
         self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
         self.values_in_keys = False  # the store's v is its k's first channels (MLA): messages carry keys alone
         self.direct: list | None = None  # host decode's rows and their store runs (`_direct_rows`), or None
-        self._direct_tables = None  # `_batched_direct`'s (op, runs, first), False when it does not apply
+        self._direct_tables = None  # `_plan_batched_direct`'s (op, runs, first), False when it does not apply
         self.expanded = False  # MLA's expanded form this forward (`prepare`)
         self.held = np.zeros(0, dtype=np.int64)  # expanded form: the store slots my local / pass-Q steps read
 
@@ -325,6 +325,8 @@ class BatchAttention:
         if (None, None) in kinds:
             self._plan_full()
             self._prepare_full(layout)
+            if self.direct is not None and layout is not None:
+                self._plan_batched_direct(layout.dtype)
         for kind in sorted(kinds - {(None, None)}, key=lambda wc: (wc[0] or 0, wc[1] or 0)):
             self._window_plans(kind, layout)
         self.prepared = True
@@ -516,19 +518,27 @@ class BatchAttention:
             outs.append(out.to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def _plan_batched_direct(self, dtype: torch.dtype) -> None:
+        """`_direct_tables`: (op, runs [R, 2], first [Lq + 1]) for one call of the batched CPU decode kernel over
+        `direct`, or False: not aten's flash kernel (the user chose another), not float32, or no compiled kernel.
+        Built by `prepare`, before layer 0 (no host work inside the layers)."""
+        self._direct_tables = False
+        ok = self.backend.kernel is cpu_flash_backend and dtype == torch.float32
+        op = decode_attention_op() if ok else None
+        if op is not None:
+            runs = np.asarray([r for _, rs in self.direct for r in rs], dtype=np.int64).reshape(-1, 2)
+            first = np.cumsum([0] + [len(rs) for _, rs in self.direct])
+            self._direct_tables = (op, torch.as_tensor(runs), torch.as_tensor(first, dtype=torch.int64))
+
     def _batched_direct(self, q, store_k, store_v):
-        """(op, runs [R, 2], first [Lq + 1]) for one call of the batched CPU decode kernel over `direct`, or None:
-        not aten's flash kernel (the user chose another), not float32, or no compiled kernel. Built once per forward
-        (the first layer's call)."""
-        if self._direct_tables is None:
-            self._direct_tables = False
-            ok = self.backend.kernel is cpu_flash_backend and q.dtype == store_k.dtype == store_v.dtype == torch.float32
-            op = decode_attention_op() if ok else None
-            if op is not None:
-                runs = np.asarray([r for _, rs in self.direct for r in rs], dtype=np.int64).reshape(-1, 2)
-                first = np.cumsum([0] + [len(rs) for _, rs in self.direct])
-                self._direct_tables = (op, torch.as_tensor(runs), torch.as_tensor(first, dtype=torch.int64))
-        return self._direct_tables or None
+        """`_direct_tables` when this layer's tensors suit the kernel (float32 throughout, each row's channels
+        contiguous), else None."""
+        if self._direct_tables is None:  # a caller that prepared without a head layout: planned at layer 0
+            self._plan_batched_direct(q.dtype)
+        if not self._direct_tables or not q.dtype == store_k.dtype == store_v.dtype \
+                or store_k.stride(-1) != 1 or store_v.stride(-1) != 1:
+            return None
+        return self._direct_tables
 
     def _dequantize(self, dtype, packed: tuple, window, chunk, used: int | None, codecs: tuple) -> tuple:
         """(k_new, v_new, store_k, store_v) of FP8 rows -> the same dequantized to `dtype` by the layer's (K, V)

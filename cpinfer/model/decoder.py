@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from cpinfer.model.blocks import (MLP, Attention, AttentionFn, BlockLayer, DecoderLayer, RecurrentFn,
                                   attn_temperature)
 from cpinfer.model.config import ModelConfig
-from cpinfer.model.cpu_gemm import MAX_ROWS, MIN_ROWS, pack_linear
 from cpinfer.model.config_parts import RopeConfig
+from cpinfer.model.cpu_gemm import MAX_ROWS, MIN_ROWS, pack_linear
 from cpinfer.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
 from cpinfer.model.norms import RMSNorm
 from cpinfer.model.rope import RotaryEmbedding
