@@ -37,9 +37,8 @@ struct Partial {  // an item's unnormalised result: acc [H, Dv], running max m [
   float* l;
 };
 
-// Scores of the G query heads at q against n key rows at k (k_row floats apart) into s[i * kBlock + j]. With a head
-// size that is a multiple of 16 known at compile time, four keys at a time with one vector accumulator per (head,
-// key): independent chains instead of one dot product (and its horizontal sum) after another.
+// 16 floats as one vector (GCC / Clang vector extensions: AVX-512 registers where the CPU has them, else pairs or
+// quadruples of narrower ones); loads and stores through memcpy, so no alignment is assumed.
 typedef float v16 __attribute__((vector_size(64)));
 
 inline v16 load16(const float* p) {
@@ -54,6 +53,9 @@ inline float hsum(v16 x) {
   return t;
 }
 
+// Scores of the G query heads at q against n key rows at k (k_row floats apart) into s[i * kBlock + j]. With a head
+// size that is a multiple of 16 known at compile time and G <= 4, four keys at a time with one vector accumulator
+// per (head, key): independent chains instead of one dot product (and its horizontal sum) after another.
 template <int64_t D>
 void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* __restrict__ k, int64_t k_row,
             int64_t n, float scale, float* __restrict__ s) {
