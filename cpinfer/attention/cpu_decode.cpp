@@ -231,22 +231,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   int64_t pieces = 1;  // split-KV: enough items for every thread, no piece under kMinPiece keys
   if (nq < 2 * threads) pieces = std::max<int64_t>(1, std::min((2 * threads + nq - 1) / nq, longest / kMinPiece));
   const AttendFn fn = pick(d, dv);
-  if (pieces == 1) {  // an item per row, normalised in place
-    at::parallel_for(0, nq, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(h * dv), m(h), l(h);
-      for (int64_t n = begin; n < end; ++n) {
-        fn(qp + n * h * d, hkv, g, d, dv, kp, vp, k_row, k_head, v_row, v_head, rp, fp[n], fp[n + 1], 0, keys[n], sc,
-           Partial{acc.data(), m.data(), l.data()});
-        float* o = op + n * h * dv;
-        for (int64_t i = 0; i < h; ++i) {
-          const float inv = 1.0f / l[i];
-          for (int64_t c = 0; c < dv; ++c) o[i * dv + c] = acc[i * dv + c] * inv;
-        }
-      }
-    });
-    return out;
-  }
-  // split-KV: partials per (row, piece), then one merge per row and head
+  // partials per (row, piece) (one piece: the row whole), then per row and head their merge, normalised
   std::vector<float> acc(nq * pieces * h * dv), ms(nq * pieces * h), ls(nq * pieces * h);
   at::parallel_for(0, nq * pieces, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -262,25 +247,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       fn(qp + n * h * d, hkv, g, d, dv, kp, vp, k_row, k_head, v_row, v_head, rp, fp[n], fp[n + 1], lo, hi, sc, part);
     }
   });
-  for (int64_t n = 0; n < nq; ++n) {
-    for (int64_t i = 0; i < h; ++i) {
-      float* o = op + (n * h + i) * dv;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, ms[(n * pieces + p) * h + i]);
-      float total = 0.0f;
-      for (int64_t c = 0; c < dv; ++c) o[c] = 0.0f;
-      for (int64_t p = 0; p < pieces; ++p) {
-        const int64_t at = (n * pieces + p) * h + i;
-        if (ls[at] == 0.0f) continue;
-        const float w = std::exp(ms[at] - mx);
-        total += ls[at] * w;
-        const float* a = acc.data() + at * dv;
-        for (int64_t c = 0; c < dv; ++c) o[c] += a[c] * w;
+  at::parallel_for(0, nq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t i = 0; i < h; ++i) {
+        float* o = op + (n * h + i) * dv;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, ms[(n * pieces + p) * h + i]);
+        float total = 0.0f;
+        for (int64_t c = 0; c < dv; ++c) o[c] = 0.0f;
+        for (int64_t p = 0; p < pieces; ++p) {
+          const int64_t at = (n * pieces + p) * h + i;
+          if (ls[at] == 0.0f) continue;
+          const float w = std::exp(ms[at] - mx);  // 1 for a row's only piece: its sums as they are
+          total += ls[at] * w;
+          const float* a = acc.data() + at * dv;
+          for (int64_t c = 0; c < dv; ++c) o[c] += a[c] * w;
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < dv; ++c) o[c] *= inv;
       }
-      const float inv = 1.0f / total;
-      for (int64_t c = 0; c < dv; ++c) o[c] *= inv;
     }
-  }
+  });
   return out;
 }
 

@@ -51,7 +51,7 @@ class PackedWeight:
     def __init__(self, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS):
         self.min_rows, self.max_rows = min_rows, max_rows
         self.packed: Tensor | None = None
-        self.key: tuple | None = None  # (address, version) of the weight packed
+        self.key: tuple | None = None  # (address, version, shape) of the weight packed
         self.refused = not _available()
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
