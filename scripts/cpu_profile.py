@@ -28,7 +28,7 @@ LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkl::_mkl_linear")  #
 ROWS = (  # (key, what the row says)
     ("linears", "Linears in the layers (q/k/v/o, gate/up/down)"),
     ("lm_head", "LM head (rows computed: see below)"),
-    ("attn_kernel", "attention kernel (aten CPU flash, cpinfer's batched decode kernel)"),
+    ("attn_kernel", "attention kernels (cpinfer's CPU flash and batched decode, aten's flash)"),
     ("attn_rest", "attention: merges, copies, its Python"),
     ("kv_write", "K/V cache writes (index_copy_)"),
     ("norms", "RMSNorm"),

@@ -18,8 +18,8 @@ from cpinfer.model.random_checkpoint import write_random_checkpoint
 
 
 def pytest_sessionstart(session) -> None:
-    """Build (or load) the CPU decode-attention kernel once, before any test: the first engine start would otherwise
-    compile it inside whichever test comes first (~10 s; `cpinfer/attention/cpu_kernels.py`)."""
+    """Build (or load) the CPU attention kernels once, before any test: the first engine start would otherwise
+    compile them inside whichever test comes first (~10-20 s; `cpinfer/attention/cpu_kernels.py`)."""
     from cpinfer.attention.cpu_kernels import decode_attention_op
 
     decode_attention_op()

@@ -1,7 +1,8 @@
-"""The CPU's own kernels: the batched decode attention (`attention/cpu_kernels.py`, compiled on first use) against a
+"""The CPU's own kernels (`attention/cpu_kernels.py`, compiled on first use): the batched decode attention against a
 float64 reference — GQA group sizes (up to 32 query heads a KV head), head sizes, values as the keys' first
-channels (MLA's latent), rows reading
-several runs of a strided store, many rows shared among the threads; and MKL's packed small-batch GEMM
+channels (MLA's latent), rows reading several runs of a strided store, many rows shared among the threads; the
+prefill flash attention against float64 — causal and full blocks, ragged lengths, GQA / MQA / MHA, MLA's head sizes,
+strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; and MKL's packed small-batch GEMM
 (`model/cpu_gemm.py`) against `F.linear`: bit-identical from 16 rows, within float32 rounding below, repacked when
 the weight changes in place, `F.linear` itself outside its rows or past its memory budget."""
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpinfer.attention.cpu_kernels import decode_attention_op
+from cpinfer.attention import kernels
+from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op
 from cpinfer.model import cpu_gemm
 from cpinfer.model.cpu_gemm import PackedWeight, pack_linear
 
@@ -113,6 +115,100 @@ def test_decode_attention_rejects_what_it_does_not_take():
         op(torch.randn(1, 2, 8, dtype=torch.float64), k.double(), k.double(), runs, first, 1.0)
     with pytest.raises(RuntimeError, match="shapes"):
         op(torch.randn(1, 3, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8), runs, first, 1.0)
+
+
+def _flash_reference(q, k, v, causal, scale):
+    """float64 (out [Lq, H, Dv], lse [Lq, H]) of q [Lq, H, D] over k / v [Lk, Hkv, *], top-left causal or full."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
+    s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(), -torch.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1).T
+
+
+@pytest.mark.parametrize("lq,lk,hkv,g,d,dv,causal", [
+    (100, 100, 3, 3, 64, 64, True),     # SmolLM2's heads; rows not a multiple of the tile or the key block
+    (300, 300, 1, 8, 128, 128, True),   # GQA 8, several position blocks and key blocks
+    (130, 130, 4, 1, 32, 32, True),     # MHA
+    (37, 37, 2, 8, 192, 128, True),     # MLA's expanded head sizes (Dk 192, Dv 128)
+    (70, 200, 1, 4, 64, 48, False),     # a full block, Dv a multiple of 16 but not of 64
+    (5, 300, 3, 3, 64, 64, False),      # a few queries against many keys
+    (64, 64, 1, 1, 16, 16, True),       # exactly one tile of keys
+])
+def test_flash_attention_matches_reference(lq, lk, hkv, g, d, dv, causal):
+    op = flash_attention_op()
+    if op is None:
+        assert shutil.which(os.environ.get("CXX") or "c++") is None
+        return
+    gen = torch.Generator().manual_seed(lq + lk + d)
+    q = torch.randn(lq, hkv * g, d + 8, generator=gen)[..., 8:]  # strided rows: views of wider tensors
+    kv = torch.randn(lk, 2, hkv, max(d, dv) + 16, generator=gen)
+    k, v = kv[:, 0, :, :d], kv[:, 1, :, 16:16 + dv]
+    out, lse = op(q, k, v, causal, 0.13)
+    ro, rl = _flash_reference(q, k, v, causal, 0.13)
+    assert out.shape == (lq, hkv * g, dv) and lse.shape == (lq, hkv * g) and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ro, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, atol=2e-6, rtol=1e-5)
+
+
+def test_flash_attention_same_result_on_one_and_two_threads_and_no_keys():
+    """Each item is computed alone: the thread count does not change a bit. No keys: out 0, lse -inf."""
+    op = flash_attention_op()
+    if op is None:
+        return
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(700, 9, 64, generator=gen), torch.randn(700, 3, 64, generator=gen), torch.randn(700, 3, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(q, k, v, True, 0.125)
+        torch.set_num_threads(2)
+        two = op(q, k, v, True, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    out, lse = op(q[:4], k[:0], v[:0], False, 0.125)
+    assert torch.equal(out, torch.zeros(4, 9, 64)) and bool(torch.isneginf(lse).all())
+
+
+def test_flash_attention_rejects_what_it_does_not_take():
+    op = flash_attention_op()
+    if op is None:
+        return
+    x = torch.randn(10, 2, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.double(), x.double(), x.double(), True, 1.0)
+    with pytest.raises(RuntimeError, match="shapes"):
+        op(torch.randn(10, 3, 16), x, x, True, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(x, x, torch.randn(10, 2, 8), True, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.randn(10, 2, 32)[..., ::2], x, x, True, 1.0)
+
+
+def test_cpu_flash_backend_runs_the_prefill_kernel_and_aten_where_it_does_not_apply(monkeypatch):
+    """Prefill blocks (causal, or more than a few query rows) go to the compiled kernel; a masked tile and float64
+    stay on aten's kernel; a value head size that is not a multiple of 16 runs padded to the key's (exact) — all
+    against float64."""
+    if flash_attention_op() is None:
+        return
+    calls = []
+    real = flash_attention_op()
+    monkeypatch.setitem(kernels._OWN, "op", lambda *a: calls.append(a[0].shape) or real(*a))
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(90, 6, 32, generator=gen), torch.randn(90, 2, 32, generator=gen), torch.randn(90, 2, 32)
+    out, lse = kernels.cpu_flash_backend(q, k, v, True, None, 0.2)
+    assert calls == [(90, 6, 32)]
+    ro, rl = _flash_reference(q, k, v, True, 0.2)
+    torch.testing.assert_close(out.double(), ro, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, atol=2e-6, rtol=1e-5)
+    mask = torch.rand(90, 90, generator=gen) > 0.3
+    kernels.cpu_flash_backend(q, k, v, False, mask, 0.2)
+    kernels.cpu_flash_backend(q.double(), k.double(), v.double(), True, None, 0.2)
+    o8, _ = kernels.cpu_flash_backend(q, k, v[..., :8], True, None, 0.2)
+    assert calls == [(90, 6, 32)] * 2 and o8.shape == (90, 6, 8)
+    torch.testing.assert_close(o8.double(), _flash_reference(q, k, v[..., :8], True, 0.2)[0], atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 24, 32, 33, 100])

@@ -25,7 +25,13 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using cpinfer_vec::hsum;
+using cpinfer_vec::load16;
+using cpinfer_vec::v16;
 
 constexpr int64_t kBlock = 64;       // keys scored per pass of the online softmax
 constexpr int64_t kMinPiece = 256;   // keys per split-KV piece at least
@@ -36,22 +42,6 @@ struct Partial {  // an item's unnormalised result: acc [H, Dv], running max m [
   float* m;
   float* l;
 };
-
-// 16 floats as one vector (GCC / Clang vector extensions: AVX-512 registers where the CPU has them, else pairs or
-// quadruples of narrower ones); loads and stores through memcpy, so no alignment is assumed.
-typedef float v16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline float hsum(v16 x) {
-  float t = 0.0f;
-  for (int c = 0; c < 16; ++c) t += x[c];
-  return t;
-}
 
 // Scores of the G query heads at q against n key rows at k (k_row floats apart) into s[i * kBlock + j]. With a head
 // size that is a multiple of 16 known at compile time and G <= 4, four keys at a time with one vector accumulator

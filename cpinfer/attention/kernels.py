@@ -1,6 +1,7 @@
 """Per-item attention kernels: one FULL / CAUSAL / MASK block of queries against keys → `(out, lse)`.
 
-`cpu-flash` is aten's CPU flash attention (for a few queries, decode, with a KV head's query heads as its rows);
+`cpu-flash` is cpinfer's CPU flash kernel for float32 prefill blocks (`cpu_prefill.cpp`), else aten's CPU flash
+attention (for a few queries, decode, with a KV head's query heads as its rows);
 `math` is explicit fp32 matmul / softmax on any device, for small blocks. Neither reads anything from the host
 while it runs (no `.item()`, no data-dependent shapes), so both can sit inside a layer loop that must not sync.
 """
@@ -53,16 +54,35 @@ def _split_keys(qr, k, v, pieces: int, scale: float):
     return (out * torch.exp(lse - total).unsqueeze(-1)).sum(0, keepdim=True).to(qr.dtype), total
 
 
+def _own_flash():
+    """cpinfer's CPU flash kernel (`cpu_prefill.cpp`), or None without a compiled library (aten's then)."""
+    if "op" not in _OWN:
+        from cpinfer.attention.cpu_kernels import flash_attention_op
+
+        _OWN["op"] = flash_attention_op()
+    return _OWN["op"]
+
+
+_OWN: dict = {}
+
+
 def cpu_flash_backend(q, k, v, causal, mask, scale):
-    """CPU kernel: aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V.
-    A fully visible block of a few queries (decode) takes `_few_queries_full` instead. aten's kernel
-    takes one head size for q, k and v: a value head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact) and
-    returns out [Lq, H, Dv]."""
+    """CPU kernel. float32 FULL and CAUSAL blocks of more than a few query rows (prefill) run cpinfer's own flash
+    kernel (`cpu_prefill.cpp`: a KV head's query heads share each key block; any Dv that is a multiple of 16) when
+    it is compiled; else aten's flash attention for CPU, GQA as a batch of G groups over stride-0 expanded K/V. A
+    fully visible block of a few queries (decode) takes `_few_queries_full`. aten's kernel takes one head size for
+    q, k and v: a value head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact) and returns
+    out [Lq, H, Dv]."""
+    few = mask is None and not causal and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS
+    if (mask is None and not few and q.dtype == k.dtype == v.dtype == torch.float32 and v.shape[-1] % 16 == 0
+            and q.device.type == "cpu" and _own_flash() is not None):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        return _own_flash()(q, k, v, causal, scale)
     if v.shape[-1] != k.shape[-1]:
         dv = v.shape[-1]
         out, lse = cpu_flash_backend(*same_head_size(q, k, v), causal, mask, scale)
         return out[..., :dv], lse
-    if mask is None and not causal and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS:
+    if few:
         return _few_queries_full(q, k, v, scale)
     lq, h, d = q.shape
     hkv = k.shape[1]

@@ -1,0 +1,323 @@
+// Flash attention for the CPU's prefill: a block of queries against a block of keys, fully visible or top-left
+// causal (query i sees keys 0..i), with the query heads of a KV head sharing each key block (GQA / MQA)
+// (cpinfer/attention/cpu_kernels.py builds and loads this file with cpu_decode.cpp; the op is
+// torch.ops.cpinfer.flash_attention).
+//
+// q [Lq, H, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv]  float32 (rows and heads may be strided; channels contiguous),
+//                                               Dv a multiple of 16
+// -> out [Lq, H, Dv] softmax(scale q k^T) v, lse [Lq, H] its log-sum-exp (natural log); query head h reads KV head
+//    h / (H / Hkv). A causal query row without keys (Lq > Lk) gets out 0 and lse -inf.
+//
+// Work items are (KV head, block of query positions): the rows of an item are its positions x the KV head's G query
+// heads, so each key block is read once for all of them. Per block of 64 keys the item computes the scores
+// S = Q K^T (register tiles of 6 rows x 64 keys against the block's keys transposed), the online softmax in base 2
+// (log2(e) and the scale folded into Q), and O = alpha O + P V (tiles of 6 rows x 64 value channels); the keys are
+// transposed once per call. Items, largest first, are taken by torch's intra-op threads from a shared counter
+// (a causal item's cost grows with its position). Arithmetic is float32 throughout.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using cpinfer_vec::load16;
+using cpinfer_vec::v16;
+
+constexpr int64_t kKeys = 64;     // keys per block (four vectors)
+constexpr int64_t kTile = 6;      // query rows per register tile
+constexpr int64_t kRows = 96;     // rows (positions x G) per work item, about
+constexpr float kLog2e = 1.4426950408889634f;
+
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+// 2^x for x <= 0 (masked lanes: -inf or below -126 give 0): x = n + f, f in [-1/2, 1/2], 2^f by its Taylor series
+// to degree 7 (relative error under 2e-8), n added to the exponent.
+inline v16 exp2v(v16 x) {
+  const v16 lo = x < -126.0f ? v16{} + 1.0f : v16{};  // lanes that underflow
+  x = x < -126.0f ? v16{} - 126.0f : x;
+  const v16 magic = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 t = x + magic;
+  const v16 n = t - magic;
+  const v16 f = x - n;
+  v16 p = v16{} + 1.5252733804059841e-05f;  // ln2^7 / 7!
+  p = p * f + 1.5403530393381610e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910071e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  i16 bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  i16 tn;
+  std::memcpy(&tn, &t, sizeof(tn));
+  bits += (tn - 0x4B400000) << 23;  // t's low mantissa bits hold n
+  v16 r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return lo > 0.0f ? v16{} : r;
+}
+
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+// A vector's lanes reduced by a tree of shuffles (four steps, not a chain of fifteen).
+inline float tree_max(v16 x) {
+  x = vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return x[0];
+}
+
+inline float tree_sum(v16 x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return x[0];
+}
+
+struct Block {  // a block of keys, as the rows' softmax needs it
+  int64_t j0, n;  // its first key, its keys
+  int64_t p0, g;  // the item's first query position, query heads per KV head (row r is at position p0 + r / g)
+  bool causal, masked;  // masked: n < 64 or some row sees only part of the block
+};
+
+struct Rows {  // the item's running softmax per row: max m and sum l (base 2), alpha: the factor for earlier sums
+  float* m;
+  float* l;
+  float* alpha;
+};
+
+// One row's online-softmax step over its scores x[4] (base 2), the keys past lim masked: p = 2^(x - m_new) into
+// s[0:64], m, l and alpha updated.
+inline void softmax_row(v16* x, int64_t lim, bool masked, float* s, float& m, float& l, float& alpha) {
+  if (masked) {
+    v16 iota;
+    for (int c = 0; c < 16; ++c) iota[c] = static_cast<float>(c);
+    const v16 none = v16{} - std::numeric_limits<float>::infinity();
+    for (int c = 0; c < 4; ++c) x[c] = iota + static_cast<float>(16 * c) < static_cast<float>(lim) ? x[c] : none;
+  }
+  const float mx = tree_max(vmax(vmax(x[0], x[1]), vmax(x[2], x[3])));
+  const float m_new = std::max(m, mx);
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // no key for this row yet
+    std::memset(s, 0, kKeys * sizeof(float));
+    alpha = 1.0f;
+    return;
+  }
+  alpha = m == m_new ? 1.0f : std::exp2(m - m_new);
+  v16 sum{};
+  for (int c = 0; c < 4; ++c) {
+    const v16 pc = exp2v(x[c] - m_new);
+    sum += pc;
+    std::memcpy(s + 16 * c, &pc, sizeof(pc));
+  }
+  l = l * alpha + tree_sum(sum);
+  m = m_new;
+}
+
+// Rows r0 .. r0 + RT - 1 (d floats each at q) against a block of keys transposed, kt [D][64]: their scores in
+// registers, then each row's softmax step (probabilities into s[r][0:64]).
+template <int RT>
+inline void score_tile(const float* __restrict__ q, int64_t d, const float* __restrict__ kt, float* __restrict__ s,
+                       int64_t r0, const Block& b, Rows rows) {
+  v16 acc[RT][4] = {};
+  for (int64_t c = 0; c < d; ++c) {
+    const float* kc = kt + c * kKeys;
+    const v16 k0 = load16(kc), k1 = load16(kc + 16), k2 = load16(kc + 32), k3 = load16(kc + 48);
+    for (int r = 0; r < RT; ++r) {
+      const float qv = q[r * d + c];
+      acc[r][0] += qv * k0;
+      acc[r][1] += qv * k1;
+      acc[r][2] += qv * k2;
+      acc[r][3] += qv * k3;
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    const int64_t row = r0 + r;
+    const int64_t lim = b.causal ? std::min(b.n, std::max<int64_t>(b.p0 + row / b.g - b.j0 + 1, 0)) : b.n;
+    softmax_row(acc[r], lim, b.masked, s + r * kKeys, rows.m[row], rows.l[row], rows.alpha[row]);
+  }
+}
+
+// o[r][c0 : c0 + 16 CV] = alpha[r] o[r][...] + sum_j p[r][j] v_j[...] over the n value rows at v (v_row apart).
+template <int RT, int CV>
+inline void value_tile(const float* __restrict__ p, const float* __restrict__ alpha, const float* __restrict__ v,
+                       int64_t v_row, int64_t n, float* __restrict__ o, int64_t dv) {
+  v16 acc[RT][CV];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CV; ++c) acc[r][c] = load16(o + r * dv + 16 * c) * alpha[r];
+  for (int64_t j = 0; j < n; ++j) {
+    v16 vj[CV];
+    for (int c = 0; c < CV; ++c) vj[c] = load16(v + j * v_row + 16 * c);
+    for (int r = 0; r < RT; ++r) {
+      const float pr = p[r * kKeys + j];
+      for (int c = 0; c < CV; ++c) acc[r][c] += pr * vj[c];
+    }
+  }
+  for (int r = 0; r < RT; ++r) std::memcpy(o + r * dv, acc[r], sizeof(acc[r]));
+}
+
+template <int RT>
+void scores(const float* q, int64_t d, const float* kt, float* s, int64_t r0, const Block& b, Rows rows, int rt) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return scores<RT - 1>(q, d, kt, s, r0, b, rows, rt);
+  }
+  score_tile<RT>(q, d, kt, s, r0, b, rows);
+}
+
+template <int RT>
+void values(const float* p, const float* alpha, const float* v, int64_t v_row, int64_t n, float* o, int64_t dv,
+            int rt) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return values<RT - 1>(p, alpha, v, v_row, n, o, dv, rt);
+  }
+  int64_t c0 = 0;
+  for (; c0 + 64 <= dv; c0 += 64) value_tile<RT, 4>(p, alpha, v + c0, v_row, n, o + c0, dv);
+  switch ((dv - c0) / 16) {
+    case 3: value_tile<RT, 3>(p, alpha, v + c0, v_row, n, o + c0, dv); break;
+    case 2: value_tile<RT, 2>(p, alpha, v + c0, v_row, n, o + c0, dv); break;
+    case 1: value_tile<RT, 1>(p, alpha, v + c0, v_row, n, o + c0, dv); break;
+    default: break;
+  }
+}
+
+struct Shapes {
+  int64_t lq, lk, h, hkv, g, d, dv, positions;  // positions: query positions per item
+  int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+  bool causal;
+  float scale;
+};
+
+struct Scratch {  // one thread's buffers for an item
+  std::vector<float> q, s, o, m, l, alpha;
+};
+
+// One item: KV head kh, query positions [p0, p1), against the keys transposed kt [blocks][D][64].
+void attend_item(const Shapes& sh, const float* qp, const float* ktp, const float* vp, int64_t kh, int64_t p0,
+                 int64_t p1, float* outp, float* lsep, Scratch& w) {
+  const int64_t g = sh.g, d = sh.d, dv = sh.dv, rows = (p1 - p0) * g;
+  const float qscale = sh.scale * kLog2e;  // scores in base 2
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t i = 0; i < g; ++i) {
+      const float* src = qp + p * sh.q_row + (kh * g + i) * sh.q_head;
+      float* dst = w.q.data() + ((p - p0) * g + i) * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * qscale;
+    }
+  std::fill(w.o.begin(), w.o.begin() + rows * dv, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  const int64_t kend = sh.causal ? std::min(sh.lk, p1) : sh.lk;  // keys any row of the item sees
+  const float* vhead = vp + kh * sh.v_head;
+  const Rows state{w.m.data(), w.l.data(), w.alpha.data()};
+  for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
+    const int64_t n = std::min(kKeys, kend - j0);
+    const float* kt = ktp + ((kh * ((sh.lk + kKeys - 1) / kKeys)) + j0 / kKeys) * d * kKeys;
+    const Block blk{j0, n, p0, g, sh.causal, n < kKeys || (sh.causal && j0 + kKeys - 1 > p0)};
+    for (int64_t r0 = 0; r0 < rows; r0 += kTile) {  // a tile's scores and its values while the block is in L1
+      const int rt = static_cast<int>(std::min(kTile, rows - r0));
+      scores<kTile>(w.q.data() + r0 * d, d, kt, w.s.data(), r0, blk, state, rt);
+      values<kTile>(w.s.data(), w.alpha.data() + r0, vhead + j0 * sh.v_row, sh.v_row, n, w.o.data() + r0 * dv, dv, rt);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = p0 + r / g, hd = kh * g + r % g;
+    float* o = outp + (p * sh.h + hd) * dv;
+    const float l = w.l[r];
+    if (l == 0.0f) {  // no key at all (a causal row past the keys)
+      std::fill(o, o + dv, 0.0f);
+      lsep[p * sh.h + hd] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const float inv = 1.0f / l;
+    const float* a = w.o.data() + r * dv;
+    for (int64_t c = 0; c < dv; ++c) o[c] = a[c] * inv;
+    lsep[p * sh.h + hd] = (w.m[r] + std::log2(l)) / kLog2e;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   bool causal, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "flash_attention: float32 q, k, v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "flash_attention: q [Lq, H, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv]");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "flash_attention: each row's channels contiguous");
+  Shapes sh{};
+  sh.lq = q.size(0), sh.h = q.size(1), sh.d = q.size(2), sh.lk = k.size(0), sh.hkv = k.size(1), sh.dv = v.size(2);
+  TORCH_CHECK(k.size(2) == sh.d && v.size(0) == sh.lk && v.size(1) == sh.hkv && sh.hkv > 0 && sh.h % sh.hkv == 0,
+              "flash_attention: shapes do not match");
+  TORCH_CHECK(sh.dv % 16 == 0, "flash_attention: a value head size that is a multiple of 16");
+  sh.g = sh.h / sh.hkv;
+  sh.q_row = q.stride(0), sh.q_head = q.stride(1), sh.k_row = k.stride(0), sh.k_head = k.stride(1);
+  sh.v_row = v.stride(0), sh.v_head = v.stride(1);
+  sh.causal = causal;
+  sh.scale = static_cast<float>(scale);
+  sh.positions = std::max<int64_t>(1, kRows / sh.g);
+  auto out = at::empty({sh.lq, sh.h, sh.dv}, q.options());
+  auto lse = at::empty({sh.lq, sh.h}, q.options());
+  if (sh.lq == 0) return {out, lse};
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  // the keys transposed, per KV head and block of 64: kt [Hkv][blocks][D][64], zeros past Lk
+  const int64_t blocks = (sh.lk + kKeys - 1) / kKeys;
+  std::vector<float> kt(sh.hkv * blocks * sh.d * kKeys);
+  at::parallel_for(0, sh.hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t hb = begin; hb < end; ++hb) {
+      const int64_t kh = hb / blocks, j0 = (hb % blocks) * kKeys, n = std::min(kKeys, sh.lk - j0);
+      float* dst = kt.data() + hb * sh.d * kKeys;
+      if (n < kKeys) std::fill(dst, dst + sh.d * kKeys, 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* src = kp + (j0 + j) * sh.k_row + kh * sh.k_head;
+        for (int64_t c = 0; c < sh.d; ++c) dst[c * kKeys + j] = src[c];
+      }
+    }
+  });
+  // items (KV head, position block), the most keys first
+  const int64_t pblocks = (sh.lq + sh.positions - 1) / sh.positions;
+  std::vector<int64_t> order(sh.hkv * pblocks);
+  std::iota(order.begin(), order.end(), 0);
+  if (causal)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return a % pblocks > b % pblocks; });
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    const int64_t rows = sh.positions * sh.g;
+    w.q.resize(rows * sh.d);
+    w.s.resize(kTile * kKeys);
+    w.o.resize(rows * sh.dv);
+    w.m.resize(rows);
+    w.l.resize(rows);
+    w.alpha.resize(rows);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(order.size()); i = next.fetch_add(1)) {
+        const int64_t kh = order[i] / pblocks, pb = order[i] % pblocks;
+        const int64_t p0 = pb * sh.positions, p1 = std::min(sh.lq, p0 + sh.positions);
+        attend_item(sh, qp, kt.data(), vp, kh, p0, p1, outp, lsep, w);
+      }
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cpinfer, m) {
+  m.def("flash_attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
+  m.impl("flash_attention", c10::DispatchKey::CPU, TORCH_FN(flash_attention));
+}
