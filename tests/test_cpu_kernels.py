@@ -2,7 +2,8 @@
 float64 reference — GQA group sizes (up to 32 query heads a KV head), head sizes, values as the keys' first
 channels (MLA's latent), rows reading several runs of a strided store, many rows shared among the threads; the
 prefill flash attention against float64 — causal and full blocks, ragged lengths, GQA / MQA / MHA, MLA's head sizes,
-strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; and MKL's packed small-batch GEMM
+strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; the one-pass RoPE bit-identical to aten's
+element-wise form; and MKL's packed small-batch GEMM
 (`model/cpu_gemm.py`) against `F.linear`: bit-identical from 16 rows, within float32 rounding below, repacked when
 the weight changes in place, `F.linear` itself outside its rows or past its memory budget."""
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpinfer.attention import kernels
-from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op
+from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op, rope_op
+from cpinfer.model import rope
 from cpinfer.model import cpu_gemm
 from cpinfer.model.cpu_gemm import PackedWeight, pack_linear
 
@@ -134,6 +136,8 @@ def _flash_reference(q, k, v, causal, scale):
     (37, 37, 2, 8, 192, 128, True),     # MLA's expanded head sizes (Dk 192, Dv 128)
     (70, 200, 1, 4, 64, 48, False),     # a full block, Dv a multiple of 16 but not of 64
     (5, 300, 3, 3, 64, 64, False),      # a few queries against many keys
+    (20, 1500, 3, 3, 64, 64, False),    # too few items for the threads: the keys split into pieces, merged
+    (1, 4000, 1, 8, 128, 128, False),   # one query row, sixteen pieces
     (64, 64, 1, 1, 16, 16, True),       # exactly one tile of keys
 ])
 def test_flash_attention_matches_reference(lq, lk, hkv, g, d, dv, causal):
@@ -209,6 +213,38 @@ def test_cpu_flash_backend_runs_the_prefill_kernel_and_aten_where_it_does_not_ap
     o8, _ = kernels.cpu_flash_backend(q, k, v[..., :8], True, None, 0.2)
     assert calls == [(90, 6, 32)] * 2 and o8.shape == (90, 6, 8)
     torch.testing.assert_close(o8.double(), _flash_reference(q, k, v[..., :8], True, 0.2)[0], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length,heads,d,rot", [(1, 9, 64, 64), (5, 3, 64, 64), (700, 9, 128, 128), (33, 4, 64, 32)])
+def test_rope_kernel_is_bit_identical_to_the_element_wise_ops(monkeypatch, length, heads, d, rot):
+    """`apply_rope` through the compiled op and through aten's ops (the op switched off): the same bits, on a strided
+    view of a fused projection; partial rotary (rot < D) rotates the first channels and passes the rest."""
+    if rope_op() is None:
+        assert shutil.which(os.environ.get("CXX") or "c++") is None
+        return
+    gen = torch.Generator().manual_seed(length + d)
+    fused = torch.randn(length, heads * d + 40, generator=gen) * 4
+    x = fused[:, 40:].view(length, heads, d)  # rows strided, channels contiguous
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * 1000 ** -torch.linspace(0, 1, rot // 2)[None]
+    cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
+    ours = rope.apply_rope(x, cos, sin)
+    monkeypatch.setitem(rope._CPU_ROPE, "op", None)
+    aten = rope.apply_rope(x, cos, sin)
+    assert ours.shape == aten.shape == (length, heads, d) and torch.equal(ours, aten)
+    if rot < d:
+        assert torch.equal(ours[..., rot:], x[..., rot:])
+
+
+def test_rope_kernel_rejects_what_it_does_not_take():
+    op = rope_op()
+    if op is None:
+        return
+    x, c = torch.randn(4, 2, 8), torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.double(), c.double(), c.double())
+    with pytest.raises(RuntimeError, match="shapes"):
+        op(x, c[:, :3], c[:, :3])
+    assert torch.equal(op(x, c, c), rope.apply_rope(x, c, c))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 24, 32, 33, 100])

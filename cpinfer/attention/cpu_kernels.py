@@ -1,6 +1,8 @@
 """CPU kernels of our own, compiled on first use into one library: a batched decode attention reading the paged KV
 store in place (`cpu_decode.cpp`, the op `torch.ops.cpinfer.decode_attention`) and a flash attention for prefill
-blocks (`cpu_prefill.cpp`, `torch.ops.cpinfer.flash_attention`); `cpu_vec.h` is their vector type.
+blocks (`cpu_prefill.cpp`, `torch.ops.cpinfer.flash_attention`); and RoPE in one pass (`cpu_rope.cpp`,
+`torch.ops.cpinfer.rope`: the six element-wise ops it replaces, rounded alike); `cpu_vec.h` is the attention
+kernels' vector type.
 
 aten has no attention over many short sequences whose keys sit in runs of a shared store: the decode path would
 call its flash kernel once per sequence and slot run (hundreds of calls a step, each with too few (row, head)
@@ -12,9 +14,9 @@ installed torch's headers, for this CPU (`-march=native`), and cached under `$CP
 `~/.cache/cpinfer/kernels`), keyed by the sources, torch's version, the compiler and the CPU's flags. A file lock
 lets one process build while the others (the CP ranks of one machine) wait for it.
 
-Without a compiler, or with `CPINFER_CPU_KERNELS=0`, `decode_attention_op()` and `flash_attention_op()` return None
-and the engine keeps aten's kernels (same results within float32 rounding; slower). Building takes ~10-30 s the
-first time and is logged.
+Without a compiler, or with `CPINFER_CPU_KERNELS=0`, the `*_op()` functions return None and the engine keeps aten's
+kernels and ops (the same results within float32 rounding for attention, the same bits for the element-wise ops;
+slower). Building takes ~10-30 s the first time and is logged.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 
 log = logging.getLogger("cpinfer")
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_prefill.cpp")  # one library; both include cpu_vec.h
+_SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_prefill.cpp", _HERE / "cpu_rope.cpp")  # one library
 _HEADERS = (_HERE / "cpu_vec.h",)
 # -fopenmp: at::parallel_for's inline OpenMP region (the process's one OpenMP runtime, torch's libgomp);
 # -fno-math-errno lets the compiler vectorise expf
@@ -120,4 +122,9 @@ def flash_attention_op():
     return torch.ops.cpinfer.flash_attention if _loaded() else None
 
 
-__all__ = ["decode_attention_op", "flash_attention_op"]
+def rope_op():
+    """torch.ops.cpinfer.rope (`cpu_rope.cpp`: float32 RoPE in one pass, aten's bits), or None."""
+    return torch.ops.cpinfer.rope if _loaded() else None
+
+
+__all__ = ["decode_attention_op", "flash_attention_op", "rope_op"]

@@ -13,13 +13,16 @@
 // S = Q K^T (register tiles of 6 rows x 64 keys against the block's keys transposed), the online softmax in base 2
 // (log2(e) and the scale folded into Q), and O = alpha O + P V (tiles of 6 rows x 64 value channels); the keys are
 // transposed once per call. Items, largest first, are taken by torch's intra-op threads from a shared counter
-// (a causal item's cost grows with its position). Arithmetic is float32 throughout.
+// (a causal item's cost grows with its position). A full block of few query rows against many keys (a short suffix
+// after a cached prefix) has each item's keys cut into pieces so that every thread has work, the pieces' partial
+// sums merged at the end (split-KV). Arithmetic is float32 throughout.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -37,6 +40,9 @@ using cpinfer_vec::v16;
 constexpr int64_t kKeys = 64;     // keys per block (four vectors)
 constexpr int64_t kTile = 6;      // query rows per register tile
 constexpr int64_t kRows = 96;     // rows (positions x G) per work item, about
+constexpr int64_t kItemsPerThread = 8;  // a full block with fewer items than this per thread has its keys split
+constexpr int64_t kMinPieceBlocks = 4;  // key blocks per piece at least (256 keys)
+constexpr int64_t kMaxPieces = 16;
 constexpr float kLog2e = 1.4426950408889634f;
 
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -203,9 +209,18 @@ struct Scratch {  // one thread's buffers for an item
   std::vector<float> q, s, o, m, l, alpha;
 };
 
-// One item: KV head kh, query positions [p0, p1), against the keys transposed kt [blocks][D][64].
+struct Dest {  // where an item's rows go: normalised into out / lse, or (split keys) unnormalised into a piece's sums
+  float* out;    // [Lq, H, Dv]
+  float* lse;    // [Lq, H]
+  float* acc;    // a piece's [Lq, H, Dv], m and l [Lq, H] (base 2); null: no split
+  float* m;
+  float* l;
+};
+
+// One item: KV head kh, query positions [p0, p1), against keys [j_lo, j_hi) (j_lo a multiple of 64; a causal row
+// sees no key past its position) of the keys transposed kt [Hkv][blocks][D][64].
 void attend_item(const Shapes& sh, const float* qp, const float* ktp, const float* vp, int64_t kh, int64_t p0,
-                 int64_t p1, float* outp, float* lsep, Scratch& w) {
+                 int64_t p1, int64_t j_lo, int64_t j_hi, const Dest& dest, Scratch& w) {
   const int64_t g = sh.g, d = sh.d, dv = sh.dv, rows = (p1 - p0) * g;
   const float qscale = sh.scale * kLog2e;  // scores in base 2
   for (int64_t p = p0; p < p1; ++p)
@@ -217,10 +232,10 @@ void attend_item(const Shapes& sh, const float* qp, const float* ktp, const floa
   std::fill(w.o.begin(), w.o.begin() + rows * dv, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-  const int64_t kend = sh.causal ? std::min(sh.lk, p1) : sh.lk;  // keys any row of the item sees
+  const int64_t kend = sh.causal ? std::min(j_hi, p1) : j_hi;  // keys any row of the item sees
   const float* vhead = vp + kh * sh.v_head;
   const Rows state{w.m.data(), w.l.data(), w.alpha.data()};
-  for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
+  for (int64_t j0 = j_lo; j0 < kend; j0 += kKeys) {
     const int64_t n = std::min(kKeys, kend - j0);
     const float* kt = ktp + ((kh * ((sh.lk + kKeys - 1) / kKeys)) + j0 / kKeys) * d * kKeys;
     const Block blk{j0, n, p0, g, sh.causal, n < kKeys || (sh.causal && j0 + kKeys - 1 > p0)};
@@ -231,19 +246,55 @@ void attend_item(const Shapes& sh, const float* qp, const float* ktp, const floa
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t p = p0 + r / g, hd = kh * g + r % g;
-    float* o = outp + (p * sh.h + hd) * dv;
+    const int64_t at = (p0 + r / g) * sh.h + kh * g + r % g;  // (position, head)
+    const float* a = w.o.data() + r * dv;
     const float l = w.l[r];
-    if (l == 0.0f) {  // no key at all (a causal row past the keys)
+    if (dest.acc != nullptr) {
+      std::copy(a, a + dv, dest.acc + at * dv);
+      dest.m[at] = w.m[r];
+      dest.l[at] = l;
+      continue;
+    }
+    float* o = dest.out + at * dv;
+    if (l == 0.0f) {  // no key at all
       std::fill(o, o + dv, 0.0f);
-      lsep[p * sh.h + hd] = -std::numeric_limits<float>::infinity();
+      dest.lse[at] = -std::numeric_limits<float>::infinity();
       continue;
     }
     const float inv = 1.0f / l;
-    const float* a = w.o.data() + r * dv;
     for (int64_t c = 0; c < dv; ++c) o[c] = a[c] * inv;
-    lsep[p * sh.h + hd] = (w.m[r] + std::log2(l)) / kLog2e;
+    dest.lse[at] = (w.m[r] + std::log2(l)) / kLog2e;
   }
+}
+
+// The pieces' sums of each (position, head) merged and normalised into out / lse.
+void merge_pieces(const Shapes& sh, int64_t pieces, const std::vector<float>& acc, const std::vector<float>& ms,
+                  const std::vector<float>& ls, float* outp, float* lsep) {
+  const int64_t n = sh.lq * sh.h, dv = sh.dv;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t at = begin; at < end; ++at) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < pieces; ++p)
+        if (ls[p * n + at] > 0.0f) mx = std::max(mx, ms[p * n + at]);
+      float* o = outp + at * dv;
+      std::fill(o, o + dv, 0.0f);
+      float total = 0.0f;
+      for (int64_t p = 0; p < pieces; ++p) {
+        if (ls[p * n + at] == 0.0f) continue;
+        const float wgt = std::exp2(ms[p * n + at] - mx);
+        total += ls[p * n + at] * wgt;
+        const float* a = acc.data() + (p * n + at) * dv;
+        for (int64_t c = 0; c < dv; ++c) o[c] += a[c] * wgt;
+      }
+      if (total == 0.0f) {
+        lsep[at] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      const float inv = 1.0f / total;
+      for (int64_t c = 0; c < dv; ++c) o[c] *= inv;
+      lsep[at] = (mx + std::log2(total)) / kLog2e;
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -271,31 +322,44 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* outp = out.data_ptr<float>();
-  float* lsep = lse.data_ptr<float>();
   // the keys transposed, per KV head and block of 64: kt [Hkv][blocks][D][64], zeros past Lk
   const int64_t blocks = (sh.lk + kKeys - 1) / kKeys;
-  std::vector<float> kt(sh.hkv * blocks * sh.d * kKeys);
+  std::unique_ptr<float[]> kt_buf(new float[sh.hkv * blocks * sh.d * kKeys]);  // (not zeroed: every block written)
+  float* const kt = kt_buf.get();
   at::parallel_for(0, sh.hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t hb = begin; hb < end; ++hb) {
       const int64_t kh = hb / blocks, j0 = (hb % blocks) * kKeys, n = std::min(kKeys, sh.lk - j0);
-      float* dst = kt.data() + hb * sh.d * kKeys;
+      float* dst = kt + hb * sh.d * kKeys;
       if (n < kKeys) std::fill(dst, dst + sh.d * kKeys, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* src = kp + (j0 + j) * sh.k_row + kh * sh.k_head;
-        for (int64_t c = 0; c < sh.d; ++c) dst[c * kKeys + j] = src[c];
+      const float* src = kp + j0 * sh.k_row + kh * sh.k_head;
+      const int64_t k_row = sh.k_row;
+      for (int64_t c = 0; c < sh.d; ++c) {  // each row of the destination written in order
+        float* __restrict__ dc = dst + c * kKeys;
+        for (int64_t j = 0; j < n; ++j) dc[j] = src[j * k_row + c];
       }
     }
   });
-  // items (KV head, position block), the most keys first
-  const int64_t pblocks = (sh.lq + sh.positions - 1) / sh.positions;
-  std::vector<int64_t> order(sh.hkv * pblocks);
+  // items (KV head, position block, piece of the keys): a full block with too few items for the threads to share
+  // evenly (a short suffix against a long prefix) has its keys cut into pieces of at least kMinPieceBlocks blocks
+  const int64_t pblocks = (sh.lq + sh.positions - 1) / sh.positions, threads = at::get_num_threads();
+  int64_t pieces = 1;
+  if (!causal && sh.hkv * pblocks < kItemsPerThread * threads)
+    pieces = std::clamp<int64_t>(std::min((kItemsPerThread * threads + sh.hkv * pblocks - 1) / (sh.hkv * pblocks),
+                                          blocks / kMinPieceBlocks), 1, kMaxPieces);
+  std::vector<int64_t> order(sh.hkv * pblocks * pieces);  // item = (kh * pblocks + pb) * pieces + piece
   std::iota(order.begin(), order.end(), 0);
-  if (causal)
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return a % pblocks > b % pblocks; });
+  if (causal)  // the most keys first
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return a / pieces % pblocks > b / pieces % pblocks;
+    });
+  std::vector<float> acc, ms, ls;  // the pieces' sums [pieces][Lq, H](, Dv)
+  if (pieces > 1) {
+    acc.resize(pieces * sh.lq * sh.h * sh.dv);
+    ms.resize(pieces * sh.lq * sh.h);
+    ls.resize(pieces * sh.lq * sh.h);
+  }
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(order.size()));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, std::min<int64_t>(threads, static_cast<int64_t>(order.size())), 1, [&](int64_t begin,
+                                                                                              int64_t end) {
     Scratch w;
     const int64_t rows = sh.positions * sh.g;
     w.q.resize(rows * sh.d);
@@ -306,12 +370,17 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
     w.alpha.resize(rows);
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(order.size()); i = next.fetch_add(1)) {
-        const int64_t kh = order[i] / pblocks, pb = order[i] % pblocks;
+        const int64_t piece = order[i] % pieces, kh = order[i] / pieces / pblocks, pb = order[i] / pieces % pblocks;
         const int64_t p0 = pb * sh.positions, p1 = std::min(sh.lq, p0 + sh.positions);
-        attend_item(sh, qp, kt.data(), vp, kh, p0, p1, outp, lsep, w);
+        const int64_t j_lo = blocks * piece / pieces * kKeys, j_hi = std::min(sh.lk, blocks * (piece + 1) / pieces * kKeys);
+        const int64_t at = piece * sh.lq * sh.h;
+        const Dest dest = pieces == 1 ? Dest{out.data_ptr<float>(), lse.data_ptr<float>(), nullptr, nullptr, nullptr}
+                                      : Dest{nullptr, nullptr, acc.data() + at * sh.dv, ms.data() + at, ls.data() + at};
+        attend_item(sh, qp, kt, vp, kh, p0, p1, j_lo, j_hi, dest, w);
       }
     }
   });
+  if (pieces > 1) merge_pieces(sh, pieces, acc, ms, ls, out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }
 
