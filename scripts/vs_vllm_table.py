@@ -68,7 +68,8 @@ def table(out: Path, args) -> str:
     quick = " --quick" if args.quick else ""
     half = max(1, args.threads // 2)
     head = (f"`bash scripts/vs_vllm.sh --threads {args.threads}{quick}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-            f"): the servers in turn on 127.0.0.1, the embedded SmolLM2-135M-Instruct folder in float32 on "
+            f"): the servers all up on 127.0.0.1 (an idle one uses no CPU), each row run on each in turn, cpinfer "
+            f"and vLLM swapping places from row to row; the embedded SmolLM2-135M-Instruct folder in float32 on "
             f"{args.threads} threads (cpinfer: `serve --cp 1 --threads-per-rank {args.threads} --dtype float32`; "
             f"cpinfer CP2: `serve --cp 2 --placement shard --threads-per-rank {half}`, every request spread over "
             f"both ranks; vLLM CPU {args.vllm_version}: `vllm serve --dtype float32`, VLLM_CPU_OMP_THREADS_BIND over "

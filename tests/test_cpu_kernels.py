@@ -8,6 +8,7 @@ element-wise form; and MKL's packed small-batch GEMM
 the weight changes in place, `F.linear` itself outside its rows or past its memory budget."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -213,6 +214,21 @@ def test_cpu_flash_backend_runs_the_prefill_kernel_and_aten_where_it_does_not_ap
     o8, _ = kernels.cpu_flash_backend(q, k, v[..., :8], True, None, 0.2)
     assert calls == [(90, 6, 32)] * 2 and o8.shape == (90, 6, 8)
     torch.testing.assert_close(o8.double(), _flash_reference(q, k, v[..., :8], True, 0.2)[0], atol=2e-6, rtol=1e-5)
+
+
+def test_bench_cpu_attention_times_both_kernels_on_the_blocks_given(capsys):
+    """`cpinfer bench cpu-attention` on two small blocks: a row per block with both kernels' times and results that
+    agree within float32 rounding."""
+    if flash_attention_op() is None:
+        return
+    from cpinfer.cli import main
+
+    assert main(["bench", "cpu-attention", "--blocks", "64x64x4x2x16c", "10x300x2x1x32", "--repeat", "2",
+                 "--threads", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["block"] for r in res["rows"]] == ["64x64x4x2x16c", "10x300x2x1x32"] and res["threads"] == 1
+    for r in res["rows"]:
+        assert r["aten_ms"] > 0 and r["cpinfer_ms"] > 0 and r["max_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("length,heads,d,rot", [(1, 9, 64, 64), (5, 3, 64, 64), (700, 9, 128, 128), (33, 4, 64, 32)])

@@ -69,20 +69,29 @@ _OWN: dict = {}
 def cpu_flash_backend(q, k, v, causal, mask, scale):
     """CPU kernel. float32 FULL and CAUSAL blocks of more than a few query rows (prefill) run cpinfer's own flash
     kernel (`cpu_prefill.cpp`: a KV head's query heads share each key block; any Dv that is a multiple of 16) when
-    it is compiled; else aten's flash attention for CPU, GQA as a batch of G groups over stride-0 expanded K/V. A
-    fully visible block of a few queries (decode) takes `_few_queries_full`. aten's kernel takes one head size for
-    q, k and v: a value head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact) and returns
-    out [Lq, H, Dv]."""
-    few = mask is None and not causal and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS
-    if (mask is None and not few and q.dtype == k.dtype == v.dtype == torch.float32 and v.shape[-1] % 16 == 0
-            and q.device.type == "cpu" and _own_flash() is not None):
+    it is compiled; the rest `aten_flash_backend`."""
+    if (mask is None and not _few_queries(q, k, causal) and q.dtype == k.dtype == v.dtype == torch.float32
+            and v.shape[-1] % 16 == 0 and q.device.type == "cpu" and _own_flash() is not None):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return _own_flash()(q, k, v, causal, scale)
+    return aten_flash_backend(q, k, v, causal, mask, scale)
+
+
+def _few_queries(q, k, causal: bool) -> bool:
+    """A fully visible block of at most `_FEW_Q_MAX_ROWS` query rows x heads per KV head (decode)."""
+    return not causal and q.shape[0] * (q.shape[1] // k.shape[1]) <= _FEW_Q_MAX_ROWS
+
+
+def aten_flash_backend(q, k, v, causal, mask, scale):
+    """aten's flash attention for CPU; GQA as a batch of G groups over stride-0 expanded K/V. A fully visible block
+    of a few queries (decode) takes `_few_queries_full`. aten's kernel takes one head size for q, k and v: a value
+    head size Dv != Dk runs padded (`kv_pack.same_head_size`, exact; the padded call through `cpu_flash_backend`)
+    and returns out [Lq, H, Dv]."""
     if v.shape[-1] != k.shape[-1]:
         dv = v.shape[-1]
         out, lse = cpu_flash_backend(*same_head_size(q, k, v), causal, mask, scale)
         return out[..., :dv], lse
-    if few:
+    if mask is None and _few_queries(q, k, causal):
         return _few_queries_full(q, k, v, scale)
     lq, h, d = q.shape
     hkv = k.shape[1]
@@ -141,4 +150,4 @@ def register_backend(name: str, fn: AttentionBackend) -> None:
     KERNELS[name] = fn
 
 
-__all__ = ["cpu_flash_backend", "sdpa_math_backend", "kernel_by_name", "register_backend", "KERNELS"]
+__all__ = ["cpu_flash_backend", "aten_flash_backend", "sdpa_math_backend", "kernel_by_name", "register_backend", "KERNELS"]

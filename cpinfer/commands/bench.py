@@ -8,7 +8,7 @@ import importlib
 
 BENCHES = ["attention", "prefill", "decode", "decode-overhead", "shared-prefix", "chunked-prefill", "partial",
            "heuristic-quality", "cp-vs-tp", "serve", "gpu", "structured-output", "placement", "kv-tiers", "mla",
-           "kv-fp8", "fp8-gemm", "detokenize", "pd", "spec", "sparse", "burst", "agent"]
+           "kv-fp8", "fp8-gemm", "detokenize", "pd", "spec", "sparse", "burst", "agent", "cpu-attention"]
 
 
 def _load(name: str):
