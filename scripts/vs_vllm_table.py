@@ -57,6 +57,22 @@ def _speed(a, b) -> str:
     return f"{(a[0] / b[0]) if a[2] else (b[0] / a[0]):.2f}x"
 
 
+def agreement(out: Path, server: str) -> str:
+    """How many of `server`'s greedy completions equal vLLM's, per run (the texts of `vllm bench serve
+    --save-detailed`); a completion that differs only in a trailing U+FFFD (a last token that is an incomplete UTF-8
+    sequence: cpinfer streams the replacement character, vLLM leaves it out) is counted apart."""
+    parts = []
+    for run in ("long", "c4", "c16", "b1"):
+        a, b = _load(out, server, run), _load(out, "vllm", run)
+        ours, theirs = (a or {}).get("generated_texts"), (b or {}).get("generated_texts")
+        if not ours or not theirs or len(ours) != len(theirs):
+            continue
+        same = sum(x == y for x, y in zip(ours, theirs))
+        near = sum(x != y and x.rstrip("\ufffd") == y.rstrip("\ufffd") for x, y in zip(ours, theirs))
+        parts.append(f"{run} {same}/{len(ours)}" + (f" (+{near} but a trailing U+FFFD)" if near else ""))
+    return ", ".join(parts) or "no texts to compare"
+
+
 def table(out: Path, args) -> str:
     ours, cp2, theirs = rows(out, "cpinfer"), rows(out, "cpinfer-cp2"), rows(out, "vllm")
     lines = ["| workload | cpinfer | vLLM CPU | cpinfer / vLLM speed | cpinfer CP2 (shard) | CP2 / vLLM speed |",
@@ -77,7 +93,9 @@ def table(out: Path, args) -> str:
             f"temperature 0, ignore_eos, random prompts of seed 51; long prompts {lens} tokens). Load average "
             f"{args.load_before} before, {args.load_after} after: under load every number is indicative "
             "(a quiet machine is the one to judge the targets on).")
-    return head + "\n\n" + "\n".join(lines)
+    same = (f"Greedy completions equal to vLLM's: cpinfer {agreement(out, 'cpinfer')}; cpinfer CP2 "
+            f"{agreement(out, 'cpinfer-cp2')}.")
+    return head + "\n\n" + "\n".join(lines) + "\n\n" + same
 
 
 def main() -> None:
