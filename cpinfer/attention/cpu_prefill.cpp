@@ -6,7 +6,7 @@
 // q [Lq, H, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv]  float32 (rows and heads may be strided; channels contiguous),
 //                                               Dv a multiple of 16
 // -> out [Lq, H, Dv] softmax(scale q k^T) v, lse [Lq, H] its log-sum-exp (natural log); query head h reads KV head
-//    h / (H / Hkv). A causal query row without keys (Lq > Lk) gets out 0 and lse -inf.
+//    h / (H / Hkv). Without keys (Lk = 0) a row gets out 0 and lse -inf.
 //
 // Work items are (KV head, block of query positions): the rows of an item are its positions x the KV head's G query
 // heads, so each key block is read once for all of them. Per block of 64 keys the item computes the scores
@@ -22,10 +22,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <tuple>
 #include <vector>
@@ -48,7 +48,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 // 2^x for x <= 0 (masked lanes: -inf or below -126 give 0): x = n + f, f in [-1/2, 1/2], 2^f by its Taylor series
-// to degree 7 (relative error under 2e-8), n added to the exponent.
+// to degree 7 (truncation error under 1e-8, below float32's rounding), n added to the exponent.
 inline v16 exp2v(v16 x) {
   const v16 lo = x < -126.0f ? v16{} + 1.0f : v16{};  // lanes that underflow
   x = x < -126.0f ? v16{} - 126.0f : x;
@@ -241,6 +241,7 @@ void attend_item(const Shapes& sh, const float* qp, const float* ktp, const floa
     const Block blk{j0, n, p0, g, sh.causal, n < kKeys || (sh.causal && j0 + kKeys - 1 > p0)};
     for (int64_t r0 = 0; r0 < rows; r0 += kTile) {  // a tile's scores and its values while the block is in L1
       const int rt = static_cast<int>(std::min(kTile, rows - r0));
+      if (sh.causal && p0 + (r0 + rt - 1) / g < j0) continue;  // the tile's rows see no key of this block
       scores<kTile>(w.q.data() + r0 * d, d, kt, w.s.data(), r0, blk, state, rt);
       values<kTile>(w.s.data(), w.alpha.data() + r0, vhead + j0 * sh.v_row, sh.v_row, n, w.o.data() + r0 * dv, dv, rt);
     }
