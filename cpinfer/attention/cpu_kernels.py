@@ -7,8 +7,8 @@ kernels' vector type.
 aten has no attention over many short sequences whose keys sit in runs of a shared store: the decode path would
 call its flash kernel once per sequence and slot run (hundreds of calls a step, each with too few (row, head)
 problems to keep the threads busy). Its CPU flash kernel for prefill runs each query head alone (a GQA model's keys
-read once per query head) and its softmax at a fraction of the GEMMs' rate (~190 GFLOP/s at a 3K causal block on two
-cores here, against ~270 for ours). No library on PyPI provides either for this torch on the CPU, so the kernels are
+read once per query head) and its softmax at a fraction of the GEMMs' rate (`cpinfer bench cpu-attention`: 113-189
+GFLOP/s on the engine's blocks on two cores here, against 201-239 for ours). No library on PyPI provides either for this torch on the CPU, so the kernels are
 compiled here, once per machine, with the C++ compiler that builds torch extensions (`$CXX`, else `c++`), against the
 installed torch's headers, for this CPU (`-march=native`), and cached under `$CPINFER_KERNEL_CACHE` (default
 `~/.cache/cpinfer/kernels`), keyed by the sources, torch's version, the compiler and the CPU's flags. A file lock
