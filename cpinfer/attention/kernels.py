@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from cpinfer.attention.cpu_kernels import flash_attention_op
 from cpinfer.attention.items import AttentionBackend
 from cpinfer.attention.kv_pack import same_head_size
 
@@ -54,26 +55,17 @@ def _split_keys(qr, k, v, pieces: int, scale: float):
     return (out * torch.exp(lse - total).unsqueeze(-1)).sum(0, keepdim=True).to(qr.dtype), total
 
 
-def _own_flash():
-    """cpinfer's CPU flash kernel (`cpu_prefill.cpp`), or None without a compiled library (aten's then)."""
-    if "op" not in _OWN:
-        from cpinfer.attention.cpu_kernels import flash_attention_op
-
-        _OWN["op"] = flash_attention_op()
-    return _OWN["op"]
-
-
-_OWN: dict = {}
-
-
 def cpu_flash_backend(q, k, v, causal, mask, scale):
     """CPU kernel. float32 FULL and CAUSAL blocks of more than a few query rows (prefill) run cpinfer's own flash
     kernel (`cpu_prefill.cpp`: a KV head's query heads share each key block; any Dv that is a multiple of 16) when
     it is compiled; the rest `aten_flash_backend`."""
+    own = None
     if (mask is None and not _few_queries(q, k, causal) and q.dtype == k.dtype == v.dtype == torch.float32
-            and v.shape[-1] % 16 == 0 and q.device.type == "cpu" and _own_flash() is not None):
+            and v.shape[-1] % 16 == 0 and q.device.type == "cpu"):
+        own = flash_attention_op()  # None without a compiled library
+    if own is not None:
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        return _own_flash()(q, k, v, causal, scale)
+        return own(q, k, v, causal, scale)
     return aten_flash_backend(q, k, v, causal, mask, scale)
 
 

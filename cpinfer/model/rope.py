@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from cpinfer.attention.cpu_kernels import rope_op
 from cpinfer.model.config_parts import RopeConfig
 
 
@@ -118,18 +119,6 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, scale: float = 1.0) -> tup
     return freqs.cos() * scale, freqs.sin() * scale
 
 
-def _cpu_rope():
-    """cpinfer's compiled CPU RoPE (`attention/cpu_kernels.py`), or None without a compiled library."""
-    if "op" not in _CPU_ROPE:
-        from cpinfer.attention.cpu_kernels import rope_op
-
-        _CPU_ROPE["op"] = rope_op()
-    return _CPU_ROPE["op"]
-
-
-_CPU_ROPE: dict = {}
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [L, H, D] by per-token angles (cos, sin [L, D/2]); math in fp32, result in x.dtype.
 
@@ -141,7 +130,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     if (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3
             and cos.dim() == 2):
-        op = _cpu_rope()
+        op = rope_op()  # None without a compiled library
         if op is not None:  # the same products and sums in one pass (bit-identical to the ops below)
             return op(x if x.stride(-1) == 1 else x.contiguous(), cos, sin)
     half = x.shape[-1] // 2
