@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpinfer.attention import kernels
-from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op, rope_op
-from cpinfer.model import rope
+from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op, rms_norm_op, rope_op
+from cpinfer.model import norms, rope
 from cpinfer.model import cpu_gemm
 from cpinfer.model.cpu_gemm import PackedWeight, pack_linear
 
@@ -261,6 +261,41 @@ def test_rope_kernel_rejects_what_it_does_not_take():
     with pytest.raises(RuntimeError, match="shapes"):
         op(x, c[:, :3], c[:, :3])
     assert torch.equal(op(x, c, c), rope.apply_rope(x, c, c))
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (300, 576), (5, 3, 128), (2, 1, 40), (33, 200)])
+def test_rms_norm_kernel_matches_float64_and_a_row_alone(monkeypatch, shape):
+    """`RMSNorm` through the compiled op: within float32 rounding of a float64 reference and of torch's rms_norm (the
+    op switched off), on strided rows (a view of a fused projection); each row's bits the same alone as among many."""
+    if rms_norm_op() is None:
+        assert shutil.which(os.environ.get("CXX") or "c++") is None
+        return
+    gen = torch.Generator().manual_seed(sum(shape))
+    c = shape[-1]
+    wide = torch.randn(shape[0], (shape[1] if len(shape) == 3 else 1) * c + 24, generator=gen) * 3
+    x = wide[:, 24:].view(*shape)  # rows strided, channels contiguous (C % 16 may be anything)
+    norm = norms.RMSNorm(c, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(c, generator=gen))
+    ours = norm(x)
+    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double())
+    torch.testing.assert_close(ours, ref.float(), rtol=2e-6, atol=2e-6)
+    assert torch.equal(norm(x[-1:]), ours[-1:])  # a row's bits do not depend on its company
+    monkeypatch.setattr(norms, "rms_norm_op", lambda: None)
+    torch.testing.assert_close(ours, norm(x))  # torch's rms_norm: the same values within float32 rounding
+
+
+def test_rms_norm_kernel_rejects_what_it_does_not_take():
+    op = rms_norm_op()
+    if op is None:
+        return
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.double(), w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match="channels"):
+        op(x, w[:5], 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(x.t(), torch.randn(4), 1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 24, 32, 33, 100])

@@ -14,7 +14,7 @@
 // the blocks). Items are shared among torch's intra-op threads (at::parallel_for: the same OpenMP team as every
 // other op). With fewer rows than twice the threads each row's keys are cut into pieces (split-KV, pieces of at
 // least kMinPiece keys) so that every thread has work, and the pieces' partial softmax sums merged at the end.
-// Arithmetic is float32 throughout.
+// Arithmetic is float32 throughout; the softmax in base 2 (scores times log2(e): a vector exp2, cpu_vec.h).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -29,9 +29,14 @@
 
 namespace {
 
-using cpinfer_vec::hsum;
+using cpinfer_vec::exp2v;
+using cpinfer_vec::kLog2e;
 using cpinfer_vec::load16;
+using cpinfer_vec::sum4;
+using cpinfer_vec::tree_max;
+using cpinfer_vec::tree_sum;
 using cpinfer_vec::v16;
+using cpinfer_vec::vmax;
 
 constexpr int64_t kBlock = 64;       // keys scored per pass of the online softmax
 constexpr int64_t kMinPiece = 256;   // keys per split-KV piece at least
@@ -45,10 +50,10 @@ struct Partial {  // an item's unnormalised result: acc [H, Dv], running max m [
 
 // Scores of the G query heads at q against n key rows at k (k_row floats apart) into s[i * kBlock + j]. With a head
 // size that is a multiple of 16 known at compile time and G <= 4, four keys at a time with one vector accumulator
-// per (head, key): independent chains instead of one dot product (and its horizontal sum) after another.
+// per (head, key): independent chains instead of one dot product after another, their sums four at a time (sum4).
 template <int64_t D>
 void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* __restrict__ k, int64_t k_row,
-            int64_t n, float scale, float* __restrict__ s) {
+            int64_t n, int64_t ahead, float scale, float* __restrict__ s) {
   int64_t j = 0;
   if constexpr (D > 0 && D % 16 == 0) {
     if (g <= 4) {
@@ -57,6 +62,8 @@ void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* _
         for (int64_t c = 0; c < D; c += 16) {
           const v16 k0 = load16(k + j * k_row + c), k1 = load16(k + (j + 1) * k_row + c);
           const v16 k2 = load16(k + (j + 2) * k_row + c), k3 = load16(k + (j + 3) * k_row + c);
+          for (int64_t u = 0; u < 4; ++u)  // the same channels of the next block's rows, into the cache meanwhile
+            if (j + u < ahead) __builtin_prefetch(k + (n + j + u) * k_row + c);
           for (int64_t i = 0; i < g; ++i) {
             const v16 qv = load16(q + i * D + c);
             acc[i][0] += qv * k0;
@@ -65,8 +72,10 @@ void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* _
             acc[i][3] += qv * k3;
           }
         }
-        for (int64_t i = 0; i < g; ++i)
-          for (int64_t u = 0; u < 4; ++u) s[i * kBlock + j + u] = hsum(acc[i][u]) * scale;
+        for (int64_t i = 0; i < g; ++i) {
+          const v16 t = sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+          for (int64_t u = 0; u < 4; ++u) s[i * kBlock + j + u] = t[4 * u] * scale;
+        }
       }
     }
   }
@@ -88,7 +97,7 @@ void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* _
 // registers over the block (the block's rows, read again per head, are in the L1 cache).
 template <int64_t DV>
 void accumulate(const float* __restrict__ s, int64_t g, int64_t dv_rt, const float* __restrict__ v, int64_t v_row,
-                int64_t n, float* __restrict__ acc) {
+                int64_t n, int64_t ahead, float* __restrict__ acc) {
   if constexpr (DV > 0 && DV % 16 == 0 && DV <= 128) {
     constexpr int64_t C = DV / 16;
     for (int64_t i = 0; i < g; ++i) {
@@ -96,6 +105,8 @@ void accumulate(const float* __restrict__ s, int64_t g, int64_t dv_rt, const flo
       for (int64_t c = 0; c < C; ++c) a[c] = load16(acc + i * DV + 16 * c);
       const float* __restrict__ si = s + i * kBlock;
       for (int64_t j = 0; j < n; ++j) {
+        if (i == 0 && j < ahead)  // the next block's value row, into the cache meanwhile
+          for (int64_t c = 0; c < C; ++c) __builtin_prefetch(v + (n + j) * v_row + 16 * c);
         const float p = si[j];
         for (int64_t c = 0; c < C; ++c) a[c] += p * load16(v + j * v_row + 16 * c);
       }
@@ -139,36 +150,35 @@ void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, i
     base += len;
     for (int64_t j0 = a + from; j0 < a + to; j0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, a + to - j0);
-      const int64_t ahead = std::min<int64_t>(kBlock, std::max<int64_t>(a + to - j0 - n, 0));
-      for (int64_t j = j0 + n; j < j0 + n + ahead; ++j) {  // the next block's rows, while this one computes
-        for (int64_t c = 0; c < hkv * k_head; c += 16) __builtin_prefetch(k + j * k_row + c);
-        for (int64_t c = 0; c < hkv * v_head; c += 16) __builtin_prefetch(v + j * v_row + c);
-      }
+      const int64_t ahead = std::min<int64_t>(kBlock, std::max<int64_t>(a + to - j0 - n, 0));  // next block's rows
       for (int64_t kh = 0; kh < hkv; ++kh)
       for (int64_t g0 = 0; g0 < g; g0 += kMaxG) {  // a KV head's query heads, kMaxG at a time
         const int64_t gg = std::min<int64_t>(kMaxG, g - g0), h0 = kh * g + g0;
         float* __restrict__ mh = m + h0;
         float* __restrict__ lh = l + h0;
         float* __restrict__ ah = acc + h0 * dv;
-        scores<D>(q + h0 * d, gg, d, k + j0 * k_row + kh * k_head, k_row, n, scale, s);
-        for (int64_t i = 0; i < gg; ++i) {
+        scores<D>(q + h0 * d, gg, d, k + j0 * k_row + kh * k_head, k_row, n, g0 == 0 ? ahead : 0, scale, s);
+        for (int64_t i = 0; i < gg; ++i) {  // base 2 (log2(e) is in the scale): vector exp2 and tree reductions
           float* __restrict__ si = s + i * kBlock;
-          float mx = mh[i];
-          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, si[j]);
-          const float alpha = std::exp(mh[i] - mx);  // rescales what was summed before this block (0 at first)
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            si[j] = std::exp(si[j] - mx);
-            sum += si[j];
-          }
-          lh[i] = lh[i] * alpha + sum;
+          for (int64_t j = n; j < kBlock; ++j) si[j] = -std::numeric_limits<float>::infinity();  // 2^-inf = 0
+          v16 x0 = load16(si), x1 = load16(si + 16), x2 = load16(si + 32), x3 = load16(si + 48);
+          const float mx = std::max(mh[i], tree_max(vmax(vmax(x0, x1), vmax(x2, x3))));
+          const float alpha = std::exp2(mh[i] - mx);  // rescales what was summed before this block (0 at first)
+          x0 = exp2v(x0 - mx);
+          x1 = exp2v(x1 - mx);
+          x2 = exp2v(x2 - mx);
+          x3 = exp2v(x3 - mx);
+          std::memcpy(si, &x0, sizeof(v16));
+          std::memcpy(si + 16, &x1, sizeof(v16));
+          std::memcpy(si + 32, &x2, sizeof(v16));
+          std::memcpy(si + 48, &x3, sizeof(v16));
+          lh[i] = lh[i] * alpha + tree_sum((x0 + x1) + (x2 + x3));
           mh[i] = mx;
           float* __restrict__ ai = ah + i * dv;
 #pragma omp simd
           for (int64_t c = 0; c < dv; ++c) ai[c] *= alpha;
         }
-        accumulate<DV>(s, gg, dv, v + j0 * v_row + kh * v_head, v_row, n, ah);
+        accumulate<DV>(s, gg, dv, v + j0 * v_row + kh * v_head, v_row, n, g0 == 0 ? ahead : 0, ah);
       }
     }
   }
@@ -207,7 +217,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* fp = first.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t k_row = k.stride(0), k_head = k.stride(1), v_row = v.stride(0), v_head = v.stride(1);
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale) * kLog2e;  // scores in base 2
   std::vector<int64_t> keys(nq);  // keys per row
   int64_t longest = 0;
   for (int64_t n = 0; n < nq; ++n) {
@@ -248,7 +258,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         for (int64_t p = 0; p < pieces; ++p) {
           const int64_t at = (n * pieces + p) * h + i;
           if (ls[at] == 0.0f) continue;
-          const float w = std::exp(ms[at] - mx);  // 1 for a row's only piece: its sums as they are
+          const float w = std::exp2(ms[at] - mx);  // 1 for a row's only piece: its sums as they are
           total += ls[at] * w;
           const float* a = acc.data() + at * dv;
           for (int64_t c = 0; c < dv; ++c) o[c] += a[c] * w;

@@ -1,8 +1,9 @@
 """CPU kernels of our own, compiled on first use into one library: a batched decode attention reading the paged KV
 store in place (`cpu_decode.cpp`, the op `torch.ops.cpinfer.decode_attention`) and a flash attention for prefill
-blocks (`cpu_prefill.cpp`, `torch.ops.cpinfer.flash_attention`); and RoPE in one pass (`cpu_rope.cpp`,
-`torch.ops.cpinfer.rope`: the six element-wise ops it replaces, rounded alike); `cpu_vec.h` is the attention
-kernels' vector type.
+blocks (`cpu_prefill.cpp`, `torch.ops.cpinfer.flash_attention`); RoPE in one pass (`cpu_rope.cpp`,
+`torch.ops.cpinfer.rope`: the six element-wise ops it replaces, rounded alike) and RMSNorm in one pass a row
+(`cpu_rmsnorm.cpp`, `torch.ops.cpinfer.rms_norm`: 3-5x torch's on the engine's rows, its sum in another order);
+`cpu_vec.h` is the kernels' vector type and its reductions.
 
 aten has no attention over many short sequences whose keys sit in runs of a shared store: the decode path would
 call its flash kernel once per sequence and slot run (hundreds of calls a step, each with too few (row, head)
@@ -35,7 +36,8 @@ import torch
 
 log = logging.getLogger("cpinfer")
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_prefill.cpp", _HERE / "cpu_rope.cpp")  # one library
+_SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_prefill.cpp", _HERE / "cpu_rope.cpp",
+            _HERE / "cpu_rmsnorm.cpp")  # one library
 _HEADERS = (_HERE / "cpu_vec.h",)
 # -fopenmp: at::parallel_for's inline OpenMP region (the process's one OpenMP runtime, torch's libgomp);
 # -fno-math-errno lets the compiler vectorise expf
@@ -127,4 +129,9 @@ def rope_op():
     return torch.ops.cpinfer.rope if _loaded() else None
 
 
-__all__ = ["decode_attention_op", "flash_attention_op", "rope_op"]
+def rms_norm_op():
+    """torch.ops.cpinfer.rms_norm (`cpu_rmsnorm.cpp`: float32 RMSNorm in one pass a row), or None."""
+    return torch.ops.cpinfer.rms_norm if _loaded() else None
+
+
+__all__ = ["decode_attention_op", "flash_attention_op", "rms_norm_op", "rope_op"]

@@ -34,8 +34,13 @@
 
 namespace {
 
+using cpinfer_vec::exp2v;
+using cpinfer_vec::kLog2e;
 using cpinfer_vec::load16;
+using cpinfer_vec::tree_max;
+using cpinfer_vec::tree_sum;
 using cpinfer_vec::v16;
+using cpinfer_vec::vmax;
 
 constexpr int64_t kKeys = 64;     // keys per block (four vectors)
 constexpr int64_t kTile = 6;      // query rows per register tile
@@ -43,62 +48,6 @@ constexpr int64_t kRows = 144;    // rows (positions x G) per work item, about (
 constexpr int64_t kItemsPerThread = 8;  // a full block with fewer items than this per thread has its keys split
 constexpr int64_t kMinPieceBlocks = 4;  // key blocks per piece at least (256 keys)
 constexpr int64_t kMaxPieces = 16;
-constexpr float kLog2e = 1.4426950408889634f;
-
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-// 2^x for x <= 0 (masked lanes: -inf or below -126 give 0): x = n + f, f in [-1/2, 1/2], 2^f by its Taylor series
-// to degree 7 (truncation error under 1e-8, below float32's rounding), n added to the exponent.
-inline v16 exp2v(v16 x) {
-  const v16 lo = x < -126.0f ? v16{} + 1.0f : v16{};  // lanes that underflow
-  x = x < -126.0f ? v16{} - 126.0f : x;
-  const v16 magic = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 t = x + magic;
-  const v16 n = t - magic;
-  const v16 f = x - n;
-  v16 p = v16{} + 1.5252733804059841e-05f;  // ln2^7 / 7!
-  p = p * f + 1.5403530393381610e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910071e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
-  i16 bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  i16 tn;
-  std::memcpy(&tn, &t, sizeof(tn));
-  bits += (tn - 0x4B400000) << 23;  // t's low mantissa bits hold n
-  v16 r;
-  std::memcpy(&r, &bits, sizeof(r));
-  return lo > 0.0f ? v16{} : r;
-}
-
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-
-// x's lanes permuted (Clang's builtin, and GCC's own, which GCC had long before it took Clang's in version 12)
-#if defined(__clang__)
-#define CPINFER_PERMUTE(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
-#else
-#define CPINFER_PERMUTE(x, ...) __builtin_shuffle(x, i16{__VA_ARGS__})
-#endif
-
-// A vector's lanes reduced by a tree of shuffles (four steps, not a chain of fifteen).
-inline float tree_max(v16 x) {
-  x = vmax(x, CPINFER_PERMUTE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  x = vmax(x, CPINFER_PERMUTE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  x = vmax(x, CPINFER_PERMUTE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  x = vmax(x, CPINFER_PERMUTE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return x[0];
-}
-
-inline float tree_sum(v16 x) {
-  x += CPINFER_PERMUTE(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += CPINFER_PERMUTE(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += CPINFER_PERMUTE(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += CPINFER_PERMUTE(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return x[0];
-}
 
 struct Block {  // a block of keys, as the rows' softmax needs it
   int64_t j0, n;  // its first key, its keys
