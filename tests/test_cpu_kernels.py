@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpinfer.attention import kernels
-from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op, rms_norm_op, rope_op
-from cpinfer.model import norms, rope
+from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op, rms_norm_op, rope_op, silu_mul_op
+from cpinfer.model import blocks, norms, rope
 from cpinfer.model import cpu_gemm
 from cpinfer.model.cpu_gemm import PackedWeight, pack_linear
 
@@ -296,6 +296,47 @@ def test_rms_norm_kernel_rejects_what_it_does_not_take():
         op(x, w[:5], 1e-6)
     with pytest.raises(RuntimeError, match="contiguous"):
         op(x.t(), torch.randn(4), 1e-6)
+
+
+@pytest.mark.parametrize("rows,inter,fused", [(1, 64, True), (5, 40, False), (300, 1536, True), (17, 24, True)])
+def test_silu_mul_kernel_matches_float64_in_the_mlp(monkeypatch, rows, inter, fused):
+    """The gated MLP through the compiled SiLU(gate) * up (gate / up as column views of the fused GEMM, or two
+    GEMMs; I % 16 anything): within float32 rounding of float64 and of torch's silu and mul (the op switched off)."""
+    if silu_mul_op() is None:
+        assert shutil.which(os.environ.get("CXX") or "c++") is None
+        return
+    torch.manual_seed(rows + inter)
+    mlp = blocks.MLP(48, inter)
+    x = torch.randn(rows, 48) * 3
+    if fused:
+        assert mlp.fuse_projections()
+    calls = []
+    real = silu_mul_op()
+    monkeypatch.setattr(blocks, "silu_mul_op", lambda: lambda g, u: calls.append(g.stride()) or real(g, u))
+    with torch.no_grad():
+        ours = mlp(x)
+        g, u = mlp.gate_proj(x).double(), mlp.up_proj(x).double()
+        ref = F.linear(g * torch.sigmoid(g) * u, mlp.down_proj.weight.double())
+        monkeypatch.setattr(blocks, "silu_mul_op", lambda: None)
+        aten = mlp(x)
+    assert len(calls) == 1 and calls[0][0] == (2 * inter if fused else inter)  # the fused GEMM's views, read in place
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, aten)
+
+
+def test_silu_mul_kernel_rejects_what_it_does_not_take():
+    op = silu_mul_op()
+    if op is None:
+        return
+    g = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(g.double(), g.double())
+    with pytest.raises(RuntimeError, match="one shape"):
+        op(g, g[:, :5])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(g.t(), g.t())
+    big = torch.tensor([[-100.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0]])  # e^-|x| underflows at both ends: no inf
+    torch.testing.assert_close(op(big, torch.ones_like(big)), F.silu(big))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 24, 32, 33, 100])

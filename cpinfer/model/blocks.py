@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cpinfer.attention.cpu_kernels import silu_mul_op
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.fused import FusedLinears
 from cpinfer.model.mla import MLAttention
@@ -71,6 +72,11 @@ class MLP(nn.Module):
             g, u = fused(x)  # [L, intermediate] each, column views of one [L, 2 * intermediate] result
         else:
             g, u = self.gate_proj(x), None  # [L, intermediate]
+        if self.act is F.silu and g.dtype == torch.float32 and g.device.type == "cpu" and g.dim() == 2:
+            op = silu_mul_op()  # float32 on the CPU: one pass, a contiguous result (`cpu_activation.cpp`)
+            u = self.up_proj(x) if u is None else u
+            if op is not None and g.stride(1) == 1 and u.stride(1) == 1:
+                return self.down_proj(op(g, u))
         g = F.silu(g, inplace=True) if self.act is F.silu else self.act(g)  # activated and gated in place
         return self.down_proj(g.mul_(self.up_proj(x) if u is None else u))
 
