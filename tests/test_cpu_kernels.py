@@ -120,18 +120,23 @@ def test_decode_attention_rejects_what_it_does_not_take():
         op(torch.randn(1, 3, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8), runs, first, 1.0)
 
 
-def _flash_reference(q, k, v, causal, scale):
-    """float64 (out [Lq, H, Dv], lse [Lq, H]) of q [Lq, H, D] over k / v [Lk, Hkv, *], top-left causal or full."""
+def _flash_reference(q, k, v, causal, scale, offset=0):
+    """float64 (out [Lq, H, Dv], lse [Lq, H]) of q [Lq, H, D] over k / v [Lk, Hkv, *], full or causal (row i sees keys
+    0..i + offset)."""
     g = q.shape[1] // k.shape[1]
     kk, vv = (t.double().repeat_interleave(g, dim=1) for t in (k, v))
     s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
     if causal:
-        s = s.masked_fill(~torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(), -torch.inf)
+        s = s.masked_fill(~torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(offset), -torch.inf)
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1).T
 
 
 @pytest.mark.parametrize("lq,lk,hkv,g,d,dv,causal", [
     (100, 100, 3, 3, 64, 64, True),     # SmolLM2's heads; rows not a multiple of the tile or the key block
+    (100, 400, 3, 3, 64, 64, 300),      # a chunk after its prefix, in one call (causal offset Lk - Lq)
+    (30, 700, 3, 3, 64, 64, 650),       # a short chunk after a long prefix: causal pieces (split-KV)
+    (1, 300, 1, 8, 128, 128, 299),      # one row (a decode row among prefill chunks)
+    (50, 500, 2, 4, 64, 64, 200),       # keys past the last row's limit: never seen
     (300, 300, 1, 8, 128, 128, True),   # GQA 8, several position blocks and key blocks
     (130, 130, 4, 1, 32, 32, True),     # MHA
     (37, 37, 2, 8, 192, 128, True),     # MLA's expanded head sizes (Dk 192, Dv 128)
@@ -150,8 +155,9 @@ def test_flash_attention_matches_reference(lq, lk, hkv, g, d, dv, causal):
     q = torch.randn(lq, hkv * g, d + 8, generator=gen)[..., 8:]  # strided rows: views of wider tensors
     kv = torch.randn(lk, 2, hkv, max(d, dv) + 16, generator=gen)
     k, v = kv[:, 0, :, :d], kv[:, 1, :, 16:16 + dv]
-    out, lse = op(q, k, v, causal, 0.13)
-    ro, rl = _flash_reference(q, k, v, causal, 0.13)
+    offset = 0 if causal is True or causal is False else causal  # an int: causal with that offset
+    out, lse = op(q, k, v, bool(causal), 0.13, offset)
+    ro, rl = _flash_reference(q, k, v, bool(causal), 0.13, offset)
     assert out.shape == (lq, hkv * g, dv) and lse.shape == (lq, hkv * g) and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ro, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse.double(), rl, atol=2e-6, rtol=1e-5)
@@ -190,6 +196,9 @@ def test_flash_attention_rejects_what_it_does_not_take():
         op(x, x, torch.randn(10, 2, 8), True, 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
         op(torch.randn(10, 2, 32)[..., ::2], x, x, True, 1.0)
+    for causal, offset in ((False, 3), (True, -1)):
+        with pytest.raises(RuntimeError, match="causal_offset"):
+            op(x, x, x, causal, 1.0, offset)
 
 
 def test_cpu_flash_backend_runs_the_prefill_kernel_and_aten_where_it_does_not_apply(monkeypatch):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpinfer.attention.cpu_kernels import decode_attention_op
+from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op
 from cpinfer.attention.local import reference_attention
 from cpinfer.engine.attention import BatchAttention
 from cpinfer.engine.batch import ForwardBatch, SeqInput
@@ -70,3 +70,55 @@ def test_prefill_rows_keep_the_general_path():
     plan = BatchAttention(batch, 0, 1, None, "cpu-flash")
     plan.prepare(None, [None])
     assert plan.direct is None
+
+
+def _causal_reference(q, store_k, store_v, cached: list[np.ndarray], new: list[np.ndarray], scale):
+    """float64 rows of every sequence: query i of a sequence sees its cached slots and its new slots 0..i."""
+    outs = []
+    for c, n in zip(cached, new):
+        for i in range(len(n)):
+            slots = torch.from_numpy(np.concatenate((c, n[:i + 1])))
+            outs.append(_reference(q[len(outs):len(outs) + 1], store_k, store_v, slots, scale))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("case", ["chunk-after-prefix", "mixed", "split-prefix", "gap"])
+def test_prefill_chunk_against_its_prefix_in_one_kernel_call(case, monkeypatch):
+    """CPU prefill (`BatchAttention._one_run_calls`): a sequence whose cached keys and new rows are one run of slots
+    is attended in one call of our flash kernel (causal offset = its cached keys); decode rows among them (keys in
+    any runs) in one call of the decode kernel. Cached keys in two runs, or new rows not right after them, keep the item plan. Both exact (float64)."""
+    if flash_attention_op() is None:
+        assert shutil.which(os.environ.get("CXX") or "c++") is None
+        return
+    seqs_spec = {  # (cached runs, first new slot, new tokens) per sequence
+        "chunk-after-prefix": [([(0, 40)], 40, 7)],
+        "mixed": [([(100, 130)], 130, 5), ([], 150, 10), ([(0, 20)], 190, 1), ([(20, 25), (60, 70)], 191, 1)],
+        "split-prefix": [([(0, 10), (50, 60)], 60, 6)],
+        "gap": [([(0, 30)], 40, 4)],
+    }[case]
+    g = torch.Generator().manual_seed(len(case))
+    store_k, store_v = (torch.randn(CAP + 1, HKV, D, generator=g) for _ in range(2))
+    batch = ForwardBatch(tuple(_seq(3 + i, runs, s, n) for i, (runs, s, n) in enumerate(seqs_spec)), "local",
+                         "prefill")
+    rows = sum(n for _, _, n in seqs_spec)
+    q = torch.randn(rows, H, D, generator=g)
+    new = [np.arange(s, s + n) for _, s, n in seqs_spec]
+    cached = [np.concatenate([np.arange(a, e) for a, e in runs] or [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+              for runs, _, _ in seqs_spec]
+    k_new, v_new = (torch.randn(rows, HKV, D, generator=g) for _ in range(2))
+    slots = torch.from_numpy(np.concatenate(new))
+    store_k[slots], store_v[slots] = k_new, v_new  # the runner writes them before attention
+    outs = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr("cpinfer.engine.attention.flash_attention_op", lambda: None)
+        plan = BatchAttention(batch, 0, 1, None, "cpu-flash")
+        plan.prepare(None, [None])
+        plan.tables.upload()
+        outs[kernel] = plan.run(q, k_new, v_new, store_k, store_v, 0.3)
+        assert (plan.one_run is not None) == (case in ("chunk-after-prefix", "mixed"))
+    if case == "chunk-after-prefix":
+        assert plan.one_run == ([(0, 7, 0, 47, 40)], None)
+    ref = _causal_reference(q, store_k, store_v, cached, new, 0.3)
+    for out in outs.values():
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -1,10 +1,12 @@
-// Flash attention for the CPU's prefill: a block of queries against a block of keys, fully visible or top-left
-// causal (query i sees keys 0..i), with the query heads of a KV head sharing each key block (GQA / MQA)
+// Flash attention for the CPU's prefill: a block of queries against a block of keys, fully visible or causal (query
+// i sees keys 0..i + causal_offset: 0 is top-left, Lk - Lq a chunk's queries against its prefix and its own keys at
+// once), with the query heads of a KV head sharing each key block (GQA / MQA)
 // (cpinfer/attention/cpu_kernels.py builds and loads this file with cpu_decode.cpp; the op is
 // torch.ops.cpinfer.flash_attention).
 //
 // q [Lq, H, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv]  float32 (rows and heads may be strided; channels contiguous),
 //                                               Dv a multiple of 16
+// causal_offset >= 0 (causal only)
 // -> out [Lq, H, Dv] softmax(scale q k^T) v, lse [Lq, H] its log-sum-exp (natural log); query head h reads KV head
 //    h / (H / Hkv). Without keys (Lk = 0) a row gets out 0 and lse -inf.
 //
@@ -13,9 +15,9 @@
 // S = Q K^T (register tiles of 6 rows x 64 keys against the block's keys transposed), the online softmax in base 2
 // (log2(e) and the scale folded into Q), and O = alpha O + P V (tiles of 6 rows x 64 value channels); the keys are
 // transposed once per call. Items, largest first, are taken by torch's intra-op threads from a shared counter
-// (a causal item's cost grows with its position). A full block of few query rows against many keys (a short suffix
-// after a cached prefix) has each item's keys cut into pieces so that every thread has work, the pieces' partial
-// sums merged at the end (split-KV). Arithmetic is float32 throughout.
+// (a causal item's cost grows with its position). Few query rows against many keys (a short suffix after a cached
+// prefix) have each item's keys cut into pieces so that every thread has work, the pieces' partial sums merged at
+// the end (split-KV; a causal piece past all of an item's rows adds nothing). Arithmetic is float32 throughout.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
@@ -51,7 +53,7 @@ constexpr int64_t kMaxPieces = 16;
 
 struct Block {  // a block of keys, as the rows' softmax needs it
   int64_t j0, n;  // its first key, its keys
-  int64_t p0, g;  // the item's first query position, query heads per KV head (row r is at position p0 + r / g)
+  int64_t p0, g;  // the key index of the item's first query, query heads per KV head (row r sees keys <= p0 + r / g)
   bool causal, masked;  // masked: n < 64 or some row sees only part of the block
 };
 
@@ -157,6 +159,7 @@ void values(const float* p, const float* alpha, const float* v, int64_t v_row, i
 struct Shapes {
   int64_t lq, lk, h, hkv, g, d, dv, positions;  // positions: query positions per item
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+  int64_t off;  // causal: query i sees keys up to i + off
   bool causal;
   float scale;
 };
@@ -174,7 +177,7 @@ struct Dest {  // where an item's rows go: normalised into out / lse, or (split 
 };
 
 // One item: KV head kh, query positions [p0, p1), against keys [j_lo, j_hi) (j_lo a multiple of 64; a causal row
-// sees no key past its position) of the keys transposed kt [Hkv][blocks][D][64].
+// sees no key past its position + off) of the keys transposed kt [Hkv][blocks][D][64].
 void attend_item(const Shapes& sh, const float* qp, const float* ktp, const float* vp, int64_t kh, int64_t p0,
                  int64_t p1, int64_t j_lo, int64_t j_hi, const Dest& dest, Scratch& w) {
   const int64_t g = sh.g, d = sh.d, dv = sh.dv, rows = (p1 - p0) * g;
@@ -188,16 +191,17 @@ void attend_item(const Shapes& sh, const float* qp, const float* ktp, const floa
   std::fill(w.o.begin(), w.o.begin() + rows * dv, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-  const int64_t kend = sh.causal ? std::min(j_hi, p1) : j_hi;  // keys any row of the item sees
+  const int64_t kend = sh.causal ? std::min(j_hi, p1 + sh.off) : j_hi;  // keys any row of the item sees
+  const int64_t k0 = p0 + sh.off;  // the key index of the item's first position (causal)
   const float* vhead = vp + kh * sh.v_head;
   const Rows state{w.m.data(), w.l.data(), w.alpha.data()};
   for (int64_t j0 = j_lo; j0 < kend; j0 += kKeys) {
     const int64_t n = std::min(kKeys, kend - j0);
     const float* kt = ktp + ((kh * ((sh.lk + kKeys - 1) / kKeys)) + j0 / kKeys) * d * kKeys;
-    const Block blk{j0, n, p0, g, sh.causal, n < kKeys || (sh.causal && j0 + kKeys - 1 > p0)};
+    const Block blk{j0, n, k0, g, sh.causal, n < kKeys || (sh.causal && j0 + kKeys - 1 > k0)};
     for (int64_t r0 = 0; r0 < rows; r0 += kTile) {  // a tile's scores and its values while the block is in L1
       const int rt = static_cast<int>(std::min(kTile, rows - r0));
-      if (sh.causal && p0 + (r0 + rt - 1) / g < j0) continue;  // the tile's rows see no key of this block
+      if (sh.causal && k0 + (r0 + rt - 1) / g < j0) continue;  // the tile's rows see no key of this block
       scores<kTile>(w.q.data() + r0 * d, d, kt, w.s.data(), r0, blk, state, rt);
       values<kTile>(w.s.data(), w.alpha.data() + r0, vhead + j0 * sh.v_row, sh.v_row, n, w.o.data() + r0 * dv, dv, rt);
     }
@@ -255,7 +259,7 @@ void merge_pieces(const Shapes& sh, int64_t pieces, const std::vector<float>& ac
 }
 
 std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   bool causal, double scale) {
+                                                   bool causal, double scale, int64_t causal_offset) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "flash_attention: float32 q, k, v");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
@@ -267,10 +271,12 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
   TORCH_CHECK(k.size(2) == sh.d && v.size(0) == sh.lk && v.size(1) == sh.hkv && sh.hkv > 0 && sh.h % sh.hkv == 0,
               "flash_attention: shapes do not match");
   TORCH_CHECK(sh.dv % 16 == 0, "flash_attention: a value head size that is a multiple of 16");
+  TORCH_CHECK(causal_offset == 0 || (causal && causal_offset > 0), "flash_attention: causal_offset >= 0, causal only");
   sh.g = sh.h / sh.hkv;
   sh.q_row = q.stride(0), sh.q_head = q.stride(1), sh.k_row = k.stride(0), sh.k_head = k.stride(1);
   sh.v_row = v.stride(0), sh.v_head = v.stride(1);
   sh.causal = causal;
+  sh.off = causal_offset;
   sh.scale = static_cast<float>(scale);
   sh.positions = std::max<int64_t>(1, kRows / sh.g);
   auto out = at::empty({sh.lq, sh.h, sh.dv}, q.options());
@@ -296,11 +302,11 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
       }
     }
   });
-  // items (KV head, position block, piece of the keys): a full block with too few items for the threads to share
-  // evenly (a short suffix against a long prefix) has its keys cut into pieces of at least kMinPieceBlocks blocks
+  // items (KV head, position block, piece of the keys): a block with too few items for the threads to share evenly
+  // (a short suffix against a long prefix) has its keys cut into pieces of at least kMinPieceBlocks blocks
   const int64_t pblocks = (sh.lq + sh.positions - 1) / sh.positions, threads = at::get_num_threads();
   int64_t pieces = 1;
-  if (!causal && sh.hkv * pblocks < kItemsPerThread * threads)
+  if (sh.hkv * pblocks < kItemsPerThread * threads)
     pieces = std::clamp<int64_t>(std::min((kItemsPerThread * threads + sh.hkv * pblocks - 1) / (sh.hkv * pblocks),
                                           blocks / kMinPieceBlocks), 1, kMaxPieces);
   std::vector<int64_t> order(sh.hkv * pblocks * pieces);  // item = (kh * pblocks + pb) * pieces + piece
@@ -344,6 +350,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention(const at::Tensor& q, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpinfer, m) {
-  m.def("flash_attention(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def("flash_attention(Tensor q, Tensor k, Tensor v, bool causal, float scale, int causal_offset=0) -> (Tensor, "
+        "Tensor)");
   m.impl("flash_attention", c10::DispatchKey::CPU, TORCH_FN(flash_attention));
 }

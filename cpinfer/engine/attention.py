@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from cpinfer.attention.backends import get_step_backend, min_stair, resolve_name
-from cpinfer.attention.cpu_kernels import decode_attention_op
+from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op
 from cpinfer.attention.kernels import cpu_flash_backend
 from cpinfer.attention.items import FULL, MASK, AttnItem, mark_first, new_accumulator
 from cpinfer.attention.kv_pack import pack_rows, row_width, unpack_rows, values_in_keys
@@ -178,6 +178,7 @@ class BatchAttention:
         self.steps: list | None = None  # the full-attention plan: built on first use (never if every layer slides)
         self.values_in_keys = False  # the store's v is its k's first channels (MLA): messages carry keys alone
         self.direct: list | None = None  # host decode's rows and their store runs (`_direct_rows`), or None
+        self.one_run: tuple | None = None  # CPU prefill's one kernel call per local sequence (`_one_run_calls`)
         self._direct_tables = None  # `_plan_batched_direct`'s (op, runs, first), False when it does not apply
         self.expanded = False  # MLA's expanded form this forward (`prepare`)
         self.held = np.zeros(0, dtype=np.int64)  # expanded form: the store slots my local / pass-Q steps read
@@ -289,6 +290,37 @@ class BatchAttention:
         self.local_steps = (mark_first(store_items, len(covered), covered),
                             mark_first(new_items, len(covered), covered))
         self.direct = self._direct_rows(store_items, new_items)
+        self.one_run = None if self.direct is not None else self._one_run_calls(seqs)
+
+    def _one_run_calls(self, seqs) -> tuple | None:
+        """CPU prefill through our kernels: each local sequence's queries against all of its keys in one flash call
+        when they are one run of store slots — its cached keys, then its new rows (in the store by the time attention
+        runs: the layer writes them first) — the new rows' causality a causal offset (the cached keys' count); the
+        decode rows among them (one token, its keys in any runs) in one call of the batched decode kernel. No
+        accumulator, no merge of a cached part and a new part. ([(q0, q1, k0, k1, offset)], decode rows or None) or
+        None (a ring, a sequence whose keys are split over runs, another backend: the item plan runs)."""
+        if self.ring or self.device.type != "cpu" or getattr(self.backend, "kernel", None) is not cpu_flash_backend:
+            return None
+        calls, rows, runs_of = [], [], []
+        for b in self.local:
+            q0, n = int(self.qoff[self.rank, b]), int(self.counts[self.rank, b])
+            runs, new = self.full_runs[self.rank][b], self.slots[q0:q0 + n]
+            if len(seqs[b].token_ids) == 1:  # a decode row: its key is in its runs, all visible
+                rows.append(q0)
+                runs_of.append(np.asarray(runs, dtype=np.int64).reshape(-1, 2))
+                continue
+            start = int(new[0])
+            if len(runs) > 1 or (len(runs) == 1 and int(runs[0][1]) != start) or \
+                    not np.array_equal(new, np.arange(start, start + n)):
+                return None
+            k0 = int(runs[0][0]) if len(runs) else start
+            calls.append((q0, q0 + n, k0, start + n, start - k0))
+        decode = None
+        if rows:  # (rows [N], runs [R, 2], first [N + 1]) as the decode kernel reads them
+            first = np.concatenate(([0], np.cumsum([len(r) for r in runs_of])))
+            decode = tuple(torch.from_numpy(a.astype(np.int64)) for a in (np.asarray(rows), np.concatenate(runs_of),
+                                                                           first))
+        return calls, decode
 
     def _direct_rows(self, store_items: list[AttnItem], new_items: list[AttnItem]) -> list | None:
         """Decode on the host with a per-item kernel (cpu-flash): no ring, one new token per local sequence, its
@@ -455,6 +487,10 @@ class BatchAttention:
             self._prepare_full(HeadLayout.of(q, k_new))
         if self.direct is not None and sinks is None and packed is None:
             return self._run_direct(q, store_k, store_v, scale)
+        if self.one_run is not None and sinks is None and packed is None and expand is None:
+            out = self._run_one_run(q, store_k, store_v, scale)
+            if out is not None:
+                return out
         rows = (k_new, v_new, store_k, store_v)  # what pass-KV packs: the rows as stored (the latent when expanded)
         if expand is not None:  # my new rows and the store rows my steps read, up-projected once for this layer
             k_new, v_new = self._expand_new(k_new, expand)
@@ -517,6 +553,25 @@ class BatchAttention:
                     lse = torch.logaddexp(lse, l)
             outs.append(out.to(q.dtype))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _run_one_run(self, q, store_k, store_v, scale: float) -> torch.Tensor | None:
+        """`one_run`'s calls of our flash kernel (float32, the store's key width that of q, Dv a multiple of 16) ->
+        out [Lq, H, Dv]; None where the kernel does not apply (the item plan then runs)."""
+        op, calls, decode = flash_attention_op(), *self.one_run
+        decode_op = decode_attention_op() if decode is not None else None
+        if op is None or (decode is not None and decode_op is None) or q.dtype != torch.float32 or \
+                store_k.dtype != torch.float32 or store_k.shape[-1] != q.shape[-1] or store_v.shape[-1] % 16:
+            return None
+        if decode is None and len(calls) == 1 and calls[0][:2] == (0, q.shape[0]):
+            _, _, k0, k1, offset = calls[0]
+            return op(q, store_k[k0:k1], store_v[k0:k1], True, scale, offset)[0]
+        out = q.new_empty(q.shape[0], q.shape[1], store_v.shape[-1])
+        for q0, q1, k0, k1, offset in calls:
+            out[q0:q1] = op(q[q0:q1], store_k[k0:k1], store_v[k0:k1], True, scale, offset)[0]
+        if decode is not None:
+            rows, runs, first = decode
+            out[rows] = decode_op(q.index_select(0, rows), store_k, store_v, runs, first, scale)
+        return out
 
     def _plan_batched_direct(self, dtype: torch.dtype) -> None:
         """`_direct_tables`: (op, runs [R, 2], first [Lq + 1]) for one call of the batched CPU decode kernel over
