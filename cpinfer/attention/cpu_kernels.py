@@ -95,7 +95,7 @@ def _library() -> Path:
     with open(cache / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same file
         if not lib.exists():
-            log.info("compiling cpinfer's CPU attention kernels (once per machine) into %s", cache)
+            log.info("compiling cpinfer's CPU kernels (once per machine) into %s", cache)
             _build(cxx, lib)
     return lib
 
@@ -103,15 +103,19 @@ def _library() -> Path:
 def _loaded() -> bool:
     """Build (once per machine) and load the library; False when it cannot be (no compiler, a failed build,
     CPINFER_CPU_KERNELS=0): the callers then keep aten's kernels. The reason is logged once."""
+    ok = _state.get("ok")  # (every layer asks: no lock once known)
+    if ok is not None:
+        return ok
     with _lock:
-        if "ok" not in _state:
-            _state["ok"] = False
+        if "ok" not in _state:  # set once, when the outcome is known
+            ok = False
             if os.environ.get("CPINFER_CPU_KERNELS", "1") != "0":
                 try:
                     torch.ops.load_library(str(_library()))
-                    _state["ok"] = True
+                    ok = True
                 except Exception as e:  # noqa: BLE001 - any failure leaves aten's kernels in place
-                    log.warning("cpinfer's CPU attention kernels unavailable, using aten's (%s)", e)
+                    log.warning("cpinfer's CPU kernels unavailable, using aten's kernels and ops (%s)", e)
+            _state["ok"] = ok
         return _state["ok"]
 
 

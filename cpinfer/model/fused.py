@@ -58,4 +58,4 @@ class FusedLinears:
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [L, in] -> each Linear's output [L, out_i], views of one [L, sum out] GEMM result."""
-        return self.packed.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.packed.linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
