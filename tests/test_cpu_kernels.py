@@ -294,6 +294,19 @@ def test_rms_norm_kernel_matches_float64_and_a_row_alone(monkeypatch, shape):
     torch.testing.assert_close(ours, norm(x))  # torch's rms_norm: the same values within float32 rounding
 
 
+def test_norm_and_mlp_keep_torch_ops_where_a_gradient_is_wanted():
+    """The compiled ops have no backward: with grad enabled and a parameter that wants one, RMSNorm and the gated
+    MLP run torch's ops (a gradient flows); under no_grad they take the kernels (no graph either way)."""
+    norm, mlp = norms.RMSNorm(32, 1e-6), blocks.MLP(32, 48)
+    x = torch.randn(5, 32)
+    out = mlp(norm(x))
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert norm.weight.grad is not None and mlp.gate_proj.weight.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(norm(x)), out.detach())
+
+
 def test_rms_norm_kernel_rejects_what_it_does_not_take():
     op = rms_norm_op()
     if op is None:

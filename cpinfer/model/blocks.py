@@ -72,7 +72,8 @@ class MLP(nn.Module):
             g, u = fused(x)  # [L, intermediate] each, column views of one [L, 2 * intermediate] result
         else:
             g, u = self.gate_proj(x), None  # [L, intermediate]
-        if self.act is F.silu and g.dtype == torch.float32 and g.device.type == "cpu" and g.dim() == 2:
+        if self.act is F.silu and g.dtype == torch.float32 and g.device.type == "cpu" and g.dim() == 2 \
+                and not (torch.is_grad_enabled() and g.requires_grad):  # (the op has no backward)
             op = silu_mul_op()  # float32 on the CPU: one pass, a contiguous result (`cpu_activation.cpp`)
             u = self.up_proj(x) if u is None else u
             if op is not None and g.stride(1) == 1 and u.stride(1) == 1:

@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
         [R, H, C]: our kernel (`cpu_rmsnorm.cpp`: one pass a row, where torch's takes five; its sum of squares in
         another order, so the same values within float32 rounding)."""
         if self.style != "gemma" and x.dtype == torch.float32 == self.weight.dtype:  # one op, the same math
-            if x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1:
+            if x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1 and not (
+                    torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):  # (no backward)
                 op = rms_norm_op()  # None without a compiled library
                 if op is not None:
                     return op(x, self.weight, self.eps)
