@@ -86,7 +86,8 @@ def _causal_reference(q, store_k, store_v, cached: list[np.ndarray], new: list[n
 def test_prefill_chunk_against_its_prefix_in_one_kernel_call(case, monkeypatch):
     """CPU prefill (`BatchAttention._one_run_calls`): a sequence whose cached keys and new rows are one run of slots
     is attended in one call of our flash kernel (causal offset = its cached keys); decode rows among them (keys in
-    any runs) in one call of the decode kernel. Cached keys in two runs, or new rows not right after them, keep the item plan. Both exact (float64)."""
+    any runs) in one call of the decode kernel. Cached keys in two runs, or new rows not right after them, keep the
+    item plan. Both exact (float64)."""
     if flash_attention_op() is None:
         assert shutil.which(os.environ.get("CXX") or "c++") is None
         return
