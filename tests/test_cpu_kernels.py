@@ -3,9 +3,10 @@ float64 reference — GQA group sizes (up to 32 query heads a KV head), head siz
 channels (MLA's latent), rows reading several runs of a strided store, many rows shared among the threads; the
 prefill flash attention against float64 — causal and full blocks, ragged lengths, GQA / MQA / MHA, MLA's head sizes,
 strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; the one-pass RoPE bit-identical to aten's
-element-wise form; and MKL's packed small-batch GEMM
-(`model/cpu_gemm.py`) against `F.linear`: bit-identical from 16 rows, within float32 rounding below, repacked when
-the weight changes in place, `F.linear` itself outside its rows or past its memory budget."""
+element-wise form; cpinfer's small-batch linear (1-16 rows) against float64, the same bits for a row alone or in any
+batch and on 1 or 2 threads; and MKL's packed GEMM (`model/cpu_gemm.py`, 17-32 rows) against `F.linear`:
+bit-identical, repacked when the weight changes in place, `F.linear` itself outside its rows or past its memory
+budget."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpinfer.attention import kernels
-from cpinfer.attention.cpu_kernels import decode_attention_op, flash_attention_op, rms_norm_op, rope_op, silu_mul_op
+from cpinfer.attention.cpu_kernels import (decode_attention_op, flash_attention_op, rms_norm_op, rope_op, silu_mul_op,
+                                          small_linear_op, small_linear_rows)
 from cpinfer.model import blocks, norms, rope
 from cpinfer.model import cpu_gemm
 from cpinfer.model.cpu_gemm import PackedWeight, pack_linear
@@ -361,7 +363,7 @@ def test_silu_mul_kernel_rejects_what_it_does_not_take():
     torch.testing.assert_close(op(big, torch.ones_like(big)), F.silu(big))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 24, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17, 24, 32, 33, 100])
 def test_packed_linear_matches_linear(rows):
     gen = torch.Generator().manual_seed(rows)
     w, b = torch.randn(384, 96, generator=gen), torch.randn(384, generator=gen)
@@ -370,12 +372,96 @@ def test_packed_linear_matches_linear(rows):
     with torch.inference_mode():
         out = packed.linear(x, w, b)
     ref = F.linear(x, w, b)
-    used = cpu_gemm.MIN_ROWS <= rows <= cpu_gemm.MAX_ROWS and not packed.refused
-    assert (packed.packed is not None) == used
-    if not used or rows >= 16:  # F.linear itself, or the same sgemm kernel: the same bits
+    small = rows <= min(cpu_gemm.SMALL_ROWS, small_linear_rows())  # cpinfer's kernel: no packed copy
+    used = not small and cpu_gemm.MIN_ROWS <= rows <= cpu_gemm.MAX_ROWS and not packed.refused
+    assert (packed.packed is not None) == used and packed.takes(rows) == (small or used)
+    if small:  # another order of the same products: float32 rounding from float64's
+        torch.testing.assert_close(out.double(), F.linear(x.double(), w.double(), b.double()), atol=1e-4, rtol=1e-5)
+    elif not used or rows >= 16:  # F.linear itself, or the same sgemm kernel: the same bits
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def _small_linear():
+    op = small_linear_op()
+    if op is None:  # the engine then keeps F.linear / MKL; that happens only without a C++ compiler
+        assert shutil.which(os.environ.get("CXX") or "c++") is None
+    return op
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (1, 5, 7), (2, 4, 16), (3, 17, 33), (4, 64, 96), (5, 130, 576),
+                                     (8, 576, 1536), (13, 99, 40), (16, 960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_matches_float64(m, n, k, bias):
+    """Every tile shape: rows of x in fours and a remainder of 1-3, weight rows in fours and a ragged last tile
+    (repeats computed and dropped), K in steps of 16 and a zero-padded tail; with and without a bias."""
+    op = _small_linear()
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=gen, dtype=torch.float64), torch.randn(n, k, generator=gen, dtype=torch.float64)
+    b = torch.randn(n, generator=gen, dtype=torch.float64) if bias else None
+    out = op(x.float(), w.float(), None if b is None else b.float())
+    assert out.shape == (m, n) and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), F.linear(x, w, b), atol=1e-4 * (1 + k ** 0.5), rtol=1e-5)
+
+
+def test_small_linear_is_batch_invariant_and_thread_invariant():
+    """A row's result is the same bits alone, in any batch, in a strided view and on 1 or 2 threads: the same sum
+    in the same order for every output."""
+    op = _small_linear()
+    gen = torch.Generator().manual_seed(7)
+    w, b = torch.randn(300, 200, generator=gen), torch.randn(300, generator=gen)
+    x = torch.randn(16, 200, generator=gen)
+    full = op(x, w, b)
+    for i in range(16):
+        assert torch.equal(op(x[i:i + 1], w, b), full[i:i + 1])
+    for lo, hi in ((0, 3), (5, 11), (2, 16)):
+        assert torch.equal(op(x[lo:hi], w, b), full[lo:hi])
+    wide = torch.randn(16, 256, generator=gen)
+    wide[:, :200] = x
+    assert torch.equal(op(wide[:, :200], w, b), full)  # rows 256 apart: the stride is honoured
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, full)
+
+
+def test_small_linear_refusals():
+    op = _small_linear()
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        op(torch.randn(17, 8), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(x.double(), w.double())
+    with pytest.raises(RuntimeError, match="columns"):
+        op(torch.randn(2, 9), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(x, torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x, w, torch.randn(5))
+    assert op(torch.randn(0, 8), w).shape == (0, 4)
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "avx512f" in flags:  # built with -march=native: the 4 x 4 tiles, the callers' choice up to 16 rows
+        assert small_linear_rows() == 16
+    elif "avx2" in flags:
+        assert small_linear_rows() == 1
+
+
+def test_packed_linear_keeps_f_linear_where_the_kernel_cannot():
+    """A transposed weight, a gradient wanted, float64: F.linear itself, the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 32, generator=gen), torch.randn(32, 48, generator=gen).t()  # weight not contiguous
+    packed = PackedWeight()
+    with torch.inference_mode():
+        assert torch.equal(packed.linear(x, w), F.linear(x, w))
+        assert torch.equal(packed.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+    wg = torch.randn(48, 32, requires_grad=True)
+    out = packed.linear(x, wg)
+    out.sum().backward()
+    assert wg.grad is not None and torch.equal(out.detach(), F.linear(x, wg.detach()))
 
 
 def test_packed_linear_follows_weight_changes_and_keeps_module_shape():
@@ -383,7 +469,7 @@ def test_packed_linear_follows_weight_changes_and_keeps_module_shape():
     names = [n for n, _ in lin.state_dict().items()]
     pack_linear(lin)
     assert type(lin) is nn.Linear and [n for n, _ in lin.state_dict().items()] == names
-    x = torch.randn(8, 64)
+    x = torch.randn(20, 64)  # 17-32 rows: MKL's packed copy (1-16: cpinfer's kernel, reading the weight itself)
     with torch.no_grad():
         first = lin(x)
         assert lin._packed.packed is not None
@@ -392,15 +478,16 @@ def test_packed_linear_follows_weight_changes_and_keeps_module_shape():
         torch.testing.assert_close(lin(x), 2.0 * first, atol=1e-5, rtol=1e-5)
         lin.weight = nn.Parameter(torch.randn(128, 64))  # new storage
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(x[:3]), F.linear(x[:3], lin.weight), atol=1e-5, rtol=1e-5)
 
 
 def test_packing_stops_at_its_memory_budget(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_budget", [10_000])  # bytes: room for a 24 x 32 weight (x1.3), not 64 x 64
-    x = torch.randn(8, 32)
+    x = torch.randn(20, 32)  # (17-32 rows: MKL's packed copies)
     small, big = PackedWeight(), PackedWeight()
     with torch.no_grad():
         small.linear(x, torch.randn(24, 32))
-        x64, w = torch.randn(8, 64), torch.randn(64, 64)
+        x64, w = torch.randn(20, 64), torch.randn(64, 64)
         out = big.linear(x64, w)
     assert small.packed is not None and big.packed is None and big.refused
     assert torch.equal(out, F.linear(x64, w))  # refused: F.linear itself

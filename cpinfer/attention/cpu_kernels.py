@@ -3,7 +3,8 @@ store in place (`cpu_decode.cpp`, the op `torch.ops.cpinfer.decode_attention`) a
 blocks (`cpu_prefill.cpp`, `torch.ops.cpinfer.flash_attention`); RoPE in one pass (`cpu_rope.cpp`,
 `torch.ops.cpinfer.rope`: the six element-wise ops it replaces, rounded alike) and RMSNorm in one pass a row
 (`cpu_rmsnorm.cpp`, `torch.ops.cpinfer.rms_norm`: 3-5x torch's on the engine's rows, its sum in another order);
-the gated MLP's SiLU(gate) * up in one pass (`cpu_activation.cpp`, `torch.ops.cpinfer.silu_mul`);
+the gated MLP's SiLU(gate) * up in one pass (`cpu_activation.cpp`, `torch.ops.cpinfer.silu_mul`); a decode step's
+few rows times a weight, streamed once (`cpu_linear.cpp`, `torch.ops.cpinfer.small_linear`);
 `cpu_vec.h` is the kernels' vector type and its reductions.
 
 aten has no attention over many short sequences whose keys sit in runs of a shared store: the decode path would
@@ -39,7 +40,7 @@ import torch
 log = logging.getLogger("cpinfer")
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_prefill.cpp", _HERE / "cpu_rope.cpp",
-            _HERE / "cpu_rmsnorm.cpp", _HERE / "cpu_activation.cpp")  # one library
+            _HERE / "cpu_rmsnorm.cpp", _HERE / "cpu_activation.cpp", _HERE / "cpu_linear.cpp")  # one library
 _HEADERS = (_HERE / "cpu_vec.h",)
 # -fopenmp: at::parallel_for's inline OpenMP region (the process's one OpenMP runtime, torch's libgomp);
 # -fno-math-errno lets the compiler vectorise expf
@@ -147,9 +148,24 @@ def rms_norm_op():
     return torch.ops.cpinfer.rms_norm if _loaded() else None
 
 
+def small_linear_op():
+    """torch.ops.cpinfer.small_linear (`cpu_linear.cpp`: float32 x [1..16, K] @ weight^T streamed once), or None."""
+    return torch.ops.cpinfer.small_linear if _loaded() else None
+
+
+def small_linear_rows() -> int:
+    """The rows of x up to which `small_linear_op` is the faster product on this build (16 with AVX-512, 1 without:
+    its tiles need 32 vector registers); 0 without the library."""
+    rows = _state.get("small_rows")
+    if rows is None:
+        rows = _state["small_rows"] = int(torch.ops.cpinfer.small_linear_rows()) if _loaded() else 0
+    return rows
+
+
 def silu_mul_op():
     """torch.ops.cpinfer.silu_mul (`cpu_activation.cpp`: float32 SiLU(gate) * up in one pass), or None."""
     return torch.ops.cpinfer.silu_mul if _loaded() else None
 
 
-__all__ = ["decode_attention_op", "flash_attention_op", "rms_norm_op", "rope_op", "silu_mul_op"]
+__all__ = ["decode_attention_op", "flash_attention_op", "rms_norm_op", "rope_op", "silu_mul_op", "small_linear_op",
+           "small_linear_rows"]

@@ -19,8 +19,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from cpinfer.attention.cpu_kernels import small_linear_op
 from cpinfer.bench import common as C
 
+# a Linear's top-level op: F.linear, MKL's packed product (17-32 rows), cpinfer's small-batch kernel (1-16 rows)
+LINEAR_OPS = ("aten::linear", "mkl::_mkl_linear", "cpinfer::small_linear")
 _LABELS = ("cpinfer.step", "cpinfer.execute", "cpinfer.forward", "cpinfer.attention", "cpinfer.sample")
 CATEGORIES = (  # (key, what the row of the table says)
     ("linears", "Linears (incl. lm_head): GEMV over the weights"),
@@ -52,18 +55,23 @@ def in_process_runner(llm):
 
 
 def linear_pass(model) -> tuple[Callable[[], None], int]:
-    """(a function applying every distinct Linear weight of `model` to one token, the bytes those weights hold)."""
+    """(a function applying every distinct Linear weight of `model` to one token, the bytes those weights hold).
+    Through the fastest one-row product the engine has: on the CPU in float32 cpinfer's small-batch kernel
+    (`attention/cpu_linear.cpp`, what a decode step's Linears run), else `F.linear`."""
     weights, seen = [], set()
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() not in seen:  # a tied lm_head once
             seen.add(m.weight.data_ptr())
             weights.append((m.weight, m.bias))
     inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w, _ in weights}
+    op = small_linear_op() if all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
+                                  for w, _ in weights) else None
+    product = F.linear if op is None else op
 
     def run() -> None:
         with torch.inference_mode():
             for w, b in weights:
-                F.linear(inputs[w.shape[1]], w, b)  # [1, in] -> [1, out]
+                product(inputs[w.shape[1]], w, b)  # [1, in] -> [1, out]
 
     return run, sum(w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
                     for w, b in weights)
@@ -151,7 +159,7 @@ def classify(events) -> dict:
             span[e.name] += s
         elif e.cpu_parent is not None and e.cpu_parent.name in _LABELS:  # a top-level op
             where = chain[0]
-            if e.name == "aten::linear":
+            if e.name in LINEAR_OPS:
                 ops["linear@" + where] += s
             elif e.name == "aten::index_copy_":
                 ops["kv_write"] += s

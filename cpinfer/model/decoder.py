@@ -105,9 +105,9 @@ class CausalLM(nn.Module):
                    and m is not self)
 
     def pack_linears(self) -> int:
-        """CPU: every plain nn.Linear multiplies a decode step's few rows through MKL's packed copy of its weight
-        from now on (`cpu_gemm.py`; the fused q / k / v and gate / up GEMMs already do); the LM head from 2 rows on
-        (it is read whole for every step). How many modules."""
+        """CPU: every plain nn.Linear multiplies a decode step's few rows through `cpu_gemm.PackedWeight` from now
+        on (cpinfer's kernel for 1-16 rows, MKL's packed copy of the weight for 17-32; the fused q / k / v and gate /
+        up GEMMs already do); the LM head up to 16 rows (it is read whole for every step). How many modules."""
         linears = [m for m in self.modules() if type(m) is nn.Linear]
         for m in linears:
             pack_linear(m, *((2, 16) if m is self.lm_head else (MIN_ROWS, MAX_ROWS)))
@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
         """hidden [M, hidden] -> logits [M, vocab] fp32 (tanh soft-capped when the config says so)."""
         head = self.lm_head
         packed = getattr(head, "_packed", None)
-        if packed is not None and packed.min_rows <= hidden.shape[0] <= packed.max_rows and not packed.refused:
+        if packed is not None and hidden.dtype == torch.float32 and packed.takes(hidden.shape[0]):
             logits = head(hidden).float()
         elif hidden.device.type == "cpu" and 1 < hidden.shape[0] <= _FEW_ROWS and type(head) is nn.Linear \
                 and head.bias is None:

@@ -1,0 +1,139 @@
+// A few rows times a weight on the CPU in float32: x [M, K] @ w[N, K]^T (+ bias) for a decode step's M rows
+// (cpinfer/attention/cpu_kernels.py builds and loads this file with the other kernels; the op is
+// torch.ops.cpinfer.small_linear; cpinfer/model/cpu_gemm.py calls it for 1..16 rows).
+//
+// A decode step reads every weight once for a few rows: the product is a stream of the weight from memory, and the
+// BLAS' matrix-vector and short-M kernels stream it at a fraction of the memory's rate on some CPUs (7-10 GB/s of
+// ~25 on the AMD EPYC of docs/benchmarks.md). Here each thread takes a contiguous range of the weight's rows and
+// reads it once, four rows at a time (four streams), against up to four of x's rows held in the L1 cache: 4 x 4
+// accumulators of 16 lanes, sixteen FMAs for eight loads. More rows of x re-read the same four weight rows from L1.
+//
+// Every output is the same sum whatever M, the tile or the thread: lane l of an accumulator adds k = l, l + 16, ...
+// in order, a K % 16 tail is zero-padded into one last step, and the 16 lanes are summed by one tree (cpu_vec.h's
+// sum4), then the bias added. So a row's result does not depend on the batch it is in (batch-invariant), and it
+// differs from the BLAS' by float32 rounding only (another order of the same products).
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using cpinfer_vec::load16;
+using cpinfer_vec::sum4;
+using cpinfer_vec::v16;
+
+// A loaded vector kept in a register for its four FMAs: GCC otherwise folds the load into every FMA (20 loads for
+// 16 FMAs, where 8 do; 16 rows x the embedded model's weights: ~50 -> ~44 ms). One AVX-512 register per vector.
+#if defined(__AVX512F__)
+#define CPINFER_IN_REGISTER(x) asm("" : "+v"(x))
+#else
+#define CPINFER_IN_REGISTER(x) ((void)0)
+#endif
+
+constexpr int kRows = 4;     // weight rows per tile (four streams from memory)
+constexpr int kMaxM = 16;    // rows of x the op takes (a decode step's few sequences)
+#if defined(__AVX512F__)
+constexpr int kGroup = 4;    // rows of x per tile: 16 accumulators of the 32 vector registers
+constexpr int kBest = kMaxM;  // the rows up to which this beats MKL (measured on an AMD EPYC: all 16)
+#else
+constexpr int kGroup = 1;    // 16 registers of 8 lanes (AVX2): four accumulators (8 registers) and four weights
+constexpr int kBest = 1;     // (built without AVX-512 on the same EPYC: 1 row 37 ms, 4 rows 90: MKL's from 2 rows)
+#endif
+
+// out[m, n + r] for m < MR, r < 4: x rows x[m] (stride xs), weight rows w[r] (k contiguous)
+template <int MR>
+inline void tile(const float* const* w, const float* x, int64_t xs, int64_t k, const float* bias, float* out,
+                 int64_t os, int64_t n, int nr) {
+  v16 acc[MR][kRows];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < kRows; ++r) acc[m][r] = v16{};
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    v16 w0 = load16(w[0] + i), w1 = load16(w[1] + i), w2 = load16(w[2] + i), w3 = load16(w[3] + i);
+    CPINFER_IN_REGISTER(w0);
+    CPINFER_IN_REGISTER(w1);
+    CPINFER_IN_REGISTER(w2);
+    CPINFER_IN_REGISTER(w3);
+    for (int m = 0; m < MR; ++m) {
+      v16 xv = load16(x + m * xs + i);
+      CPINFER_IN_REGISTER(xv);
+      acc[m][0] += xv * w0;
+      acc[m][1] += xv * w1;
+      acc[m][2] += xv * w2;
+      acc[m][3] += xv * w3;
+    }
+  }
+  if (i < k) {  // the tail, zero-padded: one more step of the same sums
+    const int64_t t = k - i;
+    v16 wt[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      wt[r] = v16{};
+      std::memcpy(&wt[r], w[r] + i, t * sizeof(float));
+    }
+    for (int m = 0; m < MR; ++m) {
+      v16 xv{};
+      std::memcpy(&xv, x + m * xs + i, t * sizeof(float));
+      for (int r = 0; r < kRows; ++r) acc[m][r] += xv * wt[r];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const v16 s = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    for (int r = 0; r < nr; ++r) out[m * os + n + r] = s[4 * r] + (bias ? bias[n + r] : 0.0f);
+  }
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_linear: float32 x and weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "small_linear: x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.size(1) == w.size(1), "small_linear: x has ", x.size(1), " columns, the weight ", w.size(1));
+  TORCH_CHECK(x.size(0) <= kMaxM, "small_linear: at most ", kMaxM, " rows of x, got ", x.size(0));
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "small_linear: x's columns and the weight contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "small_linear: bias float32 [N], contiguous");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = std::max<int64_t>(x.stride(0), 1), tiles = (n + kRows - 1) / kRows;
+  // ~64 KB of weight a task at least: a small weight stays on one thread (a fork costs more than its stream)
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k * kRows, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRows;
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, n - n0));
+      const float* rows[kRows];
+      for (int r = 0; r < kRows; ++r) rows[r] = wp + (n0 + std::min(r, nr - 1)) * k;  // past N: a repeat, dropped
+      int64_t i = 0;
+      for (; i + kGroup <= m; i += kGroup) tile<kGroup>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr);
+      switch (m - i) {  // (AVX-512: a remainder of 1-3 rows)
+        case 3: tile<3>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr); break;
+        case 2: tile<2>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr); break;
+        case 1: tile<1>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr); break;
+        default: break;
+      }
+    }
+  });
+  return out;
+}
+
+int64_t small_linear_rows() { return kBest; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cpinfer, m) {
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear));
+  // the rows up to which the callers should prefer small_linear on this build (16 with AVX-512, else 1)
+  m.def("small_linear_rows() -> int", TORCH_FN(small_linear_rows));
+}
