@@ -24,8 +24,8 @@ STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE = ("cpinfer.step", "cpinfer.exe
                                                     "cpinfer.attention", "cpinfer.rope", "cpinfer.norm",
                                                     "cpinfer.sample")
 LABELS = (STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE)
-# mkl: MKL's packed weights, cpinfer: the small-batch kernel (both model/cpu_gemm.py)
-LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkl::_mkl_linear", "cpinfer::small_linear")
+# mkldnn: oneDNN's packed weights, cpinfer: the small-batch kernel (both model/cpu_gemm.py)
+LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkldnn::_linear_pointwise", "cpinfer::small_linear")
 ROWS = (  # (key, what the row says)
     ("linears", "Linears in the layers (q/k/v/o, gate/up/down)"),
     ("lm_head", "LM head (rows computed: see below)"),
@@ -107,7 +107,7 @@ def classify(events) -> dict:
                 ops["attn_kernel"] += s
         elif e.name in LINEAR_OPS and where == SAMPLE:
             ops["lm_head"] += s
-        elif e.name in ("aten::linear", "mkl::_mkl_linear", "cpinfer::small_linear") and where == FORWARD:
+        elif e.name in ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear") and where == FORWARD:
             ops["linears"] += s
         elif where == FORWARD:
             ops["small_ops"] += s

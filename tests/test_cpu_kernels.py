@@ -4,9 +4,9 @@ channels (MLA's latent), rows reading several runs of a strided store, many rows
 prefill flash attention against float64 — causal and full blocks, ragged lengths, GQA / MQA / MHA, MLA's head sizes,
 strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; the one-pass RoPE bit-identical to aten's
 element-wise form; cpinfer's small-batch linear (1-16 rows) against float64, the same bits for a row alone or in any
-batch and on 1 or 2 threads; and MKL's packed GEMM (`model/cpu_gemm.py`, 17-32 rows) against `F.linear`:
-bit-identical, repacked when the weight changes in place, `F.linear` itself outside its rows or past its memory
-budget."""
+batch and on 1 or 2 threads; and the CPU Linears' choice (`model/cpu_gemm.py`): the kernel for 1-2 rows, oneDNN's
+packed weight from 3, both against float64, repacked when the weight changes in place, the kernel or `F.linear`
+past the packing budget (given back when a copy goes)."""
 from __future__ import annotations
 
 import json
@@ -363,24 +363,22 @@ def test_silu_mul_kernel_rejects_what_it_does_not_take():
     torch.testing.assert_close(op(big, torch.ones_like(big)), F.silu(big))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 17, 24, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17, 33, 100, 2048])
 def test_packed_linear_matches_linear(rows):
+    """1-2 rows: cpinfer's kernel (no packed copy); from 3 rows oneDNN over the packed copy; both within float32
+    rounding of float64."""
     gen = torch.Generator().manual_seed(rows)
     w, b = torch.randn(384, 96, generator=gen), torch.randn(384, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
     packed = PackedWeight()
     with torch.inference_mode():
         out = packed.linear(x, w, b)
-    ref = F.linear(x, w, b)
-    small = rows <= min(cpu_gemm.SMALL_ROWS, small_linear_rows())  # cpinfer's kernel: no packed copy
-    used = not small and cpu_gemm.MIN_ROWS <= rows <= cpu_gemm.MAX_ROWS and not packed.refused
-    assert (packed.packed is not None) == used and packed.takes(rows) == (small or used)
-    if small:  # another order of the same products: float32 rounding from float64's
-        torch.testing.assert_close(out.double(), F.linear(x.double(), w.double(), b.double()), atol=1e-4, rtol=1e-5)
-    elif not used or rows >= 16:  # F.linear itself, or the same sgemm kernel: the same bits
-        assert torch.equal(out, ref)
-    else:
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    small = rows < cpu_gemm.ONEDNN_FROM and small_linear_rows() > 0
+    assert (packed.packed is None) == (small or packed.refused) and packed.takes(rows)
+    assert packed.refused == (not torch.backends.mkldnn.is_available())
+    torch.testing.assert_close(out.double(), F.linear(x.double(), w.double(), b.double()), atol=1e-4, rtol=1e-5)
+    if small:
+        assert torch.equal(out, small_linear_op()(x, w, b))
 
 
 def _small_linear():
@@ -451,12 +449,14 @@ def test_small_linear_refusals():
 
 
 def test_packed_linear_keeps_f_linear_where_the_kernel_cannot():
-    """A transposed weight, a gradient wanted, float64: F.linear itself, the same bits."""
+    """A transposed weight at 2 rows: not the kernel's (oneDNN's packed copy of it); a gradient wanted, float64:
+    F.linear itself, the same bits."""
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 32, generator=gen), torch.randn(32, 48, generator=gen).t()  # weight not contiguous
     packed = PackedWeight()
     with torch.inference_mode():
-        assert torch.equal(packed.linear(x, w), F.linear(x, w))
+        torch.testing.assert_close(packed.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+        assert (packed.packed is not None) == (not packed.refused)
         assert torch.equal(packed.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
     wg = torch.randn(48, 32, requires_grad=True)
     out = packed.linear(x, wg)
@@ -469,7 +469,7 @@ def test_packed_linear_follows_weight_changes_and_keeps_module_shape():
     names = [n for n, _ in lin.state_dict().items()]
     pack_linear(lin)
     assert type(lin) is nn.Linear and [n for n, _ in lin.state_dict().items()] == names
-    x = torch.randn(20, 64)  # 17-32 rows: MKL's packed copy (1-16: cpinfer's kernel, reading the weight itself)
+    x = torch.randn(20, 64)  # from 3 rows: oneDNN's packed copy (1-2: cpinfer's kernel, reading the weight itself)
     with torch.no_grad():
         first = lin(x)
         assert lin._packed.packed is not None
@@ -478,16 +478,34 @@ def test_packed_linear_follows_weight_changes_and_keeps_module_shape():
         torch.testing.assert_close(lin(x), 2.0 * first, atol=1e-5, rtol=1e-5)
         lin.weight = nn.Parameter(torch.randn(128, 64))  # new storage
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(lin(x[:3]), F.linear(x[:3], lin.weight), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lin(x[:2]), F.linear(x[:2], lin.weight), atol=1e-5, rtol=1e-5)
+        x3 = torch.randn(2, 5, 64)  # [..., in]: rows over the leading dims
+        torch.testing.assert_close(lin(x3), F.linear(x3, lin.weight), atol=1e-5, rtol=1e-5)
 
 
-def test_packing_stops_at_its_memory_budget(monkeypatch):
+def test_packing_stops_at_its_memory_budget_and_gives_it_back(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_budget", [10_000])  # bytes: room for a 24 x 32 weight (x1.3), not 64 x 64
-    x = torch.randn(20, 32)  # (17-32 rows: MKL's packed copies)
+    x = torch.randn(20, 32)
     small, big = PackedWeight(), PackedWeight()
     with torch.no_grad():
         small.linear(x, torch.randn(24, 32))
         x64, w = torch.randn(20, 64), torch.randn(64, 64)
         out = big.linear(x64, w)
-    assert small.packed is not None and big.packed is None and big.refused
-    assert torch.equal(out, F.linear(x64, w))  # refused: F.linear itself
+        assert small.packed is not None and big.packed is None and big.refused
+        assert cpu_gemm._budget == [10_000 - small.charged]
+        # refused: cpinfer's kernel up to 16 rows (no copy needed), F.linear itself above
+        torch.testing.assert_close(out, F.linear(x64, w), atol=1e-5, rtol=1e-5)
+        assert torch.equal(big.linear(x64[:16], w), small_linear_op()(x64[:16], w, None))
+        assert torch.equal(big.linear(torch.cat([x64, x64]), w), F.linear(torch.cat([x64, x64]), w))
+    del small  # its copy's bytes go back
+    assert cpu_gemm._budget == [10_000]
+
+
+def test_packed_linear_lm_head_rows():
+    """The LM head's PackedWeight (max_rows 16): past it `takes` is False (compute_logits then multiplies weight
+    first) and `linear` is F.linear itself."""
+    packed = PackedWeight(max_rows=16)
+    w, x = torch.randn(200, 48), torch.randn(17, 48)
+    assert packed.takes(16) and not packed.takes(17)
+    with torch.no_grad():
+        assert torch.equal(packed.linear(x, w), F.linear(x, w))

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from cpinfer.attention.cpu_kernels import small_linear_op
 from cpinfer.bench import common as C
 
-# a Linear's top-level op: F.linear, MKL's packed product (17-32 rows), cpinfer's small-batch kernel (1-16 rows)
-LINEAR_OPS = ("aten::linear", "mkl::_mkl_linear", "cpinfer::small_linear")
+# a Linear's top-level op: F.linear, oneDNN's packed GEMM, cpinfer's small-batch kernel (`model/cpu_gemm.py`)
+LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear")
 _LABELS = ("cpinfer.step", "cpinfer.execute", "cpinfer.forward", "cpinfer.attention", "cpinfer.sample")
 CATEGORIES = (  # (key, what the row of the table says)
     ("linears", "Linears (incl. lm_head): GEMV over the weights"),

@@ -74,7 +74,7 @@ class ModelRunner:
         self.dtype = dtype
         if ctx.device.type == "cpu":  # q / k / v and gate / up as one GEMM each (fewer, wider GEMMs; `model/fused.py`)
             self.model.fuse_projections()
-            self.model.pack_linears()  # a decode step's few rows: cpinfer's kernel or MKL's packed weights (`model/cpu_gemm.py`)
+            self.model.pack_linears()  # cpinfer's kernel for 1-2 rows, oneDNN's packed weights above (`model/cpu_gemm.py`)
             if dtype == torch.float32:  # the batched decode kernel: built (once per machine) or loaded now, not in
                 decode_attention_op()  # the first decode step (`attention/cpu_kernels.py`)
         attn = self.model.model.layers[self.config.attention_layers[0]].self_attn  # (a hybrid's first may be recurrent)

@@ -1,23 +1,26 @@
-"""Small-batch GEMMs on the CPU: a decode step's few rows times every weight.
+"""The CPU's Linears in float32: a decode step's few rows through cpinfer's kernel, everything else through
+oneDNN's packed weights.
 
-A decode step multiplies every weight by a few rows (one per running sequence): a stream of the weight from memory.
-MKL's matrix-vector and short-M kernels (what `F.linear` calls there) stream it at a fraction of the memory's rate
-on some CPUs (7-10 GB/s of ~26 on the AMD EPYC of docs/benchmarks.md), so:
-- **1 to 16 rows** (`SMALL_ROWS`; 1 row on a CPU without AVX-512): cpinfer's kernel (`attention/cpu_linear.cpp`, `torch.ops.cpinfer.small_linear`):
-  each thread streams its share of the weight's rows once against the rows of x held in cache (the 30 layers of
-  SmolLM2-135M plus its LM head at 1 row: 54 -> 29 ms; at 4 rows: 78 -> 34 ms; at 16: 80 -> 60 ms, on 2 threads).
-  A row's result does not depend on the batch it is in (the same sum in the same order whatever the rows beside
-  it); it differs from `F.linear`'s by float32 rounding (another order of the same products).
-- **17 to 32 rows** (up to `max_rows`): MKL's packed weights (`torch.ops.mkl._mkl_linear`): with the weight packed
-  once into MKL's internal layout (`cblas_sgemm_pack`, via `torch.ops.mkl._mkl_reorder_linear_weight`) the same
-  products take 0.6-0.8x the time of `F.linear`, bit-identical to it from 16 rows on (the same sgemm kernel).
-Outside those, for a weight neither can take (not float32 on the CPU, not contiguous), where a gradient is wanted,
-or without a compiled kernel library (`CPINFER_CPU_KERNELS=0`, no compiler: MKL's packed weights from `min_rows`),
-`F.linear` runs as before.
+torch's `F.linear` calls MKL's sgemm, which on the AMD EPYC of docs/benchmarks.md runs a prefill's GEMMs at 120-195
+GFLOP/s (2 threads) and streams a decode step's weights at 7-10 GB/s of the ~26 the memory gives. So a plain
+`nn.Linear` given `pack_linear` (the engine does it for every one on the CPU, `CausalLM.pack_linears`) multiplies:
+- **1-2 rows** (`ONEDNN_FROM` - 1): cpinfer's kernel (`attention/cpu_linear.cpp`, `torch.ops.cpinfer.small_linear`):
+  each thread streams its share of the weight's rows once against the rows of x held in registers, no copy of the
+  weight (the 30 layers of SmolLM2-135M plus its LM head at 1 row: 54 -> 23-25 ms). A row's result does not depend
+  on the batch it is in; it differs from `F.linear`'s by float32 rounding (another order of the same products).
+- **from 3 rows on** (a decode batch, a prefill chunk): oneDNN's GEMM over a copy of the weight packed once into
+  its blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what torch's own CPU
+  inference passes use): prefill shapes 200-222 GFLOP/s, a decode step of 4 rows 22-27 ms (cpinfer's kernel 28-34,
+  MKL 63), of 16 rows 33 ms (44-50, 71). Results within float32 rounding of `F.linear`'s.
+- a weight that cannot be packed (past the memory budget below, or no oneDNN in this torch): cpinfer's kernel up to
+  16 rows (`SMALL_ROWS`, 1 on a CPU without AVX-512), `F.linear` above.
+Not float32, not on the CPU, a gradient wanted, or without the compiled kernels (`CPINFER_CPU_KERNELS=0`, no
+compiler: oneDNN from 1 row): `F.linear` or oneDNN as above, never a wrong shape.
 
-A packed copy costs ~1.3x its weight's memory, made on the first call in range and bounded in all to
-`CPINFER_PACKED_GEMM_GIB` (default: an eighth of the machine's memory; 0 turns packing off). A weight changed in
-place or given new storage afterwards is packed again (its version counter and address are checked every call).
+A packed copy costs about its weight's memory (bounded, as 1.3x each, to `CPINFER_PACKED_GEMM_GIB` in all; default
+an eighth of the machine's memory; 0 turns packing off), made on the first call that needs it and given back when
+its module goes. A weight changed in place or given new storage afterwards is packed again (its version counter and
+address are checked every call).
 """
 from __future__ import annotations
 
@@ -30,13 +33,14 @@ from torch import Tensor, nn
 
 from cpinfer.attention.cpu_kernels import small_linear_op, small_linear_rows
 
-MIN_ROWS, MAX_ROWS = 4, 32  # rows of x where MKL's packed weight wins over F.linear (measured: 3 rows and 48 lose)
-SMALL_ROWS = 16  # up to this many rows: cpinfer's kernel (`cpu_linear.cpp`), faster than both at every count
+SMALL_ROWS = 16  # cpinfer's kernel takes up to this many rows (`cpu_linear.cpp`)
+ONEDNN_FROM = 3  # from this many rows oneDNN's packed GEMM beats cpinfer's kernel (measured: 1-2 rows it does not)
 _lock = threading.Lock()
 _budget: list[int] = []  # bytes of packed copies still allowed (set on first use)
 
 
-def _packing_allowed(nbytes: int) -> bool:
+def _charge(nbytes: int) -> bool:
+    """Take nbytes from the packing budget; False (nothing taken) when they do not fit. Negative: give back."""
     with _lock:
         if not _budget:
             gib = os.environ.get("CPINFER_PACKED_GEMM_GIB")
@@ -52,57 +56,76 @@ def _packing_allowed(nbytes: int) -> bool:
 
 
 def _available() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class PackedWeight:
-    """A weight's few-row product: cpinfer's kernel for 1 to `SMALL_ROWS` rows, MKL's packed copy of the [out, in]
-    weight (made on first use) from there to `max_rows`; `linear` falls back to `F.linear`."""
+    """One [out, in] weight's products on the CPU (see the module's docstring): cpinfer's kernel for 1-2 rows, oneDNN
+    over a packed copy of the weight (made on first use) from 3 rows up to `max_rows` (None: any), else `F.linear`."""
 
-    def __init__(self, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS):
-        self.min_rows, self.max_rows = min_rows, max_rows
+    def __init__(self, max_rows: int | None = None):
+        self.max_rows = max_rows
         self.packed: Tensor | None = None
         self.key: tuple | None = None  # (address, version, shape) of the weight packed
+        self.charged = 0  # bytes of the budget this copy holds
         self.refused = not _available()
 
+    def __del__(self):
+        if self.charged:
+            _charge(-self.charged)
+
     def small(self, rows: int) -> bool:
-        """Whether `rows` rows go to cpinfer's kernel (up to `SMALL_ROWS`, `max_rows` and what the build is best at)."""
-        return 1 <= rows <= min(SMALL_ROWS, self.max_rows, small_linear_rows())
+        """Whether `rows` rows go to cpinfer's kernel: up to 2 rows, or up to 16 when there is no packed copy."""
+        limit = min(small_linear_rows(), SMALL_ROWS if self.refused else ONEDNN_FROM - 1)
+        return 1 <= rows <= (limit if self.max_rows is None else min(limit, self.max_rows))
 
     def takes(self, rows: int) -> bool:
         """Whether `linear` of `rows` rows (of a float32 CPU weight) runs one of the two kernels."""
-        return self.small(rows) or (not self.refused and self.min_rows <= rows <= self.max_rows)
+        return self.small(rows) or (not self.refused and 1 <= rows and (self.max_rows is None or rows <= self.max_rows))
+
+    def _pack(self, weight: Tensor) -> Tensor | None:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self.key:
+            if self.packed is None:
+                nbytes = int(weight.numel() * 4 * 1.3)
+                if not _charge(nbytes):
+                    self.refused = True
+                    return None
+                self.charged = nbytes
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+            self.key = key
+        return self.packed
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if not rows or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" \
                 or weight.device.type != "cpu" or (weight.requires_grad and torch.is_grad_enabled()) \
-                or (bias is not None and bias.dtype != torch.float32):
+                or (bias is not None and (bias.dtype != torch.float32 or (bias.requires_grad
+                                                                          and torch.is_grad_enabled()))):
             return F.linear(x, weight, bias)
-        if self.small(rows) and weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.is_contiguous()):
+        kernel_fits = weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.is_contiguous())
+        if kernel_fits and self.small(rows):
             out = small_linear_op()(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
-        if self.refused or not self.min_rows <= rows <= self.max_rows:
-            return F.linear(x, weight, bias)
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-        if key != self.key:
-            if self.packed is None and not _packing_allowed(int(weight.numel() * 4 * 1.3)):
-                self.refused = True
-                return F.linear(x, weight, bias)
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), 16)
-            self.key = key
-        x2 = x.reshape(rows, x.shape[-1])
-        out = torch.ops.mkl._mkl_linear(x2, self.packed, weight, bias, rows)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        if not self.refused and (self.max_rows is None or rows <= self.max_rows):
+            packed = self._pack(weight)
+            if packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias,
+                                                         "none", [], "")
+                return out.reshape(*x.shape[:-1], weight.shape[0])
+            if kernel_fits and self.small(rows):  # refused just now: the kernel takes up to 16 rows
+                out = small_linear_op()(x.reshape(rows, x.shape[-1]), weight, bias)
+                return out.reshape(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
 
 
-def pack_linear(module: nn.Linear, min_rows: int = MIN_ROWS, max_rows: int = MAX_ROWS) -> None:
-    """`module` (a plain nn.Linear, kept as one: its type, parameters and state dict do not change) multiplies 1 to
-    max_rows rows through `PackedWeight` from now on: cpinfer's kernel up to `SMALL_ROWS`, MKL's packed copy of its
-    weight from there (or from min_rows without the kernel)."""
-    packed = PackedWeight(min_rows, max_rows)
+def pack_linear(module: nn.Linear, max_rows: int | None = None) -> None:
+    """`module` (a plain nn.Linear, kept as one: its type, parameters and state dict do not change) multiplies its
+    rows through `PackedWeight` from now on (up to max_rows; None: any)."""
+    packed = PackedWeight(max_rows)
     module._packed = packed
     module.forward = lambda x: packed.linear(x, module.weight, module.bias)
 
 
-__all__ = ["PackedWeight", "pack_linear", "MIN_ROWS", "MAX_ROWS", "SMALL_ROWS"]
+__all__ = ["PackedWeight", "pack_linear", "ONEDNN_FROM", "SMALL_ROWS"]

@@ -15,7 +15,7 @@ from cpinfer.model.blocks import (MLP, Attention, AttentionFn, BlockLayer, Decod
                                   attn_temperature)
 from cpinfer.model.config import ModelConfig
 from cpinfer.model.config_parts import RopeConfig
-from cpinfer.model.cpu_gemm import MAX_ROWS, MIN_ROWS, pack_linear
+from cpinfer.model.cpu_gemm import pack_linear
 from cpinfer.model.gemma4 import Gemma4DecoderLayer, PerLayerInputs
 from cpinfer.model.norms import RMSNorm
 from cpinfer.model.rope import RotaryEmbedding
@@ -105,12 +105,13 @@ class CausalLM(nn.Module):
                    and m is not self)
 
     def pack_linears(self) -> int:
-        """CPU: every plain nn.Linear multiplies a decode step's few rows through `cpu_gemm.PackedWeight` from now
-        on (cpinfer's kernel for 1-16 rows, MKL's packed copy of the weight for 17-32; the fused q / k / v and gate /
-        up GEMMs already do); the LM head up to 16 rows (it is read whole for every step). How many modules."""
+        """CPU: every plain nn.Linear multiplies its rows through `cpu_gemm.PackedWeight` from now on (cpinfer's
+        kernel for a decode step's 1-2 rows, oneDNN over a packed copy of the weight from 3 rows on; the fused q / k /
+        v and gate / up GEMMs already do); the LM head up to 16 rows (more: the weight-first product below). How
+        many modules."""
         linears = [m for m in self.modules() if type(m) is nn.Linear]
         for m in linears:
-            pack_linear(m, *((2, 16) if m is self.lm_head else (MIN_ROWS, MAX_ROWS)))
+            pack_linear(m, 16 if m is self.lm_head else None)
         return len(linears)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
