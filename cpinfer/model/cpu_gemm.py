@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -71,10 +72,6 @@ class PackedWeight:
         self.charged = 0  # bytes of the budget this copy holds
         self.refused = not _available()
 
-    def __del__(self):
-        if self.charged:
-            _charge(-self.charged)
-
     def small(self, rows: int) -> bool:
         """Whether `rows` rows go to cpinfer's kernel: up to 2 rows, or up to 16 when there is no packed copy."""
         limit = min(small_linear_rows(), SMALL_ROWS if self.refused else ONEDNN_FROM - 1)
@@ -93,6 +90,7 @@ class PackedWeight:
                     self.refused = True
                     return None
                 self.charged = nbytes
+                weakref.finalize(self, _charge, -nbytes)  # given back when this goes (or at exit: no teardown race)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
             self.key = key
         return self.packed
