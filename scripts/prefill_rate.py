@@ -1,0 +1,85 @@
+"""A cold prefill's FLOP rate against the machine's fp32 GEMM rate, measured side by side in one process.
+
+    PYTHONPATH=. python scripts/prefill_rate.py [--prompt 3100] [--threads 2] [--repeats 3]
+
+The embedded model (SmolLM2-135M-Instruct) at CP1 in float32 on `--threads` threads (rank 0 in this process, as
+`cpinfer generate` and `serve --cp 1` run it): each repeat times `LLM.generate` of one new random `--prompt`-token
+prompt to its first token (the engine's prefill, chunked as it is by default), then, on the same threads, a 2048^3
+float32 GEMM through torch.mm (MKL's sgemm) and through oneDNN's packed weights (what the engine's Linears run).
+The prefill's FLOPs: every layer's Linears (2 x weights x tokens), the causal attention (4 x head size x query heads
+x layers for each of the T(T+1)/2 visible pairs) and the LM head for the last token. Prints each repeat and the
+medians; the ratio is the prefill's rate over the GEMM's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def gemm_rates(n: int = 2048, reps: int = 5) -> tuple[float, float]:
+    """(GFLOP/s of an n^3 float32 product through torch.mm, through oneDNN's packed weight), medians."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    packed = torch.ops.mkldnn._reorder_linear_weight(b)
+
+    def rate(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 2.0 * n ** 3 / statistics.median(times) / 1e9
+
+    return rate(lambda: torch.mm(a, b)), rate(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none",
+                                                                                          [], ""))
+
+
+def prefill_flops(config, tokens: int) -> float:
+    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    d, kv = config.head_dim, config.num_key_value_heads
+    per_layer = hidden * (heads * d + 2 * kv * d) + heads * d * hidden + 3 * hidden * config.intermediate_size
+    linears = 2.0 * per_layer * layers * tokens
+    attention = 4.0 * d * heads * layers * tokens * (tokens + 1) / 2
+    return linears + attention + 2.0 * hidden * config.vocab_size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", type=int, default=3100, help="prompt tokens (default 3100)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of rank 0 and of the GEMMs (default 2)")
+    ap.add_argument("--repeats", type=int, default=3, help="prefill / GEMM pairs (default 3)")
+    args = ap.parse_args()
+
+    from cpinfer import LLM, SamplingParams
+    from cpinfer.bench.common import random_prompt
+    from cpinfer.model.resolve import resolve_model
+
+    with LLM(str(resolve_model(None)), context_parallel_size=1, threads_per_rank=args.threads,
+             dtype="float32") as llm:
+        torch.set_num_threads(args.threads)
+        config = llm.config
+        flops = prefill_flops(config, args.prompt)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate([random_prompt(64, config.vocab_size, seed=1)], params, use_tqdm=False)  # warm-up
+        rows = []
+        for i in range(args.repeats):
+            t0 = time.perf_counter()
+            llm.generate([random_prompt(args.prompt, config.vocab_size, seed=100 + i)], params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            mkl, onednn = gemm_rates()
+            rows.append((seconds, flops / seconds / 1e9, mkl, onednn))
+            print(f"repeat {i + 1}: prefill {seconds:.2f} s = {rows[-1][1]:.0f} GFLOP/s; GEMM 2048^3: torch.mm "
+                  f"{mkl:.0f}, oneDNN packed {onednn:.0f} GFLOP/s", flush=True)
+    med = [statistics.median(r[j] for r in rows) for j in range(4)]
+    print(f"{args.prompt}-token prefill ({flops / 1e12:.3f} TFLOP) on {args.threads} threads, medians of "
+          f"{args.repeats}: {med[0]:.2f} s, {med[1]:.0f} GFLOP/s = {med[1] / med[2]:.0%} of torch.mm's "
+          f"{med[2]:.0f} and {med[1] / med[3]:.0%} of oneDNN's {med[3]:.0f} GFLOP/s; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
