@@ -24,17 +24,13 @@ import torch
 
 def gemm_rates(n: int = 2048, reps: int = 5) -> tuple[float, float]:
     """(GFLOP/s of an n^3 float32 product through torch.mm, through oneDNN's packed weight), medians."""
+    from cpinfer.bench.decode_floor import time_passes
+
     a, b = torch.randn(n, n), torch.randn(n, n)
     packed = torch.ops.mkldnn._reorder_linear_weight(b)
 
     def rate(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 2.0 * n ** 3 / statistics.median(times) / 1e9
+        return 2.0 * n ** 3 / statistics.median(time_passes(fn, reps)) / 1e9
 
     return rate(lambda: torch.mm(a, b)), rate(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none",
                                                                                           [], ""))
