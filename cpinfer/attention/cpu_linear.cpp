@@ -1,12 +1,13 @@
 // A few rows times a weight on the CPU in float32: x [M, K] @ w[N, K]^T (+ bias) for a decode step's M rows
 // (cpinfer/attention/cpu_kernels.py builds and loads this file with the other kernels; the op is
-// torch.ops.cpinfer.small_linear; cpinfer/model/cpu_gemm.py calls it for 1..16 rows).
+// torch.ops.cpinfer.small_linear; cpinfer/model/cpu_gemm.py calls it for a decode step's 1-2 rows, and up to 16 for
+// a weight left without oneDNN's packed copy).
 //
 // A decode step reads every weight once for a few rows: the product is a stream of the weight from memory, and the
 // BLAS' matrix-vector and short-M kernels stream it at a fraction of the memory's rate on some CPUs (7-10 GB/s of
-// ~25 on the AMD EPYC of docs/benchmarks.md). Here each thread takes a contiguous range of the weight's rows and
-// reads it once, four rows at a time (four streams), against up to four of x's rows held in the L1 cache: 4 x 4
-// accumulators of 16 lanes, sixteen FMAs for eight loads. More rows of x re-read the same four weight rows from L1.
+// ~26 on the AMD EPYC of docs/benchmarks.md). Here each thread takes a contiguous range of the weight's rows and
+// reads it once, four rows at a time (four streams), against up to four of x's rows: 4 x 4 accumulators of 16
+// lanes in registers, sixteen FMAs for eight loads. More rows of x re-read the same four weight rows from L1.
 //
 // Every output is the same sum whatever M, the tile or the thread: lane l of an accumulator adds k = l, l + 16, ...
 // in order, a K % 16 tail is zero-padded into one last step, and the 16 lanes are summed by one tree (cpu_vec.h's
