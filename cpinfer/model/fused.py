@@ -34,7 +34,7 @@ class FusedLinears:
             for m, b in zip(self.linears, self.bias.split(self.sizes)):
                 m.bias.data = b
         self._ptrs = self._addresses()
-        self.packed = PackedWeight()  # a few rows (decode) through MKL's packed copy on the CPU (`cpu_gemm.py`)
+        self.packed = PackedWeight()  # the CPU's product (`cpu_gemm.py`): our kernel or oneDNN's
 
     @staticmethod
     def fusable(linears: list[nn.Module | None]) -> bool:
