@@ -8,9 +8,8 @@ prompt to its first token (the engine's prefill, chunked as it is by default), t
 float32 GEMM through torch.mm (MKL's sgemm) and through oneDNN's packed weights (what the engine's Linears run),
 timed before the first prefill and after each one; a repeat's ratio is its prefill's rate over the mean of the GEMM
 rates just before and just after it.
-The prefill's FLOPs: every layer's Linears (2 x weights x tokens), the causal attention (4 x head size x query heads
-x layers for each of the T(T+1)/2 visible pairs) and the LM head for the last token. Prints each repeat and the
-medians.
+The prefill's FLOPs: every layer's Linears (2 x weights x tokens), the causal attention (2 x T^2 x query width x
+layers, the paper's App. A count) and the LM head for the last token. Prints each repeat and the medians.
 """
 from __future__ import annotations
 
@@ -24,25 +23,26 @@ import torch
 
 def gemm_rates(n: int = 2048, reps: int = 5) -> tuple[float, float]:
     """(GFLOP/s of an n^3 float32 product through torch.mm, through oneDNN's packed weight), medians."""
-    from cpinfer.bench.decode_floor import time_passes
+    from cpinfer.bench.efficiency import gemm_rate
+    from cpinfer.timing import median_seconds
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     packed = torch.ops.mkldnn._reorder_linear_weight(b)
-
-    def rate(fn) -> float:
-        return 2.0 * n ** 3 / statistics.median(time_passes(fn, reps)) / 1e9
-
-    return rate(lambda: torch.mm(a, b)), rate(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none",
-                                                                                          [], ""))
+    onednn = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), reps, "cpu",
+                            warmup=2)
+    return gemm_rate(n, reps, device="cpu", dtype=torch.float32) * 1e3, 2.0 * n ** 3 / onednn / 1e9
 
 
 def prefill_flops(config, tokens: int) -> float:
-    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-    d, kv = config.head_dim, config.num_key_value_heads
-    per_layer = hidden * (heads * d + 2 * kv * d) + heads * d * hidden + 3 * hidden * config.intermediate_size
-    linears = 2.0 * per_layer * layers * tokens
-    attention = 4.0 * d * heads * layers * tokens * (tokens + 1) / 2
-    return linears + attention + 2.0 * hidden * config.vocab_size
+    """`efficiency.prefill_flops` (the paper's App. A count) over the layers' Linears, plus the LM head for the
+    last token: the engine computes no logits for the other rows."""
+    from cpinfer.bench.efficiency import prefill_flops as app_a
+    from cpinfer.model.loader import build_model
+
+    model = build_model(config)  # meta tensors: no memory
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    count = app_a(linear, tokens, config.num_hidden_layers, config.num_attention_heads * config.head_dim)
+    return count["total"] + 2.0 * config.hidden_size * config.vocab_size
 
 
 def main() -> None:

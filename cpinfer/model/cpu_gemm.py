@@ -77,9 +77,13 @@ class PackedWeight:
         limit = min(small_linear_rows(), SMALL_ROWS if self.refused else ONEDNN_FROM - 1)
         return 1 <= rows <= (limit if self.max_rows is None else min(limit, self.max_rows))
 
+    def _packs(self, rows: int) -> bool:
+        """Whether `rows` rows may go to oneDNN's packed copy (none refused, within max_rows)."""
+        return not self.refused and 1 <= rows and (self.max_rows is None or rows <= self.max_rows)
+
     def takes(self, rows: int) -> bool:
         """Whether `linear` of `rows` rows (of a float32 CPU weight) runs one of the two kernels."""
-        return self.small(rows) or (not self.refused and 1 <= rows and (self.max_rows is None or rows <= self.max_rows))
+        return self.small(rows) or self._packs(rows)
 
     def _pack(self, weight: Tensor) -> Tensor | None:
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
@@ -103,18 +107,17 @@ class PackedWeight:
                                                                           and torch.is_grad_enabled()))):
             return F.linear(x, weight, bias)
         kernel_fits = weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.is_contiguous())
-        if kernel_fits and self.small(rows):
-            out = small_linear_op()(x.reshape(rows, x.shape[-1]), weight, bias)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
-        if not self.refused and (self.max_rows is None or rows <= self.max_rows):
+        small = kernel_fits and self.small(rows)
+        if not small and self._packs(rows):
             packed = self._pack(weight)
             if packed is not None:
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias,
                                                          "none", [], "")
                 return out.reshape(*x.shape[:-1], weight.shape[0])
-            if kernel_fits and self.small(rows):  # refused just now: the kernel takes up to 16 rows
-                out = small_linear_op()(x.reshape(rows, x.shape[-1]), weight, bias)
-                return out.reshape(*x.shape[:-1], weight.shape[0])
+            small = kernel_fits and self.small(rows)  # refused just now: the kernel takes up to 16 rows
+        if small:
+            out = small_linear_op()(x.reshape(rows, x.shape[-1]), weight, bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
 
