@@ -46,8 +46,11 @@ def _reference(q, k, v, rows_runs, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("hkv,g,d,dv", [(3, 3, 64, 64), (2, 4, 128, 128), (1, 1, 32, 32), (1, 8, 80, 48),
-                                        (1, 32, 64, 64), (2, 20, 576, 512)])  # more than 16 heads a KV head; MLA
+# head sizes 64 / 128 in register tiles of query heads (scores 4 at a time, values 4 or 2: every remainder 1-3);
+# any other size one dot product at a time; more than 16 heads a KV head; MLA (v: k's first channels)
+@pytest.mark.parametrize("hkv,g,d,dv", [(3, 3, 64, 64), (2, 4, 128, 128), (1, 7, 64, 64), (2, 5, 128, 128),
+                                        (4, 1, 128, 128), (2, 2, 64, 64), (1, 1, 32, 32), (1, 8, 80, 48),
+                                        (1, 32, 64, 64), (2, 20, 576, 512)])
 def test_decode_attention_matches_reference(hkv, g, d, dv):
     op = _op()
     if op is None:
@@ -56,7 +59,9 @@ def test_decode_attention_matches_reference(hkv, g, d, dv):
     store = torch.randn(700, hkv, d + 16, generator=gen)  # rows strided: 16 channels past each row's D
     k = store[..., :d]
     v = k[..., :dv] if dv < d else torch.randn(700, hkv, dv, generator=gen)  # MLA-like: v is k's first channels
-    rows_runs = [[(0, 1)], [(10, 75), (200, 203), (650, 700)], [(300, 600)], [(80, 81), (90, 91)], [(5, 69)]]
+    # blocks of 64 keys within a run, 16 keys a vector of scores: runs of 1, 3, 15-17, 50, 64, 65 and 300 keys
+    rows_runs = [[(0, 1)], [(10, 75), (200, 203), (650, 700)], [(300, 600)], [(80, 81), (90, 91)], [(5, 69)],
+                 [(400, 416), (420, 437), (440, 455)]]
     runs = torch.tensor([r for rr in rows_runs for r in rr], dtype=torch.int64)
     first = torch.tensor([0] + [len(rr) for rr in rows_runs], dtype=torch.int64).cumsum(0)
     q = torch.randn(len(rows_runs), hkv * g, d, generator=gen)

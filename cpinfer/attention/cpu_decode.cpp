@@ -11,7 +11,10 @@
 //
 // Work items are (row, piece of its keys): an item streams its keys' rows in store order, block by block, and for
 // each KV head reads a key and value row once for the G = H / Hkv query heads that share it (online softmax over
-// the blocks). Items are shared among torch's intra-op threads (at::parallel_for: the same OpenMP team as every
+// the blocks; the next block's rows prefetched meanwhile). Head sizes 64 and 128 run in register tiles: 16 keys'
+// scores for up to 4 query heads at a time, and each value row loaded once into registers for up to 4 (128: 2)
+// heads' accumulators (measured on a 2-core Zen 4: a batch-4 decode step's attention at ~550 tokens 9.6 -> 7 ms,
+// the whole step ~2 ms less). Items are shared among torch's intra-op threads (at::parallel_for: the same OpenMP team as every
 // other op). With fewer rows than twice the threads each row's keys are cut into pieces (split-KV, pieces of at
 // least kMinPiece keys) so that every thread has work, and the pieces' partial softmax sums merged at the end.
 // Arithmetic is float32 throughout; the softmax in base 2 (scores times log2(e): a vector exp2, cpu_vec.h).
@@ -30,6 +33,7 @@
 namespace {
 
 using cpinfer_vec::exp2v;
+using cpinfer_vec::i16;
 using cpinfer_vec::kLog2e;
 using cpinfer_vec::load16;
 using cpinfer_vec::sum4;
@@ -48,39 +52,11 @@ struct Partial {  // an item's unnormalised result: acc [H, Dv], running max m [
   float* l;
 };
 
-// Scores of the G query heads at q against n key rows at k (k_row floats apart) into s[i * kBlock + j]. With a head
-// size that is a multiple of 16 known at compile time and G <= 4, four keys at a time with one vector accumulator
-// per (head, key): independent chains instead of one dot product after another, their sums four at a time (sum4).
-template <int64_t D>
-void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* __restrict__ k, int64_t k_row,
-            int64_t n, int64_t ahead, float scale, float* __restrict__ s) {
-  int64_t j = 0;
-  if constexpr (D > 0 && D % 16 == 0) {
-    if (g <= 4) {
-      for (; j + 4 <= n; j += 4) {
-        v16 acc[4][4] = {};
-        for (int64_t c = 0; c < D; c += 16) {
-          const v16 k0 = load16(k + j * k_row + c), k1 = load16(k + (j + 1) * k_row + c);
-          const v16 k2 = load16(k + (j + 2) * k_row + c), k3 = load16(k + (j + 3) * k_row + c);
-          for (int64_t u = 0; u < 4; ++u)  // the same channels of the next block's rows, into the cache meanwhile
-            if (j + u < ahead) __builtin_prefetch(k + (n + j + u) * k_row + c);
-          for (int64_t i = 0; i < g; ++i) {
-            const v16 qv = load16(q + i * D + c);
-            acc[i][0] += qv * k0;
-            acc[i][1] += qv * k1;
-            acc[i][2] += qv * k2;
-            acc[i][3] += qv * k3;
-          }
-        }
-        for (int64_t i = 0; i < g; ++i) {
-          const v16 t = sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-          for (int64_t u = 0; u < 4; ++u) s[i * kBlock + j + u] = t[4 * u] * scale;
-        }
-      }
-    }
-  }
-  const int64_t d = D > 0 ? D : d_rt;
-  for (; j < n; ++j) {
+// Any head size (attend<0, 0>): scores of the g query heads at q (rows d apart) against n key rows at k (k_row
+// floats apart) into s[i * kBlock + j], then acc[i] += sum_j s[i * kBlock + j] v_j, one dot product / row at a time.
+void scores_any(const float* __restrict__ q, int64_t g, int64_t d, const float* __restrict__ k, int64_t k_row,
+                int64_t n, float scale, float* __restrict__ s) {
+  for (int64_t j = 0; j < n; ++j) {
     const float* __restrict__ kj = k + j * k_row;
     for (int64_t i = 0; i < g; ++i) {
       const float* __restrict__ qi = q + i * d;
@@ -92,29 +68,8 @@ void scores(const float* __restrict__ q, int64_t g, int64_t d_rt, const float* _
   }
 }
 
-// acc[i] += sum_j s[i * kBlock + j] v_j over the n value rows at v (v_row floats apart), for the G heads. With a
-// value size that is a multiple of 16 (at most 128) known at compile time, each head's accumulator stays in
-// registers over the block (the block's rows, read again per head, are in the L1 cache).
-template <int64_t DV>
-void accumulate(const float* __restrict__ s, int64_t g, int64_t dv_rt, const float* __restrict__ v, int64_t v_row,
-                int64_t n, int64_t ahead, float* __restrict__ acc) {
-  if constexpr (DV > 0 && DV % 16 == 0 && DV <= 128) {
-    constexpr int64_t C = DV / 16;
-    for (int64_t i = 0; i < g; ++i) {
-      v16 a[C];
-      for (int64_t c = 0; c < C; ++c) a[c] = load16(acc + i * DV + 16 * c);
-      const float* __restrict__ si = s + i * kBlock;
-      for (int64_t j = 0; j < n; ++j) {
-        if (i == 0 && j < ahead)  // the next block's value row, into the cache meanwhile
-          for (int64_t c = 0; c < C; ++c) __builtin_prefetch(v + (n + j) * v_row + 16 * c);
-        const float p = si[j];
-        for (int64_t c = 0; c < C; ++c) a[c] += p * load16(v + j * v_row + 16 * c);
-      }
-      std::memcpy(acc + i * DV, a, sizeof(a));
-    }
-    return;
-  }
-  const int64_t dv = DV > 0 ? DV : dv_rt;
+void accumulate_any(const float* __restrict__ s, int64_t g, int64_t dv, const float* __restrict__ v, int64_t v_row,
+                    int64_t n, float* __restrict__ acc) {
   for (int64_t j = 0; j < n; ++j) {
     const float* __restrict__ vj = v + j * v_row;
     for (int64_t i = 0; i < g; ++i) {
@@ -123,6 +78,102 @@ void accumulate(const float* __restrict__ s, int64_t g, int64_t dv_rt, const flo
 #pragma omp simd
       for (int64_t c = 0; c < dv; ++c) ai[c] += p * vj[c];
     }
+  }
+}
+
+// Head sizes known at compile time (64, 128: attend<D, D>) in tiles of query heads that share a KV head.
+// The 16 scores of keys j .. j + 15 for GG query heads: four keys at a time, one accumulator per (head, key), each
+// four keys' sums reduced together (sum4 leaves key u's sum in lanes 4u .. 4u + 3), the four groups blended into one
+// vector (lane L from group L % 4: key 4 (L % 4) + L / 4) and put back in key order by one permute.
+template <int64_t D, int64_t GG>
+inline void scores16(const float* __restrict__ q, const float* __restrict__ k, int64_t k_row, float scale,
+                     float* __restrict__ s) {
+  static_assert(D % 16 == 0);
+  const i16 lane_mod4 = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+  v16 r[GG];
+  for (int64_t grp = 0; grp < 4; ++grp) {
+    const float* __restrict__ kk = k + 4 * grp * k_row;
+    v16 acc[GG][4] = {};
+    for (int64_t c = 0; c < D; c += 16) {
+      const v16 k0 = load16(kk + c), k1 = load16(kk + k_row + c);
+      const v16 k2 = load16(kk + 2 * k_row + c), k3 = load16(kk + 3 * k_row + c);
+      for (int64_t i = 0; i < GG; ++i) {
+        const v16 qv = load16(q + i * D + c);
+        acc[i][0] += qv * k0;
+        acc[i][1] += qv * k1;
+        acc[i][2] += qv * k2;
+        acc[i][3] += qv * k3;
+      }
+    }
+    for (int64_t i = 0; i < GG; ++i) {
+      const v16 t = sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      r[i] = grp == 0 ? t : (lane_mod4 == static_cast<int32_t>(grp) ? t : r[i]);
+    }
+  }
+  for (int64_t i = 0; i < GG; ++i) {
+    const v16 x = CPINFER_PERMUTE(r[i], 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15) * scale;
+    std::memcpy(s + i * kBlock, &x, sizeof(x));
+  }
+}
+
+// Scores of GG query heads (q rows D apart) against n <= kBlock key rows into s[i * kBlock + j], times scale.
+template <int64_t D, int64_t GG>
+void scores_tile(const float* __restrict__ q, const float* __restrict__ k, int64_t k_row, int64_t n, float scale,
+                 float* __restrict__ s) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) scores16<D, GG>(q, k + j * k_row, k_row, scale, s + j);
+  for (; j < n; ++j) {
+    const float* __restrict__ kj = k + j * k_row;
+    for (int64_t i = 0; i < GG; ++i) {
+      v16 a = {};
+      for (int64_t c = 0; c < D; c += 16) a += load16(q + i * D + c) * load16(kj + c);
+      s[i * kBlock + j] = tree_sum(a) * scale;
+    }
+  }
+}
+
+// acc[i] += sum_j s[i * kBlock + j] v_j for GG heads over n value rows: each row read once into registers for all
+// GG heads, GG * DV / 16 independent accumulators in registers over the block.
+template <int64_t DV, int64_t GG>
+void accumulate_tile(const float* __restrict__ s, const float* __restrict__ v, int64_t v_row, int64_t n,
+                     float* __restrict__ acc) {
+  constexpr int64_t C = DV / 16;
+  v16 a[GG][C];
+  for (int64_t i = 0; i < GG; ++i)
+    for (int64_t c = 0; c < C; ++c) a[i][c] = load16(acc + i * DV + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    v16 vv[C];
+    for (int64_t c = 0; c < C; ++c) vv[c] = load16(v + j * v_row + 16 * c);
+    for (int64_t i = 0; i < GG; ++i) {
+      const v16 p = v16{} + s[i * kBlock + j];
+      for (int64_t c = 0; c < C; ++c) a[i][c] += p * vv[c];
+    }
+  }
+  for (int64_t i = 0; i < GG; ++i) std::memcpy(acc + i * DV, a[i], sizeof(a[i]));
+}
+
+template <int64_t D>
+void scores_heads(const float* q, int64_t gg, const float* k, int64_t k_row, int64_t n, float scale, float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= gg; i += 4) scores_tile<D, 4>(q + i * D, k, k_row, n, scale, s + i * kBlock);
+  switch (gg - i) {
+    case 3: scores_tile<D, 3>(q + i * D, k, k_row, n, scale, s + i * kBlock); break;
+    case 2: scores_tile<D, 2>(q + i * D, k, k_row, n, scale, s + i * kBlock); break;
+    case 1: scores_tile<D, 1>(q + i * D, k, k_row, n, scale, s + i * kBlock); break;
+    default: break;
+  }
+}
+
+template <int64_t DV>
+void accumulate_heads(const float* s, int64_t gg, const float* v, int64_t v_row, int64_t n, float* acc) {
+  constexpr int64_t T = DV <= 64 ? 4 : 2;  // heads a tile: T * DV / 16 accumulators + DV / 16 value registers
+  int64_t i = 0;
+  for (; i + T <= gg; i += T) accumulate_tile<DV, T>(s + i * kBlock, v, v_row, n, acc + i * DV);
+  switch (gg - i) {
+    case 3: accumulate_tile<DV, 3>(s + i * kBlock, v, v_row, n, acc + i * DV); break;
+    case 2: accumulate_tile<DV, 2>(s + i * kBlock, v, v_row, n, acc + i * DV); break;
+    case 1: accumulate_tile<DV, 1>(s + i * kBlock, v, v_row, n, acc + i * DV); break;
+    default: break;
   }
 }
 
@@ -143,6 +194,7 @@ void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, i
   }
   std::fill(acc, acc + h * dv, 0.0f);
   alignas(64) float s[kMaxG * kBlock];
+  const int64_t kspan = (hkv - 1) * k_head + d, vspan = (hkv - 1) * v_head + dv;  // a slot's floats in use
   int64_t base = 0;  // index of run r's first key in the concatenation
   for (int64_t r = r0; r < r1 && base < hi; ++r) {
     const int64_t a = runs[2 * r], e = runs[2 * r + 1], len = e - a;
@@ -150,14 +202,20 @@ void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, i
     base += len;
     for (int64_t j0 = a + from; j0 < a + to; j0 += kBlock) {
       const int64_t n = std::min<int64_t>(kBlock, a + to - j0);
-      const int64_t ahead = std::min<int64_t>(kBlock, std::max<int64_t>(a + to - j0 - n, 0));  // next block's rows
+      for (int64_t j = j0 + n, j1 = std::min<int64_t>(a + to, j0 + n + kBlock); j < j1; ++j) {  // the next block
+        for (int64_t c = 0; c < kspan; c += 16) __builtin_prefetch(k + j * k_row + c);
+        for (int64_t c = 0; c < vspan; c += 16) __builtin_prefetch(v + j * v_row + c);
+      }
       for (int64_t kh = 0; kh < hkv; ++kh)
       for (int64_t g0 = 0; g0 < g; g0 += kMaxG) {  // a KV head's query heads, kMaxG at a time
         const int64_t gg = std::min<int64_t>(kMaxG, g - g0), h0 = kh * g + g0;
         float* __restrict__ mh = m + h0;
         float* __restrict__ lh = l + h0;
         float* __restrict__ ah = acc + h0 * dv;
-        scores<D>(q + h0 * d, gg, d, k + j0 * k_row + kh * k_head, k_row, n, g0 == 0 ? ahead : 0, scale, s);
+        if constexpr (D > 0)
+          scores_heads<D>(q + h0 * d, gg, k + j0 * k_row + kh * k_head, k_row, n, scale, s);
+        else
+          scores_any(q + h0 * d, gg, d, k + j0 * k_row + kh * k_head, k_row, n, scale, s);
         for (int64_t i = 0; i < gg; ++i) {  // base 2 (log2(e) is in the scale): vector exp2 and tree reductions
           float* __restrict__ si = s + i * kBlock;
           for (int64_t j = n; j < kBlock; ++j) si[j] = -std::numeric_limits<float>::infinity();  // 2^-inf = 0
@@ -178,7 +236,10 @@ void attend(const float* __restrict__ q, int64_t hkv, int64_t g, int64_t d_rt, i
 #pragma omp simd
           for (int64_t c = 0; c < dv; ++c) ai[c] *= alpha;
         }
-        accumulate<DV>(s, gg, dv, v + j0 * v_row + kh * v_head, v_row, n, g0 == 0 ? ahead : 0, ah);
+        if constexpr (DV > 0)
+          accumulate_heads<DV>(s, gg, v + j0 * v_row + kh * v_head, v_row, n, ah);
+        else
+          accumulate_any(s, gg, dv, v + j0 * v_row + kh * v_head, v_row, n, ah);
       }
     }
   }
@@ -188,7 +249,7 @@ using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, cons
                           int64_t, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, float,
                           Partial);
 
-AttendFn pick(int64_t d, int64_t dv) {  // compile-time head sizes for the common ones (unrolled channel loops)
+AttendFn pick(int64_t d, int64_t dv) {  // compile-time head sizes for the common ones (register tiles)
   if (d == 64 && dv == 64) return attend<64, 64>;
   if (d == 128 && dv == 128) return attend<128, 128>;
   return attend<0, 0>;
