@@ -4,8 +4,8 @@ channels (MLA's latent), rows reading several runs of a strided store, many rows
 prefill flash attention against float64 — causal and full blocks, ragged lengths, GQA / MQA / MHA, MLA's head sizes,
 strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; the one-pass RoPE bit-identical to aten's
 element-wise form; cpinfer's small-batch linear (1-16 rows) against float64, the same bits for a row alone or in any
-batch and on 1 or 2 threads; and the CPU Linears' choice (`model/cpu_gemm.py`): the kernel for 1-2 rows, oneDNN's
-packed weight from 3, both against float64, repacked when the weight changes in place, the kernel or `F.linear`
+batch and on 1 or 2 threads; and the CPU Linears' choice (`model/cpu_gemm.py`): the kernel for 1-4 rows, oneDNN's
+packed weight from 5, both against float64, repacked when the weight changes in place, the kernel or `F.linear`
 past the packing budget (given back when a copy goes)."""
 from __future__ import annotations
 
@@ -370,7 +370,7 @@ def test_silu_mul_kernel_rejects_what_it_does_not_take():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17, 33, 100, 2048])
 def test_packed_linear_matches_linear(rows):
-    """1-2 rows: cpinfer's kernel (no packed copy); from 3 rows oneDNN over the packed copy; both within float32
+    """1-4 rows: cpinfer's kernel (no packed copy); from 5 rows oneDNN over the packed copy; both within float32
     rounding of float64."""
     gen = torch.Generator().manual_seed(rows)
     w, b = torch.randn(384, 96, generator=gen), torch.randn(384, generator=gen)
@@ -474,7 +474,7 @@ def test_packed_linear_follows_weight_changes_and_keeps_module_shape():
     names = [n for n, _ in lin.state_dict().items()]
     pack_linear(lin)
     assert type(lin) is nn.Linear and [n for n, _ in lin.state_dict().items()] == names
-    x = torch.randn(20, 64)  # from 3 rows: oneDNN's packed copy (1-2: cpinfer's kernel, reading the weight itself)
+    x = torch.randn(20, 64)  # from 5 rows: oneDNN's packed copy (1-4: cpinfer's kernel, reading the weight itself)
     with torch.no_grad():
         first = lin(x)
         assert lin._packed.packed is not None

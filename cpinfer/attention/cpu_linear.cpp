@@ -1,6 +1,6 @@
 // A few rows times a weight on the CPU in float32: x [M, K] @ w[N, K]^T (+ bias) for a decode step's M rows
 // (cpinfer/attention/cpu_kernels.py builds and loads this file with the other kernels; the op is
-// torch.ops.cpinfer.small_linear; cpinfer/model/cpu_gemm.py calls it for a decode step's 1-2 rows, and up to 16 for
+// torch.ops.cpinfer.small_linear; cpinfer/model/cpu_gemm.py calls it for a decode step's 1-4 rows, and up to 16 for
 // a weight left without oneDNN's packed copy).
 //
 // A decode step reads every weight once for a few rows: the product is a stream of the weight from memory, and the
@@ -49,13 +49,15 @@ constexpr int kBest = 1;     // (built without AVX-512 on the same EPYC: 1 row 3
 // out[m, n + r] for m < MR, r < 4: x rows x[m] (stride xs), weight rows w[r] (k contiguous)
 template <int MR>
 inline void tile(const float* const* w, const float* x, int64_t xs, int64_t k, const float* bias, float* out,
-                 int64_t os, int64_t n, int nr) {
+                 int64_t os, int64_t n, int nr, const float* next) {
   v16 acc[MR][kRows];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < kRows; ++r) acc[m][r] = v16{};
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     v16 w0 = load16(w[0] + i), w1 = load16(w[1] + i), w2 = load16(w[2] + i), w3 = load16(w[3] + i);
+    if (next)  // the same line of the next tile's rows (a hint, never a fault): memory kept busy during the FMAs
+      for (int r = 0; r < kRows; ++r) __builtin_prefetch(next + r * k + i);
     CPINFER_IN_REGISTER(w0);
     CPINFER_IN_REGISTER(w1);
     CPINFER_IN_REGISTER(w2);
@@ -115,12 +117,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
       const int nr = static_cast<int>(std::min<int64_t>(kRows, n - n0));
       const float* rows[kRows];
       for (int r = 0; r < kRows; ++r) rows[r] = wp + (n0 + std::min(r, nr - 1)) * k;  // past N: a repeat, dropped
+      const float* next = t + 1 < end ? wp + (n0 + kRows) * k : nullptr;  // this thread's next tile (rows' first pass)
       int64_t i = 0;
-      for (; i + kGroup <= m; i += kGroup) tile<kGroup>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr);
+      for (; i + kGroup <= m; i += kGroup) {
+        tile<kGroup>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr, next);
+        next = nullptr;
+      }
       switch (m - i) {  // (AVX-512: a remainder of 1-3 rows)
-        case 3: tile<3>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr); break;
-        case 2: tile<2>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr); break;
-        case 1: tile<1>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr); break;
+        case 3: tile<3>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr, next); break;
+        case 2: tile<2>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr, next); break;
+        case 1: tile<1>(rows, xp + i * xs, xs, k, bp, op + i * n, n, n0, nr, next); break;
         default: break;
       }
     }

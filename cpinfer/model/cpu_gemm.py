@@ -4,14 +4,16 @@ oneDNN's packed weights.
 torch's `F.linear` calls MKL's sgemm, which on the AMD EPYC of docs/benchmarks.md runs a prefill's GEMMs at 120-195
 GFLOP/s (2 threads) and streams a decode step's weights at 7-10 GB/s of the ~26 the memory gives. So a plain
 `nn.Linear` given `pack_linear` (the engine does it for every one on the CPU, `CausalLM.pack_linears`) multiplies:
-- **1-2 rows** (`ONEDNN_FROM` - 1): cpinfer's kernel (`attention/cpu_linear.cpp`, `torch.ops.cpinfer.small_linear`):
-  each thread streams its share of the weight's rows once against the rows of x held in registers, no copy of the
-  weight (the 30 layers of SmolLM2-135M plus its LM head at 1 row: 54 -> 23-25 ms). A row's result does not depend
-  on the batch it is in; it differs from `F.linear`'s by float32 rounding (another order of the same products).
-- **from 3 rows on** (a decode batch, a prefill chunk): oneDNN's GEMM over a copy of the weight packed once into
+- **1-4 rows** (`ONEDNN_FROM` - 1): cpinfer's kernel (`attention/cpu_linear.cpp`, `torch.ops.cpinfer.small_linear`):
+  each thread streams its share of the weight's rows once against the rows of x held in registers, the next rows
+  prefetched, no copy of the weight (the 30 layers of SmolLM2-135M plus its LM head at 1 row: 54 -> 21-25 ms; a
+  batch-4 decode step's Linears in the engine 26-29 ms against oneDNN's 27-35, the step 40-43 against 43-50, in
+  alternating runs; at 3 and 5 rows neither wins). A row's result does not depend on the batch it is in; it differs
+  from `F.linear`'s by float32 rounding (another order of the same products).
+- **from 5 rows on** (a decode batch, a prefill chunk): oneDNN's GEMM over a copy of the weight packed once into
   its blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what torch's own CPU
-  inference passes use): prefill shapes 200-222 GFLOP/s, a decode step of 4 rows 22-27 ms (cpinfer's kernel 28-34,
-  MKL 63), of 16 rows 33 ms (44-50, 71). Results within float32 rounding of `F.linear`'s.
+  inference passes use): prefill shapes 200-222 GFLOP/s, a decode step of 8 rows 30 ms (cpinfer's kernel 33-36), of
+  16 rows 33-41 ms (43-44, MKL 71). Results within float32 rounding of `F.linear`'s.
 - a weight that cannot be packed (past the memory budget below, or no oneDNN in this torch): cpinfer's kernel up to
   16 rows (`SMALL_ROWS`, 1 on a CPU without AVX-512), `F.linear` above.
 Not float32, not on the CPU, a gradient wanted, or without the compiled kernels (`CPINFER_CPU_KERNELS=0`, no
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from cpinfer.attention.cpu_kernels import small_linear_op, small_linear_rows
 
 SMALL_ROWS = 16  # cpinfer's kernel takes up to this many rows (`cpu_linear.cpp`)
-ONEDNN_FROM = 3  # from this many rows oneDNN's packed GEMM beats cpinfer's kernel (measured: 1-2 rows it does not)
+ONEDNN_FROM = 5  # from this many rows oneDNN's packed GEMM beats cpinfer's kernel (measured: 1-4 rows it does not)
 _lock = threading.Lock()
 _budget: list[int] = []  # bytes of packed copies still allowed (set on first use)
 
@@ -62,8 +64,8 @@ def _available() -> bool:
 
 
 class PackedWeight:
-    """One [out, in] weight's products on the CPU (see the module's docstring): cpinfer's kernel for 1-2 rows, oneDNN
-    over a packed copy of the weight (made on first use) from 3 rows up to `max_rows` (None: any), else `F.linear`."""
+    """One [out, in] weight's products on the CPU (see the module's docstring): cpinfer's kernel for 1-4 rows, oneDNN
+    over a packed copy of the weight (made on first use) from 5 rows up to `max_rows` (None: any), else `F.linear`."""
 
     def __init__(self, max_rows: int | None = None):
         self.max_rows = max_rows
@@ -73,7 +75,7 @@ class PackedWeight:
         self.refused = not _available()
 
     def small(self, rows: int) -> bool:
-        """Whether `rows` rows go to cpinfer's kernel: up to 2 rows, or up to 16 when there is no packed copy."""
+        """Whether `rows` rows go to cpinfer's kernel: up to 4 rows, or up to 16 when there is no packed copy."""
         limit = min(small_linear_rows(), SMALL_ROWS if self.refused else ONEDNN_FROM - 1)
         return 1 <= rows <= (limit if self.max_rows is None else min(limit, self.max_rows))
 

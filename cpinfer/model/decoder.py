@@ -106,7 +106,7 @@ class CausalLM(nn.Module):
 
     def pack_linears(self) -> int:
         """CPU: every plain nn.Linear multiplies its rows through `cpu_gemm.PackedWeight` from now on (cpinfer's
-        kernel for a decode step's 1-2 rows, oneDNN over a packed copy of the weight from 3 rows on; the fused q / k /
+        kernel for a decode step's 1-4 rows, oneDNN over a packed copy of the weight from 5 rows on; the fused q / k /
         v and gate / up GEMMs already do); the LM head up to 16 rows (more: the weight-first product below). How
         many modules."""
         linears = [m for m in self.modules() if type(m) is nn.Linear]
