@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpinfer.engine.sampling import GREEDY_EPS, SampleSpec, SamplingError, SamplingParams, allowed_mask, sample
+from cpinfer.engine.sampling import (GREEDY_EPS, SampleSpec, SamplingError, SamplingParams, allowed_mask, greedy_rows,
+                                     plain_greedy, sample)
 
 VALUES = st.one_of(st.floats(-1e4, 1e4), st.sampled_from([math.nan, math.inf, -math.inf, 3.0e38, -3.0e38]))
 
@@ -54,6 +55,31 @@ def test_sampler_is_total(case):
     assert all(not math.isnan(lp) for _, lp in top)
     # reproducible: the same (seed, step) draws the same token
     assert sample(logits, spec)[0] == token
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 70).flatmap(lambda v: st.lists(st.lists(VALUES, min_size=v, max_size=v), min_size=1,
+                                                      max_size=6)))
+def test_greedy_rows_are_each_rows_sample(rows):
+    """A decode batch's plain greedy rows in one pass: each row's token and log-probability the same bits as
+    `sample` of that row alone (NaN, +-inf, ties, rows with nothing finite)."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    spec = SampleSpec(0.0, 1.0, 0, 1, 0, 0)
+    assert plain_greedy(spec)
+    got = greedy_rows(logits)
+    want = [sample(row, spec)[:2] for row in logits]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert a == b or (math.isinf(a) and math.isinf(b) and a < 0 and b < 0), (got, want)
+
+
+def test_plain_greedy_is_only_the_plain_argmax():
+    base = SampleSpec(0.0, 1.0, 0, 1, 0, 0)
+    assert plain_greedy(base) and plain_greedy(dataclasses.replace(base, temperature=GREEDY_EPS / 2, top_p=0.5))
+    for other in (dict(temperature=0.7), dict(top_logprobs=2), dict(logit_bias=((1, 2.0),)), dict(suppress=(3,)),
+                  dict(allowed=_bitmask(np.ones(8, dtype=bool))), dict(output=np.array([1])),
+                  dict(prompt=np.array([2]))):
+        assert not plain_greedy(dataclasses.replace(base, **other)), other
 
 
 def test_tiny_temperature_is_greedy_and_nan_never_wins():

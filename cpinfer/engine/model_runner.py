@@ -32,7 +32,7 @@ from cpinfer.engine.kv.state_store import StateStore
 from cpinfer.engine.kv.store import KVStore, KVWidths
 from cpinfer.engine.recurrent import RecurrentRunner
 from cpinfer.engine.kv.tier_store import RankTiers, SharedRows
-from cpinfer.engine.sampling import sample
+from cpinfer.engine.sampling import greedy_rows, plain_greedy, sample
 from cpinfer.engine.sparse_attention import SparseAttention
 from cpinfer.engine.spec_decode.rejection import row_specs, verify
 from cpinfer.model import ModelConfig, load_model
@@ -326,11 +326,22 @@ class ModelRunner:
         """Sample sequence which[i] from its rows of logits ([rows, vocab] on the host, in order: one row per
         sequence, k+1 for a verify sequence, which keeps the target's distribution by spec/rejection.py with its
         proposer's q rows from draft_probs[draft_key] when it left some, else as deterministic drafts)."""
+        starts = np.cumsum([0] + [batch.seqs[b].sampled_rows for b in which])
+        plain = [i for i, b in enumerate(which) if batch.seqs[b].draft is None and plain_greedy(batch.seqs[b].sample)]
+        greedy = {}  # several plain greedy sequences (a decode batch): their rows in one pass
+        if len(plain) > 1:
+            try:
+                greedy = dict(zip(plain, greedy_rows(logits[torch.as_tensor(starts[plain])])))
+            except Exception:  # noqa: BLE001 - each row alone below then, where a failure is its request's
+                greedy = {}
         out, at = [], 0
-        for b in which:
+        for i, b in enumerate(which):
             s = batch.seqs[b]
             rows, at = logits[at:at + s.sampled_rows], at + s.sampled_rows
             try:
+                if i in greedy:
+                    out.append(SampleResult(b, *greedy[i], ()))
+                    continue
                 if s.draft is None:
                     out.append(SampleResult(b, *sample(rows[0], s.sample)))
                     continue

@@ -249,6 +249,21 @@ def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float, tuple[tu
     return (token,) + token_logprobs(raw, token, spec)
 
 
+def plain_greedy(spec: SampleSpec) -> bool:
+    """Greedy over the raw logits with only the chosen token's log-probability: `greedy_rows` takes it."""
+    return spec.temperature < GREEDY_EPS and not spec.top_logprobs and _plain(spec)
+
+
+def greedy_rows(logits: torch.Tensor) -> list[tuple[int, float]]:
+    """[n, vocab] logits of n `plain_greedy` sequences → per row what `sample` gives for that row alone (token, its
+    log-probability), in one pass over the rows instead of n: the same argmax (the first maximal index) and the
+    same log-softmax along the vocabulary."""
+    raw = _clean(logits.float())
+    tokens = torch.argmax(raw, dim=-1)
+    lps = torch.log_softmax(raw, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return [(t, _NEG if math.isnan(lp) else lp) for t, lp in zip(tokens.tolist(), lps.tolist())]
+
+
 def scores_of(logits: torch.Tensor, spec: SampleSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """[vocab] logits → (raw: NaN → -inf, +inf → the largest float; scores: the processed ones a draw or argmax
     reads, with a finite maximum for a draw)."""
