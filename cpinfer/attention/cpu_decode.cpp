@@ -14,9 +14,10 @@
 // the blocks; the next block's rows prefetched meanwhile). Head sizes 64 and 128 run in register tiles: 16 keys'
 // scores for up to 4 query heads at a time, and each value row loaded once into registers for up to 4 (128: 2)
 // heads' accumulators (measured on a 2-core Zen 4: a batch-4 decode step's attention at ~550 tokens 9.6 -> 7 ms,
-// the whole step ~2 ms less). Items are shared among torch's intra-op threads (at::parallel_for: the same OpenMP team as every
-// other op). With fewer rows than twice the threads each row's keys are cut into pieces (split-KV, pieces of at
-// least kMinPiece keys) so that every thread has work, and the pieces' partial softmax sums merged at the end.
+// the whole step ~2 ms less). Items are shared among torch's intra-op threads (at::parallel_for: the same OpenMP
+// team as every other op). With fewer rows than twice the threads each row's keys are cut into pieces (split-KV,
+// pieces of at least kMinPiece keys) so that every thread has work, and the pieces' partial softmax sums merged at
+// the end.
 // Arithmetic is float32 throughout; the softmax in base 2 (scores times log2(e): a vector exp2, cpu_vec.h).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
