@@ -204,6 +204,9 @@ def test_a_failed_sample_ends_only_its_request_and_frees_its_blocks(llama_checkp
             raise RuntimeError("injected sampling failure")
         return sample(logits, spec)
 
+    def batch_fails(logits):  # a decode batch's greedy rows in one pass failing: each row is then drawn alone
+        raise RuntimeError("injected failure of the batched greedy draw")
+
     path = llama_checkpoint("gqa")
     engine = LLMEngine(str(path), context_parallel_size=1, max_model_len=128, enable_prefix_caching=False,
                        threads_per_rank=1)
@@ -213,6 +216,7 @@ def test_a_failed_sample_ends_only_its_request_and_frees_its_blocks(llama_checkp
         ref = [o for _ in range(20) for o in engine.step() if o.finished]
         kept = engine.kv.tokens_per_rank()  # a finished request's tokens stay cached (LRU), even without reuse
         monkeypatch.setattr(model_runner, "sample", flaky)
+        monkeypatch.setattr(model_runner, "greedy_rows", batch_fails)
         engine.add_request("good", [5, 6, 7, 8, 9], good)
         engine.add_request("bad", [3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, seed=666, ignore_eos=True))
         finished = {}
