@@ -326,18 +326,18 @@ class ModelRunner:
         """Sample sequence which[i] from its rows of logits ([rows, vocab] on the host, in order: one row per
         sequence, k+1 for a verify sequence, which keeps the target's distribution by spec/rejection.py with its
         proposer's q rows from draft_probs[draft_key] when it left some, else as deterministic drafts)."""
-        starts = np.cumsum([0] + [batch.seqs[b].sampled_rows for b in which])
+        starts = np.cumsum([0] + [batch.seqs[b].sampled_rows for b in which])  # which[i]: rows starts[i]:starts[i+1]
         plain = [i for i, b in enumerate(which) if batch.seqs[b].draft is None and plain_greedy(batch.seqs[b].sample)]
         greedy = {}  # several plain greedy sequences (a decode batch): their rows in one pass
         if len(plain) > 1:
             try:
                 greedy = dict(zip(plain, greedy_rows(logits[torch.as_tensor(starts[plain])])))
-            except Exception:  # noqa: BLE001 - each row alone below then, where a failure is its request's
-                greedy = {}
-        out, at = [], 0
+            except Exception:  # noqa: BLE001 - then each row alone below, where a failure is its request's
+                pass
+        out = []
         for i, b in enumerate(which):
             s = batch.seqs[b]
-            rows, at = logits[at:at + s.sampled_rows], at + s.sampled_rows
+            rows = logits[starts[i]:starts[i + 1]]
             try:
                 if i in greedy:
                     out.append(SampleResult(b, *greedy[i], ()))
