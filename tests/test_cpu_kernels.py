@@ -4,9 +4,9 @@ channels (MLA's latent), rows reading several runs of a strided store, many rows
 prefill flash attention against float64 — causal and full blocks, ragged lengths, GQA / MQA / MHA, MLA's head sizes,
 strided views, 1 vs 2 threads, and `cpu_flash_backend` taking it; the one-pass RoPE bit-identical to aten's
 element-wise form; cpinfer's small-batch linear (1-16 rows) against float64, the same bits for a row alone or in any
-batch and on 1 or 2 threads; and the CPU Linears' choice (`model/cpu_gemm.py`): the kernel for 1-4 rows, oneDNN's
-packed weight from 5, both against float64, repacked when the weight changes in place, the kernel or `F.linear`
-past the packing budget (given back when a copy goes)."""
+batch, on 1 or 2 threads and from the weight's interleaved copy; and the CPU Linears' choice (`model/cpu_gemm.py`):
+the kernel for 1-4 rows, oneDNN's packed weight from 5, both against float64, copied again when the weight changes
+in place, the kernel or `F.linear` past the packing budget (given back when a copy goes)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ from torch import nn
 
 from cpinfer.attention import kernels
 from cpinfer.attention.cpu_kernels import (decode_attention_op, flash_attention_op, rms_norm_op, rope_op, silu_mul_op,
-                                          small_linear_op, small_linear_rows)
+                                          small_linear_op, small_linear_rows, small_linear_tiled_ops)
 from cpinfer.model import blocks, norms, rope
 from cpinfer.model import cpu_gemm
 from cpinfer.model.cpu_gemm import PackedWeight, pack_linear
@@ -430,6 +430,64 @@ def test_small_linear_is_batch_invariant_and_thread_invariant():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, full)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 7), (4, 16), (17, 33), (130, 200), (8, 576)])
+def test_small_linear_tiled_is_the_same_product(n, k):
+    """The interleaved copy (ragged last tile of weight rows, K's tail zero-padded) gives the kernel's own bits for
+    1-16 rows, with and without a bias; the copy holds each tile's rows 16 values at a time, zeros past N and K."""
+    op, tiled_ops = _small_linear(), small_linear_tiled_ops()
+    if op is None:
+        return
+    tiles, tiled = tiled_ops
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    t = tiles(w)
+    n4, k16 = (n + 3) // 4 * 4, (k + 15) // 16 * 16
+    assert t.shape == (n4 // 4, k16 // 16, 4, 16) and t.is_contiguous()
+    rows = t.transpose(1, 2).reshape(n4, k16)  # back to [N, K] (padded)
+    assert torch.equal(rows[:n, :k], w) and not rows[n:].any() and not rows[:, k:].any()
+    for m in (1, 2, 3, 4, 5, 9, 16):
+        x = torch.randn(m, k, generator=gen)
+        for bias in (None, b):
+            assert torch.equal(tiled(x, t, n, bias), op(x, w, bias)), (m, bias is None)
+    with pytest.raises(RuntimeError, match="do not hold"):
+        tiled(torch.randn(2, k), t, n + 4, None)
+    with pytest.raises(RuntimeError, match="do not hold"):
+        tiled(torch.randn(2, k + 16), t, n, None)
+    with pytest.raises(RuntimeError, match="tiles float32"):
+        tiled(torch.randn(2, k), rows, n, None)
+
+
+def test_packed_weight_reads_the_interleaved_copy_within_the_budget(monkeypatch):
+    """1-4 rows: the kernel over the weight's interleaved copy, made once and charged to the packing budget, made
+    again when the weight changes in place; past the budget the kernel reads the weight itself (the same bits)."""
+    if small_linear_tiled_ops() is None or small_linear_rows() < 4:
+        assert small_linear_tiled_ops() is None or small_linear_rows() >= 1
+        return
+    monkeypatch.setattr(cpu_gemm, "_budget", [100_000])
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(50, 96, generator=gen), torch.randn(4, 96, generator=gen)
+    packed = PackedWeight()
+    wb = torch.randn(512, 96, generator=gen)  # 196 KB: past what is left after the first copy
+    with torch.inference_mode():
+        wi = w.clone()  # an inference tensor: no version counter to follow, so no copy (the weight itself)
+        assert torch.equal(PackedWeight().linear(x, wi), small_linear_op()(x, wi, None))
+        assert cpu_gemm._budget == [100_000]
+        out = packed.linear(x, w)
+        copy = packed.tiles.tensor
+        assert copy is not None and packed.packed is None
+        assert cpu_gemm._budget == [100_000 - packed.tiles.charged] and packed.tiles.charged == 52 * 96 * 4
+        assert torch.equal(out, small_linear_op()(x, w, None))
+        assert packed.linear(x[:1], w).data_ptr() != out.data_ptr() and packed.tiles.tensor is copy  # made once
+        w.mul_(-2.0)  # in place: the copy is stale and made again
+        assert torch.equal(packed.linear(x, w), small_linear_op()(x, w, None))
+        assert packed.tiles.tensor is not copy
+        big = PackedWeight()
+        assert torch.equal(big.linear(x, wb), small_linear_op()(x, wb, None))
+        assert big.tiles.refused and big.tiles.tensor is None
+    del packed  # its copy's bytes go back
+    assert cpu_gemm._budget == [100_000]
 
 
 def test_small_linear_refusals():

@@ -153,6 +153,13 @@ def small_linear_op():
     return torch.ops.cpinfer.small_linear if _loaded() else None
 
 
+def small_linear_tiled_ops():
+    """(torch.ops.cpinfer.small_linear_tiles, torch.ops.cpinfer.small_linear_tiled) (`cpu_linear.cpp`: a weight's
+    interleaved copy, one stream a tile of four rows, and `small_linear`'s product read from it, the same bits), or
+    None."""
+    return (torch.ops.cpinfer.small_linear_tiles, torch.ops.cpinfer.small_linear_tiled) if _loaded() else None
+
+
 def small_linear_rows() -> int:
     """The rows of x up to which `small_linear_op` is the faster product on this build (16 with AVX-512, 1 without:
     its tiles need 32 vector registers); 0 without the library."""
@@ -168,4 +175,4 @@ def silu_mul_op():
 
 
 __all__ = ["decode_attention_op", "flash_attention_op", "rms_norm_op", "rope_op", "silu_mul_op", "small_linear_op",
-           "small_linear_rows"]
+           "small_linear_rows", "small_linear_tiled_ops"]

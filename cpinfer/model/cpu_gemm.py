@@ -5,11 +5,13 @@ torch's `F.linear` calls MKL's sgemm, which on the AMD EPYC of docs/benchmarks.m
 GFLOP/s (2 threads) and streams a decode step's weights at 7-10 GB/s of the ~26 the memory gives. So a plain
 `nn.Linear` given `pack_linear` (the engine does it for every one on the CPU, `CausalLM.pack_linears`) multiplies:
 - **1-4 rows** (`ONEDNN_FROM` - 1): cpinfer's kernel (`attention/cpu_linear.cpp`, `torch.ops.cpinfer.small_linear`):
-  each thread streams its share of the weight's rows once against the rows of x held in registers, the next rows
-  prefetched, no copy of the weight (the 30 layers of SmolLM2-135M plus its LM head at 1 row: 54 -> 21-25 ms; a
-  batch-4 decode step's Linears in the engine 26-29 ms against oneDNN's 27-35, the step 40-43 against 43-50, in
-  alternating runs; at 3 and 5 rows neither wins). A row's result does not depend on the batch it is in; it differs
-  from `F.linear`'s by float32 rounding (another order of the same products).
+  each thread streams its share of the weight's rows once against the rows of x held in registers. It reads a copy
+  of the weight interleaved by tiles of four rows (`small_linear_tiles`, made on first use, in 2 MB pages where the
+  kernel gives them): one stream from memory a thread where the weight's own rows are four, which a core pulls at
+  about half the rate (the 30 layers of SmolLM2-135M plus its LM head, 2 threads, alternating: 1 row 28-36 ms from
+  the weight -> 23-31 from the copy; the engine's batch-4 decode step 40-50 -> 37-40 ms, batch 1 at 3K tokens 40-56
+  -> 35-44). The same bits either way. A row's result does not depend on the batch it is in; it differs from
+  `F.linear`'s by float32 rounding (another order of the same products).
 - **from 5 rows on** (a decode batch, a prefill chunk): oneDNN's GEMM over a copy of the weight packed once into
   its blocked layout (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what torch's own CPU
   inference passes use): prefill shapes 200-222 GFLOP/s, a decode step of 8 rows 30 ms (cpinfer's kernel 33-36), of
@@ -19,10 +21,11 @@ GFLOP/s (2 threads) and streams a decode step's weights at 7-10 GB/s of the ~26 
 Not float32, not on the CPU, a gradient wanted, or without the compiled kernels (`CPINFER_CPU_KERNELS=0`, no
 compiler: oneDNN from 1 row): `F.linear` or oneDNN as above, never a wrong shape.
 
-A packed copy costs about its weight's memory (bounded, as 1.3x each, to `CPINFER_PACKED_GEMM_GIB` in all; default
-an eighth of the machine's memory; 0 turns packing off), made on the first call that needs it and given back when
-its module goes. A weight changed in place or given new storage afterwards is packed again (its version counter and
-address are checked every call).
+Each copy (oneDNN's, the interleaved one) costs about its weight's memory (bounded, oneDNN's as 1.3x, to
+`CPINFER_PACKED_GEMM_GIB` in all; default an eighth of the machine's memory; 0 turns both off: the kernel then reads
+the weight itself), made on the first call that needs it and given back when its module goes; past the budget a
+weight goes without. A weight changed in place or given new storage afterwards is copied again (its version counter
+and address are checked every call); an inference tensor (no version counter) is never copied.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpinfer.attention.cpu_kernels import small_linear_op, small_linear_rows
+from cpinfer.attention.cpu_kernels import small_linear_op, small_linear_rows, small_linear_tiled_ops
 
 SMALL_ROWS = 16  # cpinfer's kernel takes up to this many rows (`cpu_linear.cpp`)
 ONEDNN_FROM = 5  # from this many rows oneDNN's packed GEMM beats cpinfer's kernel (measured: 1-4 rows it does not)
@@ -63,16 +66,58 @@ def _available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+class _Copy:
+    """A weight's copy in another layout (`make(weight)`), made on the first call that needs it when its bytes fit the
+    budget (else refused for good), made again when the weight is changed in place or given new storage (its address,
+    version counter and shape are checked every call), its bytes given back when this goes."""
+
+    def __init__(self, make, scale: float = 1.0):
+        self.make, self.scale = make, scale
+        self.tensor: Tensor | None = None
+        self.key: tuple | None = None  # (address, version, shape) of the weight copied
+        self.charged = 0  # bytes of the budget this copy holds
+        self.refused = False
+
+    def of(self, weight: Tensor, nbytes: int) -> Tensor | None:
+        """The copy of `weight` (nbytes: its size before `scale`), or None: refused, or an inference tensor (one made
+        under `torch.inference_mode`, whose in-place changes no version counter tells)."""
+        if weight.is_inference():
+            return None
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self.key:
+            if self.tensor is None:
+                nbytes = int(nbytes * self.scale)
+                if self.refused or not _charge(nbytes):
+                    self.refused = True
+                    return None
+                self.charged = nbytes
+                weakref.finalize(self, _charge, -nbytes)  # given back when this goes (or at exit: no teardown race)
+            self.tensor = self.make(weight.detach().contiguous())
+            self.key = key
+        return self.tensor
+
+
 class PackedWeight:
-    """One [out, in] weight's products on the CPU (see the module's docstring): cpinfer's kernel for 1-4 rows, oneDNN
-    over a packed copy of the weight (made on first use) from 5 rows up to `max_rows` (None: any), else `F.linear`."""
+    """One [out, in] weight's products on the CPU (see the module's docstring): cpinfer's kernel for 1-4 rows (over
+    the weight's interleaved copy when it fits the budget, else the weight itself), oneDNN over a packed copy of the
+    weight (made on first use) from 5 rows up to `max_rows` (None: any), else `F.linear`."""
 
     def __init__(self, max_rows: int | None = None):
         self.max_rows = max_rows
-        self.packed: Tensor | None = None
-        self.key: tuple | None = None  # (address, version, shape) of the weight packed
-        self.charged = 0  # bytes of the budget this copy holds
-        self.refused = not _available()
+        self.refused = not _available()  # no oneDNN copy (none in this torch, or past the budget)
+        self.onednn = _Copy(lambda w: torch.ops.mkldnn._reorder_linear_weight(w), scale=1.3)  # (its blocked layout)
+        tiled = small_linear_tiled_ops()
+        self.tiles = _Copy(tiled[0]) if tiled is not None else None  # cpinfer's kernel's one-stream layout
+
+    @property
+    def packed(self) -> Tensor | None:
+        """oneDNN's packed copy, once made."""
+        return self.onednn.tensor
+
+    @property
+    def charged(self) -> int:
+        """Bytes of the budget oneDNN's copy holds."""
+        return self.onednn.charged
 
     def small(self, rows: int) -> bool:
         """Whether `rows` rows go to cpinfer's kernel: up to 4 rows, or up to 16 when there is no packed copy."""
@@ -88,18 +133,18 @@ class PackedWeight:
         return self.small(rows) or self._packs(rows)
 
     def _pack(self, weight: Tensor) -> Tensor | None:
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-        if key != self.key:
-            if self.packed is None:
-                nbytes = int(weight.numel() * 4 * 1.3)
-                if not _charge(nbytes):
-                    self.refused = True
-                    return None
-                self.charged = nbytes
-                weakref.finalize(self, _charge, -nbytes)  # given back when this goes (or at exit: no teardown race)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-            self.key = key
-        return self.packed
+        packed = self.onednn.of(weight, weight.numel() * 4)
+        self.refused = packed is None
+        return packed
+
+    def _small(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """cpinfer's kernel: x [rows, in] -> [rows, out], from the interleaved copy (one stream a thread; the same
+        bits) when there is one."""
+        n, k = weight.shape
+        tiles = None if self.tiles is None else self.tiles.of(weight, (n + 3) // 4 * 4 * ((k + 15) // 16 * 16) * 4)
+        if tiles is None:
+            return small_linear_op()(x, weight, bias)
+        return small_linear_tiled_ops()[1](x, tiles, n, bias)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -118,7 +163,7 @@ class PackedWeight:
                 return out.reshape(*x.shape[:-1], weight.shape[0])
             small = kernel_fits and self.small(rows)  # refused just now: the kernel takes up to 16 rows
         if small:
-            out = small_linear_op()(x.reshape(rows, x.shape[-1]), weight, bias)
+            out = self._small(x.reshape(rows, x.shape[-1]), weight, bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 

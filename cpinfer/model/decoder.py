@@ -106,9 +106,9 @@ class CausalLM(nn.Module):
 
     def pack_linears(self) -> int:
         """CPU: every plain nn.Linear multiplies its rows through `cpu_gemm.PackedWeight` from now on (cpinfer's
-        kernel for a decode step's 1-4 rows, oneDNN over a packed copy of the weight from 5 rows on; the fused q / k /
-        v and gate / up GEMMs already do); the LM head up to 16 rows (more: the weight-first product below). How
-        many modules."""
+        kernel for a decode step's 1-4 rows over an interleaved copy of the weight, oneDNN over a packed copy from 5
+        rows on; the fused q / k / v and gate / up GEMMs already do); the LM head up to 16 rows (more: the
+        weight-first product below). How many modules."""
         linears = [m for m in self.modules() if type(m) is nn.Linear]
         for m in linears:
             pack_linear(m, 16 if m is self.lm_head else None)
