@@ -66,6 +66,15 @@ def test_weight_updates_reach_the_fused_gemm_and_replacements_end_it(llama_check
     attn.fused_qkv = mlp.fused_gate_up = None
     torch.testing.assert_close(got, _logprobs(model, ids), atol=1e-5, rtol=0)
     assert not torch.allclose(got, fused_out, atol=1e-3)
+    model.fuse_projections()
+    other = model.model.layers[0].self_attn
+    assert other.fused_qkv.valid()
+    other.q_proj.weight.data = other.q_proj.weight.detach().clone()  # the same Parameter, new storage
+    assert not other.fused_qkv.valid()
+    gate = model.model.layers[0].mlp
+    assert gate.fused_gate_up.valid()
+    gate.gate_proj.weight = None  # a parameter taken away: not fused any more, and no error
+    assert not gate.fused_gate_up.valid()
 
 
 def test_only_plain_linears_of_one_input_fuse():

@@ -41,6 +41,7 @@ from cpinfer.attention.cpu_kernels import small_linear_op, small_linear_rows, sm
 
 SMALL_ROWS = 16  # cpinfer's kernel takes up to this many rows (`cpu_linear.cpp`)
 ONEDNN_FROM = 5  # from this many rows oneDNN's packed GEMM beats cpinfer's kernel (measured: 1-4 rows it does not)
+_F32 = torch.float32
 _lock = threading.Lock()
 _budget: list[int] = []  # bytes of packed copies still allowed (set on first use)
 
@@ -67,26 +68,27 @@ def _available() -> bool:
 
 
 class _Copy:
-    """A weight's copy in another layout (`make(weight)`), made on the first call that needs it when its bytes fit the
-    budget (else refused for good), made again when the weight is changed in place or given new storage (its address,
-    version counter and shape are checked every call), its bytes given back when this goes."""
+    """A weight's copy in another layout (`make(weight)`, `nbytes(weight)` bytes of the budget), made on the first
+    call that needs it when its bytes fit the budget (else refused for good), made again when the weight is changed in
+    place or given new storage (its address, version counter and shape are checked every call), its bytes given back
+    when this goes."""
 
-    def __init__(self, make, scale: float = 1.0):
-        self.make, self.scale = make, scale
+    def __init__(self, make, nbytes):
+        self.make, self.nbytes = make, nbytes
         self.tensor: Tensor | None = None
         self.key: tuple | None = None  # (address, version, shape) of the weight copied
         self.charged = 0  # bytes of the budget this copy holds
         self.refused = False
 
-    def of(self, weight: Tensor, nbytes: int) -> Tensor | None:
-        """The copy of `weight` (nbytes: its size before `scale`), or None: refused, or an inference tensor (one made
-        under `torch.inference_mode`, whose in-place changes no version counter tells)."""
+    def of(self, weight: Tensor) -> Tensor | None:
+        """The copy of `weight`, or None: refused, or an inference tensor (one made under `torch.inference_mode`,
+        whose in-place changes no version counter tells)."""
         if weight.is_inference():
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        key = (weight.data_ptr(), weight._version, weight.shape)
         if key != self.key:
             if self.tensor is None:
-                nbytes = int(nbytes * self.scale)
+                nbytes = int(self.nbytes(weight))
                 if self.refused or not _charge(nbytes):
                     self.refused = True
                     return None
@@ -97,17 +99,31 @@ class _Copy:
         return self.tensor
 
 
+def _tiles_bytes(weight: Tensor) -> int:  # the interleaved copy: rows rounded up to 4, columns to 16
+    n, k = weight.shape
+    return (n + 3) // 4 * 4 * ((k + 15) // 16 * 16) * 4
+
+
 class PackedWeight:
     """One [out, in] weight's products on the CPU (see the module's docstring): cpinfer's kernel for 1-4 rows (over
     the weight's interleaved copy when it fits the budget, else the weight itself), oneDNN over a packed copy of the
-    weight (made on first use) from 5 rows up to `max_rows` (None: any), else `F.linear`."""
+    weight (made on first use) from 5 rows up to `max_rows` (None: any), else `F.linear`.
+
+    `linear` runs once per Linear per step: a decode step's 1-4 rows take the shortest path (each test once, no
+    reshape of a 2-D x), as its Python is a third of the kernel's time on a small model's weights."""
 
     def __init__(self, max_rows: int | None = None):
         self.max_rows = max_rows
         self.refused = not _available()  # no oneDNN copy (none in this torch, or past the budget)
-        self.onednn = _Copy(lambda w: torch.ops.mkldnn._reorder_linear_weight(w), scale=1.3)  # (its blocked layout)
+        self.onednn = _Copy(torch.ops.mkldnn._reorder_linear_weight if not self.refused else None,
+                            lambda w: w.numel() * 4 * 1.3)  # (its blocked layout)
         tiled = small_linear_tiled_ops()
-        self.tiles = _Copy(tiled[0]) if tiled is not None else None  # cpinfer's kernel's one-stream layout
+        self.tiles = _Copy(tiled[0], _tiles_bytes) if tiled is not None else None  # the kernel's one-stream layout
+        self._tiled = tiled[1].default if tiled is not None else None
+        self._plain = small_linear_op()
+        rows = small_linear_rows()  # the kernel's rows: with oneDNN's copy, without (refused)
+        caps = [min(rows, ONEDNN_FROM - 1), min(rows, SMALL_ROWS)]
+        self._caps = [c if max_rows is None else min(c, max_rows) for c in caps]
 
     @property
     def packed(self) -> Tensor | None:
@@ -121,8 +137,7 @@ class PackedWeight:
 
     def small(self, rows: int) -> bool:
         """Whether `rows` rows go to cpinfer's kernel: up to 4 rows, or up to 16 when there is no packed copy."""
-        limit = min(small_linear_rows(), SMALL_ROWS if self.refused else ONEDNN_FROM - 1)
-        return 1 <= rows <= (limit if self.max_rows is None else min(limit, self.max_rows))
+        return 1 <= rows <= self._caps[self.refused]
 
     def _packs(self, rows: int) -> bool:
         """Whether `rows` rows may go to oneDNN's packed copy (none refused, within max_rows)."""
@@ -133,38 +148,37 @@ class PackedWeight:
         return self.small(rows) or self._packs(rows)
 
     def _pack(self, weight: Tensor) -> Tensor | None:
-        packed = self.onednn.of(weight, weight.numel() * 4)
+        packed = self.onednn.of(weight)
         self.refused = packed is None
         return packed
 
     def _small(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """cpinfer's kernel: x [rows, in] -> [rows, out], from the interleaved copy (one stream a thread; the same
         bits) when there is one."""
-        n, k = weight.shape
-        tiles = None if self.tiles is None else self.tiles.of(weight, (n + 3) // 4 * 4 * ((k + 15) // 16 * 16) * 4)
+        tiles = None if self.tiles is None else self.tiles.of(weight)
         if tiles is None:
-            return small_linear_op()(x, weight, bias)
-        return small_linear_tiled_ops()[1](x, tiles, n, bias)
+            return self._plain(x, weight, bias)
+        return self._tiled(x, tiles, weight.shape[0], bias)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not rows or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" \
-                or weight.device.type != "cpu" or (weight.requires_grad and torch.is_grad_enabled()) \
-                or (bias is not None and (bias.dtype != torch.float32 or (bias.requires_grad
-                                                                          and torch.is_grad_enabled()))):
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not rows or x.dtype is not _F32 or weight.dtype is not _F32 or not (x.is_cpu and weight.is_cpu) \
+                or (bias is not None and bias.dtype is not _F32) \
+                or (torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))):
             return F.linear(x, weight, bias)
-        kernel_fits = weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.is_contiguous())
-        small = kernel_fits and self.small(rows)
-        if not small and self._packs(rows):
+        flat = x.dim() == 2
+        if rows <= self._caps[self.refused] and x.stride(-1) == 1 and weight.is_contiguous() \
+                and (bias is None or bias.is_contiguous()):  # a decode step's rows: cpinfer's kernel
+            if flat:
+                return self._small(x, weight, bias)
+            return self._small(x.reshape(rows, k), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        if self._packs(rows):
             packed = self._pack(weight)
             if packed is not None:
-                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), packed, bias,
-                                                         "none", [], "")
-                return out.reshape(*x.shape[:-1], weight.shape[0])
-            small = kernel_fits and self.small(rows)  # refused just now: the kernel takes up to 16 rows
-        if small:
-            out = self._small(x.reshape(rows, x.shape[-1]), weight, bias)
-            return out.reshape(*x.shape[:-1], weight.shape[0])
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, k).contiguous(), packed, bias, "none", [], "")
+                return out if flat else out.reshape(*x.shape[:-1], weight.shape[0])
+            return self.linear(x, weight, bias)  # refused just now: the kernel takes up to 16 rows
         return F.linear(x, weight, bias)
 
 
@@ -173,7 +187,8 @@ def pack_linear(module: nn.Linear, max_rows: int | None = None) -> None:
     rows through `PackedWeight` from now on (up to max_rows; None: any)."""
     packed = PackedWeight(max_rows)
     module._packed = packed
-    module.forward = lambda x: packed.linear(x, module.weight, module.bias)
+    params = module._parameters  # (the module's own dict: a parameter set later is seen; no __getattr__ a call)
+    module.forward = lambda x: packed.linear(x, params["weight"], params["bias"])
 
 
 __all__ = ["PackedWeight", "pack_linear", "ONEDNN_FROM", "SMALL_ROWS"]

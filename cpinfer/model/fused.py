@@ -47,14 +47,19 @@ class FusedLinears:
                    and m.weight.device == w0.device and (m.bias is None) == (linears[0].bias is None)
                    and (m.bias is None or m.bias.dtype == w0.dtype) for m in linears)
 
-    def _addresses(self) -> tuple[int, ...]:
-        ptrs = tuple(m.weight.data_ptr() for m in self.linears)
-        return ptrs + (() if self.bias is None else tuple(m.bias.data_ptr() for m in self.linears))
+    def _addresses(self) -> list[int]:
+        params = [m._parameters for m in self.linears]  # (not through nn.Module's __getattr__: once a step a layer)
+        return [p["weight"].data_ptr() for p in params] + \
+            ([] if self.bias is None else [p["bias"].data_ptr() for p in params])
 
     def valid(self) -> bool:
         """The owner still holds the same modules, and their parameters are still views of the fused tensors."""
-        return all(getattr(self.owner, n) is m for n, m in zip(self.names, self.linears)) \
-            and self._addresses() == self._ptrs
+        modules = self.owner._modules
+        try:
+            return all(modules.get(n) is m for n, m in zip(self.names, self.linears)) \
+                and self._addresses() == self._ptrs
+        except (KeyError, AttributeError):  # a parameter deleted or set to None
+            return False
 
     def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
         """x [L, in] -> each Linear's output [L, out_i], views of one [L, sum out] GEMM result."""
