@@ -25,7 +25,8 @@ STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE = ("cpinfer.step", "cpinfer.exe
                                                     "cpinfer.sample")
 LABELS = (STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE)
 # mkldnn: oneDNN's packed weights, cpinfer: the small-batch kernel (both model/cpu_gemm.py)
-LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkldnn::_linear_pointwise", "cpinfer::small_linear")
+LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkldnn::_linear_pointwise", "cpinfer::small_linear",
+              "cpinfer::small_linear_tiled")
 ROWS = (  # (key, what the row says)
     ("linears", "Linears in the layers (q/k/v/o, gate/up/down)"),
     ("lm_head", "LM head (rows computed: see below)"),
@@ -107,7 +108,8 @@ def classify(events) -> dict:
                 ops["attn_kernel"] += s
         elif e.name in LINEAR_OPS and where == SAMPLE:
             ops["lm_head"] += s
-        elif e.name in ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear") and where == FORWARD:
+        elif e.name in ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear",
+                        "cpinfer::small_linear_tiled") and where == FORWARD:
             ops["linears"] += s
         elif where == FORWARD:
             ops["small_ops"] += s

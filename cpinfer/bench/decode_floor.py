@@ -19,11 +19,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cpinfer.attention.cpu_kernels import small_linear_op
+from cpinfer.attention.cpu_kernels import small_linear_tiled_ops
 from cpinfer.bench import common as C
 
 # a Linear's top-level op: F.linear, oneDNN's packed GEMM, cpinfer's small-batch kernel (`model/cpu_gemm.py`)
-LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear")
+LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear", "cpinfer::small_linear_tiled")
 _LABELS = ("cpinfer.step", "cpinfer.execute", "cpinfer.forward", "cpinfer.attention", "cpinfer.sample")
 CATEGORIES = (  # (key, what the row of the table says)
     ("linears", "Linears (incl. lm_head): GEMV over the weights"),
@@ -56,22 +56,27 @@ def in_process_runner(llm):
 
 def linear_pass(model) -> tuple[Callable[[], None], int]:
     """(a function applying every distinct Linear weight of `model` to one token, the bytes those weights hold).
-    Through the fastest one-row product the engine has: on the CPU in float32 cpinfer's small-batch kernel
-    (`attention/cpu_linear.cpp`, what a decode step's Linears run), else `F.linear`."""
+    Through the fastest one-row product the engine has: on the CPU in float32 cpinfer's small-batch kernel over each
+    weight's interleaved copy (`attention/cpu_linear.cpp`, what a decode step's Linears run; the copies made here),
+    else `F.linear`."""
     weights, seen = [], set()
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() not in seen:  # a tied lm_head once
             seen.add(m.weight.data_ptr())
             weights.append((m.weight, m.bias))
     inputs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w, _ in weights}
-    op = small_linear_op() if all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
-                                  for w, _ in weights) else None
-    product = F.linear if op is None else op
+    tiled = small_linear_tiled_ops() if all(w.device.type == "cpu" and w.dtype == torch.float32
+                                            for w, _ in weights) else None
+    if tiled is None:
+        calls = [(F.linear, (w, b)) for w, b in weights]
+    else:
+        with torch.inference_mode():
+            calls = [(tiled[1], (tiled[0](w.detach()), w.shape[0], b)) for w, b in weights]
 
     def run() -> None:
         with torch.inference_mode():
-            for w, b in weights:
-                product(inputs[w.shape[1]], w, b)  # [1, in] -> [1, out]
+            for (product, args), (w, _) in zip(calls, weights):
+                product(inputs[w.shape[1]], *args)  # [1, in] -> [1, out]
 
     return run, sum(w.numel() * w.element_size() + (0 if b is None else b.numel() * b.element_size())
                     for w, b in weights)
