@@ -10,10 +10,10 @@
 // sixteen FMAs for eight loads. More rows of x re-read the same four weight rows from L1.
 //
 // Four rows of the weight read side by side are four streams from memory, which one core pulls at about half the
-// rate of one stream (one thread, 1 row: 10-12 GB/s against 19-22). `small_linear_tiles` copies the weight once into
+// rate of one stream (one thread, 1 row: 9-13 GB/s against 16-22). `small_linear_tiles` copies the weight once into
 // an interleaved layout, [N / 4, K / 16, 4, 16] (rounded up, zeros past N and K): each tile of four rows is then one
 // stream, 16 values of each row in turn, and `small_linear_tiled` reads it with the same loop (the SmolLM2-135M
-// layers and LM head, 2 threads: 1 row 26-36 -> 18-31 ms; the engine's batch-4 decode step 40-50 -> 34-39 ms).
+// layers and LM head, 2 threads: 1 row 28-36 -> 23-31 ms; the engine's batch-4 decode step 40-50 -> 37-40 ms).
 //
 // Every output is the same sum whatever M, the tile, the thread or the layout: lane l of an accumulator adds k = l,
 // l + 16, ... in order, a K % 16 tail is zero-padded into one last step, and the 16 lanes are summed by one tree
@@ -189,7 +189,7 @@ at::Tensor small_linear_tiles(const at::Tensor& w) {
   auto tiles = at::empty({n4 / kRows, k16 / 16, kRows, 16}, w.options());
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // 2 MB pages where the kernel allows them (THP "madvise" or "always"), asked for before the copy touches the pages:
-  // a stream of fewer TLB misses (the embedded model's 1-4 row products 6-17% faster); a hint, refusals ignored
+  // a stream of fewer TLB misses (the embedded model's 1-4 row products 6-20% faster); a hint, refusals ignored
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(tiles.data_ptr()) + 4095) & ~uintptr_t(4095);
   const uintptr_t end = reinterpret_cast<uintptr_t>(tiles.data_ptr()) + tiles.numel() * sizeof(float);
   if (end > begin + (uintptr_t(2) << 20)) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
