@@ -169,7 +169,7 @@ class PackedWeight:
                 or (torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))):
             return F.linear(x, weight, bias)
         flat = x.dim() == 2
-        if rows <= self._caps[self.refused] and x.stride(-1) == 1 and weight.is_contiguous() \
+        if self.small(rows) and x.stride(-1) == 1 and weight.is_contiguous() \
                 and (bias is None or bias.is_contiguous()):  # a decode step's rows: cpinfer's kernel
             if flat:
                 return self._small(x, weight, bias)
