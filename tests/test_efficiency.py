@@ -2,6 +2,7 @@
 decode memory floor, the catalog's dense peaks, report lines; and the GPU check's CPU-checkable pieces of parts
 (c) and (d): HF holding the engine's own weights, the OOM fallback, the profiler's kernel table, host timings."""
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -180,6 +181,8 @@ def test_parts_c_and_d_run_end_to_end_on_the_cpu(tmp_path, llama_checkpoint):
     assert saved["Hugging Face beside"][2][:2] == ["toy Llama", "40"] and "8/8" in saved["Hugging Face beside"][0][4]
     assert "cpinfer TTFT / HF TTFT" in c["markdown"]
     assert c["profile"]["rows"] and (tmp_path / "c-profile.txt").exists()
+    assert "attention `auto` (cpu-flash for the first model, cpu-flash for the large shape), prompts in chunks of " \
+           "2048 tokens" in c["markdown"]
     rec = Recorder(tmp_path, "d")
     d = gpu_check.decode_floors(rec, setup)
     assert len(d["host"]) == 3 and len(d["targets"]) == 3 and d["floor"]["ratio"] > 0 and not rec.failures
@@ -188,3 +191,24 @@ def test_parts_c_and_d_run_end_to_end_on_the_cpu(tmp_path, llama_checkpoint):
     assert [r[1] for r in saved["decode"]] == ["1", "8"] and saved["decode"][0][5] == "4/4"
     assert len(saved["host time per decode step"]) == 3 and len(saved["memory floor"]) == 1
     json.dumps({k: v for k, v in c.items()}, default=str)  # what run_part writes
+
+
+def test_gpu_profile_script_at_toy_sizes(tmp_path, monkeypatch, capsys):
+    """scripts/gpu_profile.py (where a GPU's time goes: prefill by chunk size, decode at the context) runs its code on
+    the CPU at toy sizes: a section per run with its TTFT or time per token and a table of the profiled ops."""
+    import importlib.util
+
+    monkeypatch.setenv("GPU_CHECK_DEVICE", "cpu")
+    spec = importlib.util.spec_from_file_location("gpu_profile", Path(__file__).parents[1] / "scripts" / "gpu_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path), "--steps", "3"]) == 0
+    md = (tmp_path / "gpu_profile.md").read_text()
+    heads = [line for line in md.splitlines() if line.startswith("## ")]
+    assert [h.split(":")[0] for h in heads] == ["## Prefill, max_num_batched_tokens 16",
+                                                 "## Decode at 32 context, batch 1, 3 steps",
+                                                 "## Prefill, max_num_batched_tokens 64"]
+    assert md.count("| kernel | calls | ms | share |") == 3 and "cpinfer::flash_attention" in md
+    with pytest.raises(SystemExit):
+        mod.main([str(tmp_path), "--chunks", "0"])
+    assert "--chunks need positive sizes" in capsys.readouterr().err

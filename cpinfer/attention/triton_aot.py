@@ -95,15 +95,17 @@ def resources(compiled) -> dict:
     return got
 
 
-def compile_merge(target: str, out_dtype: str = "bf16", head_dim: int = 64, block_r: int = 64,
+def compile_merge(target: str, out_dtype: str = "bf16", head_dim: int = 64, block_r: int | None = None,
                   accumulate: bool = False):
-    """Compile the merge kernel for `target` (accumulate: the split-KV merge into an fp32 running result)."""
+    """Compile the merge kernel for `target` (accumulate: the split-KV merge into an fp32 running result), with the
+    pairs per program the launchers take for `head_dim` unless `block_r` is given."""
     import triton
     from triton.compiler import ASTSource
 
-    from cpinfer.attention.triton_merge import _merge_kernel
+    from cpinfer.attention.triton_merge import _merge_kernel, block_rows
 
     _refuse_interpreter()
+    block_r = block_r or block_rows(head_dim)
     sig = {"P_OUT": "*fp32", "P_LSE": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32", "n_src": "i32",
            "n_pairs": "i32", "heads": "i32"}
     sig.update({name: "i64" for name in ["po0", "po1", "po2", "pl0", "pl1", "pl2", "oo0", "oo1", "ol0", "ol1"]})
@@ -130,7 +132,10 @@ VARIANTS = {  # the step kernel in each class of `triton_tuning` (bf16 unless fp
     "step-vectors-split": lambda t: compile_class(t, ("decode", "16", 128), split=True),
     "step-decode-items": lambda t: compile_class(t, ("decode", "16", 128), use_vectors=False, split=True),
     "merge": lambda t: compile_merge(t),
-    "merge-into": lambda t: compile_merge(t, accumulate=True)}
+    "merge-into": lambda t: compile_merge(t, accumulate=True),
+    "merge-d128": lambda t: compile_merge(t, head_dim=128),
+    "merge-into-d128": lambda t: compile_merge(t, head_dim=128, accumulate=True),
+    "merge-into-d512": lambda t: compile_merge(t, head_dim=512, accumulate=True)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -187,7 +188,10 @@ def part_kernels(rec: Recorder, setup: Setup) -> dict:
         env["CPINFER_TRITON_ON_GPU"] = "1"
         env.pop("TRITON_INTERPRET", None)
     int64 = [sys.executable, "tests/scripts/triton_int64.py", *(["--cuda"] if setup.cuda else []), *setup.int64_cases]
-    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *setup.kernel_tests]
+    # Compiled, the 51 kernel tests take ~7 min of one core (each tuned class compiles its own kernels: 2026-11-29,
+    # H200); pytest-xdist, where installed, spreads the compiles over the cores (48 s on 14 workers).
+    workers = ["-n", str(min(14, os.cpu_count() or 1))] if setup.cuda and importlib.util.find_spec("xdist") else []
+    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *workers, *setup.kernel_tests]
     for i, (what, cmd) in enumerate(((f"{' '.join(setup.kernel_tests)} ({'compiled' if setup.cuda else 'interpreted'}"
                                       ", vs float64)", pytest), ("offsets past 2^31 elements", int64))):
         t0 = time.perf_counter()
@@ -576,20 +580,47 @@ def first_token_check(out, hf_lp: torch.Tensor, tol: float = LOGPROB_TOL_BF16) -
 
 
 def profile_prefill(llm, prompt: list[int], out: Path, device: str = "cuda", top: int = 15) -> dict:
-    """One prefill under the PyTorch profiler: the device kernels with their share of device time (the whole layer
+    """One prefill under the PyTorch profiler on rank 0 (on a GPU the rank is a process of its own: a profiler in
+    this one would see none of its kernels): the device kernels with their share of device time (the whole layer
     stack, 32 layers for the 8B shape); the full table goes to DIR/c-profile.txt."""
-    from torch.profiler import ProfilerActivity, profile
-
     from cpinfer import SamplingParams
 
-    cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    averages = prof.key_averages()
-    (out / "c-profile.txt").write_text(averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                                      row_limit=60))
-    rows = top_kernels(averages, torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU, top)
+    table, rows = profiled(llm, lambda: llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                                                              ignore_eos=True), use_tqdm=False),
+                           device, top)
+    (out / "c-profile.txt").write_text(table)
     return {"tokens": len(prompt), "rows": rows}
+
+
+def profiled(llm, work: Callable[[], Any], device: str = "cuda", top: int = 15) -> tuple[str, list]:
+    """`work()` with the PyTorch profiler running on the engine's ranks → (rank 0's table of its 60 costliest events,
+    `top_kernels`' rows: the device kernels on a GPU, the CPU ops on a CPU)."""
+    pool = llm.engine._pool
+    pool.run(_rank_profiler_start, device == "cuda")
+    try:
+        work()
+    finally:
+        got = pool.run(_rank_profiler_stop, device == "cuda", top)[0]
+    return got
+
+
+def _rank_profiler_start(ctx, cuda: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    prof.start()
+    ctx.state["gpu_check_profiler"] = prof
+
+
+def _rank_profiler_stop(ctx, cuda: bool, top: int) -> tuple[str, list]:
+    prof = ctx.state.pop("gpu_check_profiler")
+    if cuda:
+        torch.cuda.synchronize()
+    prof.stop()
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=60)
+    return table, top_kernels(averages, torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU,
+                              top)
 
 
 def top_kernels(averages, device_type, top: int = 15) -> list[tuple[str, int, float, float]]:
@@ -682,6 +713,7 @@ def prefill_efficiency(rec: Recorder, setup: Setup, profile: bool = False) -> di
     first tokens compared). `profile`: one prefill of the shortest length is profiled."""
     import transformers
 
+    from cpinfer.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from cpinfer.model import ModelConfig
 
     lim = device_limits(setup.device, setup.gemm_n, setup.copy_bytes)
@@ -698,7 +730,9 @@ def prefill_efficiency(rec: Recorder, setup: Setup, profile: bool = False) -> di
     lines = _oom_lines(hf_big, setup.lengths) + _target_lines(rows)
     rec.check(all(r["flops"] / r["ttft_s"] / 1e12 < 1.2 * (r["peak_tflops"] or 1e9) for r in rows),
               "a TTFT under the FLOP count's time at the peak rate: the timing is wrong")
-    note = (f"{_limits_line(lim)}. Engine CP1, {setup.dtype}, attention `auto` ({backend}); TTFT as the engine "
+    note = (f"{_limits_line(lim)}. Engine CP1, {setup.dtype}, attention `auto` ({backend} for the first model, "
+            f"{big_rows[0]['backend']} for the large shape), prompts in chunks of "
+            f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} tokens (the engine's default max_num_batched_tokens); TTFT as the engine "
             f"reports it (request arrival to first token, after a warm-up prompt of the same length; the embedded "
             f"model's and HF's on it: the median of 3 runs, the large shape's: one run each). FLOPs as in "
             f"the paper's App. A: 2 x W x T (W: every parameter, {_params_note(smol_cfg, big_cfg)}) + 1/2 x 4 x T^2 "
@@ -752,10 +786,11 @@ def _big_prefills(rec: Recorder, setup: Setup, big_dir: str, lim: dict, profile:
 
     cfg = ModelConfig.from_pretrained(big_dir)
     prompts = {t: random_prompt(t, cfg.vocab_size, seed=t) for t in setup.lengths}
-    big, _, weights, prof = _engine_run(big_dir, "dummy", prompts, setup, max(setup.lengths) + 2 * CHECK_TOKENS,
-                                        profile_to=rec.logs if profile else None)
-    rows = [_prefill_row(setup.big_name, t, big[t]["ttft_s"], config_prefill_flops(cfg, t), lim)
-            for t in setup.lengths]
+    big, backend, weights, prof = _engine_run(big_dir, "dummy", prompts, setup,
+                                              max(setup.lengths) + 2 * CHECK_TOKENS,
+                                              profile_to=rec.logs if profile else None)
+    rows = [dict(_prefill_row(setup.big_name, t, big[t]["ttft_s"], config_prefill_flops(cfg, t), lim),
+                 backend=backend) for t in setup.lengths]
     for r in rows:
         rec.row("cpinfer prefill", PREFILL_HEADER_ENGINE, _engine_cells(r))
     hf = hf_with_weights(big_dir, weights, setup.device, setup.torch_dtype)
