@@ -21,6 +21,7 @@ from cpinfer.attention.backends import resolve_name
 from cpinfer.attention.cpu_kernels import decode_attention_op
 from cpinfer.attention.items import new_accumulator
 from cpinfer.attention.step import HeadLayout
+from cpinfer.device import keep_freed_host_memory
 from cpinfer.distributed import ParallelConfig, build_groups
 from cpinfer.engine.attention import BatchAttention, SlotPositions
 from cpinfer.engine.batch import ForwardBatch, RankResult, SampleResult
@@ -73,6 +74,7 @@ class ModelRunner:
                                        self.groups.tp_group, dtype=dtype, device=ctx.device)
         self.dtype = dtype
         if ctx.device.type == "cpu":  # q / k / v and gate / up as one GEMM each (fewer, wider GEMMs; `model/fused.py`)
+            keep_freed_host_memory()  # activations reused, not faulted in again at every forward (`device.py`)
             self.model.fuse_projections()
             self.model.pack_linears()  # cpinfer's kernel for 1-2 rows, oneDNN's packed weights above (`model/cpu_gemm.py`)
             if dtype == torch.float32:  # the batched decode kernel: built (once per machine) or loaded now, not in
