@@ -28,10 +28,10 @@ def keep_freed_host_memory() -> bool:
     and faulting it in again (idempotent; one call per process; False where it does not apply).
 
     By default glibc adapts its thresholds as blocks are freed: in some processes a CPU prefill's activations (blocks
-    of 1-32 MiB) then come from fresh mmaps or trimmed heaps at every forward. Seen on the 2-core EPYC (2026-11-30):
-    ~191,000 minor page faults and 0.3-0.4 s of system time per 3,100-token prefill of the embedded model, 5.46-5.49 s
-    a prefill against 5.18-5.24 s in a process that does not fall into it; with the fixed thresholds no process
-    does (0 faults after the first prefill). Fixed thresholds (as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`
+    of 1-32 MiB) then come from fresh mmaps or trimmed heaps at every forward. Seen on the 2-core EPYC (2026-11-30) in
+    two processes of seven: ~191,000 minor page faults and 0.30-0.47 s of system time per 3,100-token prefill of the
+    embedded model, 5.46-6.01 s a prefill where the others took 5.05-5.50 s; with the fixed thresholds no process
+    did (0 faults after the first prefill). Fixed thresholds (as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`
     would set): blocks up to 32 MiB from the heaps, freed memory kept (the process holds its peak activations). Only
     for glibc; `CPINFER_HOST_MALLOC=default` leaves malloc as it is (e.g. with tcmalloc or jemalloc preloaded)."""
     if _HOST_MALLOC["done"] is not None:

@@ -14,7 +14,6 @@ runs it on the CPU at toy sizes (what the tests run).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -85,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if min(chunks) < 1 or context < 2 or a.steps < 2:
         p.error("--chunks need positive sizes, --context at least 2 tokens, --steps at least 2")
     a.out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     run(a.out, context, a.steps, chunks, setup)
     return 0
 
