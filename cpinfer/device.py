@@ -6,6 +6,7 @@ CPU (bf16 matmuls are hundreds of times slower than fp32 on CPUs). The CLI comma
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
@@ -20,9 +21,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 HOST_MMAP_THRESHOLD = 32 << 20  # the most glibc takes (64-bit): blocks up to 32 MiB come from its heaps
 HOST_TRIM_THRESHOLD = (1 << 31) - 1  # free memory a heap keeps before it gives any back (mallopt takes an int)
-_HOST_MALLOC = {"done": None}
 
 
+@functools.cache
 def keep_freed_host_memory() -> bool:
     """Have glibc's malloc keep freed activation memory for the next forward instead of handing it back to the system
     and faulting it in again (idempotent; one call per process; False where it does not apply).
@@ -34,21 +35,17 @@ def keep_freed_host_memory() -> bool:
     did (0 faults after the first prefill). Fixed thresholds (as `MALLOC_MMAP_THRESHOLD_` / `MALLOC_TRIM_THRESHOLD_`
     would set): blocks up to 32 MiB from the heaps, freed memory kept (the process holds its peak activations). Only
     for glibc; `CPINFER_HOST_MALLOC=default` leaves malloc as it is (e.g. with tcmalloc or jemalloc preloaded)."""
-    if _HOST_MALLOC["done"] is not None:
-        return _HOST_MALLOC["done"]
     import ctypes
     import platform
 
-    ok = False
-    if os.environ.get("CPINFER_HOST_MALLOC", "keep") != "default" and platform.libc_ver()[0] == "glibc":
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)) and bool(
-                libc.mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD))
-        except (OSError, AttributeError):  # not glibc after all: malloc as it is
-            ok = False
-    _HOST_MALLOC["done"] = ok
-    return ok
+    if os.environ.get("CPINFER_HOST_MALLOC", "keep") == "default" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc after all: malloc as it is
+        return False
 
 
 def cuda_problem() -> str | None:

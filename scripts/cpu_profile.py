@@ -20,13 +20,15 @@ from collections import defaultdict
 
 import torch
 
+from cpinfer.bench.decode_floor import LINEAR_OPS as LAYER_LINEAR_OPS
+
 STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE = ("cpinfer.step", "cpinfer.execute", "cpinfer.forward",
                                                     "cpinfer.attention", "cpinfer.rope", "cpinfer.norm",
                                                     "cpinfer.sample")
 LABELS = (STEP, EXECUTE, FORWARD, ATTN, ROPE, NORM, SAMPLE)
-# mkldnn: oneDNN's packed weights, cpinfer: the small-batch kernel (both model/cpu_gemm.py)
-LINEAR_OPS = ("aten::linear", "aten::matmul", "aten::mm", "mkldnn::_linear_pointwise", "cpinfer::small_linear",
-              "cpinfer::small_linear_tiled")
+# a Linear's top-level op in the layers (decode_floor's list: F.linear, oneDNN's packed GEMM, cpinfer's small-batch
+# kernel over the weight or its interleaved copy; model/cpu_gemm.py), and the LM head's matmul / mm besides
+LINEAR_OPS = LAYER_LINEAR_OPS + ("aten::matmul", "aten::mm")
 ROWS = (  # (key, what the row says)
     ("linears", "Linears in the layers (q/k/v/o, gate/up/down)"),
     ("lm_head", "LM head (rows computed: see below)"),
@@ -108,8 +110,7 @@ def classify(events) -> dict:
                 ops["attn_kernel"] += s
         elif e.name in LINEAR_OPS and where == SAMPLE:
             ops["lm_head"] += s
-        elif e.name in ("aten::linear", "mkldnn::_linear_pointwise", "cpinfer::small_linear",
-                        "cpinfer::small_linear_tiled") and where == FORWARD:
+        elif e.name in LAYER_LINEAR_OPS and where == FORWARD:
             ops["linears"] += s
         elif where == FORWARD:
             ops["small_ops"] += s
